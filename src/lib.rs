@@ -1,0 +1,4 @@
+//! libgwtf: Go With The Flow.
+pub mod cuda;
+pub mod ffi;
+pub mod flow;
