@@ -1,6 +1,7 @@
 //! `gwtf`: the libgwtf command-line tool.
 use clap::{Parser, Subcommand};
 
+#[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
