@@ -2,3 +2,4 @@
 pub mod cuda;
 pub mod ffi;
 pub mod flow;
+pub mod model;

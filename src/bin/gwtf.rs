@@ -3,6 +3,8 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
+#[path = "gwtf/train_cmd.rs"]
+mod train_cmd;
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -22,6 +24,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: flow_cmd::FlowCmd,
     },
+    /// Train the reference model in one process (stages run one after another).
+    Train(train_cmd::TrainArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -43,6 +47,7 @@ fn main() {
             Ok(())
         }
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
+        Cmd::Train(args) => train_cmd::run(args),
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
         },
