@@ -217,7 +217,7 @@ typedef struct gwtf_error gwtf_error;
  * then change fields. Fields are only ever appended; `version` tells the library
  * which fields the caller knows.
  */
-typedef struct {
+typedef struct gwtf_cuda_probe_options {
   /**
    * Must be set (by `_init`) to `GWTF_CUDA_PROBE_OPTIONS_VERSION`.
    */
@@ -227,11 +227,6 @@ typedef struct {
    */
   int32_t detail;
 } gwtf_cuda_probe_options;
-
-/**
- * Every status, in numeric order (used by tests and by `gwtf_status_str`).
- */
-#define gwtf_status_ALL { gwtf_status_Ok, gwtf_status_InvalidArgument, gwtf_status_NullPointer, gwtf_status_BufferTooSmall, gwtf_status_UnsupportedVersion, gwtf_status_LimitExceeded, gwtf_status_OutOfMemory, gwtf_status_Timeout, gwtf_status_NotFound, gwtf_status_Io, gwtf_status_Protocol, gwtf_status_Closed, gwtf_status_CudaUnavailable, gwtf_status_CudaError, gwtf_status_Internal, gwtf_status_Poisoned, gwtf_status_Panic, }
 
 #ifdef __cplusplus
 extern "C" {
@@ -246,7 +241,7 @@ extern "C" {
  *
  * Errors: `GWTF_STATUS_NULL_POINTER` when `opts` is NULL.
  */
-gwtf_status gwtf_cuda_probe_options_init(gwtf_cuda_probe_options *opts);
+gwtf_status gwtf_cuda_probe_options_init(struct gwtf_cuda_probe_options *opts);
 
 /**
  * Probes for CUDA without ever crashing: no driver, no device and driver
@@ -266,9 +261,9 @@ gwtf_status gwtf_cuda_probe_options_init(gwtf_cuda_probe_options *opts);
  * `GWTF_STATUS_INVALID_ARGUMENT` (opts->detail out of range),
  * `GWTF_STATUS_PANIC`.
  */
-gwtf_status gwtf_cuda_probe(const gwtf_cuda_probe_options *opts,
-                            gwtf_cuda_info **out_info,
-                            gwtf_error **out_err);
+gwtf_status gwtf_cuda_probe(const struct gwtf_cuda_probe_options *opts,
+                            struct gwtf_cuda_info **out_info,
+                            struct gwtf_error **out_err);
 
 /**
  * What the probe found: a `GWTF_CUDA_STATE_*` value.
@@ -280,9 +275,9 @@ gwtf_status gwtf_cuda_probe(const gwtf_cuda_probe_options *opts,
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not a
  * live `gwtf_cuda_info`), `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_cuda_info_state(const gwtf_cuda_info *info,
+gwtf_status gwtf_cuda_info_state(const struct gwtf_cuda_info *info,
                                  int32_t *out_state,
-                                 gwtf_error **out_err);
+                                 struct gwtf_error **out_err);
 
 /**
  * Number of CUDA devices found (0 unless the state is `GWTF_CUDA_STATE_READY`).
@@ -294,9 +289,9 @@ gwtf_status gwtf_cuda_info_state(const gwtf_cuda_info *info,
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_cuda_info_device_count(const gwtf_cuda_info *info,
+gwtf_status gwtf_cuda_info_device_count(const struct gwtf_cuda_info *info,
                                         uint32_t *out_count,
-                                        gwtf_error **out_err);
+                                        struct gwtf_error **out_err);
 
 /**
  * Copies device `ordinal`'s name into `buf` (NUL-terminated) and its total
@@ -314,13 +309,13 @@ gwtf_status gwtf_cuda_info_device_count(const gwtf_cuda_info *info,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_cuda_info_device_name(const gwtf_cuda_info *info,
+gwtf_status gwtf_cuda_info_device_name(const struct gwtf_cuda_info *info,
                                        uint32_t ordinal,
                                        char *buf,
                                        size_t buf_len,
                                        size_t *out_len,
                                        uint64_t *out_total_memory_bytes,
-                                       gwtf_error **out_err);
+                                       struct gwtf_error **out_err);
 
 /**
  * A one-paragraph English summary of the probe (what `gwtf probe` prints),
@@ -336,11 +331,11 @@ gwtf_status gwtf_cuda_info_device_name(const gwtf_cuda_info *info,
  * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_cuda_info_describe(const gwtf_cuda_info *info,
+gwtf_status gwtf_cuda_info_describe(const struct gwtf_cuda_info *info,
                                     char *buf,
                                     size_t buf_len,
                                     size_t *out_len,
-                                    gwtf_error **out_err);
+                                    struct gwtf_error **out_err);
 
 /**
  * Frees a probe result. `gwtf_cuda_info_free(NULL)` does nothing; so does a
@@ -352,7 +347,7 @@ gwtf_status gwtf_cuda_info_describe(const gwtf_cuda_info *info,
  *
  * Errors: none.
  */
-void gwtf_cuda_info_free(gwtf_cuda_info *info);
+void gwtf_cuda_info_free(struct gwtf_cuda_info *info);
 
 /**
  * The message of an error: NUL-terminated UTF-8, starting with the status text.
@@ -364,7 +359,7 @@ void gwtf_cuda_info_free(gwtf_cuda_info *info);
  *
  * Errors: none; never returns NULL.
  */
-const char *gwtf_error_message(const gwtf_error *err);
+const char *gwtf_error_message(const struct gwtf_error *err);
 
 /**
  * The status code carried by an error (a `GWTF_STATUS_*` value).
@@ -375,7 +370,7 @@ const char *gwtf_error_message(const gwtf_error *err);
  *
  * Errors: a NULL `err` gives `GWTF_STATUS_NULL_POINTER`.
  */
-int32_t gwtf_error_status(const gwtf_error *err);
+int32_t gwtf_error_status(const struct gwtf_error *err);
 
 /**
  * Frees an error object. `gwtf_error_free(NULL)` does nothing.
@@ -386,7 +381,7 @@ int32_t gwtf_error_status(const gwtf_error *err);
  *
  * Errors: none.
  */
-void gwtf_error_free(gwtf_error *err);
+void gwtf_error_free(struct gwtf_error *err);
 
 /**
  * A static, NUL-terminated English description of a status code.

@@ -9,7 +9,11 @@ mod train_cmd;
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 #[derive(Parser)]
-#[command(name = "gwtf", version, about = "libgwtf: churn-tolerant decentralized training")]
+#[command(
+    name = "gwtf",
+    version,
+    about = "libgwtf: churn-tolerant decentralized training"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -19,6 +23,16 @@ struct Cli {
 enum Cmd {
     /// Print the library version and ABI version.
     Version,
+    /// Is CUDA usable here? Reports no driver, no device / init error (with the
+    /// CUDA error name), or the devices.
+    Probe {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Exit with status 2 unless at least one CUDA device is ready.
+        #[arg(long)]
+        require_gpu: bool,
+    },
     /// Routing solver: solve DIMACS min-cost flow files and GWTF routing scenarios.
     Flow {
         #[command(subcommand)]
@@ -39,13 +53,52 @@ enum BenchCmd {
     Flow(flow_cmd::BenchFlowArgs),
 }
 
+fn probe(json: bool, require_gpu: bool) -> CliResult {
+    use gwtf::cuda::{ProbeDetail, ProbeState};
+    let report = gwtf::cuda::probe(ProbeDetail::Devices);
+    if json {
+        let devices: Vec<_> = report
+            .devices
+            .iter()
+            .map(|d| {
+                serde_json::json!({
+                    "ordinal": d.ordinal,
+                    "name": d.name,
+                    "total_memory_bytes": d.total_memory_bytes,
+                    "compute_capability": format!("{}.{}", d.compute_capability.0, d.compute_capability.1),
+                })
+            })
+            .collect();
+        let obj = serde_json::json!({
+            "state": report.state.as_str(),
+            "device_count": report.device_count,
+            "driver_version": report.driver_version,
+            "error_name": report.error_name,
+            "devices": devices,
+            "summary": report.to_string(),
+        });
+        println!("{obj}");
+    } else {
+        println!("{report}");
+    }
+    if require_gpu && report.state != ProbeState::Ready {
+        std::process::exit(2);
+    }
+    Ok(())
+}
+
 fn main() {
     let cli = Cli::parse();
     let result: CliResult = match cli.cmd {
         Cmd::Version => {
-            println!("gwtf {}", env!("CARGO_PKG_VERSION"));
+            println!(
+                "gwtf {} (ABI {})",
+                env!("CARGO_PKG_VERSION"),
+                gwtf::ffi::version::GWTF_ABI_VERSION
+            );
             Ok(())
         }
+        Cmd::Probe { json, require_gpu } => probe(json, require_gpu),
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Bench { what } => match what {

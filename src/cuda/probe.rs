@@ -169,7 +169,11 @@ mod imp {
         let count = match result::device::get_count() {
             Ok(c) => c.max(0) as u32,
             Err(e) => {
-                return ProbeReport::failed(ProbeState::InitError, Some(name_of(&e)), driver_version)
+                return ProbeReport::failed(
+                    ProbeState::InitError,
+                    Some(name_of(&e)),
+                    driver_version,
+                )
             }
         };
         if count == 0 {
@@ -206,9 +210,13 @@ mod imp {
         // SAFETY: `dev` is a valid device handle from cuDeviceGet.
         let total = unsafe { result::device::total_mem(dev)? };
         // SAFETY: as above; the attributes are plain integers.
-        let major = unsafe { result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? };
+        let major = unsafe {
+            result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?
+        };
         // SAFETY: as above.
-        let minor = unsafe { result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? };
+        let minor = unsafe {
+            result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?
+        };
         Ok(DeviceInfo {
             ordinal,
             name,

@@ -33,10 +33,7 @@ impl FfiError {
         Self::new(gwtf_status::InvalidArgument, message)
     }
     pub fn null(what: &str) -> Self {
-        Self::new(
-            gwtf_status::NullPointer,
-            format!("{what} must not be NULL"),
-        )
+        Self::new(gwtf_status::NullPointer, format!("{what} must not be NULL"))
     }
 }
 
@@ -155,10 +152,7 @@ unsafe fn check_handle<'a, H: FfiHandle>(ptr: *const H) -> FfiResult<&'a H> {
     if h.header().is_poisoned() {
         return Err(FfiError::new(
             gwtf_status::Poisoned,
-            format!(
-                "this {} was poisoned by an earlier panic; free it",
-                H::NAME
-            ),
+            format!("this {} was poisoned by an earlier panic; free it", H::NAME),
         ));
     }
     Ok(h)

@@ -54,7 +54,10 @@ mod tests {
         assert_eq!(Two::from_c(0).unwrap(), Two::A);
         assert_eq!(Two::from_c(5).unwrap(), Two::B);
         let e = Two::from_c(1).unwrap_err();
-        assert!(e.message.contains("1 is not a valid two (valid: 0, 5)"), "{e}");
+        assert!(
+            e.message.contains("1 is not a valid two (valid: 0, 5)"),
+            "{e}"
+        );
         assert!(Two::from_c(i32::MIN).is_err());
     }
 }

@@ -58,7 +58,9 @@ pub extern "C" fn gwtf_error_status(err: *const gwtf_error) -> i32 {
         return gwtf_status::NullPointer as i32;
     }
     // SAFETY: the caller passes an error it got from libgwtf and has not freed.
-    guard_value(gwtf_status::Panic as i32, || unsafe { (*err).status as i32 })
+    guard_value(gwtf_status::Panic as i32, || unsafe {
+        (*err).status as i32
+    })
 }
 
 /// Frees an error object. `gwtf_error_free(NULL)` does nothing.

@@ -1,0 +1,3 @@
+module libgwtf.local/gwtf
+
+go 1.19

@@ -1,0 +1,225 @@
+//! The C ABI seen from C: the header compiles alone as C99 and C++17 and from two
+//! translation units; symbols, SONAME and versions agree; misuse and panics
+//! come back as statuses (under AddressSanitizer).
+
+mod common;
+
+use common::*;
+use std::process::Command;
+
+fn header_text() -> String {
+    std::fs::read_to_string(repo_root().join("include/gwtf.h")).unwrap()
+}
+
+/// Names of the functions the header declares.
+fn declared_functions() -> Vec<String> {
+    let text = header_text();
+    let mut names = Vec::new();
+    let mut in_comment = false;
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with("/*") {
+            in_comment = true;
+        }
+        if in_comment {
+            if t.ends_with("*/") {
+                in_comment = false;
+            }
+            continue;
+        }
+        if t.starts_with('#') || t.starts_with("typedef") {
+            continue;
+        }
+        if let Some(open) = t.find('(') {
+            let before = &t[..open];
+            let name = before.rsplit([' ', '*']).next().unwrap_or("");
+            if name.starts_with("gwtf_") {
+                names.push(name.to_string());
+            }
+        }
+    }
+    names
+}
+
+/// Defined dynamic symbols of the built library.
+fn exported_symbols() -> Vec<String> {
+    let so = lib_dir().join("libgwtf.so");
+    let out = run_ok(Command::new("nm").args(["-D", "--defined-only"]).arg(&so));
+    stdout_of(&out)
+        .lines()
+        .filter_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            (parts.len() == 3).then(|| parts[2].to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn header_compiles_alone_as_c99_and_cpp17_and_versions_match() {
+    let dir = scratch("header-alone");
+    let cargo_version = env!("CARGO_PKG_VERSION");
+    let (maj, min, pat): (u32, u32, u32) = {
+        let v: Vec<u32> = cargo_version
+            .split('.')
+            .map(|p| p.parse().unwrap())
+            .collect();
+        (v[0], v[1], v[2])
+    };
+    for (compiler, std, src) in [
+        ("cc", "c99", "header_alone.c"),
+        ("c++", "c++17", "header_alone.cpp"),
+    ] {
+        let exe = dir.join(format!("alone-{std}"));
+        build_program(
+            compiler,
+            std,
+            &[repo_root().join("tests/c").join(src)],
+            &exe,
+            false,
+        );
+        let out = stdout_of(&run_ok(&mut Command::new(&exe)));
+        let expected = format!(
+            "{maj}.{min}.{pat} {} {}\nruntime {cargo_version} {}\n",
+            maj * 10000 + min * 100 + pat,
+            gwtf::ffi::version::GWTF_ABI_VERSION,
+            gwtf::ffi::version::GWTF_ABI_VERSION
+        );
+        assert_eq!(out, expected, "{compiler} -std={std}");
+    }
+}
+
+#[test]
+fn header_from_two_translation_units() {
+    let dir = scratch("two-tu");
+    let exe = dir.join("two-tu");
+    build_program(
+        "cc",
+        "c99",
+        &[
+            repo_root().join("tests/c/two_tu_a.c"),
+            repo_root().join("tests/c/two_tu_b.c"),
+        ],
+        &exe,
+        false,
+    );
+    let out = stdout_of(&run_ok(&mut Command::new(&exe)));
+    assert_eq!(out, "two translation units: ok 1\n");
+}
+
+#[test]
+fn every_export_is_prefixed_and_every_declaration_exported() {
+    let exported = exported_symbols();
+    assert!(!exported.is_empty());
+    for s in &exported {
+        assert!(
+            s.starts_with("gwtf_"),
+            "exported symbol without gwtf_ prefix: {s}"
+        );
+    }
+    let declared = declared_functions();
+    assert!(declared.len() >= 12, "header parse found only {declared:?}");
+    for f in &declared {
+        assert!(
+            exported.contains(f),
+            "{f} is declared in gwtf.h but not exported"
+        );
+    }
+}
+
+#[test]
+fn every_function_documents_ownership_thread_safety_errors() {
+    let text = header_text();
+    for f in declared_functions() {
+        let at = text
+            .find(&format!(" {f}("))
+            .or_else(|| text.find(&format!("*{f}(")))
+            .unwrap();
+        let doc_start = text[..at].rfind("/**").unwrap();
+        let doc = &text[doc_start..at];
+        for section in ["Ownership:", "Thread safety:", "Errors:"] {
+            assert!(doc.contains(section), "{f}: doc lacks {section}\n{doc}");
+        }
+    }
+}
+
+#[test]
+fn soname_carries_the_abi_version() {
+    let so = lib_dir().join("libgwtf.so");
+    let out = stdout_of(&run_ok(Command::new("readelf").arg("-d").arg(&so)));
+    let want = format!(
+        "Library soname: [libgwtf.so.{}]",
+        gwtf::ffi::version::GWTF_ABI_VERSION
+    );
+    assert!(out.contains(&want), "readelf -d shows no {want}:\n{out}");
+}
+
+#[test]
+fn misuse_from_c_returns_statuses_under_asan() {
+    let dir = scratch("misuse");
+    let exe = dir.join("misuse");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/misuse.c")],
+        &exe,
+        true,
+    );
+    let out = run_ok(asan_env(&mut Command::new(&exe)));
+    let text = stdout_of(&out);
+    assert!(text.contains("misuse: all checks passed"), "{text}");
+    assert!(
+        text.contains("is not a valid gwtf_cuda_probe_detail"),
+        "{text}"
+    );
+}
+
+#[test]
+fn panic_becomes_status_and_poisons_handle() {
+    let dir = scratch("panic");
+    let exe = dir.join("panic");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/panic.c")],
+        &exe,
+        true,
+    );
+    let out = run_ok(asan_env(&mut Command::new(&exe)));
+    let text = stdout_of(&out);
+    assert!(
+        text.contains("no handle: panic caught at the C boundary"),
+        "{text}"
+    );
+    assert!(text.contains("deliberate test panic"), "{text}");
+    assert!(
+        text.contains("after: handle poisoned by an earlier panic"),
+        "{text}"
+    );
+    assert!(text.ends_with("panic: ok\n"), "{text}");
+}
+
+#[test]
+fn probe_with_stub_driver_reports_no_device_from_c() {
+    let stub = stub_libcuda_dir();
+    let dir = scratch("probe-c");
+    let exe = dir.join("probe");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/probe.c")],
+        &exe,
+        true,
+    );
+    // No driver at all (an empty library path, and none installed here).
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    if !std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() {
+        assert!(out.contains("state=1 "), "expected no driver: {out}");
+        assert!(out.contains("no CUDA driver library"), "{out}");
+    }
+    // The stand-in driver: present, cuInit says CUDA_ERROR_NO_DEVICE.
+    let out = stdout_of(&run_ok(
+        asan_env(&mut Command::new(&exe)).env("LD_LIBRARY_PATH", &stub),
+    ));
+    assert!(out.contains("state=2 count=0"), "expected no device: {out}");
+    assert!(out.contains("CUDA_ERROR_NO_DEVICE"), "{out}");
+}

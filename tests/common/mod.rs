@@ -1,0 +1,163 @@
+//! Shared helpers for the tests that build and run C, C++ and Go programs
+//! against the built `libgwtf.so`.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::SystemTime;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>/ of this test run (the test executable lives in its deps/).
+pub fn target_profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("test executable in target/<profile>/deps")
+        .to_path_buf()
+}
+
+fn newest_mtime(dir: &Path) -> SystemTime {
+    let mut newest = SystemTime::UNIX_EPOCH;
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            let t = if p.is_dir() {
+                newest_mtime(&p)
+            } else {
+                e.metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(SystemTime::UNIX_EPOCH)
+            };
+            newest = newest.max(t);
+        }
+    }
+    newest
+}
+
+/// The directory holding a fresh `libgwtf.so`.
+///
+/// `cargo test` does not build the cdylib, so the test command runs
+/// `cargo build` first; a missing or stale library fails loudly instead of
+/// testing old code.
+pub fn lib_dir() -> PathBuf {
+    let dir = target_profile_dir();
+    let so = dir.join("libgwtf.so");
+    let meta = std::fs::metadata(&so).unwrap_or_else(|_| {
+        panic!(
+            "{} is missing: build it first with `cargo build` (scripts/test does this)",
+            so.display()
+        )
+    });
+    let built = meta.modified().unwrap();
+    let src = newest_mtime(&repo_root().join("src"));
+    assert!(
+        built >= src,
+        "{} is older than the sources: run `cargo build` again (scripts/test does this)",
+        so.display()
+    );
+    dir
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs a command; panics with its full output if it fails.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed with {}\n--- stdout\n{}\n--- stderr\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+pub fn stdout_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Flags every C/C++ program of ours is built with.
+pub const WARN: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];
+pub const ASAN: &[&str] = &[
+    "-fsanitize=address,undefined",
+    "-fno-omit-frame-pointer",
+    "-g",
+];
+
+/// Compiles C or C++ sources into `out` against include/ and libgwtf.so (with an rpath).
+pub fn build_program(compiler: &str, std: &str, sources: &[PathBuf], out: &Path, asan: bool) {
+    let lib = lib_dir();
+    let mut cmd = Command::new(compiler);
+    cmd.arg(format!("-std={std}"))
+        .args(WARN)
+        .arg(format!("-I{}", repo_root().join("include").display()));
+    if asan {
+        cmd.args(ASAN);
+    }
+    cmd.args(sources)
+        .arg("-o")
+        .arg(out)
+        .arg(format!("-L{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", soname_dir().display()))
+        .arg("-lgwtf");
+    run_ok(&mut cmd);
+}
+
+/// A directory with `libgwtf.so.<ABI>` linking to the built library: the
+/// loader looks the SONAME up, and cargo only writes `libgwtf.so`.
+pub fn soname_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let lib = lib_dir();
+        let dir = scratch(&format!("soname-{}", std::process::id()));
+        let link = dir.join(format!(
+            "libgwtf.so.{}",
+            gwtf::ffi::version::GWTF_ABI_VERSION
+        ));
+        std::os::unix::fs::symlink(lib.join("libgwtf.so"), link).unwrap();
+        dir
+    })
+    .clone()
+}
+
+/// Environment for running an AddressSanitizer build (leak checks on).
+pub fn asan_env(cmd: &mut Command) -> &mut Command {
+    cmd.env(
+        "ASAN_OPTIONS",
+        "detect_leaks=1:abort_on_error=0:halt_on_error=1",
+    )
+    .env("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1")
+}
+
+/// Builds the stand-in CUDA driver (present, no device) and returns its directory.
+pub fn stub_libcuda_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(build_stub_libcuda).clone()
+}
+
+fn build_stub_libcuda() -> PathBuf {
+    let dir = scratch(&format!("stub-libcuda-{}", std::process::id()));
+    let so = dir.join("libcuda.so.1");
+    run_ok(
+        Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(repo_root().join("tests/c/stub_libcuda.c")),
+    );
+    std::os::unix::fs::symlink("libcuda.so.1", dir.join("libcuda.so")).unwrap();
+    dir
+}

@@ -1,0 +1,184 @@
+//! The consumers in c-examples/ (C, C++17 and Go) are built against the
+//! library and run, and their output is checked; so is an installed copy used
+//! through pkg-config.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `make -C c-examples TARGET` with a private build directory; returns stdout.
+fn make(target: &str, build: &Path) -> String {
+    make_with_env(target, build, &[])
+}
+
+fn make_with_env(target: &str, build: &Path, env: &[(&str, &std::ffi::OsStr)]) -> String {
+    let out = run_ok(
+        Command::new("make")
+            .arg("-C")
+            .arg(repo_root().join("c-examples"))
+            .arg(format!("LIBDIR={}", lib_dir().display()))
+            .arg(format!("BUILD={}", build.display()))
+            .arg(target)
+            .envs(go_env())
+            .envs(env.iter().copied()),
+    );
+    stdout_of(&out)
+}
+
+/// Go's environment: no network, and caches under target/ when the machine
+/// has none (CI may run without HOME).
+fn go_env() -> Vec<(&'static str, PathBuf)> {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let mut env = vec![
+        ("GOPROXY", PathBuf::from("off")),
+        ("GOFLAGS", PathBuf::from("-mod=mod")),
+    ];
+    if std::env::var_os("HOME").is_none() || std::env::var_os("GOCACHE").is_some() {
+        env.push(("GOPATH", tmp.join("go-path")));
+    }
+    let cache = std::env::var_os("GOCACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tmp.join("go-cache"));
+    env.push(("GOCACHE", cache));
+    env
+}
+
+fn go_available() -> bool {
+    if Command::new("go").arg("version").output().is_ok() {
+        return true;
+    }
+    if std::env::var_os("GWTF_SKIP_GO").is_some() {
+        eprintln!("SKIPPED: Go is not installed and GWTF_SKIP_GO is set");
+        return false;
+    }
+    panic!("Go is not installed: run scripts/install-deps (or set GWTF_SKIP_GO=1 to skip visibly)");
+}
+
+#[test]
+fn c_and_cpp_examples_build_and_run() {
+    let build = scratch("examples-c");
+    make("all", &build);
+    let version = env!("CARGO_PKG_VERSION");
+    for (exe, ok_line) in [("hello_c", "hello_c: ok"), ("hello_cpp", "hello_cpp: ok")] {
+        let out = stdout_of(&run_ok(asan_env(&mut Command::new(build.join(exe)))));
+        assert!(
+            out.starts_with(&format!("libgwtf {version} (ABI 1")),
+            "{exe}: {out}"
+        );
+        assert!(
+            out.contains("is not a valid gwtf_cuda_probe_detail"),
+            "{exe}: {out}"
+        );
+        assert!(out.contains("cuda: "), "{exe}: {out}");
+        assert!(out.trim_end().ends_with(ok_line), "{exe}: {out}");
+        // With the stand-in driver, the name of the CUDA error comes through.
+        let out = stdout_of(&run_ok(
+            asan_env(&mut Command::new(build.join(exe))).env("LD_LIBRARY_PATH", stub_libcuda_dir()),
+        ));
+        assert!(
+            out.contains("cuda: CUDA driver present but no device (CUDA_ERROR_NO_DEVICE)"),
+            "{exe}: {out}"
+        );
+        assert!(out.contains("cuda state 2, 0 device(s)"), "{exe}: {out}");
+    }
+}
+
+#[test]
+fn go_package_tests_and_program_run() {
+    if !go_available() {
+        return;
+    }
+    let build = scratch("examples-go");
+    let out = make("go-test", &build);
+    assert!(
+        out.contains("--- PASS: TestInvalidDetailIsAnError"),
+        "{out}"
+    );
+    assert!(out.contains("ok  \tlibgwtf.local/gwtf"), "{out}");
+    assert!(!out.contains("--- SKIP"), "{out}");
+
+    // Again with the stand-in driver: the Go test asserts the no-device state.
+    let stub = stub_libcuda_dir();
+    let out = make_with_env(
+        "go-test",
+        &build,
+        &[
+            ("LD_LIBRARY_PATH", stub.as_os_str()),
+            ("GWTF_EXPECT_CUDA_STATE", "2".as_ref()),
+            ("GWTF_EXPECT_VERSION", env!("CARGO_PKG_VERSION").as_ref()),
+        ],
+    );
+    assert!(out.contains("state no-device, 0 device(s): CUDA driver present but no device (CUDA_ERROR_NO_DEVICE)"), "{out}");
+    assert!(out.contains("ok  \tlibgwtf.local/gwtf"), "{out}");
+
+    let out = make("go-run", &build);
+    assert!(
+        out.contains(&format!(
+            "libgwtf {} (ABI 1, header ABI 1)",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("probe with detail=7: status 1 (invalid argument)"),
+        "{out}"
+    );
+    assert!(out.contains("gwtf-hello: ok"), "{out}");
+}
+
+#[test]
+fn installed_library_is_usable_through_pkg_config() {
+    let prefix = scratch("install-prefix");
+    run_ok(
+        Command::new(repo_root().join("scripts/install"))
+            .arg(&prefix)
+            .arg(lib_dir()),
+    );
+    let lib = prefix.join("lib");
+    assert!(lib.join("libgwtf.so.1").is_file());
+    assert!(prefix.join("include/gwtf.h").is_file());
+    let pc_path = lib.join("pkgconfig");
+    let flags = |what: &str| -> Vec<String> {
+        let out = run_ok(
+            Command::new("pkg-config")
+                .arg(what)
+                .arg("gwtf")
+                .env("PKG_CONFIG_PATH", &pc_path),
+        );
+        stdout_of(&out)
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    let version = stdout_of(&run_ok(
+        Command::new("pkg-config")
+            .args(["--modversion", "gwtf"])
+            .env("PKG_CONFIG_PATH", &pc_path),
+    ));
+    assert_eq!(version.trim(), env!("CARGO_PKG_VERSION"));
+    let exe = prefix.join("hello_c");
+    run_ok(
+        Command::new("cc")
+            .arg("-std=c99")
+            .args(WARN)
+            .args(flags("--cflags"))
+            .arg(repo_root().join("c-examples/c/hello.c"))
+            .arg("-o")
+            .arg(&exe)
+            .args(flags("--libs"))
+            .arg(format!("-Wl,-rpath,{}", lib.display())),
+    );
+    let out = stdout_of(&run_ok(&mut Command::new(&exe)));
+    assert!(out.ends_with("hello_c: ok\n"), "{out}");
+    // The program found the installed copy through its SONAME.
+    let ldd = stdout_of(&run_ok(Command::new("ldd").arg(&exe)));
+    assert!(
+        ldd.contains(&format!(
+            "libgwtf.so.1 => {}",
+            lib.join("libgwtf.so.1").display()
+        )),
+        "{ldd}"
+    );
+}
