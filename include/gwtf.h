@@ -213,6 +213,11 @@ typedef struct gwtf_cuda_info gwtf_cuda_info;
 typedef struct gwtf_error gwtf_error;
 
 /**
+ * A CUDA device with libgwtf's kernels loaded (opaque).
+ */
+typedef struct gwtf_gpu gwtf_gpu;
+
+/**
  * Options of `gwtf_cuda_probe`. Initialise with `gwtf_cuda_probe_options_init`,
  * then change fields. Fields are only ever appended; `version` tells the library
  * which fields the caller knows.
@@ -382,6 +387,209 @@ int32_t gwtf_error_status(const struct gwtf_error *err);
  * Errors: none.
  */
 void gwtf_error_free(struct gwtf_error *err);
+
+/**
+ * Converts `n` floats to bf16 (round to nearest, ties to even) on the CPU.
+ *
+ * Ownership: `in` and `out` are caller buffers of `n` elements, only used
+ * during the call; (NULL, 0) is an empty buffer.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_quantize_bf16_host(const float *input,
+                                    uint16_t *out,
+                                    size_t n,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Converts `n` bf16 values back to floats (exact) on the CPU.
+ *
+ * Ownership: caller buffers of `n` elements, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_dequantize_bf16_host(const uint16_t *input,
+                                      float *out,
+                                      size_t n,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Blockwise int8 quantization of `n` floats on the CPU: `codes` gets `n`
+ * values, `scales` one f32 per block of `block` values
+ * (`scales_len` must be `ceil(n / block)`).
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (block 0), `GWTF_STATUS_BUFFER_TOO_SMALL` (wrong `scales_len`),
+ * `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_quantize_int8_host(const float *input,
+                                    int8_t *codes,
+                                    float *scales,
+                                    size_t scales_len,
+                                    size_t n,
+                                    uint32_t block,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Inverse of `gwtf_quantize_int8_host`: `out[i] = codes[i] * scales[i / block]`.
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: as `gwtf_quantize_int8_host`.
+ */
+gwtf_status gwtf_dequantize_int8_host(const int8_t *codes,
+                                      const float *scales,
+                                      size_t scales_len,
+                                      float *out,
+                                      size_t n,
+                                      uint32_t block,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Weighted average of `count` buffers of `n` floats on the CPU:
+ * `out = sum_j (weights[j] / sum(weights)) * inputs[j]` (stage aggregation,
+ * weights = microbatches each replica processed).
+ *
+ * Ownership: `inputs` is an array of `count` pointers to caller buffers; all
+ * are only read during the call. `out` may not alias an input.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (count 0,
+ * negative or non-finite weights, weights summing to 0),
+ * `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_average_host(const float *const *inputs,
+                              const float *weights,
+                              size_t count,
+                              float *out,
+                              size_t n,
+                              struct gwtf_error **out_err);
+
+/**
+ * Opens CUDA device `ordinal` (on its primary context, the one the CUDA
+ * runtime API uses) and compiles libgwtf's kernels for it with NVRTC.
+ *
+ * Ownership: the caller owns `*out_gpu` and frees it with `gwtf_gpu_free`.
+ *
+ * Thread safety: any thread; the object serialises the calls made on it.
+ *
+ * Errors: `GWTF_STATUS_CUDA_UNAVAILABLE` (no driver, no device, no NVRTC:
+ * the message says which), `GWTF_STATUS_CUDA_ERROR`,
+ * `GWTF_STATUS_INVALID_ARGUMENT` (no such ordinal), `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_gpu_new(uint32_t ordinal,
+                         struct gwtf_gpu **out_gpu,
+                         struct gwtf_error **out_err);
+
+/**
+ * Frees a `gwtf_gpu`. `gwtf_gpu_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `gpu`.
+ *
+ * Thread safety: no other thread may use `gpu` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_gpu_free(struct gwtf_gpu *gpu);
+
+/**
+ * `gwtf_quantize_bf16_host` on device memory: `in` holds `n` floats and `out`
+ * `n` uint16 on `gpu`'s device. Returns when the kernel has finished.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_CUDA_ERROR`,
+ * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_quantize_bf16_device(const struct gwtf_gpu *gpu,
+                                      const void *input,
+                                      void *out,
+                                      size_t n,
+                                      struct gwtf_error **out_err);
+
+/**
+ * `gwtf_dequantize_bf16_host` on device memory.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_bf16_device`.
+ */
+gwtf_status gwtf_dequantize_bf16_device(const struct gwtf_gpu *gpu,
+                                        const void *input,
+                                        void *out,
+                                        size_t n,
+                                        struct gwtf_error **out_err);
+
+/**
+ * `gwtf_quantize_int8_host` on device memory (`scales_len` must be
+ * `ceil(n / block)`).
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_int8_host`, plus `GWTF_STATUS_CUDA_ERROR`.
+ */
+gwtf_status gwtf_quantize_int8_device(const struct gwtf_gpu *gpu,
+                                      const void *input,
+                                      void *codes,
+                                      void *scales,
+                                      size_t scales_len,
+                                      size_t n,
+                                      uint32_t block,
+                                      struct gwtf_error **out_err);
+
+/**
+ * `gwtf_dequantize_int8_host` on device memory.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_int8_device`.
+ */
+gwtf_status gwtf_dequantize_int8_device(const struct gwtf_gpu *gpu,
+                                        const void *codes,
+                                        const void *scales,
+                                        size_t scales_len,
+                                        void *out,
+                                        size_t n,
+                                        uint32_t block,
+                                        struct gwtf_error **out_err);
+
+/**
+ * `gwtf_average_host` on device memory: `inputs` is a HOST array of `count`
+ * DEVICE pointers, `weights` a host array of `count` floats, `out` a device
+ * buffer of `n` floats.
+ *
+ * Ownership: all buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_average_host`, plus `GWTF_STATUS_CUDA_ERROR`.
+ */
+gwtf_status gwtf_average_device(const struct gwtf_gpu *gpu,
+                                const void *const *inputs,
+                                const float *weights,
+                                size_t count,
+                                void *out,
+                                size_t n,
+                                struct gwtf_error **out_err);
 
 /**
  * A static, NUL-terminated English description of a status code.

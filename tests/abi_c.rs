@@ -223,3 +223,57 @@ fn probe_with_stub_driver_reports_no_device_from_c() {
     assert!(out.contains("state=2 count=0"), "expected no device: {out}");
     assert!(out.contains("CUDA_ERROR_NO_DEVICE"), "{out}");
 }
+
+#[test]
+fn kernel_api_from_c_under_asan() {
+    let dir = scratch("kernels-c");
+    let exe = dir.join("kernels");
+    let mut src = vec![repo_root().join("tests/c/kernels.c")];
+    src.push("-lm".into());
+    build_program("cc", "c99", &src, &exe, true);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    assert!(out.contains("host kernels: ok (avg[0] = 4)"), "{out}");
+    assert!(out.contains("kernels: all checks passed"), "{out}");
+    if !out.contains("gpu: opened") {
+        assert!(
+            out.contains("gpu: cuda unavailable: no usable CUDA device"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn header_declares_only_prefixed_names() {
+    // Every macro, type and enum constant of the header is in our namespace.
+    let text = header_text();
+    let mut bad = Vec::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('*') || t.starts_with('/') {
+            continue; // documentation
+        }
+        let name = if let Some(rest) = t.strip_prefix("#define ") {
+            rest.split_whitespace().next()
+        } else if t.starts_with("typedef ") {
+            t.trim_end_matches(';').rsplit([' ', '*']).next()
+        } else if let Some(rest) = t
+            .strip_prefix("enum ")
+            .or_else(|| t.strip_prefix("struct "))
+        {
+            rest.split_whitespace().next()
+        } else if t.starts_with("GWTF_") || t.starts_with("gwtf_") {
+            None
+        } else if t.contains(" = ") && t.ends_with(',') {
+            t.split_whitespace().next()
+        } else {
+            None
+        };
+        if let Some(n) = name {
+            let n = n.trim_end_matches([';', '{']);
+            if !(n.starts_with("GWTF_") || n.starts_with("gwtf_") || n.is_empty() || n == "}") {
+                bad.push(line.to_string());
+            }
+        }
+    }
+    assert!(bad.is_empty(), "names outside the gwtf namespace: {bad:#?}");
+}

@@ -14,7 +14,9 @@ fn nvrtc_or_skip() -> bool {
             if std::env::var_os("GWTF_REQUIRE_NVRTC").is_some() {
                 panic!("GWTF_REQUIRE_NVRTC is set but {e}");
             }
-            eprintln!("SKIPPED: {e}");
+            // Written to stderr directly: libtest captures eprintln! of passing tests.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {e}");
             false
         }
     }
@@ -55,8 +57,12 @@ fn a_broken_kernel_reports_the_compiler_log() {
     if !nvrtc_or_skip() {
         return;
     }
-    let err = compile_ptx("broken.cu", "extern \"C\" __global__ void k() { undefined_thing(); }", "compute_80")
-        .unwrap_err();
+    let err = compile_ptx(
+        "broken.cu",
+        "extern \"C\" __global__ void k() { undefined_thing(); }",
+        "compute_80",
+    )
+    .unwrap_err();
     let text = err.to_string();
     assert!(text.contains("broken.cu"), "{text}");
     assert!(text.contains("undefined_thing"), "{text}");

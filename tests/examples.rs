@@ -50,7 +50,12 @@ fn go_available() -> bool {
         return true;
     }
     if std::env::var_os("GWTF_SKIP_GO").is_some() {
-        eprintln!("SKIPPED: Go is not installed and GWTF_SKIP_GO is set");
+        // Written to stderr directly: libtest captures eprintln! of passing tests.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: Go is not installed and GWTF_SKIP_GO is set"
+        );
         return false;
     }
     panic!("Go is not installed: run scripts/install-deps (or set GWTF_SKIP_GO=1 to skip visibly)");

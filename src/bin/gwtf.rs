@@ -3,6 +3,11 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
+#[path = "gwtf/kernels_cmd.rs"]
+mod kernels_cmd;
+#[cfg(feature = "cuda")]
+#[path = "gwtf/kernels_gpu.rs"]
+mod kernels_gpu;
 #[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
 
@@ -51,6 +56,8 @@ enum Cmd {
 enum BenchCmd {
     /// Min-cost flow: ours (cold and incremental repair) against OR-tools.
     Flow(flow_cmd::BenchFlowArgs),
+    /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
+    Kernels(kernels_cmd::BenchKernelsArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -103,6 +110,7 @@ fn main() {
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
+            BenchCmd::Kernels(args) => kernels_cmd::run(args),
         },
     };
     if let Err(e) = result {

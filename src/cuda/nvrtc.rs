@@ -112,10 +112,12 @@ mod imp {
         .map_err(|_| NvrtcError::Unavailable("NVRTC library lacks an expected symbol".into()))?;
         match result {
             Ok(ptx) => Ok(ptx.to_src()),
-            Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(NvrtcError::Compile {
-                file: file.to_string(),
-                log: log.to_string_lossy().into_owned(),
-            }),
+            Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => {
+                Err(NvrtcError::Compile {
+                    file: file.to_string(),
+                    log: log.to_string_lossy().into_owned(),
+                })
+            }
             Err(e) => Err(NvrtcError::Compile {
                 file: file.to_string(),
                 log: format!("{e:?}"),

@@ -20,6 +20,7 @@ pub mod boundary;
 pub mod cuda;
 pub mod enums;
 pub mod error;
+pub mod kernels;
 pub mod status;
 pub mod version;
 
