@@ -26,6 +26,16 @@
 #define GWTF_CUDA_PROBE_OPTIONS_VERSION 1
 
 /**
+ * Current version of `gwtf_stage_info` (what `gwtf_stage_info_init` writes).
+ */
+#define GWTF_STAGE_INFO_VERSION 1
+
+/**
+ * Current version of `gwtf_adamw_options`.
+ */
+#define GWTF_ADAMW_OPTIONS_VERSION 1
+
+/**
  * Major version of libgwtf (equals Cargo.toml's; checked by tests).
  */
 #define GWTF_VERSION_MAJOR 0
@@ -218,6 +228,11 @@ typedef struct gwtf_error gwtf_error;
 typedef struct gwtf_gpu gwtf_gpu;
 
 /**
+ * One pipeline stage of the reference model (opaque).
+ */
+typedef struct gwtf_stage gwtf_stage;
+
+/**
  * Options of `gwtf_cuda_probe`. Initialise with `gwtf_cuda_probe_options_init`,
  * then change fields. Fields are only ever appended; `version` tells the library
  * which fields the caller knows.
@@ -232,6 +247,59 @@ typedef struct gwtf_cuda_probe_options {
    */
   int32_t detail;
 } gwtf_cuda_probe_options;
+
+/**
+ * What a stage is. Set `version` with `gwtf_stage_info_init` before
+ * `gwtf_stage_get_info`: the library fills only the fields that version has.
+ */
+typedef struct gwtf_stage_info {
+  uint32_t version;
+  /**
+   * 0-based index of this stage.
+   */
+  uint32_t index;
+  /**
+   * Stages the model is cut into.
+   */
+  uint32_t num_stages;
+  /**
+   * 1 when the stage takes token ids (the first), else 0.
+   */
+  uint32_t takes_tokens;
+  /**
+   * 1 when the stage computes the loss (the last), else 0.
+   */
+  uint32_t computes_loss;
+  /**
+   * Width of the activations between stages.
+   */
+  uint32_t d_model;
+  /**
+   * Vocabulary size (token ids must be below it).
+   */
+  uint32_t vocab_size;
+  /**
+   * Longest sequence a microbatch may have.
+   */
+  uint32_t max_seq;
+  /**
+   * Parameters of this stage.
+   */
+  uint64_t num_params;
+} gwtf_stage_info;
+
+/**
+ * AdamW hyper-parameters for `gwtf_stage_step`; initialise with
+ * `gwtf_adamw_options_init`.
+ */
+typedef struct gwtf_adamw_options {
+  uint32_t version;
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+} gwtf_adamw_options;
 
 #ifdef __cplusplus
 extern "C" {
@@ -590,6 +658,200 @@ gwtf_status gwtf_average_device(const struct gwtf_gpu *gpu,
                                 void *out,
                                 size_t n,
                                 struct gwtf_error **out_err);
+
+/**
+ * Fills `info` with `version = GWTF_STAGE_INFO_VERSION` and zeros.
+ *
+ * Ownership: caller memory, only written.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_stage_info_init(struct gwtf_stage_info *info);
+
+/**
+ * Fills `opts` with the reference trainer's AdamW defaults (lr 1e-3,
+ * betas 0.9 / 0.95, eps 1e-8, weight decay 0.1).
+ *
+ * Ownership: caller memory, only written.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_adamw_options_init(struct gwtf_adamw_options *opts);
+
+/**
+ * Creates stage `index` of the reference model `preset` ("gpt-tiny",
+ * "llama-tiny", "llama-small", ...) cut into `num_stages` stages, initialised
+ * from `seed`. Any cut of the same preset and seed starts from the same model.
+ *
+ * Ownership: `preset` is read during the call; the caller owns `*out_stage`
+ * and frees it with `gwtf_stage_free`.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (unknown
+ * preset, impossible cut, index out of range, preset not UTF-8).
+ */
+gwtf_status gwtf_stage_new(const char *preset_name,
+                           uint32_t num_stages,
+                           uint32_t index,
+                           uint64_t seed,
+                           struct gwtf_stage **out_stage,
+                           struct gwtf_error **out_err);
+
+/**
+ * Describes a stage (see `gwtf_stage_info`).
+ *
+ * Ownership: `stage` is borrowed; `info` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_UNSUPPORTED_VERSION`,
+ * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_get_info(const struct gwtf_stage *stage,
+                                struct gwtf_stage_info *info,
+                                struct gwtf_error **out_err);
+
+/**
+ * Forward pass of microbatch `microbatch` (`batch` sequences of `seq`).
+ *
+ * Input: the first stage takes `tokens` (`batch*seq` ids, `hidden` NULL);
+ * the others take `hidden` (`batch*seq*d_model` floats, `tokens` NULL);
+ * `input_len` is the element count. Output: the last stage needs `targets`
+ * (`batch*seq` ids) and writes the mean loss to `*out_loss`; the others
+ * write `batch*seq*d_model` floats to `out` (`*out_needed`, when not NULL,
+ * receives that count, also on `GWTF_STATUS_BUFFER_TOO_SMALL`, which is
+ * reported before any work). The activations the backward needs are kept
+ * under `microbatch` until `gwtf_stage_backward` or `gwtf_stage_discard`.
+ *
+ * Ownership: every buffer is the caller's and used only during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (wrong
+ * input kind or length, token out of range, microbatch already in flight),
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_forward(const struct gwtf_stage *stage,
+                               uint64_t microbatch,
+                               uint32_t batch,
+                               uint32_t seq,
+                               const uint32_t *tokens,
+                               const float *hidden,
+                               size_t input_len,
+                               const uint32_t *targets,
+                               size_t targets_len,
+                               float *out,
+                               size_t out_len,
+                               size_t *out_needed,
+                               float *out_loss,
+                               struct gwtf_error **out_err);
+
+/**
+ * Backward pass of `microbatch`: the last stage takes no `grad_output`
+ * (NULL, 0); the others take the gradient of their output
+ * (`batch*seq*d_model` floats). Every stage but the first writes the gradient
+ * of its input to `grad_input` (`*out_needed` receives the count, also on
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, which is reported before any work). The
+ * parameter gradients are accumulated until `gwtf_stage_step`.
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (no forward stored for `microbatch`),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_backward(const struct gwtf_stage *stage,
+                                uint64_t microbatch,
+                                const float *grad_output,
+                                size_t grad_output_len,
+                                float *grad_input,
+                                size_t grad_input_len,
+                                size_t *out_needed,
+                                struct gwtf_error **out_err);
+
+/**
+ * Drops the stored forward of `microbatch` (its result will not be used:
+ * a crash elsewhere, or a cancelled iteration). `*out_found` (may be NULL)
+ * tells whether it was there.
+ *
+ * Ownership: `stage` is borrowed.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_discard(const struct gwtf_stage *stage,
+                               uint64_t microbatch,
+                               bool *out_found,
+                               struct gwtf_error **out_err);
+
+/**
+ * Applies one AdamW step with the mean of the accumulated gradients, then
+ * clears them. `opts` NULL means the defaults of `gwtf_adamw_options_init`.
+ *
+ * Ownership: `opts` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (non-finite or negative hyper-parameters, nothing accumulated),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_step(const struct gwtf_stage *stage,
+                            const struct gwtf_adamw_options *opts,
+                            struct gwtf_error **out_err);
+
+/**
+ * Copies the stage's parameters (f32, in the stage's tensor order) into
+ * `buf`; `*out_len` (may be NULL) receives the count, also on
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_export_params(const struct gwtf_stage *stage,
+                                     float *buf,
+                                     size_t buf_len,
+                                     size_t *out_len,
+                                     struct gwtf_error **out_err);
+
+/**
+ * Replaces the stage's parameters with `len` floats from `params` (a
+ * same-stage peer's `gwtf_stage_export_params`).
+ *
+ * Ownership: `params` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length), `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_import_params(const struct gwtf_stage *stage,
+                                     const float *params,
+                                     size_t len,
+                                     struct gwtf_error **out_err);
+
+/**
+ * Frees a stage. `gwtf_stage_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `stage`.
+ *
+ * Thread safety: no other thread may use `stage` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_stage_free(struct gwtf_stage *stage);
 
 /**
  * A static, NUL-terminated English description of a status code.

@@ -21,6 +21,7 @@ pub mod cuda;
 pub mod enums;
 pub mod error;
 pub mod kernels;
+pub mod stage;
 pub mod status;
 pub mod version;
 

@@ -259,6 +259,11 @@ impl Stage {
     pub fn steps_taken(&self) -> u64 {
         self.step
     }
+    /// `(batch, seq)` of a microbatch whose forward is stored, if any.
+    pub fn saved_shape(&self, mb: MicrobatchId) -> Option<(usize, usize)> {
+        self.saved.get(&mb).map(|s| (s.batch, s.seq))
+    }
+
     /// Microbatches whose forward ran and whose backward has not (activations held).
     pub fn in_flight(&self) -> usize {
         self.saved.len()
