@@ -91,6 +91,17 @@ fn c_and_cpp_examples_build_and_run() {
 }
 
 #[test]
+fn cpp_pipeline_trains_through_four_stages_with_int8_activations() {
+    let build = scratch("examples-pipeline");
+    make("all", &build);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(
+        build.join("pipeline_cpp"),
+    ))));
+    assert!(out.contains("pipeline_cpp: ok (loss "), "{out}");
+    assert!(out.contains("with int8 activations"), "{out}");
+}
+
+#[test]
 fn go_package_tests_and_program_run() {
     if !go_available() {
         return;
