@@ -3,3 +3,5 @@ pub mod cuda;
 pub mod ffi;
 pub mod flow;
 pub mod model;
+pub mod pool;
+pub mod wire;
