@@ -454,7 +454,7 @@ mod tests {
 
     #[test]
     fn handshake_then_frames() {
-        let (_a, mut b, err) = pair(key(7), key(7));
+        let (a, mut b, err) = pair(key(7), key(7));
         assert!(err.is_none(), "{err:?}");
         assert!(a.is_established() && b.is_established());
         assert_eq!(a.peer_id(), Some(2));
