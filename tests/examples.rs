@@ -86,6 +86,23 @@ fn c_and_cpp_examples_build_and_run() {
 }
 
 #[test]
+fn cpp_tensor_pingpong_runs_under_asan() {
+    let build = scratch("examples-pingpong");
+    make("all", &build);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(
+        build.join("tensor_pingpong"),
+    ))));
+    assert!(
+        out.contains("tensor [1024 x 1024] f32 round trip ok"),
+        "{out}"
+    );
+    assert!(out.contains("tensor [0 x 7] f32 round trip ok"), "{out}");
+    assert!(out.contains("user-space copies 0"), "{out}");
+    assert!(out.contains("handshake: authentication failed"), "{out}");
+    assert!(out.trim_end().ends_with("tensor_pingpong: ok"), "{out}");
+}
+
+#[test]
 fn go_package_tests_and_program_run() {
     if !go_available() {
         return;

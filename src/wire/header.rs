@@ -24,8 +24,9 @@ pub const KNOWN_FLAGS: u32 = FLAG_PAYLOAD_CRC;
 /// Most dimensions a shape may have.
 pub const MAX_DIMS: usize = 4;
 
-/// A frame header (v1). In host order in memory; [`FrameHeader::encode`] and
-/// [`FrameHeader::decode`] convert to and from the little-endian wire form.
+/// The v1 frame header (`gwtf_frame_header` in C): 96 bytes, little-endian
+/// on the wire, in host order in memory (encode/decode convert; on
+/// little-endian hosts the two are the same bytes).
 #[repr(C)]
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
