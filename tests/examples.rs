@@ -115,6 +115,13 @@ fn go_package_tests_and_program_run() {
     );
     assert!(out.contains("ok  \tlibgwtf.local/gwtf"), "{out}");
     assert!(!out.contains("--- SKIP"), "{out}");
+    for t in [
+        "TestNodeSendRecvTensors",
+        "TestWrongKeyIsRefused",
+        "TestNodeCloseTwiceAndShortKey",
+    ] {
+        assert!(out.contains(&format!("--- PASS: {t}")), "{t}: {out}");
+    }
 
     // Again with the stand-in driver: the Go test asserts the no-device state.
     let stub = stub_libcuda_dir();
