@@ -26,6 +26,42 @@
 #define GWTF_CUDA_PROBE_OPTIONS_VERSION 1
 
 /**
+ * "GWTF" as a little-endian `uint32_t`: the `magic` of every frame header.
+ */
+#define GWTF_FRAME_MAGIC 1179932487
+
+/**
+ * The wire version this library speaks (`gwtf_frame_header.version`).
+ */
+#define GWTF_WIRE_VERSION 1
+
+/**
+ * Size of the encoded frame header in bytes (== sizeof(gwtf_frame_header)).
+ */
+#define GWTF_FRAME_HEADER_LEN 96
+
+/**
+ * Flag: the payload carries a CRC32C. Set it on a frame to ask for a
+ * checksum even above the node's `payload_crc_max_bytes`.
+ */
+#define GWTF_FRAME_FLAG_PAYLOAD_CRC 1
+
+/**
+ * Most dimensions a frame's shape may have (`gwtf_frame_header.shape`).
+ */
+#define GWTF_FRAME_MAX_DIMS 4
+
+/**
+ * Current version of `gwtf_node_options` (what `_init` writes).
+ */
+#define GWTF_NODE_OPTIONS_VERSION 1
+
+/**
+ * Current version of `gwtf_node_stats`.
+ */
+#define GWTF_NODE_STATS_VERSION 1
+
+/**
  * Current version of `gwtf_stage_info` (what `gwtf_stage_info_init` writes).
  */
 #define GWTF_STAGE_INFO_VERSION 1
@@ -213,6 +249,136 @@ typedef int32_t gwtf_cuda_probe_detail;
 #endif // __cplusplus
 
 /**
+ * Kinds of frames (`gwtf_frame_header.kind`); trainers send data frames.
+ */
+enum gwtf_frame_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * A tensor (activation or gradient).
+   */
+  GWTF_FRAME_KIND_DATA = 1,
+  /**
+   * Liveness (internal).
+   */
+  GWTF_FRAME_KIND_HEARTBEAT = 2,
+  /**
+   * A closing peer (internal).
+   */
+  GWTF_FRAME_KIND_GOODBYE = 3,
+  /**
+   * A typed control message (internal).
+   */
+  GWTF_FRAME_KIND_CONTROL = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_frame_kind gwtf_frame_kind;
+#else
+typedef int32_t gwtf_frame_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Element types (`gwtf_frame_header.dtype`). With `ndim > 0`, the shape
+ * times the element size must equal the payload length.
+ */
+enum gwtf_dtype
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Raw bytes (no shape check when ndim is 0).
+   */
+  GWTF_DTYPE_BYTES = 0,
+  GWTF_DTYPE_F32 = 1,
+  GWTF_DTYPE_F16 = 2,
+  GWTF_DTYPE_BF16 = 3,
+  GWTF_DTYPE_F64 = 4,
+  GWTF_DTYPE_I32 = 5,
+  GWTF_DTYPE_I64 = 6,
+  GWTF_DTYPE_U8 = 7,
+  GWTF_DTYPE_I8 = 8,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_dtype gwtf_dtype;
+#else
+typedef int32_t gwtf_dtype;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What `gwtf_node_poll_event` returns (`gwtf_event.kind`).
+ */
+enum gwtf_event_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * A peer completed the authenticated handshake.
+   */
+  GWTF_EVENT_KIND_PEER_CONNECTED = 1,
+  /**
+   * An authenticated peer is gone (`reason` says why); frames queued to
+   * it were dropped.
+   */
+  GWTF_EVENT_KIND_PEER_LOST = 2,
+  /**
+   * A connection was refused before authentication (`reason`).
+   */
+  GWTF_EVENT_KIND_REFUSED = 3,
+  /**
+   * An outbound connection failed after every attempt.
+   */
+  GWTF_EVENT_KIND_CONNECT_FAILED = 4,
+  /**
+   * A control message arrived (`reason` holds its type).
+   */
+  GWTF_EVENT_KIND_CONTROL = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_event_kind gwtf_event_kind;
+#else
+typedef int32_t gwtf_event_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Why a connection closed (`gwtf_event.reason` for lost/refused).
+ */
+enum gwtf_close_reason
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GWTF_CLOSE_REASON_NONE = 0,
+  GWTF_CLOSE_REASON_GOODBYE = 1,
+  GWTF_CLOSE_REASON_PEER_TIMEOUT = 2,
+  GWTF_CLOSE_REASON_HANDSHAKE_TIMEOUT = 3,
+  GWTF_CLOSE_REASON_FRAME_TIMEOUT = 4,
+  GWTF_CLOSE_REASON_EOF = 5,
+  GWTF_CLOSE_REASON_IO = 6,
+  GWTF_CLOSE_REASON_PROTOCOL = 7,
+  GWTF_CLOSE_REASON_AUTH_FAILED = 8,
+  GWTF_CLOSE_REASON_DUPLICATE = 9,
+  GWTF_CLOSE_REASON_TOO_MANY_CONNECTIONS = 10,
+  GWTF_CLOSE_REASON_LOCAL = 11,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_close_reason gwtf_close_reason;
+#else
+typedef int32_t gwtf_close_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * The result of a CUDA probe (opaque).
  */
 typedef struct gwtf_cuda_info gwtf_cuda_info;
@@ -223,9 +389,20 @@ typedef struct gwtf_cuda_info gwtf_cuda_info;
 typedef struct gwtf_error gwtf_error;
 
 /**
+ * A frame (opaque): allocated with `gwtf_node_frame_alloc` or received with
+ * `gwtf_node_recv`.
+ */
+typedef struct gwtf_frame gwtf_frame;
+
+/**
  * A CUDA device with libgwtf's kernels loaded (opaque).
  */
 typedef struct gwtf_gpu gwtf_gpu;
+
+/**
+ * A transport node (opaque).
+ */
+typedef struct gwtf_node gwtf_node;
 
 /**
  * One pipeline stage of the reference model (opaque).
@@ -247,6 +424,239 @@ typedef struct gwtf_cuda_probe_options {
    */
   int32_t detail;
 } gwtf_cuda_probe_options;
+
+/**
+ * The v1 frame header (`gwtf_frame_header` in C): 96 bytes, little-endian
+ * on the wire, in host order in memory (encode/decode convert; on
+ * little-endian hosts the two are the same bytes).
+ */
+typedef struct gwtf_frame_header {
+  /**
+   * `GWTF_FRAME_MAGIC` ("GWTF" as little-endian bytes).
+   */
+  uint32_t magic;
+  /**
+   * Wire version, `GWTF_WIRE_VERSION`.
+   */
+  uint16_t version;
+  /**
+   * A `GWTF_FRAME_KIND_*` value.
+   */
+  uint16_t kind;
+  /**
+   * `GWTF_FRAME_FLAG_*` bits.
+   */
+  uint32_t flags;
+  /**
+   * Pipeline stage the payload belongs to.
+   */
+  uint32_t stage;
+  /**
+   * Node id of the sender (set by the library on send).
+   */
+  uint64_t sender;
+  /**
+   * Microbatch id.
+   */
+  uint64_t microbatch;
+  /**
+   * Training iteration.
+   */
+  uint64_t iteration;
+  /**
+   * A `GWTF_DTYPE_*` value (0: raw bytes, no shape check).
+   */
+  uint16_t dtype;
+  /**
+   * Number of dimensions used in `shape` (0..=4).
+   */
+  uint16_t ndim;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+  /**
+   * Tensor shape; entries past `ndim` must be 0.
+   */
+  uint64_t shape[4];
+  /**
+   * Payload length in bytes (set by the library on send).
+   */
+  uint64_t payload_len;
+  /**
+   * CRC32C of the payload when `GWTF_FRAME_FLAG_PAYLOAD_CRC` is set, else 0.
+   */
+  uint32_t payload_crc;
+  /**
+   * CRC32C of the first 92 header bytes (set by the library on send).
+   */
+  uint32_t header_crc;
+} gwtf_frame_header;
+
+/**
+ * What a frame holds: its header, the peer it came from, and its payload.
+ */
+typedef struct gwtf_frame_view {
+  /**
+   * The header (for a frame to send: the fields set so far).
+   */
+  struct gwtf_frame_header header;
+  /**
+   * The sending peer's node id (0 for a frame allocated to send).
+   */
+  uint64_t peer_id;
+  /**
+   * The payload: writable, `len` bytes; NULL when `len` is 0.
+   */
+  uint8_t *data;
+  /**
+   * Payload length in bytes.
+   */
+  size_t len;
+} gwtf_frame_view;
+
+/**
+ * Options of `gwtf_node_new`. Initialise with `gwtf_node_options_init`, then
+ * set `swarm_key`/`swarm_key_len` (required) and change what you need.
+ * Fields are only ever appended.
+ */
+typedef struct gwtf_node_options {
+  /**
+   * Must be `GWTF_NODE_OPTIONS_VERSION` (set by `_init`).
+   */
+  uint32_t version;
+  /**
+   * Log connection events and refusals to stderr when non-zero. Default 0.
+   */
+  uint32_t log_to_stderr;
+  /**
+   * "IP:PORT" to accept peers on (port 0: any free port), or NULL for
+   * outbound connections only. Default NULL.
+   */
+  const char *listen_addr;
+  /**
+   * The swarm key shared by all participants (at least 16 bytes).
+   */
+  const uint8_t *swarm_key;
+  size_t swarm_key_len;
+  /**
+   * This node's id (0: a random one). Default 0.
+   */
+  uint64_t node_id;
+  /**
+   * Largest data payload in bytes. Default 64 MiB.
+   */
+  uint64_t max_payload_bytes;
+  /**
+   * Frame pool size in bytes (at least max_payload_bytes). Default 256 MiB.
+   */
+  uint64_t pool_bytes;
+  /**
+   * Frames queued per peer before `gwtf_node_send` waits. Default 8.
+   */
+  uint32_t send_queue_depth;
+  /**
+   * Most connections at once. Default 1024.
+   */
+  uint32_t max_connections;
+  /**
+   * Heartbeat after this much idle time on a link. Default 1000.
+   */
+  uint32_t heartbeat_interval_ms;
+  /**
+   * A peer silent this long is reported lost. Default 10000.
+   */
+  uint32_t peer_timeout_ms;
+  /**
+   * A handshake must complete within this. Default 5000.
+   */
+  uint32_t handshake_timeout_ms;
+  /**
+   * A frame must arrive within this from its first byte, plus its length
+   * at 1 MiB/s. Default 10000.
+   */
+  uint32_t frame_timeout_ms;
+  /**
+   * Outbound connection attempts. Default 5.
+   */
+  uint32_t connect_attempts;
+  /**
+   * First retry delay (doubles, up to 2 s). Default 100.
+   */
+  uint32_t connect_backoff_ms;
+  /**
+   * Payloads up to this size get a CRC32C. Default UINT64_MAX (all).
+   */
+  uint64_t payload_crc_max_bytes;
+  /**
+   * Emulated one-way delay on the send side (tests, demos). Default 0.
+   */
+  uint32_t link_delay_ms;
+  uint32_t reserved0;
+  /**
+   * Emulated bandwidth cap on the send side, bytes/s (0: none). Default 0.
+   */
+  uint64_t link_bandwidth_bytes_per_s;
+} gwtf_node_options;
+
+/**
+ * An event, with its text inline (no ownership to manage).
+ */
+typedef struct gwtf_event {
+  /**
+   * A `GWTF_EVENT_KIND_*` value.
+   */
+  int32_t kind;
+  /**
+   * A `GWTF_CLOSE_REASON_*` value (0 when not a close).
+   */
+  int32_t reason;
+  /**
+   * The peer's node id (0 when not known).
+   */
+  uint64_t peer_id;
+  /**
+   * The peer's "IP:PORT", NUL-terminated.
+   */
+  char addr[64];
+  /**
+   * A human-readable description, NUL-terminated (truncated).
+   */
+  char message[256];
+} gwtf_event;
+
+/**
+ * Counters of a node (see `gwtf_node_get_stats`).
+ */
+typedef struct gwtf_node_stats {
+  /**
+   * `GWTF_NODE_STATS_VERSION` of the library that wrote it.
+   */
+  uint32_t version;
+  uint32_t reserved0;
+  uint64_t frames_sent;
+  uint64_t frames_received;
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t wire_bytes_sent;
+  uint64_t wire_bytes_received;
+  /**
+   * Payload copies made in user space by the library (0 on the data path).
+   */
+  uint64_t user_copies;
+  uint64_t heartbeats_sent;
+  uint64_t heartbeats_received;
+  uint64_t peers_connected;
+  uint64_t peers_lost;
+  uint64_t connections_refused;
+  uint64_t pool_capacity_bytes;
+  uint64_t pool_in_use_bytes;
+  uint64_t pool_high_water_bytes;
+  uint64_t pool_slots_total;
+  uint64_t pool_slots_in_use;
+  uint64_t pool_slots_high_water;
+  uint64_t pool_alloc_failures;
+} gwtf_node_stats;
 
 /**
  * What a stage is. Set `version` with `gwtf_stage_info_init` before
@@ -457,6 +867,64 @@ int32_t gwtf_error_status(const struct gwtf_error *err);
 void gwtf_error_free(struct gwtf_error *err);
 
 /**
+ * Describes `frame`: header, peer and payload pointer.
+ *
+ * Ownership: `frame` is only borrowed. `out_view->data` points into the
+ * frame's pool slot and stays valid until the frame is released or sent,
+ * also after its node was freed; write a frame to send through it.
+ *
+ * Thread safety: a frame may be used from any thread, one at a time.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not a
+ * live frame, or already sent).
+ */
+gwtf_status gwtf_frame_get_view(const struct gwtf_frame *frame,
+                                struct gwtf_frame_view *out_view,
+                                struct gwtf_error **out_err);
+
+/**
+ * Sets the header of a frame to send: `kind` (must be
+ * `GWTF_FRAME_KIND_DATA`), `flags`, `stage`, `microbatch`, `iteration`,
+ * `dtype`, `ndim` and `shape` are taken from `header`; magic, version,
+ * sender, payload length and checksums are filled by the library at send.
+ *
+ * Ownership: `header` is only read during the call.
+ *
+ * Thread safety: a frame may be used from any thread, one at a time.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (kind
+ * not data, unknown flags or dtype, ndim > 4).
+ */
+gwtf_status gwtf_frame_set_header(const struct gwtf_frame *frame,
+                                  const struct gwtf_frame_header *header,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Gives a frame back: its pool slot returns to its node's pool.
+ * `gwtf_frame_release(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `frame`; it must not be used afterwards.
+ * A frame passed to `gwtf_node_send` must not be released (send took it).
+ *
+ * Thread safety: any thread; no other thread may use `frame` meanwhile.
+ *
+ * Errors: none.
+ */
+void gwtf_frame_release(struct gwtf_frame *frame);
+
+/**
+ * Fills `*out_header` with a data-frame header: magic, version, kind
+ * `GWTF_FRAME_KIND_DATA`, every other field 0.
+ *
+ * Ownership: `out_header` is caller memory; it is only written.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_frame_header_init(struct gwtf_frame_header *out_header);
+
+/**
  * Converts `n` floats to bf16 (round to nearest, ties to even) on the CPU.
  *
  * Ownership: `in` and `out` are caller buffers of `n` elements, only used
@@ -658,6 +1126,215 @@ gwtf_status gwtf_average_device(const struct gwtf_gpu *gpu,
                                 void *out,
                                 size_t n,
                                 struct gwtf_error **out_err);
+
+/**
+ * Fills `opts` with the defaults of this library version (swarm key unset).
+ *
+ * Ownership: `opts` is caller memory; it is only written.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_node_options_init(struct gwtf_node_options *opts);
+
+/**
+ * Creates a node and starts its poll thread (and its listener when
+ * `opts->listen_addr` is set).
+ *
+ * Ownership: `opts` and the memory it points to are only read during the
+ * call (the key is copied). The caller owns `*out_node` and frees it with
+ * `gwtf_node_free`.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_UNSUPPORTED_VERSION`,
+ * `GWTF_STATUS_INVALID_ARGUMENT` (short key, bad address, inconsistent
+ * limits), `GWTF_STATUS_IO` (cannot listen), `GWTF_STATUS_OUT_OF_MEMORY`.
+ */
+gwtf_status gwtf_node_new(const struct gwtf_node_options *opts,
+                          struct gwtf_node **out_node,
+                          struct gwtf_error **out_err);
+
+/**
+ * This node's id.
+ *
+ * Ownership: `node` is only borrowed.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_id(const struct gwtf_node *node,
+                         uint64_t *out_id,
+                         struct gwtf_error **out_err);
+
+/**
+ * The "IP:PORT" the node listens on (with the real port), NUL-terminated.
+ * `*out_len` (may be NULL) receives the length without the NUL.
+ *
+ * Ownership: `buf` is caller memory of `buf_len` bytes.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (no listener), `GWTF_STATUS_BUFFER_TOO_SMALL`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_local_addr(const struct gwtf_node *node,
+                                 char *buf,
+                                 size_t buf_len,
+                                 size_t *out_len,
+                                 struct gwtf_error **out_err);
+
+/**
+ * Connects to the node at `addr` ("IP:PORT") and waits until it is
+ * authenticated (retrying the TCP connection per the options); writes the
+ * peer's node id.
+ *
+ * Ownership: `addr` is only read during the call.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_TIMEOUT`, `GWTF_STATUS_CLOSED` (refused: wrong key,
+ * protocol error, or every attempt failed; the message says which),
+ * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_node_connect(const struct gwtf_node *node,
+                              const char *addr,
+                              uint32_t timeout_ms,
+                              uint64_t *out_peer_id,
+                              struct gwtf_error **out_err);
+
+/**
+ * Allocates a frame with a `payload_len`-byte payload from the node's pool,
+ * waiting up to `timeout_ms` when the pool is full. Fill it through
+ * `gwtf_frame_get_view(...).data` and `gwtf_frame_set_header`, then send it.
+ *
+ * Ownership: the caller owns `*out_frame` until it passes it to
+ * `gwtf_node_send` or `gwtf_frame_release`.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_LIMIT_EXCEEDED` (above max_payload_bytes),
+ * `GWTF_STATUS_TIMEOUT` (pool exhausted for the whole timeout),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_frame_alloc(const struct gwtf_node *node,
+                                  uint64_t payload_len,
+                                  uint32_t timeout_ms,
+                                  struct gwtf_frame **out_frame,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Sends `frame` to the connected peer `peer_id`, waiting up to `timeout_ms`
+ * for room in that peer's send queue (0: return `GWTF_STATUS_TIMEOUT` at once
+ * when full, a would-block). A received frame may be sent on as it is.
+ *
+ * Ownership: `frame` passes to the library **even when the call fails**;
+ * never use or release it afterwards. Its slot returns to the pool once
+ * written to the socket (or dropped with the peer).
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (no such peer), `GWTF_STATUS_CLOSED` (peer
+ * gone), `GWTF_STATUS_TIMEOUT` (queue full), `GWTF_STATUS_INVALID_ARGUMENT`
+ * (bad header or frame), `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_node_send(const struct gwtf_node *node,
+                           uint64_t peer_id,
+                           struct gwtf_frame *frame,
+                           uint32_t timeout_ms,
+                           struct gwtf_error **out_err);
+
+/**
+ * Receives the next data frame from any peer, waiting up to `timeout_ms`.
+ *
+ * Ownership: the caller owns `*out_frame` (a lease on a pool slot) and
+ * gives it back with `gwtf_frame_release` (or sends it on).
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`; each
+ * frame goes to exactly one caller.
+ *
+ * Errors: `GWTF_STATUS_TIMEOUT` (nothing arrived), `GWTF_STATUS_CLOSED`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_recv(const struct gwtf_node *node,
+                           uint32_t timeout_ms,
+                           struct gwtf_frame **out_frame,
+                           struct gwtf_error **out_err);
+
+/**
+ * The next event (peer connected, lost with reason, refused, connect
+ * failed), waiting up to `timeout_ms`.
+ *
+ * Ownership: `out_event` is caller memory; it is written on success.
+ *
+ * Thread safety: any thread; each event goes to exactly one caller.
+ *
+ * Errors: `GWTF_STATUS_TIMEOUT` (no event), `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_poll_event(const struct gwtf_node *node,
+                                 uint32_t timeout_ms,
+                                 struct gwtf_event *out_event,
+                                 struct gwtf_error **out_err);
+
+/**
+ * Writes the node's counters into `out_stats`, of which the caller says the
+ * size (`sizeof(gwtf_node_stats)`): an older, smaller struct gets the fields
+ * it knows.
+ *
+ * Ownership: `out_stats` is caller memory of `stats_size` bytes.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_get_stats(const struct gwtf_node *node,
+                                struct gwtf_node_stats *out_stats,
+                                size_t stats_size,
+                                struct gwtf_error **out_err);
+
+/**
+ * Says goodbye to `peer_id` and closes that connection.
+ *
+ * Ownership: `node` is only borrowed.
+ *
+ * Thread safety: any thread, concurrently with other calls on `node`.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_CLOSED`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_disconnect(const struct gwtf_node *node,
+                                 uint64_t peer_id,
+                                 struct gwtf_error **out_err);
+
+/**
+ * Says goodbye to every peer (waiting at most about 2 s for the queues) and
+ * stops the node's thread. Later sends fail with `GWTF_STATUS_CLOSED`;
+ * frames already received stay valid. Idempotent.
+ *
+ * Ownership: `node` is only borrowed; free it with `gwtf_node_free`.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_node_shutdown(const struct gwtf_node *node,
+                               struct gwtf_error **out_err);
+
+/**
+ * Shuts the node down (as `gwtf_node_shutdown`) and frees it.
+ * `gwtf_node_free(NULL)` does nothing. Frames still held stay valid until
+ * released.
+ *
+ * Ownership: takes ownership of `node`.
+ *
+ * Thread safety: no other thread may use `node` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_node_free(struct gwtf_node *node);
 
 /**
  * Fills `info` with `version = GWTF_STAGE_INFO_VERSION` and zeros.

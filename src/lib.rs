@@ -1,5 +1,8 @@
 //! libgwtf: Go With The Flow.
 pub mod cuda;
+pub mod engine;
 pub mod ffi;
 pub mod flow;
 pub mod model;
+pub mod pool;
+pub mod wire;

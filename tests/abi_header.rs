@@ -7,10 +7,13 @@ use std::path::Path;
 fn generate() -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml");
-    // Only src/ffi/ (and the modules it declares) is parsed: the C ABI lives
-    // there, and a `pub const` elsewhere in the crate must not leak into C.
+    // Only src/ffi/ (and the modules it declares) and the wire header are
+    // parsed: the C ABI lives there, and a `pub const` elsewhere in the crate
+    // must not leak into C (tests/abi_c.rs checks the header's namespace).
     let bindings = cbindgen::Builder::new()
         .with_src(root.join("src/ffi/mod.rs"))
+        // The wire header struct is defined once, in src/wire, and is also C's.
+        .with_src(root.join("src/wire/header.rs"))
         .with_config(config)
         .generate()
         .expect("cbindgen failed to generate the header");

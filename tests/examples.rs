@@ -102,6 +102,23 @@ fn cpp_pipeline_trains_through_four_stages_with_int8_activations() {
 }
 
 #[test]
+fn cpp_tensor_pingpong_runs_under_asan() {
+    let build = scratch("examples-pingpong");
+    make("all", &build);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(
+        build.join("tensor_pingpong"),
+    ))));
+    assert!(
+        out.contains("tensor [1024 x 1024] f32 round trip ok"),
+        "{out}"
+    );
+    assert!(out.contains("tensor [0 x 7] f32 round trip ok"), "{out}");
+    assert!(out.contains("user-space copies 0"), "{out}");
+    assert!(out.contains("handshake: authentication failed"), "{out}");
+    assert!(out.trim_end().ends_with("tensor_pingpong: ok"), "{out}");
+}
+
+#[test]
 fn go_package_tests_and_program_run() {
     if !go_available() {
         return;
@@ -114,6 +131,13 @@ fn go_package_tests_and_program_run() {
     );
     assert!(out.contains("ok  \tlibgwtf.local/gwtf"), "{out}");
     assert!(!out.contains("--- SKIP"), "{out}");
+    for t in [
+        "TestNodeSendRecvTensors",
+        "TestWrongKeyIsRefused",
+        "TestNodeCloseTwiceAndShortKey",
+    ] {
+        assert!(out.contains(&format!("--- PASS: {t}")), "{t}: {out}");
+    }
 
     // Again with the stand-in driver: the Go test asserts the no-device state.
     let stub = stub_libcuda_dir();

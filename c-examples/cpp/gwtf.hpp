@@ -91,3 +91,118 @@ private:
 };
 
 }  // namespace gwtf
+
+namespace gwtf {
+
+/// A frame: allocated to send, or received (a lease on a pool slot).
+class Frame {
+public:
+    Frame() = default;
+    explicit Frame(gwtf_frame *raw) : ptr_(raw, gwtf_frame_release) {}
+
+    gwtf_frame_view view() const {
+        gwtf_frame_view v;
+        gwtf_error *err = nullptr;
+        check(gwtf_frame_get_view(ptr_.get(), &v, &err), &err);
+        return v;
+    }
+    template <class T> T *data() const { return static_cast<T *>(static_cast<void *>(view().data)); }
+    size_t size() const { return view().len; }
+    gwtf_frame_header header() const { return view().header; }
+    uint64_t peer() const { return view().peer_id; }
+
+    void set_header(const gwtf_frame_header &h) {
+        gwtf_error *err = nullptr;
+        check(gwtf_frame_set_header(ptr_.get(), &h, &err), &err);
+    }
+    /// Gives up ownership (for gwtf_node_send).
+    gwtf_frame *release() { return ptr_.release(); }
+
+private:
+    std::unique_ptr<gwtf_frame, decltype(&gwtf_frame_release)> ptr_{nullptr, gwtf_frame_release};
+};
+
+/// A transport node; shut down and freed automatically.
+class Node {
+public:
+    Node(const std::string &listen, const std::string &key, bool log = false) {
+        gwtf_node_options o;
+        check(gwtf_node_options_init(&o));
+        o.listen_addr = listen.empty() ? nullptr : listen.c_str();
+        o.swarm_key = reinterpret_cast<const uint8_t *>(key.data());
+        o.swarm_key_len = key.size();
+        o.max_payload_bytes = 16u << 20;
+        o.pool_bytes = 64u << 20;
+        o.connect_attempts = 1;
+        o.log_to_stderr = log ? 1 : 0;
+        gwtf_node *raw = nullptr;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_new(&o, &raw, &err), &err);
+        ptr_.reset(raw);
+    }
+
+    uint64_t id() const {
+        uint64_t id = 0;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_id(ptr_.get(), &id, &err), &err);
+        return id;
+    }
+
+    std::string local_addr() const {
+        char buf[64];
+        gwtf_error *err = nullptr;
+        check(gwtf_node_local_addr(ptr_.get(), buf, sizeof buf, nullptr, &err), &err);
+        return buf;
+    }
+
+    uint64_t connect(const std::string &addr, uint32_t timeout_ms = 10000) {
+        uint64_t peer = 0;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_connect(ptr_.get(), addr.c_str(), timeout_ms, &peer, &err), &err);
+        return peer;
+    }
+
+    Frame alloc(size_t bytes, uint32_t timeout_ms = 10000) {
+        gwtf_frame *f = nullptr;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_frame_alloc(ptr_.get(), bytes, timeout_ms, &f, &err), &err);
+        return Frame(f);
+    }
+
+    /// Sends `frame` (it is consumed, even when this throws).
+    void send(uint64_t peer, Frame frame, uint32_t timeout_ms = 10000) {
+        gwtf_error *err = nullptr;
+        check(gwtf_node_send(ptr_.get(), peer, frame.release(), timeout_ms, &err), &err);
+    }
+
+    Frame recv(uint32_t timeout_ms = 10000) {
+        gwtf_frame *f = nullptr;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_recv(ptr_.get(), timeout_ms, &f, &err), &err);
+        return Frame(f);
+    }
+
+    /// The next event, or false after `timeout_ms`.
+    bool poll_event(gwtf_event &ev, uint32_t timeout_ms) {
+        gwtf_error *err = nullptr;
+        gwtf_status st = gwtf_node_poll_event(ptr_.get(), timeout_ms, &ev, &err);
+        if (st == GWTF_STATUS_TIMEOUT) {
+            gwtf_error_free(err);
+            return false;
+        }
+        check(st, &err);
+        return true;
+    }
+
+    gwtf_node_stats stats() const {
+        gwtf_node_stats s;
+        gwtf_error *err = nullptr;
+        check(gwtf_node_get_stats(ptr_.get(), &s, sizeof s, &err), &err);
+        return s;
+    }
+
+private:
+    std::unique_ptr<gwtf_node, decltype(&gwtf_node_free)> ptr_{nullptr, gwtf_node_free};
+};
+
+}  // namespace gwtf

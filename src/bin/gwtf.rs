@@ -10,6 +10,8 @@ mod kernels_cmd;
 mod kernels_gpu;
 #[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
+#[path = "gwtf/transport_cmd.rs"]
+mod transport_cmd;
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -45,6 +47,9 @@ enum Cmd {
     },
     /// Train the reference model in one process (stages run one after another).
     Train(train_cmd::TrainArgs),
+    /// A diagnostic peer: accepts authenticated peers and sends every frame
+    /// back unchanged; runs until SIGINT/SIGTERM; logs refused connections.
+    Echo(transport_cmd::EchoArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -58,6 +63,9 @@ enum BenchCmd {
     Flow(flow_cmd::BenchFlowArgs),
     /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
     Kernels(kernels_cmd::BenchKernelsArgs),
+    /// Transport: framed zero-copy path against raw TCP (interleaved), GB/s,
+    /// ratio, copies per frame, round-trip latency.
+    Transport(transport_cmd::BenchTransportArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -108,9 +116,11 @@ fn main() {
         Cmd::Probe { json, require_gpu } => probe(json, require_gpu),
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
+        Cmd::Echo(args) => transport_cmd::echo(args),
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
             BenchCmd::Kernels(args) => kernels_cmd::run(args),
+            BenchCmd::Transport(args) => transport_cmd::bench(args),
         },
     };
     if let Err(e) = result {

@@ -137,7 +137,7 @@ pub trait FfiHandle: Sized {
 ///
 /// # Safety
 /// `ptr` must be NULL or point to memory that was, at some point, a `H`.
-unsafe fn check_handle<'a, H: FfiHandle>(ptr: *const H) -> FfiResult<&'a H> {
+pub(crate) unsafe fn check_handle<'a, H: FfiHandle>(ptr: *const H) -> FfiResult<&'a H> {
     if ptr.is_null() {
         return Err(FfiError::null(H::NAME));
     }

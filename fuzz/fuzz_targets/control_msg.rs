@@ -1,0 +1,27 @@
+//! Control-message decoders: never panic; what decodes re-encodes exactly.
+#![no_main]
+use gwtf::wire::{ControlEnvelope, Goodbye, Heartbeat};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&which, body)) = data.split_first() else {
+        return;
+    };
+    match which % 3 {
+        0 => {
+            if let Ok(m) = Heartbeat::decode(body) {
+                assert_eq!(m.encode(), body);
+            }
+        }
+        1 => {
+            if let Ok(m) = Goodbye::decode(body) {
+                assert_eq!(m.encode(), body);
+            }
+        }
+        _ => {
+            if let Ok(m) = ControlEnvelope::decode(body) {
+                assert_eq!(m.encode().unwrap(), body);
+            }
+        }
+    }
+});

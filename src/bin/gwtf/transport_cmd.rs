@@ -1,0 +1,452 @@
+//! `gwtf echo` (a diagnostic peer) and `gwtf bench transport` (framed
+//! zero-copy transport against raw TCP, interleaved, in one run).
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use gwtf::engine::{Event, LinkEmulation, Node, NodeOptions};
+
+#[derive(Args)]
+pub struct EchoArgs {
+    /// Address to listen on (port 0: any free port; the address is printed).
+    #[arg(long)]
+    pub listen: SocketAddr,
+    /// File holding the swarm key (raw bytes; trailing whitespace ignored).
+    #[arg(long)]
+    pub swarm_key_file: PathBuf,
+    /// Node id (0: random).
+    #[arg(long, default_value_t = 0)]
+    pub node_id: u64,
+    /// Largest payload accepted.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_payload: u64,
+    /// Frame pool size in bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub pool_bytes: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    #[arg(long, default_value_t = 10000)]
+    pub peer_timeout_ms: u64,
+    #[arg(long, default_value_t = 5000)]
+    pub handshake_timeout_ms: u64,
+    #[arg(long, default_value_t = 10000)]
+    pub frame_timeout_ms: u64,
+    /// Emulated one-way delay added on the send side (milliseconds).
+    #[arg(long, default_value_t = 0)]
+    pub link_delay_ms: u64,
+    /// Emulated bandwidth cap on the send side (bytes per second, 0: none).
+    #[arg(long, default_value_t = 0)]
+    pub link_bandwidth: u64,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+pub fn read_key(path: &std::path::Path) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+    let mut key =
+        std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    while key.last().is_some_and(|b| b.is_ascii_whitespace()) {
+        key.pop();
+    }
+    Ok(key)
+}
+
+pub fn echo(args: EchoArgs) -> super::CliResult {
+    let key = read_key(&args.swarm_key_file)?;
+    let link = (args.link_delay_ms > 0 || args.link_bandwidth > 0).then(|| LinkEmulation {
+        delay: Duration::from_millis(args.link_delay_ms),
+        bandwidth_bytes_per_s: args.link_bandwidth,
+    });
+    let node = Node::new(NodeOptions {
+        listen: Some(args.listen),
+        swarm_key: key,
+        node_id: args.node_id,
+        max_payload: args.max_payload,
+        pool_bytes: args.pool_bytes,
+        heartbeat_interval: Duration::from_millis(args.heartbeat_ms),
+        peer_timeout: Duration::from_millis(args.peer_timeout_ms),
+        handshake_timeout: Duration::from_millis(args.handshake_timeout_ms),
+        frame_timeout: Duration::from_millis(args.frame_timeout_ms),
+        link,
+        ..NodeOptions::default()
+    })?;
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    println!(
+        "gwtf echo: listening on {} as node {:x}",
+        node.local_addr().expect("listening"),
+        node.node_id()
+    );
+    std::io::stdout().flush()?;
+    while !STOP.load(Ordering::SeqCst) {
+        while let Some(ev) = node.poll_event(Duration::ZERO) {
+            match ev {
+                Event::Refused {
+                    addr,
+                    inbound,
+                    reason,
+                } => eprintln!(
+                    "gwtf echo: refused {} connection from {addr}: {reason}",
+                    if inbound { "inbound" } else { "outbound" }
+                ),
+                Event::PeerConnected { peer, addr, .. } => {
+                    eprintln!("gwtf echo: peer {peer:x} connected from {addr}")
+                }
+                Event::PeerLost { peer, addr, reason } => {
+                    eprintln!("gwtf echo: peer {peer:x} ({addr}) lost: {reason}")
+                }
+                other => eprintln!("gwtf echo: {other:?}"),
+            }
+        }
+        match node.recv(Duration::from_millis(100)) {
+            Ok(frame) => {
+                let peer = frame.peer();
+                // The received lease goes back out as is: no copy.
+                if let Err(e) = node.forward(peer, frame, Duration::from_secs(30)) {
+                    eprintln!("gwtf echo: cannot echo to {peer:x}: {e}");
+                }
+            }
+            Err(gwtf::engine::EngineError::Timeout(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let s = node.stats();
+    node.shutdown();
+    eprintln!(
+        "gwtf echo: stopped; {} frames / {} bytes echoed, {} user-space copies, {} refused",
+        s.frames_received, s.bytes_received, s.user_copies, s.connections_refused
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------- benchmark
+
+#[derive(Args)]
+pub struct BenchTransportArgs {
+    /// Frame sizes in bytes (suffix K or M).
+    #[arg(long, value_delimiter = ',', default_value = "64K,1M,16M,64M")]
+    pub sizes: Vec<String>,
+    /// Connection counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub conns: Vec<usize>,
+    /// Measured raw/framed pairs per case (after one warm-up pair).
+    #[arg(long, default_value_t = 5)]
+    pub pairs: usize,
+    /// Payload bytes per measurement (all connections together).
+    #[arg(long, default_value = "1G")]
+    pub bytes: String,
+    /// Round trips for the latency measurement.
+    #[arg(long, default_value_t = 2000)]
+    pub rtt_iters: usize,
+    /// Payload CRC32C on the framed path (off: header CRC only).
+    #[arg(long)]
+    pub payload_crc: bool,
+    /// One JSON object per case instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("bad size {s:?}"))
+}
+
+const BENCH_KEY: &[u8] = b"gwtf-bench-transport-swarm-key!!";
+
+fn raw_pairs(c: usize) -> std::io::Result<Vec<(TcpStream, TcpStream)>> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    (0..c)
+        .map(|_| {
+            let s = TcpStream::connect(addr)?;
+            let (r, _) = l.accept()?;
+            s.set_nodelay(true)?;
+            r.set_nodelay(true)?;
+            Ok((s, r))
+        })
+        .collect()
+}
+
+/// Raw TCP: back-to-back writes of a reused buffer into reads of a reused buffer.
+fn raw_run(pairs: &[(TcpStream, TcpStream)], size: usize, per_conn: usize) -> f64 {
+    let barrier = Barrier::new(2 * pairs.len() + 1);
+    std::thread::scope(|s| {
+        let mut receivers = Vec::new();
+        for (tx, rx) in pairs {
+            let b = &barrier;
+            s.spawn(move || {
+                let buf = vec![0xabu8; size];
+                let mut tx = tx;
+                b.wait();
+                for _ in 0..per_conn {
+                    tx.write_all(&buf).expect("raw send");
+                }
+            });
+            receivers.push(s.spawn(move || {
+                let mut buf = vec![0u8; size];
+                let mut rx = rx;
+                b.wait();
+                for _ in 0..per_conn {
+                    rx.read_exact(&mut buf).expect("raw recv");
+                }
+            }));
+        }
+        barrier.wait();
+        let t0 = Instant::now();
+        for r in receivers {
+            r.join().expect("receiver");
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        (size * per_conn * pairs.len()) as f64 / dt / 1e9
+    })
+}
+
+fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> f64 {
+    let (a, b) = pair;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let mut b = b;
+            let mut buf = [0u8; 64];
+            for _ in 0..iters {
+                b.read_exact(&mut buf).expect("rtt read");
+                b.write_all(&buf).expect("rtt write");
+            }
+        });
+        let mut a = a;
+        let mut buf = [7u8; 64];
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            a.write_all(&buf).expect("rtt write");
+            a.read_exact(&mut buf).expect("rtt read");
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        median(&mut times)
+    })
+}
+
+struct FramedPair {
+    tx: Node,
+    rx: Node,
+    peer: u64,
+}
+
+fn framed_pairs(
+    c: usize,
+    size: usize,
+    crc: bool,
+) -> Result<Vec<FramedPair>, Box<dyn std::error::Error>> {
+    let depth = ((16usize << 20) / size).clamp(2, 256);
+    let pool = size.max(4096).next_power_of_two() * (depth + 6);
+    (0..c)
+        .map(|_| {
+            let o = NodeOptions {
+                listen: Some("127.0.0.1:0".parse().expect("addr")),
+                swarm_key: BENCH_KEY.to_vec(),
+                max_payload: size as u64,
+                pool_bytes: pool,
+                send_queue_depth: depth,
+                payload_crc_max: if crc { u64::MAX } else { 0 },
+                peer_timeout: Duration::from_secs(60),
+                ..NodeOptions::default()
+            };
+            let rx = Node::new(o.clone())?;
+            let tx = Node::new(NodeOptions { listen: None, ..o })?;
+            let peer =
+                tx.connect_wait(rx.local_addr().expect("listening"), Duration::from_secs(10))?;
+            Ok(FramedPair { tx, rx, peer })
+        })
+        .collect()
+}
+
+const T: Duration = Duration::from_secs(60);
+
+/// Framed: alloc a pool slot, set the header, send (writev of header + slot);
+/// the receiver gets the payload read straight into a slot and checks it.
+fn framed_run(pairs: &[FramedPair], size: usize, per_conn: usize) -> f64 {
+    let barrier = Barrier::new(2 * pairs.len() + 1);
+    std::thread::scope(|s| {
+        let mut receivers = Vec::new();
+        for p in pairs {
+            let b = &barrier;
+            s.spawn(move || {
+                b.wait();
+                for i in 0..per_conn {
+                    let mut f = p.tx.alloc(size, T).expect("alloc");
+                    f.header.microbatch = i as u64;
+                    p.tx.send(p.peer, f, T).expect("send");
+                }
+            });
+            receivers.push(s.spawn(move || {
+                b.wait();
+                for i in 0..per_conn {
+                    let f = p.rx.recv(T).expect("recv");
+                    assert!(
+                        f.header.microbatch == i as u64 && f.len() == size,
+                        "bad frame"
+                    );
+                }
+            }));
+        }
+        barrier.wait();
+        let t0 = Instant::now();
+        for r in receivers {
+            r.join().expect("receiver");
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        (size * per_conn * pairs.len()) as f64 / dt / 1e9
+    })
+}
+
+fn framed_rtt(p: &FramedPair, iters: usize) -> f64 {
+    let back = p.rx.peers()[0];
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..iters {
+                let f = p.rx.recv(T).expect("rtt recv");
+                p.rx.forward(back, f, T).expect("rtt echo");
+            }
+            stop.store(true, Ordering::SeqCst);
+        });
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let f = p.tx.alloc(64, T).expect("alloc");
+            p.tx.send(p.peer, f, T).expect("send");
+            let r = p.tx.recv(T).expect("rtt recv");
+            drop(r);
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        median(&mut times)
+    })
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn bench(args: BenchTransportArgs) -> super::CliResult {
+    let total = parse_size(&args.bytes)? as usize;
+    if args.pairs == 0 {
+        return Err("--pairs must be at least 1".into());
+    }
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    if !args.json {
+        println!(
+            "gwtf bench transport: loopback, {cores} cores, {} pairs (ABAB) after warm-up, >= {} MiB per measurement, payload crc {}",
+            args.pairs,
+            total >> 20,
+            if args.payload_crc { "on" } else { "off (header crc only)" }
+        );
+        println!(
+            "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>11} {:>8} {:>10}",
+            "size",
+            "conns",
+            "raw GB/s",
+            "framed GB/s",
+            "ratio",
+            "(min-max)",
+            "copies/frm",
+            "raw rtt",
+            "framed rtt"
+        );
+    }
+    for size_s in &args.sizes {
+        let size = parse_size(size_s)? as usize;
+        for &c in &args.conns {
+            let per_conn = total.div_ceil(size * c).max(1);
+            let raw = raw_pairs(c)?;
+            let framed = framed_pairs(c, size, args.payload_crc)?;
+            // Warm-up pair.
+            raw_run(&raw, size, per_conn.div_ceil(4));
+            framed_run(&framed, size, per_conn.div_ceil(4));
+            let copies0: u64 = framed
+                .iter()
+                .map(|p| p.tx.stats().user_copies + p.rx.stats().user_copies)
+                .sum();
+            let frames0: u64 = framed.iter().map(|p| p.rx.stats().frames_received).sum();
+            let mut raws = Vec::new();
+            let mut frs = Vec::new();
+            let mut ratios = Vec::new();
+            for _ in 0..args.pairs {
+                let r = raw_run(&raw, size, per_conn);
+                let f = framed_run(&framed, size, per_conn);
+                raws.push(r);
+                frs.push(f);
+                ratios.push(f / r);
+            }
+            let copies1: u64 = framed
+                .iter()
+                .map(|p| p.tx.stats().user_copies + p.rx.stats().user_copies)
+                .sum();
+            let frames1: u64 = framed.iter().map(|p| p.rx.stats().frames_received).sum();
+            let copies_per_frame = (copies1 - copies0) as f64 / (frames1 - frames0).max(1) as f64;
+            let raw_rtt_us = raw_rtt(&raw[0], args.rtt_iters);
+            let framed_rtt_us = framed_rtt(&framed[0], args.rtt_iters);
+            let (rmin, rmax) = ratios
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            let ratio = median(&mut ratios.clone());
+            let raw_gbps = median(&mut raws.clone());
+            let framed_gbps = median(&mut frs.clone());
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "size_bytes": size,
+                        "connections": c,
+                        "raw_gbps": raw_gbps,
+                        "framed_gbps": framed_gbps,
+                        "ratio": ratio,
+                        "ratio_min": rmin,
+                        "ratio_max": rmax,
+                        "raw_gbps_runs": raws,
+                        "framed_gbps_runs": frs,
+                        "copies_per_frame": copies_per_frame,
+                        "raw_rtt_us": raw_rtt_us,
+                        "framed_rtt_us": framed_rtt_us,
+                        "bytes_per_measurement": size * per_conn * c,
+                        "pairs": args.pairs,
+                        "payload_crc": args.payload_crc,
+                        "cores": cores,
+                    })
+                );
+            } else {
+                println!(
+                    "{:>9} {:>5} {:>9.2} {:>11.2} {:>7.3} {:>13} {:>11.1} {:>6.1}us {:>8.1}us",
+                    size_s,
+                    c,
+                    raw_gbps,
+                    framed_gbps,
+                    ratio,
+                    format!("({rmin:.2}-{rmax:.2})"),
+                    copies_per_frame,
+                    raw_rtt_us,
+                    framed_rtt_us
+                );
+            }
+            drop(framed);
+        }
+    }
+    Ok(())
+}

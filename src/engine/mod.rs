@@ -1,0 +1,809 @@
+//! The transport engine: one poll thread (mio) owns every socket of a node;
+//! trainer threads talk to it through channels.
+//!
+//! - Commands (connect, send, disconnect, shutdown) go in through a crossbeam
+//!   channel plus one mio `Waker` (woken only when the poll thread sleeps).
+//! - Received frames and events come out through channels; no user code runs
+//!   on the poll thread.
+//! - A frame to send is a pool [`Lease`] the trainer filled; the poll thread
+//!   writes header + lease with vectored writes (no staging copy). A received
+//!   payload is read from the socket straight into a lease.
+//! - Back-pressure: each peer has a bounded send queue; [`Node::send`] waits
+//!   up to its timeout for room (timeout 0: would-block). Receiving stops when
+//!   the pool is full, so memory stays bounded and TCP pushes back.
+//! - Connections start with the authenticated handshake of [`crate::wire`];
+//!   heartbeats, dead-peer detection, handshake and frame deadlines, graceful
+//!   goodbye, and an optional user-space link emulation (delay, bandwidth).
+
+mod poll;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::pool::{Lease, Pool, PoolError, PoolStats};
+use crate::wire::{
+    crc32c, ControlEnvelope, FrameHeader, FrameKind, GoodbyeReason, SwarmKey, WireError,
+    FLAG_PAYLOAD_CRC, FRAME_MAGIC, WIRE_VERSION,
+};
+
+/// User-space emulation of a slow, far link, applied on the send side of
+/// every connection of a node (the kernel here has no netem).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkEmulation {
+    /// Added one-way delay: a frame may start leaving this long after `send`.
+    pub delay: Duration,
+    /// Bandwidth cap in bytes per second (0: unlimited), a token bucket.
+    pub bandwidth_bytes_per_s: u64,
+}
+
+/// How a node is set up.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    /// Address to accept peers on (None: outbound connections only).
+    pub listen: Option<SocketAddr>,
+    /// The swarm key (at least 16 bytes) every participant shares.
+    pub swarm_key: Vec<u8>,
+    /// This node's id (0: pick a random one).
+    pub node_id: u64,
+    /// Largest data payload sent or accepted.
+    pub max_payload: u64,
+    /// Bytes of the frame pool (rounded up to whole largest slots).
+    pub pool_bytes: usize,
+    /// Frames queued per peer before `send` waits.
+    pub send_queue_depth: usize,
+    /// Most connections (handshaking or established) at once.
+    pub max_connections: usize,
+    /// Send a heartbeat after this much idle time on a link.
+    pub heartbeat_interval: Duration,
+    /// A peer silent for this long is reported lost.
+    pub peer_timeout: Duration,
+    /// A handshake must complete within this.
+    pub handshake_timeout: Duration,
+    /// A frame must arrive within this from its first byte, plus
+    /// `payload_len / min_frame_rate`.
+    pub frame_timeout: Duration,
+    /// Slowest accepted payload rate in bytes per second (see `frame_timeout`).
+    pub min_frame_rate: u64,
+    /// Outbound connection attempts before giving up.
+    pub connect_attempts: u32,
+    /// First retry delay; doubles up to `connect_backoff_max`.
+    pub connect_backoff: Duration,
+    pub connect_backoff_max: Duration,
+    /// Payloads up to this many bytes get a CRC32C; larger ones only when
+    /// the frame's flags ask for it (the header always has its own CRC).
+    pub payload_crc_max: u64,
+    /// Optional link emulation (tests and demos).
+    pub link: Option<LinkEmulation>,
+    /// Log connection events and refusals to stderr.
+    pub log: bool,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            swarm_key: Vec::new(),
+            node_id: 0,
+            max_payload: 64 << 20,
+            pool_bytes: 256 << 20,
+            send_queue_depth: 8,
+            max_connections: 1024,
+            heartbeat_interval: Duration::from_secs(1),
+            peer_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(10),
+            min_frame_rate: 1 << 20,
+            connect_attempts: 5,
+            connect_backoff: Duration::from_millis(100),
+            connect_backoff_max: Duration::from_secs(2),
+            payload_crc_max: u64::MAX,
+            link: None,
+            log: false,
+        }
+    }
+}
+
+/// Why a connection was closed (or refused).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// The peer said goodbye.
+    Goodbye {
+        reason: GoodbyeReason,
+        message: String,
+    },
+    /// Nothing arrived for longer than the peer timeout.
+    PeerTimeout { silent_for: Duration },
+    /// The handshake did not complete in time (slow or silent peer).
+    HandshakeTimeout,
+    /// A frame did not complete in time (slowloris).
+    FrameTimeout,
+    /// The peer closed the connection; `mid_frame` when inside a frame.
+    Eof { mid_frame: bool, in_handshake: bool },
+    /// An I/O error on the socket.
+    Io(String),
+    /// The peer broke the protocol or failed authentication.
+    Protocol(WireError),
+    /// A second connection to an already connected peer.
+    Duplicate,
+    /// Too many connections.
+    TooManyConnections,
+    /// This node closed it (disconnect or shutdown).
+    Local,
+}
+
+impl CloseReason {
+    /// Stable numeric code (`GWTF_CLOSE_REASON_*`).
+    pub fn code(&self) -> i32 {
+        match self {
+            CloseReason::Goodbye { .. } => 1,
+            CloseReason::PeerTimeout { .. } => 2,
+            CloseReason::HandshakeTimeout => 3,
+            CloseReason::FrameTimeout => 4,
+            CloseReason::Eof { .. } => 5,
+            CloseReason::Io(_) => 6,
+            CloseReason::Protocol(WireError::AuthFailed) => 8,
+            CloseReason::Protocol(_) => 7,
+            CloseReason::Duplicate => 9,
+            CloseReason::TooManyConnections => 10,
+            CloseReason::Local => 11,
+        }
+    }
+}
+
+impl fmt::Display for CloseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CloseReason::Goodbye { reason, message } => {
+                write!(f, "peer said goodbye ({reason:?}): {message}")
+            }
+            CloseReason::PeerTimeout { silent_for } => {
+                write!(f, "peer silent for {silent_for:?} (dead peer timeout)")
+            }
+            CloseReason::HandshakeTimeout => write!(f, "handshake deadline passed"),
+            CloseReason::FrameTimeout => write!(f, "frame deadline passed (peer too slow)"),
+            CloseReason::Eof {
+                mid_frame,
+                in_handshake,
+            } => {
+                if *in_handshake {
+                    write!(f, "connection closed by peer during the handshake")
+                } else if *mid_frame {
+                    write!(f, "connection closed by peer in the middle of a frame")
+                } else {
+                    write!(f, "connection closed by peer")
+                }
+            }
+            CloseReason::Io(e) => write!(f, "i/o error: {e}"),
+            CloseReason::Protocol(e) => write!(f, "protocol violation: {e}"),
+            CloseReason::Duplicate => write!(f, "duplicate connection to the same peer"),
+            CloseReason::TooManyConnections => write!(f, "too many connections"),
+            CloseReason::Local => write!(f, "closed by this node"),
+        }
+    }
+}
+
+/// Something that happened to a node's connections.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A peer completed the handshake.
+    PeerConnected {
+        peer: u64,
+        addr: SocketAddr,
+        outbound: bool,
+    },
+    /// An authenticated peer is gone (its queued frames were dropped).
+    PeerLost {
+        peer: u64,
+        addr: SocketAddr,
+        reason: CloseReason,
+    },
+    /// A connection was refused before it was authenticated.
+    Refused {
+        addr: SocketAddr,
+        inbound: bool,
+        reason: CloseReason,
+    },
+    /// An outbound connection failed after every attempt.
+    ConnectFailed {
+        addr: SocketAddr,
+        attempts: u32,
+        reason: String,
+    },
+    /// A typed control message from a peer.
+    Control { peer: u64, msg: ControlEnvelope },
+}
+
+/// Errors of the engine API.
+#[derive(Debug)]
+pub enum EngineError {
+    InvalidArgument(String),
+    LimitExceeded(String),
+    Pool(PoolError),
+    /// Timed out (with a zero timeout: would block).
+    Timeout(String),
+    NotFound(String),
+    Closed(String),
+    Io(std::io::Error),
+    Wire(WireError),
+}
+
+impl fmt::Display for EngineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EngineError::InvalidArgument(s) => write!(f, "invalid argument: {s}"),
+            EngineError::LimitExceeded(s) => write!(f, "limit exceeded: {s}"),
+            EngineError::Pool(e) => write!(f, "{e}"),
+            EngineError::Timeout(s) => write!(f, "timeout: {s}"),
+            EngineError::NotFound(s) => write!(f, "not found: {s}"),
+            EngineError::Closed(s) => write!(f, "closed: {s}"),
+            EngineError::Io(e) => write!(f, "i/o error: {e}"),
+            EngineError::Wire(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+impl From<PoolError> for EngineError {
+    fn from(e: PoolError) -> Self {
+        EngineError::Pool(e)
+    }
+}
+
+/// A frame: header plus payload in a pool lease. Allocated by [`Node::alloc`]
+/// to be filled and sent, or received by [`Node::recv`]. Dropping it releases
+/// the lease.
+pub struct Frame {
+    pub header: FrameHeader,
+    lease: Option<Lease>,
+    peer: u64,
+}
+
+impl fmt::Debug for Frame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Frame")
+            .field("peer", &self.peer)
+            .field("len", &self.len())
+            .field("header", &self.header)
+            .finish()
+    }
+}
+
+impl Frame {
+    /// The sender (for received frames; 0 for allocated ones).
+    pub fn peer(&self) -> u64 {
+        self.peer
+    }
+    pub fn len(&self) -> usize {
+        self.lease.as_ref().map_or(0, Lease::len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn payload(&self) -> &[u8] {
+        self.lease.as_ref().map_or(&[], Lease::as_slice)
+    }
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        self.lease.as_mut().map_or(&mut [], Lease::as_mut_slice)
+    }
+    /// Pointer to the payload (NULL for an empty one).
+    pub fn payload_ptr(&self) -> *mut u8 {
+        self.lease
+            .as_ref()
+            .map_or(std::ptr::null_mut(), Lease::as_ptr)
+    }
+}
+
+/// Counters of a node (monotonic unless noted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    pub frames_sent: u64,
+    pub frames_received: u64,
+    /// Data payload bytes.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Every byte written to / read from sockets (headers, handshakes, control).
+    pub wire_bytes_sent: u64,
+    pub wire_bytes_received: u64,
+    /// Payload bytes copied in user space by the library (its only copy sites
+    /// count here; the data path has none).
+    pub user_copies: u64,
+    pub user_copy_bytes: u64,
+    pub heartbeats_sent: u64,
+    pub heartbeats_received: u64,
+    pub write_calls: u64,
+    pub read_calls: u64,
+    /// Peers connected now (gauge).
+    pub peers_connected: u64,
+    pub peers_lost: u64,
+    pub connections_refused: u64,
+    pub events_dropped: u64,
+    pub pool: PoolStats,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    frames_sent: AtomicU64,
+    frames_received: AtomicU64,
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    wire_bytes_sent: AtomicU64,
+    wire_bytes_received: AtomicU64,
+    user_copies: AtomicU64,
+    user_copy_bytes: AtomicU64,
+    heartbeats_sent: AtomicU64,
+    heartbeats_received: AtomicU64,
+    write_calls: AtomicU64,
+    read_calls: AtomicU64,
+    peers_connected: AtomicU64,
+    peers_lost: AtomicU64,
+    connections_refused: AtomicU64,
+    events_dropped: AtomicU64,
+}
+
+fn add(c: &AtomicU64, v: u64) {
+    c.fetch_add(v, Ordering::Relaxed);
+}
+
+/// Per-peer send-queue accounting shared by trainer threads and the poll thread.
+pub(crate) struct PeerSlot {
+    queued: Mutex<usize>,
+    room: Condvar,
+    open: AtomicBool,
+}
+
+impl PeerSlot {
+    fn new() -> Self {
+        Self {
+            queued: Mutex::new(0),
+            room: Condvar::new(),
+            open: AtomicBool::new(true),
+        }
+    }
+    pub(crate) fn done(&self, n: usize) {
+        let mut q = self.queued.lock();
+        *q = q.saturating_sub(n);
+        drop(q);
+        self.room.notify_all();
+    }
+    pub(crate) fn close(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        let _g = self.queued.lock();
+        self.room.notify_all();
+    }
+}
+
+/// State shared between the trainer-facing [`Node`] and the poll thread.
+pub(crate) struct Shared {
+    pub(crate) node_id: u64,
+    pub(crate) opts: NodeOptions,
+    pub(crate) pool: Pool,
+    pub(crate) peers: RwLock<HashMap<u64, Arc<PeerSlot>>>,
+    pub(crate) counters: Counters,
+    parked: AtomicBool,
+    waker: mio::Waker,
+}
+
+impl Shared {
+    /// Wakes the poll thread if it sleeps (Dekker pairing with `poll`).
+    pub(crate) fn wake(&self) {
+        fence(Ordering::SeqCst);
+        if self.parked.swap(false, Ordering::SeqCst) {
+            let _ = self.waker.wake();
+        }
+    }
+    pub(crate) fn log(&self, msg: impl fmt::Display) {
+        if self.opts.log {
+            eprintln!("gwtf[node {:x}]: {msg}", self.node_id);
+        }
+    }
+}
+
+/// An item on a connection's send queue.
+pub(crate) enum OutPayload {
+    None,
+    Lease(Lease),
+    Bytes(Vec<u8>),
+}
+
+pub(crate) enum Cmd {
+    Connect {
+        addr: SocketAddr,
+        reply: Option<Sender<Result<u64, String>>>,
+    },
+    Send {
+        peer: u64,
+        head: Box<[u8; crate::wire::HEADER_LEN]>,
+        payload: OutPayload,
+        data_len: u64,
+    },
+    Disconnect {
+        peer: u64,
+    },
+    Shutdown,
+}
+
+/// A transport node: see the module docs. All methods take `&self` and may
+/// be called from any thread.
+pub struct Node {
+    shared: Arc<Shared>,
+    cmd_tx: Sender<Cmd>,
+    frames_rx: Receiver<Frame>,
+    events_rx: Receiver<Event>,
+    local_addr: Option<SocketAddr>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stopped: AtomicBool,
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).expect("OS random source");
+    u64::from_le_bytes(b)
+}
+
+impl Node {
+    /// Creates a node and starts its poll thread.
+    pub fn new(mut opts: NodeOptions) -> Result<Node, EngineError> {
+        let key = SwarmKey::new(&opts.swarm_key)
+            .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
+        if opts.max_payload == 0 || opts.max_payload > (1 << 40) {
+            return Err(EngineError::InvalidArgument(format!(
+                "max_payload {} must be in 1..=2^40",
+                opts.max_payload
+            )));
+        }
+        if (opts.pool_bytes as u64) < opts.max_payload {
+            return Err(EngineError::InvalidArgument(format!(
+                "pool of {} bytes cannot hold one frame of max_payload {} bytes",
+                opts.pool_bytes, opts.max_payload
+            )));
+        }
+        if opts.send_queue_depth == 0 {
+            return Err(EngineError::InvalidArgument(
+                "send_queue_depth must be at least 1".into(),
+            ));
+        }
+        if opts.peer_timeout.is_zero() || opts.heartbeat_interval.is_zero() {
+            return Err(EngineError::InvalidArgument(
+                "peer_timeout and heartbeat_interval must be positive".into(),
+            ));
+        }
+        if opts.heartbeat_interval >= opts.peer_timeout {
+            return Err(EngineError::InvalidArgument(format!(
+                "heartbeat_interval {:?} must be shorter than peer_timeout {:?}",
+                opts.heartbeat_interval, opts.peer_timeout
+            )));
+        }
+        while opts.node_id == 0 {
+            opts.node_id = random_u64();
+        }
+        let pool = Pool::new(opts.pool_bytes, opts.max_payload as usize)?;
+        let poll = mio::Poll::new().map_err(EngineError::Io)?;
+        let waker = mio::Waker::new(poll.registry(), poll::WAKER).map_err(EngineError::Io)?;
+        let listener = match opts.listen {
+            Some(addr) => Some(mio::net::TcpListener::bind(addr).map_err(EngineError::Io)?),
+            None => None,
+        };
+        let local_addr = match &listener {
+            Some(l) => Some(l.local_addr().map_err(EngineError::Io)?),
+            None => None,
+        };
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let (frames_tx, frames_rx) = crossbeam_channel::unbounded();
+        let (events_tx, events_rx) = crossbeam_channel::bounded(4096);
+        let shared = Arc::new(Shared {
+            node_id: opts.node_id,
+            opts,
+            pool,
+            peers: RwLock::new(HashMap::new()),
+            counters: Counters::default(),
+            parked: AtomicBool::new(false),
+            waker,
+        });
+        let weak = Arc::downgrade(&shared);
+        shared.pool.set_release_hook(Box::new(move || {
+            if let Some(s) = weak.upgrade() {
+                s.wake();
+            }
+        }));
+        let mut driver = poll::Driver::new(
+            shared.clone(),
+            poll,
+            listener,
+            key,
+            cmd_rx,
+            frames_tx,
+            events_tx,
+        )
+        .map_err(EngineError::Io)?;
+        let thread = std::thread::Builder::new()
+            .name(format!("gwtf-poll-{:x}", shared.node_id))
+            .spawn(move || driver.run())
+            .map_err(EngineError::Io)?;
+        Ok(Node {
+            shared,
+            cmd_tx,
+            frames_rx,
+            events_rx,
+            local_addr,
+            thread: Mutex::new(Some(thread)),
+            stopped: AtomicBool::new(false),
+        })
+    }
+
+    pub fn node_id(&self) -> u64 {
+        self.shared.node_id
+    }
+
+    /// The address peers can connect to (with the real port when 0 was asked).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.local_addr
+    }
+
+    pub fn options(&self) -> &NodeOptions {
+        &self.shared.opts
+    }
+
+    fn command(&self, cmd: Cmd) -> Result<(), EngineError> {
+        if self.stopped.load(Ordering::SeqCst) {
+            return Err(EngineError::Closed("node is shut down".into()));
+        }
+        self.cmd_tx
+            .send(cmd)
+            .map_err(|_| EngineError::Closed("node is shut down".into()))?;
+        self.shared.wake();
+        Ok(())
+    }
+
+    /// Starts connecting to `addr` (with retries); the outcome arrives as an
+    /// event (`PeerConnected`, `Refused` or `ConnectFailed`).
+    pub fn connect(&self, addr: SocketAddr) -> Result<(), EngineError> {
+        self.command(Cmd::Connect { addr, reply: None })
+    }
+
+    /// Connects to `addr` and waits until the peer is authenticated; returns
+    /// its node id.
+    pub fn connect_wait(&self, addr: SocketAddr, timeout: Duration) -> Result<u64, EngineError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.command(Cmd::Connect {
+            addr,
+            reply: Some(tx),
+        })?;
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(peer)) => Ok(peer),
+            Ok(Err(why)) => Err(EngineError::Closed(format!("connect to {addr}: {why}"))),
+            Err(RecvTimeoutError::Timeout) => Err(EngineError::Timeout(format!(
+                "connect to {addr} not authenticated within {timeout:?}"
+            ))),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(EngineError::Closed("node is shut down".into()))
+            }
+        }
+    }
+
+    /// A frame with a `len`-byte payload to fill and send, waiting up to
+    /// `timeout` for pool space.
+    pub fn alloc(&self, len: usize, timeout: Duration) -> Result<Frame, EngineError> {
+        if len as u64 > self.shared.opts.max_payload {
+            return Err(EngineError::LimitExceeded(format!(
+                "payload of {len} bytes exceeds max_payload {}",
+                self.shared.opts.max_payload
+            )));
+        }
+        let lease = if len == 0 {
+            None
+        } else {
+            Some(self.shared.pool.alloc(len, timeout)?)
+        };
+        Ok(Frame {
+            header: FrameHeader::data(),
+            lease,
+            peer: 0,
+        })
+    }
+
+    /// A frame holding a copy of `data` (one user-space copy, counted in the
+    /// stats: use [`Node::alloc`] and fill the lease to avoid it).
+    pub fn alloc_copy(&self, data: &[u8], timeout: Duration) -> Result<Frame, EngineError> {
+        let mut f = self.alloc(data.len(), timeout)?;
+        f.payload_mut().copy_from_slice(data);
+        if !data.is_empty() {
+            add(&self.shared.counters.user_copies, 1);
+            add(&self.shared.counters.user_copy_bytes, data.len() as u64);
+        }
+        Ok(f)
+    }
+
+    fn reserve(&self, peer: u64, timeout: Duration) -> Result<Arc<PeerSlot>, EngineError> {
+        let slot = self
+            .shared
+            .peers
+            .read()
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| EngineError::NotFound(format!("no connected peer {peer:x}")))?;
+        let deadline = Instant::now().checked_add(timeout);
+        let depth = self.shared.opts.send_queue_depth;
+        let mut q = slot.queued.lock();
+        loop {
+            if !slot.open.load(Ordering::SeqCst) {
+                return Err(EngineError::Closed(format!("peer {peer:x} is gone")));
+            }
+            if *q < depth {
+                *q += 1;
+                break;
+            }
+            let timed_out = match deadline {
+                Some(d) => slot.room.wait_until(&mut q, d).timed_out(),
+                None => {
+                    slot.room.wait(&mut q);
+                    false
+                }
+            };
+            if timed_out && *q >= depth {
+                return Err(EngineError::Timeout(format!(
+                    "send queue to peer {peer:x} is full ({depth} frames)"
+                )));
+            }
+        }
+        drop(q);
+        Ok(slot)
+    }
+
+    /// Sends a data frame to `peer`. The library fills magic, version,
+    /// sender, payload length and checksums; the caller's kind must be data.
+    /// The frame is consumed, also on failure (its lease is released). Waits
+    /// up to `timeout` for room in the peer's send queue (zero: would-block
+    /// returns `Timeout` at once).
+    pub fn send(&self, peer: u64, frame: Frame, timeout: Duration) -> Result<(), EngineError> {
+        let Frame {
+            mut header, lease, ..
+        } = frame;
+        let len = lease.as_ref().map_or(0, Lease::len) as u64;
+        if header.kind != FrameKind::Data as u16 {
+            return Err(EngineError::InvalidArgument(format!(
+                "frame kind {} cannot be sent as data (use GWTF_FRAME_KIND_DATA)",
+                header.kind
+            )));
+        }
+        header.magic = FRAME_MAGIC;
+        header.version = WIRE_VERSION;
+        header.sender = self.shared.node_id;
+        header.payload_len = len;
+        header.payload_crc = 0;
+        if len <= self.shared.opts.payload_crc_max {
+            header.flags |= FLAG_PAYLOAD_CRC;
+        }
+        if header.flags & FLAG_PAYLOAD_CRC != 0 {
+            header.payload_crc = crc32c(lease.as_ref().map_or(&[], Lease::as_slice));
+        }
+        header
+            .validate(self.shared.opts.max_payload)
+            .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
+        let slot = self.reserve(peer, timeout)?;
+        let cmd = Cmd::Send {
+            peer,
+            head: Box::new(header.encode()),
+            payload: lease.map_or(OutPayload::None, OutPayload::Lease),
+            data_len: len,
+        };
+        if let Err(e) = self.command(cmd) {
+            slot.done(1);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Sends a received frame on to `peer` unchanged but for the sender
+    /// field (zero-copy forwarding, as `gwtf echo` does).
+    pub fn forward(&self, peer: u64, frame: Frame, timeout: Duration) -> Result<(), EngineError> {
+        self.send(peer, frame, timeout)
+    }
+
+    /// Sends a typed control message.
+    pub fn send_control(
+        &self,
+        peer: u64,
+        msg: &ControlEnvelope,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let body = msg.encode().map_err(EngineError::Wire)?;
+        let frame =
+            crate::wire::encode_control_frame(FrameKind::Control, self.shared.node_id, &body);
+        let mut head = Box::new([0u8; crate::wire::HEADER_LEN]);
+        head.copy_from_slice(&frame[..crate::wire::HEADER_LEN]);
+        let slot = self.reserve(peer, timeout)?;
+        let cmd = Cmd::Send {
+            peer,
+            head,
+            payload: OutPayload::Bytes(frame[crate::wire::HEADER_LEN..].to_vec()),
+            data_len: 0,
+        };
+        if let Err(e) = self.command(cmd) {
+            slot.done(1);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The next received data frame, waiting up to `timeout`.
+    pub fn recv(&self, timeout: Duration) -> Result<Frame, EngineError> {
+        match self.frames_rx.recv_timeout(timeout) {
+            Ok(f) => Ok(f),
+            Err(RecvTimeoutError::Timeout) => Err(EngineError::Timeout("no frame received".into())),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(EngineError::Closed("node is shut down".into()))
+            }
+        }
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub fn poll_event(&self, timeout: Duration) -> Option<Event> {
+        self.events_rx.recv_timeout(timeout).ok()
+    }
+
+    /// Closes the connection to `peer` after a goodbye.
+    pub fn disconnect(&self, peer: u64) -> Result<(), EngineError> {
+        if !self.shared.peers.read().contains_key(&peer) {
+            return Err(EngineError::NotFound(format!("no connected peer {peer:x}")));
+        }
+        self.command(Cmd::Disconnect { peer })
+    }
+
+    /// Ids of the connected peers.
+    pub fn peers(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.shared.peers.read().keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NodeStats {
+            frames_sent: l(&c.frames_sent),
+            frames_received: l(&c.frames_received),
+            bytes_sent: l(&c.bytes_sent),
+            bytes_received: l(&c.bytes_received),
+            wire_bytes_sent: l(&c.wire_bytes_sent),
+            wire_bytes_received: l(&c.wire_bytes_received),
+            user_copies: l(&c.user_copies),
+            user_copy_bytes: l(&c.user_copy_bytes),
+            heartbeats_sent: l(&c.heartbeats_sent),
+            heartbeats_received: l(&c.heartbeats_received),
+            write_calls: l(&c.write_calls),
+            read_calls: l(&c.read_calls),
+            peers_connected: l(&c.peers_connected),
+            peers_lost: l(&c.peers_lost),
+            connections_refused: l(&c.connections_refused),
+            events_dropped: l(&c.events_dropped),
+            pool: self.shared.pool.stats(),
+        }
+    }
+
+    /// Says goodbye to every peer (bounded wait for the queues to drain) and
+    /// stops the poll thread. Idempotent; also run on drop.
+    pub fn shutdown(&self) {
+        if !self.stopped.swap(true, Ordering::SeqCst) {
+            let _ = self.cmd_tx.send(Cmd::Shutdown);
+            self.shared.wake();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,1077 @@
+//! The poll thread: owns the listener and every connection, drives the
+//! sans-I/O [`Connection`] machines over nonblocking sockets.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+
+use super::{add, CloseReason, Cmd, Event, Frame, OutPayload, PeerSlot, Shared};
+use crate::pool::Lease;
+use crate::wire::{
+    encode_control_frame, ConnEvent, Connection, FrameKind, Goodbye, GoodbyeReason, Heartbeat,
+    ReadTarget, Role, SwarmKey, HEADER_LEN,
+};
+
+pub(crate) const WAKER: Token = Token(0);
+const LISTENER: Token = Token(1);
+const FIRST_CONN: usize = 2;
+/// Most bytes read from one connection per turn before serving the others.
+const READ_BUDGET: usize = 16 << 20;
+const MAX_IOV: usize = 64;
+const GOODBYE_FLUSH: Duration = Duration::from_secs(2);
+
+struct OutItem {
+    head: Box<[u8; HEADER_LEN]>,
+    payload: OutPayload,
+    data_len: u64,
+    /// Counts against the peer's send queue (user frames).
+    counted: bool,
+    ready_at: Option<Instant>,
+}
+
+impl OutItem {
+    fn payload(&self) -> &[u8] {
+        match &self.payload {
+            OutPayload::None => &[],
+            OutPayload::Lease(l) => l.as_slice(),
+            OutPayload::Bytes(b) => b,
+        }
+    }
+    fn total(&self) -> usize {
+        HEADER_LEN + self.payload().len()
+    }
+    fn control(kind: FrameKind, sender: u64, body: &[u8]) -> Self {
+        let bytes = encode_control_frame(kind, sender, body);
+        let mut head = Box::new([0u8; HEADER_LEN]);
+        head.copy_from_slice(&bytes[..HEADER_LEN]);
+        OutItem {
+            head,
+            payload: OutPayload::Bytes(bytes[HEADER_LEN..].to_vec()),
+            data_len: 0,
+            counted: false,
+            ready_at: None,
+        }
+    }
+}
+
+struct Outbound {
+    addr: SocketAddr,
+    attempt: u32,
+    reply: Option<Sender<Result<u64, String>>>,
+}
+
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+    rate: f64,
+    burst: f64,
+}
+
+struct Conn {
+    stream: TcpStream,
+    addr: SocketAddr,
+    machine: Connection,
+    connecting: bool,
+    outbound: Option<Outbound>,
+    peer: Option<u64>,
+    slot: Option<Arc<PeerSlot>>,
+    hs_out: Vec<u8>,
+    hs_off: usize,
+    sendq: VecDeque<OutItem>,
+    head_off: usize,
+    rx_lease: Option<Lease>,
+    rx_filled: usize,
+    awaiting_slot: bool,
+    started: Instant,
+    frame_deadline: Option<Instant>,
+    last_rx: Instant,
+    last_tx: Instant,
+    hb_seq: u64,
+    closing: Option<Instant>,
+    bucket: Option<Bucket>,
+    write_at: Option<Instant>,
+    got_bytes: bool,
+    shut: bool,
+}
+
+pub(crate) struct Driver {
+    shared: Arc<Shared>,
+    poll: Poll,
+    listener: Option<TcpListener>,
+    key: SwarmKey,
+    cmd_rx: Receiver<Cmd>,
+    frames_tx: Sender<Frame>,
+    events_tx: Sender<Event>,
+    conns: HashMap<Token, Conn>,
+    by_peer: HashMap<u64, Token>,
+    next_token: usize,
+    retries: Vec<(Instant, Outbound)>,
+    readable: HashSet<Token>,
+    shutting_down: Option<Instant>,
+}
+
+fn nonce() -> [u8; 32] {
+    let mut n = [0u8; 32];
+    getrandom::fill(&mut n).expect("OS random source");
+    n
+}
+
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
+}
+
+impl Driver {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        poll: Poll,
+        mut listener: Option<TcpListener>,
+        key: SwarmKey,
+        cmd_rx: Receiver<Cmd>,
+        frames_tx: Sender<Frame>,
+        events_tx: Sender<Event>,
+    ) -> io::Result<Self> {
+        if let Some(l) = listener.as_mut() {
+            poll.registry().register(l, LISTENER, Interest::READABLE)?;
+        }
+        Ok(Self {
+            shared,
+            poll,
+            listener,
+            key,
+            cmd_rx,
+            frames_tx,
+            events_tx,
+            conns: HashMap::new(),
+            by_peer: HashMap::new(),
+            next_token: FIRST_CONN,
+            retries: Vec::new(),
+            readable: HashSet::new(),
+            shutting_down: None,
+        })
+    }
+
+    fn emit(&self, ev: Event) {
+        match self.events_tx.try_send(ev) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                add(&self.shared.counters.events_dropped, 1)
+            }
+        }
+    }
+
+    pub(crate) fn run(&mut self) {
+        let mut events = Events::with_capacity(256);
+        loop {
+            let now = Instant::now();
+            let next = self.timers(now);
+            if let Some(t) = self.shutting_down {
+                if self.conns.is_empty() || now >= t {
+                    break;
+                }
+            }
+            let mut timeout = next.map(|t| t.saturating_duration_since(now));
+            if !self.readable.is_empty() {
+                timeout = Some(Duration::ZERO);
+            }
+            if self.conns.values().any(|c| c.awaiting_slot) {
+                timeout = Some(timeout.map_or(Duration::from_millis(50), |t| {
+                    t.min(Duration::from_millis(50))
+                }));
+            }
+            self.shared.parked.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !self.cmd_rx.is_empty() {
+                timeout = Some(Duration::ZERO);
+            }
+            let r = self.poll.poll(&mut events, timeout);
+            self.shared.parked.store(false, Ordering::SeqCst);
+            if let Err(e) = r {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    self.shared.log(format!("poll failed: {e}"));
+                    break;
+                }
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    WAKER => {}
+                    LISTENER => self.accept(),
+                    t => {
+                        if ev.is_writable() || ev.is_error() {
+                            self.on_writable(t);
+                        }
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.readable.insert(t);
+                        }
+                    }
+                }
+            }
+            self.commands();
+            // Connections waiting for a pool slot retry (a release may have woken us).
+            let waiting: Vec<Token> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.awaiting_slot)
+                .map(|(t, _)| *t)
+                .collect();
+            self.readable.extend(waiting);
+            let ready: Vec<Token> = self.readable.drain().collect();
+            for t in ready {
+                self.on_readable(t);
+            }
+            let any_waiting = self.conns.values().any(|c| c.awaiting_slot);
+            self.shared.pool.want_release_hook(any_waiting);
+        }
+        // Close whatever is left.
+        let tokens: Vec<Token> = self.conns.keys().copied().collect();
+        for t in tokens {
+            self.close(t, CloseReason::Local);
+        }
+        for (_, ob) in self.retries.drain(..) {
+            if let Some(r) = ob.reply {
+                let _ = r.send(Err("node shut down".into()));
+            }
+        }
+    }
+
+    fn new_conn(
+        &mut self,
+        stream: TcpStream,
+        addr: SocketAddr,
+        role: Role,
+        outbound: Option<Outbound>,
+        connecting: bool,
+    ) {
+        if self.conns.len() >= self.shared.opts.max_connections {
+            add(&self.shared.counters.connections_refused, 1);
+            self.shared
+                .log(format!("refused {addr}: too many connections"));
+            self.emit(Event::Refused {
+                addr,
+                inbound: outbound.is_none(),
+                reason: CloseReason::TooManyConnections,
+            });
+            if let Some(r) = outbound.and_then(|o| o.reply) {
+                let _ = r.send(Err(CloseReason::TooManyConnections.to_string()));
+            }
+            return;
+        }
+        let token = Token(self.next_token);
+        self.next_token += 1;
+        let mut stream = stream;
+        if let Err(e) = self.poll.registry().register(
+            &mut stream,
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            self.shared.log(format!("cannot register {addr}: {e}"));
+            return;
+        }
+        let mut machine = Connection::new(
+            role,
+            self.shared.node_id,
+            self.key.clone(),
+            nonce(),
+            self.shared.opts.max_payload,
+        );
+        let now = Instant::now();
+        let hs_out = machine.take_outgoing();
+        let bucket = self.shared.opts.link.and_then(|l| {
+            (l.bandwidth_bytes_per_s > 0).then(|| {
+                let rate = l.bandwidth_bytes_per_s as f64;
+                let burst = (rate / 100.0).max(16384.0);
+                Bucket {
+                    tokens: burst,
+                    last: now,
+                    rate,
+                    burst,
+                }
+            })
+        });
+        let conn = Conn {
+            stream,
+            addr,
+            machine,
+            connecting,
+            outbound,
+            peer: None,
+            slot: None,
+            hs_out,
+            hs_off: 0,
+            sendq: VecDeque::new(),
+            head_off: 0,
+            rx_lease: None,
+            rx_filled: 0,
+            awaiting_slot: false,
+            started: now,
+            frame_deadline: None,
+            last_rx: now,
+            last_tx: now,
+            hb_seq: 0,
+            closing: None,
+            bucket,
+            write_at: None,
+            got_bytes: false,
+            shut: false,
+        };
+        self.conns.insert(token, conn);
+        if !connecting {
+            self.flush(token);
+            self.readable.insert(token);
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            let Some(l) = self.listener.as_ref() else {
+                return;
+            };
+            match l.accept() {
+                Ok((stream, addr)) => {
+                    let _ = stream.set_nodelay(true);
+                    if self.shutting_down.is_some() {
+                        continue;
+                    }
+                    self.new_conn(stream, addr, Role::Acceptor, None, false);
+                }
+                Err(e) if would_block(&e) => return,
+                Err(e) => {
+                    self.shared.log(format!("accept failed: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn start_connect(&mut self, ob: Outbound) {
+        match TcpStream::connect(ob.addr) {
+            Ok(stream) => {
+                let addr = ob.addr;
+                self.new_conn(stream, addr, Role::Connector, Some(ob), true);
+            }
+            Err(e) => self.connect_failed(ob, e.to_string()),
+        }
+    }
+
+    fn connect_failed(&mut self, mut ob: Outbound, why: String) {
+        ob.attempt += 1;
+        let opts = &self.shared.opts;
+        if ob.attempt >= opts.connect_attempts || self.shutting_down.is_some() {
+            self.shared.log(format!(
+                "connect to {} failed after {} attempts: {why}",
+                ob.addr, ob.attempt
+            ));
+            self.emit(Event::ConnectFailed {
+                addr: ob.addr,
+                attempts: ob.attempt,
+                reason: why.clone(),
+            });
+            if let Some(r) = ob.reply {
+                let _ = r.send(Err(format!("failed after {} attempts: {why}", ob.attempt)));
+            }
+            return;
+        }
+        let backoff = opts
+            .connect_backoff
+            .saturating_mul(1u32 << (ob.attempt - 1).min(16))
+            .min(opts.connect_backoff_max);
+        self.retries.push((Instant::now() + backoff, ob));
+    }
+
+    fn commands(&mut self) {
+        while let Ok(cmd) = self.cmd_rx.try_recv() {
+            match cmd {
+                Cmd::Connect { addr, reply } => {
+                    if self.shutting_down.is_some() {
+                        if let Some(r) = reply {
+                            let _ = r.send(Err("node shut down".into()));
+                        }
+                        continue;
+                    }
+                    self.start_connect(Outbound {
+                        addr,
+                        attempt: 0,
+                        reply,
+                    })
+                }
+                Cmd::Send {
+                    peer,
+                    head,
+                    payload,
+                    data_len,
+                } => {
+                    let Some(&t) = self.by_peer.get(&peer) else {
+                        // The peer left after the sender reserved room; the slot is closed.
+                        continue;
+                    };
+                    let delay = self
+                        .shared
+                        .opts
+                        .link
+                        .map(|l| l.delay)
+                        .filter(|d| !d.is_zero());
+                    let c = self.conns.get_mut(&t).expect("by_peer is consistent");
+                    c.sendq.push_back(OutItem {
+                        head,
+                        payload,
+                        data_len,
+                        counted: true,
+                        ready_at: delay.map(|d| Instant::now() + d),
+                    });
+                    self.flush(t);
+                }
+                Cmd::Disconnect { peer } => {
+                    if let Some(&t) = self.by_peer.get(&peer) {
+                        self.say_goodbye(t, GoodbyeReason::Disconnect, "disconnect");
+                    }
+                }
+                Cmd::Shutdown => {
+                    self.shutting_down = Some(Instant::now() + GOODBYE_FLUSH);
+                    self.listener = None;
+                    let tokens: Vec<Token> = self.conns.keys().copied().collect();
+                    for t in tokens {
+                        if self.conns[&t].peer.is_some() {
+                            self.say_goodbye(t, GoodbyeReason::Shutdown, "node shutting down");
+                        } else {
+                            self.close(t, CloseReason::Local);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn say_goodbye(&mut self, t: Token, reason: GoodbyeReason, msg: &str) {
+        let id = self.shared.node_id;
+        if let Some(c) = self.conns.get_mut(&t) {
+            if c.closing.is_some() {
+                return;
+            }
+            let body = Goodbye {
+                reason,
+                message: msg.into(),
+            }
+            .encode();
+            c.sendq
+                .push_back(OutItem::control(FrameKind::Goodbye, id, &body));
+            c.closing = Some(Instant::now() + GOODBYE_FLUSH);
+            self.flush(t);
+        }
+    }
+
+    fn on_writable(&mut self, t: Token) {
+        let Some(c) = self.conns.get_mut(&t) else {
+            return;
+        };
+        if c.connecting {
+            match c.stream.take_error() {
+                Ok(Some(e)) | Err(e) => {
+                    let c = self.conns.remove(&t).expect("present");
+                    self.connect_failed(
+                        c.outbound.expect("connecting conns are outbound"),
+                        e.to_string(),
+                    );
+                    return;
+                }
+                Ok(None) => {}
+            }
+            match c.stream.peer_addr() {
+                Ok(_) => {
+                    c.connecting = false;
+                    let _ = c.stream.set_nodelay(true);
+                    c.started = Instant::now();
+                    c.last_rx = c.started;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotConnected => return,
+                Err(e) => {
+                    let c = self.conns.remove(&t).expect("present");
+                    self.connect_failed(c.outbound.expect("outbound"), e.to_string());
+                    return;
+                }
+            }
+        }
+        self.flush(t);
+    }
+
+    /// Writes handshake bytes and queued frames until the socket would block.
+    fn flush(&mut self, t: Token) {
+        let shared = self.shared.clone();
+        let Some(c) = self.conns.get_mut(&t) else {
+            return;
+        };
+        if c.connecting {
+            return;
+        }
+        let mut failure = None;
+        // Handshake bytes first.
+        while c.hs_off < c.hs_out.len() {
+            match c.stream.write(&c.hs_out[c.hs_off..]) {
+                Ok(n) => {
+                    c.hs_off += n;
+                    add(&shared.counters.wire_bytes_sent, n as u64);
+                }
+                Err(e) if would_block(&e) => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    failure = Some(CloseReason::Io(e.to_string()));
+                    break;
+                }
+            }
+        }
+        if failure.is_none() && c.hs_off == c.hs_out.len() {
+            c.hs_out.clear();
+            c.hs_off = 0;
+        }
+        while failure.is_none() && c.machine.is_established() && !c.sendq.is_empty() {
+            let now = Instant::now();
+            if let Some(ra) = c.sendq[0].ready_at {
+                if ra > now {
+                    c.write_at = Some(ra);
+                    break;
+                }
+            }
+            let mut allowed = usize::MAX;
+            if let Some(b) = c.bucket.as_mut() {
+                b.tokens =
+                    (b.tokens + now.duration_since(b.last).as_secs_f64() * b.rate).min(b.burst);
+                b.last = now;
+                if b.tokens < 1.0 {
+                    c.write_at = Some(
+                        now + Duration::from_secs_f64((1.0 - b.tokens).max(0.0) / b.rate + 0.001),
+                    );
+                    break;
+                }
+                allowed = b.tokens as usize;
+            }
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(8);
+            let mut total = 0usize;
+            for (i, item) in c.sendq.iter().enumerate() {
+                if iov.len() + 2 > MAX_IOV || total >= allowed {
+                    break;
+                }
+                if i > 0 {
+                    if let Some(ra) = item.ready_at {
+                        if ra > now {
+                            break;
+                        }
+                    }
+                }
+                let skip = if i == 0 { c.head_off } else { 0 };
+                let head: &[u8] = &item.head[..];
+                let payload = item.payload();
+                let mut parts = [head, payload];
+                let mut s = skip;
+                for p in parts.iter_mut() {
+                    let cut = s.min(p.len());
+                    *p = &p[cut..];
+                    s -= cut;
+                }
+                for p in parts {
+                    if p.is_empty() || total >= allowed {
+                        continue;
+                    }
+                    let take = p.len().min(allowed - total);
+                    iov.push(IoSlice::new(&p[..take]));
+                    total += take;
+                }
+            }
+            if iov.is_empty() {
+                break;
+            }
+            add(&shared.counters.write_calls, 1);
+            let r = c.stream.write_vectored(&iov);
+            drop(iov);
+            match r {
+                Ok(0) => {
+                    failure = Some(CloseReason::Io("write returned 0".into()));
+                }
+                Ok(mut n) => {
+                    add(&shared.counters.wire_bytes_sent, n as u64);
+                    c.last_tx = now;
+                    if let Some(b) = c.bucket.as_mut() {
+                        b.tokens -= n as f64;
+                    }
+                    while n > 0 {
+                        let left = c.sendq[0].total() - c.head_off;
+                        if n >= left {
+                            n -= left;
+                            c.head_off = 0;
+                            let item = c.sendq.pop_front().expect("non-empty");
+                            if item.counted {
+                                if let Some(s) = &c.slot {
+                                    s.done(1);
+                                }
+                                if matches!(item.payload, OutPayload::Bytes(_)) {
+                                    // control message
+                                } else {
+                                    add(&shared.counters.frames_sent, 1);
+                                    add(&shared.counters.bytes_sent, item.data_len);
+                                }
+                            }
+                        } else {
+                            c.head_off += n;
+                            n = 0;
+                        }
+                    }
+                }
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => failure = Some(CloseReason::Io(e.to_string())),
+            }
+        }
+        if failure.is_none() && c.closing.is_some() && c.sendq.is_empty() && !c.shut {
+            // Half-close after the goodbye and wait for the peer's EOF, so
+            // that closing never turns into a reset that loses the goodbye.
+            c.shut = true;
+            let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        }
+        if let Some(r) = failure {
+            self.close(t, r);
+        }
+    }
+
+    fn on_readable(&mut self, t: Token) {
+        let shared = self.shared.clone();
+        let mut budget = READ_BUDGET;
+        let mut outcome: Result<(), CloseReason> = Ok(());
+        let mut established = None;
+        let mut delivered = Vec::new();
+        let mut controls = Vec::new();
+        let mut handshake_out = false;
+        {
+            let Some(c) = self.conns.get_mut(&t) else {
+                return;
+            };
+            if c.connecting {
+                return;
+            }
+            c.awaiting_slot = false;
+            loop {
+                if budget == 0 {
+                    self.readable.insert(t);
+                    break;
+                }
+                let r = match c.machine.read_target() {
+                    ReadTarget::Closed => break,
+                    ReadTarget::Small(buf) => {
+                        add(&shared.counters.read_calls, 1);
+                        match c.stream.read(buf) {
+                            Ok(0) => {
+                                outcome = Err(if c.shut {
+                                    CloseReason::Local
+                                } else {
+                                    CloseReason::Eof {
+                                        mid_frame: c.machine.in_frame(),
+                                        in_handshake: !c.machine.is_established(),
+                                    }
+                                });
+                                break;
+                            }
+                            Ok(n) => {
+                                c.got_bytes = true;
+                                budget = budget.saturating_sub(n);
+                                add(&shared.counters.wire_bytes_received, n as u64);
+                                c.last_rx = Instant::now();
+                                if c.frame_deadline.is_none() && c.machine.is_established() {
+                                    c.frame_deadline = Some(c.last_rx + shared.opts.frame_timeout);
+                                }
+                                c.machine.small_read(n)
+                            }
+                            Err(e) if would_block(&e) => break,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                            Err(e) => {
+                                outcome = Err(CloseReason::Io(e.to_string()));
+                                break;
+                            }
+                        }
+                    }
+                    ReadTarget::Payload { header, remaining } => {
+                        if c.rx_lease.is_none() {
+                            match shared.pool.try_alloc(header.payload_len as usize) {
+                                Ok(Some(l)) => {
+                                    c.rx_lease = Some(l);
+                                    c.rx_filled = 0;
+                                }
+                                Ok(None) => {
+                                    c.awaiting_slot = true;
+                                    break;
+                                }
+                                Err(e) => {
+                                    outcome = Err(CloseReason::Io(e.to_string()));
+                                    break;
+                                }
+                            }
+                        }
+                        let lease = c.rx_lease.as_mut().expect("leased above");
+                        let start = c.rx_filled;
+                        let want = (remaining as usize).min(budget.max(1 << 16));
+                        let buf = &mut lease.as_mut_slice()[start..start + want];
+                        add(&shared.counters.read_calls, 1);
+                        match c.stream.read(buf) {
+                            Ok(0) => {
+                                outcome = Err(CloseReason::Eof {
+                                    mid_frame: true,
+                                    in_handshake: false,
+                                });
+                                break;
+                            }
+                            Ok(n) => {
+                                budget = budget.saturating_sub(n);
+                                add(&shared.counters.wire_bytes_received, n as u64);
+                                c.last_rx = Instant::now();
+                                c.rx_filled += n;
+                                let chunk = &lease.as_slice()[start..start + n];
+                                c.machine.payload_read(chunk)
+                            }
+                            Err(e) if would_block(&e) => break,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                            Err(e) => {
+                                outcome = Err(CloseReason::Io(e.to_string()));
+                                break;
+                            }
+                        }
+                    }
+                };
+                if c.machine.has_outgoing() {
+                    let out = c.machine.take_outgoing();
+                    c.hs_out.extend_from_slice(&out);
+                    handshake_out = true;
+                }
+                match r {
+                    Ok(None) => {}
+                    Ok(Some(ev)) => match ev {
+                        ConnEvent::Established { peer_id } => {
+                            established = Some(peer_id);
+                            c.frame_deadline = None;
+                        }
+                        ConnEvent::DataHeader(h) => {
+                            let allowance = Duration::from_secs_f64(
+                                h.payload_len as f64 / shared.opts.min_frame_rate.max(1) as f64,
+                            );
+                            c.frame_deadline =
+                                Some(Instant::now() + shared.opts.frame_timeout + allowance);
+                        }
+                        ConnEvent::Data(h) => {
+                            c.frame_deadline = None;
+                            let lease = c.rx_lease.take();
+                            c.rx_filled = 0;
+                            add(&shared.counters.frames_received, 1);
+                            add(&shared.counters.bytes_received, h.payload_len);
+                            delivered.push(Frame {
+                                header: h,
+                                lease,
+                                peer: c.peer.or(established).unwrap_or(0),
+                            });
+                        }
+                        ConnEvent::Heartbeat(_) => {
+                            c.frame_deadline = None;
+                            add(&shared.counters.heartbeats_received, 1);
+                        }
+                        ConnEvent::Goodbye(g) => {
+                            outcome = Err(CloseReason::Goodbye {
+                                reason: g.reason,
+                                message: g.message,
+                            });
+                            break;
+                        }
+                        ConnEvent::Control(msg) => {
+                            c.frame_deadline = None;
+                            controls.push(msg);
+                        }
+                    },
+                    Err(e) => {
+                        outcome = Err(CloseReason::Protocol(e));
+                        break;
+                    }
+                }
+                if established.is_some() {
+                    // Register the peer before reading its frames.
+                    self.readable.insert(t);
+                    break;
+                }
+            }
+        }
+        for f in delivered {
+            let _ = self.frames_tx.send(f);
+        }
+        if let Some(peer) = established {
+            if !self.on_established(t, peer) {
+                return;
+            }
+        }
+        if let Some(&peer) = self.conns.get(&t).and_then(|c| c.peer.as_ref()) {
+            for msg in controls {
+                self.emit(Event::Control { peer, msg });
+            }
+        }
+        if let Err(reason) = outcome {
+            if handshake_out {
+                // Best effort: let the peer see our proof too, so that both
+                // sides report the failed authentication.
+                if let Some(c) = self.conns.get_mut(&t) {
+                    let _ = c.stream.write(&c.hs_out[c.hs_off..]);
+                }
+            }
+            self.close(t, reason);
+            return;
+        }
+        if handshake_out {
+            self.flush(t);
+        }
+    }
+
+    /// Returns false when the connection was closed (duplicate).
+    fn on_established(&mut self, t: Token, peer: u64) -> bool {
+        let outbound = self.conns[&t].outbound.is_some();
+        if let Some(&other) = self.by_peer.get(&peer) {
+            // Keep the connection whose connector has the smaller id (both
+            // sides decide the same); the same side twice: keep the older.
+            let me = self.shared.node_id;
+            let other_outbound = self.conns[&other].outbound.is_some();
+            let connector = |ob: bool| if ob { me } else { peer };
+            let keep_new =
+                outbound != other_outbound && connector(outbound) < connector(other_outbound);
+            if !keep_new {
+                if let Some(r) = self
+                    .conns
+                    .get_mut(&t)
+                    .and_then(|c| c.outbound.as_mut())
+                    .and_then(|o| o.reply.take())
+                {
+                    let _ = r.send(Ok(peer));
+                }
+                self.close(t, CloseReason::Duplicate);
+                return false;
+            }
+            self.close(other, CloseReason::Duplicate);
+        }
+        let slot = Arc::new(PeerSlot::new());
+        self.shared.peers.write().insert(peer, slot.clone());
+        self.by_peer.insert(peer, t);
+        add(&self.shared.counters.peers_connected, 1);
+        let c = self.conns.get_mut(&t).expect("present");
+        c.peer = Some(peer);
+        c.slot = Some(slot);
+        let addr = c.addr;
+        if let Some(r) = c.outbound.as_mut().and_then(|o| o.reply.take()) {
+            let _ = r.send(Ok(peer));
+        }
+        self.shared.log(format!(
+            "peer {peer:x} connected ({addr}, {})",
+            if outbound { "outbound" } else { "inbound" }
+        ));
+        self.emit(Event::PeerConnected {
+            peer,
+            addr,
+            outbound,
+        });
+        true
+    }
+
+    fn close(&mut self, t: Token, reason: CloseReason) {
+        let Some(mut c) = self.conns.remove(&t) else {
+            return;
+        };
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        for item in c.sendq.drain(..) {
+            if item.counted {
+                if let Some(s) = &c.slot {
+                    s.done(1);
+                }
+            }
+        }
+        drop(c.rx_lease.take());
+        match c.peer {
+            Some(peer) => {
+                if self.by_peer.get(&peer) == Some(&t) {
+                    self.by_peer.remove(&peer);
+                    if let Some(s) = self.shared.peers.write().remove(&peer) {
+                        s.close();
+                    }
+                }
+                if let Some(s) = &c.slot {
+                    s.close();
+                }
+                self.shared
+                    .counters
+                    .peers_connected
+                    .fetch_sub(1, Ordering::Relaxed);
+                if reason != CloseReason::Local {
+                    add(&self.shared.counters.peers_lost, 1);
+                }
+                self.shared
+                    .log(format!("peer {peer:x} ({}) closed: {reason}", c.addr));
+                if reason != CloseReason::Duplicate {
+                    self.emit(Event::PeerLost {
+                        peer,
+                        addr: c.addr,
+                        reason,
+                    });
+                }
+            }
+            None => {
+                if reason == CloseReason::Local || reason == CloseReason::Duplicate {
+                    if let Some(r) = c.outbound.and_then(|o| o.reply) {
+                        let _ = r.send(Err(reason.to_string()));
+                    }
+                    return;
+                }
+                // A connector whose peer closed before sending anything may
+                // retry (the listener may be restarting); other failures are refusals.
+                if let (Some(ob), CloseReason::Eof { .. } | CloseReason::Io(_)) =
+                    (&c.outbound, &reason)
+                {
+                    if !c.got_bytes && ob.attempt + 1 < self.shared.opts.connect_attempts {
+                        let ob = c.outbound.take().expect("checked");
+                        self.connect_failed(ob, reason.to_string());
+                        return;
+                    }
+                }
+                add(&self.shared.counters.connections_refused, 1);
+                let inbound = c.outbound.is_none();
+                self.shared.log(format!(
+                    "refused {} connection {}: {reason}",
+                    if inbound { "inbound" } else { "outbound" },
+                    c.addr
+                ));
+                if let Some(r) = c.outbound.and_then(|o| o.reply) {
+                    let _ = r.send(Err(reason.to_string()));
+                }
+                self.emit(Event::Refused {
+                    addr: c.addr,
+                    inbound,
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// Runs due timers; returns the next deadline.
+    fn timers(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = self.shutting_down;
+        let min = |t: Instant, next: &mut Option<Instant>| {
+            *next = Some(next.map_or(t, |n| n.min(t)));
+        };
+        // Connection retries.
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retries)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.retries = later;
+        for (at, _) in &self.retries {
+            min(*at, &mut next);
+        }
+        if !due.is_empty() {
+            for (_, ob) in due {
+                self.start_connect(ob);
+            }
+            // New connections have their own deadlines: look again soon.
+            min(now, &mut next);
+        }
+        let opts = &self.shared.opts;
+        let mut to_close = Vec::new();
+        let mut heartbeats = Vec::new();
+        let mut flushes = Vec::new();
+        for (&t, c) in self.conns.iter_mut() {
+            if c.connecting {
+                let d = c.started + opts.handshake_timeout;
+                if now >= d {
+                    to_close.push((t, CloseReason::HandshakeTimeout));
+                } else {
+                    min(d, &mut next);
+                }
+                continue;
+            }
+            if !c.machine.is_established() {
+                let d = c.started + opts.handshake_timeout;
+                if now >= d {
+                    to_close.push((t, CloseReason::HandshakeTimeout));
+                } else {
+                    min(d, &mut next);
+                }
+                continue;
+            }
+            if let Some(cl) = c.closing {
+                if now >= cl {
+                    to_close.push((t, CloseReason::Local));
+                    continue;
+                }
+                min(cl, &mut next);
+            }
+            if c.awaiting_slot {
+                // Our own back-pressure: the peer is not at fault.
+                c.last_rx = now;
+                if let Some(d) = c.frame_deadline.as_mut() {
+                    *d = (*d).max(now + opts.frame_timeout);
+                }
+            }
+            let dead_at = c.last_rx + opts.peer_timeout;
+            if now >= dead_at {
+                to_close.push((
+                    t,
+                    CloseReason::PeerTimeout {
+                        silent_for: now - c.last_rx,
+                    },
+                ));
+                continue;
+            }
+            min(dead_at, &mut next);
+            if let Some(d) = c.frame_deadline {
+                if c.machine.in_frame() {
+                    if now >= d {
+                        to_close.push((t, CloseReason::FrameTimeout));
+                        continue;
+                    }
+                    min(d, &mut next);
+                } else {
+                    c.frame_deadline = None;
+                }
+            }
+            let hb_at = c.last_tx + opts.heartbeat_interval;
+            if c.sendq.is_empty() && c.closing.is_none() {
+                if now >= hb_at {
+                    heartbeats.push(t);
+                    min(now + opts.heartbeat_interval, &mut next);
+                } else {
+                    min(hb_at, &mut next);
+                }
+            }
+            if let Some(w) = c.write_at {
+                if now >= w {
+                    c.write_at = None;
+                    flushes.push(t);
+                } else {
+                    min(w, &mut next);
+                }
+            }
+        }
+        for (t, r) in to_close {
+            self.close(t, r);
+        }
+        let id = self.shared.node_id;
+        let epoch = now;
+        for t in heartbeats {
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.hb_seq += 1;
+                let hb = Heartbeat {
+                    seq: c.hb_seq,
+                    sent_at_us: epoch.duration_since(c.started).as_micros() as u64,
+                };
+                c.sendq
+                    .push_back(OutItem::control(FrameKind::Heartbeat, id, &hb.encode()));
+                c.last_tx = now;
+                add(&self.shared.counters.heartbeats_sent, 1);
+                flushes.push(t);
+            }
+        }
+        for t in flushes {
+            self.flush(t);
+        }
+        next
+    }
+}

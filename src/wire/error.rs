@@ -1,0 +1,86 @@
+//! Typed decode and protocol errors: every failure says what and why.
+
+use std::fmt;
+
+/// Why a header, a control message or a byte stream was rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireError {
+    /// Fewer bytes than the fixed size of the thing being decoded.
+    TooShort {
+        what: &'static str,
+        need: usize,
+        got: usize,
+    },
+    /// Bytes left over after a complete message.
+    TrailingBytes { what: &'static str, extra: usize },
+    /// The magic number is not ours (not a gwtf peer, or a desynchronised stream).
+    BadMagic { what: &'static str, got: u32 },
+    /// A protocol version this build does not speak.
+    UnsupportedVersion { what: &'static str, got: u16 },
+    /// An unknown frame kind.
+    UnknownKind(u16),
+    /// Flag bits this version does not define.
+    UnknownFlags(u32),
+    /// An unknown element type.
+    UnknownDtype(u16),
+    /// The header checksum does not match (corrupted or forged header).
+    HeaderChecksum { expected: u32, computed: u32 },
+    /// The payload checksum does not match.
+    PayloadChecksum { expected: u32, computed: u32 },
+    /// The announced payload is larger than the configured limit.
+    PayloadTooLarge { len: u64, max: u64 },
+    /// The shape is malformed or does not describe the payload length.
+    BadShape(String),
+    /// A reserved field is not zero.
+    ReservedNotZero(&'static str),
+    /// A field has a value outside its range.
+    BadField { field: &'static str, value: u64 },
+    /// Text that is not UTF-8.
+    BadUtf8(&'static str),
+    /// The handshake failed (bad MAC, wrong role, self connection).
+    Handshake(String),
+    /// The peer's proof of the swarm key did not verify.
+    AuthFailed,
+    /// A message arrived in a state where it is not allowed.
+    Unexpected(String),
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use WireError::*;
+        match self {
+            TooShort { what, need, got } => {
+                write!(f, "{what}: truncated ({got} bytes, {need} needed)")
+            }
+            TrailingBytes { what, extra } => write!(f, "{what}: {extra} unexpected trailing bytes"),
+            BadMagic { what, got } => write!(f, "{what}: bad magic 0x{got:08x}"),
+            UnsupportedVersion { what, got } => write!(f, "{what}: unsupported version {got}"),
+            UnknownKind(k) => write!(f, "frame header: unknown kind {k}"),
+            UnknownFlags(x) => write!(f, "frame header: unknown flag bits 0x{x:x}"),
+            UnknownDtype(d) => write!(f, "frame header: unknown dtype {d}"),
+            HeaderChecksum { expected, computed } => write!(
+                f,
+                "frame header: bad header checksum (carried 0x{expected:08x}, computed 0x{computed:08x})"
+            ),
+            PayloadChecksum { expected, computed } => write!(
+                f,
+                "frame payload: bad checksum (carried 0x{expected:08x}, computed 0x{computed:08x})"
+            ),
+            PayloadTooLarge { len, max } => {
+                write!(f, "frame header: payload length {len} exceeds the limit {max}")
+            }
+            BadShape(why) => write!(f, "frame header: bad shape: {why}"),
+            ReservedNotZero(field) => write!(f, "reserved field {field} is not zero"),
+            BadField { field, value } => write!(f, "field {field} has invalid value {value}"),
+            BadUtf8(what) => write!(f, "{what}: text is not UTF-8"),
+            Handshake(why) => write!(f, "handshake: {why}"),
+            AuthFailed => write!(
+                f,
+                "handshake: authentication failed (wrong swarm key, or a replayed handshake)"
+            ),
+            Unexpected(why) => write!(f, "unexpected message: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for WireError {}

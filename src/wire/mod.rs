@@ -1,0 +1,18 @@
+//! The v1 wire format: the frame header, control-message codecs, the
+//! authenticated handshake and the connection as a sans-I/O state machine.
+//! Pure: no I/O, no clocks, no threads; the main fuzz surface.
+
+pub mod conn;
+pub mod control;
+mod error;
+pub mod handshake;
+pub mod header;
+
+pub use conn::{encode_control_frame, ConnEvent, Connection, ReadTarget};
+pub use control::{ControlEnvelope, Goodbye, GoodbyeReason, Heartbeat};
+pub use error::WireError;
+pub use handshake::{Role, SwarmKey};
+pub use header::{
+    crc32c, crc32c_append, Dtype, FrameHeader, FrameKind, FLAG_PAYLOAD_CRC, FRAME_MAGIC,
+    HEADER_LEN, WIRE_VERSION,
+};

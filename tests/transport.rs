@@ -1,0 +1,540 @@
+//! The transport across processes over 127.0.0.1: frames of 0 B to 256 MiB
+//! through a `gwtf echo` process, 64 peers at once, a peer killed mid-frame,
+//! hostile byte streams and dead peers. Deadlines are generous and every loop
+//! is bounded.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::wire::{
+    crc32c, ConnEvent, Connection, FrameHeader, ReadTarget, Role, SwarmKey, WireError,
+    FLAG_PAYLOAD_CRC,
+};
+
+const KEY: &[u8] = b"transport-test-swarm-key-0123456";
+const T: Duration = Duration::from_secs(60);
+
+struct Echo {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Echo {
+    fn start(name: &str, extra: &[&str]) -> Echo {
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("swarm.key");
+        std::fs::write(&key, KEY).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gwtf"))
+            .args(["echo", "--listen", "127.0.0.1:0", "--swarm-key-file"])
+            .arg(&key)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .split_whitespace()
+            .nth(4)
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .parse()
+            .unwrap();
+        Echo { child, addr }
+    }
+
+    /// SIGTERM, wait, and return what it logged.
+    fn stop(mut self) -> String {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + T;
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "echo did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut err = String::new();
+        self.child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        err
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn opts(max_payload: u64, pool: usize) -> NodeOptions {
+    NodeOptions {
+        listen: None,
+        swarm_key: KEY.to_vec(),
+        max_payload,
+        pool_bytes: pool,
+        ..NodeOptions::default()
+    }
+}
+
+fn pattern(seed: u64, buf: &mut [u8]) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for c in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+}
+
+fn wait_event(node: &Node, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
+    let deadline = Instant::now() + T;
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        if let Some(ev) = node.poll_event(Duration::from_millis(50)) {
+            if pred(&ev) {
+                return ev;
+            }
+            seen.push(ev);
+        }
+    }
+    panic!("no {what} event within {T:?}; saw {seen:?}");
+}
+
+#[test]
+fn frames_from_0_bytes_to_256_mib_roundtrip_through_an_echo_process() {
+    let echo = Echo::start("echo-sizes", &[]);
+    let node = Node::new(opts(256 << 20, 600 << 20)).unwrap();
+    let peer = node.connect_wait(echo.addr, T).unwrap();
+    let sizes = [
+        0usize,
+        1,
+        7,
+        4095,
+        4096,
+        65536,
+        (1 << 20) + 3,
+        16 << 20,
+        256 << 20,
+    ];
+    for (i, &n) in sizes.iter().enumerate() {
+        let mut f = node.alloc(n, T).unwrap();
+        pattern(i as u64, f.payload_mut());
+        f.header.microbatch = i as u64;
+        f.header.iteration = 42;
+        node.send(peer, f, T).unwrap();
+        let r = node.recv(T).unwrap();
+        assert_eq!(
+            (r.header.microbatch, r.header.iteration, r.len()),
+            (i as u64, 42, n)
+        );
+        assert_eq!(r.header.sender, peer, "the echo re-sends as itself");
+        let mut want = vec![0u8; n];
+        pattern(i as u64, &mut want);
+        assert!(r.payload() == &want[..], "payload of {n} bytes differs");
+    }
+    let s = node.stats();
+    assert_eq!(s.user_copies, 0);
+    assert_eq!(s.frames_received, sizes.len() as u64);
+    assert_eq!(s.pool.in_use_bytes, 0);
+    let log = echo.stop();
+    assert!(log.contains("0 user-space copies"), "{log}");
+}
+
+#[test]
+fn sixty_four_peers_at_once() {
+    let echo = Echo::start("echo-64", &[]);
+    let nodes: Vec<Node> = (0..64)
+        .map(|_| Node::new(opts(1 << 20, 4 << 20)).unwrap())
+        .collect();
+    std::thread::scope(|s| {
+        for (k, node) in nodes.iter().enumerate() {
+            let addr = echo.addr;
+            s.spawn(move || {
+                let peer = node.connect_wait(addr, T).unwrap();
+                for i in 0..4u64 {
+                    let n = 1000 + (k * 4099 + i as usize * 65537) % (1 << 20);
+                    let mut f = node.alloc(n, T).unwrap();
+                    pattern(k as u64 * 100 + i, f.payload_mut());
+                    f.header.microbatch = i;
+                    node.send(peer, f, T).unwrap();
+                }
+                for i in 0..4u64 {
+                    let r = node.recv(T).unwrap();
+                    assert_eq!(r.header.microbatch, i);
+                    let mut want = vec![0u8; r.len()];
+                    pattern(k as u64 * 100 + i, &mut want);
+                    assert!(r.payload() == &want[..]);
+                }
+            });
+        }
+    });
+    for n in &nodes {
+        assert_eq!(n.stats().pool.in_use_bytes, 0);
+    }
+    drop(nodes);
+    let log = echo.stop();
+    assert_eq!(log.matches("connected from").count(), 64, "{log}");
+}
+
+#[test]
+fn peer_killed_mid_frame_is_reported_lost_without_leak_or_hang() {
+    // The echo sends back at 2 MB/s, so its reply is mid-frame when it dies.
+    let echo = Echo::start("echo-kill", &["--link-bandwidth", "2000000"]);
+    let node = Node::new(NodeOptions {
+        peer_timeout: Duration::from_secs(30),
+        ..opts(32 << 20, 128 << 20)
+    })
+    .unwrap();
+    let peer = node.connect_wait(echo.addr, T).unwrap();
+    let mut f = node.alloc(16 << 20, T).unwrap();
+    pattern(1, f.payload_mut());
+    node.send(peer, f, T).unwrap();
+    let deadline = Instant::now() + T;
+    while node.stats().wire_bytes_received < (1 << 20) {
+        assert!(Instant::now() < deadline, "echo never started replying");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        node.stats().pool.in_use_bytes >= 16 << 20,
+        "the reply's slot is leased"
+    );
+    let mut echo = echo;
+    echo.child.kill().unwrap(); // SIGKILL
+    let t0 = Instant::now();
+    let ev = wait_event(&node, "peer lost", |e| matches!(e, Event::PeerLost { .. }));
+    let Event::PeerLost {
+        peer: p, reason, ..
+    } = ev
+    else {
+        unreachable!()
+    };
+    assert_eq!(p, peer);
+    assert!(
+        matches!(
+            reason,
+            CloseReason::Eof {
+                mid_frame: true,
+                ..
+            } | CloseReason::Io(_)
+        ),
+        "{reason}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t0.elapsed()
+    );
+    // No partial frame is delivered, the slot came back, the node still works.
+    assert!(node.recv(Duration::from_millis(200)).is_err());
+    assert_eq!(node.stats().pool.in_use_bytes, 0);
+    assert!(node.peers().is_empty());
+}
+
+#[test]
+fn echo_logs_refused_connections_with_their_reason() {
+    let echo = Echo::start("echo-refuse", &["--handshake-timeout-ms", "500"]);
+    let mut s = TcpStream::connect(echo.addr).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n________________________")
+        .unwrap();
+    let bad = Node::new(NodeOptions {
+        swarm_key: b"not-the-swarm-key-at-all-000000".to_vec(),
+        connect_attempts: 1,
+        ..opts(1 << 20, 2 << 20)
+    })
+    .unwrap();
+    assert!(bad.connect_wait(echo.addr, T).is_err());
+    let _silent = TcpStream::connect(echo.addr).unwrap();
+    // A good peer is still served.
+    let good = Node::new(opts(1 << 20, 2 << 20)).unwrap();
+    let peer = good.connect_wait(echo.addr, T).unwrap();
+    let f = good.alloc_copy(b"still served", T).unwrap();
+    good.send(peer, f, T).unwrap();
+    assert_eq!(good.recv(T).unwrap().payload(), b"still served");
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = echo.stop();
+    assert!(
+        log.contains("refused inbound connection") && log.contains("bad magic"),
+        "{log}"
+    );
+    assert!(log.contains("authentication failed"), "{log}");
+    assert!(log.contains("handshake deadline passed"), "{log}");
+}
+
+// ------------------------------------------------------------ hostile streams
+
+fn server() -> Node {
+    Node::new(NodeOptions {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        handshake_timeout: Duration::from_millis(800),
+        frame_timeout: Duration::from_millis(800),
+        heartbeat_interval: Duration::from_millis(200),
+        peer_timeout: Duration::from_millis(1500),
+        log: true,
+        ..opts(1 << 20, 8 << 20)
+    })
+    .unwrap()
+}
+
+/// Authenticates a raw socket the honest way; returns the stream.
+fn raw_authenticated(addr: SocketAddr, id: u64) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    let mut nonce = [0u8; 32];
+    nonce[..8].copy_from_slice(&id.to_le_bytes());
+    let mut c = Connection::new(
+        Role::Connector,
+        id,
+        SwarmKey::new(KEY).unwrap(),
+        nonce,
+        1 << 20,
+    );
+    for _ in 0..10 {
+        s.write_all(&c.take_outgoing()).unwrap();
+        let ReadTarget::Small(buf) = c.read_target() else {
+            panic!("handshake state")
+        };
+        let n = s.read(buf).unwrap();
+        assert!(n > 0, "server closed during handshake");
+        if let Some(ConnEvent::Established { .. }) = c.small_read(n).unwrap() {
+            s.write_all(&c.take_outgoing()).unwrap();
+            return s;
+        }
+    }
+    panic!("handshake did not finish");
+}
+
+fn header(len: u64) -> FrameHeader {
+    let mut h = FrameHeader::data();
+    h.sender = 1;
+    h.payload_len = len;
+    h
+}
+
+fn reason_for(server: &Node, inbound_refused: bool) -> CloseReason {
+    match wait_event(server, "close", |e| {
+        if inbound_refused {
+            matches!(e, Event::Refused { .. })
+        } else {
+            matches!(e, Event::PeerLost { .. })
+        }
+    }) {
+        Event::Refused { reason, .. } | Event::PeerLost { reason, .. } => reason,
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
+    let srv = server();
+    let addr = srv.local_addr().unwrap();
+    // An honest peer keeps exchanging frames the whole time.
+    let honest = Node::new(opts(1 << 20, 8 << 20)).unwrap();
+    let honest_id = honest.connect_wait(addr, T).unwrap();
+    let _ = wait_event(&srv, "honest connect", |e| {
+        matches!(e, Event::PeerConnected { .. })
+    });
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let mut f = honest.alloc(100_000, T).unwrap();
+                pattern(i, f.payload_mut());
+                honest.send(honest_id, f, T).unwrap();
+                let r = srv.recv(T).unwrap();
+                let mut want = vec![0u8; 100_000];
+                pattern(i, &mut want);
+                assert!(r.payload() == &want[..]);
+                i += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        let check = |what: &str, refused: bool, pred: &dyn Fn(&CloseReason) -> bool| {
+            let r = reason_for(&srv, refused);
+            assert!(pred(&r), "{what}: unexpected reason {r:?}");
+        };
+
+        // Garbage before the handshake.
+        let mut g = TcpStream::connect(addr).unwrap();
+        g.write_all(&[0x55; 64]).unwrap();
+        check("garbage", true, &|r| {
+            matches!(r, CloseReason::Protocol(WireError::BadMagic { .. }))
+        });
+        // A hello of another version.
+        let mut v = TcpStream::connect(addr).unwrap();
+        let mut hello = gwtf::wire::handshake::Hello {
+            role: Role::Connector,
+            node_id: 5,
+            nonce: [9; 32],
+        }
+        .encode();
+        hello[4] = 9;
+        v.write_all(&hello).unwrap();
+        check("hello version", true, &|r| {
+            matches!(
+                r,
+                CloseReason::Protocol(WireError::UnsupportedVersion { .. })
+            )
+        });
+        // A wrong key.
+        let bad = Node::new(NodeOptions {
+            swarm_key: b"wrong-key-wrong-key-wrong-key-00".to_vec(),
+            connect_attempts: 1,
+            ..opts(1 << 20, 2 << 20)
+        })
+        .unwrap();
+        assert!(bad.connect_wait(addr, T).is_err());
+        check("wrong key", true, &|r| {
+            *r == CloseReason::Protocol(WireError::AuthFailed)
+        });
+        // A replayed handshake: record one, replay it on a new connection.
+        let mut rec = TcpStream::connect(addr).unwrap();
+        let mut c = Connection::new(
+            Role::Connector,
+            77,
+            SwarmKey::new(KEY).unwrap(),
+            [7; 32],
+            1 << 20,
+        );
+        let mut sent = c.take_outgoing();
+        rec.write_all(&sent).unwrap();
+        let mut srv_hello = [0u8; 48];
+        rec.read_exact(&mut srv_hello).unwrap();
+        let (_, e) = gwtf::wire::conn::drive_bytes(&mut c, &srv_hello, &[]);
+        assert!(e.is_none());
+        let proof = c.take_outgoing();
+        rec.write_all(&proof).unwrap();
+        sent.extend_from_slice(&proof);
+        let _ = wait_event(&srv, "recorded connect", |e| {
+            matches!(e, Event::PeerConnected { peer: 77, .. })
+        });
+        drop(rec);
+        let _ = wait_event(&srv, "recorded gone", |e| {
+            matches!(e, Event::PeerLost { peer: 77, .. })
+        });
+        let mut replay = TcpStream::connect(addr).unwrap();
+        replay.write_all(&sent).unwrap();
+        check("replay", true, &|r| {
+            *r == CloseReason::Protocol(WireError::AuthFailed)
+        });
+        // Slowloris in the handshake: one byte at a time, too slowly.
+        let mut slow = TcpStream::connect(addr).unwrap();
+        let t0 = Instant::now();
+        let hello = gwtf::wire::handshake::Hello {
+            role: Role::Connector,
+            node_id: 6,
+            nonce: [1; 32],
+        }
+        .encode();
+        std::thread::scope(|s2| {
+            s2.spawn(|| {
+                for b in hello.iter().take(10) {
+                    if slow.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            });
+            check("slow handshake", true, &|r| {
+                *r == CloseReason::HandshakeTimeout
+            });
+        });
+        assert!(t0.elapsed() < Duration::from_secs(10));
+
+        // Authenticated peers that then misbehave.
+        let mut next_id = 1000u64;
+        let mut attack = |what: &str, bytes: Vec<u8>, pred: &dyn Fn(&CloseReason) -> bool| {
+            next_id += 1;
+            let mut s = raw_authenticated(addr, next_id);
+            let _ = wait_event(&srv, "attacker connect", |e| {
+                matches!(e, Event::PeerConnected { .. })
+            });
+            s.write_all(&bytes).unwrap();
+            check(what, false, pred);
+        };
+        let mut h = header(10).encode();
+        h[0] = b'X';
+        attack("wrong magic", h.to_vec(), &|r| {
+            matches!(r, CloseReason::Protocol(WireError::BadMagic { .. }))
+        });
+        let mut hv = header(10);
+        hv.version = 2;
+        attack("wrong version", hv.encode().to_vec(), &|r| {
+            matches!(
+                r,
+                CloseReason::Protocol(WireError::UnsupportedVersion { got: 2, .. })
+            )
+        });
+        attack("oversized", header(1 << 40).encode().to_vec(), &|r| {
+            matches!(r, CloseReason::Protocol(WireError::PayloadTooLarge { .. }))
+        });
+        let mut hc = header(1000);
+        hc.flags = FLAG_PAYLOAD_CRC;
+        hc.payload_crc = crc32c(&[1u8; 1000]) ^ 1;
+        let mut bytes = hc.encode().to_vec();
+        bytes.extend_from_slice(&[1u8; 1000]);
+        attack("bad checksum", bytes, &|r| {
+            matches!(r, CloseReason::Protocol(WireError::PayloadChecksum { .. }))
+        });
+        // Slowloris inside a frame: a header dribbled one byte at a time.
+        next_id += 1;
+        let mut s = raw_authenticated(addr, next_id);
+        let _ = wait_event(&srv, "slow frame connect", |e| {
+            matches!(e, Event::PeerConnected { .. })
+        });
+        let hb = header(10).encode();
+        std::thread::scope(|s2| {
+            s2.spawn(|| {
+                for b in hb.iter().take(20) {
+                    if s.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            });
+            check("slow frame", false, &|r| *r == CloseReason::FrameTimeout);
+        });
+        // A silent authenticated peer is detected as dead.
+        next_id += 1;
+        let _silent = raw_authenticated(addr, next_id);
+        let _ = wait_event(&srv, "silent connect", |e| {
+            matches!(e, Event::PeerConnected { .. })
+        });
+        let t0 = Instant::now();
+        check("silent", false, &|r| {
+            matches!(r, CloseReason::PeerTimeout { .. })
+        });
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(1000) && took < Duration::from_secs(10),
+            "{took:?}"
+        );
+
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    // The honest peer was served throughout and memory is back.
+    assert_eq!(srv.peers(), vec![honest.node_id()]);
+    let st = srv.stats();
+    assert!(st.frames_received > 0);
+    assert!(st.connections_refused >= 5, "{st:?}");
+    let deadline = Instant::now() + T;
+    while srv.stats().pool.in_use_bytes != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "pool not released: {:?}",
+            srv.stats().pool
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(st.pool.high_water_bytes <= st.pool.capacity_bytes);
+}

@@ -1,0 +1,129 @@
+//! Two or more nodes in one process over loopback: the Rust `Node` API.
+
+use std::time::{Duration, Instant};
+
+use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::wire::Dtype;
+
+const KEY: &[u8] = b"0123456789abcdef-test-swarm-key";
+const T: Duration = Duration::from_secs(20);
+
+fn opts() -> NodeOptions {
+    NodeOptions {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        swarm_key: KEY.to_vec(),
+        max_payload: 4 << 20,
+        pool_bytes: 32 << 20,
+        heartbeat_interval: Duration::from_millis(200),
+        peer_timeout: Duration::from_secs(2),
+        ..NodeOptions::default()
+    }
+}
+
+fn wait_event(node: &Node, pred: impl Fn(&Event) -> bool) -> Event {
+    let deadline = Instant::now() + T;
+    while Instant::now() < deadline {
+        if let Some(ev) = node.poll_event(Duration::from_millis(100)) {
+            if pred(&ev) {
+                return ev;
+            }
+        }
+    }
+    panic!("event not seen within {T:?}");
+}
+
+#[test]
+fn send_and_receive_tensors_between_two_nodes() {
+    let a = Node::new(opts()).unwrap();
+    let b = Node::new(opts()).unwrap();
+    let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+    assert_eq!(peer, b.node_id());
+    wait_event(
+        &b,
+        |e| matches!(e, Event::PeerConnected { peer, .. } if *peer == a.node_id()),
+    );
+    for (i, n) in [0usize, 1, 3, 1000, 65536, 1 << 20, (4 << 20) / 4]
+        .into_iter()
+        .enumerate()
+    {
+        let mut f = a.alloc(n * 4, T).unwrap();
+        for (j, c) in f.payload_mut().chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&((j as f32) * 0.5 + i as f32).to_le_bytes());
+        }
+        f.header.microbatch = i as u64;
+        f.header.dtype = Dtype::F32 as u16;
+        f.header.ndim = 1;
+        f.header.shape[0] = n as u64;
+        a.send(peer, f, T).unwrap();
+        let r = b.recv(T).unwrap();
+        assert_eq!(r.peer(), a.node_id());
+        assert_eq!(r.header.microbatch, i as u64);
+        assert_eq!(r.len(), n * 4);
+        for (j, c) in r.payload().chunks_exact(4).enumerate() {
+            assert_eq!(
+                f32::from_le_bytes(c.try_into().unwrap()),
+                (j as f32) * 0.5 + i as f32
+            );
+        }
+    }
+    let s = b.stats();
+    assert_eq!(s.frames_received, 7);
+    assert_eq!(s.user_copies, 0);
+    assert_eq!(a.stats().user_copies, 0);
+    // Everything was released.
+    assert_eq!(b.stats().pool.in_use_bytes, 0);
+    assert_eq!(a.stats().pool.in_use_bytes, 0);
+}
+
+#[test]
+fn goodbye_and_dead_peer_are_reported() {
+    let a = Node::new(opts()).unwrap();
+    let b = Node::new(opts()).unwrap();
+    let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+    let bid = b.node_id();
+    wait_event(&b, |e| matches!(e, Event::PeerConnected { .. }));
+    b.shutdown();
+    let ev = wait_event(&a, |e| matches!(e, Event::PeerLost { .. }));
+    match ev {
+        Event::PeerLost {
+            peer: p, reason, ..
+        } => {
+            assert_eq!(p, bid);
+            assert!(matches!(reason, CloseReason::Goodbye { .. }), "{reason}");
+        }
+        _ => unreachable!(),
+    }
+    let f = a.alloc(10, T).unwrap();
+    assert!(a.send(peer, f, T).is_err());
+}
+
+#[test]
+fn connect_to_nothing_fails_after_retries() {
+    let mut o = opts();
+    o.connect_attempts = 3;
+    o.connect_backoff = Duration::from_millis(10);
+    let a = Node::new(o).unwrap();
+    // A port nobody listens on: bind then drop.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let e = a.connect_wait(addr, T).unwrap_err();
+    assert!(e.to_string().contains("3 attempts"), "{e}");
+}
+
+#[test]
+fn wrong_key_is_refused_on_both_sides() {
+    let a = Node::new(opts()).unwrap();
+    let mut o = opts();
+    o.swarm_key = b"another-key-of-sufficient-length".to_vec();
+    let b = Node::new(o).unwrap();
+    let e = a.connect_wait(b.local_addr().unwrap(), T).unwrap_err();
+    assert!(
+        e.to_string().contains("authentication failed") || e.to_string().contains("closed by peer"),
+        "{e}"
+    );
+    let ev = wait_event(&b, |e| matches!(e, Event::Refused { .. }));
+    assert!(format!("{ev:?}").contains("AuthFailed"), "{ev:?}");
+    assert!(b.peers().is_empty());
+}
