@@ -26,6 +26,11 @@
 #define GWTF_CUDA_PROBE_OPTIONS_VERSION 1
 
 /**
+ * Current version of `gwtf_flow_metrics`.
+ */
+#define GWTF_FLOW_METRICS_VERSION 1
+
+/**
  * "GWTF" as a little-endian `uint32_t`: the `magic` of every frame header.
  */
 #define GWTF_FRAME_MAGIC 1179932487
@@ -379,6 +384,39 @@ typedef int32_t gwtf_close_reason;
 #endif // __cplusplus
 
 /**
+ * Outcome of `gwtf_flow_solve` (`GWTF_FLOW_STATE_*`).
+ */
+enum gwtf_flow_state
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Not solved yet, or changed since the last solve.
+   */
+  GWTF_FLOW_STATE_NOT_SOLVED = 0,
+  /**
+   * Optimal: most flow first (routing), then least cost.
+   */
+  GWTF_FLOW_STATE_OPTIMAL = 1,
+  /**
+   * The supplies cannot be routed (general graphs only; routing is always feasible).
+   */
+  GWTF_FLOW_STATE_INFEASIBLE = 2,
+  /**
+   * A negative-cost cycle of unbounded capacity (general graphs only).
+   */
+  GWTF_FLOW_STATE_UNBOUNDED = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_flow_state gwtf_flow_state;
+#else
+typedef int32_t gwtf_flow_state;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * The result of a CUDA probe (opaque).
  */
 typedef struct gwtf_cuda_info gwtf_cuda_info;
@@ -387,6 +425,11 @@ typedef struct gwtf_cuda_info gwtf_cuda_info;
  * An error returned through a trailing `gwtf_error **out_err` parameter.
  */
 typedef struct gwtf_error gwtf_error;
+
+/**
+ * A min-cost flow graph or a GWTF routing model (opaque).
+ */
+typedef struct gwtf_flow gwtf_flow;
 
 /**
  * A frame (opaque): allocated with `gwtf_node_frame_alloc` or received with
@@ -424,6 +467,49 @@ typedef struct gwtf_cuda_probe_options {
    */
   int32_t detail;
 } gwtf_cuda_probe_options;
+
+/**
+ * Results of the last solve. Set `version` with `gwtf_flow_metrics_init`.
+ */
+typedef struct gwtf_flow_metrics {
+  uint32_t version;
+  /**
+   * A `GWTF_FLOW_STATE_*` value.
+   */
+  int32_t state;
+  /**
+   * Graph: total flow out of supply nodes. Routing: microbatches routed.
+   */
+  int64_t flow_value;
+  /**
+   * Graph: total cost. Routing: sum of route costs (microseconds).
+   */
+  int64_t total_cost;
+  /**
+   * Routing: microbatches that could not be routed this iteration.
+   */
+  int64_t unrouted;
+  /**
+   * Routing: largest route cost (microseconds).
+   */
+  int64_t critical_path_us;
+  /**
+   * Routing: 2 * critical path + the largest stage aggregation time (microseconds).
+   */
+  int64_t t_iter_us;
+  /**
+   * Routing: T_iter / flow (microseconds; +inf when nothing is routed).
+   */
+  double t_iter_per_flow_us;
+  /**
+   * Routing: distinct routes (read them with `gwtf_flow_route`).
+   */
+  uint64_t route_count;
+  /**
+   * Wall time of the last solve or repair, milliseconds.
+   */
+  double solve_ms;
+} gwtf_flow_metrics;
 
 /**
  * The v1 frame header (`gwtf_frame_header` in C): 96 bytes, little-endian
@@ -865,6 +951,355 @@ int32_t gwtf_error_status(const struct gwtf_error *err);
  * Errors: none.
  */
 void gwtf_error_free(struct gwtf_error *err);
+
+/**
+ * Creates an empty general min-cost flow graph.
+ *
+ * Ownership: the caller owns `*out_flow` and frees it with `gwtf_flow_free`.
+ *
+ * Thread safety: any thread; calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_flow_new_graph(struct gwtf_flow **out_flow,
+                                struct gwtf_error **out_err);
+
+/**
+ * Parses a DIMACS min-cost flow problem (`p min`, `n`, `a` lines) from
+ * `len` bytes of `text` into a new general graph. DIMACS node `k` becomes
+ * node `k - 1`; arc ids follow the file's order.
+ *
+ * Ownership: `text` is read during the call; the caller owns `*out_flow`.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_PROTOCOL` (malformed input; the message has the line
+ * number and reason), `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_flow_new_from_dimacs(const char *text,
+                                      size_t len,
+                                      struct gwtf_flow **out_flow,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Adds a node with `supply` (positive: source, negative: sink). `*out_node`
+ * (may be NULL) receives its id; ids are never reused.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (a routing model),
+ * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_add_node(const struct gwtf_flow *flow,
+                               int64_t supply,
+                               uint32_t *out_node,
+                               struct gwtf_error **out_err);
+
+/**
+ * Adds an arc `from -> to` with `capacity` (>= 0) and `cost` (may be
+ * negative). Parallel arcs are allowed. `*out_arc` (may be NULL) gets its id.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (unknown or removed node),
+ * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_LIMIT_EXCEEDED`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_add_arc(const struct gwtf_flow *flow,
+                              uint32_t from,
+                              uint32_t to,
+                              int64_t capacity,
+                              int64_t cost,
+                              uint32_t *out_arc,
+                              struct gwtf_error **out_err);
+
+/**
+ * Removes a node and its arcs; the next solve repairs the flow it carried.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_remove_node(const struct gwtf_flow *flow,
+                                  uint32_t node,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Removes an arc; the next solve repairs the flow it carried.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_remove_arc(const struct gwtf_flow *flow,
+                                 uint32_t arc,
+                                 struct gwtf_error **out_err);
+
+/**
+ * Changes an arc's capacity (>= 0).
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_arc_capacity(const struct gwtf_flow *flow,
+                                       uint32_t arc,
+                                       int64_t capacity,
+                                       struct gwtf_error **out_err);
+
+/**
+ * Changes an arc's cost.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_arc_cost(const struct gwtf_flow *flow,
+                                   uint32_t arc,
+                                   int64_t cost,
+                                   struct gwtf_error **out_err);
+
+/**
+ * Changes a node's supply.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_supply(const struct gwtf_flow *flow,
+                                 uint32_t node,
+                                 int64_t supply,
+                                 struct gwtf_error **out_err);
+
+/**
+ * Creates an empty GWTF routing model with `stages` pipeline stages and
+ * activations of `activation_bytes` per microbatch (GWTF.md sections 3-4).
+ *
+ * Ownership: the caller owns `*out_flow` and frees it with `gwtf_flow_free`.
+ *
+ * Thread safety: any thread; calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (0 stages), `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_flow_new_routing(uint32_t stages,
+                                  uint64_t activation_bytes,
+                                  struct gwtf_flow **out_flow,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Adds a data holder that feeds `capacity` microbatches per iteration and
+ * computes one (embedding + head + loss) in `compute_us` microseconds.
+ * `*out_member` (may be NULL) receives its member id.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (negative capacity, non-finite
+ * time, not a routing model), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_add_data_holder(const struct gwtf_flow *flow,
+                                      int64_t capacity,
+                                      double compute_us,
+                                      uint32_t *out_member,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Adds a relay serving `stage` (1-based) that holds `capacity` microbatches
+ * and computes one in `compute_us` microseconds.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (stage out of range, negative
+ * capacity, non-finite time, not a routing model), `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_add_relay(const struct gwtf_flow *flow,
+                                uint32_t stage,
+                                int64_t capacity,
+                                double compute_us,
+                                uint32_t *out_member,
+                                struct gwtf_error **out_err);
+
+/**
+ * Sets (or updates) the measured link between members `a` and `b`: one-way
+ * latency (microseconds) and bandwidth (bytes per second) in each direction.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (unknown member, non-positive
+ * bandwidth, negative latency), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_link(const struct gwtf_flow *flow,
+                               uint32_t a,
+                               uint32_t b,
+                               double latency_ab_us,
+                               double latency_ba_us,
+                               double bandwidth_ab,
+                               double bandwidth_ba,
+                               struct gwtf_error **out_err);
+
+/**
+ * Removes a member (it crashed or left); the next solve repairs the routes
+ * it was on instead of solving from scratch.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (unknown or removed member),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_remove_member(const struct gwtf_flow *flow,
+                                    uint32_t member,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Changes a member's capacity (microbatches it can hold).
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_member_capacity(const struct gwtf_flow *flow,
+                                          uint32_t member,
+                                          int64_t capacity,
+                                          struct gwtf_error **out_err);
+
+/**
+ * Changes a member's measured compute time per microbatch (microseconds).
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_set_member_compute(const struct gwtf_flow *flow,
+                                         uint32_t member,
+                                         double compute_us,
+                                         struct gwtf_error **out_err);
+
+/**
+ * Solves, or after changes repairs, the flow. `*out_state` (may be NULL)
+ * receives a `GWTF_FLOW_STATE_*` value; infeasible and unbounded are answers,
+ * not errors.
+ *
+ * Ownership: `flow` is borrowed.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_LIMIT_EXCEEDED` (costs too large for exact scaling),
+ * `GWTF_STATUS_INTERNAL`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_solve(const struct gwtf_flow *flow,
+                            int32_t *out_state,
+                            struct gwtf_error **out_err);
+
+/**
+ * Fills `metrics` to its `version` with `GWTF_FLOW_METRICS_VERSION` and zeros.
+ *
+ * Ownership: caller memory, only written.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_flow_metrics_init(struct gwtf_flow_metrics *metrics);
+
+/**
+ * Reads the results of the last solve (see `gwtf_flow_metrics`).
+ *
+ * Ownership: `metrics` is caller memory (initialised by `gwtf_flow_metrics_init`).
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_get_metrics(const struct gwtf_flow *flow,
+                                  struct gwtf_flow_metrics *metrics,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Copies the flow of every arc (by arc id; removed arcs read 0; DIMACS lower
+ * bounds added back) into `buf`. `*out_len` (may be NULL) receives the
+ * count, also on `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (a routing model), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_arc_flows(const struct gwtf_flow *flow,
+                                int64_t *buf,
+                                size_t buf_len,
+                                size_t *out_len,
+                                struct gwtf_error **out_err);
+
+/**
+ * Route `index` (0-based, cheapest first) of the last routing solve: its
+ * members (a data holder, one relay per stage, a data holder) into
+ * `members`, how many microbatches take it into `*out_count` and its cost
+ * (microseconds) into `*out_cost_us`. `*out_len` (may be NULL) receives the
+ * member count, also on `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: caller buffers.
+ *
+ * Thread safety: calls on one `gwtf_flow` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (index past `route_count`),
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_INVALID_ARGUMENT` (a general
+ * graph), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_flow_route(const struct gwtf_flow *flow,
+                            size_t index,
+                            uint32_t *members,
+                            size_t members_len,
+                            size_t *out_len,
+                            int64_t *out_count,
+                            int64_t *out_cost_us,
+                            struct gwtf_error **out_err);
+
+/**
+ * Frees a flow. `gwtf_flow_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `flow`.
+ *
+ * Thread safety: no other thread may use `flow` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_flow_free(struct gwtf_flow *flow);
 
 /**
  * Describes `frame`: header, peer and payload pointer.

@@ -343,3 +343,24 @@ fn stages_from_c_train_like_the_rust_pipeline() {
     }
     assert!(c_losses[4] < c_losses[0]);
 }
+
+#[test]
+fn routing_solver_from_c_under_asan() {
+    let dir = scratch("flow-c");
+    let exe = dir.join("flow");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/flow.c")],
+        &exe,
+        true,
+    );
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    assert!(out.contains("graph: cost 7 flow 2"), "{out}");
+    assert!(out.contains("after crash: flow 1, unrouted 1"), "{out}");
+    assert!(
+        out.contains("line 3"),
+        "the DIMACS error names its line: {out}"
+    );
+    assert!(out.contains("flow: all checks passed"), "{out}");
+}

@@ -119,6 +119,22 @@ fn cpp_tensor_pingpong_runs_under_asan() {
 }
 
 #[test]
+fn cpp_routes_the_ten_region_scenario_and_repairs_a_crash() {
+    let build = scratch("examples-geo10");
+    make("all", &build);
+    let data = repo_root().join("src/flow/data");
+    let out = stdout_of(&run_ok(
+        asan_env(&mut Command::new(build.join("route_geo10")))
+            .arg(data.join("geo10.csv"))
+            .arg(data.join("geo10-compute.csv")),
+    ));
+    assert!(out.contains("geo10, 6 stages: "), "{out}");
+    assert!(out.contains("crash: "), "{out}");
+    assert!(out.contains("repaired: "), "{out}");
+    assert!(out.trim_end().ends_with("route_geo10: ok"), "{out}");
+}
+
+#[test]
 fn go_package_tests_and_program_run() {
     if !go_available() {
         return;

@@ -20,6 +20,7 @@ pub mod boundary;
 pub mod cuda;
 pub mod enums;
 pub mod error;
+pub mod flow;
 pub mod frame;
 pub mod kernels;
 pub mod node;
