@@ -3,3 +3,5 @@ pub mod cuda;
 pub mod ffi;
 pub mod flow;
 pub mod model;
+pub mod protocol;
+pub mod sim;

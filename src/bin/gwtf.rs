@@ -3,6 +3,8 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
+#[path = "gwtf/sim_cmd.rs"]
+mod sim_cmd;
 #[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
 
@@ -40,6 +42,8 @@ enum Cmd {
     },
     /// Train the reference model in one process (stages run one after another).
     Train(train_cmd::TrainArgs),
+    /// Simulate GWTF, SWARM and the optimal routing under churn (deterministic).
+    Sim(sim_cmd::SimArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -51,6 +55,8 @@ enum Cmd {
 enum BenchCmd {
     /// Min-cost flow: ours (cold and incremental repair) against OR-tools.
     Flow(flow_cmd::BenchFlowArgs),
+    /// Simulator: events per second and wall time of 1,000 / 10,000-node geo10 runs.
+    Sim(sim_cmd::BenchSimArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -101,8 +107,10 @@ fn main() {
         Cmd::Probe { json, require_gpu } => probe(json, require_gpu),
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
+        Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
+            BenchCmd::Sim(args) => sim_cmd::bench(args),
         },
     };
     if let Err(e) = result {
