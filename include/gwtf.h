@@ -26,6 +26,16 @@
 #define GWTF_CUDA_PROBE_OPTIONS_VERSION 1
 
 /**
+ * Current version of `gwtf_stage_info` (what `gwtf_stage_info_init` writes).
+ */
+#define GWTF_STAGE_INFO_VERSION 1
+
+/**
+ * Current version of `gwtf_adamw_options`.
+ */
+#define GWTF_ADAMW_OPTIONS_VERSION 1
+
+/**
  * Major version of libgwtf (equals Cargo.toml's; checked by tests).
  */
 #define GWTF_VERSION_MAJOR 0
@@ -213,6 +223,16 @@ typedef struct gwtf_cuda_info gwtf_cuda_info;
 typedef struct gwtf_error gwtf_error;
 
 /**
+ * A CUDA device with libgwtf's kernels loaded (opaque).
+ */
+typedef struct gwtf_gpu gwtf_gpu;
+
+/**
+ * One pipeline stage of the reference model (opaque).
+ */
+typedef struct gwtf_stage gwtf_stage;
+
+/**
  * Options of `gwtf_cuda_probe`. Initialise with `gwtf_cuda_probe_options_init`,
  * then change fields. Fields are only ever appended; `version` tells the library
  * which fields the caller knows.
@@ -227,6 +247,59 @@ typedef struct gwtf_cuda_probe_options {
    */
   int32_t detail;
 } gwtf_cuda_probe_options;
+
+/**
+ * What a stage is. Set `version` with `gwtf_stage_info_init` before
+ * `gwtf_stage_get_info`: the library fills only the fields that version has.
+ */
+typedef struct gwtf_stage_info {
+  uint32_t version;
+  /**
+   * 0-based index of this stage.
+   */
+  uint32_t index;
+  /**
+   * Stages the model is cut into.
+   */
+  uint32_t num_stages;
+  /**
+   * 1 when the stage takes token ids (the first), else 0.
+   */
+  uint32_t takes_tokens;
+  /**
+   * 1 when the stage computes the loss (the last), else 0.
+   */
+  uint32_t computes_loss;
+  /**
+   * Width of the activations between stages.
+   */
+  uint32_t d_model;
+  /**
+   * Vocabulary size (token ids must be below it).
+   */
+  uint32_t vocab_size;
+  /**
+   * Longest sequence a microbatch may have.
+   */
+  uint32_t max_seq;
+  /**
+   * Parameters of this stage.
+   */
+  uint64_t num_params;
+} gwtf_stage_info;
+
+/**
+ * AdamW hyper-parameters for `gwtf_stage_step`; initialise with
+ * `gwtf_adamw_options_init`.
+ */
+typedef struct gwtf_adamw_options {
+  uint32_t version;
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+} gwtf_adamw_options;
 
 #ifdef __cplusplus
 extern "C" {
@@ -382,6 +455,403 @@ int32_t gwtf_error_status(const struct gwtf_error *err);
  * Errors: none.
  */
 void gwtf_error_free(struct gwtf_error *err);
+
+/**
+ * Converts `n` floats to bf16 (round to nearest, ties to even) on the CPU.
+ *
+ * Ownership: `in` and `out` are caller buffers of `n` elements, only used
+ * during the call; (NULL, 0) is an empty buffer.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_quantize_bf16_host(const float *input,
+                                    uint16_t *out,
+                                    size_t n,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Converts `n` bf16 values back to floats (exact) on the CPU.
+ *
+ * Ownership: caller buffers of `n` elements, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_dequantize_bf16_host(const uint16_t *input,
+                                      float *out,
+                                      size_t n,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Blockwise int8 quantization of `n` floats on the CPU: `codes` gets `n`
+ * values, `scales` one f32 per block of `block` values
+ * (`scales_len` must be `ceil(n / block)`).
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (block 0), `GWTF_STATUS_BUFFER_TOO_SMALL` (wrong `scales_len`),
+ * `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_quantize_int8_host(const float *input,
+                                    int8_t *codes,
+                                    float *scales,
+                                    size_t scales_len,
+                                    size_t n,
+                                    uint32_t block,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Inverse of `gwtf_quantize_int8_host`: `out[i] = codes[i] * scales[i / block]`.
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: may be called from any thread; buffers must not overlap.
+ *
+ * Errors: as `gwtf_quantize_int8_host`.
+ */
+gwtf_status gwtf_dequantize_int8_host(const int8_t *codes,
+                                      const float *scales,
+                                      size_t scales_len,
+                                      float *out,
+                                      size_t n,
+                                      uint32_t block,
+                                      struct gwtf_error **out_err);
+
+/**
+ * Weighted average of `count` buffers of `n` floats on the CPU:
+ * `out = sum_j (weights[j] / sum(weights)) * inputs[j]` (stage aggregation,
+ * weights = microbatches each replica processed).
+ *
+ * Ownership: `inputs` is an array of `count` pointers to caller buffers; all
+ * are only read during the call. `out` may not alias an input.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (count 0,
+ * negative or non-finite weights, weights summing to 0),
+ * `GWTF_STATUS_LIMIT_EXCEEDED`.
+ */
+gwtf_status gwtf_average_host(const float *const *inputs,
+                              const float *weights,
+                              size_t count,
+                              float *out,
+                              size_t n,
+                              struct gwtf_error **out_err);
+
+/**
+ * Opens CUDA device `ordinal` (on its primary context, the one the CUDA
+ * runtime API uses) and compiles libgwtf's kernels for it with NVRTC.
+ *
+ * Ownership: the caller owns `*out_gpu` and frees it with `gwtf_gpu_free`.
+ *
+ * Thread safety: any thread; the object serialises the calls made on it.
+ *
+ * Errors: `GWTF_STATUS_CUDA_UNAVAILABLE` (no driver, no device, no NVRTC:
+ * the message says which), `GWTF_STATUS_CUDA_ERROR`,
+ * `GWTF_STATUS_INVALID_ARGUMENT` (no such ordinal), `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_gpu_new(uint32_t ordinal,
+                         struct gwtf_gpu **out_gpu,
+                         struct gwtf_error **out_err);
+
+/**
+ * Frees a `gwtf_gpu`. `gwtf_gpu_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `gpu`.
+ *
+ * Thread safety: no other thread may use `gpu` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_gpu_free(struct gwtf_gpu *gpu);
+
+/**
+ * `gwtf_quantize_bf16_host` on device memory: `in` holds `n` floats and `out`
+ * `n` uint16 on `gpu`'s device. Returns when the kernel has finished.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_CUDA_ERROR`,
+ * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_quantize_bf16_device(const struct gwtf_gpu *gpu,
+                                      const void *input,
+                                      void *out,
+                                      size_t n,
+                                      struct gwtf_error **out_err);
+
+/**
+ * `gwtf_dequantize_bf16_host` on device memory.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_bf16_device`.
+ */
+gwtf_status gwtf_dequantize_bf16_device(const struct gwtf_gpu *gpu,
+                                        const void *input,
+                                        void *out,
+                                        size_t n,
+                                        struct gwtf_error **out_err);
+
+/**
+ * `gwtf_quantize_int8_host` on device memory (`scales_len` must be
+ * `ceil(n / block)`).
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_int8_host`, plus `GWTF_STATUS_CUDA_ERROR`.
+ */
+gwtf_status gwtf_quantize_int8_device(const struct gwtf_gpu *gpu,
+                                      const void *input,
+                                      void *codes,
+                                      void *scales,
+                                      size_t scales_len,
+                                      size_t n,
+                                      uint32_t block,
+                                      struct gwtf_error **out_err);
+
+/**
+ * `gwtf_dequantize_int8_host` on device memory.
+ *
+ * Ownership: the device buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_quantize_int8_device`.
+ */
+gwtf_status gwtf_dequantize_int8_device(const struct gwtf_gpu *gpu,
+                                        const void *codes,
+                                        const void *scales,
+                                        size_t scales_len,
+                                        void *out,
+                                        size_t n,
+                                        uint32_t block,
+                                        struct gwtf_error **out_err);
+
+/**
+ * `gwtf_average_host` on device memory: `inputs` is a HOST array of `count`
+ * DEVICE pointers, `weights` a host array of `count` floats, `out` a device
+ * buffer of `n` floats.
+ *
+ * Ownership: all buffers stay the caller's.
+ *
+ * Thread safety: calls on one `gwtf_gpu` are serialised.
+ *
+ * Errors: as `gwtf_average_host`, plus `GWTF_STATUS_CUDA_ERROR`.
+ */
+gwtf_status gwtf_average_device(const struct gwtf_gpu *gpu,
+                                const void *const *inputs,
+                                const float *weights,
+                                size_t count,
+                                void *out,
+                                size_t n,
+                                struct gwtf_error **out_err);
+
+/**
+ * Fills `info` with `version = GWTF_STAGE_INFO_VERSION` and zeros.
+ *
+ * Ownership: caller memory, only written.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_stage_info_init(struct gwtf_stage_info *info);
+
+/**
+ * Fills `opts` with the reference trainer's AdamW defaults (lr 1e-3,
+ * betas 0.9 / 0.95, eps 1e-8, weight decay 0.1).
+ *
+ * Ownership: caller memory, only written.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_adamw_options_init(struct gwtf_adamw_options *opts);
+
+/**
+ * Creates stage `index` of the reference model `preset` ("gpt-tiny",
+ * "llama-tiny", "llama-small", ...) cut into `num_stages` stages, initialised
+ * from `seed`. Any cut of the same preset and seed starts from the same model.
+ *
+ * Ownership: `preset` is read during the call; the caller owns `*out_stage`
+ * and frees it with `gwtf_stage_free`.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (unknown
+ * preset, impossible cut, index out of range, preset not UTF-8).
+ */
+gwtf_status gwtf_stage_new(const char *preset_name,
+                           uint32_t num_stages,
+                           uint32_t index,
+                           uint64_t seed,
+                           struct gwtf_stage **out_stage,
+                           struct gwtf_error **out_err);
+
+/**
+ * Describes a stage (see `gwtf_stage_info`).
+ *
+ * Ownership: `stage` is borrowed; `info` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_UNSUPPORTED_VERSION`,
+ * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_get_info(const struct gwtf_stage *stage,
+                                struct gwtf_stage_info *info,
+                                struct gwtf_error **out_err);
+
+/**
+ * Forward pass of microbatch `microbatch` (`batch` sequences of `seq`).
+ *
+ * Input: the first stage takes `tokens` (`batch*seq` ids, `hidden` NULL);
+ * the others take `hidden` (`batch*seq*d_model` floats, `tokens` NULL);
+ * `input_len` is the element count. Output: the last stage needs `targets`
+ * (`batch*seq` ids) and writes the mean loss to `*out_loss`; the others
+ * write `batch*seq*d_model` floats to `out` (`*out_needed`, when not NULL,
+ * receives that count, also on `GWTF_STATUS_BUFFER_TOO_SMALL`, which is
+ * reported before any work). The activations the backward needs are kept
+ * under `microbatch` until `gwtf_stage_backward` or `gwtf_stage_discard`.
+ *
+ * Ownership: every buffer is the caller's and used only during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (wrong
+ * input kind or length, token out of range, microbatch already in flight),
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_forward(const struct gwtf_stage *stage,
+                               uint64_t microbatch,
+                               uint32_t batch,
+                               uint32_t seq,
+                               const uint32_t *tokens,
+                               const float *hidden,
+                               size_t input_len,
+                               const uint32_t *targets,
+                               size_t targets_len,
+                               float *out,
+                               size_t out_len,
+                               size_t *out_needed,
+                               float *out_loss,
+                               struct gwtf_error **out_err);
+
+/**
+ * Backward pass of `microbatch`: the last stage takes no `grad_output`
+ * (NULL, 0); the others take the gradient of their output
+ * (`batch*seq*d_model` floats). Every stage but the first writes the gradient
+ * of its input to `grad_input` (`*out_needed` receives the count, also on
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, which is reported before any work). The
+ * parameter gradients are accumulated until `gwtf_stage_step`.
+ *
+ * Ownership: caller buffers, used only during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (no forward stored for `microbatch`),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`,
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_backward(const struct gwtf_stage *stage,
+                                uint64_t microbatch,
+                                const float *grad_output,
+                                size_t grad_output_len,
+                                float *grad_input,
+                                size_t grad_input_len,
+                                size_t *out_needed,
+                                struct gwtf_error **out_err);
+
+/**
+ * Drops the stored forward of `microbatch` (its result will not be used:
+ * a crash elsewhere, or a cancelled iteration). `*out_found` (may be NULL)
+ * tells whether it was there.
+ *
+ * Ownership: `stage` is borrowed.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_discard(const struct gwtf_stage *stage,
+                               uint64_t microbatch,
+                               bool *out_found,
+                               struct gwtf_error **out_err);
+
+/**
+ * Applies one AdamW step with the mean of the accumulated gradients, then
+ * clears them. `opts` NULL means the defaults of `gwtf_adamw_options_init`.
+ *
+ * Ownership: `opts` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (non-finite or negative hyper-parameters, nothing accumulated),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_step(const struct gwtf_stage *stage,
+                            const struct gwtf_adamw_options *opts,
+                            struct gwtf_error **out_err);
+
+/**
+ * Copies the stage's parameters (f32, in the stage's tensor order) into
+ * `buf`; `*out_len` (may be NULL) receives the count, also on
+ * `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_export_params(const struct gwtf_stage *stage,
+                                     float *buf,
+                                     size_t buf_len,
+                                     size_t *out_len,
+                                     struct gwtf_error **out_err);
+
+/**
+ * Replaces the stage's parameters with `len` floats from `params` (a
+ * same-stage peer's `gwtf_stage_export_params`).
+ *
+ * Ownership: `params` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length), `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_import_params(const struct gwtf_stage *stage,
+                                     const float *params,
+                                     size_t len,
+                                     struct gwtf_error **out_err);
+
+/**
+ * Frees a stage. `gwtf_stage_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `stage`.
+ *
+ * Thread safety: no other thread may use `stage` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_stage_free(struct gwtf_stage *stage);
 
 /**
  * A static, NUL-terminated English description of a status code.

@@ -223,3 +223,123 @@ fn probe_with_stub_driver_reports_no_device_from_c() {
     assert!(out.contains("state=2 count=0"), "expected no device: {out}");
     assert!(out.contains("CUDA_ERROR_NO_DEVICE"), "{out}");
 }
+
+#[test]
+fn kernel_api_from_c_under_asan() {
+    let dir = scratch("kernels-c");
+    let exe = dir.join("kernels");
+    let mut src = vec![repo_root().join("tests/c/kernels.c")];
+    src.push("-lm".into());
+    build_program("cc", "c99", &src, &exe, true);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    assert!(out.contains("host kernels: ok (avg[0] = 4)"), "{out}");
+    assert!(out.contains("kernels: all checks passed"), "{out}");
+    if !out.contains("gpu: opened") {
+        assert!(
+            out.contains("gpu: cuda unavailable: no usable CUDA device"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn header_declares_only_prefixed_names() {
+    // Every macro, type and enum constant of the header is in our namespace.
+    let text = header_text();
+    let mut bad = Vec::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('*') || t.starts_with('/') {
+            continue; // documentation
+        }
+        let name = if let Some(rest) = t.strip_prefix("#define ") {
+            rest.split_whitespace().next()
+        } else if t.starts_with("typedef ") {
+            t.trim_end_matches(';').rsplit([' ', '*']).next()
+        } else if let Some(rest) = t
+            .strip_prefix("enum ")
+            .or_else(|| t.strip_prefix("struct "))
+        {
+            rest.split_whitespace().next()
+        } else if t.starts_with("GWTF_") || t.starts_with("gwtf_") {
+            None
+        } else if t.contains(" = ") && t.ends_with(',') {
+            t.split_whitespace().next()
+        } else {
+            None
+        };
+        if let Some(n) = name {
+            let n = n.trim_end_matches([';', '{']);
+            if !(n.starts_with("GWTF_") || n.starts_with("gwtf_") || n.is_empty() || n == "}") {
+                bad.push(line.to_string());
+            }
+        }
+    }
+    assert!(bad.is_empty(), "names outside the gwtf namespace: {bad:#?}");
+}
+
+#[test]
+fn stages_from_c_train_like_the_rust_pipeline() {
+    use gwtf::model::{preset, AdamW, Stage, StageInput, StageOutput, StagePlan};
+    let dir = scratch("stage-c");
+    let exe = dir.join("stage");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/stage.c")],
+        &exe,
+        true,
+    );
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    assert!(out.contains("stage: all checks passed"), "{out}");
+    let c_losses: Vec<f32> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("step "))
+        .map(|l| l.split(" loss ").nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(c_losses.len(), 5, "{out}");
+
+    // The same five steps in Rust: the C API must give the very same losses.
+    let cfg = preset("llama-tiny").unwrap();
+    let plan = StagePlan::new(&cfg, 4).unwrap();
+    let mut stages = Stage::all(&cfg, &plan, 42).unwrap();
+    let (b, t) = (2, 16);
+    let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % 256) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 10) % 256) as u32).collect();
+    for (step, &c_loss) in c_losses.iter().enumerate() {
+        let mb = step as u64;
+        let mut act = match stages[0]
+            .forward(mb, b, t, StageInput::Tokens(&tokens), None)
+            .unwrap()
+        {
+            StageOutput::Hidden(h) => h,
+            StageOutput::Loss(_) => unreachable!(),
+        };
+        for s in stages.iter_mut().take(3).skip(1) {
+            act = match s.forward(mb, b, t, StageInput::Hidden(&act), None).unwrap() {
+                StageOutput::Hidden(h) => h,
+                StageOutput::Loss(_) => unreachable!(),
+            };
+        }
+        let loss = match stages[3]
+            .forward(mb, b, t, StageInput::Hidden(&act), Some(&targets))
+            .unwrap()
+        {
+            StageOutput::Loss(l) => l,
+            StageOutput::Hidden(_) => unreachable!(),
+        };
+        assert_eq!(
+            loss.to_bits(),
+            c_loss.to_bits(),
+            "step {step}: rust {loss} c {c_loss}"
+        );
+        let mut g = stages[3].backward(mb, None).unwrap();
+        for s in (0..3).rev() {
+            g = stages[s].backward(mb, g.as_deref()).unwrap();
+        }
+        for s in &mut stages {
+            s.step(&AdamW::default()).unwrap();
+        }
+    }
+    assert!(c_losses[4] < c_losses[0]);
+}

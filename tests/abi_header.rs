@@ -7,8 +7,10 @@ use std::path::Path;
 fn generate() -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml");
+    // Only src/ffi/ (and the modules it declares) is parsed: the C ABI lives
+    // there, and a `pub const` elsewhere in the crate must not leak into C.
     let bindings = cbindgen::Builder::new()
-        .with_crate(root)
+        .with_src(root.join("src/ffi/mod.rs"))
         .with_config(config)
         .generate()
         .expect("cbindgen failed to generate the header");

@@ -50,7 +50,12 @@ fn go_available() -> bool {
         return true;
     }
     if std::env::var_os("GWTF_SKIP_GO").is_some() {
-        eprintln!("SKIPPED: Go is not installed and GWTF_SKIP_GO is set");
+        // Written to stderr directly: libtest captures eprintln! of passing tests.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: Go is not installed and GWTF_SKIP_GO is set"
+        );
         return false;
     }
     panic!("Go is not installed: run scripts/install-deps (or set GWTF_SKIP_GO=1 to skip visibly)");
@@ -83,6 +88,17 @@ fn c_and_cpp_examples_build_and_run() {
         );
         assert!(out.contains("cuda state 2, 0 device(s)"), "{exe}: {out}");
     }
+}
+
+#[test]
+fn cpp_pipeline_trains_through_four_stages_with_int8_activations() {
+    let build = scratch("examples-pipeline");
+    make("all", &build);
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(
+        build.join("pipeline_cpp"),
+    ))));
+    assert!(out.contains("pipeline_cpp: ok (loss "), "{out}");
+    assert!(out.contains("with int8 activations"), "{out}");
 }
 
 #[test]

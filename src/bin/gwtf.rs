@@ -3,6 +3,11 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
+#[path = "gwtf/kernels_cmd.rs"]
+mod kernels_cmd;
+#[cfg(feature = "cuda")]
+#[path = "gwtf/kernels_gpu.rs"]
+mod kernels_gpu;
 #[path = "gwtf/sim_cmd.rs"]
 mod sim_cmd;
 #[path = "gwtf/train_cmd.rs"]
@@ -57,6 +62,8 @@ enum BenchCmd {
     Flow(flow_cmd::BenchFlowArgs),
     /// Simulator: events per second and wall time of 1,000 / 10,000-node geo10 runs.
     Sim(sim_cmd::BenchSimArgs),
+    /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
+    Kernels(kernels_cmd::BenchKernelsArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -111,6 +118,7 @@ fn main() {
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
             BenchCmd::Sim(args) => sim_cmd::bench(args),
+            BenchCmd::Kernels(args) => kernels_cmd::run(args),
         },
     };
     if let Err(e) = result {

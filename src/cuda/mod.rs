@@ -5,6 +5,9 @@
 //! never crashes: cudarc panics when the driver library is missing, so we ask
 //! `is_culib_present` first and also contain any panic from a broken driver.
 
+pub mod gpu;
+pub mod kernels;
+pub mod nvrtc;
 pub mod probe;
 
 pub use probe::{probe, DeviceInfo, ProbeDetail, ProbeReport, ProbeState};

@@ -20,6 +20,8 @@ pub mod boundary;
 pub mod cuda;
 pub mod enums;
 pub mod error;
+pub mod kernels;
+pub mod stage;
 pub mod status;
 pub mod version;
 

@@ -796,6 +796,10 @@ impl Node {
                         }
                     }
                 }
+                if old.is_some() {
+                    // Our own contributions go into the new coordinator state.
+                    self.sync_to(self.id);
+                }
             } else if let Some(c) = c {
                 if old.is_some() {
                     self.sync_to(c);
@@ -916,6 +920,9 @@ impl Node {
 
     fn member_gone(&mut self, p: NodeId) {
         self.members_changed = true;
+        if self.coord == Some(self.id) {
+            self.event(Event::MemberRemoved { peer: p });
+        }
         let was_coord = self.coord == Some(p);
         if self.coord == Some(self.id) {
             self.coord_member_dead(p);

@@ -552,4 +552,6 @@ pub enum Event {
     Stalled { iter: u32, stage: Stage },
     /// The node has left (goodbye sent).
     Left,
+    /// A coordinator removed `peer` from its stage's group.
+    MemberRemoved { peer: NodeId },
 }

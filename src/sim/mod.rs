@@ -5,7 +5,8 @@
 //!   iteration reaches an output (hash maps are only looked up).
 //! - Compute model: a node's GPU runs one task at a time (backward work
 //!   before forward work); task time = FLOPs / node speed, from the model
-//!   preset ([`model`]); memory bounds each relay's capacity.
+//!   presets of `crate::model` ([`model`]); memory bounds each relay's
+//!   capacity.
 //! - Link model: one-way latency + size / bandwidth per region pair
 //!   ([`scenario`]); bulk transfers on the same directed link share its
 //!   bandwidth equally (processor sharing); small control messages take
@@ -136,6 +137,8 @@ pub struct SimReport {
     pub paused: Option<String>,
     pub stalls: Vec<(f64, u32, Stage)>,
     pub violations: Vec<String>,
+    /// Live members a coordinator removed from its group (false suspicions).
+    pub false_suspicions: u64,
     /// (time s, microbatches/hour over the last iteration).
     pub series: Vec<(f64, f64)>,
     /// (time s, "crash" | "leave" | "join").
@@ -237,10 +240,12 @@ pub struct Sim {
 impl Sim {
     pub fn new(cfg: SimConfig) -> Sim {
         let m = &cfg.model;
-        let mut pc = Config::new(cfg.policy, m.stages, m.activation_bytes());
+        let mut pc = Config::new(cfg.policy, m.relay_stages, m.activation_bytes());
         pc.mb_per_iter = cfg.mb_per_iter;
         pc.max_in_flight = cfg.max_in_flight;
-        pc.stage_state_bytes = (0..=m.stages).map(|s| m.stage_state_bytes(s)).collect();
+        pc.stage_state_bytes = (0..=m.relay_stages)
+            .map(|s| m.stage_state_bytes(s))
+            .collect();
         pc.start_delay = 20 * SEC;
         let initial = cfg.holders + cfg.relays;
         let mut sim = Sim {
@@ -276,7 +281,7 @@ impl Sim {
         };
         sim.rep.policy = sim.cfg.policy.name().into();
         sim.rep.scenario = sim.cfg.scenario.name.clone();
-        sim.rep.model = sim.cfg.model.name.into();
+        sim.rep.model = sim.cfg.model.name.clone();
         sim.rep.seed = sim.cfg.seed;
         sim.rep.initial_nodes = initial;
         sim.rep.churn_per_hour = sim.cfg.churn_per_hour;
@@ -312,7 +317,13 @@ impl Sim {
                 self.cfg.max_in_flight,
             )
         } else {
-            (3.0 * m.stage_fwd_flops() / flops, m.relay_capacity(mem))
+            // A joining relay does not know its stage yet: mean of the stages.
+            let f = if stage == 0 {
+                m.mean_stage_fwd_flops()
+            } else {
+                m.stage_fwd_flops(stage)
+            };
+            (3.0 * f / flops, m.relay_capacity(stage.max(1), mem))
         };
         let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
         self.nodes.push(SimNode {
@@ -361,7 +372,7 @@ impl Sim {
 
     /// Runs to completion and returns the report.
     pub fn run(mut self) -> SimReport {
-        let s = self.cfg.model.stages;
+        let s = self.cfg.model.relay_stages;
         let r = self.cfg.scenario.regions.len();
         // Founding population: holders and relays spread over the regions,
         // relays round-robin over the stages.
@@ -652,8 +663,8 @@ impl Sim {
             TaskKind::Embed => m.embed_flops() / f,
             TaskKind::EmbedBackward => 2.0 * m.embed_flops() / f,
             TaskKind::Loss => m.loss_flops() / f,
-            TaskKind::Forward => m.stage_fwd_flops() / f,
-            TaskKind::Backward => 2.0 * m.stage_fwd_flops() / f,
+            TaskKind::Forward => m.stage_fwd_flops(t.stage) / f,
+            TaskKind::Backward => 2.0 * m.stage_fwd_flops(t.stage) / f,
             TaskKind::Aggregate { members } => self.agg_time(t.stage, members),
         }
     }
@@ -679,6 +690,7 @@ impl Sim {
         if !bw.is_finite() {
             return 0.0;
         }
+        // [decision] gradients are all-reduced in bf16.
         let bytes = 2.0 * self.cfg.model.stage_params(stage) as f64;
         2.0 * (n - 1.0) / n * bytes / bw + 2.0 * n.log2().ceil() * lat
     }
@@ -765,7 +777,7 @@ impl Sim {
         let r = self.cfg.scenario.regions.len();
         let region = self.rng.below(r as u64) as usize;
         let holder = self.rng.next_f64() < self.holder_share;
-        let s = self.cfg.model.stages;
+        let s = self.cfg.model.relay_stages;
         self.rep.joins += 1;
         self.rep.churn.push((to_secs(self.now), "join".into()));
         if holder {
@@ -793,7 +805,7 @@ impl Sim {
     }
 
     fn check_empty(&mut self) {
-        let s = self.cfg.model.stages;
+        let s = self.cfg.model.relay_stages;
         let mut counts = vec![0u32; s as usize + 1];
         for n in &self.nodes {
             if n.alive && n.node.is_active() {
@@ -820,7 +832,7 @@ impl Sim {
             if n.node.stage() == 0 {
                 (m.loss_flops() + 3.0 * m.embed_flops()) / n.flops
             } else {
-                3.0 * m.stage_fwd_flops() / n.flops
+                3.0 * m.stage_fwd_flops(n.node.stage()) / n.flops
             }
         };
         let (lat, bw) = self.link_params(a, b);
@@ -834,7 +846,7 @@ impl Sim {
             .map(|h| (h, self.cfg.max_in_flight))
             .collect();
         let mut relays = Vec::new();
-        for st in 1..=self.cfg.model.stages {
+        for st in 1..=self.cfg.model.relay_stages {
             for r in self.members_of(st) {
                 relays.push((r, st, self.nodes[r as usize].node.capacity()));
             }
@@ -845,7 +857,7 @@ impl Sim {
             let inst = RouteInstance {
                 holders,
                 relays,
-                stages: self.cfg.model.stages,
+                stages: self.cfg.model.relay_stages,
                 cost: &cost,
             };
             router.route(&inst)
@@ -966,11 +978,22 @@ impl Sim {
                 self.rep.stalls.push((to_secs(self.now), iter, stage))
             }
             Event::Left => {}
+            Event::MemberRemoved { peer } => {
+                if self.nodes[peer as usize].alive {
+                    self.rep.false_suspicions += 1;
+                    if self.debug {
+                        eprintln!(
+                            "t={:.1} coordinator {node} removed live member {peer}",
+                            to_secs(self.now)
+                        );
+                    }
+                }
+            }
         }
     }
 
     fn on_finalized(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
-        let s = self.cfg.model.stages;
+        let s = self.cfg.model.relay_stages;
         let start = self.last_final.or(self.first_start).unwrap_or(0);
         let dt = to_secs(self.now - start);
         self.last_final = Some(self.now);
@@ -1003,6 +1026,26 @@ impl Sim {
                 if ok {
                     trained += 1;
                 } else if self.nodes[h as usize].alive {
+                    if self.debug {
+                        let per: Vec<usize> = (0..=s)
+                            .map(|st| {
+                                self.committed
+                                    .get(&(iter, st))
+                                    .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count())
+                            })
+                            .collect();
+                        let dropped: Vec<bool> = (0..=s)
+                            .map(|st| {
+                                self.dropped
+                                    .get(&(iter, st))
+                                    .is_some_and(|v| v.contains(&mb))
+                            })
+                            .collect();
+                        eprintln!(
+                            "t={:.1} LOST {mb:?} per-stage {per:?} dropped {dropped:?}",
+                            to_secs(self.now)
+                        );
+                    }
                     self.rep.lost_microbatches += 1;
                 } else {
                     self.rep.dropped_with_holder += 1;

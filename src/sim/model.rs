@@ -1,163 +1,103 @@
-//! LLaMA-like model presets and the per-stage compute and memory figures the
-//! simulator needs.
+//! The simulator's view of a model: per-stage compute, parameters and
+//! activation sizes, taken from the reference model presets of
+//! [`crate::model`] (`preset`, `StagePlan`, `stage_costs`: matmul FLOPs
+//! 2*m*n*k, causal attention, backward = 2 x forward, f32 frames).
 //!
-//! The figures are derived from the model configuration, never invented:
-//! - matmul FLOPs are 2*m*n*k; one layer's forward over T = batch*seq tokens
-//!   does the Q, K, V, O projections (4 * 2*T*d*d), the SwiGLU MLP
-//!   (3 * 2*T*d*ffn) and attention scores and values (2 * 2*T*seq*d);
-//! - backward = 2 x forward;
-//! - the head (at the data holder) is a 2*T*d*vocab matmul, forward and
-//!   backward; the embedding is a lookup (2*T*d);
-//! - activation bytes between stages = batch*seq*d_model*2 (bf16);
-//! - activation memory kept for the backward per layer and microbatch =
-//!   34*T*d + 5*heads*T*seq bytes (Korthikanti et al. 2022, 16-bit, no
-//!   recomputation); weights + grads + Adam state = 16 bytes per parameter.
-//!
-//! (The reference model presets of `src/model/` were not on main when this
-//! was written; these are computed from the same configurations.)
+//! GWTF puts the embedding (the preset's first stage) and the head + loss
+//! (its last stage) on the data holders (stage 0 here); the stages in
+//! between are the relay stages 1..=S.
+use crate::model::{preset, stage_costs, StagePlan};
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelPreset {
-    pub name: &'static str,
-    pub d_model: u64,
-    pub layers: u64,
-    pub heads: u64,
-    pub ffn: u64,
-    pub vocab: u64,
-    pub seq: u64,
-    pub micro_batch: u64,
-    /// Relay stages (the transformer layers are split evenly over them).
-    pub stages: u16,
+    pub name: String,
+    /// Relay stages S.
+    pub relay_stages: u16,
+    /// Forward FLOPs per microbatch of relay stage s (index s-1).
+    relay_fwd: Vec<f64>,
+    /// Bytes of activations a relay stage keeps per microbatch (index s-1).
+    relay_act: Vec<u64>,
+    embed_fwd: f64,
+    head_fwd: f64,
+    /// Parameters: index 0 = holders (embedding + head), s = relay stage s.
+    params: Vec<u64>,
+    frame_bytes: u64,
+    /// Stages of the preset (embedding and head stages included).
+    pub preset_stages: usize,
+    pub total_params: u64,
 }
 
 impl ModelPreset {
-    /// ~124M parameters: d 768, 12 layers, 12 heads, SwiGLU 2048, vocab 32000
-    /// (134M with an untied head), 6 stages of 2 layers.
-    pub fn llama_124m() -> ModelPreset {
-        ModelPreset {
-            name: "llama-124m",
-            d_model: 768,
-            layers: 12,
-            heads: 12,
-            ffn: 2048,
-            vocab: 32000,
-            seq: 1024,
-            micro_batch: 4,
-            stages: 6,
-        }
-    }
-    /// ~500M: d 1280, 24 layers, 20 heads, SwiGLU 3456, vocab 32000 (0.56B
-    /// with an untied head), 6 stages of 4 layers.
-    pub fn llama_500m() -> ModelPreset {
-        ModelPreset {
-            name: "llama-500m",
-            d_model: 1280,
-            layers: 24,
-            heads: 20,
-            ffn: 3456,
-            vocab: 32000,
-            seq: 1024,
-            micro_batch: 4,
-            stages: 6,
-        }
-    }
-    /// ~1.5B: d 2048, 28 layers, 16 heads, SwiGLU 5632, vocab 32000 (1.57B),
-    /// 7 stages of 4 layers.
-    pub fn llama_1_5b() -> ModelPreset {
-        ModelPreset {
-            name: "llama-1.5b",
-            d_model: 2048,
-            layers: 28,
-            heads: 16,
-            ffn: 5632,
-            vocab: 32000,
-            seq: 1024,
-            micro_batch: 4,
-            stages: 7,
-        }
-    }
-
+    /// A preset of `crate::model` by name (llama-124m, llama-500m, llama-1.5b,
+    /// and the small ones); it needs at least 3 stages.
     pub fn by_name(name: &str) -> Option<ModelPreset> {
-        match name {
-            "llama-124m" | "124m" => Some(Self::llama_124m()),
-            "llama-500m" | "500m" => Some(Self::llama_500m()),
-            "llama-1.5b" | "1.5b" => Some(Self::llama_1_5b()),
-            _ => None,
+        let cfg = preset(name).ok()?;
+        let plan = StagePlan::new(&cfg, cfg.n_stages).ok()?;
+        if plan.len() < 3 {
+            return None;
         }
+        let costs = stage_costs(&cfg, &plan, cfg.batch, cfg.seq);
+        let last = costs.len() - 1;
+        let relays = &costs[1..last];
+        Some(ModelPreset {
+            name: cfg.name.clone(),
+            relay_stages: relays.len() as u16,
+            relay_fwd: relays.iter().map(|c| c.fwd_flops as f64).collect(),
+            relay_act: relays.iter().map(|c| c.activation_bytes).collect(),
+            embed_fwd: costs[0].fwd_flops as f64,
+            head_fwd: costs[last].fwd_flops as f64,
+            params: std::iter::once(costs[0].params + costs[last].params)
+                .chain(relays.iter().map(|c| c.params))
+                .collect(),
+            frame_bytes: costs[0].output_bytes,
+            preset_stages: costs.len(),
+            total_params: cfg.total_params() as u64,
+        })
     }
 
-    pub fn tokens(&self) -> u64 {
-        self.micro_batch * self.seq
+    pub fn llama_500m() -> ModelPreset {
+        Self::by_name("llama-500m").expect("llama-500m preset")
     }
 
-    fn layers_per_stage(&self) -> u64 {
-        self.layers.div_ceil(self.stages as u64)
+    /// Forward FLOPs of relay stage `s` (1..=S) for one microbatch.
+    pub fn stage_fwd_flops(&self, s: u16) -> f64 {
+        self.relay_fwd[(s.max(1) - 1) as usize]
     }
 
-    /// Parameters of one transformer layer.
-    pub fn layer_params(&self) -> u64 {
-        4 * self.d_model * self.d_model + 3 * self.d_model * self.ffn
+    /// Mean forward FLOPs over the relay stages.
+    pub fn mean_stage_fwd_flops(&self) -> f64 {
+        self.relay_fwd.iter().sum::<f64>() / self.relay_fwd.len() as f64
     }
 
-    /// Parameters of relay stage `s` (1..=S) or of the holders' part (s = 0:
-    /// embedding + head).
-    pub fn stage_params(&self, s: u16) -> u64 {
-        if s == 0 {
-            2 * self.vocab * self.d_model
-        } else {
-            self.layers_per_stage() * self.layer_params()
-        }
-    }
-
-    pub fn total_params(&self) -> u64 {
-        self.stage_params(0) + self.layers * self.layer_params()
-    }
-
-    /// Forward FLOPs of one layer for one microbatch.
-    pub fn layer_fwd_flops(&self) -> f64 {
-        let t = self.tokens() as f64;
-        let d = self.d_model as f64;
-        let proj = 4.0 * 2.0 * t * d * d;
-        let mlp = 3.0 * 2.0 * t * d * self.ffn as f64;
-        let attn = 2.0 * 2.0 * t * self.seq as f64 * d;
-        proj + mlp + attn
-    }
-
-    /// Forward FLOPs of a relay stage for one microbatch.
-    pub fn stage_fwd_flops(&self) -> f64 {
-        self.layers_per_stage() as f64 * self.layer_fwd_flops()
-    }
-
-    /// Head forward + loss + head backward (3 x 2*T*d*V) at the holder.
+    /// Head forward, loss and head backward at the holder (3 x head forward).
     pub fn loss_flops(&self) -> f64 {
-        3.0 * 2.0 * self.tokens() as f64 * self.d_model as f64 * self.vocab as f64
+        3.0 * self.head_fwd
     }
 
-    /// Embedding lookup.
+    /// Embedding forward (its backward counts twice that).
     pub fn embed_flops(&self) -> f64 {
-        2.0 * self.tokens() as f64 * self.d_model as f64
+        self.embed_fwd.max(1.0)
     }
 
-    /// Bytes of one activation between stages (bf16).
+    /// Bytes of one activation frame between stages (the gradient has the same size).
     pub fn activation_bytes(&self) -> u64 {
-        self.tokens() * self.d_model * 2
+        self.frame_bytes
     }
 
-    /// Weights + gradients + optimizer state of a stage (16 B/parameter).
+    pub fn stage_params(&self, s: u16) -> u64 {
+        self.params[s as usize]
+    }
+
+    /// Weights + gradients + Adam state (16 bytes per parameter).
     pub fn stage_state_bytes(&self, s: u16) -> u64 {
         16 * self.stage_params(s)
     }
 
-    /// Activation memory one microbatch keeps on a relay until its backward.
-    pub fn stage_activation_memory(&self) -> u64 {
-        let t = self.tokens();
-        let per_layer = 34 * t * self.d_model + 5 * self.heads * t * self.seq;
-        self.layers_per_stage() * per_layer
-    }
-
-    /// Microbatches a relay with `mem_bytes` of GPU memory holds at once.
-    pub fn relay_capacity(&self, mem_bytes: u64) -> u32 {
-        let free = mem_bytes.saturating_sub(self.stage_state_bytes(1));
-        ((free / self.stage_activation_memory().max(1)) as u32).clamp(1, 32)
+    /// Microbatches a relay of stage `s` with `mem_bytes` of GPU memory holds at once.
+    pub fn relay_capacity(&self, s: u16, mem_bytes: u64) -> u32 {
+        let i = (s.max(1) - 1) as usize;
+        let free = mem_bytes.saturating_sub(self.stage_state_bytes(s.max(1)));
+        ((free / self.relay_act[i].max(1)) as u32).clamp(1, 32)
     }
 }
 
@@ -166,34 +106,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn presets_have_the_advertised_sizes() {
-        let p = ModelPreset::llama_124m().total_params() as f64 / 1e6;
-        assert!((110.0..160.0).contains(&p), "{p}");
-        let p = ModelPreset::llama_500m().total_params() as f64 / 1e6;
-        assert!((450.0..600.0).contains(&p), "{p}");
-        let p = ModelPreset::llama_1_5b().total_params() as f64 / 1e9;
-        assert!((1.3..1.7).contains(&p), "{p}");
-        for m in [
-            ModelPreset::llama_124m(),
-            ModelPreset::llama_500m(),
-            ModelPreset::llama_1_5b(),
+    fn presets_map_onto_holders_and_relays() {
+        for (name, lo, hi) in [
+            ("llama-124m", 0.1e9, 0.2e9),
+            ("llama-500m", 0.4e9, 0.7e9),
+            ("llama-1.5b", 1.2e9, 1.9e9),
         ] {
-            assert!((6..=8).contains(&m.stages));
-            assert_eq!(m.layers % m.stages as u64, 0);
+            let m = ModelPreset::by_name(name).unwrap();
+            assert!((6..=8).contains(&m.preset_stages), "{name}");
+            assert_eq!(m.relay_stages as usize, m.preset_stages - 2);
+            let p = m.total_params as f64;
+            assert!(p > lo && p < hi, "{name}: {p}");
+            let sum: u64 = (0..=m.relay_stages).map(|s| m.stage_params(s)).sum();
+            assert_eq!(sum, m.total_params, "{name}");
+            assert!(m.stage_fwd_flops(1) > 0.0 && m.loss_flops() > 0.0);
+            // A 24 GiB GPU holds at least one microbatch of a stage.
+            assert!(m.relay_capacity(1, 24 << 30) >= 1);
         }
-    }
-
-    #[test]
-    fn flops_follow_the_formulas() {
-        let m = ModelPreset::llama_500m();
-        let t = 4096.0;
-        let d = 1280.0;
-        let layer = 8.0 * t * d * d + 6.0 * t * d * 3456.0 + 4.0 * t * 1024.0 * d;
-        assert_eq!(m.layer_fwd_flops(), layer);
-        assert_eq!(m.stage_fwd_flops(), 4.0 * layer);
-        assert_eq!(m.activation_bytes(), 4096 * 1280 * 2);
-        // A 24 GB GPU holds a handful of 500M-stage microbatches.
-        let c = m.relay_capacity(24 << 30);
-        assert!((4..=16).contains(&c), "{c}");
+        assert!(ModelPreset::by_name("nope").is_none());
     }
 }

@@ -75,10 +75,10 @@ fn config(a: &SimArgs, policy: Policy) -> Result<SimConfig, String> {
     if !(0.0..=1.0).contains(&a.leave_fraction) {
         return Err("--leave-fraction must be in 0..=1".into());
     }
-    if a.holders == 0 || a.relays < model.stages as u32 {
+    if a.holders == 0 || a.relays < model.relay_stages as u32 {
         return Err(format!(
-            "need at least one holder and one relay per stage ({} stages)",
-            model.stages
+            "need at least one holder and one relay per stage ({} relay stages)",
+            model.relay_stages
         ));
     }
     if a.iterations == 0 || a.microbatches == 0 || a.in_flight == 0 {

@@ -1,0 +1,192 @@
+//! Training data: a deterministic English-like corpus generated from a seed (nothing is
+//! downloaded), a byte-level tokenizer and a seeded sampler of (input, target) windows.
+use super::rng::Rng;
+use super::ModelError;
+
+const NOUNS: &[&str] = &[
+    "river", "mountain", "village", "farmer", "teacher", "child", "garden", "window", "letter",
+    "market", "road", "forest", "bird", "horse", "ship", "house", "table", "door", "lamp", "book",
+    "stone", "field", "city", "king", "queen", "doctor", "miller", "baker", "cat", "dog", "tree",
+    "bridge", "storm", "winter", "morning", "evening", "friend", "stranger",
+];
+const ADJS: &[&str] = &[
+    "old", "young", "quiet", "bright", "dark", "small", "large", "green", "cold", "warm", "gentle",
+    "strange", "busy", "tired", "happy", "silent", "heavy", "narrow", "golden",
+];
+const VERBS_T: &[&str] = &[
+    "saw",
+    "found",
+    "carried",
+    "painted",
+    "opened",
+    "watched",
+    "followed",
+    "built",
+    "heard",
+    "remembered",
+    "visited",
+    "crossed",
+    "cleaned",
+    "sold",
+    "bought",
+    "wrote",
+    "read",
+];
+const VERBS_I: &[&str] = &[
+    "slept", "waited", "laughed", "walked", "sang", "listened", "rested", "smiled", "worked",
+    "wandered", "returned", "stayed",
+];
+const PREPS: &[&str] = &[
+    "near", "behind", "under", "beside", "across", "over", "through",
+];
+const ADVS: &[&str] = &[
+    "slowly", "quickly", "again", "often", "softly", "early", "late",
+];
+const TIMES: &[&str] = &[
+    "In the morning",
+    "At night",
+    "Long ago",
+    "One day",
+    "After the rain",
+    "In winter",
+    "Before dawn",
+    "That evening",
+];
+const NAMES: &[&str] = &[
+    "Anna", "Tom", "Maria", "John", "Clara", "Peter", "Lucy", "Henry",
+];
+
+fn pick<'a>(r: &mut Rng, v: &[&'a str]) -> &'a str {
+    v[r.below(v.len())]
+}
+
+fn noun_phrase(r: &mut Rng) -> String {
+    if r.below(3) == 0 {
+        format!("the {} {}", pick(r, ADJS), pick(r, NOUNS))
+    } else {
+        format!("the {}", pick(r, NOUNS))
+    }
+}
+
+fn subject(r: &mut Rng) -> String {
+    if r.below(4) == 0 {
+        pick(r, NAMES).to_string()
+    } else {
+        noun_phrase(r)
+    }
+}
+
+fn capitalize(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().collect::<String>() + c.as_str(),
+        None => String::new(),
+    }
+}
+
+fn sentence(r: &mut Rng) -> String {
+    let s = match r.below(6) {
+        0 => format!("{} {} {}", subject(r), pick(r, VERBS_T), noun_phrase(r)),
+        1 => format!("{} {} {}", subject(r), pick(r, VERBS_I), pick(r, ADVS)),
+        2 => format!(
+            "{}, {} {} {} {}",
+            pick(r, TIMES),
+            subject(r),
+            pick(r, VERBS_I),
+            pick(r, PREPS),
+            noun_phrase(r)
+        ),
+        3 => format!(
+            "{} {} {} and {} {}",
+            subject(r),
+            pick(r, VERBS_T),
+            noun_phrase(r),
+            pick(r, VERBS_I),
+            pick(r, ADVS)
+        ),
+        4 => format!("{} was {} and {}", subject(r), pick(r, ADJS), pick(r, ADJS)),
+        _ => format!(
+            "{} {} {} {} {}",
+            subject(r),
+            pick(r, VERBS_T),
+            noun_phrase(r),
+            pick(r, PREPS),
+            noun_phrase(r)
+        ),
+    };
+    capitalize(&s) + "."
+}
+
+/// About `bytes` bytes of English-like text (sentences in paragraphs), the same for the
+/// same seed.
+pub fn generate_corpus(seed: u64, bytes: usize) -> String {
+    let mut r = Rng::new(seed ^ 0x5EED_C0DE);
+    let mut out = String::with_capacity(bytes + 128);
+    while out.len() < bytes {
+        let n = 3 + r.below(4);
+        for i in 0..n {
+            if i > 0 {
+                out.push(' ');
+            }
+            out.push_str(&sentence(&mut r));
+        }
+        out.push('\n');
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Byte-level tokenizer: one token per byte (vocabulary 256).
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// Inverse of [`tokenize`] (lossy for ids >= 256 or invalid UTF-8).
+pub fn detokenize(tokens: &[u32]) -> String {
+    let b: Vec<u8> = tokens.iter().map(|&t| t.min(255) as u8).collect();
+    String::from_utf8_lossy(&b).into_owned()
+}
+
+/// Samples (input, target) windows of a token stream with a seeded generator.
+pub struct Batcher {
+    tokens: Vec<u32>,
+    rng: Rng,
+}
+
+impl Batcher {
+    /// A sampler over `tokens` (needs more than one token).
+    pub fn new(tokens: Vec<u32>, seed: u64) -> Result<Self, ModelError> {
+        if tokens.len() < 2 {
+            return Err(ModelError::InvalidConfig(
+                "corpus shorter than 2 tokens".into(),
+            ));
+        }
+        Ok(Batcher {
+            tokens,
+            rng: Rng::new(seed),
+        })
+    }
+
+    /// `batch` random windows of `seq` tokens: inputs and next-token targets, each
+    /// `[batch * seq]`.
+    pub fn next_batch(
+        &mut self,
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>), ModelError> {
+        if seq + 1 > self.tokens.len() {
+            return Err(ModelError::InvalidConfig(format!(
+                "corpus of {} tokens is too short for seq {seq}",
+                self.tokens.len()
+            )));
+        }
+        let mut x = Vec::with_capacity(batch * seq);
+        let mut y = Vec::with_capacity(batch * seq);
+        for _ in 0..batch {
+            let s = self.rng.below(self.tokens.len() - seq);
+            x.extend_from_slice(&self.tokens[s..s + seq]);
+            y.extend_from_slice(&self.tokens[s + 1..s + seq + 1]);
+        }
+        Ok((x, y))
+    }
+}
