@@ -348,6 +348,36 @@ impl Node {
         self.capacity
     }
 
+    /// Reserved flows through this node: (in label, prev, next, out label).
+    pub fn flows(&self) -> Vec<(Label, NodeId, NodeId, Label)> {
+        self.flows
+            .values()
+            .map(|f| (f.in_label, f.prev, f.next, f.out_label))
+            .collect()
+    }
+
+    /// Test support: installs a reserved flow as if the flow protocol had
+    /// made it (to set up a given routing in protocol tests).
+    #[doc(hidden)]
+    pub fn test_add_flow(
+        &mut self,
+        in_label: Label,
+        sink: NodeId,
+        prev: NodeId,
+        next: NodeId,
+        out_label: Label,
+    ) {
+        self.insert_flow(FlowEntry {
+            in_label,
+            sink,
+            prev,
+            next,
+            out_label,
+            cost_from_source: 0.0,
+            last_used: self.now,
+        });
+    }
+
     /// A one-line summary of the coordinator state (debugging aid).
     pub fn debug_coord(&self) -> String {
         let mut out = format!(
@@ -1891,6 +1921,12 @@ impl Node {
                 },
             )
         };
+        // Two concurrent moves between the same peers would undo each
+        // other: while busy with its own move, a node only yields to a
+        // smaller id.
+        if self.sa_busy_until > self.now && from > self.id {
+            return reject(self);
+        }
         let Some(g) = self.flows.get(&yours).cloned() else {
             return reject(self);
         };
@@ -1946,7 +1982,7 @@ impl Node {
             return;
         }
         let Some(g) = yours else { return };
-        if let Some(f) = self.flows.get(&mine).cloned() {
+        if let Some(f) = self.flows.get(&mine).cloned().filter(|f| f.next != g.next) {
             self.out_index.remove(&f.out_label);
             let e = self.flows.get_mut(&mine).unwrap();
             e.next = g.next;
@@ -1964,7 +2000,8 @@ impl Node {
     }
 
     fn on_propose_redirect(&mut self, from: NodeId, yours: Label, new_cost: f64, temperature: f64) {
-        let Some(g) = self.flows.get(&yours).cloned() else {
+        let busy = self.sa_busy_until > self.now && from > self.id;
+        let Some(g) = self.flows.get(&yours).cloned().filter(|_| !busy) else {
             self.send(
                 from,
                 Msg::RespondRedirect {
