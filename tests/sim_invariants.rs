@@ -36,16 +36,21 @@ fn check(r: &SimReport, what: &str) {
     );
     // Exact accounting: useful + wasted = total.
     let sum = r.gpu_time_useful_s + r.gpu_time_wasted_s;
-    assert!((sum - r.gpu_time_total_s).abs() < 1e-6 * r.gpu_time_total_s.max(1.0), "{what}");
+    assert!(
+        (sum - r.gpu_time_total_s).abs() < 1e-6 * r.gpu_time_total_s.max(1.0),
+        "{what}"
+    );
 }
 
 #[test]
 fn same_seed_same_output_different_seed_different_output() {
-    let run = |seed| serde_json::to_string(&Sim::new(small(Policy::Gwtf, seed, 1.0, 6)).run()).unwrap();
+    let run =
+        |seed| serde_json::to_string(&Sim::new(small(Policy::Gwtf, seed, 1.0, 6)).run()).unwrap();
     let a = run(11);
     assert_eq!(a, run(11));
     assert_ne!(a, run(12));
-    let swarm = |seed| serde_json::to_string(&Sim::new(small(Policy::Swarm, seed, 1.0, 6)).run()).unwrap();
+    let swarm =
+        |seed| serde_json::to_string(&Sim::new(small(Policy::Swarm, seed, 1.0, 6)).run()).unwrap();
     assert_eq!(swarm(3), swarm(3));
 }
 
@@ -60,7 +65,10 @@ fn randomized_churn_keeps_every_invariant() {
             let churn = 1.0 + (seed % 3) as f64;
             let r = Sim::new(small(policy, seed, churn, iterations)).run();
             check(&r, &format!("{policy:?} seed {seed} churn {churn}"));
-            assert!(r.crashes > 0 || !r.completed, "{policy:?} seed {seed}: churn happened");
+            assert!(
+                r.crashes > 0 || !r.completed,
+                "{policy:?} seed {seed}: churn happened"
+            );
         }
     }
 }

@@ -109,7 +109,6 @@ struct Snap {
 #[derive(Clone, Debug, Default)]
 struct HolderState {
     iter: Option<u32>,
-    participants: Arc<Vec<NodeId>>,
     next_idx: u32,
     done: BTreeSet<u32>,
     in_flight: BTreeMap<MbId, Option<Label>>,
@@ -237,6 +236,10 @@ pub struct Node {
     last_applied: Option<u32>,
     /// Coordinator: when each member was last heard from.
     member_heard: BTreeMap<NodeId, Time>,
+    /// Holders: the latest iteration announced and its participants.
+    seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
+    /// Largest next iteration peers told us about.
+    known_iter: u32,
 }
 
 const INF: f64 = 1e12;
@@ -314,6 +317,8 @@ impl Node {
             gossip_dirty: false,
             last_applied: None,
             member_heard: BTreeMap::new(),
+            seen_iter: None,
+            known_iter: 0,
             cfg,
         }
     }
@@ -711,8 +716,16 @@ impl Node {
         }
     }
 
+    /// The iteration this node believes comes next (told to new holders).
+    fn iter_hint(&self) -> u32 {
+        let a = self.last_applied.map_or(0, |a| a + 1);
+        let s = self.seen_iter.as_ref().map_or(0, |s| s.0);
+        a.max(s).max(self.min_iter).max(self.known_iter)
+    }
+
     fn intro_msg(&self, echo: Option<Time>) -> Msg {
         Msg::Introduce {
+            iter: self.iter_hint(),
             stage: self.stage,
             spare: self.spare(),
             compute_s: self.compute_s,
@@ -815,13 +828,13 @@ impl Node {
                 // A new coordinator of the holders reopens the barrier from
                 // its own knowledge.
                 if self.stage == 0 && self.barrier.is_none() {
-                    if let Some(k) = self.dh.iter {
+                    if let Some((k, participants)) = self.seen_iter.clone() {
                         self.barrier = Some(Barrier {
                             iter: k,
-                            participants: self.dh.participants.clone(),
+                            participants,
                             ..Default::default()
                         });
-                        if self.dh.reported {
+                        if self.dh.reported && self.dh.iter == Some(k) {
                             self.barrier.as_mut().unwrap().done.insert(self.id);
                         }
                     }
@@ -1112,12 +1125,14 @@ impl Node {
         }
         match msg {
             Msg::Introduce {
+                iter,
                 stage,
                 spare,
                 compute_s,
                 sent_at,
                 echo,
             } => {
+                self.known_iter = self.known_iter.max(iter);
                 let now = self.now;
                 let a = self.cfg.ema_alpha;
                 let p = self.learn(from, stage);
@@ -1139,6 +1154,7 @@ impl Node {
                     }
                     None => {
                         let m = Msg::Introduce {
+                            iter: self.iter_hint(),
                             stage: self.stage,
                             spare: self.spare(),
                             compute_s: self.compute_s,
@@ -2153,16 +2169,19 @@ impl Node {
         if self.stage != 0 || self.phase != Phase::Active {
             return;
         }
+        if self.seen_iter.as_ref().is_none_or(|s| s.0 < iter) {
+            self.seen_iter = Some((iter, holders.clone()));
+        }
         if self.dh.iter.is_some_and(|k| k >= iter) {
             return;
         }
         self.forget_before(iter);
         if !holders.contains(&self.id) {
+            // Joined during the iteration: takes part from the next one.
             return;
         }
         self.dh = HolderState {
             iter: Some(iter),
-            participants: holders,
             ..Default::default()
         };
         self.event(Event::IterStarted { iter });
@@ -3294,10 +3313,12 @@ impl Node {
             return;
         }
         if self.barrier.is_none() {
-            if self.now < self.cfg.start_delay {
+            if self.now < self.cfg.start_delay || self.seen_iter.is_some() {
                 return;
             }
-            // Open the first iteration.
+            // Open the first iteration (or, after every holder was gone, the
+            // one the relays say comes next).
+            let first = self.iter_hint();
             let holders: Arc<Vec<NodeId>> = Arc::new(
                 self.members
                     .iter()
@@ -3306,7 +3327,7 @@ impl Node {
                     .collect(),
             );
             self.barrier = Some(Barrier {
-                iter: 0,
+                iter: first,
                 participants: holders.clone(),
                 ..Default::default()
             });
@@ -3314,7 +3335,7 @@ impl Node {
                 self.send(
                     h,
                     Msg::StartIter {
-                        iter: 0,
+                        iter: first,
                         holders: holders.clone(),
                     },
                 );
@@ -3350,7 +3371,8 @@ impl Node {
         } else if b.last_bcast + period <= self.now {
             // Re-announce the iteration to holders that may have missed it.
             self.barrier.as_mut().unwrap().last_bcast = self.now;
-            for h in b.participants.iter().copied() {
+            // To every member: those who joined meanwhile learn the iteration.
+            for h in self.members.clone() {
                 if self.alive(h) && !b.done.contains(&h) {
                     self.send(
                         h,

@@ -206,6 +206,8 @@ pub enum Msg {
     // ---- membership
     /// Discovery; `reply` asks for an introduction back (RTT probe).
     Introduce {
+        /// The iteration the sender believes comes next.
+        iter: u32,
         stage: Stage,
         spare: u32,
         compute_s: f64,
