@@ -240,6 +240,8 @@ pub struct Node {
     seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
     /// Largest next iteration peers told us about.
     known_iter: u32,
+    /// Costs last gossiped upstream.
+    advertised: Vec<(NodeId, f64)>,
 }
 
 const INF: f64 = 1e12;
@@ -319,6 +321,7 @@ impl Node {
             member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
+            advertised: Vec::new(),
             cfg,
         }
     }
@@ -691,7 +694,7 @@ impl Node {
         self.phase = Phase::Active;
         self.next_tick = self.now + self.cfg.tick;
         self.recompute_coord();
-        self.introduce_all();
+        self.introduce_all(None);
         if let Some(c) = self.coord {
             if c != self.id {
                 let st = self.stage;
@@ -702,12 +705,16 @@ impl Node {
         self.event(Event::Active { stage: st });
     }
 
-    fn introduce_all(&mut self) {
+    /// Introductions to the previous and next stage; periodic ones go only
+    /// to peers not heard from for `stale` (liveness and RTT refresh).
+    fn introduce_all(&mut self, stale: Option<Time>) {
         let (ps, ns) = (self.prev_stage(), self.next_stage());
+        let now = self.now;
         let targets: Vec<NodeId> = self
             .peers
             .iter()
             .filter(|(_, p)| !p.dead && (p.stage == ps || p.stage == ns))
+            .filter(|(_, p)| stale.is_none_or(|d| p.last_heard + d < now))
             .map(|(id, _)| *id)
             .collect();
         for t in targets {
@@ -995,7 +1002,16 @@ impl Node {
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
         if self.cfg.policy == Policy::Gwtf && self.gossip_dirty && !gossip_tick {
             self.gossip_dirty = false;
-            self.gossip();
+            // Triggered update only when what we advertise really changed.
+            let now_costs = self.my_costs();
+            let changed = now_costs.len() != self.advertised.len()
+                || now_costs
+                    .iter()
+                    .zip(self.advertised.iter())
+                    .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
+            if changed {
+                self.gossip();
+            }
         }
         if gossip_tick {
             // Every policy keeps its upstream informed of liveness, compute
@@ -1008,7 +1024,8 @@ impl Node {
             }
         }
         if self.tick_no % (4 * hb) == 0 {
-            self.introduce_all();
+            let cycle = 4 * hb * self.cfg.tick;
+            self.introduce_all(Some(cycle));
         }
         // Next-stage peers publish themselves (CHANGE) every gossip period;
         // one silent for three periods has left the view (like an expired
@@ -1135,6 +1152,7 @@ impl Node {
                 self.known_iter = self.known_iter.max(iter);
                 let now = self.now;
                 let a = self.cfg.ema_alpha;
+                let bytes = self.cfg.probe_bytes;
                 let p = self.learn(from, stage);
                 p.spare = spare;
                 p.compute_s = compute_s;
@@ -1143,14 +1161,17 @@ impl Node {
                     Some(t0) => {
                         let rtt = to_secs(now.saturating_sub(t0));
                         p.lat = Self::ema(p.lat, rtt / 2.0, a);
-                        let bytes = self.cfg.probe_bytes;
-                        self.send(
+                        // Bandwidth probe on first contact only; data hops
+                        // keep the estimate fresh afterwards.
+                        if p.bw.is_none() {
+                            self.send(
                             from,
                             Msg::Probe {
                                 bytes,
                                 sent_at: now,
                             },
                         );
+                        }
                     }
                     None => {
                         let m = Msg::Introduce {
@@ -1487,6 +1508,7 @@ impl Node {
         } else {
             Vec::new()
         });
+        self.advertised = (*costs).clone();
         let spare = self.spare();
         let ps = self.prev_stage();
         let ups: Vec<NodeId> = self

@@ -416,6 +416,52 @@ pub enum Msg {
 }
 
 impl Msg {
+    /// The message kind's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Introduce { .. } => "Introduce",
+            Msg::Probe { .. } => "Probe",
+            Msg::ProbeAck { .. } => "ProbeAck",
+            Msg::Heartbeat { .. } => "Heartbeat",
+            Msg::Goodbye { .. } => "Goodbye",
+            Msg::GroupJoin { .. } => "GroupJoin",
+            Msg::Change { .. } => "Change",
+            Msg::FlowRequest { .. } => "FlowRequest",
+            Msg::FlowResponse { .. } => "FlowResponse",
+            Msg::QueryFlows { .. } => "QueryFlows",
+            Msg::FlowTable { .. } => "FlowTable",
+            Msg::ProposeSwap { .. } => "ProposeSwap",
+            Msg::RespondSwap { .. } => "RespondSwap",
+            Msg::ProposeRedirect { .. } => "ProposeRedirect",
+            Msg::RespondRedirect { .. } => "RespondRedirect",
+            Msg::NotifySwitch { .. } => "NotifySwitch",
+            Msg::NotifyRedirect { .. } => "NotifyRedirect",
+            Msg::PushBack { .. } => "PushBack",
+            Msg::Cancel { .. } => "Cancel",
+            Msg::Forward { .. } => "Forward",
+            Msg::Backward { .. } => "Backward",
+            Msg::Ack { .. } => "Ack",
+            Msg::CrashNotice { .. } => "CrashNotice",
+            Msg::Restart { .. } => "Restart",
+            Msg::Redo { .. } => "Redo",
+            Msg::StartIter { .. } => "StartIter",
+            Msg::HolderDone { .. } => "HolderDone",
+            Msg::EndIter { .. } => "EndIter",
+            Msg::Claim { .. } => "Claim",
+            Msg::ClaimReply { .. } => "ClaimReply",
+            Msg::Sync { .. } => "Sync",
+            Msg::Commit { .. } => "Commit",
+            Msg::AggDone { .. } => "AggDone",
+            Msg::Applied { .. } => "Applied",
+            Msg::StageDone { .. } => "StageDone",
+            Msg::Finalize { .. } => "Finalize",
+            Msg::StageQuery { .. } => "StageQuery",
+            Msg::StageInfo { .. } => "StageInfo",
+            Msg::StateRequest { .. } => "StateRequest",
+            Msg::StateResponse { .. } => "StateResponse",
+        }
+    }
+
     /// Bytes this message occupies on a link (header + payload), for drivers
     /// that model links.
     pub fn wire_bytes(&self, cfg: &Config) -> u64 {

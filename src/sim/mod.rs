@@ -144,6 +144,8 @@ pub struct SimReport {
     /// (time s, "crash" | "leave" | "join").
     pub churn: Vec<(f64, String)>,
     pub iteration_times_s: Vec<f64>,
+    /// Messages sent, by kind.
+    pub messages: BTreeMap<String, u64>,
 }
 
 #[derive(Debug)]
@@ -235,6 +237,7 @@ pub struct Sim {
     holder_share: f64,
     joining_relay: bool,
     debug: bool,
+    msg_counts: BTreeMap<&'static str, u64>,
 }
 
 impl Sim {
@@ -276,6 +279,7 @@ impl Sim {
             initial,
             holder_share: cfg.holders as f64 / initial.max(1) as f64,
             joining_relay: false,
+            msg_counts: BTreeMap::new(),
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
             cfg,
         };
@@ -540,31 +544,7 @@ impl Sim {
         if to as usize >= self.nodes.len() {
             return;
         }
-        if self.debug {
-            let show = match &msg {
-                Msg::Redo { mb, .. } | Msg::Restart { mb } | Msg::CrashNotice { mb, .. } => {
-                    mb.holder == 3 && mb.iter == 2
-                }
-                Msg::Forward { mb, need_grad, .. } => {
-                    !need_grad
-                        || (mb.holder == 3 && mb.iter == 2 && mb.idx == 0 && self.now > 100 * SEC)
-                }
-                Msg::Backward { mb, .. } | Msg::Ack { mb, .. } => {
-                    mb.holder == 3 && mb.iter == 2 && mb.idx == 0 && self.now > 100 * SEC
-                }
-                Msg::Claim { mb, .. } | Msg::ClaimReply { mb, .. } => {
-                    mb.holder == 3 && mb.iter == 2 && mb.idx == 0 && self.now > 100 * SEC
-                }
-                _ => false,
-            };
-            if show {
-                eprintln!(
-                    "t={:.2} {from} -> {to} alive={} {msg:?}",
-                    to_secs(self.now),
-                    self.nodes[to as usize].alive
-                );
-            }
-        }
+        *self.msg_counts.entry(msg.name()).or_insert(0) += 1;
         let bytes = msg.wire_bytes(&self.pcfg) as f64;
         let (lat, bw) = self.link_params(from, to);
         if !msg.is_bulk() {
@@ -1101,6 +1081,7 @@ impl Sim {
     }
 
     fn finish(mut self) -> SimReport {
+        self.rep.messages = self.msg_counts.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         let r = &mut self.rep;
         r.iterations_done = self.finalized;
         r.completed = self.finalized >= self.cfg.iterations;
