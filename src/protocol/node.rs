@@ -146,6 +146,8 @@ struct CoordIter {
     commit: Option<BTreeSet<NodeId>>,
     agg_done: BTreeSet<NodeId>,
     applied: bool,
+    /// Expected microbatches not granted (nor dropped), once the iteration ended.
+    missing: Option<BTreeSet<MbId>>,
 }
 
 /// Holders' coordinator: the iteration barrier.
@@ -1000,7 +1002,7 @@ impl Node {
             self.heartbeat();
         }
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
-        if self.cfg.policy == Policy::Gwtf && self.gossip_dirty && !gossip_tick {
+        if self.cfg.policy == Policy::Gwtf && self.gossip_dirty && !gossip_tick && self.tick_no % 3 == 0 {
             self.gossip_dirty = false;
             // Triggered update only when what we advertise really changed.
             let now_costs = self.my_costs();
@@ -1240,9 +1242,16 @@ impl Node {
                 let p = self.learn(from, ns);
                 p.spare = spare;
                 p.compute_s = compute_s;
-                let new: BTreeMap<NodeId, f64> = costs.iter().copied().collect();
-                if new != p.costs {
-                    p.costs = new;
+                // Only a material change (another sink set, or a cost moved
+                // by more than 2%) triggers our own update upstream.
+                let material = costs.len() != p.costs.len()
+                    || costs.iter().any(|(k, v)| {
+                        p.costs
+                            .get(k)
+                            .is_none_or(|old| (old - v).abs() > 0.02 * old.abs().max(1e-9))
+                    });
+                if material {
+                    p.costs = costs.iter().copied().collect();
                     self.gossip_dirty = true;
                 }
             }
@@ -2980,6 +2989,9 @@ impl Node {
                 None => {
                     ci.granted.insert(mb, (from, prev, next));
                     ci.lost.remove(&mb);
+                    if let Some(m) = ci.missing.as_mut() {
+                        m.remove(&mb);
+                    }
                     true
                 }
             }
@@ -3042,6 +3054,18 @@ impl Node {
             if ci.end.is_none() {
                 ci.end_at = now;
             }
+            if ci.missing.is_none() {
+                let mut m = BTreeSet::new();
+                for &h in holders.iter() {
+                    for idx in 0..self.cfg.mb_per_iter {
+                        let mb = MbId { holder: h, iter, idx };
+                        if !ci.granted.contains_key(&mb) && !ci.dropped.contains(&mb) {
+                            m.insert(mb);
+                        }
+                    }
+                }
+                ci.missing = Some(m);
+            }
             ci.end = Some((origin, holders));
             self.coord_check(iter);
         }
@@ -3062,8 +3086,14 @@ impl Node {
                 .filter(|(_, g)| g.0 == p)
                 .map(|(m, g)| (*m, *g))
                 .collect();
+            let ended: Option<BTreeSet<NodeId>> = ci.end.as_ref().map(|e| e.1.iter().copied().collect());
             for (mb, (_, prev, next)) in &mine {
                 ci.granted.remove(mb);
+                if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
+                    if h.contains(&mb.holder) {
+                        m.insert(*mb);
+                    }
+                }
                 ci.lost.insert(
                     *mb,
                     Lost {
@@ -3144,6 +3174,9 @@ impl Node {
         for mb in drop {
             ci.lost.remove(&mb);
             ci.dropped.insert(mb);
+            if let Some(m) = ci.missing.as_mut() {
+                m.remove(&mb);
+            }
         }
         for (to, m) in sends {
             self.send(to, m);
@@ -3161,15 +3194,12 @@ impl Node {
                 let ci = &self.coord_iters[&k];
                 if ci.applied || ci.commit.is_some() {
                     Vec::new()
-                } else if let Some((_, holders)) = &ci.end {
+                } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
                     if ci.end_at + timeout <= now {
-                        self.expected(k, holders)
-                            .into_iter()
-                            .filter(|m| {
-                                !ci.granted.contains_key(m)
-                                    && !ci.lost.contains_key(m)
-                                    && !ci.dropped.contains(m)
-                            })
+                        missing
+                            .iter()
+                            .copied()
+                            .filter(|m| !ci.lost.contains_key(m))
                             .collect()
                     } else {
                         Vec::new()
@@ -3245,12 +3275,8 @@ impl Node {
             if !ci.lost.is_empty() {
                 return;
             }
-            let exp = self.expected(iter, &holders);
-            let ci = &self.coord_iters[&iter];
-            if !exp
-                .iter()
-                .all(|m| ci.granted.contains_key(m) || ci.dropped.contains(m))
-            {
+            let _ = &holders;
+            if ci.missing.as_ref().is_some_and(|m| !m.is_empty()) {
                 return;
             }
             let members: BTreeSet<NodeId> = self

@@ -159,10 +159,11 @@ enum Ev {
     Join,
 }
 
+/// Heap entries stay small; the event itself waits in a slab.
 struct Entry {
     t: Time,
     seq: u64,
-    ev: Ev,
+    slot: u32,
 }
 impl PartialEq for Entry {
     fn eq(&self, o: &Self) -> bool {
@@ -213,6 +214,8 @@ pub struct Sim {
     now: Time,
     seq: u64,
     heap: BinaryHeap<Entry>,
+    slab: Vec<Option<Ev>>,
+    free: Vec<u32>,
     nodes: Vec<SimNode>,
     links: HashMap<(NodeId, NodeId), Link>,
     rng: Rng,
@@ -238,6 +241,8 @@ pub struct Sim {
     joining_relay: bool,
     debug: bool,
     msg_counts: BTreeMap<&'static str, u64>,
+    population_version: u64,
+    regions_cache: BTreeMap<Stage, (u64, BTreeSet<usize>)>,
 }
 
 impl Sim {
@@ -256,6 +261,8 @@ impl Sim {
             now: 0,
             seq: 0,
             heap: BinaryHeap::new(),
+            slab: Vec::new(),
+            free: Vec::new(),
             nodes: Vec::new(),
             links: HashMap::new(),
             rng: Rng::derive(cfg.seed, 0x5151),
@@ -280,6 +287,8 @@ impl Sim {
             holder_share: cfg.holders as f64 / initial.max(1) as f64,
             joining_relay: false,
             msg_counts: BTreeMap::new(),
+            population_version: 0,
+            regions_cache: BTreeMap::new(),
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
             cfg,
         };
@@ -300,10 +309,20 @@ impl Sim {
 
     fn push(&mut self, t: Time, ev: Ev) {
         self.seq += 1;
+        let slot = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(ev);
+                i
+            }
+            None => {
+                self.slab.push(Some(ev));
+                (self.slab.len() - 1) as u32
+            }
+        };
         self.heap.push(Entry {
             t,
             seq: self.seq,
-            ev,
+            slot,
         });
     }
 
@@ -440,7 +459,9 @@ impl Sim {
             }
             self.now = e.t;
             self.rep.events += 1;
-            self.dispatch(e.ev);
+            let ev = self.slab[e.slot as usize].take().expect("event in its slot");
+            self.free.push(e.slot);
+            self.dispatch(ev);
         }
         self.finish()
     }
@@ -636,7 +657,7 @@ impl Sim {
         self.link_schedule(key, bw);
     }
 
-    fn task_time(&self, node: NodeId, t: &Task) -> f64 {
+    fn task_time(&mut self, node: NodeId, t: &Task) -> f64 {
         let m = &self.cfg.model;
         let f = self.nodes[node as usize].flops;
         match t.kind {
@@ -649,20 +670,25 @@ impl Sim {
         }
     }
 
-    fn agg_time(&self, stage: Stage, members: u32) -> f64 {
+    fn agg_time(&mut self, stage: Stage, members: u32) -> f64 {
         let n = members.max(1) as f64;
         if n <= 1.0 {
             return 0.0;
         }
-        let regions: BTreeSet<usize> = self
-            .members_of(stage)
-            .iter()
-            .map(|&i| self.nodes[i as usize].region)
-            .collect();
+        // Regions present in the stage, cached until the population changes.
+        if self.regions_cache.get(&stage).is_none_or(|c| c.0 != self.population_version) {
+            let r: BTreeSet<usize> = self
+                .members_of(stage)
+                .iter()
+                .map(|&i| self.nodes[i as usize].region)
+                .collect();
+            self.regions_cache.insert(stage, (self.population_version, r));
+        }
+        let regions = &self.regions_cache[&stage].1;
         let mut bw = f64::INFINITY;
         let mut lat: f64 = 0.0;
-        for &a in &regions {
-            for &b in &regions {
+        for &a in regions {
+            for &b in regions {
                 bw = bw.min(self.cfg.scenario.bandwidth[a][b]);
                 lat = lat.max(self.cfg.scenario.latency[a][b]);
             }
@@ -742,6 +768,7 @@ impl Sim {
     }
 
     fn kill(&mut self, v: NodeId) {
+        self.population_version += 1;
         let n = &mut self.nodes[v as usize];
         n.alive = false;
         if let Some((_, start)) = n.running.take() {
@@ -878,6 +905,7 @@ impl Sim {
     fn on_event(&mut self, node: NodeId, e: Event) {
         match e {
             Event::Active { .. } => {
+                self.population_version += 1;
                 if self.now > 0 {
                     self.check_empty();
                 }
