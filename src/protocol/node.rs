@@ -103,6 +103,8 @@ struct Snap {
     done: bool,
     /// Waiting for a replacement to appear (recovery found no candidate).
     stuck: bool,
+    /// When this node took the microbatch (attempt) in.
+    started: Time,
 }
 
 /// Holder's iteration state.
@@ -244,6 +246,7 @@ pub struct Node {
     known_iter: u32,
     /// Costs last gossiped upstream.
     advertised: Vec<(NodeId, f64)>,
+    gossip_round: usize,
 }
 
 const INF: f64 = 1e12;
@@ -324,6 +327,7 @@ impl Node {
             seen_iter: None,
             known_iter: 0,
             advertised: Vec::new(),
+            gossip_round: 0,
             cfg,
         }
     }
@@ -1002,7 +1006,11 @@ impl Node {
             self.heartbeat();
         }
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
-        if self.cfg.policy == Policy::Gwtf && self.gossip_dirty && !gossip_tick && self.tick_no % 3 == 0 {
+        if self.cfg.policy == Policy::Gwtf
+            && self.gossip_dirty
+            && !gossip_tick
+            && self.tick_no % 3 == 0
+        {
             self.gossip_dirty = false;
             // Triggered update only when what we advertise really changed.
             let now_costs = self.my_costs();
@@ -1032,8 +1040,17 @@ impl Node {
         // Next-stage peers publish themselves (CHANGE) every gossip period;
         // one silent for three periods has left the view (like an expired
         // DHT record).
-        let expiry = 3 * self.cfg.gossip_ticks as Time * self.cfg.tick;
         let ns = self.next_stage();
+        // With a bounded fanout a peer reaches each of its upstream peers
+        // every ceil(view / fanout) rounds; three of those is the expiry.
+        let view = self
+            .peers
+            .values()
+            .filter(|p| p.stage == ns && !p.dead)
+            .count()
+            .max(1);
+        let rounds = view.div_ceil(self.cfg.gossip_fanout.max(1)).max(1) as Time;
+        let expiry = 3 * rounds * self.cfg.gossip_ticks as Time * self.cfg.tick;
         let now = self.now;
         let expired: Vec<NodeId> = self
             .peers
@@ -1167,12 +1184,12 @@ impl Node {
                         // keep the estimate fresh afterwards.
                         if p.bw.is_none() {
                             self.send(
-                            from,
-                            Msg::Probe {
-                                bytes,
-                                sent_at: now,
-                            },
-                        );
+                                from,
+                                Msg::Probe {
+                                    bytes,
+                                    sent_at: now,
+                                },
+                            );
                         }
                     }
                     None => {
@@ -1346,13 +1363,13 @@ impl Node {
                     self.recover(mb, dead, Some(after));
                 }
             }
-            Msg::Restart { mb } => self.restart(mb),
+            Msg::Restart { mb, attempt } => self.restart(mb, attempt),
             Msg::Redo { mb, dead, next } => {
                 if self.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
                     self.redo(mb, dead, next);
                 } else if self.stage != 0 {
                     // No snapshot left here: the holder restarts it.
-                    self.send(mb.holder, Msg::Restart { mb });
+                    self.send(mb.holder, Msg::Restart { mb, attempt: None });
                 }
             }
             Msg::StartIter { iter, holders } => self.on_start_iter(iter, holders),
@@ -1526,7 +1543,25 @@ impl Node {
             .filter(|(_, p)| p.stage == ps && !p.dead)
             .map(|(id, _)| *id)
             .collect();
-        for u in ups {
+        // Bounded fanout: at most `gossip_fanout` upstream peers per round,
+        // taken in turn (round robin), plus those whose flows pass here.
+        let fan = self.cfg.gossip_fanout.max(1);
+        let mut targets: BTreeSet<NodeId> = BTreeSet::new();
+        if ups.len() <= fan {
+            targets.extend(ups.iter().copied());
+        } else {
+            let start = self.gossip_round % ups.len();
+            for i in 0..fan {
+                targets.insert(ups[(start + i) % ups.len()]);
+            }
+            self.gossip_round = (start + fan) % ups.len();
+        }
+        for f in self.flows.values() {
+            if f.prev != self.id {
+                targets.insert(f.prev);
+            }
+        }
+        for u in targets {
             self.send(
                 u,
                 Msg::Change {
@@ -2324,23 +2359,36 @@ impl Node {
                     grad_in: false,
                     done: false,
                     stuck: false,
+                    started: self.now,
                 },
             );
         }
     }
 
-    fn restart(&mut self, mb: MbId) {
+    fn restart(&mut self, mb: MbId, failed: Option<u32>) {
         if self.stage != 0 || mb.holder != self.id || self.dh.iter != Some(mb.iter) {
             return;
         }
-        if self.dh.in_flight.contains_key(&mb) || self.dh.restarts.contains(&mb) {
-            // Already running again: a new attempt replaces it.
-            if let Some(s) = self.snaps.get(&mb) {
-                if !s.fwd_done {
-                    return;
-                }
+        if self.dh.restarts.contains(&mb) {
+            return;
+        }
+        if self.dh.in_flight.contains_key(&mb) {
+            let s = self.snaps.get(&mb);
+            let stale = match failed {
+                // The data path reports a failed attempt: only that one.
+                Some(a) => s.is_some_and(|s| s.attempt != a),
+                // An aggregate lost it: an attempt started recently is
+                // already recomputing it.
+                None => s.is_some_and(|s| s.started + self.cfg.redo_timeout > self.now),
+            };
+            if stale {
+                return;
             }
             self.dh.in_flight.remove(&mb);
+        } else if let (Some(a), Some(s)) = (failed, self.snaps.get(&mb)) {
+            if s.attempt != a || s.done {
+                return;
+            }
         }
         for back in [false, true] {
             self.clear_deadline((mb, back));
@@ -2497,6 +2545,7 @@ impl Node {
                 grad_in: false,
                 done: false,
                 stuck: false,
+                started: self.now,
             },
         );
         // Queue wait starts now; remember when the input arrived.
@@ -2848,7 +2897,8 @@ impl Node {
         match self.cfg.policy {
             Policy::Swarm => {
                 // SWARM restarts the whole microbatch from its data holder.
-                self.send(mb.holder, Msg::Restart { mb });
+                let attempt = Some(self.snaps[&mb].attempt);
+                self.send(mb.holder, Msg::Restart { mb, attempt });
             }
             Policy::Gwtf | Policy::Optimal => {
                 let path = self.snaps[&mb].path.clone();
@@ -2870,7 +2920,8 @@ impl Node {
                         return;
                     }
                 }
-                self.send(mb.holder, Msg::Restart { mb });
+                let attempt = Some(self.snaps[&mb].attempt);
+                self.send(mb.holder, Msg::Restart { mb, attempt });
             }
         }
     }
@@ -3058,7 +3109,11 @@ impl Node {
                 let mut m = BTreeSet::new();
                 for &h in holders.iter() {
                     for idx in 0..self.cfg.mb_per_iter {
-                        let mb = MbId { holder: h, iter, idx };
+                        let mb = MbId {
+                            holder: h,
+                            iter,
+                            idx,
+                        };
                         if !ci.granted.contains_key(&mb) && !ci.dropped.contains(&mb) {
                             m.insert(mb);
                         }
@@ -3086,7 +3141,8 @@ impl Node {
                 .filter(|(_, g)| g.0 == p)
                 .map(|(m, g)| (*m, *g))
                 .collect();
-            let ended: Option<BTreeSet<NodeId>> = ci.end.as_ref().map(|e| e.1.iter().copied().collect());
+            let ended: Option<BTreeSet<NodeId>> =
+                ci.end.as_ref().map(|e| e.1.iter().copied().collect());
             for (mb, (_, prev, next)) in &mine {
                 ci.granted.remove(mb);
                 if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
@@ -3147,7 +3203,13 @@ impl Node {
                 0 => {
                     match (policy, l.prev, l.next) {
                         (Policy::Swarm, _, _) | (_, None, _) | (_, _, None) => {
-                            sends.push((mb.holder, Msg::Restart { mb: *mb }));
+                            sends.push((
+                                mb.holder,
+                                Msg::Restart {
+                                    mb: *mb,
+                                    attempt: None,
+                                },
+                            ));
                         }
                         (_, Some(prev), Some(next)) => {
                             sends.push((
@@ -3163,9 +3225,15 @@ impl Node {
                     l.level = 1;
                     l.since = now;
                 }
-                1 => {
-                    sends.push((mb.holder, Msg::Restart { mb: *mb }));
-                    l.level = 2;
+                1..=3 => {
+                    sends.push((
+                        mb.holder,
+                        Msg::Restart {
+                            mb: *mb,
+                            attempt: None,
+                        },
+                    ));
+                    l.level += 1;
                     l.since = now;
                 }
                 _ => drop.push(*mb),
@@ -3223,7 +3291,7 @@ impl Node {
             }
             for mb in missing {
                 // Level 1: restart from the holder now.
-                self.send(mb.holder, Msg::Restart { mb });
+                self.send(mb.holder, Msg::Restart { mb, attempt: None });
             }
             self.redo_lost(k);
             self.coord_check(k);

@@ -114,6 +114,8 @@ pub struct Config {
     pub sa_skip_attempts: u32,
     /// Cost-to-sink entries carried by one CHANGE message (the nearest sinks).
     pub gossip_sinks: usize,
+    /// Upstream peers one gossip round reaches (taken in turn).
+    pub gossip_fanout: usize,
     /// A reservation is rejected when the downstream cost grew by more than
     /// this fraction over the cost the requester assumed.
     pub stale_cost_tolerance: f64,
@@ -160,6 +162,7 @@ impl Config {
             cost_unit_s: 0.1,
             sa_skip_attempts: 3,
             gossip_sinks: 16,
+            gossip_fanout: 12,
             stale_cost_tolerance: 0.25,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
@@ -337,9 +340,11 @@ pub enum Msg {
         dead: NodeId,
         after: NodeId,
     },
-    /// Restart the whole microbatch (to its holder).
+    /// Restart the whole microbatch (to its holder): `attempt` is the failed
+    /// attempt (data path), None when an aggregate lost its contribution.
     Restart {
         mb: MbId,
+        attempt: Option<u32>,
     },
     /// The stage of `dead` lost its contribution for `mb`: re-send the stored
     /// activation to a replacement that sends to `next`.

@@ -459,7 +459,9 @@ impl Sim {
             }
             self.now = e.t;
             self.rep.events += 1;
-            let ev = self.slab[e.slot as usize].take().expect("event in its slot");
+            let ev = self.slab[e.slot as usize]
+                .take()
+                .expect("event in its slot");
             self.free.push(e.slot);
             self.dispatch(ev);
         }
@@ -676,13 +678,18 @@ impl Sim {
             return 0.0;
         }
         // Regions present in the stage, cached until the population changes.
-        if self.regions_cache.get(&stage).is_none_or(|c| c.0 != self.population_version) {
+        if self
+            .regions_cache
+            .get(&stage)
+            .is_none_or(|c| c.0 != self.population_version)
+        {
             let r: BTreeSet<usize> = self
                 .members_of(stage)
                 .iter()
                 .map(|&i| self.nodes[i as usize].region)
                 .collect();
-            self.regions_cache.insert(stage, (self.population_version, r));
+            self.regions_cache
+                .insert(stage, (self.population_version, r));
         }
         let regions = &self.regions_cache[&stage].1;
         let mut bw = f64::INFINITY;
@@ -1109,7 +1116,11 @@ impl Sim {
     }
 
     fn finish(mut self) -> SimReport {
-        self.rep.messages = self.msg_counts.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        self.rep.messages = self
+            .msg_counts
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect();
         let r = &mut self.rep;
         r.iterations_done = self.finalized;
         r.completed = self.finalized >= self.cfg.iterations;
