@@ -18,6 +18,8 @@ enum Ev {
     Deliver(NodeId, NodeId, usize),
 }
 
+type KillWhen = Box<dyn Fn(NodeId, &Task) -> bool>;
+
 /// A tiny driver: every message takes `lat(a, b)`, every task `task_ms`.
 struct Net {
     nodes: BTreeMap<NodeId, Node>,
@@ -31,7 +33,7 @@ struct Net {
     sent: Vec<(Time, NodeId, NodeId, Msg)>,
     events: Vec<(Time, NodeId, Event)>,
     /// Kill a node when it starts a task matching this predicate.
-    kill_on: Option<Box<dyn Fn(NodeId, &Task) -> bool>>,
+    kill_on: Option<KillWhen>,
     timers: BTreeMap<NodeId, Time>,
 }
 

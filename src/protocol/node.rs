@@ -1204,11 +1204,12 @@ impl Node {
                         self.send(from, m);
                     }
                 }
-                if stage == self.stage && self.coord == Some(self.id) && self.phase == Phase::Active
+                if stage == self.stage
+                    && self.coord == Some(self.id)
+                    && self.phase == Phase::Active
+                    && self.members.insert(from)
                 {
-                    if self.members.insert(from) {
-                        self.members_changed = true;
-                    }
+                    self.members_changed = true;
                 }
             }
             Msg::Probe { bytes, sent_at } => self.send(from, Msg::ProbeAck { bytes, sent_at }),
@@ -1653,9 +1654,7 @@ impl Node {
         if upstream && f.prev != self.id {
             self.send(f.prev, Msg::PushBack { label: f.in_label });
         }
-        if downstream && self.stage != self.s() && self.stage != 0 {
-            self.send(f.next, Msg::Cancel { label: f.out_label });
-        } else if downstream && self.stage == 0 {
+        if downstream && self.stage != self.s() {
             self.send(f.next, Msg::Cancel { label: f.out_label });
         }
     }

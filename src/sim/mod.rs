@@ -38,6 +38,9 @@ use model::ModelPreset;
 use optimal::{CentralRouter, RouteInstance, RoutePlan, SspRouter};
 use scenario::Scenario;
 
+/// (microbatch, member whose result is in the aggregate) of one stage's commit.
+type Committed = Arc<Vec<(MbId, NodeId)>>;
+
 /// What to simulate.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -223,7 +226,7 @@ pub struct Sim {
     ledger: HashMap<(NodeId, TaskId), f64>,
     claimed: HashMap<(NodeId, MbId), Vec<TaskId>>,
     fwd_count: HashMap<(MbId, Stage), u32>,
-    committed: BTreeMap<(u32, Stage), Arc<Vec<(MbId, NodeId)>>>,
+    committed: BTreeMap<(u32, Stage), Committed>,
     dropped: BTreeMap<(u32, Stage), Vec<MbId>>,
     versions: BTreeMap<(Stage, u32), BTreeSet<u64>>,
     crit: BTreeMap<u32, f64>,
