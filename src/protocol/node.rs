@@ -116,7 +116,6 @@ struct HolderState {
     in_flight: BTreeMap<MbId, Option<Label>>,
     restarts: VecDeque<MbId>,
     reported: bool,
-    no_flow_since: Option<Time>,
 }
 
 /// A member's accumulated (granted) contributions of one iteration.
@@ -390,6 +389,26 @@ impl Node {
             cost_from_source: 0.0,
             last_used: self.now,
         });
+    }
+
+    /// A one-line summary of the member state (debugging aid).
+    pub fn debug_member(&self) -> String {
+        format!(
+            "node {} coord {:?} last_commit {:?} last_applied {:?} acc {:?} tasks {:?}",
+            self.id,
+            self.coord,
+            self.last_commit,
+            self.last_applied,
+            self.acc
+                .iter()
+                .map(|(k, a)| (*k, a.granted.len(), a.pending.len(), a.agg_task))
+                .collect::<Vec<_>>(),
+            self.tasks
+                .iter()
+                .filter(|t| matches!(t.1 .0, TaskKind::Aggregate { .. }))
+                .map(|t| *t.0)
+                .collect::<Vec<_>>()
+        )
     }
 
     /// A one-line summary of the coordinator state (debugging aid).
@@ -1084,6 +1103,21 @@ impl Node {
             self.coord_tick();
         }
         if self.stage == 0 {
+            // Last resort (both policies): a microbatch with no news for
+            // `e2e_timeout` is started again from here.
+            let e2e = self.cfg.e2e_timeout;
+            let now = self.now;
+            let late: Vec<(MbId, u32)> = self
+                .dh
+                .in_flight
+                .keys()
+                .filter_map(|mb| self.snaps.get(mb).map(|s| (*mb, s)))
+                .filter(|(_, s)| s.started + e2e <= now)
+                .map(|(mb, s)| (mb, s.attempt))
+                .collect();
+            for (mb, attempt) in late {
+                self.restart(mb, Some(attempt));
+            }
             self.launch();
         }
     }
@@ -1608,10 +1642,11 @@ impl Node {
         for l in stale {
             self.drop_flow(l, true, true);
         }
-        // Holders reserve flows up to their in-flight bound.
+        // Holders reserve flows up to their in-flight bound (one request
+        // per missing unit, each toward the best next hop with spare room).
         if self.stage == 0 {
             let have = self.flows.len() + self.pending.len();
-            if have < self.cfg.max_in_flight as usize && self.pending.is_empty() {
+            for _ in have..self.cfg.max_in_flight as usize {
                 if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
                     let label = self.new_label();
                     let expected = c - self.link_cost(j);
@@ -2282,23 +2317,10 @@ impl Node {
         let Some(k) = self.dh.iter else { return };
         loop {
             let limit = match self.cfg.policy {
-                Policy::Gwtf => {
-                    if self.flows.is_empty() {
-                        let since = *self.dh.no_flow_since.get_or_insert(self.now);
-                        // Without any reservation for a while, route by cost
-                        // rather than wait forever.
-                        if self.now
-                            >= since + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick
-                        {
-                            self.cfg.max_in_flight as usize
-                        } else {
-                            0
-                        }
-                    } else {
-                        self.dh.no_flow_since = None;
-                        self.flows.len().min(self.cfg.max_in_flight as usize)
-                    }
-                }
+                // Microbatches ride on reserved flows when there are
+                // enough; the others (flows being rebuilt after a crash)
+                // are routed hop by hop by the gossiped costs.
+                Policy::Gwtf => self.cfg.max_in_flight as usize,
                 Policy::Optimal => {
                     if self.plan.is_empty() {
                         self.cfg.max_in_flight as usize

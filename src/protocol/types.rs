@@ -129,6 +129,8 @@ pub struct Config {
     /// then the whole microbatch is restarted from its data holder, then it
     /// is dropped (only a dead holder's microbatch can end there).
     pub redo_timeout: Time,
+    /// A holder restarts a microbatch in flight for this long (last resort).
+    pub e2e_timeout: Time,
     /// The iteration barrier reports a stalled stage after this long.
     pub stall_report: Time,
     /// Delay before the first iteration (flows are being built).
@@ -153,7 +155,7 @@ impl Config {
             activation_bytes,
             stage_state_bytes: vec![0; relay_stages as usize + 1],
             ack_timeout_mult: 4.0,
-            min_ack_timeout: 2 * SEC,
+            min_ack_timeout: 5 * SEC,
             initial_ack_timeout: 8 * SEC,
             ema_alpha: 0.3,
             sa_t0_relay: 1.7,
@@ -169,6 +171,7 @@ impl Config {
             probe_bytes: 1 << 20,
             redo_timeout: 30 * SEC,
             stall_report: 60 * SEC,
+            e2e_timeout: 180 * SEC,
             start_delay: 6 * SEC,
         }
     }

@@ -714,6 +714,13 @@ impl Sim {
     fn run_task(&mut self, node: NodeId, task: Task) {
         if !task.kind.is_compute() {
             let d = self.task_time(node, &task);
+            if self.debug && d > 100.0 {
+                eprintln!(
+                    "t={:.1} node {node} aggregate {:?} lasts {d:.0} s",
+                    to_secs(self.now),
+                    task
+                );
+            }
             let t = self.now + secs(d);
             self.push(
                 t,
@@ -990,6 +997,9 @@ impl Sim {
                             && n.node.coordinator() == Some(i as NodeId)
                         {
                             eprintln!("  {}", n.node.debug_coord());
+                        }
+                        if n.alive && n.node.stage() == stage {
+                            eprintln!("    {}", n.node.debug_member());
                         }
                     }
                 }
