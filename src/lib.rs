@@ -5,4 +5,6 @@ pub mod ffi;
 pub mod flow;
 pub mod model;
 pub mod pool;
+pub mod protocol;
+pub mod sim;
 pub mod wire;

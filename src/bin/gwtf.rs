@@ -8,6 +8,8 @@ mod kernels_cmd;
 #[cfg(feature = "cuda")]
 #[path = "gwtf/kernels_gpu.rs"]
 mod kernels_gpu;
+#[path = "gwtf/sim_cmd.rs"]
+mod sim_cmd;
 #[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
 #[path = "gwtf/transport_cmd.rs"]
@@ -50,6 +52,8 @@ enum Cmd {
     /// A diagnostic peer: accepts authenticated peers and sends every frame
     /// back unchanged; runs until SIGINT/SIGTERM; logs refused connections.
     Echo(transport_cmd::EchoArgs),
+    /// Simulate GWTF, SWARM and the optimal routing under churn (deterministic).
+    Sim(sim_cmd::SimArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -61,6 +65,8 @@ enum Cmd {
 enum BenchCmd {
     /// Min-cost flow: ours (cold and incremental repair) against OR-tools.
     Flow(flow_cmd::BenchFlowArgs),
+    /// Simulator: events per second and wall time of 1,000 / 10,000-node geo10 runs.
+    Sim(sim_cmd::BenchSimArgs),
     /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
     Kernels(kernels_cmd::BenchKernelsArgs),
     /// Transport: framed zero-copy path against raw TCP (interleaved), GB/s,
@@ -117,8 +123,10 @@ fn main() {
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Echo(args) => transport_cmd::echo(args),
+        Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
+            BenchCmd::Sim(args) => sim_cmd::bench(args),
             BenchCmd::Kernels(args) => kernels_cmd::run(args),
             BenchCmd::Transport(args) => transport_cmd::bench(args),
         },

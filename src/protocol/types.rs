@@ -1,0 +1,613 @@
+//! Plain data types of the protocol: identifiers, configuration, messages,
+//! inputs, actions, trainer tasks and events.
+//!
+//! Messages are plain Rust enums so that the wire codec (built elsewhere) can
+//! encode them later without changing the protocol.
+use std::sync::Arc;
+
+/// Virtual or real time in microseconds. The protocol never reads a clock:
+/// the driver passes `now` in.
+pub type Time = u64;
+/// A node's identity (unique for the lifetime of the swarm; a rejoining
+/// machine gets a new one).
+pub type NodeId = u32;
+/// Pipeline stage: 0 is the data holders' stage (embedding, head and loss),
+/// 1..=S are the relay stages.
+pub type Stage = u16;
+/// Identifier of one unit of reserved flow on one link (GWTF policy).
+pub type Label = u64;
+/// Identifier of a trainer task, unique per node.
+pub type TaskId = u64;
+
+/// Microseconds in one second.
+pub const SEC: Time = 1_000_000;
+
+/// Seconds (f64) to [`Time`].
+pub fn secs(s: f64) -> Time {
+    if s <= 0.0 {
+        0
+    } else {
+        (s * SEC as f64).round() as Time
+    }
+}
+
+/// [`Time`] to seconds.
+pub fn to_secs(t: Time) -> f64 {
+    t as f64 / SEC as f64
+}
+
+/// One microbatch: owned by a data holder, in one iteration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MbId {
+    pub holder: NodeId,
+    pub iter: u32,
+    pub idx: u32,
+}
+
+/// The routing policy a node runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Policy {
+    /// The decentralized flow protocol of GWTF.
+    Gwtf,
+    /// The SWARM baseline (GWTF.md section 8).
+    Swarm,
+    /// Source routing along paths computed centrally (min-cost flow with
+    /// global knowledge) and handed to the data holders by the driver.
+    Optimal,
+}
+
+impl Policy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Gwtf => "gwtf",
+            Policy::Swarm => "swarm",
+            Policy::Optimal => "optimal",
+        }
+    }
+}
+
+/// Protocol configuration. Every constant of GWTF.md section 5 is here.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub policy: Policy,
+    /// Number of relay stages S (relays serve stages 1..=S).
+    pub relay_stages: Stage,
+    /// Period of the protocol tick (prototype: 2 s).
+    pub tick: Time,
+    /// Cost gossip (CHANGE) and local search every this many ticks (prototype: 6).
+    pub gossip_ticks: u32,
+    /// Liveness cycle: heartbeats to the group coordinator, re-introductions,
+    /// re-broadcast of iteration barriers (prototype: 12-tick cycle; we beat
+    /// more often than we re-introduce).
+    pub heartbeat_ticks: u32,
+    /// A group peer silent for this many ticks is suspected dead.
+    pub suspect_ticks: u32,
+    /// Unmatched reservations expire after this many ticks (prototype: 10-12).
+    pub reservation_expiry_ticks: u32,
+    /// A reserved flow unused for this many ticks is released.
+    pub flow_idle_expiry_ticks: u32,
+    /// Microbatches per data holder per iteration.
+    pub mb_per_iter: u32,
+    /// Bound on microbatches in flight per data holder.
+    pub max_in_flight: u32,
+    /// Bytes of one activation (the gradient has the same size).
+    pub activation_bytes: u64,
+    /// Bytes of one stage's weights + optimizer state (state download on
+    /// join), indexed by stage 0..=S.
+    pub stage_state_bytes: Vec<u64>,
+    /// Ack timeout = max(min, mult * EMA of the hop's ack delay).
+    pub ack_timeout_mult: f64,
+    pub min_ack_timeout: Time,
+    /// Ack timeout before any delay was observed on a link.
+    pub initial_ack_timeout: Time,
+    /// EMA weight of a new sample.
+    pub ema_alpha: f64,
+    /// Simulated annealing: initial temperature (cost units) of relays.
+    pub sa_t0_relay: f64,
+    /// Initial temperature of data holders.
+    pub sa_t0_holder: f64,
+    /// Temperature factor per accepted move.
+    pub sa_cooling: f64,
+    /// One cost unit in seconds (the temperature is in these units).
+    pub cost_unit_s: f64,
+    /// A peer that rejected a proposal is skipped for this many attempts.
+    pub sa_skip_attempts: u32,
+    /// Cost-to-sink entries carried by one CHANGE message (the nearest sinks).
+    pub gossip_sinks: usize,
+    /// Upstream peers one gossip round reaches (taken in turn).
+    pub gossip_fanout: usize,
+    /// A reservation is rejected when the downstream cost grew by more than
+    /// this fraction over the cost the requester assumed.
+    pub stale_cost_tolerance: f64,
+    /// SWARM: a peer that failed is banned for this many ticks.
+    pub ban_ticks: u32,
+    /// Bandwidth assumed for a link before it is measured (bytes/s).
+    pub prior_bandwidth: f64,
+    /// Bytes of the probe transfer sent after an introduction.
+    pub probe_bytes: u64,
+    /// A missing microbatch at aggregation is re-requested after this long,
+    /// then the whole microbatch is restarted from its data holder, then it
+    /// is dropped (only a dead holder's microbatch can end there).
+    pub redo_timeout: Time,
+    /// A holder restarts a microbatch in flight for this long (last resort).
+    pub e2e_timeout: Time,
+    /// The iteration barrier reports a stalled stage after this long.
+    pub stall_report: Time,
+    /// Delay before the first iteration (flows are being built).
+    pub start_delay: Time,
+}
+
+impl Config {
+    /// Defaults from GWTF.md (prototype constants where they exist).
+    pub fn new(policy: Policy, relay_stages: Stage, activation_bytes: u64) -> Config {
+        let tick = 2 * SEC;
+        Config {
+            policy,
+            relay_stages,
+            tick,
+            gossip_ticks: 6,
+            heartbeat_ticks: 3,
+            suspect_ticks: 8,
+            reservation_expiry_ticks: 10,
+            flow_idle_expiry_ticks: 60,
+            mb_per_iter: 8,
+            max_in_flight: 4,
+            activation_bytes,
+            stage_state_bytes: vec![0; relay_stages as usize + 1],
+            ack_timeout_mult: 4.0,
+            min_ack_timeout: 5 * SEC,
+            initial_ack_timeout: 8 * SEC,
+            ema_alpha: 0.3,
+            sa_t0_relay: 1.7,
+            sa_t0_holder: 2.0,
+            sa_cooling: 0.95,
+            cost_unit_s: 0.1,
+            sa_skip_attempts: 3,
+            gossip_sinks: 16,
+            gossip_fanout: 12,
+            stale_cost_tolerance: 0.25,
+            ban_ticks: 15,
+            prior_bandwidth: 0.5e9 / 8.0,
+            probe_bytes: 1 << 20,
+            redo_timeout: 30 * SEC,
+            stall_report: 60 * SEC,
+            e2e_timeout: 180 * SEC,
+            start_delay: 6 * SEC,
+        }
+    }
+
+    pub fn is_last_stage(&self, s: Stage) -> bool {
+        s == self.relay_stages
+    }
+}
+
+/// One reserved flow as seen by a same-stage peer during local search.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlowInfo {
+    /// The label on the link into the owner.
+    pub in_label: Label,
+    pub sink: NodeId,
+    pub prev: NodeId,
+    pub next: NodeId,
+    /// Label on the link out of the owner.
+    pub out_label: Label,
+    /// Cost from the source up to the owner's input.
+    pub cost_from_source: f64,
+    /// The owner's cost from its input to the sink along this flow.
+    pub cost_to_sink: f64,
+}
+
+/// A stage's summary, answered to a joining node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageSummary {
+    pub stage: Stage,
+    pub members: u32,
+    /// Sum over members of microbatches per second (1 / compute time).
+    pub throughput: f64,
+}
+
+/// Messages between nodes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Msg {
+    // ---- membership
+    /// Discovery; `reply` asks for an introduction back (RTT probe).
+    Introduce {
+        /// The iteration the sender believes comes next.
+        iter: u32,
+        stage: Stage,
+        spare: u32,
+        compute_s: f64,
+        sent_at: Time,
+        echo: Option<Time>,
+    },
+    /// Bandwidth probe (payload of `bytes`), acknowledged with [`Msg::ProbeAck`].
+    Probe {
+        bytes: u64,
+        sent_at: Time,
+    },
+    ProbeAck {
+        bytes: u64,
+        sent_at: Time,
+    },
+    /// Liveness of a group link; `members` is set when the coordinator
+    /// announces the group (only when it changed).
+    Heartbeat {
+        members: Option<Arc<Vec<NodeId>>>,
+    },
+    /// Graceful leave: peers drop the sender at once.
+    Goodbye,
+    /// Ask a group member (or coordinator) to be added to the group.
+    GroupJoin {
+        stage: Stage,
+    },
+
+    // ---- decentralized flow protocol
+    /// Cost gossip upstream: spare capacity and best cost to each sink.
+    Change {
+        spare: u32,
+        compute_s: f64,
+        costs: Arc<Vec<(NodeId, f64)>>,
+    },
+    FlowRequest {
+        label: Label,
+        sink: NodeId,
+        cost_from_source: f64,
+        expected_cost: f64,
+    },
+    FlowResponse {
+        label: Label,
+        accept: bool,
+        cost: f64,
+        spare: u32,
+    },
+    QueryFlows,
+    FlowTable {
+        spare: u32,
+        flows: Vec<FlowInfo>,
+    },
+    /// Move 1: the proposer's flow `mine` and the receiver's flow `yours`
+    /// (same sink) swap next hops.
+    ProposeSwap {
+        mine: FlowInfo,
+        yours: Label,
+        /// Cost of `mine` after the swap, as the proposer computes it.
+        mine_new_cost: f64,
+        temperature: f64,
+    },
+    RespondSwap {
+        accept: bool,
+        mine: Label,
+        yours: Option<FlowInfo>,
+    },
+    /// Move 2: the proposer (with spare capacity) takes over the receiver's
+    /// flow `yours`.
+    ProposeRedirect {
+        yours: Label,
+        new_cost: f64,
+        temperature: f64,
+    },
+    RespondRedirect {
+        accept: bool,
+        flow: Option<FlowInfo>,
+    },
+    /// The upstream (`new_prev`) of the flow arriving with `label` changed.
+    NotifySwitch {
+        label: Label,
+        new_prev: NodeId,
+    },
+    /// The downstream of the flow on `label` changed: send to `new_next`.
+    NotifyRedirect {
+        label: Label,
+        new_next: NodeId,
+    },
+    /// Release a reserved outflow (sent upstream) ...
+    PushBack {
+        label: Label,
+    },
+    /// ... or a reserved inflow (sent downstream).
+    Cancel {
+        label: Label,
+    },
+
+    // ---- microbatch lifecycle
+    Forward {
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+        label: Option<Label>,
+        /// Preferred next hop (crash recovery: the unchanged next node).
+        hint: Option<NodeId>,
+        /// False when re-running a stage whose upstream already has the gradient.
+        need_grad: bool,
+        /// Planned full path (optimal policy).
+        plan: Option<Arc<Vec<NodeId>>>,
+    },
+    Backward {
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+    },
+    /// Per-hop acknowledgement, sent when the hop's work is done.
+    Ack {
+        mb: MbId,
+        attempt: u32,
+        backward: bool,
+        busy: Time,
+        bytes: u64,
+    },
+    /// The node after `dead` could not hand it a gradient: the node before
+    /// `dead` re-runs `dead`'s stage on a replacement (GWTF).
+    CrashNotice {
+        mb: MbId,
+        attempt: u32,
+        dead: NodeId,
+        after: NodeId,
+    },
+    /// Restart the whole microbatch (to its holder): `attempt` is the failed
+    /// attempt (data path), None when an aggregate lost its contribution.
+    Restart {
+        mb: MbId,
+        attempt: Option<u32>,
+    },
+    /// The stage of `dead` lost its contribution for `mb`: re-send the stored
+    /// activation to a replacement that sends to `next`.
+    Redo {
+        mb: MbId,
+        dead: NodeId,
+        next: NodeId,
+    },
+
+    // ---- iteration barrier and aggregation
+    /// Holders start iteration `iter` (from the holders' coordinator).
+    StartIter {
+        iter: u32,
+        holders: Arc<Vec<NodeId>>,
+    },
+    HolderDone {
+        iter: u32,
+    },
+    /// Iteration `iter` is over for the holders in `holders`.
+    EndIter {
+        iter: u32,
+        origin: NodeId,
+        holders: Arc<Vec<NodeId>>,
+    },
+    Claim {
+        iter: u32,
+        mb: MbId,
+        prev: NodeId,
+        next: NodeId,
+    },
+    ClaimReply {
+        mb: MbId,
+        granted: bool,
+    },
+    /// A member re-sends its state to a new coordinator.
+    Sync {
+        iter: u32,
+        granted: Vec<(MbId, NodeId, NodeId)>,
+        end: Option<(NodeId, Arc<Vec<NodeId>>)>,
+    },
+    Commit {
+        iter: u32,
+        epoch: u64,
+        members: Arc<Vec<NodeId>>,
+    },
+    AggDone {
+        iter: u32,
+        epoch: u64,
+    },
+    Applied {
+        iter: u32,
+        version: u64,
+    },
+    StageDone {
+        iter: u32,
+        stage: Stage,
+    },
+    Finalize {
+        iter: u32,
+        holders: Arc<Vec<NodeId>>,
+    },
+
+    // ---- join
+    StageQuery,
+    StageInfo {
+        summary: StageSummary,
+    },
+    StateRequest,
+    StateResponse {
+        version: (u32, u64),
+        members: Arc<Vec<NodeId>>,
+        bytes: u64,
+    },
+}
+
+impl Msg {
+    /// The message kind's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Introduce { .. } => "Introduce",
+            Msg::Probe { .. } => "Probe",
+            Msg::ProbeAck { .. } => "ProbeAck",
+            Msg::Heartbeat { .. } => "Heartbeat",
+            Msg::Goodbye => "Goodbye",
+            Msg::GroupJoin { .. } => "GroupJoin",
+            Msg::Change { .. } => "Change",
+            Msg::FlowRequest { .. } => "FlowRequest",
+            Msg::FlowResponse { .. } => "FlowResponse",
+            Msg::QueryFlows => "QueryFlows",
+            Msg::FlowTable { .. } => "FlowTable",
+            Msg::ProposeSwap { .. } => "ProposeSwap",
+            Msg::RespondSwap { .. } => "RespondSwap",
+            Msg::ProposeRedirect { .. } => "ProposeRedirect",
+            Msg::RespondRedirect { .. } => "RespondRedirect",
+            Msg::NotifySwitch { .. } => "NotifySwitch",
+            Msg::NotifyRedirect { .. } => "NotifyRedirect",
+            Msg::PushBack { .. } => "PushBack",
+            Msg::Cancel { .. } => "Cancel",
+            Msg::Forward { .. } => "Forward",
+            Msg::Backward { .. } => "Backward",
+            Msg::Ack { .. } => "Ack",
+            Msg::CrashNotice { .. } => "CrashNotice",
+            Msg::Restart { .. } => "Restart",
+            Msg::Redo { .. } => "Redo",
+            Msg::StartIter { .. } => "StartIter",
+            Msg::HolderDone { .. } => "HolderDone",
+            Msg::EndIter { .. } => "EndIter",
+            Msg::Claim { .. } => "Claim",
+            Msg::ClaimReply { .. } => "ClaimReply",
+            Msg::Sync { .. } => "Sync",
+            Msg::Commit { .. } => "Commit",
+            Msg::AggDone { .. } => "AggDone",
+            Msg::Applied { .. } => "Applied",
+            Msg::StageDone { .. } => "StageDone",
+            Msg::Finalize { .. } => "Finalize",
+            Msg::StageQuery => "StageQuery",
+            Msg::StageInfo { .. } => "StageInfo",
+            Msg::StateRequest => "StateRequest",
+            Msg::StateResponse { .. } => "StateResponse",
+        }
+    }
+
+    /// Bytes this message occupies on a link (header + payload), for drivers
+    /// that model links.
+    pub fn wire_bytes(&self, cfg: &Config) -> u64 {
+        const H: u64 = 64;
+        match self {
+            Msg::Forward { path, plan, .. } => {
+                H + cfg.activation_bytes
+                    + 4 * path.len() as u64
+                    + plan.as_ref().map_or(0, |p| 4 * p.len() as u64)
+            }
+            Msg::Backward { path, .. } => H + cfg.activation_bytes + 4 * path.len() as u64,
+            Msg::Probe { bytes, .. } => H + bytes,
+            Msg::StateResponse { bytes, members, .. } => H + bytes + 4 * members.len() as u64,
+            Msg::Change { costs, .. } => H + 12 * costs.len() as u64,
+            Msg::FlowTable { flows, .. } => H + 48 * flows.len() as u64,
+            Msg::Heartbeat { members } => H + members.as_ref().map_or(0, |m| 4 * m.len() as u64),
+            Msg::StartIter { holders, .. }
+            | Msg::EndIter { holders, .. }
+            | Msg::Finalize { holders, .. } => H + 4 * holders.len() as u64,
+            Msg::Sync { granted, .. } => H + 20 * granted.len() as u64,
+            Msg::Commit { members, .. } => H + 4 * members.len() as u64,
+            _ => H,
+        }
+    }
+
+    /// True for messages that carry bulk data (activations, gradients, state).
+    pub fn is_bulk(&self) -> bool {
+        matches!(
+            self,
+            Msg::Forward { .. }
+                | Msg::Backward { .. }
+                | Msg::Probe { .. }
+                | Msg::StateResponse { .. }
+        )
+    }
+}
+
+/// Work for the trainer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaskKind {
+    /// Holder: embedding forward (stage 0 input side).
+    Embed,
+    /// Relay: forward of its stage.
+    Forward,
+    /// Holder: head forward, loss and head backward.
+    Loss,
+    /// Relay: backward of its stage.
+    Backward,
+    /// Holder: embedding backward.
+    EmbedBackward,
+    /// All-reduce of the stage's accumulated gradients among `members` and
+    /// the optimizer step.
+    Aggregate { members: u32 },
+}
+
+impl TaskKind {
+    /// Compute tasks use the GPU; aggregation is network work.
+    pub fn is_compute(self) -> bool {
+        !matches!(self, TaskKind::Aggregate { .. })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Task {
+    pub id: TaskId,
+    pub kind: TaskKind,
+    pub stage: Stage,
+    pub mb: Option<MbId>,
+}
+
+/// What the driver feeds into a node.
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// Start as a founding member: `peers` is the bootstrap view (node, stage).
+    Start { peers: Vec<(NodeId, Stage)> },
+    /// Join a running swarm (stage chosen by the protocol) through `peers`.
+    Join { peers: Vec<(NodeId, Stage)> },
+    /// A message arrived.
+    Message { from: NodeId, msg: Msg },
+    /// The trainer finished a task.
+    TaskDone { id: TaskId },
+    /// The connection to `peer` broke (or the driver knows it is gone).
+    PeerLost { peer: NodeId },
+    /// Leave gracefully.
+    Leave,
+    /// Optimal policy: the routes of this data holder (full paths, stage
+    /// 1..=S), from the central solver.
+    SetPlan { paths: Vec<Arc<Vec<NodeId>>> },
+}
+
+/// What a node asks its driver to do.
+#[derive(Clone, Debug)]
+pub enum Action {
+    Send { to: NodeId, msg: Msg },
+    Run(Task),
+    Event(Event),
+}
+
+/// Observable facts, for statistics and invariant checks.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Joined stage `stage` (after the state download).
+    Active { stage: Stage },
+    /// A holder finished the backward of one of its microbatches.
+    MbDone { mb: MbId, path: Arc<Vec<NodeId>> },
+    /// Holder: iteration `iter` started.
+    IterStarted { iter: u32 },
+    /// The holders' coordinator finalized iteration `iter` (all stages applied).
+    IterFinalized {
+        iter: u32,
+        holders: Arc<Vec<NodeId>>,
+    },
+    /// The coordinator of `stage` committed `iter`: the microbatches whose
+    /// stage-`stage` gradient is in the aggregate (each exactly once).
+    StageCommitted {
+        stage: Stage,
+        iter: u32,
+        /// (microbatch, the member whose result is in the aggregate).
+        mbs: Arc<Vec<(MbId, NodeId)>>,
+        dropped: Vec<MbId>,
+    },
+    /// A member applied the aggregate of `iter`: new weights version.
+    Applied {
+        stage: Stage,
+        iter: u32,
+        version: u64,
+    },
+    /// The coordinator granted this node's result for `mb`, computed by
+    /// `tasks` (useful compute once the stage commits it).
+    Claimed { mb: MbId, tasks: Vec<TaskId> },
+    /// A whole microbatch was restarted from its holder.
+    Restarted { mb: MbId },
+    /// A forward was re-sent to another node of the same stage.
+    Rerouted { mb: MbId, stage: Stage },
+    /// The iteration barrier has waited long for `stage`.
+    Stalled { iter: u32, stage: Stage },
+    /// The node has left (goodbye sent).
+    Left,
+    /// A coordinator removed `peer` from its stage's group.
+    MemberRemoved { peer: NodeId },
+}

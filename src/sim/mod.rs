@@ -1,0 +1,1208 @@
+//! Deterministic discrete-event simulator driving many protocol nodes.
+//!
+//! - Virtual clock (microseconds); one event heap ordered by (time, sequence
+//!   number), so the same seed gives bit-identical output. No hash-map
+//!   iteration reaches an output (hash maps are only looked up).
+//! - Compute model: a node's GPU runs one task at a time (backward work
+//!   before forward work); task time = FLOPs / node speed, from the model
+//!   presets of `crate::model` ([`model`]); memory bounds each relay's
+//!   capacity.
+//! - Link model: one-way latency + size / bandwidth per region pair
+//!   ([`scenario`]); bulk transfers on the same directed link share its
+//!   bandwidth equally (processor sharing); small control messages take
+//!   latency + size / bandwidth.
+//! - Churn: departures (crash, or graceful leave with probability
+//!   `leave_fraction`) and joins as Poisson processes, each at
+//!   `churn_per_hour` x the initial population per hour; a crash can hit a
+//!   node at any moment, in the middle of a forward, a backward or an
+//!   aggregation.
+//! - Aggregation (all-reduce) time of a stage: 2 (n-1)/n x gradient bytes /
+//!   the slowest bandwidth between the members' regions + 2 log2(n) x the
+//!   largest latency (a bandwidth-optimal tree/ring all-reduce).
+//!
+//! The simulator checks invariants as it runs (see [`SimReport::violations`]).
+pub mod model;
+pub mod optimal;
+pub mod scenario;
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::protocol::rng::Rng;
+use crate::protocol::{
+    secs, to_secs, Action, Config, Event, Input, MbId, Msg, Node, NodeId, Policy, Stage, Task,
+    TaskId, TaskKind, Time, SEC,
+};
+use model::ModelPreset;
+use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
+use scenario::Scenario;
+
+/// (microbatch, member whose result is in the aggregate) of one stage's commit.
+type Committed = Arc<Vec<(MbId, NodeId)>>;
+
+/// What to simulate.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub scenario: Scenario,
+    pub model: ModelPreset,
+    pub policy: Policy,
+    /// Stop after this many finalized iterations.
+    pub iterations: u32,
+    pub seed: u64,
+    /// Departures (and joins) per hour, as a fraction of the initial population.
+    pub churn_per_hour: f64,
+    /// Fraction of departures that are graceful leaves (the rest crash).
+    pub leave_fraction: f64,
+    pub holders: u32,
+    pub relays: u32,
+    pub mb_per_iter: u32,
+    pub max_in_flight: u32,
+    /// Speed of a node with relative compute time 1.0 (TFLOP/s); a node of
+    /// relative time f runs at base / f, times a per-node factor in [0.8, 1.2].
+    pub base_tflops: f64,
+    /// GPU memory choices (GiB), one drawn per node.
+    pub gpu_mem_gib: Vec<u64>,
+    /// Bootstrap view: peers of the previous and of the next stage.
+    pub view_size: usize,
+    /// Give up (and report a stall) after this much simulated time.
+    pub max_sim_time_s: f64,
+    /// Compute the centralized optimum at every finalized iteration (for the
+    /// "against the optimum" columns). Costly on very large swarms.
+    pub reference_optimum: bool,
+    /// Seconds between throughput samples in the time series.
+    pub sample_every_s: f64,
+}
+
+impl SimConfig {
+    pub fn new(scenario: Scenario, model: ModelPreset, policy: Policy) -> SimConfig {
+        SimConfig {
+            scenario,
+            model,
+            policy,
+            iterations: 10,
+            seed: 1,
+            churn_per_hour: 0.0,
+            leave_fraction: 0.25,
+            holders: 10,
+            relays: 60,
+            mb_per_iter: 8,
+            max_in_flight: 4,
+            base_tflops: 40.0,
+            gpu_mem_gib: vec![16, 24, 48],
+            view_size: 16,
+            max_sim_time_s: 0.0,
+            reference_optimum: true,
+            sample_every_s: 0.0,
+        }
+    }
+}
+
+/// Results of one run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SimReport {
+    pub policy: String,
+    pub scenario: String,
+    pub model: String,
+    pub seed: u64,
+    pub initial_nodes: u32,
+    pub churn_per_hour: f64,
+    pub iterations_requested: u32,
+    pub iterations_done: u32,
+    pub completed: bool,
+    pub training_time_s: f64,
+    pub throughput_microbatches_per_hour: f64,
+    pub time_per_microbatch_s: f64,
+    pub iteration_time_p50_s: f64,
+    pub iteration_time_p95_s: f64,
+    pub microbatches_trained: u64,
+    pub wasted_gpu_pct: f64,
+    pub gpu_time_total_s: f64,
+    pub gpu_time_useful_s: f64,
+    pub gpu_time_wasted_s: f64,
+    pub lost_microbatches: u64,
+    pub dropped_with_holder: u64,
+    pub recomputed_stages: u64,
+    pub restarts: u64,
+    pub reroutes: u64,
+    pub crashes: u64,
+    pub leaves: u64,
+    pub joins: u64,
+    /// Mean over iterations of the microbatches routed at once.
+    pub flow_value: f64,
+    /// Mean over iterations of the largest flow cost of the paths used (s).
+    pub critical_path_s: f64,
+    pub optimal_flow_value: f64,
+    pub optimal_critical_path_s: f64,
+    pub events: u64,
+    pub empty_stages: Vec<(f64, Stage)>,
+    /// Why training did not finish, when a stage was left empty.
+    pub paused: Option<String>,
+    pub stalls: Vec<(f64, u32, Stage)>,
+    pub violations: Vec<String>,
+    /// Live members a coordinator removed from its group (false suspicions).
+    pub false_suspicions: u64,
+    /// (time s, microbatches/hour over the last iteration).
+    pub series: Vec<(f64, f64)>,
+    /// (time s, "crash" | "leave" | "join").
+    pub churn: Vec<(f64, String)>,
+    pub iteration_times_s: Vec<f64>,
+    /// Messages sent, by kind.
+    pub messages: BTreeMap<String, u64>,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Deliver { to: NodeId, from: NodeId, msg: Msg },
+    Timer { node: NodeId, at: Time },
+    GpuDone { node: NodeId, gen: u64 },
+    AggDone { node: NodeId, task: TaskId },
+    LinkDone { key: (NodeId, NodeId), gen: u64 },
+    Depart,
+    Join,
+}
+
+/// Heap entries stay small; the event itself waits in a slab.
+struct Entry {
+    t: Time,
+    seq: u64,
+    slot: u32,
+}
+impl PartialEq for Entry {
+    fn eq(&self, o: &Self) -> bool {
+        self.t == o.t && self.seq == o.seq
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Entry {
+    fn cmp(&self, o: &Self) -> Ordering {
+        (o.t, o.seq).cmp(&(self.t, self.seq))
+    }
+}
+
+struct Xfer {
+    from: NodeId,
+    to: NodeId,
+    remaining: f64,
+    msg: Msg,
+}
+
+struct Link {
+    active: Vec<Xfer>,
+    last: Time,
+    gen: u64,
+}
+
+struct SimNode {
+    node: Node,
+    region: usize,
+    flops: f64,
+    alive: bool,
+    hi: VecDeque<Task>,
+    lo: VecDeque<Task>,
+    running: Option<(Task, Time)>,
+    gpu_gen: u64,
+    timer_at: Option<Time>,
+}
+
+/// The simulator.
+pub struct Sim {
+    cfg: SimConfig,
+    pcfg: Arc<Config>,
+    now: Time,
+    seq: u64,
+    heap: BinaryHeap<Entry>,
+    slab: Vec<Option<Ev>>,
+    free: Vec<u32>,
+    nodes: Vec<SimNode>,
+    links: HashMap<(NodeId, NodeId), Link>,
+    rng: Rng,
+    rep: SimReport,
+    ledger: HashMap<(NodeId, TaskId), f64>,
+    claimed: HashMap<(NodeId, MbId), Vec<TaskId>>,
+    fwd_count: HashMap<(MbId, Stage), u32>,
+    committed: BTreeMap<(u32, Stage), Committed>,
+    dropped: BTreeMap<(u32, Stage), Vec<MbId>>,
+    versions: BTreeMap<(Stage, u32), BTreeSet<u64>>,
+    crit: BTreeMap<u32, f64>,
+    first_start: Option<Time>,
+    last_final: Option<Time>,
+    finalized: u32,
+    stop: bool,
+    useful_tasks: u64,
+    empty_now: BTreeSet<Stage>,
+    router: Box<dyn CentralRouter>,
+    opt_samples: Vec<(f64, f64)>,
+    flow_samples: Vec<f64>,
+    initial: u32,
+    holder_share: f64,
+    joining_relay: bool,
+    debug: bool,
+    msg_counts: BTreeMap<&'static str, u64>,
+    population_version: u64,
+    regions_cache: BTreeMap<Stage, (u64, BTreeSet<usize>)>,
+}
+
+impl Sim {
+    pub fn new(cfg: SimConfig) -> Sim {
+        let m = &cfg.model;
+        let mut pc = Config::new(cfg.policy, m.relay_stages, m.activation_bytes());
+        pc.mb_per_iter = cfg.mb_per_iter;
+        pc.max_in_flight = cfg.max_in_flight;
+        pc.stage_state_bytes = (0..=m.relay_stages)
+            .map(|s| m.stage_state_bytes(s))
+            .collect();
+        pc.start_delay = 20 * SEC;
+        let initial = cfg.holders + cfg.relays;
+        let mut sim = Sim {
+            pcfg: Arc::new(pc),
+            now: 0,
+            seq: 0,
+            heap: BinaryHeap::new(),
+            slab: Vec::new(),
+            free: Vec::new(),
+            nodes: Vec::new(),
+            links: HashMap::new(),
+            rng: Rng::derive(cfg.seed, 0x5151),
+            rep: SimReport::default(),
+            ledger: HashMap::new(),
+            claimed: HashMap::new(),
+            fwd_count: HashMap::new(),
+            committed: BTreeMap::new(),
+            dropped: BTreeMap::new(),
+            versions: BTreeMap::new(),
+            crit: BTreeMap::new(),
+            first_start: None,
+            last_final: None,
+            finalized: 0,
+            stop: false,
+            useful_tasks: 0,
+            empty_now: BTreeSet::new(),
+            router: Box::new(FlowRouter),
+            opt_samples: Vec::new(),
+            flow_samples: Vec::new(),
+            initial,
+            holder_share: cfg.holders as f64 / initial.max(1) as f64,
+            joining_relay: false,
+            msg_counts: BTreeMap::new(),
+            population_version: 0,
+            regions_cache: BTreeMap::new(),
+            debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
+            cfg,
+        };
+        sim.rep.policy = sim.cfg.policy.name().into();
+        sim.rep.scenario = sim.cfg.scenario.name.clone();
+        sim.rep.model = sim.cfg.model.name.clone();
+        sim.rep.seed = sim.cfg.seed;
+        sim.rep.initial_nodes = initial;
+        sim.rep.churn_per_hour = sim.cfg.churn_per_hour;
+        sim.rep.iterations_requested = sim.cfg.iterations;
+        sim
+    }
+
+    /// Replaces the centralized router (the optimal policy and the reference).
+    pub fn set_router(&mut self, r: Box<dyn CentralRouter>) {
+        self.router = r;
+    }
+
+    fn push(&mut self, t: Time, ev: Ev) {
+        self.seq += 1;
+        let slot = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(ev);
+                i
+            }
+            None => {
+                self.slab.push(Some(ev));
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.heap.push(Entry {
+            t,
+            seq: self.seq,
+            slot,
+        });
+    }
+
+    fn new_node(&mut self, stage: Stage, region: usize) -> NodeId {
+        let id = self.nodes.len() as NodeId;
+        let m = &self.cfg.model;
+        let factor = self.cfg.scenario.compute_factor[region];
+        let jitter = 0.8 + 0.4 * self.rng.next_f64();
+        let flops = self.cfg.base_tflops * 1e12 / factor * jitter;
+        let mem =
+            self.cfg.gpu_mem_gib[self.rng.below(self.cfg.gpu_mem_gib.len() as u64) as usize] << 30;
+        let (compute_s, cap) = if stage == 0 && !self.joining_relay {
+            (
+                (m.loss_flops() + 3.0 * m.embed_flops()) / flops,
+                self.cfg.max_in_flight,
+            )
+        } else {
+            // A joining relay does not know its stage yet: mean of the stages.
+            let f = if stage == 0 {
+                m.mean_stage_fwd_flops()
+            } else {
+                m.stage_fwd_flops(stage)
+            };
+            (3.0 * f / flops, m.relay_capacity(stage.max(1), mem))
+        };
+        let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
+        self.nodes.push(SimNode {
+            node,
+            region,
+            flops,
+            alive: true,
+            hi: VecDeque::new(),
+            lo: VecDeque::new(),
+            running: None,
+            gpu_gen: 0,
+            timer_at: None,
+        });
+        id
+    }
+
+    /// A uniformly random sample of up to `k` live, active nodes of `stage`.
+    fn sample(&mut self, stage: Stage, k: usize, exclude: NodeId) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(i, n)| {
+                n.alive && n.node.is_active() && n.node.stage() == stage && *i as NodeId != exclude
+            })
+            .map(|(i, _)| i as NodeId)
+            .collect();
+        // Partial Fisher-Yates.
+        let k = k.min(all.len());
+        for i in 0..k {
+            let j = i + self.rng.below((all.len() - i) as u64) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(k);
+        all
+    }
+
+    fn members_of(&self, stage: Stage) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.alive && n.node.is_active() && n.node.stage() == stage)
+            .map(|(i, _)| i as NodeId)
+            .collect()
+    }
+
+    /// Runs to completion and returns the report.
+    pub fn run(mut self) -> SimReport {
+        let s = self.cfg.model.relay_stages;
+        let r = self.cfg.scenario.regions.len();
+        // Founding population: holders and relays spread over the regions,
+        // relays round-robin over the stages.
+        let mut ids: Vec<(NodeId, Stage)> = Vec::new();
+        for i in 0..self.cfg.holders {
+            let id = self.new_node(0, i as usize % r);
+            ids.push((id, 0));
+        }
+        for j in 0..self.cfg.relays {
+            let stage = 1 + ((j as usize / r) % s as usize) as Stage;
+            let stage = if self.cfg.relays as usize >= r * s as usize {
+                stage
+            } else {
+                1 + (j % s as u32) as Stage
+            };
+            let id = self.new_node(stage, j as usize % r);
+            ids.push((id, stage));
+        }
+        let by_stage: BTreeMap<Stage, Vec<NodeId>> =
+            ids.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
+                m.entry(*st).or_insert_with(Vec::new).push(*id);
+                m
+            });
+        for (id, st) in ids.clone() {
+            let prev = if st == 0 { s } else { st - 1 };
+            let next = if st == s { 0 } else { st + 1 };
+            let mut peers: Vec<(NodeId, Stage)> = by_stage
+                .get(&st)
+                .map(|v| v.iter().map(|x| (*x, st)).collect())
+                .unwrap_or_default();
+            for other in [prev, next] {
+                let pool = by_stage.get(&other).cloned().unwrap_or_default();
+                let mut pool = pool;
+                let k = self.cfg.view_size.min(pool.len());
+                for i in 0..k {
+                    let j = i + self.rng.below((pool.len() - i) as u64) as usize;
+                    pool.swap(i, j);
+                }
+                pool.truncate(k);
+                peers.extend(pool.into_iter().map(|x| (x, other)));
+            }
+            self.input(id, Input::Start { peers });
+        }
+        if self.cfg.churn_per_hour > 0.0 {
+            let t = self.next_churn_delay();
+            self.push(t, Ev::Depart);
+            let t = self.next_churn_delay();
+            self.push(t, Ev::Join);
+        }
+        if self.cfg.policy == Policy::Optimal {
+            self.replan();
+        }
+        let limit = if self.cfg.max_sim_time_s > 0.0 {
+            secs(self.cfg.max_sim_time_s)
+        } else {
+            secs(3600.0 + 900.0 * self.cfg.iterations as f64)
+        };
+        while let Some(e) = self.heap.pop() {
+            if e.t > limit || self.stop {
+                break;
+            }
+            self.now = e.t;
+            self.rep.events += 1;
+            let ev = self.slab[e.slot as usize]
+                .take()
+                .expect("event in its slot");
+            self.free.push(e.slot);
+            self.dispatch(ev);
+        }
+        self.finish()
+    }
+
+    fn next_churn_delay(&mut self) -> Time {
+        let rate_per_s = self.cfg.churn_per_hour * self.initial as f64 / 3600.0;
+        self.now + secs(self.rng.exp(1.0 / rate_per_s))
+    }
+
+    fn dispatch(&mut self, ev: Ev) {
+        match ev {
+            Ev::Deliver { to, from, msg } => {
+                if self.nodes[to as usize].alive {
+                    self.input(to, Input::Message { from, msg });
+                }
+            }
+            Ev::Timer { node, at } => {
+                let n = &mut self.nodes[node as usize];
+                if !n.alive || n.timer_at != Some(at) {
+                    return;
+                }
+                n.timer_at = None;
+                let acts = n.node.on_timeout(self.now);
+                self.apply(node, acts);
+            }
+            Ev::GpuDone { node, gen } => {
+                let n = &mut self.nodes[node as usize];
+                if !n.alive || n.gpu_gen != gen {
+                    return;
+                }
+                let (task, start) = n.running.take().unwrap();
+                let dur = to_secs(self.now - start);
+                self.rep.gpu_time_total_s += dur;
+                self.ledger.insert((node, task.id), dur);
+                if matches!(task.kind, TaskKind::Embed | TaskKind::Forward) {
+                    if let Some(mb) = task.mb {
+                        let c = self.fwd_count.entry((mb, task.stage)).or_insert(0);
+                        *c += 1;
+                        if *c > 1 {
+                            self.rep.recomputed_stages += 1;
+                        }
+                    }
+                }
+                self.gpu_next(node);
+                self.input(node, Input::TaskDone { id: task.id });
+            }
+            Ev::AggDone { node, task } => {
+                if self.nodes[node as usize].alive {
+                    self.input(node, Input::TaskDone { id: task });
+                }
+            }
+            Ev::LinkDone { key, gen } => self.link_done(key, gen),
+            Ev::Depart => {
+                self.depart();
+                let t = self.next_churn_delay();
+                self.push(t, Ev::Depart);
+            }
+            Ev::Join => {
+                self.join();
+                let t = self.next_churn_delay();
+                self.push(t, Ev::Join);
+            }
+        }
+    }
+
+    fn input(&mut self, node: NodeId, input: Input) {
+        let acts = self.nodes[node as usize].node.handle(self.now, input);
+        self.apply(node, acts);
+    }
+
+    fn apply(&mut self, node: NodeId, acts: Vec<Action>) {
+        for a in acts {
+            match a {
+                Action::Send { to, msg } => self.send(node, to, msg),
+                Action::Run(task) => self.run_task(node, task),
+                Action::Event(e) => self.on_event(node, e),
+            }
+        }
+        let n = &mut self.nodes[node as usize];
+        if !n.alive {
+            return;
+        }
+        if let Some(t) = n.node.timeout() {
+            let t = t.max(self.now);
+            if n.timer_at.is_none_or(|old| t < old) {
+                n.timer_at = Some(t);
+                self.push(t, Ev::Timer { node, at: t });
+            }
+        }
+    }
+
+    fn link_params(&self, a: NodeId, b: NodeId) -> (f64, f64) {
+        let (ra, rb) = (self.nodes[a as usize].region, self.nodes[b as usize].region);
+        (
+            self.cfg.scenario.latency[ra][rb],
+            self.cfg.scenario.bandwidth[ra][rb],
+        )
+    }
+
+    fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
+        if to as usize >= self.nodes.len() {
+            return;
+        }
+        *self.msg_counts.entry(msg.name()).or_insert(0) += 1;
+        let bytes = msg.wire_bytes(&self.pcfg) as f64;
+        let (lat, bw) = self.link_params(from, to);
+        if !msg.is_bulk() {
+            let t = self.now + secs(lat + bytes / bw);
+            self.push(t, Ev::Deliver { to, from, msg });
+            return;
+        }
+        let key = (from, to);
+        self.link_advance(key, bw);
+        let l = self.links.entry(key).or_insert(Link {
+            active: Vec::new(),
+            last: self.now,
+            gen: 0,
+        });
+        l.active.push(Xfer {
+            from,
+            to,
+            remaining: bytes,
+            msg,
+        });
+        self.link_schedule(key, bw);
+    }
+
+    fn link_advance(&mut self, key: (NodeId, NodeId), bw: f64) {
+        let now = self.now;
+        let Some(l) = self.links.get_mut(&key) else {
+            return;
+        };
+        let n = l.active.len();
+        if n > 0 {
+            let share = bw * to_secs(now - l.last) / n as f64;
+            for x in &mut l.active {
+                x.remaining -= share;
+            }
+        }
+        l.last = now;
+        let nodes = &self.nodes;
+        l.active
+            .retain(|x| nodes[x.from as usize].alive && nodes[x.to as usize].alive);
+    }
+
+    fn link_schedule(&mut self, key: (NodeId, NodeId), bw: f64) {
+        let now = self.now;
+        let Some(l) = self.links.get_mut(&key) else {
+            return;
+        };
+        l.gen += 1;
+        let n = l.active.len() as f64;
+        let min = l
+            .active
+            .iter()
+            .map(|x| x.remaining)
+            .fold(f64::INFINITY, f64::min);
+        if min.is_finite() {
+            let t = now + secs(min.max(0.0) * n / bw).max(1);
+            let gen = l.gen;
+            self.push(t, Ev::LinkDone { key, gen });
+        }
+    }
+
+    fn link_done(&mut self, key: (NodeId, NodeId), gen: u64) {
+        if self.links.get(&key).is_none_or(|l| l.gen != gen) {
+            return;
+        }
+        let (lat, bw) = self.link_params(key.0, key.1);
+        self.link_advance(key, bw);
+        let l = self.links.get_mut(&key).unwrap();
+        let tol = bw * 2e-6 + 1.0;
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < l.active.len() {
+            if l.active[i].remaining <= tol {
+                done.push(l.active.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for x in done {
+            let t = self.now + secs(lat);
+            self.push(
+                t,
+                Ev::Deliver {
+                    to: x.to,
+                    from: x.from,
+                    msg: x.msg,
+                },
+            );
+        }
+        self.link_schedule(key, bw);
+    }
+
+    fn task_time(&mut self, node: NodeId, t: &Task) -> f64 {
+        let m = &self.cfg.model;
+        let f = self.nodes[node as usize].flops;
+        match t.kind {
+            TaskKind::Embed => m.embed_flops() / f,
+            TaskKind::EmbedBackward => 2.0 * m.embed_flops() / f,
+            TaskKind::Loss => m.loss_flops() / f,
+            TaskKind::Forward => m.stage_fwd_flops(t.stage) / f,
+            TaskKind::Backward => 2.0 * m.stage_fwd_flops(t.stage) / f,
+            TaskKind::Aggregate { members } => self.agg_time(t.stage, members),
+        }
+    }
+
+    fn agg_time(&mut self, stage: Stage, members: u32) -> f64 {
+        let n = members.max(1) as f64;
+        if n <= 1.0 {
+            return 0.0;
+        }
+        // Regions present in the stage, cached until the population changes.
+        if self
+            .regions_cache
+            .get(&stage)
+            .is_none_or(|c| c.0 != self.population_version)
+        {
+            let r: BTreeSet<usize> = self
+                .members_of(stage)
+                .iter()
+                .map(|&i| self.nodes[i as usize].region)
+                .collect();
+            self.regions_cache
+                .insert(stage, (self.population_version, r));
+        }
+        let regions = &self.regions_cache[&stage].1;
+        let mut bw = f64::INFINITY;
+        let mut lat: f64 = 0.0;
+        for &a in regions {
+            for &b in regions {
+                bw = bw.min(self.cfg.scenario.bandwidth[a][b]);
+                lat = lat.max(self.cfg.scenario.latency[a][b]);
+            }
+        }
+        if !bw.is_finite() {
+            return 0.0;
+        }
+        // [decision] gradients are all-reduced in bf16.
+        let bytes = 2.0 * self.cfg.model.stage_params(stage) as f64;
+        2.0 * (n - 1.0) / n * bytes / bw + 2.0 * n.log2().ceil() * lat
+    }
+
+    fn run_task(&mut self, node: NodeId, task: Task) {
+        if !task.kind.is_compute() {
+            let d = self.task_time(node, &task);
+            if self.debug && d > 100.0 {
+                eprintln!(
+                    "t={:.1} node {node} aggregate {:?} lasts {d:.0} s",
+                    to_secs(self.now),
+                    task
+                );
+            }
+            let t = self.now + secs(d);
+            self.push(
+                t,
+                Ev::AggDone {
+                    node,
+                    task: task.id,
+                },
+            );
+            return;
+        }
+        let n = &mut self.nodes[node as usize];
+        match task.kind {
+            TaskKind::Backward | TaskKind::EmbedBackward | TaskKind::Loss => n.hi.push_back(task),
+            _ => n.lo.push_back(task),
+        }
+        if n.running.is_none() {
+            self.gpu_next(node);
+        }
+    }
+
+    fn gpu_next(&mut self, node: NodeId) {
+        let n = &mut self.nodes[node as usize];
+        let Some(task) = n.hi.pop_front().or_else(|| n.lo.pop_front()) else {
+            return;
+        };
+        n.running = Some((task, self.now));
+        n.gpu_gen += 1;
+        let gen = n.gpu_gen;
+        let d = self.task_time(node, &task);
+        let t = self.now + secs(d).max(1);
+        self.push(t, Ev::GpuDone { node, gen });
+    }
+
+    // ------------------------------------------------------------ churn
+
+    fn depart(&mut self) {
+        let alive: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.alive)
+            .map(|(i, _)| i as NodeId)
+            .collect();
+        if alive.is_empty() {
+            return;
+        }
+        let v = alive[self.rng.below(alive.len() as u64) as usize];
+        let graceful = self.rng.next_f64() < self.cfg.leave_fraction;
+        if graceful {
+            self.rep.leaves += 1;
+            self.rep.churn.push((to_secs(self.now), "leave".into()));
+            self.input(v, Input::Leave);
+        } else {
+            self.rep.crashes += 1;
+            self.rep.churn.push((to_secs(self.now), "crash".into()));
+        }
+        self.kill(v);
+        self.check_empty();
+        if self.cfg.policy == Policy::Optimal {
+            self.replan();
+        }
+    }
+
+    fn kill(&mut self, v: NodeId) {
+        self.population_version += 1;
+        let n = &mut self.nodes[v as usize];
+        n.alive = false;
+        if let Some((_, start)) = n.running.take() {
+            // Interrupted compute is wasted.
+            self.rep.gpu_time_total_s += to_secs(self.now - start);
+        }
+        n.hi.clear();
+        n.lo.clear();
+        n.gpu_gen += 1;
+    }
+
+    fn join(&mut self) {
+        let r = self.cfg.scenario.regions.len();
+        let region = self.rng.below(r as u64) as usize;
+        let holder = self.rng.next_f64() < self.holder_share;
+        let s = self.cfg.model.relay_stages;
+        self.rep.joins += 1;
+        self.rep.churn.push((to_secs(self.now), "join".into()));
+        if holder {
+            let id = self.new_node(0, region);
+            let mut peers: Vec<(NodeId, Stage)> =
+                self.members_of(0).into_iter().map(|x| (x, 0)).collect();
+            let k = self.cfg.view_size;
+            for st in [1, s] {
+                let smp = self.sample(st, k, id);
+                peers.extend(smp.into_iter().map(|x| (x, st)));
+            }
+            self.input(id, Input::Start { peers });
+        } else {
+            self.joining_relay = true;
+            let id = self.new_node(0, region);
+            self.joining_relay = false;
+            let mut peers = Vec::new();
+            let k = self.cfg.view_size;
+            for st in 0..=s {
+                let smp = self.sample(st, k, id);
+                peers.extend(smp.into_iter().map(|x| (x, st)));
+            }
+            self.input(id, Input::Join { peers });
+        }
+    }
+
+    fn check_empty(&mut self) {
+        let s = self.cfg.model.relay_stages;
+        let mut counts = vec![0u32; s as usize + 1];
+        for n in &self.nodes {
+            if n.alive && n.node.is_active() {
+                counts[n.node.stage() as usize] += 1;
+            }
+        }
+        for (st, &c) in counts.iter().enumerate() {
+            let st = st as Stage;
+            if c == 0 && !self.empty_now.contains(&st) {
+                self.empty_now.insert(st);
+                self.rep.empty_stages.push((to_secs(self.now), st));
+            } else if c > 0 {
+                self.empty_now.remove(&st);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ optimal / reference
+
+    fn true_cost(&self, a: NodeId, b: NodeId) -> f64 {
+        let m = &self.cfg.model;
+        let c = |i: NodeId| {
+            let n = &self.nodes[i as usize];
+            if n.node.stage() == 0 {
+                (m.loss_flops() + 3.0 * m.embed_flops()) / n.flops
+            } else {
+                3.0 * m.stage_fwd_flops(n.node.stage()) / n.flops
+            }
+        };
+        let (lat, bw) = self.link_params(a, b);
+        (c(a) + c(b)) / 2.0 + lat + m.activation_bytes() as f64 / bw
+    }
+
+    fn optimum(&mut self) -> RoutePlan {
+        let holders: Vec<(NodeId, u32)> = self
+            .members_of(0)
+            .into_iter()
+            .map(|h| (h, self.cfg.max_in_flight))
+            .collect();
+        let mut relays = Vec::new();
+        for st in 1..=self.cfg.model.relay_stages {
+            for r in self.members_of(st) {
+                relays.push((r, st, self.nodes[r as usize].node.capacity()));
+            }
+        }
+        let mut router = std::mem::replace(&mut self.router, Box::new(FlowRouter));
+        let plan = {
+            let cost = |a: NodeId, b: NodeId| self.true_cost(a, b);
+            let inst = RouteInstance {
+                holders,
+                relays,
+                stages: self.cfg.model.relay_stages,
+                cost: &cost,
+            };
+            router.route(&inst)
+        };
+        self.router = router;
+        plan
+    }
+
+    /// Optimal policy: recompute the central plan with global knowledge and
+    /// hand each holder its paths.
+    fn replan(&mut self) {
+        let plan = self.optimum();
+        for h in self.members_of(0) {
+            let paths: Vec<Arc<Vec<NodeId>>> = plan
+                .paths
+                .get(&h)
+                .map(|v| v.iter().map(|p| Arc::new(p.clone())).collect())
+                .unwrap_or_default();
+            self.input(h, Input::SetPlan { paths });
+        }
+    }
+
+    fn path_cost(&self, path: &[NodeId]) -> f64 {
+        let mut c = 0.0;
+        for w in path.windows(2) {
+            c += self.true_cost(w[0], w[1]);
+        }
+        if let (Some(&last), Some(&first)) = (path.last(), path.first()) {
+            if path.len() > 1 {
+                c += self.true_cost(last, first);
+            }
+        }
+        c
+    }
+
+    // ------------------------------------------------------------ events and invariants
+
+    fn on_event(&mut self, node: NodeId, e: Event) {
+        match e {
+            Event::Active { .. } => {
+                self.population_version += 1;
+                if self.now > 0 {
+                    self.check_empty();
+                }
+                if self.cfg.policy == Policy::Optimal && self.now > 0 {
+                    self.replan();
+                }
+            }
+            Event::MbDone { mb, path } => {
+                let c = self.path_cost(&path);
+                let e = self.crit.entry(mb.iter).or_insert(0.0);
+                *e = e.max(c);
+            }
+            Event::IterStarted { .. } => {
+                if self.first_start.is_none() {
+                    self.first_start = Some(self.now);
+                }
+            }
+            Event::IterFinalized { iter, holders } => self.on_finalized(iter, holders),
+            Event::StageCommitted {
+                stage,
+                iter,
+                mbs,
+                dropped,
+            } => {
+                if self.committed.contains_key(&(iter, stage)) {
+                    self.rep
+                        .violations
+                        .push(format!("stage {stage} committed iteration {iter} twice"));
+                    return;
+                }
+                for (mb, member) in mbs.iter() {
+                    if let Some(tasks) = self.claimed.remove(&(*member, *mb)) {
+                        for t in tasks {
+                            if let Some(d) = self.ledger.remove(&(*member, t)) {
+                                self.rep.gpu_time_useful_s += d;
+                                self.useful_tasks += 1;
+                            }
+                        }
+                    } else {
+                        self.rep.violations.push(format!(
+                            "stage {stage} iteration {iter}: {mb:?} committed for node {member} which never claimed it"
+                        ));
+                    }
+                }
+                self.committed.insert((iter, stage), mbs);
+                self.dropped.insert((iter, stage), dropped);
+            }
+            Event::Applied {
+                stage,
+                iter,
+                version,
+            } => {
+                let set = self.versions.entry((stage, iter)).or_default();
+                set.insert(version);
+                if set.len() > 1 {
+                    self.rep.violations.push(format!(
+                        "stage {stage} iteration {iter}: members applied different weights versions"
+                    ));
+                }
+            }
+            Event::Claimed { mb, tasks } => {
+                self.claimed.insert((node, mb), tasks);
+            }
+            Event::Restarted { .. } => self.rep.restarts += 1,
+            Event::Rerouted { .. } => self.rep.reroutes += 1,
+            Event::Stalled { iter, stage } => {
+                if std::env::var_os("GWTF_SIM_DEBUG").is_some() && self.rep.stalls.len() < 3 {
+                    eprintln!("t={:.1} stall iter {iter} stage {stage}", to_secs(self.now));
+                    for (i, n) in self.nodes.iter().enumerate() {
+                        if n.alive
+                            && n.node.stage() == stage
+                            && n.node.coordinator() == Some(i as NodeId)
+                        {
+                            eprintln!("  {}", n.node.debug_coord());
+                        }
+                        if n.alive && n.node.stage() == stage {
+                            eprintln!("    {}", n.node.debug_member());
+                        }
+                    }
+                }
+                self.rep.stalls.push((to_secs(self.now), iter, stage))
+            }
+            Event::Left => {}
+            Event::MemberRemoved { peer } => {
+                if self.nodes[peer as usize].alive {
+                    self.rep.false_suspicions += 1;
+                    if self.debug {
+                        eprintln!(
+                            "t={:.1} coordinator {node} removed live member {peer}",
+                            to_secs(self.now)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_finalized(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
+        let s = self.cfg.model.relay_stages;
+        let start = self.last_final.or(self.first_start).unwrap_or(0);
+        let dt = to_secs(self.now - start);
+        self.last_final = Some(self.now);
+        self.rep.iteration_times_s.push(dt);
+        // Every microbatch of a holder that finished the iteration is in
+        // every stage's aggregate exactly once.
+        let mut trained = 0u64;
+        for &h in holders.iter() {
+            for idx in 0..self.cfg.mb_per_iter {
+                let mb = MbId {
+                    holder: h,
+                    iter,
+                    idx,
+                };
+                let mut ok = true;
+                for st in 0..=s {
+                    let n = self
+                        .committed
+                        .get(&(iter, st))
+                        .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count());
+                    if n > 1 {
+                        self.rep
+                            .violations
+                            .push(format!("{mb:?} counted {n} times at stage {st}"));
+                    }
+                    if n != 1 {
+                        ok = false;
+                    }
+                }
+                if ok {
+                    trained += 1;
+                } else if self.nodes[h as usize].alive {
+                    if self.debug {
+                        let per: Vec<usize> = (0..=s)
+                            .map(|st| {
+                                self.committed
+                                    .get(&(iter, st))
+                                    .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count())
+                            })
+                            .collect();
+                        let dropped: Vec<bool> = (0..=s)
+                            .map(|st| {
+                                self.dropped
+                                    .get(&(iter, st))
+                                    .is_some_and(|v| v.contains(&mb))
+                            })
+                            .collect();
+                        eprintln!(
+                            "t={:.1} LOST {mb:?} per-stage {per:?} dropped {dropped:?}",
+                            to_secs(self.now)
+                        );
+                    }
+                    self.rep.lost_microbatches += 1;
+                } else {
+                    self.rep.dropped_with_holder += 1;
+                }
+            }
+        }
+        self.rep.microbatches_trained += trained;
+        if dt > 0.0 {
+            self.rep
+                .series
+                .push((to_secs(self.now), trained as f64 / dt * 3600.0));
+        }
+        // Weights agree inside each stage (checked on every apply), and no
+        // member that was active at the previous iteration lags behind.
+        for st in 0..=s {
+            if !self.versions.contains_key(&(st, iter)) && !self.members_of(st).is_empty() {
+                self.rep
+                    .violations
+                    .push(format!("stage {st}: no member applied iteration {iter}"));
+            }
+        }
+        // Flow value and critical path of this iteration, and the optimum.
+        let flow: f64 = match self.cfg.policy {
+            Policy::Swarm => holders.len() as f64 * self.cfg.max_in_flight as f64,
+            Policy::Gwtf | Policy::Optimal => holders
+                .iter()
+                .map(|&h| {
+                    let n = &self.nodes[h as usize].node;
+                    let f = if self.cfg.policy == Policy::Gwtf {
+                        n.flow_count()
+                    } else {
+                        self.cfg.max_in_flight as usize
+                    };
+                    let f = if f == 0 {
+                        self.cfg.max_in_flight as usize
+                    } else {
+                        f
+                    };
+                    f.min(self.cfg.max_in_flight as usize) as f64
+                })
+                .sum(),
+        };
+        self.flow_samples.push(flow);
+        if self.cfg.reference_optimum {
+            let plan = self.optimum();
+            self.opt_samples
+                .push((plan.flow as f64, plan.critical_path_s));
+        }
+        self.finalized += 1;
+        if self.finalized >= self.cfg.iterations {
+            self.stop = true;
+        }
+    }
+
+    fn finish(mut self) -> SimReport {
+        self.rep.messages = self
+            .msg_counts
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect();
+        let r = &mut self.rep;
+        r.iterations_done = self.finalized;
+        r.completed = self.finalized >= self.cfg.iterations;
+        let t0 = self.first_start.unwrap_or(0);
+        let t1 = self.last_final.unwrap_or(self.now);
+        r.training_time_s = to_secs(t1.saturating_sub(t0));
+        if r.training_time_s > 0.0 {
+            r.throughput_microbatches_per_hour =
+                r.microbatches_trained as f64 / r.training_time_s * 3600.0;
+        }
+        if r.microbatches_trained > 0 {
+            r.time_per_microbatch_s = r.training_time_s / r.microbatches_trained as f64;
+        }
+        let mut it = r.iteration_times_s.clone();
+        it.sort_by(f64::total_cmp);
+        let pct = |p: f64| -> f64 {
+            if it.is_empty() {
+                0.0
+            } else {
+                let i = ((it.len() as f64 - 1.0) * p).round() as usize;
+                it[i]
+            }
+        };
+        r.iteration_time_p50_s = pct(0.5);
+        r.iteration_time_p95_s = pct(0.95);
+        r.gpu_time_wasted_s = (r.gpu_time_total_s - r.gpu_time_useful_s).max(0.0);
+        if r.gpu_time_total_s > 0.0 {
+            r.wasted_gpu_pct = 100.0 * r.gpu_time_wasted_s / r.gpu_time_total_s;
+        }
+        // Exact accounting: every committed (microbatch, stage) contributed
+        // exactly its forward and backward (holders: embedding, loss,
+        // embedding backward) as useful compute, nothing else did.
+        let expected_useful: u64 = self
+            .committed
+            .iter()
+            .map(|((_, st), v)| v.len() as u64 * if *st == 0 { 3 } else { 2 })
+            .sum();
+        if expected_useful != self.useful_tasks {
+            r.violations.push(format!(
+                "useful compute accounting: {} tasks counted, {} expected",
+                self.useful_tasks, expected_useful
+            ));
+        }
+        let crit: Vec<f64> = self.crit.values().copied().collect();
+        if !crit.is_empty() {
+            r.critical_path_s = crit.iter().sum::<f64>() / crit.len() as f64;
+        }
+        if !self.flow_samples.is_empty() {
+            r.flow_value = self.flow_samples.iter().sum::<f64>() / self.flow_samples.len() as f64;
+        }
+        if !self.opt_samples.is_empty() {
+            let n = self.opt_samples.len() as f64;
+            r.optimal_flow_value = self.opt_samples.iter().map(|x| x.0).sum::<f64>() / n;
+            r.optimal_critical_path_s = self.opt_samples.iter().map(|x| x.1).sum::<f64>() / n;
+        }
+        if !r.completed {
+            let stalled: Vec<String> = self.empty_now.iter().map(|s| s.to_string()).collect();
+            if stalled.is_empty() {
+                r.violations.push(format!(
+                    "iteration {} did not finish although every stage had a live node",
+                    self.finalized
+                ));
+            } else {
+                r.paused = Some(format!(
+                    "training paused: stage(s) {} empty",
+                    stalled.join(", ")
+                ));
+            }
+        }
+        self.rep
+    }
+}

@@ -1,0 +1,448 @@
+//! Protocol tests without the simulator: a few nodes wired through an
+//! in-memory network with a virtual clock (fixed latencies, fixed task
+//! times), small deterministic scenarios.
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::sync::Arc;
+
+use gwtf::protocol::{
+    Action, Config, Event, Input, MbId, Msg, Node, NodeId, Policy, Stage, Task, TaskKind, Time, SEC,
+};
+
+const MS: Time = 1_000;
+
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Timer(NodeId),
+    Done(NodeId, u64),
+    Deliver(NodeId, NodeId, usize),
+}
+
+type KillWhen = Box<dyn Fn(NodeId, &Task) -> bool>;
+
+/// A tiny driver: every message takes `lat(a, b)`, every task `task_ms`.
+struct Net {
+    nodes: BTreeMap<NodeId, Node>,
+    dead: BTreeSet<NodeId>,
+    q: BinaryHeap<Reverse<(Time, u64, Ev)>>,
+    msgs: Vec<Option<Msg>>,
+    now: Time,
+    seq: u64,
+    lat: Box<dyn Fn(NodeId, NodeId) -> Time>,
+    tasks: Vec<(Time, NodeId, Task)>,
+    sent: Vec<(Time, NodeId, NodeId, Msg)>,
+    events: Vec<(Time, NodeId, Event)>,
+    /// Kill a node when it starts a task matching this predicate.
+    kill_on: Option<KillWhen>,
+    timers: BTreeMap<NodeId, Time>,
+}
+
+impl Net {
+    fn new(lat: impl Fn(NodeId, NodeId) -> Time + 'static) -> Net {
+        Net {
+            nodes: BTreeMap::new(),
+            dead: BTreeSet::new(),
+            q: BinaryHeap::new(),
+            msgs: Vec::new(),
+            now: 0,
+            seq: 0,
+            lat: Box::new(lat),
+            tasks: Vec::new(),
+            sent: Vec::new(),
+            events: Vec::new(),
+            kill_on: None,
+            timers: BTreeMap::new(),
+        }
+    }
+
+    fn push(&mut self, t: Time, e: Ev) {
+        self.seq += 1;
+        self.q.push(Reverse((t, self.seq, e)));
+    }
+
+    fn add(&mut self, node: Node) {
+        self.nodes.insert(node.id(), node);
+    }
+
+    fn input(&mut self, id: NodeId, input: Input) {
+        if self.dead.contains(&id) {
+            return;
+        }
+        let acts = self.nodes.get_mut(&id).unwrap().handle(self.now, input);
+        self.apply(id, acts);
+    }
+
+    fn kill(&mut self, id: NodeId) {
+        self.dead.insert(id);
+    }
+
+    fn apply(&mut self, id: NodeId, acts: Vec<Action>) {
+        for a in acts {
+            match a {
+                Action::Send { to, msg } => {
+                    self.sent.push((self.now, id, to, msg.clone()));
+                    let t = self.now + (self.lat)(id, to);
+                    self.msgs.push(Some(msg));
+                    let i = self.msgs.len() - 1;
+                    self.push(t, Ev::Deliver(id, to, i));
+                }
+                Action::Run(task) => {
+                    if self.kill_on.as_ref().is_some_and(|k| k(id, &task)) {
+                        self.kill_on = None;
+                        self.kill(id);
+                        return;
+                    }
+                    self.tasks.push((self.now, id, task));
+                    let d = match task.kind {
+                        TaskKind::Aggregate { .. } => 500 * MS,
+                        TaskKind::Backward => 200 * MS,
+                        _ => 100 * MS,
+                    };
+                    self.push(self.now + d, Ev::Done(id, task.id));
+                }
+                Action::Event(e) => self.events.push((self.now, id, e)),
+            }
+        }
+        if let Some(t) = self.nodes[&id].timeout() {
+            if self
+                .timers
+                .get(&id)
+                .is_none_or(|&old| t < old || old < self.now)
+            {
+                self.timers.insert(id, t);
+                self.push(t, Ev::Timer(id));
+            }
+        }
+    }
+
+    /// Runs until `until` (virtual time) or until `stop` holds.
+    fn run(&mut self, until: Time, stop: impl Fn(&Net) -> bool) {
+        let mut steps = 0u64;
+        while let Some(Reverse((t, _, e))) = self.q.pop() {
+            steps += 1;
+            assert!(steps < 5_000_000, "runaway scenario");
+            if t > until {
+                self.push(t, e);
+                break;
+            }
+            self.now = t;
+            match e {
+                Ev::Timer(id) => {
+                    if self.dead.contains(&id) || self.timers.get(&id) != Some(&t) {
+                        continue;
+                    }
+                    self.timers.remove(&id);
+                    let acts = self.nodes.get_mut(&id).unwrap().on_timeout(t);
+                    self.apply(id, acts);
+                }
+                Ev::Done(id, task) => self.input(id, Input::TaskDone { id: task }),
+                Ev::Deliver(from, to, i) => {
+                    let msg = self.msgs[i].take().unwrap();
+                    self.input(to, Input::Message { from, msg });
+                }
+            }
+            if stop(self) {
+                break;
+            }
+        }
+    }
+
+    fn finalized(&self, iter: u32) -> Option<Arc<Vec<NodeId>>> {
+        self.events.iter().find_map(|(_, _, e)| match e {
+            Event::IterFinalized { iter: k, holders } if *k == iter => Some(holders.clone()),
+            _ => None,
+        })
+    }
+
+    fn forwards(&self, mb: MbId, stage: Stage) -> Vec<NodeId> {
+        self.tasks
+            .iter()
+            .filter(|(_, _, t)| {
+                t.mb == Some(mb)
+                    && t.stage == stage
+                    && matches!(t.kind, TaskKind::Forward | TaskKind::Embed)
+            })
+            .map(|x| x.1)
+            .collect()
+    }
+
+    fn count(&self, mb: MbId, kind: TaskKind) -> usize {
+        self.tasks
+            .iter()
+            .filter(|(_, _, t)| t.mb == Some(mb) && t.kind == kind)
+            .count()
+    }
+
+    fn committed(&self, stage: Stage, iter: u32) -> Vec<(MbId, NodeId)> {
+        self.events
+            .iter()
+            .find_map(|(_, _, e)| match e {
+                Event::StageCommitted {
+                    stage: s,
+                    iter: k,
+                    mbs,
+                    ..
+                } if *s == stage && *k == iter => Some((**mbs).clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+}
+
+fn config(policy: Policy, stages: Stage, mb: u32, in_flight: u32) -> Arc<Config> {
+    let mut c = Config::new(policy, stages, 1 << 20);
+    c.mb_per_iter = mb;
+    c.max_in_flight = in_flight;
+    c.stage_state_bytes = vec![1 << 20; stages as usize + 1];
+    c.start_delay = 10 * SEC;
+    Arc::new(c)
+}
+
+/// Starts `layout` (node id -> stage) with full views.
+fn start(net: &mut Net, cfg: &Arc<Config>, layout: &[(NodeId, Stage)]) {
+    for &(id, st) in layout {
+        let compute = if st == 0 { 0.1 } else { 0.3 };
+        net.add(Node::new(cfg.clone(), id, st, compute, 4, 7));
+    }
+    for &(id, _) in layout {
+        let peers: Vec<(NodeId, Stage)> = layout.iter().copied().filter(|p| p.0 != id).collect();
+        net.input(id, Input::Start { peers });
+    }
+}
+
+fn flat(_: NodeId, _: NodeId) -> Time {
+    10 * MS
+}
+
+#[test]
+fn relay_crash_mid_backward_recomputes_only_its_stage() {
+    for policy in [Policy::Gwtf, Policy::Optimal] {
+        let cfg = config(policy, 3, 1, 1);
+        let mut net = Net::new(flat);
+        // Holder 0; stage 1: 1, 2; stage 2: 3, 4; stage 3: 5, 6.
+        let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+        start(&mut net, &cfg, &layout);
+        // The stage-2 relay dies the moment it starts the backward.
+        net.kill_on = Some(Box::new(|_, t: &Task| {
+            t.kind == TaskKind::Backward && t.stage == 2
+        }));
+        net.run(600 * SEC, |n| n.finalized(0).is_some());
+        assert_eq!(
+            net.finalized(0).as_deref(),
+            Some(&vec![0]),
+            "{policy:?}: iteration 0 finished"
+        );
+        let mb = MbId {
+            holder: 0,
+            iter: 0,
+            idx: 0,
+        };
+        let dead = *net.dead.iter().next().expect("a relay was killed");
+        let f2 = net.forwards(mb, 2);
+        assert_eq!(
+            f2.len(),
+            2,
+            "{policy:?}: stage 2 computed twice (crash + replacement)"
+        );
+        assert_eq!(f2[0], dead);
+        let replacement = f2[1];
+        assert_ne!(replacement, dead);
+        for st in [0, 1, 3] {
+            assert_eq!(
+                net.forwards(mb, st).len(),
+                1,
+                "{policy:?}: stage {st} not recomputed"
+            );
+        }
+        // The stage-3 node did not recompute: it re-sent its stored gradient.
+        assert_eq!(net.count(mb, TaskKind::Loss), 1);
+        let s3 = net.forwards(mb, 3)[0];
+        let b3 = net
+            .tasks
+            .iter()
+            .filter(|(_, id, t)| *id == s3 && t.kind == TaskKind::Backward && t.mb == Some(mb))
+            .count();
+        assert_eq!(b3, 1, "{policy:?}: stage 3 ran its backward once");
+        let grads_to_repl = net
+            .sent
+            .iter()
+            .filter(|(_, from, to, m)| {
+                *from == s3 && *to == replacement && matches!(m, Msg::Backward { .. })
+            })
+            .count();
+        assert_eq!(
+            grads_to_repl, 1,
+            "{policy:?}: stored gradient re-sent to the replacement"
+        );
+        // No restart of the whole microbatch, and the aggregate of stage 2
+        // counts the replacement's result once.
+        assert!(!net
+            .events
+            .iter()
+            .any(|e| matches!(e.2, Event::Restarted { .. })));
+        assert_eq!(net.committed(2, 0), vec![(mb, replacement)]);
+        for st in 0..=3 {
+            assert_eq!(net.committed(st, 0).len(), 1, "stage {st}");
+        }
+    }
+}
+
+#[test]
+fn swarm_restarts_the_whole_microbatch_after_a_backward_crash() {
+    let cfg = config(Policy::Swarm, 3, 1, 1);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    net.kill_on = Some(Box::new(|_, t: &Task| {
+        t.kind == TaskKind::Backward && t.stage == 2
+    }));
+    net.run(600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let mb = MbId {
+        holder: 0,
+        iter: 0,
+        idx: 0,
+    };
+    assert!(net
+        .events
+        .iter()
+        .any(|e| matches!(e.2, Event::Restarted { .. })));
+    // Every stage ran the forward again.
+    for st in 0..=3 {
+        assert!(net.forwards(mb, st).len() >= 2, "stage {st}");
+    }
+    // Still counted once per stage.
+    for st in 0..=3 {
+        assert_eq!(net.committed(st, 0).len(), 1, "stage {st}");
+    }
+}
+
+#[test]
+fn data_holder_crash_drops_its_microbatches_and_nobody_waits() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 4, 2);
+        let mut net = Net::new(flat);
+        let layout = [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (5, 2)];
+        start(&mut net, &cfg, &layout);
+        // Holder 1 dies when it computes its first loss.
+        net.kill_on = Some(Box::new(|id, t: &Task| id == 1 && t.kind == TaskKind::Loss));
+        net.run(900 * SEC, |n| n.finalized(0).is_some());
+        assert!(net.dead.contains(&1));
+        assert_eq!(net.finalized(0).as_deref(), Some(&vec![0]), "{policy:?}");
+        for st in 0..=2 {
+            let c = net.committed(st, 0);
+            let mine: BTreeSet<u32> = c
+                .iter()
+                .filter(|x| x.0.holder == 0)
+                .map(|x| x.0.idx)
+                .collect();
+            assert_eq!(
+                mine,
+                (0..4).collect(),
+                "{policy:?} stage {st}: holder 0's microbatches once each"
+            );
+            assert!(c.iter().filter(|x| x.0.holder == 1).count() <= 4);
+        }
+        // The next iteration runs without the dead holder.
+        net.run(net.now + 900 * SEC, |n| n.finalized(1).is_some());
+        assert_eq!(net.finalized(1).as_deref(), Some(&vec![0]), "{policy:?}");
+    }
+}
+
+#[test]
+fn a_joining_node_picks_the_bottleneck_stage_and_downloads_its_state() {
+    let cfg = config(Policy::Gwtf, 3, 2, 1);
+    let mut net = Net::new(flat);
+    // Stage 2 has one relay, the others two.
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    net.run(60 * SEC, |_| false);
+    net.add(Node::new(cfg.clone(), 9, 0, 0.3, 4, 7));
+    let peers: Vec<(NodeId, Stage)> = layout.to_vec();
+    net.input(9, Input::Join { peers });
+    net.run(net.now + 120 * SEC, |n| {
+        n.events
+            .iter()
+            .any(|(_, id, e)| *id == 9 && matches!(e, Event::Active { .. }))
+    });
+    let active = net.events.iter().find_map(|(_, id, e)| match e {
+        Event::Active { stage } if *id == 9 => Some(*stage),
+        _ => None,
+    });
+    assert_eq!(active, Some(2));
+    assert!(net
+        .sent
+        .iter()
+        .any(|(_, from, to, m)| *from == 3 && *to == 9 && matches!(m, Msg::StateResponse { .. })));
+    // It then serves stage 2: training goes on and stage 2 applies with it.
+    net.run(net.now + 600 * SEC, |n| n.finalized(2).is_some());
+    assert!(net.finalized(2).is_some());
+    assert_eq!(net.nodes[&9].version(), net.nodes[&3].version());
+}
+
+#[test]
+fn crossed_flows_are_swapped_and_the_critical_path_drops() {
+    // Holder 0; stage 1: relays 1, 2; stage 2 (last): relays 3, 4.
+    // 1-3 and 2-4 are close, 1-4 and 2-3 are far.
+    let lat = |a: NodeId, b: NodeId| -> Time {
+        let (x, y) = (a.min(b), a.max(b));
+        match (x, y) {
+            (1, 3) | (2, 4) => MS,
+            (1, 4) | (2, 3) => 200 * MS,
+            _ => 20 * MS,
+        }
+    };
+    let mut c = Config::new(Policy::Gwtf, 2, 1024);
+    c.mb_per_iter = 1;
+    c.max_in_flight = 0; // no reservations by the holder: the flows are set by hand
+    let cfg = Arc::new(c);
+    let mut net = Net::new(lat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2)];
+    start(&mut net, &cfg, &layout);
+    // Let measurements and cost gossip settle.
+    net.run(30 * SEC, |_| false);
+    // Crossed routing: 0 -> 1 -> 4 -> 0 and 0 -> 2 -> 3 -> 0.
+    let add = |net: &mut Net, id: NodeId, inl, prev, next, outl| {
+        net.nodes
+            .get_mut(&id)
+            .unwrap()
+            .test_add_flow(inl, 0, prev, next, outl);
+    };
+    add(&mut net, 0, 100, 0, 1, 100);
+    add(&mut net, 0, 200, 0, 2, 200);
+    add(&mut net, 1, 100, 0, 4, 101);
+    add(&mut net, 2, 200, 0, 3, 201);
+    add(&mut net, 4, 101, 1, 0, 101);
+    add(&mut net, 3, 201, 2, 0, 201);
+    let cost = |path: &[NodeId]| -> Time {
+        let mut c = 0;
+        for w in path.windows(2) {
+            c += lat(w[0], w[1]);
+        }
+        c + lat(*path.last().unwrap(), path[0])
+    };
+    let critical = |net: &Net| -> Time {
+        let mut worst = 0;
+        for r in [1, 2] {
+            for (_, prev, next, _) in net.nodes[&r].flows() {
+                worst = worst.max(cost(&[prev, r, next]));
+            }
+        }
+        worst
+    };
+    let before = critical(&net);
+    net.run(net.now + 120 * SEC, |n| {
+        n.nodes[&1].flows().iter().all(|f| f.2 == 3) && n.nodes[&2].flows().iter().all(|f| f.2 == 4)
+    });
+    // Let the notifications to the next hops arrive.
+    net.run(net.now + 5 * SEC, |_| false);
+    assert_eq!(net.nodes[&1].flows().len(), 1);
+    assert_eq!(net.nodes[&1].flows()[0].2, 3, "relay 1 now sends to 3");
+    assert_eq!(net.nodes[&2].flows()[0].2, 4, "relay 2 now sends to 4");
+    let after = critical(&net);
+    assert!(after < before, "critical path {before} -> {after}");
+    // The next hops learned their new upstream.
+    let prev_of = |net: &Net, id: NodeId| net.nodes[&id].flows()[0].1;
+    assert_eq!(prev_of(&net, 3), 1);
+    assert_eq!(prev_of(&net, 4), 2);
+}

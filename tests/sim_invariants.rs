@@ -1,0 +1,135 @@
+//! Simulator invariants on randomized runs (virtual clock, bounded).
+//!
+//! CI runs a few seeds; `GWTF_SIM_LONG=1 cargo test --release --test
+//! sim_invariants` runs many more seeds and longer runs.
+use gwtf::protocol::Policy;
+use gwtf::sim::model::ModelPreset;
+use gwtf::sim::scenario::Scenario;
+use gwtf::sim::{Sim, SimConfig, SimReport};
+
+fn long() -> bool {
+    std::env::var_os("GWTF_SIM_LONG").is_some()
+}
+
+fn small(policy: Policy, seed: u64, churn: f64, iterations: u32) -> SimConfig {
+    let mut c = SimConfig::new(
+        Scenario::geo10(),
+        ModelPreset::by_name("llama-124m").unwrap(),
+        policy,
+    );
+    c.seed = seed;
+    c.churn_per_hour = churn;
+    c.iterations = iterations;
+    c.holders = 6;
+    c.relays = 24;
+    c.mb_per_iter = 4;
+    c.max_in_flight = 2;
+    c
+}
+
+fn check(r: &SimReport, what: &str) {
+    assert!(r.violations.is_empty(), "{what}: {:?}", r.violations);
+    assert_eq!(r.lost_microbatches, 0, "{what}");
+    assert!(
+        r.completed || r.paused.is_some(),
+        "{what}: neither finished nor reported an empty stage"
+    );
+    // Exact accounting: useful + wasted = total.
+    let sum = r.gpu_time_useful_s + r.gpu_time_wasted_s;
+    assert!(
+        (sum - r.gpu_time_total_s).abs() < 1e-6 * r.gpu_time_total_s.max(1.0),
+        "{what}"
+    );
+}
+
+#[test]
+fn same_seed_same_output_different_seed_different_output() {
+    let run =
+        |seed| serde_json::to_string(&Sim::new(small(Policy::Gwtf, seed, 1.0, 6)).run()).unwrap();
+    let a = run(11);
+    assert_eq!(a, run(11));
+    assert_ne!(a, run(12));
+    let swarm =
+        |seed| serde_json::to_string(&Sim::new(small(Policy::Swarm, seed, 1.0, 6)).run()).unwrap();
+    assert_eq!(swarm(3), swarm(3));
+}
+
+#[test]
+fn randomized_churn_keeps_every_invariant() {
+    let seeds: u64 = if long() { 40 } else { 3 };
+    let iterations = if long() { 40 } else { 8 };
+    for seed in 1..=seeds {
+        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+            // High churn (1 to 3 departures per node-hour) to get crashes in
+            // the middle of forwards, backwards and aggregations.
+            let churn = 1.0 + (seed % 3) as f64;
+            let r = Sim::new(small(policy, seed, churn, iterations)).run();
+            check(&r, &format!("{policy:?} seed {seed} churn {churn}"));
+            assert!(
+                r.crashes > 0 || !r.completed,
+                "{policy:?} seed {seed}: churn happened"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_stage_left_empty_pauses_training_and_says_so() {
+    // One relay per stage and heavy churn: a stage empties sooner or later.
+    let mut found = false;
+    for seed in 1..=6 {
+        let mut c = small(Policy::Gwtf, seed, 6.0, 20);
+        c.relays = 4;
+        c.holders = 2;
+        c.max_sim_time_s = 3000.0;
+        let r = Sim::new(c).run();
+        assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
+        if !r.empty_stages.is_empty() {
+            found = true;
+        }
+        if !r.completed {
+            let p = r.paused.as_deref().unwrap_or("");
+            assert!(p.contains("empty"), "seed {seed}: {p}");
+        }
+    }
+    assert!(found, "no run emptied a stage");
+}
+
+#[test]
+fn without_churn_gwtf_is_close_to_the_optimum_and_wastes_nothing() {
+    let mut reports = Vec::new();
+    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
+        let r = Sim::new(small(policy, 5, 0.0, 5)).run();
+        check(&r, &format!("{policy:?}"));
+        assert!(r.completed);
+        assert_eq!(r.crashes, 0);
+        assert_eq!(r.recomputed_stages, 0, "{policy:?}");
+        assert!(r.wasted_gpu_pct < 1e-9, "{policy:?}: {}", r.wasted_gpu_pct);
+        assert_eq!(r.microbatches_trained, 5 * 6 * 4);
+        reports.push(r);
+    }
+    let (g, o) = (&reports[0], &reports[1]);
+    assert!(
+        g.time_per_microbatch_s <= 1.10 * o.time_per_microbatch_s,
+        "gwtf {} s/mb vs optimal {}",
+        g.time_per_microbatch_s,
+        o.time_per_microbatch_s
+    );
+    // GWTF's routes are shorter than SWARM's.
+    assert!(g.critical_path_s < reports[2].critical_path_s);
+}
+
+#[test]
+fn custom_scenario_and_homogeneous_run() {
+    let s = Scenario::parse("intra 1 1.0\nregion a 4.0\nregion b 5.0\nlink a b 40 0.4\n").unwrap();
+    let mut c = small(Policy::Gwtf, 2, 0.5, 4);
+    c.scenario = s;
+    let r = Sim::new(c).run();
+    check(&r, "custom");
+    assert!(r.completed);
+    let mut c = small(Policy::Swarm, 2, 0.5, 4);
+    c.scenario = Scenario::homogeneous();
+    let r = Sim::new(c).run();
+    check(&r, "homogeneous");
+    assert!(r.completed);
+}
