@@ -65,6 +65,8 @@ const ALPHA: i64 = 5;
 const UPDATE_EVERY_N_RELABELS: usize = 20;
 const NONE: u32 = u32::MAX;
 const BUCKETS: usize = 1024;
+/// "Unreached" distance of the repair searches.
+const INF: i64 = i64::MAX / 4;
 
 /// CSR residual network. Slot `fwd[a]` is arc `a` (residual capacity `cap - flow`), slot
 /// `rev[fwd[a]]` its reverse (residual capacity `flow`, cost `-cost`).
@@ -96,52 +98,108 @@ impl Residual {
     }
 }
 
-/// Scratch space for repair Dijkstra (kept between calls to avoid O(n) resets).
+/// Priority queue of one repair search: Dial buckets for distances below `BUCKETS` (repair
+/// distances are mostly tiny), LIFO inside a bucket, and a heap beyond. Entries may be stale
+/// (the caller checks them against its labels).
 #[derive(Clone, Debug, Default)]
-struct Scratch {
-    dist: Vec<i64>,
-    stamp: Vec<u32>,
-    parent: Vec<u32>,
-    epoch: u32,
-    /// (distance, LIFO tie-break sequence, node): among equal distances the newest label
-    /// pops first, so zero-cost plateaus are explored depth-first and targets found early.
+struct DistQueue {
+    /// (distance, LIFO tie-break sequence, node).
     heap: BinaryHeap<Reverse<(i64, u32, u32)>>,
     seq: u32,
-    /// Dial buckets for distances below `BUCKETS` (repair distances are mostly tiny); LIFO
-    /// inside a bucket. Larger distances go to `heap`.
     buckets: Vec<Vec<u32>>,
     cb: usize,
-    settled: Vec<u32>,
-    // admissible-graph DFS after each search
-    cur: Vec<u32>,
-    round_stamp: Vec<u32>,
-    dead: Vec<u32>,
-    onpath: Vec<bool>,
-    round: u32,
-    path: Vec<u32>,
-    sources: Vec<u32>,
 }
 
-impl Scratch {
+impl DistQueue {
+    fn reset(&mut self) {
+        self.heap.clear();
+        if self.buckets.len() < BUCKETS {
+            self.buckets.resize(BUCKETS, Vec::new());
+        }
+        for b in self.buckets[self.cb.min(BUCKETS)..].iter_mut() {
+            b.clear();
+        }
+        self.cb = 0;
+    }
     #[inline]
     fn push(&mut self, d: i64, v: u32) {
         if (d as u64) < BUCKETS as u64 {
             self.buckets[d as usize].push(v);
+            self.cb = self.cb.min(d as usize);
         } else {
             self.seq = self.seq.wrapping_sub(1);
             self.heap.push(Reverse((d, self.seq, v)));
         }
     }
+    /// Smallest entry, without removing it.
     #[inline]
-    fn pop(&mut self) -> Option<(i64, u32)> {
+    fn peek(&mut self) -> Option<(i64, u32)> {
         while self.cb < BUCKETS {
-            if let Some(v) = self.buckets[self.cb].pop() {
+            if let Some(&v) = self.buckets[self.cb].last() {
                 return Some((self.cb as i64, v));
             }
             self.cb += 1;
         }
-        self.heap.pop().map(|Reverse((d, _, v))| (d, v))
+        self.heap.peek().map(|Reverse((d, _, v))| (*d, *v))
     }
+    /// Removes the entry last returned by `peek`.
+    #[inline]
+    fn pop_peeked(&mut self) {
+        if self.cb < BUCKETS {
+            self.buckets[self.cb].pop();
+        } else {
+            self.heap.pop();
+        }
+    }
+}
+
+/// Labels of one direction of the bidirectional repair search.
+#[derive(Clone, Debug, Default)]
+struct SearchSide {
+    dist: Vec<i64>,
+    /// `== epoch`: labelled; `== epoch + 1`: settled.
+    stamp: Vec<u32>,
+    /// Residual slot by which the node was labelled (forward: the arc into it; backward:
+    /// the arc out of it towards a deficit), `NONE` for a start node.
+    parent: Vec<u32>,
+    queue: DistQueue,
+    settled: Vec<u32>,
+}
+
+impl SearchSide {
+    fn resize(&mut self, n: usize) {
+        if self.dist.len() < n {
+            self.dist.resize(n, 0);
+            self.stamp.resize(n, 0);
+            self.parent.resize(n, NONE);
+        }
+    }
+    /// Distance of the smallest non-stale queue entry (`INF` when empty).
+    #[inline]
+    fn top(&mut self, lab: u32) -> i64 {
+        while let Some((d, v)) = self.queue.peek() {
+            let v = v as usize;
+            if self.stamp[v] != lab || d > self.dist[v] {
+                self.queue.pop_peeked();
+                continue;
+            }
+            return d;
+        }
+        INF
+    }
+}
+
+/// Scratch space for repair searches (kept between calls to avoid O(n) resets).
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    fwd: SearchSide,
+    bwd: SearchSide,
+    epoch: u32,
+    /// Augmenting walk (slots) and per-node position stamps for removing zero-cost cycles.
+    path: Vec<u32>,
+    path_nodes: Vec<u32>,
+    pos: Vec<u32>,
+    pos_stamp: Vec<u32>,
 }
 
 /// A min-cost flow problem with integer capacities and costs, solved cold by cost scaling
@@ -258,9 +316,10 @@ impl MinCostFlow {
             + self.res.bytes()
             + self.pi.capacity() * 8
             + self.excess.capacity() * 8
-            + self.scratch.dist.capacity() * 8
-            + self.scratch.stamp.capacity() * 4
-            + self.scratch.parent.capacity() * 4
+            + (self.scratch.fwd.dist.capacity() + self.scratch.bwd.dist.capacity()) * 8
+            + (self.scratch.fwd.stamp.capacity() + self.scratch.bwd.stamp.capacity()) * 4
+            + (self.scratch.fwd.parent.capacity() + self.scratch.bwd.parent.capacity()) * 4
+            + (self.scratch.pos.capacity() + self.scratch.pos_stamp.capacity()) * 4
     }
 
     fn node_index(&self, n: NodeId) -> Result<usize, FlowError> {
@@ -846,6 +905,18 @@ impl MinCostFlow {
     }
 
     /// Repairs the recorded imbalances by successive shortest paths on reduced costs.
+    ///
+    /// Each augmenting path comes from a bidirectional Dijkstra: forward from all excess
+    /// nodes, backward from all deficit nodes, always advancing the side that has settled
+    /// fewer nodes, until `top_f + top_b >= mu` (`mu`: the best excess-to-deficit walk seen).
+    /// With `Lf = min(top_f, mu)` and `Lb = mu - Lf`, the potentials are updated by
+    /// `pi += Lf - df` on forward-settled nodes with `df < Lf` and `pi -= Lb - db` on
+    /// backward-settled nodes with `db < Lb` (the two sets are disjoint since
+    /// `df + db >= mu`). Every residual arc keeps a non-negative reduced cost (case check
+    /// over the three node classes) and every arc of the shortest walk becomes tight, so
+    /// pushing along it keeps the flow optimal. Searches stay within about half the
+    /// distance from each side, which matters because many nodes lie at small reduced
+    /// distance from the imbalance on our layered instances.
     fn repair(&mut self) -> Result<Status, FlowError> {
         self.stats = SolveStats {
             warm: true,
@@ -856,14 +927,11 @@ impl MinCostFlow {
         }
         let n = self.node_count();
         let sc = &mut self.scratch;
-        if sc.dist.len() < n {
-            sc.dist.resize(n, 0);
-            sc.stamp.resize(n, 0);
-            sc.parent.resize(n, NONE);
-            sc.cur.resize(n, 0);
-            sc.round_stamp.resize(n, 0);
-            sc.dead.resize(n, 0);
-            sc.onpath.resize(n, false);
+        sc.fwd.resize(n);
+        sc.bwd.resize(n);
+        if sc.pos.len() < n {
+            sc.pos.resize(n, 0);
+            sc.pos_stamp.resize(n, 0);
         }
         self.dirty.sort_unstable();
         self.dirty.dedup();
@@ -871,213 +939,208 @@ impl MinCostFlow {
             let sc = &mut self.scratch;
             sc.epoch = sc.epoch.wrapping_add(2);
             if sc.epoch < 2 {
-                sc.stamp.iter_mut().for_each(|s| *s = 0);
+                sc.fwd.stamp.iter_mut().for_each(|s| *s = 0);
+                sc.bwd.stamp.iter_mut().for_each(|s| *s = 0);
+                sc.pos_stamp.iter_mut().for_each(|s| *s = 0);
                 sc.epoch = 2;
             }
-            // stamp == epoch: labelled; stamp == epoch + 1: settled.
             let lab = sc.epoch;
             let done = lab + 1;
-            sc.heap.clear();
-            if sc.buckets.len() < BUCKETS {
-                sc.buckets.resize(BUCKETS, Vec::new());
-            }
-            for b in sc.buckets.iter_mut() {
-                b.clear();
-            }
-            sc.cb = 0;
-            sc.settled.clear();
-            let mut any = false;
-            let mut need: i64 = 0;
+            sc.fwd.queue.reset();
+            sc.bwd.queue.reset();
+            sc.fwd.settled.clear();
+            sc.bwd.settled.clear();
+            let (mut any_src, mut any_dst) = (false, false);
             for &v in &self.dirty {
-                let v = v as usize;
-                if self.excess[v] > 0 && sc.stamp[v] != lab {
-                    need += self.excess[v];
-                    sc.dist[v] = 0;
-                    sc.parent[v] = NONE;
-                    sc.stamp[v] = lab;
-                    sc.buckets[0].push(v as u32);
-                    any = true;
-                }
+                let vi = v as usize;
+                let e = self.excess[vi];
+                let side = if e > 0 {
+                    any_src = true;
+                    &mut sc.fwd
+                } else if e < 0 {
+                    any_dst = true;
+                    &mut sc.bwd
+                } else {
+                    continue;
+                };
+                side.dist[vi] = 0;
+                side.parent[vi] = NONE;
+                side.stamp[vi] = lab;
+                side.queue.push(0, v);
             }
-            if !any {
+            if !any_src && !any_dst {
                 break;
+            }
+            if !any_src || !any_dst {
+                return Ok(Status::Infeasible);
             }
             self.stats.iterations += 1;
             let r = &self.res;
             let pi = &self.pi;
-            let mut target = NONE;
-            let mut delta = 0;
-            let mut got: i64 = 0;
-            // Settle until the deficits found can absorb all the excess (then one search
-            // usually serves every unit), or until the graph is exhausted.
-            while let Some((d, u)) = sc.pop() {
-                let u = u as usize;
-                if sc.stamp[u] != lab || d > sc.dist[u] {
-                    continue;
+            // Best walk: forward-labelled `meet_u`, arc `meet_a`, backward-labelled head.
+            let mut mu = INF;
+            let mut meet_a = NONE;
+            let (mut top_f, mut top_b);
+            loop {
+                top_f = sc.fwd.top(lab);
+                top_b = sc.bwd.top(lab);
+                if top_f.saturating_add(top_b) >= mu || (top_f == INF && top_b == INF) {
+                    break;
                 }
-                sc.stamp[u] = done;
-                sc.settled.push(u as u32);
-                delta = d;
-                if self.excess[u] < 0 {
-                    target = u as u32;
-                    got += -self.excess[u];
-                    if got >= need {
-                        break;
-                    }
-                }
-                let pu = pi[u];
-                for a in r.first[u] as usize..r.first[u + 1] as usize {
-                    if r.rcap[a] > 0 {
-                        let v = r.head[a] as usize;
-                        let nd = d + r.cost[a] - pu + pi[v];
-                        let st = sc.stamp[v];
-                        if st == done {
-                            continue;
+                let forward =
+                    top_b == INF || (top_f != INF && sc.fwd.settled.len() <= sc.bwd.settled.len());
+                if forward {
+                    let f = &mut sc.fwd;
+                    let (d, u) = f.queue.peek().expect("non-empty forward queue");
+                    f.queue.pop_peeked();
+                    let u = u as usize;
+                    f.stamp[u] = done;
+                    f.settled.push(u as u32);
+                    let pu = pi[u];
+                    for a in r.first[u] as usize..r.first[u + 1] as usize {
+                        if r.rcap[a] > 0 {
+                            let v = r.head[a] as usize;
+                            let nd = d + r.cost[a] - pu + pi[v];
+                            let sb = sc.bwd.stamp[v];
+                            if (sb == lab || sb == done) && nd + sc.bwd.dist[v] < mu {
+                                mu = nd + sc.bwd.dist[v];
+                                meet_a = a as u32;
+                            }
+                            let st = f.stamp[v];
+                            if st == done {
+                                continue;
+                            }
+                            if st != lab || nd < f.dist[v] {
+                                f.stamp[v] = lab;
+                                f.dist[v] = nd;
+                                f.parent[v] = a as u32;
+                                f.queue.push(nd, v as u32);
+                            }
                         }
-                        if st != lab || nd < sc.dist[v] {
-                            sc.stamp[v] = lab;
-                            sc.dist[v] = nd;
-                            sc.parent[v] = a as u32;
-                            sc.push(nd, v as u32);
+                    }
+                } else {
+                    let b = &mut sc.bwd;
+                    let (d, v) = b.queue.peek().expect("non-empty backward queue");
+                    b.queue.pop_peeked();
+                    let v = v as usize;
+                    b.stamp[v] = done;
+                    b.settled.push(v as u32);
+                    let pv = pi[v];
+                    // Incoming residual arcs u -> v are the reverse slots of v's slots.
+                    for a in r.first[v] as usize..r.first[v + 1] as usize {
+                        if r.tot[a] - r.rcap[a] > 0 {
+                            let u = r.head[a] as usize;
+                            let nd = d - r.cost[a] - pi[u] + pv;
+                            let sf = sc.fwd.stamp[u];
+                            if (sf == lab || sf == done) && nd + sc.fwd.dist[u] < mu {
+                                mu = nd + sc.fwd.dist[u];
+                                meet_a = r.rev[a];
+                            }
+                            let st = b.stamp[u];
+                            if st == done {
+                                continue;
+                            }
+                            if st != lab || nd < b.dist[u] {
+                                b.stamp[u] = lab;
+                                b.dist[u] = nd;
+                                b.parent[u] = r.rev[a];
+                                b.queue.push(nd, u as u32);
+                            }
                         }
                     }
                 }
             }
-            self.stats.work += sc.settled.len() as u64;
-            if target == NONE {
+            self.stats.work += (sc.fwd.settled.len() + sc.bwd.settled.len()) as u64;
+            if meet_a == NONE {
                 return Ok(Status::Infeasible);
             }
-            for &v in &sc.settled {
+            let lf = top_f.min(mu);
+            let lb = mu - lf;
+            for &v in &sc.fwd.settled {
                 let v = v as usize;
-                self.pi[v] += delta - sc.dist[v];
+                let d = sc.fwd.dist[v];
+                if d < lf {
+                    self.pi[v] += lf - d;
+                }
             }
-            // Bottleneck of the path, then augment.
-            let t = target as usize;
-            let mut amount = -self.excess[t];
-            let mut v = t;
-            while sc.parent[v] != NONE {
-                let a = sc.parent[v] as usize;
-                amount = amount.min(self.res.rcap[a]);
-                v = self.res.head[self.res.rev[a] as usize] as usize;
+            for &v in &sc.bwd.settled {
+                let v = v as usize;
+                let d = sc.bwd.dist[v];
+                if d < lb {
+                    self.pi[v] -= lb - d;
+                }
             }
-            amount = amount.min(self.excess[v]);
+            // The walk: forward parents back to an excess node, the meeting arc, backward
+            // parents on to a deficit node. Zero-cost cycles (possible on shortest walks)
+            // are cut out so that every slot is used once.
+            let r = &self.res;
+            sc.path.clear();
+            let mut v = r.head[r.rev[meet_a as usize] as usize] as usize;
+            while sc.fwd.parent[v] != NONE {
+                let a = sc.fwd.parent[v];
+                sc.path.push(a);
+                v = r.head[r.rev[a as usize] as usize] as usize;
+            }
             let src = v;
-            let mut v = t;
-            while sc.parent[v] != NONE {
-                let a = sc.parent[v] as usize;
+            sc.path.reverse();
+            sc.path.push(meet_a);
+            let mut v = r.head[meet_a as usize] as usize;
+            while sc.bwd.parent[v] != NONE {
+                let a = sc.bwd.parent[v];
+                sc.path.push(a);
+                v = r.head[a as usize] as usize;
+            }
+            let dst = v;
+            // Remove cycles: path_nodes[i] is the tail of path[i].
+            sc.path_nodes.clear();
+            let mut kept = 0usize;
+            let mut tail = src;
+            sc.pos_stamp[src] = lab;
+            sc.pos[src] = 0;
+            for i in 0..sc.path.len() {
+                let a = sc.path[i];
+                let h = r.head[a as usize] as usize;
+                sc.path[kept] = a;
+                sc.path_nodes.push(tail as u32);
+                kept += 1;
+                if sc.pos_stamp[h] == lab {
+                    // h was visited before: drop the cycle back to it.
+                    let p = sc.pos[h] as usize;
+                    for &x in &sc.path_nodes[p + 1..kept] {
+                        sc.pos_stamp[x as usize] = 0;
+                    }
+                    kept = p;
+                    sc.path_nodes.truncate(p);
+                } else {
+                    sc.pos_stamp[h] = lab;
+                    sc.pos[h] = kept as u32;
+                }
+                tail = h;
+            }
+            sc.path.truncate(kept);
+            for &x in &sc.path_nodes {
+                sc.pos_stamp[x as usize] = 0;
+            }
+            sc.pos_stamp[dst] = 0;
+            let mut amount = self.excess[src].min(-self.excess[dst]);
+            for &a in &sc.path {
+                amount = amount.min(self.res.rcap[a as usize]);
+            }
+            if amount <= 0 {
+                return Err(FlowError::Internal("repair walk without capacity".into()));
+            }
+            for &a in &sc.path {
+                let a = a as usize;
                 let ra = self.res.rev[a] as usize;
                 self.res.rcap[a] -= amount;
                 self.res.rcap[ra] += amount;
                 self.total_cost += amount as i128 * self.res.cost[a] as i128;
-                v = self.res.head[ra] as usize;
             }
             self.excess[src] -= amount;
-            self.excess[t] += amount;
-            self.augment_tight();
-        }
-        if self.dirty.iter().any(|&v| self.excess[v as usize] != 0) {
-            return Ok(Status::Infeasible);
+            self.excess[dst] += amount;
         }
         self.dirty.clear();
         Ok(Status::Optimal)
-    }
-
-    /// After a search has updated the potentials, pushes as much excess as possible along
-    /// zero-reduced-cost residual arcs inside the settled region (a blocking-flow style DFS),
-    /// so one search often serves several units. Pushing on tight arcs keeps every reduced
-    /// cost non-negative; whatever is left is handled by the next search.
-    fn augment_tight(&mut self) {
-        let sc = &mut self.scratch;
-        sc.round = sc.round.wrapping_add(1);
-        if sc.round == 0 {
-            sc.round_stamp.iter_mut().for_each(|x| *x = 0);
-            sc.dead.iter_mut().for_each(|x| *x = 0);
-            sc.round = 1;
-        }
-        let round = sc.round;
-        let done = sc.epoch + 1;
-        sc.sources.clear();
-        for &v in &sc.settled {
-            if self.excess[v as usize] > 0 {
-                sc.sources.push(v);
-            }
-        }
-        let r = &mut self.res;
-        let pi = &self.pi;
-        for si in 0..sc.sources.len() {
-            let s = sc.sources[si] as usize;
-            while self.excess[s] > 0 && sc.dead[s] != round {
-                sc.path.clear();
-                let mut v = s;
-                sc.onpath[s] = true;
-                let mut found = false;
-                loop {
-                    if v != s && self.excess[v] < 0 {
-                        found = true;
-                        break;
-                    }
-                    if sc.round_stamp[v] != round {
-                        sc.round_stamp[v] = round;
-                        sc.cur[v] = r.first[v];
-                    }
-                    let end = r.first[v + 1];
-                    let mut a = sc.cur[v];
-                    let mut next = NONE;
-                    while a < end {
-                        let ai = a as usize;
-                        if r.rcap[ai] > 0 {
-                            let w = r.head[ai] as usize;
-                            if sc.stamp[w] == done
-                                && sc.dead[w] != round
-                                && !sc.onpath[w]
-                                && r.cost[ai] - pi[v] + pi[w] == 0
-                            {
-                                next = a;
-                                break;
-                            }
-                        }
-                        a += 1;
-                    }
-                    sc.cur[v] = a;
-                    if next != NONE {
-                        let w = r.head[next as usize] as usize;
-                        sc.path.push(next);
-                        sc.onpath[w] = true;
-                        v = w;
-                    } else {
-                        sc.dead[v] = round;
-                        sc.onpath[v] = false;
-                        match sc.path.pop() {
-                            None => break,
-                            Some(a) => {
-                                v = r.head[r.rev[a as usize] as usize] as usize;
-                                sc.cur[v] += 1;
-                            }
-                        }
-                    }
-                }
-                for &a in &sc.path {
-                    sc.onpath[r.head[a as usize] as usize] = false;
-                }
-                sc.onpath[s] = false;
-                if !found {
-                    break;
-                }
-                let mut amount = self.excess[s].min(-self.excess[v]);
-                for &a in &sc.path {
-                    amount = amount.min(r.rcap[a as usize]);
-                }
-                for &a in &sc.path {
-                    let a = a as usize;
-                    let ra = r.rev[a] as usize;
-                    r.rcap[a] -= amount;
-                    r.rcap[ra] += amount;
-                    self.total_cost += amount as i128 * r.cost[a] as i128;
-                }
-                self.excess[s] -= amount;
-                self.excess[v] += amount;
-            }
-        }
     }
 
     /// Checks the optimality certificate of the current solution: capacity bounds, flow
