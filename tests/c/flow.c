@@ -2,28 +2,9 @@
  * changes, a small GWTF routing model with a crash, DIMACS input, misuse.
  * AddressSanitizer build, run by tests/abi_c.rs. */
 #include "gwtf.h"
+#include "expect.h"
 #include <stdio.h>
 #include <string.h>
-
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-    do {                                                               \
-        if (!(cond)) {                                                 \
-            fprintf(stderr, "FAILED line %d: %s\n", __LINE__, #cond); \
-            failures++;                                                \
-        }                                                              \
-    } while (0)
-
-static void expect_fail(gwtf_status st, gwtf_error **errp, gwtf_status want) {
-    gwtf_error *err = *errp;
-    *errp = NULL;
-    EXPECT(st == want);
-    EXPECT(err != NULL);
-    if (err) {
-        printf("  %s\n", gwtf_error_message(err));
-        gwtf_error_free(err);
-    }
-}
 
 static gwtf_flow_metrics metrics(gwtf_flow *f) {
     gwtf_flow_metrics m;
@@ -138,10 +119,5 @@ int main(void) {
     gwtf_flow_free(g);
     gwtf_flow_free(r);
     gwtf_flow_free(NULL);
-    if (failures) {
-        fprintf(stderr, "flow: %d failure(s)\n", failures);
-        return 1;
-    }
-    printf("flow: all checks passed\n");
-    return 0;
+    return finish("flow");
 }

@@ -1,31 +1,11 @@
 /* The kernel C API on host buffers (CPU twins) and the device entry points'
  * behaviour without a GPU; run under AddressSanitizer by tests/abi_c.rs. */
 #include "gwtf.h"
+#include "expect.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-    do {                                                               \
-        if (!(cond)) {                                                 \
-            fprintf(stderr, "FAILED line %d: %s\n", __LINE__, #cond); \
-            failures++;                                                \
-        }                                                              \
-    } while (0)
-
-/* Checks a failing call's status, prints and frees its error. */
-static void expect_fail(gwtf_status st, gwtf_error **errp, gwtf_status want) {
-    gwtf_error *err = *errp;
-    *errp = NULL;
-    EXPECT(st == want);
-    EXPECT(err != NULL);
-    if (err) {
-        printf("  %s\n", gwtf_error_message(err));
-        gwtf_error_free(err);
-    }
-}
 
 int main(void) {
     enum { N = 1000, BLOCK = 64, NB = (N + BLOCK - 1) / BLOCK };
@@ -102,10 +82,5 @@ int main(void) {
     free(back);
     free(h);
     free(q);
-    if (failures) {
-        fprintf(stderr, "kernels: %d failure(s)\n", failures);
-        return 1;
-    }
-    printf("kernels: all checks passed\n");
-    return 0;
+    return finish("kernels");
 }

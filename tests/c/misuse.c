@@ -2,34 +2,9 @@
  * bad options versions, tiny buffers, freeing NULL. Every call must return a
  * status (never crash); run under AddressSanitizer by tests/abi_c.rs. */
 #include "gwtf.h"
+#include "expect.h"
 #include <stdio.h>
 #include <string.h>
-
-static int failures = 0;
-
-#define EXPECT(cond)                                                         \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "FAILED line %d: %s\n", __LINE__, #cond);       \
-            failures++;                                                      \
-        }                                                                    \
-    } while (0)
-
-/* Reads *errp inside the function: C leaves the order of argument evaluation
- * unspecified, so the error must not be passed by value next to the call. */
-static gwtf_status expect_error(gwtf_status st, gwtf_error **errp, gwtf_status want) {
-    gwtf_error *err = *errp;
-    *errp = NULL;
-    EXPECT(st == want);
-    EXPECT(err != NULL);
-    if (err) {
-        EXPECT(gwtf_error_status(err) == (int32_t)want);
-        EXPECT(strlen(gwtf_error_message(err)) > 0);
-        printf("  %-28s -> %s\n", gwtf_status_str(st), gwtf_error_message(err));
-        gwtf_error_free(err);
-    }
-    return st;
-}
 
 int main(void) {
     gwtf_error *err = NULL;
@@ -53,14 +28,14 @@ int main(void) {
 
     /* NULL out-pointers. */
     EXPECT(gwtf_cuda_probe_options_init(NULL) == GWTF_STATUS_NULL_POINTER);
-    expect_error(gwtf_cuda_probe(NULL, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_probe(NULL, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
     err = NULL;
     EXPECT(gwtf_cuda_probe(NULL, NULL, NULL) == GWTF_STATUS_NULL_POINTER); /* no error object wanted */
 
     /* NULL handles. */
-    expect_error(gwtf_cuda_info_state(NULL, &state, &err), &err, GWTF_STATUS_NULL_POINTER);
-    expect_error(gwtf_cuda_info_device_count(NULL, &count, &err), &err, GWTF_STATUS_NULL_POINTER);
-    expect_error(gwtf_cuda_info_describe(NULL, small, sizeof small, &len, &err), &err,
+    expect_fail(gwtf_cuda_info_state(NULL, &state, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_info_device_count(NULL, &count, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_info_describe(NULL, small, sizeof small, &len, &err), &err,
                  GWTF_STATUS_NULL_POINTER);
     EXPECT(state == -1 && count == 77); /* outputs untouched on failure */
 
@@ -68,44 +43,39 @@ int main(void) {
     EXPECT(gwtf_cuda_probe_options_init(&opts) == GWTF_STATUS_OK);
     EXPECT(opts.version == GWTF_CUDA_PROBE_OPTIONS_VERSION);
     opts.detail = 42;
-    expect_error(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    expect_fail(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
     EXPECT(info == NULL);
     opts.detail = -2147483647 - 1;
-    expect_error(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    expect_fail(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
     opts.detail = GWTF_CUDA_PROBE_DETAIL_DEVICES;
     opts.version = 0;
-    expect_error(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_UNSUPPORTED_VERSION);
+    expect_fail(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_UNSUPPORTED_VERSION);
     opts.version = 999;
-    expect_error(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_UNSUPPORTED_VERSION);
+    expect_fail(gwtf_cuda_probe(&opts, &info, &err), &err, GWTF_STATUS_UNSUPPORTED_VERSION);
     EXPECT(info == NULL);
 
     /* A valid handle, then NULL out-pointers and too-small buffers on it. */
     opts.version = GWTF_CUDA_PROBE_OPTIONS_VERSION;
     EXPECT(gwtf_cuda_probe(&opts, &info, &err) == GWTF_STATUS_OK);
     EXPECT(info != NULL && err == NULL);
-    expect_error(gwtf_cuda_info_state(info, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
-    expect_error(gwtf_cuda_info_device_count(info, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_info_state(info, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_info_device_count(info, NULL, &err), &err, GWTF_STATUS_NULL_POINTER);
     len = 0;
-    expect_error(gwtf_cuda_info_describe(info, small, sizeof small, &len, &err), &err,
+    expect_fail(gwtf_cuda_info_describe(info, small, sizeof small, &len, &err), &err,
                  GWTF_STATUS_BUFFER_TOO_SMALL);
     EXPECT(len > sizeof small); /* the required length is reported */
-    expect_error(gwtf_cuda_info_describe(info, NULL, 16, &len, &err), &err, GWTF_STATUS_NULL_POINTER);
+    expect_fail(gwtf_cuda_info_describe(info, NULL, 16, &len, &err), &err, GWTF_STATUS_NULL_POINTER);
     EXPECT(gwtf_cuda_info_describe(info, NULL, 0, &len, NULL) == GWTF_STATUS_BUFFER_TOO_SMALL);
-    expect_error(gwtf_cuda_info_device_name(info, 4000000000u, small, sizeof small, &len, NULL, &err),
+    expect_fail(gwtf_cuda_info_device_name(info, 4000000000u, small, sizeof small, &len, NULL, &err),
                  &err, GWTF_STATUS_NOT_FOUND);
     /* A pointer to something that is not a gwtf_cuda_info is refused. */
     {
         uint64_t fake[64];
         memset(fake, 0x5a, sizeof fake);
-        expect_error(gwtf_cuda_info_state((const gwtf_cuda_info *)fake, &state, &err), &err,
+        expect_fail(gwtf_cuda_info_state((const gwtf_cuda_info *)fake, &state, &err), &err,
                      GWTF_STATUS_INVALID_ARGUMENT);
     }
     gwtf_cuda_info_free(info);
 
-    if (failures) {
-        fprintf(stderr, "misuse: %d failure(s)\n", failures);
-        return 1;
-    }
-    printf("misuse: all checks passed\n");
-    return 0;
+    return finish("misuse");
 }

@@ -3,6 +3,7 @@
  * loss, backward in reverse, AdamW step; plus misuse. Prints the losses so
  * that tests/abi_c.rs can compare them with the Rust pipeline. ASan build. */
 #include "gwtf.h"
+#include "expect.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,27 +11,6 @@
 #define S 4
 #define B 2
 #define T 16
-
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-    do {                                                               \
-        if (!(cond)) {                                                 \
-            fprintf(stderr, "FAILED line %d: %s\n", __LINE__, #cond); \
-            failures++;                                                \
-        }                                                              \
-    } while (0)
-
-static void expect_fail(gwtf_status st, gwtf_error **errp, gwtf_status want) {
-    gwtf_error *err = *errp;
-    *errp = NULL;
-    EXPECT(st == want);
-    if (err) {
-        printf("  %s\n", gwtf_error_message(err));
-        gwtf_error_free(err);
-    } else {
-        EXPECT(err != NULL);
-    }
-}
 
 int main(void) {
     gwtf_stage *st[S] = {0};
@@ -149,10 +129,5 @@ int main(void) {
         free(grad[s]);
     }
     gwtf_stage_free(NULL);
-    if (failures) {
-        fprintf(stderr, "stage: %d failure(s)\n", failures);
-        return 1;
-    }
-    printf("stage: all checks passed\n");
-    return 0;
+    return finish("stage");
 }
