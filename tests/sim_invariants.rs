@@ -133,3 +133,11 @@ fn custom_scenario_and_homogeneous_run() {
     check(&r, "homogeneous");
     assert!(r.completed);
 }
+
+/// Regression: seed 5 at 3 departures per node-hour once made stage 0 (the
+/// holders) commit an iteration twice after a coordinator change.
+#[test]
+fn gwtf_seed_5_high_churn_commits_each_iteration_once() {
+    let r = Sim::new(small(Policy::Gwtf, 5, 3.0, 40)).run();
+    check(&r, "Gwtf seed 5 churn 3");
+}

@@ -857,6 +857,13 @@ impl Node {
             self.last_coord_heard = self.now;
             if c == Some(self.id) {
                 self.members_changed = true;
+                // Members heartbeated the old coordinator, not us: each gets
+                // a full suspicion period from now (what we heard while not
+                // coordinating is stale).
+                let now = self.now;
+                for &m in &self.members {
+                    self.member_heard.insert(m, now);
+                }
                 // A new coordinator of the holders reopens the barrier from
                 // its own knowledge.
                 if self.stage == 0 && self.barrier.is_none() {
@@ -1265,6 +1272,21 @@ impl Node {
                         self.members = set;
                         self.recompute_coord();
                     }
+                } else if self.coord != Some(self.id)
+                    && self.phase == Phase::Active
+                    && self.members.contains(&from)
+                {
+                    // A member takes us for its coordinator (a joiner that
+                    // reached us while our own coordinator was failing): tell
+                    // it who is, so it does not suspect a live member and
+                    // coordinate a group of its own.
+                    let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+                    self.send(
+                        from,
+                        Msg::Heartbeat {
+                            members: Some(members),
+                        },
+                    );
                 }
             }
             Msg::Goodbye => self.peer_dead(from),
