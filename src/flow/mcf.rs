@@ -615,6 +615,57 @@ fn too_many(count: u32, n: usize) -> bool {
     count as usize > n + 1
 }
 
+/// Exact integer potentials from rounded scaled prices `q` (reduced costs
+/// `>= -1` on the residual CSR graph): a queue-based Bellman-Ford pass fixes
+/// the rest. `None` when a negative residual cycle exists (a node relaxed more
+/// than `n + 1` times) or, with `push_budget`, when more pushes than that
+/// would be needed (the cost-scaling early exit gives up cheaply then).
+fn exact_from_prices(
+    first: &[u32],
+    head: &[u32],
+    rcap: &[i64],
+    cost: &[i64],
+    q: Vec<i64>,
+    push_budget: Option<usize>,
+) -> Option<Vec<i64>> {
+    let n = first.len() - 1;
+    let mut d = vec![0i64; n];
+    let mut inq = vec![false; n];
+    let mut cnt = vec![0u32; n];
+    let mut pushes = 0usize;
+    let mut queue = std::collections::VecDeque::new();
+    for u in 0..n {
+        let (b, e) = (first[u] as usize, first[u + 1] as usize);
+        if (b..e).any(|a| rcap[a] > 0 && cost[a] - q[u] + q[head[a] as usize] < 0) {
+            queue.push_back(u as u32);
+            inq[u] = true;
+        }
+    }
+    while let Some(u) = queue.pop_front() {
+        let u = u as usize;
+        inq[u] = false;
+        for a in first[u] as usize..first[u + 1] as usize {
+            if rcap[a] > 0 {
+                let v = head[a] as usize;
+                let nd = d[u] + cost[a] - q[u] + q[v];
+                if nd < d[v] {
+                    d[v] = nd;
+                    if !inq[v] {
+                        cnt[v] += 1;
+                        pushes += 1;
+                        if too_many(cnt[v], n) || push_budget.is_some_and(|b| pushes > b) {
+                            return None;
+                        }
+                        inq[v] = true;
+                        queue.push_back(v as u32);
+                    }
+                }
+            }
+        }
+    }
+    Some(q.iter().zip(&d).map(|(q, d)| q - d).collect())
+}
+
 impl MinCostFlow {
     // ----------------------------------------------------------------- solving
 
@@ -864,44 +915,10 @@ impl MinCostFlow {
     /// leaves reduced costs `>= -1`; a queue-based Bellman-Ford pass fixes the rest (the
     /// residual graph of an optimal flow has no negative cycle, so it terminates).
     fn exact_potentials(&self, price: &[i64], scale: i64) -> Result<Vec<i64>, FlowError> {
-        let n = self.node_count();
         let r = &self.res;
         let q: Vec<i64> = price.iter().map(|p| p.div_euclid(scale)).collect();
-        let mut d = vec![0i64; n];
-        let mut inq = vec![false; n];
-        let mut cnt = vec![0u32; n];
-        let mut queue = std::collections::VecDeque::new();
-        for u in 0..n {
-            let (b, e) = (r.first[u] as usize, r.first[u + 1] as usize);
-            if (b..e).any(|a| r.rcap[a] > 0 && r.cost[a] - q[u] + q[r.head[a] as usize] < 0) {
-                queue.push_back(u as u32);
-                inq[u] = true;
-            }
-        }
-        while let Some(u) = queue.pop_front() {
-            let u = u as usize;
-            inq[u] = false;
-            for a in r.first[u] as usize..r.first[u + 1] as usize {
-                if r.rcap[a] > 0 {
-                    let v = r.head[a] as usize;
-                    let nd = d[u] + r.cost[a] - q[u] + q[v];
-                    if nd < d[v] {
-                        d[v] = nd;
-                        if !inq[v] {
-                            cnt[v] += 1;
-                            if too_many(cnt[v], n) {
-                                return Err(FlowError::Internal(
-                                    "negative residual cycle after cost scaling".into(),
-                                ));
-                            }
-                            inq[v] = true;
-                            queue.push_back(v as u32);
-                        }
-                    }
-                }
-            }
-        }
-        Ok(q.iter().zip(&d).map(|(q, d)| q - d).collect())
+        exact_from_prices(&r.first, &r.head, &r.rcap, &r.cost, q, None)
+            .ok_or_else(|| FlowError::Internal("negative residual cycle after cost scaling".into()))
     }
 
     /// Repairs the recorded imbalances by successive shortest paths on reduced costs.
@@ -1294,47 +1311,12 @@ impl<'a> CostScaling<'a> {
     /// Bellman-Ford from `floor(price / scale)` within `budget` re-queues; `None` if the
     /// budget runs out (a negative cycle may remain).
     fn try_exact(&self, budget: usize) -> Option<Vec<i64>> {
-        let n = self.n();
         let q: Vec<i64> = self
             .price
             .iter()
             .map(|p| p.div_euclid(self.scale))
             .collect();
-        let mut d = vec![0i64; n];
-        let mut inq = vec![false; n];
-        let mut queue = std::collections::VecDeque::new();
-        for u in 0..n {
-            let (b, e) = (self.first[u] as usize, self.first[u + 1] as usize);
-            if (b..e)
-                .any(|a| self.rcap[a] > 0 && self.cost[a] - q[u] + q[self.head[a] as usize] < 0)
-            {
-                queue.push_back(u as u32);
-                inq[u] = true;
-            }
-        }
-        let mut pushes = 0usize;
-        while let Some(u) = queue.pop_front() {
-            let u = u as usize;
-            inq[u] = false;
-            for a in self.first[u] as usize..self.first[u + 1] as usize {
-                if self.rcap[a] > 0 {
-                    let v = self.head[a] as usize;
-                    let nd = d[u] + self.cost[a] - q[u] + q[v];
-                    if nd < d[v] {
-                        d[v] = nd;
-                        if !inq[v] {
-                            pushes += 1;
-                            if pushes > budget {
-                                return None;
-                            }
-                            inq[v] = true;
-                            queue.push_back(v as u32);
-                        }
-                    }
-                }
-            }
-        }
-        Some(q.iter().zip(&d).map(|(q, d)| q - d).collect())
+        exact_from_prices(self.first, self.head, self.rcap, self.cost, q, Some(budget))
     }
 
     #[inline(always)]
