@@ -187,6 +187,10 @@ fn tensors(
 }
 
 /// One pipeline stage on a [`Backend`]: the device twin of [`crate::model::Stage`].
+///
+/// The activations, gradients and ids given to a stage must come from the backend it
+/// was created on (a single-device process has one backend; the pipeline and the
+/// trainer pass them along for you).
 pub struct DeviceStage<B: Backend> {
     backend: Arc<B>,
     layout: Layout,
