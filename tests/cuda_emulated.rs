@@ -39,7 +39,7 @@ fn emu() -> &'static Emu {
         let mut cmd = Command::new("c++");
         cmd.args([
             "-std=c++17",
-            "-O1",
+            "-O2",
             "-fPIC",
             "-shared",
             "-ffp-contract=off",

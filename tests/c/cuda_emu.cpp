@@ -5,12 +5,13 @@
 #include "cuda_emu.h"
 
 #include <map>
+#include <mutex>
 #include <stdint.h>
 #include <stdio.h>
 #include <string>
 #include <vector>
 
-thread_local gwtf_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+gwtf_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace {
 
@@ -69,18 +70,20 @@ struct Fiber {
     Wait wait = kNone;
 };
 
-/* The emulated device of this OS thread. */
+/* The emulated device (one launch at a time, under `lock`). */
 struct Device {
     Context scheduler;
     std::vector<Fiber> fibers;
     std::vector<float> exchange; /* one slot per thread, for the warp shuffles */
-    std::vector<unsigned> warp_arrived;
-    unsigned block_arrived = 0;
+    std::vector<unsigned> runnable, batch;
+    std::vector<unsigned> block_waiters;
+    std::vector<std::vector<unsigned>> warp_waiters;
+    std::vector<unsigned> live_in_warp;
+    unsigned live = 0;
     unsigned current = 0;
     const Kernel *kernel = nullptr;
     void **args = nullptr;
     uint64_t rng = 0x9E3779B97F4A7C15ull;
-    bool deadlock = false;
 
     uint64_t next() {
         rng ^= rng << 13;
@@ -93,7 +96,8 @@ struct Device {
     }
 };
 
-thread_local Device dev;
+Device dev;
+std::mutex lock;
 
 void fiber_body() {
     dev.kernel->invoke(dev.kernel->fn, dev.args);
@@ -144,9 +148,9 @@ void wait_at(Wait w) {
     Fiber &f = dev.fibers[dev.current];
     f.wait = w;
     if (w == kBlock)
-        dev.block_arrived++;
+        dev.block_waiters.push_back(dev.current);
     else
-        dev.warp_arrived[dev.current / 32]++;
+        dev.warp_waiters[dev.current / 32].push_back(dev.current);
 #if defined(__x86_64__)
     gwtf_emu_switch(&f.ctx.sp, dev.scheduler.sp);
 #else
@@ -154,43 +158,53 @@ void wait_at(Wait w) {
 #endif
 }
 
-/* Runs one block to completion; false on a deadlock (a barrier that not every
- * live thread of its block or warp reaches). */
+void release(std::vector<unsigned> &waiters) {
+    for (unsigned i : waiters) {
+        dev.fibers[i].wait = kNone;
+        dev.runnable.push_back(i);
+    }
+    waiters.clear();
+}
+
+/* Runs one block of n threads to completion; false on a deadlock (a barrier
+ * that not every live thread of its block or warp reaches). */
 bool run_block(unsigned n) {
-    for (unsigned i = 0; i < n; ++i) start_fiber(dev.fibers[i]);
-    dev.block_arrived = 0;
-    for (auto &w : dev.warp_arrived) w = 0;
-    std::vector<unsigned> order;
+    dev.runnable.clear();
+    dev.block_waiters.clear();
+    for (unsigned i = 0; i < n; ++i) {
+        start_fiber(dev.fibers[i]);
+        dev.runnable.push_back(i);
+    }
+    for (auto &w : dev.warp_waiters) w.clear();
+    for (unsigned w = 0; w < dev.live_in_warp.size(); ++w) dev.live_in_warp[w] = 32;
+    dev.live = n;
     for (;;) {
-        order.clear();
-        for (unsigned i = 0; i < n; ++i)
-            if (!dev.fibers[i].done && dev.fibers[i].wait == kNone) order.push_back(i);
-        if (!order.empty()) {
-            dev.shuffle(order);
-            for (unsigned i : order) resume(i);
+        if (!dev.runnable.empty()) {
+            /* One round: every runnable thread, in a fresh order, to its next barrier
+             * or its end. */
+            dev.shuffle(dev.runnable);
+            std::swap(dev.batch, dev.runnable);
+            dev.runnable.clear();
+            for (unsigned i : dev.batch) {
+                resume(i);
+                if (dev.fibers[i].done) {
+                    dev.live--;
+                    dev.live_in_warp[i / 32]--;
+                }
+            }
             continue;
         }
-        /* Everyone left is at a barrier: release the complete ones. */
-        unsigned live = 0;
-        std::vector<unsigned> live_in_warp(dev.warp_arrived.size(), 0);
-        for (unsigned i = 0; i < n; ++i)
-            if (!dev.fibers[i].done) {
-                live++;
-                live_in_warp[i / 32]++;
-            }
-        if (live == 0) return true;
+        if (dev.live == 0) return true;
+        /* Everyone left waits at a barrier: release the complete ones (threads
+         * that have exited do not count, as on the device). */
         bool released = false;
-        if (dev.block_arrived > 0 && dev.block_arrived == live) {
-            for (unsigned i = 0; i < n; ++i)
-                if (dev.fibers[i].wait == kBlock) dev.fibers[i].wait = kNone;
-            dev.block_arrived = 0;
+        if (!dev.block_waiters.empty() && dev.block_waiters.size() == dev.live) {
+            release(dev.block_waiters);
             released = true;
         }
-        for (size_t w = 0; w < dev.warp_arrived.size(); ++w) {
-            if (dev.warp_arrived[w] > 0 && dev.warp_arrived[w] == live_in_warp[w]) {
-                for (unsigned i = w * 32; i < n && i < (w + 1) * 32; ++i)
-                    if (dev.fibers[i].wait == kWarp) dev.fibers[i].wait = kNone;
-                dev.warp_arrived[w] = 0;
+        for (size_t w = 0; w < dev.warp_waiters.size(); ++w) {
+            if (!dev.warp_waiters[w].empty() && dev.warp_waiters[w].size() == dev.live_in_warp[w]) {
+                release(dev.warp_waiters[w]);
                 released = true;
             }
         }
@@ -201,6 +215,7 @@ bool run_block(unsigned n) {
 } // namespace
 
 extern "C" int gwtf_emu_register(const char *name, gwtf_emu_fn fn, gwtf_emu_invoker invoke) {
+    std::lock_guard<std::mutex> guard(lock);
     registry()[name] = Kernel{fn, invoke};
     return 0;
 }
@@ -219,6 +234,7 @@ extern "C" float gwtf_emu_shfl_xor(float v, int lane_mask) {
 /* Launches kernel `name` on `grid` blocks of `block` threads (a multiple of 32,
  * at most 1024). 0: done; -1: no such kernel; -2: bad block size; -3: deadlock. */
 extern "C" int gwtf_emu_launch(const char *name, unsigned grid, unsigned block, void **args) {
+    std::lock_guard<std::mutex> guard(lock);
     auto it = registry().find(name);
     if (it == registry().end()) return -1;
     if (block == 0 || block % 32 != 0 || block > 1024) return -2;
@@ -227,7 +243,8 @@ extern "C" int gwtf_emu_launch(const char *name, unsigned grid, unsigned block, 
         for (auto &f : dev.fibers) f.stack.resize(kStack);
     }
     dev.exchange.assign(block, 0.0f);
-    dev.warp_arrived.assign(block / 32, 0);
+    dev.warp_waiters.assign(block / 32, std::vector<unsigned>());
+    dev.live_in_warp.assign(block / 32, 32);
     dev.kernel = &it->second;
     dev.args = args;
     gridDim = gwtf_emu_dim3{grid, 1, 1};
@@ -246,4 +263,7 @@ extern "C" int gwtf_emu_launch(const char *name, unsigned grid, unsigned block, 
 }
 
 /* Number of registered kernels (to check that every entry point was registered). */
-extern "C" int gwtf_emu_kernel_count(void) { return (int)registry().size(); }
+extern "C" int gwtf_emu_kernel_count(void) {
+    std::lock_guard<std::mutex> guard(lock);
+    return (int)registry().size();
+}

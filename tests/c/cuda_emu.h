@@ -3,7 +3,8 @@
  * on machines without a GPU. Each kernel unit is compiled as C++ after this
  * header, and the units are linked with cuda_emu.cpp into one shared library.
  *
- * Model: the blocks of a launch run one after another (in a shuffled order);
+ * Model: launches run one at a time (a lock serializes the threads of the
+ * process), the blocks of a launch one after another (in a shuffled order);
  * inside a block every CUDA thread is a fiber with its own stack. A fiber runs
  * until it reaches __syncthreads() or a warp shuffle, which are barriers over
  * the block or the warp; at every round the fibers run in a freshly shuffled
@@ -21,14 +22,14 @@
 struct gwtf_emu_dim3 {
     unsigned int x, y, z;
 };
-/* Per OS thread (each test thread has its own emulated device). */
-extern thread_local gwtf_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+/* One emulated device per process: launches from several threads take turns. */
+extern gwtf_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
-/* Blocks run one at a time on a thread, so a static is the block's shared memory. */
-#define __shared__ static thread_local
+/* Blocks run one at a time, so a static is the block's shared memory. */
+#define __shared__ static
 
 struct float2 {
     float x, y;
