@@ -3,9 +3,11 @@
 //! [`Gpu`] owns a stream on the device's primary context (the one the CUDA
 //! runtime API uses too, so a C++ trainer's `cudaMalloc` pointers are valid
 //! here), compiles every kernel unit with NVRTC for the device's architecture
-//! and launches them on raw device pointers. Every public operation enqueues
-//! its kernel and waits for it, so that the caller may reuse the buffers as
-//! soon as it returns.
+//! and launches them on raw device pointers. The named operations (and
+//! `Gpu::launch`) enqueue their kernel and wait for it, so that the caller
+//! may reuse the buffers as soon as they return; the trainer uses
+//! `Gpu::enqueue` and the copies, which only queue work on the stream, and
+//! waits once per step.
 
 use std::fmt;
 
