@@ -3,12 +3,16 @@
 //!
 //! Parameters, gradients, AdamW moments and activations live in a [`Backend`]'s memory and
 //! never leave it during training: per optimizer step the token and target ids go up in
-//! one upload and the losses come back in one download. Two backends:
-//! - [`CudaBackend`] (with the `cuda` feature): matrix multiplies through cuBLAS, every
-//!   other op (norms, GELU, SwiGLU, RoPE, attention, cross-entropy, residual adds, biases,
-//!   embedding, AdamW) through our NVRTC kernels in `src/cuda/kernels/`;
+//! one upload and the losses come back in one download. The backends:
+//! - [`KernelBackend`]: matrix multiplies as column-major sgemm calls, every other op
+//!   (norms, GELU, SwiGLU, RoPE, attention, cross-entropy, residual adds, biases,
+//!   embedding, AdamW) through our kernels in `src/cuda/kernels/`, on a [`KernelRunner`].
+//!   [`CudaBackend`] (with the `cuda` feature) is the one on a CUDA device: NVRTC modules
+//!   and cuBLAS. The tests also run it on a CPU emulation of the device
+//!   (tests/cuda_emulated.rs).
 //! - [`HostBackend`]: the same ops on the CPU (the kernels' twins in `ops.rs`), so that the
-//!   device stage's bookkeeping is tested on any machine, against the CPU [`crate::model::Stage`].
+//!   device stage's bookkeeping is tested on any machine, against the CPU
+//!   [`crate::model::Stage`].
 //!
 //! Same stage split, same initialisation (generated on the host by the CPU code, then
 //! uploaded) and same training loop as the CPU trainer.
