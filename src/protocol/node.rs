@@ -23,7 +23,7 @@ struct Peer {
     compute_s: f64,
     spare: u32,
     /// The peer's gossiped cost to each sink.
-    costs: BTreeMap<NodeId, f64>,
+    costs: SinkCosts,
     /// Not used for routing before this instant (suspected / banned).
     banned_until: Time,
     dead: bool,
@@ -43,7 +43,7 @@ impl Peer {
             ack: None,
             compute_s: 1.0,
             spare: 1,
-            costs: BTreeMap::new(),
+            costs: SinkCosts::default(),
             banned_until: 0,
             dead: false,
             last_heard: now,
@@ -52,6 +52,57 @@ impl Peer {
         }
     }
 }
+
+/// A peer's cost to each sink (sinks unique): a short list (at most
+/// `gossip_sinks` entries) shared with the CHANGE message that carried it, so
+/// that one gossip round costs one allocation however many peers receive it.
+#[derive(Clone, Debug, Default)]
+struct SinkCosts(Arc<Vec<(NodeId, f64)>>);
+
+impl SinkCosts {
+    fn get(&self, sink: NodeId) -> Option<f64> {
+        self.0.iter().find(|x| x.0 == sink).map(|x| x.1)
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn insert(&mut self, sink: NodeId, cost: f64) {
+        let v = Arc::make_mut(&mut self.0);
+        match v.iter_mut().find(|x| x.0 == sink) {
+            Some(x) => x.1 = cost,
+            None => v.push((sink, cost)),
+        }
+    }
+    fn remove(&mut self, sink: NodeId) {
+        if let Some(i) = self.0.iter().position(|x| x.0 == sink) {
+            Arc::make_mut(&mut self.0).remove(i);
+        }
+    }
+}
+
+/// Deterministic multiplicative hasher for small integer keys (scratch maps
+/// whose iteration order never reaches an output).
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+type IdMap<V> = std::collections::HashMap<NodeId, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// One reserved flow through this node (GWTF).
 #[derive(Clone, Debug)]
@@ -244,7 +295,7 @@ pub struct Node {
     /// Largest next iteration peers told us about.
     known_iter: u32,
     /// Costs last gossiped upstream.
-    advertised: Vec<(NodeId, f64)>,
+    advertised: Arc<Vec<(NodeId, f64)>>,
     gossip_round: usize,
 }
 
@@ -325,7 +376,7 @@ impl Node {
             member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
-            advertised: Vec::new(),
+            advertised: Arc::new(Vec::new()),
             gossip_round: 0,
             cfg,
         }
@@ -598,7 +649,7 @@ impl Node {
         if self.stage == self.s() {
             return if j == sink { self.link_cost(sink) } else { INF };
         }
-        match self.peers.get(&j).and_then(|p| p.costs.get(&sink)) {
+        match self.peers.get(&j).and_then(|p| p.costs.get(sink)) {
             Some(c) => self.link_cost(j) + c,
             None => INF,
         }
@@ -1046,7 +1097,7 @@ impl Node {
                     .zip(self.advertised.iter())
                     .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
             if changed {
-                self.gossip();
+                self.gossip_costs(Some(now_costs));
             }
         }
         if gossip_tick {
@@ -1319,13 +1370,13 @@ impl Node {
                 // Only a material change (another sink set, or a cost moved
                 // by more than 2%) triggers our own update upstream.
                 let material = costs.len() != p.costs.len()
-                    || costs.iter().any(|(k, v)| {
+                    || costs.iter().any(|&(k, v)| {
                         p.costs
                             .get(k)
                             .is_none_or(|old| (old - v).abs() > 0.02 * old.abs().max(1e-9))
                     });
                 if material {
-                    p.costs = costs.iter().copied().collect();
+                    p.costs = SinkCosts(costs);
                     self.gossip_dirty = true;
                 }
             }
@@ -1559,39 +1610,63 @@ impl Node {
 
     // ------------------------------------------------------------ flow protocol (GWTF)
 
+    /// The best cost to each sink through the next stage, the
+    /// `gossip_sinks` cheapest, ordered by (cost, sink). One pass over the
+    /// candidates' gossiped lists into a hash map of the per-sink minimum,
+    /// then a selection of the cheapest: O(entries), not O(entries log sinks).
     fn my_costs(&self) -> Vec<(NodeId, f64)> {
-        let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
-        if self.stage == self.s() {
-            for (id, p) in &self.peers {
-                if p.stage == 0 && !p.dead {
-                    m.insert(*id, self.link_cost(*id));
-                }
-            }
+        let mut v: Vec<(NodeId, f64)> = if self.stage == self.s() {
+            self.peers
+                .iter()
+                .filter(|(_, p)| p.stage == 0 && !p.dead)
+                .map(|(id, _)| (*id, self.link_cost(*id)))
+                .filter(|x| x.1 < INF)
+                .collect()
         } else {
-            for j in self.next_candidates() {
+            let ns = self.next_stage();
+            let mut m: IdMap<f64> = IdMap::default();
+            for (&j, p) in &self.peers {
+                if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
+                    continue;
+                }
                 let lc = self.link_cost(j);
-                for (sink, c) in &self.peers[&j].costs {
+                m.reserve(p.costs.len());
+                for &(sink, c) in p.costs.0.iter() {
                     let v = lc + c;
-                    let e = m.entry(*sink).or_insert(INF);
+                    let e = m.entry(sink).or_insert(INF);
                     if v < *e {
                         *e = v;
                     }
                 }
             }
+            m.into_iter().filter(|x| x.1 < INF).collect()
+        };
+        let cmp = |a: &(NodeId, f64), b: &(NodeId, f64)| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0));
+        let k = self.cfg.gossip_sinks;
+        if k == 0 {
+            return Vec::new();
         }
-        let mut v: Vec<(NodeId, f64)> = m.into_iter().filter(|x| x.1 < INF).collect();
-        v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-        v.truncate(self.cfg.gossip_sinks);
+        if v.len() > k {
+            v.select_nth_unstable_by(k - 1, cmp);
+            v.truncate(k);
+        }
+        v.sort_unstable_by(cmp);
         v
     }
 
     fn gossip(&mut self) {
+        self.gossip_costs(None)
+    }
+
+    /// CHANGE to the upstream peers; `costs` when the caller has just
+    /// computed `my_costs()` (the node's state has not changed since).
+    fn gossip_costs(&mut self, costs: Option<Vec<(NodeId, f64)>>) {
         let costs = Arc::new(if self.cfg.policy == Policy::Gwtf && self.stage > 0 {
-            self.my_costs()
+            costs.unwrap_or_else(|| self.my_costs())
         } else {
             Vec::new()
         });
-        self.advertised = (*costs).clone();
+        self.advertised = costs.clone();
         let spare = self.spare();
         let ps = self.prev_stage();
         let ups: Vec<NodeId> = self
@@ -1823,7 +1898,7 @@ impl Node {
             if let Some(sink) = sink_known {
                 if !accept {
                     if cost >= INF {
-                        p.costs.remove(&sink);
+                        p.costs.remove(sink);
                     } else {
                         p.costs.insert(sink, cost);
                     }
@@ -2010,8 +2085,8 @@ impl Node {
                 let via_next = if self.stage == self.s() {
                     0.0
                 } else {
-                    match self.peers.get(&g.next).and_then(|p| p.costs.get(&g.sink)) {
-                        Some(c) => *c,
+                    match self.peers.get(&g.next).and_then(|p| p.costs.get(g.sink)) {
+                        Some(c) => c,
                         None => continue,
                     }
                 };
