@@ -507,9 +507,17 @@ impl Node {
 
     /// Runs timers that are due.
     pub fn on_timeout(&mut self, now: Time) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.on_timeout_into(now, &mut out);
+        out
+    }
+
+    /// [`Node::on_timeout`] appending its actions to `out` (a driver reuses
+    /// one buffer instead of allocating one per call).
+    pub fn on_timeout_into(&mut self, now: Time, out: &mut Vec<Action>) {
         self.now = self.now.max(now);
         if self.phase == Phase::Left || self.phase == Phase::Idle {
-            return Vec::new();
+            return;
         }
         while let Some(&(t, dl)) = self.deadlines.iter().next() {
             if t > self.now {
@@ -525,14 +533,21 @@ impl Node {
             self.tick_no += 1;
             self.tick();
         }
-        self.drain()
+        self.drain_into(out)
     }
 
     /// Handles one input.
     pub fn handle(&mut self, now: Time, input: Input) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.handle_into(now, input, &mut out);
+        out
+    }
+
+    /// [`Node::handle`] appending its actions to `out`.
+    pub fn handle_into(&mut self, now: Time, input: Input, out: &mut Vec<Action>) {
         self.now = self.now.max(now);
         if self.phase == Phase::Left {
-            return Vec::new();
+            return;
         }
         match input {
             Input::Start { peers } => self.start(peers),
@@ -548,10 +563,10 @@ impl Node {
                 }
             }
         }
-        self.drain()
+        self.drain_into(out)
     }
 
-    fn drain(&mut self) -> Vec<Action> {
+    fn drain_into(&mut self, out: &mut Vec<Action>) {
         let mut guard = 0;
         while let Some(m) = self.selfq.pop_front() {
             guard += 1;
@@ -560,7 +575,7 @@ impl Node {
             }
             self.on_msg(self.id, m);
         }
-        std::mem::take(&mut self.out)
+        out.append(&mut self.out);
     }
 
     // ------------------------------------------------------------ helpers

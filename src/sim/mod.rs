@@ -218,8 +218,14 @@ pub struct Sim {
     seq: u64,
     heap: BinaryHeap<Entry>,
     slab: Vec<Option<Ev>>,
+    /// Reusable buffer for the actions of one node call.
+    acts: Vec<Action>,
     free: Vec<u32>,
     nodes: Vec<SimNode>,
+    /// Region of each node (index = node id).
+    region_of: Vec<u32>,
+    /// (latency, bandwidth) of each region pair, row-major.
+    link_table: Vec<(f64, f64)>,
     links: HashMap<(NodeId, NodeId), Link>,
     rng: Rng,
     rep: SimReport,
@@ -259,14 +265,24 @@ impl Sim {
             .collect();
         pc.start_delay = 20 * SEC;
         let initial = cfg.holders + cfg.relays;
+        let sc = &cfg.scenario;
+        let mut link_table = Vec::new();
+        for a in 0..sc.regions.len() {
+            for b in 0..sc.regions.len() {
+                link_table.push((sc.latency[a][b], sc.bandwidth[a][b]));
+            }
+        }
         let mut sim = Sim {
             pcfg: Arc::new(pc),
             now: 0,
             seq: 0,
             heap: BinaryHeap::new(),
             slab: Vec::new(),
+            acts: Vec::new(),
             free: Vec::new(),
             nodes: Vec::new(),
+            region_of: Vec::new(),
+            link_table,
             links: HashMap::new(),
             rng: Rng::derive(cfg.seed, 0x5151),
             rep: SimReport::default(),
@@ -352,6 +368,7 @@ impl Sim {
             (3.0 * f / flops, m.relay_capacity(stage.max(1), mem))
         };
         let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
+        self.region_of.push(region as u32);
         self.nodes.push(SimNode {
             node,
             region,
@@ -489,7 +506,8 @@ impl Sim {
                     return;
                 }
                 n.timer_at = None;
-                let acts = n.node.on_timeout(self.now);
+                let mut acts = std::mem::take(&mut self.acts);
+                n.node.on_timeout_into(self.now, &mut acts);
                 self.apply(node, acts);
             }
             Ev::GpuDone { node, gen } => {
@@ -533,17 +551,26 @@ impl Sim {
     }
 
     fn input(&mut self, node: NodeId, input: Input) {
-        let acts = self.nodes[node as usize].node.handle(self.now, input);
+        let mut acts = std::mem::take(&mut self.acts);
+        self.nodes[node as usize]
+            .node
+            .handle_into(self.now, input, &mut acts);
         self.apply(node, acts);
     }
 
-    fn apply(&mut self, node: NodeId, acts: Vec<Action>) {
-        for a in acts {
+    /// Carries out a node's actions; `acts` is the reusable action buffer
+    /// (taken from `self.acts`, given back empty; a nested call while it is
+    /// out works on a fresh one).
+    fn apply(&mut self, node: NodeId, mut acts: Vec<Action>) {
+        for a in acts.drain(..) {
             match a {
                 Action::Send { to, msg } => self.send(node, to, msg),
                 Action::Run(task) => self.run_task(node, task),
                 Action::Event(e) => self.on_event(node, e),
             }
+        }
+        if acts.capacity() > self.acts.capacity() {
+            self.acts = acts;
         }
         let n = &mut self.nodes[node as usize];
         if !n.alive {
@@ -558,12 +585,15 @@ impl Sim {
         }
     }
 
+    /// (latency s, bandwidth bytes/s) from `a` to `b`: two small arrays,
+    /// no visit to the (large) node states.
     fn link_params(&self, a: NodeId, b: NodeId) -> (f64, f64) {
-        let (ra, rb) = (self.nodes[a as usize].region, self.nodes[b as usize].region);
-        (
-            self.cfg.scenario.latency[ra][rb],
-            self.cfg.scenario.bandwidth[ra][rb],
-        )
+        let r = self.cfg.scenario.regions.len();
+        let (ra, rb) = (
+            self.region_of[a as usize] as usize,
+            self.region_of[b as usize] as usize,
+        );
+        self.link_table[ra * r + rb]
     }
 
     fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
