@@ -80,6 +80,97 @@ impl SinkCosts {
     }
 }
 
+/// The members of this node's stage group: an ordered set, with its list
+/// (what heartbeats, claims answers and state downloads carry) built once
+/// per change and shared, not once per message.
+#[derive(Clone, Debug, Default)]
+struct MemberSet {
+    set: BTreeSet<NodeId>,
+    list: Option<Arc<Vec<NodeId>>>,
+}
+
+impl MemberSet {
+    fn insert(&mut self, m: NodeId) -> bool {
+        let new = self.set.insert(m);
+        if new {
+            self.list = None;
+        }
+        new
+    }
+    fn remove(&mut self, m: &NodeId) -> bool {
+        let had = self.set.remove(m);
+        if had {
+            self.list = None;
+        }
+        had
+    }
+    fn contains(&self, m: &NodeId) -> bool {
+        self.set.contains(m)
+    }
+    fn len(&self) -> usize {
+        self.set.len()
+    }
+    fn iter(&self) -> std::collections::btree_set::Iter<'_, NodeId> {
+        self.set.iter()
+    }
+    /// The members in increasing order.
+    fn list(&mut self) -> Arc<Vec<NodeId>> {
+        let set = &self.set;
+        self.list
+            .get_or_insert_with(|| Arc::new(set.iter().copied().collect()))
+            .clone()
+    }
+    /// Becomes `list` plus `me`; a list equal to the current group (the
+    /// periodic announcement of an unchanged group) costs one comparison.
+    fn assign(&mut self, list: &Arc<Vec<NodeId>>, me: NodeId) {
+        if list.windows(2).all(|w| w[0] < w[1]) {
+            let has_me = list.binary_search(&me).is_ok();
+            let same = if has_me {
+                self.set.len() == list.len() && self.set.iter().eq(list.iter())
+            } else {
+                self.set.len() == list.len() + 1
+                    && self.set.contains(&me)
+                    && self.set.iter().filter(|&&m| m != me).eq(list.iter())
+            };
+            if same {
+                return;
+            }
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = has_me.then(|| list.clone());
+        } else {
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = None;
+        }
+    }
+}
+
+impl FromIterator<NodeId> for MemberSet {
+    fn from_iter<I: IntoIterator<Item = NodeId>>(it: I) -> MemberSet {
+        MemberSet {
+            set: it.into_iter().collect(),
+            list: None,
+        }
+    }
+}
+
+impl IntoIterator for MemberSet {
+    type Item = NodeId;
+    type IntoIter = std::collections::btree_set::IntoIter<NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a MemberSet {
+    type Item = &'a NodeId;
+    type IntoIter = std::collections::btree_set::Iter<'a, NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.iter()
+    }
+}
+
 /// Deterministic multiplicative hasher for small integer keys (scratch maps
 /// whose iteration order never reaches an output).
 #[derive(Default)]
@@ -250,7 +341,7 @@ pub struct Node {
     compute_s: f64,
     capacity: u32,
     peers: BTreeMap<NodeId, Peer>,
-    members: BTreeSet<NodeId>,
+    members: MemberSet,
     members_changed: bool,
     coord: Option<NodeId>,
     out: Vec<Action>,
@@ -339,7 +430,7 @@ impl Node {
             compute_s,
             capacity: capacity.max(1),
             peers: BTreeMap::new(),
-            members: BTreeSet::new(),
+            members: MemberSet::default(),
             members_changed: true,
             coord: None,
             out: Vec::new(),
@@ -1333,9 +1424,7 @@ impl Node {
             Msg::Heartbeat { members } => {
                 if let Some(ms) = members {
                     if Some(from) == self.coord || from < self.coord.unwrap_or(NodeId::MAX) {
-                        let mut set: BTreeSet<NodeId> = ms.iter().copied().collect();
-                        set.insert(self.id);
-                        self.members = set;
+                        self.members.assign(&ms, self.id);
                         self.recompute_coord();
                     }
                 } else if self.coord != Some(self.id)
@@ -1346,7 +1435,7 @@ impl Node {
                     // reached us while our own coordinator was failing): tell
                     // it who is, so it does not suspect a live member and
                     // coordinate a group of its own.
-                    let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+                    let members = self.members.list();
                     self.send(
                         from,
                         Msg::Heartbeat {
@@ -1573,7 +1662,7 @@ impl Node {
                 self.stage_infos.insert(summary.stage, summary);
             }
             Msg::StateRequest => {
-                let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+                let members = self.members.list();
                 let bytes = self
                     .cfg
                     .stage_state_bytes
@@ -3151,7 +3240,7 @@ impl Node {
     fn on_claim(&mut self, from: NodeId, iter: u32, mb: MbId, prev: NodeId, next: NodeId) {
         if self.coord != Some(self.id) {
             // Not the coordinator (any more): tell the member who is.
-            let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+            let members = self.members.list();
             self.send(
                 from,
                 Msg::Heartbeat {
