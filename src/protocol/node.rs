@@ -53,13 +53,40 @@ impl Peer {
     }
 }
 
-/// A peer's cost to each sink (sinks unique): a short list (at most
-/// `gossip_sinks` entries) shared with the CHANGE message that carried it, so
-/// that one gossip round costs one allocation however many peers receive it.
+/// A peer's cost to each sink: a short list (at most `gossip_sinks`
+/// entries), sinks unique, ordered by (cost, sink) as `my_costs` produces
+/// it, so that it is shared with the CHANGE message that carried it (one
+/// gossip round costs one allocation however many peers receive it) and
+/// `my_costs` merges the lists instead of scanning them all.
 #[derive(Clone, Debug, Default)]
 struct SinkCosts(Arc<Vec<(NodeId, f64)>>);
 
+/// The order of a cost list: by cost, then by sink.
+fn cost_order(a: &(NodeId, f64), b: &(NodeId, f64)) -> std::cmp::Ordering {
+    a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))
+}
+
 impl SinkCosts {
+    /// The gossiped list as it came; a list out of order or with a sink
+    /// twice (not what `my_costs` sends) is put in order, the last entry
+    /// of a sink winning.
+    fn from_gossip(costs: Arc<Vec<(NodeId, f64)>>) -> SinkCosts {
+        let ordered = costs
+            .windows(2)
+            .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less);
+        let unique = || {
+            let mut sinks: Vec<NodeId> = costs.iter().map(|x| x.0).collect();
+            sinks.sort_unstable();
+            sinks.windows(2).all(|w| w[0] != w[1])
+        };
+        if ordered && unique() {
+            return SinkCosts(costs);
+        }
+        let last: BTreeMap<NodeId, f64> = costs.iter().copied().collect();
+        let mut v: Vec<(NodeId, f64)> = last.into_iter().collect();
+        v.sort_by(cost_order);
+        SinkCosts(Arc::new(v))
+    }
     fn get(&self, sink: NodeId) -> Option<f64> {
         self.0.iter().find(|x| x.0 == sink).map(|x| x.1)
     }
@@ -67,16 +94,43 @@ impl SinkCosts {
         self.0.len()
     }
     fn insert(&mut self, sink: NodeId, cost: f64) {
+        self.remove(sink);
         let v = Arc::make_mut(&mut self.0);
-        match v.iter_mut().find(|x| x.0 == sink) {
-            Some(x) => x.1 = cost,
-            None => v.push((sink, cost)),
-        }
+        let at = v.partition_point(|x| cost_order(x, &(sink, cost)) == std::cmp::Ordering::Less);
+        v.insert(at, (sink, cost));
     }
     fn remove(&mut self, sink: NodeId) {
         if let Some(i) = self.0.iter().position(|x| x.0 == sink) {
             Arc::make_mut(&mut self.0).remove(i);
         }
+    }
+}
+
+/// The next entry of one candidate's cost list in `my_costs`' merge
+/// (ordered for a min-heap on (cost through the candidate, sink, list)).
+struct MergeHead {
+    v: f64,
+    sink: NodeId,
+    list: u32,
+    pos: u32,
+}
+
+impl PartialEq for MergeHead {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for MergeHead {}
+impl PartialOrd for MergeHead {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for MergeHead {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        o.v.total_cmp(&self.v)
+            .then(o.sink.cmp(&self.sink))
+            .then(o.list.cmp(&self.list))
     }
 }
 
@@ -170,30 +224,6 @@ impl<'a> IntoIterator for &'a MemberSet {
         self.set.iter()
     }
 }
-
-/// Deterministic multiplicative hasher for small integer keys (scratch maps
-/// whose iteration order never reaches an output).
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u32(&mut self, x: u32) {
-        self.write_u64(x as u64);
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-}
-
-type IdMap<V> = std::collections::HashMap<NodeId, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// One reserved flow through this node (GWTF).
 #[derive(Clone, Debug)]
@@ -1480,7 +1510,7 @@ impl Node {
                             .is_none_or(|old| (old - v).abs() > 0.02 * old.abs().max(1e-9))
                     });
                 if material {
-                    p.costs = SinkCosts(costs);
+                    p.costs = SinkCosts::from_gossip(costs);
                     self.gossip_dirty = true;
                 }
             }
@@ -1715,47 +1745,81 @@ impl Node {
     // ------------------------------------------------------------ flow protocol (GWTF)
 
     /// The best cost to each sink through the next stage, the
-    /// `gossip_sinks` cheapest, ordered by (cost, sink). One pass over the
-    /// candidates' gossiped lists into a hash map of the per-sink minimum,
-    /// then a selection of the cheapest: O(entries), not O(entries log sinks).
+    /// `gossip_sinks` cheapest, ordered by (cost, sink).
+    ///
+    /// Each candidate's list is ordered by cost, and adding the link cost
+    /// keeps that order, so a k-way merge of the lists meets every sink
+    /// first at its smallest cost: it stops after the `gossip_sinks`-th
+    /// distinct sink (and its ties) instead of reading every entry.
     fn my_costs(&self) -> Vec<(NodeId, f64)> {
-        let mut v: Vec<(NodeId, f64)> = if self.stage == self.s() {
-            self.peers
-                .iter()
-                .filter(|(_, p)| p.stage == 0 && !p.dead)
-                .map(|(id, _)| (*id, self.link_cost(*id)))
-                .filter(|x| x.1 < INF)
-                .collect()
-        } else {
-            let ns = self.next_stage();
-            let mut m: IdMap<f64> = IdMap::default();
-            for (&j, p) in &self.peers {
-                if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
-                    continue;
-                }
-                let lc = self.link_cost(j);
-                m.reserve(p.costs.len());
-                for &(sink, c) in p.costs.0.iter() {
-                    let v = lc + c;
-                    let e = m.entry(sink).or_insert(INF);
-                    if v < *e {
-                        *e = v;
-                    }
-                }
-            }
-            m.into_iter().filter(|x| x.1 < INF).collect()
-        };
-        let cmp = |a: &(NodeId, f64), b: &(NodeId, f64)| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0));
         let k = self.cfg.gossip_sinks;
         if k == 0 {
             return Vec::new();
         }
-        if v.len() > k {
-            v.select_nth_unstable_by(k - 1, cmp);
-            v.truncate(k);
+        if self.stage == self.s() {
+            let mut v: Vec<(NodeId, f64)> = self
+                .peers
+                .iter()
+                .filter(|(_, p)| p.stage == 0 && !p.dead)
+                .map(|(id, _)| (*id, self.link_cost(*id)))
+                .filter(|x| x.1 < INF)
+                .collect();
+            if v.len() > k {
+                v.select_nth_unstable_by(k - 1, cost_order);
+                v.truncate(k);
+            }
+            v.sort_unstable_by(cost_order);
+            return v;
         }
-        v.sort_unstable_by(cmp);
-        v
+        let ns = self.next_stage();
+        let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
+        let mut heap: std::collections::BinaryHeap<MergeHead> = std::collections::BinaryHeap::new();
+        for (&j, p) in &self.peers {
+            if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
+                continue;
+            }
+            let Some(&(sink, c)) = p.costs.0.first() else {
+                continue;
+            };
+            let lc = self.link_cost(j);
+            heap.push(MergeHead {
+                v: lc + c,
+                sink,
+                list: lists.len() as u32,
+                pos: 0,
+            });
+            lists.push((lc, &p.costs.0));
+        }
+        let mut out: Vec<(NodeId, f64)> = Vec::with_capacity(k);
+        let mut threshold: Option<f64> = None;
+        while let Some(h) = heap.pop() {
+            let (lc, list) = lists[h.list as usize];
+            if let Some(&(sink, c)) = list.get(h.pos as usize + 1) {
+                heap.push(MergeHead {
+                    v: lc + c,
+                    sink,
+                    list: h.list,
+                    pos: h.pos + 1,
+                });
+            }
+            if h.v.is_nan() && h.v.is_sign_negative() {
+                continue;
+            }
+            // Infinite (or NaN) costs and everything after them are out;
+            // past the k-th sink, only ties of its cost still count.
+            if !(h.v < INF) || threshold.is_some_and(|t| h.v > t) {
+                break;
+            }
+            if !out.iter().any(|x| x.0 == h.sink) {
+                out.push((h.sink, h.v));
+                if out.len() == k {
+                    threshold = Some(h.v);
+                }
+            }
+        }
+        out.sort_unstable_by(cost_order);
+        out.truncate(k);
+        out
     }
 
     fn gossip(&mut self) {
