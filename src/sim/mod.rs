@@ -1,8 +1,9 @@
 //! Deterministic discrete-event simulator driving many protocol nodes.
 //!
-//! - Virtual clock (microseconds); one event heap ordered by (time, sequence
-//!   number), so the same seed gives bit-identical output. No hash-map
-//!   iteration reaches an output (hash maps are only looked up).
+//! - Virtual clock (microseconds); one event queue (a calendar queue)
+//!   ordered by (time, sequence number), so the same seed gives
+//!   bit-identical output. No hash-map iteration reaches an output (hash
+//!   maps are only looked up).
 //! - Compute model: a node's GPU runs one task at a time (backward work
 //!   before forward work); task time = FLOPs / node speed, from the model
 //!   presets of `crate::model` ([`model`]); memory bounds each relay's
@@ -23,10 +24,10 @@
 //! The simulator checks invariants as it runs (see [`SimReport::violations`]).
 pub mod model;
 pub mod optimal;
+mod queue;
 pub mod scenario;
 
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::protocol::rng::Rng;
@@ -36,6 +37,7 @@ use crate::protocol::{
 };
 use model::ModelPreset;
 use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
+use queue::{EventQueue, Key};
 use scenario::Scenario;
 
 /// (microbatch, member whose result is in the aggregate) of one stage's commit.
@@ -162,29 +164,6 @@ enum Ev {
     Join,
 }
 
-/// Heap entries stay small; the event itself waits in a slab.
-struct Entry {
-    t: Time,
-    seq: u64,
-    slot: u32,
-}
-impl PartialEq for Entry {
-    fn eq(&self, o: &Self) -> bool {
-        self.t == o.t && self.seq == o.seq
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Entry {
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
-}
-
 struct Xfer {
     from: NodeId,
     to: NodeId,
@@ -216,7 +195,8 @@ pub struct Sim {
     pcfg: Arc<Config>,
     now: Time,
     seq: u64,
-    heap: BinaryHeap<Entry>,
+    /// Queue keys stay small; the event itself waits in a slab.
+    queue: EventQueue,
     slab: Vec<Option<Ev>>,
     /// Reusable buffer for the actions of one node call.
     acts: Vec<Action>,
@@ -276,7 +256,7 @@ impl Sim {
             pcfg: Arc::new(pc),
             now: 0,
             seq: 0,
-            heap: BinaryHeap::new(),
+            queue: EventQueue::new(),
             slab: Vec::new(),
             acts: Vec::new(),
             free: Vec::new(),
@@ -338,7 +318,7 @@ impl Sim {
                 (self.slab.len() - 1) as u32
             }
         };
-        self.heap.push(Entry {
+        self.queue.push(Key {
             t,
             seq: self.seq,
             slot,
@@ -473,7 +453,7 @@ impl Sim {
         } else {
             secs(3600.0 + 900.0 * self.cfg.iterations as f64)
         };
-        while let Some(e) = self.heap.pop() {
+        while let Some(e) = self.queue.pop() {
             if e.t > limit || self.stop {
                 break;
             }
