@@ -119,6 +119,11 @@ impl EventQueue {
         }
         let i = (next & MASK) as usize;
         self.bits[i / 64] &= !(1 << (i % 64));
+        // The drained buffer goes back to the ring: not a large one (a
+        // burst's capacity would otherwise spread to every bucket).
+        if self.current.capacity() > 256 {
+            self.current = Vec::new();
+        }
         std::mem::swap(&mut self.current, &mut self.ring[i]);
         self.current.sort_unstable_by(|a, b| b.cmp(a));
         true
