@@ -1039,6 +1039,22 @@ impl Sim {
         // Every microbatch of a holder that finished the iteration is in
         // every stage's aggregate exactly once.
         let mut trained = 0u64;
+        // How many times each microbatch is in each stage's aggregate
+        // (one pass over the commits, not one per microbatch).
+        let counts: Vec<BTreeMap<MbId, usize>> = (0..=s)
+            .map(|st| {
+                let mut m = BTreeMap::new();
+                for x in self
+                    .committed
+                    .get(&(iter, st))
+                    .iter()
+                    .flat_map(|v| v.iter())
+                {
+                    *m.entry(x.0).or_insert(0) += 1;
+                }
+                m
+            })
+            .collect();
         for &h in holders.iter() {
             for idx in 0..self.cfg.mb_per_iter {
                 let mb = MbId {
@@ -1048,10 +1064,7 @@ impl Sim {
                 };
                 let mut ok = true;
                 for st in 0..=s {
-                    let n = self
-                        .committed
-                        .get(&(iter, st))
-                        .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count());
+                    let n = counts[st as usize].get(&mb).copied().unwrap_or(0);
                     if n > 1 {
                         self.rep
                             .violations
@@ -1065,12 +1078,9 @@ impl Sim {
                     trained += 1;
                 } else if self.nodes[h as usize].alive {
                     if self.debug {
-                        let per: Vec<usize> = (0..=s)
-                            .map(|st| {
-                                self.committed
-                                    .get(&(iter, st))
-                                    .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count())
-                            })
+                        let per: Vec<usize> = counts
+                            .iter()
+                            .map(|c| c.get(&mb).copied().unwrap_or(0))
                             .collect();
                         let dropped: Vec<bool> = (0..=s)
                             .map(|st| {
