@@ -75,6 +75,12 @@ impl SinkCosts {
             .windows(2)
             .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less);
         let unique = || {
+            if costs.len() <= 32 {
+                return costs
+                    .iter()
+                    .enumerate()
+                    .all(|(i, a)| costs[i + 1..].iter().all(|b| b.0 != a.0));
+            }
             let mut sinks: Vec<NodeId> = costs.iter().map(|x| x.0).collect();
             sinks.sort_unstable();
             sinks.windows(2).all(|w| w[0] != w[1])
@@ -90,8 +96,19 @@ impl SinkCosts {
     fn get(&self, sink: NodeId) -> Option<f64> {
         self.0.iter().find(|x| x.0 == sink).map(|x| x.1)
     }
-    fn len(&self) -> usize {
-        self.0.len()
+    /// Whether `new` has other sinks than this list or a cost that moved
+    /// by more than 2% (what makes a CHANGE worth passing on).
+    fn material_change(&self, new: &[(NodeId, f64)]) -> bool {
+        let moved = |old: f64, v: f64| (old - v).abs() > 0.02 * old.abs().max(1e-9);
+        if new.len() != self.0.len() {
+            return true;
+        }
+        // Usually the same sinks in the same order: compare side by side.
+        if new.iter().zip(self.0.iter()).all(|(a, b)| a.0 == b.0) {
+            return new.iter().zip(self.0.iter()).any(|(a, b)| moved(b.1, a.1));
+        }
+        new.iter()
+            .any(|&(k, v)| self.get(k).is_none_or(|old| moved(old, v)))
     }
     fn insert(&mut self, sink: NodeId, cost: f64) {
         self.remove(sink);
@@ -771,13 +788,22 @@ impl Node {
         }
         match self.peers.get(&j) {
             None => INF,
-            Some(p) => {
-                let lat = p.lat.unwrap_or(0.05);
-                let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
-                let c = if p.stage == 0 { 0.0 } else { p.compute_s };
-                (self.compute_s + c) / 2.0 + lat + self.cfg.activation_bytes as f64 / bw
-            }
+            Some(p) => self.link_cost_to(p),
         }
+    }
+
+    /// [`Node::link_cost`] to a peer other than this node, from its entry.
+    fn link_cost_to(&self, p: &Peer) -> f64 {
+        let lat = p.lat.unwrap_or(0.05);
+        let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
+        let c = if p.stage == 0 { 0.0 } else { p.compute_s };
+        (self.compute_s + c) / 2.0 + lat + self.cfg.activation_bytes as f64 / bw
+    }
+
+    /// Whether peer `j` (entry `p`) is a next hop candidate: next stage,
+    /// not dead, not banned (what `next_candidates` lists).
+    fn is_next_candidate(&self, j: NodeId, p: &Peer) -> bool {
+        p.stage == self.next_stage() && !p.dead && p.banned_until <= self.now && j != self.id
     }
 
     /// Cost from this node's output to `sink` through next-stage peer `j`.
@@ -792,12 +818,9 @@ impl Node {
     }
 
     fn next_candidates(&self) -> Vec<NodeId> {
-        let ns = self.next_stage();
         self.peers
             .iter()
-            .filter(|(id, p)| {
-                p.stage == ns && !p.dead && p.banned_until <= self.now && **id != self.id
-            })
+            .filter(|(id, p)| self.is_next_candidate(**id, p))
             .map(|(id, _)| *id)
             .collect()
     }
@@ -816,14 +839,18 @@ impl Node {
             return None;
         }
         let mut best: Option<(NodeId, f64)> = None;
-        for j in self.next_candidates() {
-            if exclude.contains(&j) {
+        for (&j, p) in &self.peers {
+            if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
             }
-            if need_spare && self.peers[&j].spare == 0 {
+            if need_spare && p.spare == 0 {
                 continue;
             }
-            let c = self.cost_via(j, sink);
+            // cost_via(j, sink) from the entry at hand.
+            let c = match p.costs.get(sink) {
+                Some(c) => self.link_cost_to(p) + c,
+                None => INF,
+            };
             if c >= INF {
                 continue;
             }
@@ -1503,13 +1530,7 @@ impl Node {
                 p.compute_s = compute_s;
                 // Only a material change (another sink set, or a cost moved
                 // by more than 2%) triggers our own update upstream.
-                let material = costs.len() != p.costs.len()
-                    || costs.iter().any(|&(k, v)| {
-                        p.costs
-                            .get(k)
-                            .is_none_or(|old| (old - v).abs() > 0.02 * old.abs().max(1e-9))
-                    });
-                if material {
+                if p.costs.material_change(&costs) {
                     p.costs = SinkCosts::from_gossip(costs);
                     self.gossip_dirty = true;
                 }
@@ -1781,7 +1802,7 @@ impl Node {
             let Some(&(sink, c)) = p.costs.0.first() else {
                 continue;
             };
-            let lc = self.link_cost(j);
+            let lc = self.link_cost_to(p);
             heap.push(MergeHead {
                 v: lc + c,
                 sink,
@@ -2181,12 +2202,17 @@ impl Node {
         if self.stage == 0 || self.flows.is_empty() || self.sa_busy_until > self.now {
             return;
         }
+        // Live members not skipped; `alive` by a merge of the two ordered
+        // maps (a stage group can be far larger than the view).
+        let mut peers = self.peers.iter().peekable();
         let cands: Vec<NodeId> = self
             .members
             .iter()
             .copied()
             .filter(|&m| {
-                m != self.id && self.alive(m) && self.sa_skip.get(&m).copied().unwrap_or(0) == 0
+                while peers.next_if(|(p, _)| **p < m).is_some() {}
+                let dead = m != self.id && peers.peek().is_some_and(|(p, x)| **p == m && x.dead);
+                m != self.id && !dead && self.sa_skip.get(&m).copied().unwrap_or(0) == 0
             })
             .collect();
         for v in self.sa_skip.values_mut() {
@@ -2462,18 +2488,23 @@ impl Node {
         if self.stage == self.s() {
             return Some((mb.holder, None));
         }
-        let cands: Vec<NodeId> = self
-            .next_candidates()
-            .into_iter()
-            .filter(|c| !exclude.contains(c))
-            .collect();
+        // Candidates: next hops not excluded (looked up one by one; the
+        // whole list is built only where all of them are compared).
+        let is_cand = |me: &Node, c: NodeId| {
+            !exclude.contains(&c) && me.peers.get(&c).is_some_and(|p| me.is_next_candidate(c, p))
+        };
         if let Some(h) = hint {
-            if cands.contains(&h) {
+            if is_cand(self, h) {
                 return Some((h, None));
             }
         }
         match self.cfg.policy {
             Policy::Swarm => {
+                let cands: Vec<NodeId> = self
+                    .next_candidates()
+                    .into_iter()
+                    .filter(|c| !exclude.contains(c))
+                    .collect();
                 // Smallest expected finish time: queued work / throughput.
                 let mut best: Option<(f64, NodeId)> = None;
                 for c in cands {
@@ -2490,7 +2521,7 @@ impl Node {
                 if let Some(plan) = plan {
                     let t = self.next_stage() as usize;
                     if let Some(&n) = plan.get(t) {
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, None));
                         }
                     }
@@ -2499,11 +2530,11 @@ impl Node {
                     if let Some(f) = self.flows.get_mut(&l) {
                         f.last_used = self.now;
                         let (n, o) = (f.next, f.out_label);
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, Some(o)));
                         }
                     } else if let Some(&(n, o)) = self.ghosts.get(&l) {
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, Some(o)));
                         }
                     }
@@ -2511,16 +2542,24 @@ impl Node {
                 // No reservation: the cheapest next hop toward the sink,
                 // preferring peers with spare capacity.
                 let mut best: Option<(f64, NodeId)> = None;
-                for c in &cands {
-                    let mut v = self.cost_via(*c, mb.holder);
-                    if v >= INF {
-                        v = self.link_cost(*c) + 1e6;
+                for (&c, p) in &self.peers {
+                    if !self.is_next_candidate(c, p) || exclude.contains(&c) {
+                        continue;
                     }
-                    if self.peers[c].spare == 0 {
+                    let lc = self.link_cost_to(p);
+                    // cost_via(c, holder), from the entry at hand.
+                    let mut v = match p.costs.get(mb.holder) {
+                        Some(x) => lc + x,
+                        None => INF,
+                    };
+                    if v >= INF {
+                        v = lc + 1e6;
+                    }
+                    if p.spare == 0 {
                         v += 1e3;
                     }
                     if best.is_none_or(|b| v < b.0) {
-                        best = Some((v, *c));
+                        best = Some((v, c));
                     }
                 }
                 best.map(|b| (b.1, None))
