@@ -37,7 +37,7 @@ use crate::protocol::{
 };
 use model::ModelPreset;
 use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
-use queue::{EventQueue, Key};
+use queue::EventQueue;
 use scenario::Scenario;
 
 /// (microbatch, member whose result is in the aggregate) of one stage's commit.
@@ -195,12 +195,9 @@ pub struct Sim {
     pcfg: Arc<Config>,
     now: Time,
     seq: u64,
-    /// Queue keys stay small; the event itself waits in a slab.
-    queue: EventQueue,
-    slab: Vec<Option<Ev>>,
+    queue: EventQueue<Ev>,
     /// Reusable buffer for the actions of one node call.
     acts: Vec<Action>,
-    free: Vec<u32>,
     nodes: Vec<SimNode>,
     /// Region of each node (index = node id).
     region_of: Vec<u32>,
@@ -257,9 +254,7 @@ impl Sim {
             now: 0,
             seq: 0,
             queue: EventQueue::new(),
-            slab: Vec::new(),
             acts: Vec::new(),
-            free: Vec::new(),
             nodes: Vec::new(),
             region_of: Vec::new(),
             link_table,
@@ -308,21 +303,7 @@ impl Sim {
 
     fn push(&mut self, t: Time, ev: Ev) {
         self.seq += 1;
-        let slot = match self.free.pop() {
-            Some(i) => {
-                self.slab[i as usize] = Some(ev);
-                i
-            }
-            None => {
-                self.slab.push(Some(ev));
-                (self.slab.len() - 1) as u32
-            }
-        };
-        self.queue.push(Key {
-            t,
-            seq: self.seq,
-            slot,
-        });
+        self.queue.push(t, self.seq, ev);
     }
 
     fn new_node(&mut self, stage: Stage, region: usize) -> NodeId {
@@ -453,16 +434,12 @@ impl Sim {
         } else {
             secs(3600.0 + 900.0 * self.cfg.iterations as f64)
         };
-        while let Some(e) = self.queue.pop() {
-            if e.t > limit || self.stop {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > limit || self.stop {
                 break;
             }
-            self.now = e.t;
+            self.now = t;
             self.rep.events += 1;
-            let ev = self.slab[e.slot as usize]
-                .take()
-                .expect("event in its slot");
-            self.free.push(e.slot);
             self.dispatch(ev);
         }
         self.finish()
