@@ -100,6 +100,33 @@ impl SimConfig {
     }
 }
 
+/// Hasher for small keys of maps that are only looked up (never iterated
+/// into an output): one multiply per word.
+#[derive(Default)]
+struct WordHasher(u64);
+
+impl std::hash::Hasher for WordHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+    fn write_isize(&mut self, x: isize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type FastHash = std::hash::BuildHasherDefault<WordHasher>;
+
 /// Results of one run.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct SimReport {
@@ -203,12 +230,12 @@ pub struct Sim {
     region_of: Vec<u32>,
     /// (latency, bandwidth) of each region pair, row-major.
     link_table: Vec<(f64, f64)>,
-    links: HashMap<(NodeId, NodeId), Link>,
+    links: HashMap<(NodeId, NodeId), Link, FastHash>,
     rng: Rng,
     rep: SimReport,
-    ledger: HashMap<(NodeId, TaskId), f64>,
-    claimed: HashMap<(NodeId, MbId), Vec<TaskId>>,
-    fwd_count: HashMap<(MbId, Stage), u32>,
+    ledger: HashMap<(NodeId, TaskId), f64, FastHash>,
+    claimed: HashMap<(NodeId, MbId), Vec<TaskId>, FastHash>,
+    fwd_count: HashMap<(MbId, Stage), u32, FastHash>,
     committed: BTreeMap<(u32, Stage), Committed>,
     dropped: BTreeMap<(u32, Stage), Vec<MbId>>,
     versions: BTreeMap<(Stage, u32), BTreeSet<u64>>,
@@ -226,7 +253,8 @@ pub struct Sim {
     holder_share: f64,
     joining_relay: bool,
     debug: bool,
-    msg_counts: BTreeMap<&'static str, u64>,
+    /// Messages sent, by kind (name, count).
+    msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
     regions_cache: BTreeMap<Stage, (u64, BTreeSet<usize>)>,
 }
@@ -258,12 +286,12 @@ impl Sim {
             nodes: Vec::new(),
             region_of: Vec::new(),
             link_table,
-            links: HashMap::new(),
+            links: HashMap::default(),
             rng: Rng::derive(cfg.seed, 0x5151),
             rep: SimReport::default(),
-            ledger: HashMap::new(),
-            claimed: HashMap::new(),
-            fwd_count: HashMap::new(),
+            ledger: HashMap::default(),
+            claimed: HashMap::default(),
+            fwd_count: HashMap::default(),
             committed: BTreeMap::new(),
             dropped: BTreeMap::new(),
             versions: BTreeMap::new(),
@@ -280,7 +308,7 @@ impl Sim {
             initial,
             holder_share: cfg.holders as f64 / initial.max(1) as f64,
             joining_relay: false,
-            msg_counts: BTreeMap::new(),
+            msg_counts: HashMap::default(),
             population_version: 0,
             regions_cache: BTreeMap::new(),
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
@@ -557,7 +585,10 @@ impl Sim {
         if to as usize >= self.nodes.len() {
             return;
         }
-        *self.msg_counts.entry(msg.name()).or_insert(0) += 1;
+        self.msg_counts
+            .entry(std::mem::discriminant(&msg))
+            .or_insert((msg.name(), 0))
+            .1 += 1;
         let bytes = msg.wire_bytes(&self.pcfg) as f64;
         let (lat, bw) = self.link_params(from, to);
         if !msg.is_bulk() {
@@ -1128,7 +1159,7 @@ impl Sim {
     fn finish(mut self) -> SimReport {
         self.rep.messages = self
             .msg_counts
-            .iter()
+            .values()
             .map(|(k, v)| (k.to_string(), *v))
             .collect();
         let r = &mut self.rep;
