@@ -53,6 +53,75 @@ impl Peer {
     }
 }
 
+/// The peers this node knows, by id: two vectors kept in id order (the
+/// ids, searched, and the entries, side by side), so that a lookup reads a
+/// few hundred bytes of ids and one entry, and a walk over the view reads
+/// one contiguous array. Iteration is in id order, like a `BTreeMap`.
+#[derive(Clone, Debug, Default)]
+struct PeerMap {
+    ids: Vec<NodeId>,
+    entries: Vec<Peer>,
+}
+
+impl PeerMap {
+    fn get(&self, id: &NodeId) -> Option<&Peer> {
+        self.ids.binary_search(id).ok().map(|i| &self.entries[i])
+    }
+    fn get_mut(&mut self, id: &NodeId) -> Option<&mut Peer> {
+        self.ids
+            .binary_search(id)
+            .ok()
+            .map(|i| &mut self.entries[i])
+    }
+    fn contains_key(&self, id: &NodeId) -> bool {
+        self.ids.binary_search(id).is_ok()
+    }
+    fn get_or_insert_with(&mut self, id: NodeId, new: impl FnOnce() -> Peer) -> &mut Peer {
+        let i = match self.ids.binary_search(&id) {
+            Ok(i) => i,
+            Err(i) => {
+                self.ids.insert(i, id);
+                self.entries.insert(i, new());
+                i
+            }
+        };
+        &mut self.entries[i]
+    }
+    fn iter(&self) -> std::iter::Zip<std::slice::Iter<'_, NodeId>, std::slice::Iter<'_, Peer>> {
+        self.ids.iter().zip(self.entries.iter())
+    }
+    fn values(&self) -> std::slice::Iter<'_, Peer> {
+        self.entries.iter()
+    }
+    fn retain(&mut self, mut keep: impl FnMut(&NodeId, &mut Peer) -> bool) {
+        let mut w = 0;
+        for r in 0..self.ids.len() {
+            if keep(&self.ids[r], &mut self.entries[r]) {
+                self.ids.swap(w, r);
+                self.entries.swap(w, r);
+                w += 1;
+            }
+        }
+        self.ids.truncate(w);
+        self.entries.truncate(w);
+    }
+}
+
+impl std::ops::Index<&NodeId> for PeerMap {
+    type Output = Peer;
+    fn index(&self, id: &NodeId) -> &Peer {
+        self.get(id).expect("known peer")
+    }
+}
+
+impl<'a> IntoIterator for &'a PeerMap {
+    type Item = (&'a NodeId, &'a Peer);
+    type IntoIter = std::iter::Zip<std::slice::Iter<'a, NodeId>, std::slice::Iter<'a, Peer>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// A peer's cost to each sink: a short list (at most `gossip_sinks`
 /// entries), sinks unique, ordered by (cost, sink) as `my_costs` produces
 /// it, so that it is shared with the CHANGE message that carried it (one
@@ -387,7 +456,7 @@ pub struct Node {
     now: Time,
     compute_s: f64,
     capacity: u32,
-    peers: BTreeMap<NodeId, Peer>,
+    peers: PeerMap,
     members: MemberSet,
     members_changed: bool,
     coord: Option<NodeId>,
@@ -476,7 +545,7 @@ impl Node {
             now: 0,
             compute_s,
             capacity: capacity.max(1),
-            peers: BTreeMap::new(),
+            peers: PeerMap::default(),
             members: MemberSet::default(),
             members_changed: true,
             coord: None,
@@ -776,7 +845,7 @@ impl Node {
 
     fn learn(&mut self, p: NodeId, stage: Stage) -> &mut Peer {
         let now = self.now;
-        let e = self.peers.entry(p).or_insert_with(|| Peer::new(stage, now));
+        let e = self.peers.get_or_insert_with(p, || Peer::new(stage, now));
         e.stage = stage;
         e
     }
