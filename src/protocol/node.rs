@@ -23,7 +23,7 @@ struct Peer {
     compute_s: f64,
     spare: u32,
     /// The peer's gossiped cost to each sink.
-    costs: BTreeMap<NodeId, f64>,
+    costs: SinkCosts,
     /// Not used for routing before this instant (suspected / banned).
     banned_until: Time,
     dead: bool,
@@ -43,13 +43,271 @@ impl Peer {
             ack: None,
             compute_s: 1.0,
             spare: 1,
-            costs: BTreeMap::new(),
+            costs: SinkCosts::default(),
             banned_until: 0,
             dead: false,
             last_heard: now,
             queued: 0,
             thr: None,
         }
+    }
+}
+
+/// The peers this node knows, by id: two vectors kept in id order (the
+/// ids, searched, and the entries, side by side), so that a lookup reads a
+/// few hundred bytes of ids and one entry, and a walk over the view reads
+/// one contiguous array. Iteration is in id order, like a `BTreeMap`.
+#[derive(Clone, Debug, Default)]
+struct PeerMap {
+    ids: Vec<NodeId>,
+    entries: Vec<Peer>,
+}
+
+impl PeerMap {
+    fn get(&self, id: &NodeId) -> Option<&Peer> {
+        self.ids.binary_search(id).ok().map(|i| &self.entries[i])
+    }
+    fn get_mut(&mut self, id: &NodeId) -> Option<&mut Peer> {
+        self.ids
+            .binary_search(id)
+            .ok()
+            .map(|i| &mut self.entries[i])
+    }
+    fn contains_key(&self, id: &NodeId) -> bool {
+        self.ids.binary_search(id).is_ok()
+    }
+    fn get_or_insert_with(&mut self, id: NodeId, new: impl FnOnce() -> Peer) -> &mut Peer {
+        let i = match self.ids.binary_search(&id) {
+            Ok(i) => i,
+            Err(i) => {
+                self.ids.insert(i, id);
+                self.entries.insert(i, new());
+                i
+            }
+        };
+        &mut self.entries[i]
+    }
+    fn iter(&self) -> std::iter::Zip<std::slice::Iter<'_, NodeId>, std::slice::Iter<'_, Peer>> {
+        self.ids.iter().zip(self.entries.iter())
+    }
+    fn values(&self) -> std::slice::Iter<'_, Peer> {
+        self.entries.iter()
+    }
+    fn retain(&mut self, mut keep: impl FnMut(&NodeId, &mut Peer) -> bool) {
+        let mut w = 0;
+        for r in 0..self.ids.len() {
+            if keep(&self.ids[r], &mut self.entries[r]) {
+                self.ids.swap(w, r);
+                self.entries.swap(w, r);
+                w += 1;
+            }
+        }
+        self.ids.truncate(w);
+        self.entries.truncate(w);
+    }
+}
+
+impl std::ops::Index<&NodeId> for PeerMap {
+    type Output = Peer;
+    fn index(&self, id: &NodeId) -> &Peer {
+        self.get(id).expect("known peer")
+    }
+}
+
+impl<'a> IntoIterator for &'a PeerMap {
+    type Item = (&'a NodeId, &'a Peer);
+    type IntoIter = std::iter::Zip<std::slice::Iter<'a, NodeId>, std::slice::Iter<'a, Peer>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+/// A peer's cost to each sink: a short list (at most `gossip_sinks`
+/// entries), sinks unique, ordered by (cost, sink) as `my_costs` produces
+/// it, so that it is shared with the CHANGE message that carried it (one
+/// gossip round costs one allocation however many peers receive it) and
+/// `my_costs` merges the lists instead of scanning them all.
+#[derive(Clone, Debug, Default)]
+struct SinkCosts(Arc<Vec<(NodeId, f64)>>);
+
+/// The order of a cost list: by cost, then by sink.
+fn cost_order(a: &(NodeId, f64), b: &(NodeId, f64)) -> std::cmp::Ordering {
+    a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))
+}
+
+impl SinkCosts {
+    /// The gossiped list as it came; a list out of order or with a sink
+    /// twice (not what `my_costs` sends) is put in order, the last entry
+    /// of a sink winning.
+    fn from_gossip(costs: Arc<Vec<(NodeId, f64)>>) -> SinkCosts {
+        let ordered = costs
+            .windows(2)
+            .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less);
+        let unique = || {
+            if costs.len() <= 32 {
+                return costs
+                    .iter()
+                    .enumerate()
+                    .all(|(i, a)| costs[i + 1..].iter().all(|b| b.0 != a.0));
+            }
+            let mut sinks: Vec<NodeId> = costs.iter().map(|x| x.0).collect();
+            sinks.sort_unstable();
+            sinks.windows(2).all(|w| w[0] != w[1])
+        };
+        if ordered && unique() {
+            return SinkCosts(costs);
+        }
+        let last: BTreeMap<NodeId, f64> = costs.iter().copied().collect();
+        let mut v: Vec<(NodeId, f64)> = last.into_iter().collect();
+        v.sort_by(cost_order);
+        SinkCosts(Arc::new(v))
+    }
+    fn get(&self, sink: NodeId) -> Option<f64> {
+        self.0.iter().find(|x| x.0 == sink).map(|x| x.1)
+    }
+    /// Whether `new` has other sinks than this list or a cost that moved
+    /// by more than 2% (what makes a CHANGE worth passing on).
+    fn material_change(&self, new: &[(NodeId, f64)]) -> bool {
+        let moved = |old: f64, v: f64| (old - v).abs() > 0.02 * old.abs().max(1e-9);
+        if new.len() != self.0.len() {
+            return true;
+        }
+        // Usually the same sinks in the same order: compare side by side.
+        if new.iter().zip(self.0.iter()).all(|(a, b)| a.0 == b.0) {
+            return new.iter().zip(self.0.iter()).any(|(a, b)| moved(b.1, a.1));
+        }
+        new.iter()
+            .any(|&(k, v)| self.get(k).is_none_or(|old| moved(old, v)))
+    }
+    fn insert(&mut self, sink: NodeId, cost: f64) {
+        self.remove(sink);
+        let v = Arc::make_mut(&mut self.0);
+        let at = v.partition_point(|x| cost_order(x, &(sink, cost)) == std::cmp::Ordering::Less);
+        v.insert(at, (sink, cost));
+    }
+    fn remove(&mut self, sink: NodeId) {
+        if let Some(i) = self.0.iter().position(|x| x.0 == sink) {
+            Arc::make_mut(&mut self.0).remove(i);
+        }
+    }
+}
+
+/// The next entry of one candidate's cost list in `my_costs`' merge
+/// (ordered for a min-heap on (cost through the candidate, sink, list)).
+struct MergeHead {
+    v: f64,
+    sink: NodeId,
+    list: u32,
+    pos: u32,
+}
+
+impl PartialEq for MergeHead {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for MergeHead {}
+impl PartialOrd for MergeHead {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for MergeHead {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        o.v.total_cmp(&self.v)
+            .then(o.sink.cmp(&self.sink))
+            .then(o.list.cmp(&self.list))
+    }
+}
+
+/// The members of this node's stage group: an ordered set, with its list
+/// (what heartbeats, claims answers and state downloads carry) built once
+/// per change and shared, not once per message.
+#[derive(Clone, Debug, Default)]
+struct MemberSet {
+    set: BTreeSet<NodeId>,
+    list: Option<Arc<Vec<NodeId>>>,
+}
+
+impl MemberSet {
+    fn insert(&mut self, m: NodeId) -> bool {
+        let new = self.set.insert(m);
+        if new {
+            self.list = None;
+        }
+        new
+    }
+    fn remove(&mut self, m: &NodeId) -> bool {
+        let had = self.set.remove(m);
+        if had {
+            self.list = None;
+        }
+        had
+    }
+    fn contains(&self, m: &NodeId) -> bool {
+        self.set.contains(m)
+    }
+    fn len(&self) -> usize {
+        self.set.len()
+    }
+    fn iter(&self) -> std::collections::btree_set::Iter<'_, NodeId> {
+        self.set.iter()
+    }
+    /// The members in increasing order.
+    fn list(&mut self) -> Arc<Vec<NodeId>> {
+        let set = &self.set;
+        self.list
+            .get_or_insert_with(|| Arc::new(set.iter().copied().collect()))
+            .clone()
+    }
+    /// Becomes `list` plus `me`; a list equal to the current group (the
+    /// periodic announcement of an unchanged group) costs one comparison.
+    fn assign(&mut self, list: &Arc<Vec<NodeId>>, me: NodeId) {
+        if list.windows(2).all(|w| w[0] < w[1]) {
+            let has_me = list.binary_search(&me).is_ok();
+            let same = if has_me {
+                self.set.len() == list.len() && self.set.iter().eq(list.iter())
+            } else {
+                self.set.len() == list.len() + 1
+                    && self.set.contains(&me)
+                    && self.set.iter().filter(|&&m| m != me).eq(list.iter())
+            };
+            if same {
+                return;
+            }
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = has_me.then(|| list.clone());
+        } else {
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = None;
+        }
+    }
+}
+
+impl FromIterator<NodeId> for MemberSet {
+    fn from_iter<I: IntoIterator<Item = NodeId>>(it: I) -> MemberSet {
+        MemberSet {
+            set: it.into_iter().collect(),
+            list: None,
+        }
+    }
+}
+
+impl IntoIterator for MemberSet {
+    type Item = NodeId;
+    type IntoIter = std::collections::btree_set::IntoIter<NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a MemberSet {
+    type Item = &'a NodeId;
+    type IntoIter = std::collections::btree_set::Iter<'a, NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.iter()
     }
 }
 
@@ -198,8 +456,8 @@ pub struct Node {
     now: Time,
     compute_s: f64,
     capacity: u32,
-    peers: BTreeMap<NodeId, Peer>,
-    members: BTreeSet<NodeId>,
+    peers: PeerMap,
+    members: MemberSet,
     members_changed: bool,
     coord: Option<NodeId>,
     out: Vec<Action>,
@@ -244,7 +502,7 @@ pub struct Node {
     /// Largest next iteration peers told us about.
     known_iter: u32,
     /// Costs last gossiped upstream.
-    advertised: Vec<(NodeId, f64)>,
+    advertised: Arc<Vec<(NodeId, f64)>>,
     gossip_round: usize,
 }
 
@@ -287,8 +545,8 @@ impl Node {
             now: 0,
             compute_s,
             capacity: capacity.max(1),
-            peers: BTreeMap::new(),
-            members: BTreeSet::new(),
+            peers: PeerMap::default(),
+            members: MemberSet::default(),
             members_changed: true,
             coord: None,
             out: Vec::new(),
@@ -325,7 +583,7 @@ impl Node {
             member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
-            advertised: Vec::new(),
+            advertised: Arc::new(Vec::new()),
             gossip_round: 0,
             cfg,
         }
@@ -456,9 +714,17 @@ impl Node {
 
     /// Runs timers that are due.
     pub fn on_timeout(&mut self, now: Time) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.on_timeout_into(now, &mut out);
+        out
+    }
+
+    /// [`Node::on_timeout`] appending its actions to `out` (a driver reuses
+    /// one buffer instead of allocating one per call).
+    pub fn on_timeout_into(&mut self, now: Time, out: &mut Vec<Action>) {
         self.now = self.now.max(now);
         if self.phase == Phase::Left || self.phase == Phase::Idle {
-            return Vec::new();
+            return;
         }
         while let Some(&(t, dl)) = self.deadlines.iter().next() {
             if t > self.now {
@@ -474,14 +740,21 @@ impl Node {
             self.tick_no += 1;
             self.tick();
         }
-        self.drain()
+        self.drain_into(out)
     }
 
     /// Handles one input.
     pub fn handle(&mut self, now: Time, input: Input) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.handle_into(now, input, &mut out);
+        out
+    }
+
+    /// [`Node::handle`] appending its actions to `out`.
+    pub fn handle_into(&mut self, now: Time, input: Input, out: &mut Vec<Action>) {
         self.now = self.now.max(now);
         if self.phase == Phase::Left {
-            return Vec::new();
+            return;
         }
         match input {
             Input::Start { peers } => self.start(peers),
@@ -497,10 +770,10 @@ impl Node {
                 }
             }
         }
-        self.drain()
+        self.drain_into(out)
     }
 
-    fn drain(&mut self) -> Vec<Action> {
+    fn drain_into(&mut self, out: &mut Vec<Action>) {
         let mut guard = 0;
         while let Some(m) = self.selfq.pop_front() {
             guard += 1;
@@ -509,7 +782,7 @@ impl Node {
             }
             self.on_msg(self.id, m);
         }
-        std::mem::take(&mut self.out)
+        out.append(&mut self.out);
     }
 
     // ------------------------------------------------------------ helpers
@@ -572,7 +845,7 @@ impl Node {
 
     fn learn(&mut self, p: NodeId, stage: Stage) -> &mut Peer {
         let now = self.now;
-        let e = self.peers.entry(p).or_insert_with(|| Peer::new(stage, now));
+        let e = self.peers.get_or_insert_with(p, || Peer::new(stage, now));
         e.stage = stage;
         e
     }
@@ -584,13 +857,22 @@ impl Node {
         }
         match self.peers.get(&j) {
             None => INF,
-            Some(p) => {
-                let lat = p.lat.unwrap_or(0.05);
-                let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
-                let c = if p.stage == 0 { 0.0 } else { p.compute_s };
-                (self.compute_s + c) / 2.0 + lat + self.cfg.activation_bytes as f64 / bw
-            }
+            Some(p) => self.link_cost_to(p),
         }
+    }
+
+    /// [`Node::link_cost`] to a peer other than this node, from its entry.
+    fn link_cost_to(&self, p: &Peer) -> f64 {
+        let lat = p.lat.unwrap_or(0.05);
+        let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
+        let c = if p.stage == 0 { 0.0 } else { p.compute_s };
+        (self.compute_s + c) / 2.0 + lat + self.cfg.activation_bytes as f64 / bw
+    }
+
+    /// Whether peer `j` (entry `p`) is a next hop candidate: next stage,
+    /// not dead, not banned (what `next_candidates` lists).
+    fn is_next_candidate(&self, j: NodeId, p: &Peer) -> bool {
+        p.stage == self.next_stage() && !p.dead && p.banned_until <= self.now && j != self.id
     }
 
     /// Cost from this node's output to `sink` through next-stage peer `j`.
@@ -598,19 +880,16 @@ impl Node {
         if self.stage == self.s() {
             return if j == sink { self.link_cost(sink) } else { INF };
         }
-        match self.peers.get(&j).and_then(|p| p.costs.get(&sink)) {
+        match self.peers.get(&j).and_then(|p| p.costs.get(sink)) {
             Some(c) => self.link_cost(j) + c,
             None => INF,
         }
     }
 
     fn next_candidates(&self) -> Vec<NodeId> {
-        let ns = self.next_stage();
         self.peers
             .iter()
-            .filter(|(id, p)| {
-                p.stage == ns && !p.dead && p.banned_until <= self.now && **id != self.id
-            })
+            .filter(|(id, p)| self.is_next_candidate(**id, p))
             .map(|(id, _)| *id)
             .collect()
     }
@@ -629,14 +908,18 @@ impl Node {
             return None;
         }
         let mut best: Option<(NodeId, f64)> = None;
-        for j in self.next_candidates() {
-            if exclude.contains(&j) {
+        for (&j, p) in &self.peers {
+            if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
             }
-            if need_spare && self.peers[&j].spare == 0 {
+            if need_spare && p.spare == 0 {
                 continue;
             }
-            let c = self.cost_via(j, sink);
+            // cost_via(j, sink) from the entry at hand.
+            let c = match p.costs.get(sink) {
+                Some(c) => self.link_cost_to(p) + c,
+                None => INF,
+            };
             if c >= INF {
                 continue;
             }
@@ -1046,7 +1329,7 @@ impl Node {
                     .zip(self.advertised.iter())
                     .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
             if changed {
-                self.gossip();
+                self.gossip_costs(Some(now_costs));
             }
         }
         if gossip_tick {
@@ -1267,9 +1550,7 @@ impl Node {
             Msg::Heartbeat { members } => {
                 if let Some(ms) = members {
                     if Some(from) == self.coord || from < self.coord.unwrap_or(NodeId::MAX) {
-                        let mut set: BTreeSet<NodeId> = ms.iter().copied().collect();
-                        set.insert(self.id);
-                        self.members = set;
+                        self.members.assign(&ms, self.id);
                         self.recompute_coord();
                     }
                 } else if self.coord != Some(self.id)
@@ -1280,7 +1561,7 @@ impl Node {
                     // reached us while our own coordinator was failing): tell
                     // it who is, so it does not suspect a live member and
                     // coordinate a group of its own.
-                    let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+                    let members = self.members.list();
                     self.send(
                         from,
                         Msg::Heartbeat {
@@ -1318,14 +1599,8 @@ impl Node {
                 p.compute_s = compute_s;
                 // Only a material change (another sink set, or a cost moved
                 // by more than 2%) triggers our own update upstream.
-                let material = costs.len() != p.costs.len()
-                    || costs.iter().any(|(k, v)| {
-                        p.costs
-                            .get(k)
-                            .is_none_or(|old| (old - v).abs() > 0.02 * old.abs().max(1e-9))
-                    });
-                if material {
-                    p.costs = costs.iter().copied().collect();
+                if p.costs.material_change(&costs) {
+                    p.costs = SinkCosts::from_gossip(costs);
                     self.gossip_dirty = true;
                 }
             }
@@ -1507,7 +1782,7 @@ impl Node {
                 self.stage_infos.insert(summary.stage, summary);
             }
             Msg::StateRequest => {
-                let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+                let members = self.members.list();
                 let bytes = self
                     .cfg
                     .stage_state_bytes
@@ -1559,39 +1834,97 @@ impl Node {
 
     // ------------------------------------------------------------ flow protocol (GWTF)
 
+    /// The best cost to each sink through the next stage, the
+    /// `gossip_sinks` cheapest, ordered by (cost, sink).
+    ///
+    /// Each candidate's list is ordered by cost, and adding the link cost
+    /// keeps that order, so a k-way merge of the lists meets every sink
+    /// first at its smallest cost: it stops after the `gossip_sinks`-th
+    /// distinct sink (and its ties) instead of reading every entry.
     fn my_costs(&self) -> Vec<(NodeId, f64)> {
-        let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
+        let k = self.cfg.gossip_sinks;
+        if k == 0 {
+            return Vec::new();
+        }
         if self.stage == self.s() {
-            for (id, p) in &self.peers {
-                if p.stage == 0 && !p.dead {
-                    m.insert(*id, self.link_cost(*id));
-                }
+            let mut v: Vec<(NodeId, f64)> = self
+                .peers
+                .iter()
+                .filter(|(_, p)| p.stage == 0 && !p.dead)
+                .map(|(id, _)| (*id, self.link_cost(*id)))
+                .filter(|x| x.1 < INF)
+                .collect();
+            if v.len() > k {
+                v.select_nth_unstable_by(k - 1, cost_order);
+                v.truncate(k);
             }
-        } else {
-            for j in self.next_candidates() {
-                let lc = self.link_cost(j);
-                for (sink, c) in &self.peers[&j].costs {
-                    let v = lc + c;
-                    let e = m.entry(*sink).or_insert(INF);
-                    if v < *e {
-                        *e = v;
-                    }
+            v.sort_unstable_by(cost_order);
+            return v;
+        }
+        let ns = self.next_stage();
+        let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
+        let mut heap: std::collections::BinaryHeap<MergeHead> = std::collections::BinaryHeap::new();
+        for (&j, p) in &self.peers {
+            if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
+                continue;
+            }
+            let Some(&(sink, c)) = p.costs.0.first() else {
+                continue;
+            };
+            let lc = self.link_cost_to(p);
+            heap.push(MergeHead {
+                v: lc + c,
+                sink,
+                list: lists.len() as u32,
+                pos: 0,
+            });
+            lists.push((lc, &p.costs.0));
+        }
+        let mut out: Vec<(NodeId, f64)> = Vec::with_capacity(k);
+        let mut threshold: Option<f64> = None;
+        while let Some(h) = heap.pop() {
+            let (lc, list) = lists[h.list as usize];
+            if let Some(&(sink, c)) = list.get(h.pos as usize + 1) {
+                heap.push(MergeHead {
+                    v: lc + c,
+                    sink,
+                    list: h.list,
+                    pos: h.pos + 1,
+                });
+            }
+            if h.v.is_nan() && h.v.is_sign_negative() {
+                continue;
+            }
+            // Infinite (or NaN) costs and everything after them are out;
+            // past the k-th sink, only ties of its cost still count.
+            if !(h.v < INF) || threshold.is_some_and(|t| h.v > t) {
+                break;
+            }
+            if !out.iter().any(|x| x.0 == h.sink) {
+                out.push((h.sink, h.v));
+                if out.len() == k {
+                    threshold = Some(h.v);
                 }
             }
         }
-        let mut v: Vec<(NodeId, f64)> = m.into_iter().filter(|x| x.1 < INF).collect();
-        v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-        v.truncate(self.cfg.gossip_sinks);
-        v
+        out.sort_unstable_by(cost_order);
+        out.truncate(k);
+        out
     }
 
     fn gossip(&mut self) {
+        self.gossip_costs(None)
+    }
+
+    /// CHANGE to the upstream peers; `costs` when the caller has just
+    /// computed `my_costs()` (the node's state has not changed since).
+    fn gossip_costs(&mut self, costs: Option<Vec<(NodeId, f64)>>) {
         let costs = Arc::new(if self.cfg.policy == Policy::Gwtf && self.stage > 0 {
-            self.my_costs()
+            costs.unwrap_or_else(|| self.my_costs())
         } else {
             Vec::new()
         });
-        self.advertised = (*costs).clone();
+        self.advertised = costs.clone();
         let spare = self.spare();
         let ps = self.prev_stage();
         let ups: Vec<NodeId> = self
@@ -1823,7 +2156,7 @@ impl Node {
             if let Some(sink) = sink_known {
                 if !accept {
                     if cost >= INF {
-                        p.costs.remove(&sink);
+                        p.costs.remove(sink);
                     } else {
                         p.costs.insert(sink, cost);
                     }
@@ -1938,12 +2271,17 @@ impl Node {
         if self.stage == 0 || self.flows.is_empty() || self.sa_busy_until > self.now {
             return;
         }
+        // Live members not skipped; `alive` by a merge of the two ordered
+        // maps (a stage group can be far larger than the view).
+        let mut peers = self.peers.iter().peekable();
         let cands: Vec<NodeId> = self
             .members
             .iter()
             .copied()
             .filter(|&m| {
-                m != self.id && self.alive(m) && self.sa_skip.get(&m).copied().unwrap_or(0) == 0
+                while peers.next_if(|(p, _)| **p < m).is_some() {}
+                let dead = m != self.id && peers.peek().is_some_and(|(p, x)| **p == m && x.dead);
+                m != self.id && !dead && self.sa_skip.get(&m).copied().unwrap_or(0) == 0
             })
             .collect();
         for v in self.sa_skip.values_mut() {
@@ -2010,8 +2348,8 @@ impl Node {
                 let via_next = if self.stage == self.s() {
                     0.0
                 } else {
-                    match self.peers.get(&g.next).and_then(|p| p.costs.get(&g.sink)) {
-                        Some(c) => *c,
+                    match self.peers.get(&g.next).and_then(|p| p.costs.get(g.sink)) {
+                        Some(c) => c,
                         None => continue,
                     }
                 };
@@ -2219,18 +2557,23 @@ impl Node {
         if self.stage == self.s() {
             return Some((mb.holder, None));
         }
-        let cands: Vec<NodeId> = self
-            .next_candidates()
-            .into_iter()
-            .filter(|c| !exclude.contains(c))
-            .collect();
+        // Candidates: next hops not excluded (looked up one by one; the
+        // whole list is built only where all of them are compared).
+        let is_cand = |me: &Node, c: NodeId| {
+            !exclude.contains(&c) && me.peers.get(&c).is_some_and(|p| me.is_next_candidate(c, p))
+        };
         if let Some(h) = hint {
-            if cands.contains(&h) {
+            if is_cand(self, h) {
                 return Some((h, None));
             }
         }
         match self.cfg.policy {
             Policy::Swarm => {
+                let cands: Vec<NodeId> = self
+                    .next_candidates()
+                    .into_iter()
+                    .filter(|c| !exclude.contains(c))
+                    .collect();
                 // Smallest expected finish time: queued work / throughput.
                 let mut best: Option<(f64, NodeId)> = None;
                 for c in cands {
@@ -2247,7 +2590,7 @@ impl Node {
                 if let Some(plan) = plan {
                     let t = self.next_stage() as usize;
                     if let Some(&n) = plan.get(t) {
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, None));
                         }
                     }
@@ -2256,11 +2599,11 @@ impl Node {
                     if let Some(f) = self.flows.get_mut(&l) {
                         f.last_used = self.now;
                         let (n, o) = (f.next, f.out_label);
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, Some(o)));
                         }
                     } else if let Some(&(n, o)) = self.ghosts.get(&l) {
-                        if cands.contains(&n) {
+                        if is_cand(self, n) {
                             return Some((n, Some(o)));
                         }
                     }
@@ -2268,16 +2611,24 @@ impl Node {
                 // No reservation: the cheapest next hop toward the sink,
                 // preferring peers with spare capacity.
                 let mut best: Option<(f64, NodeId)> = None;
-                for c in &cands {
-                    let mut v = self.cost_via(*c, mb.holder);
-                    if v >= INF {
-                        v = self.link_cost(*c) + 1e6;
+                for (&c, p) in &self.peers {
+                    if !self.is_next_candidate(c, p) || exclude.contains(&c) {
+                        continue;
                     }
-                    if self.peers[c].spare == 0 {
+                    let lc = self.link_cost_to(p);
+                    // cost_via(c, holder), from the entry at hand.
+                    let mut v = match p.costs.get(mb.holder) {
+                        Some(x) => lc + x,
+                        None => INF,
+                    };
+                    if v >= INF {
+                        v = lc + 1e6;
+                    }
+                    if p.spare == 0 {
                         v += 1e3;
                     }
                     if best.is_none_or(|b| v < b.0) {
-                        best = Some((v, *c));
+                        best = Some((v, c));
                     }
                 }
                 best.map(|b| (b.1, None))
@@ -3061,7 +3412,7 @@ impl Node {
     fn on_claim(&mut self, from: NodeId, iter: u32, mb: MbId, prev: NodeId, next: NodeId) {
         if self.coord != Some(self.id) {
             // Not the coordinator (any more): tell the member who is.
-            let members = Arc::new(self.members.iter().copied().collect::<Vec<_>>());
+            let members = self.members.list();
             self.send(
                 from,
                 Msg::Heartbeat {
@@ -3618,5 +3969,123 @@ impl Node {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::rng::Rng;
+
+    /// `my_costs` as first written: the per-sink minimum over every entry of
+    /// every candidate, sorted by (cost, sink), the first `gossip_sinks`.
+    fn my_costs_reference(n: &Node) -> Vec<(NodeId, f64)> {
+        let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
+        for j in n.next_candidates() {
+            let lc = n.link_cost(j);
+            for &(sink, c) in n.peers[&j].costs.0.iter() {
+                let v = lc + c;
+                let e = m.entry(sink).or_insert(INF);
+                if v < *e {
+                    *e = v;
+                }
+            }
+        }
+        let mut v: Vec<(NodeId, f64)> = m.into_iter().filter(|x| x.1 < INF).collect();
+        v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        v.truncate(n.cfg.gossip_sinks);
+        v
+    }
+
+    #[test]
+    fn merged_cost_gossip_equals_the_full_scan() {
+        for seed in 0..300 {
+            let mut rng = Rng::new(seed);
+            let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+            cfg.gossip_sinks = 1 + rng.below(20) as usize;
+            let mut n = Node::new(Arc::new(cfg), 1000, 2, 0.5, 4, seed);
+            n.now = 1_000;
+            let sinks = 1 + rng.below(60) as u32;
+            for j in 0..rng.below(40) as NodeId {
+                // Costs from a few values (ties between sinks and lists).
+                let list: Vec<(NodeId, f64)> = (0..rng.below(20))
+                    .map(|_| {
+                        (
+                            rng.below(sinks as u64) as NodeId,
+                            0.25 * rng.below(12) as f64,
+                        )
+                    })
+                    .collect();
+                let stage = if rng.below(5) == 0 { 1 } else { 3 };
+                let p = n.peers.get_or_insert_with(j * 7, || Peer::new(stage, 0));
+                p.costs = SinkCosts::from_gossip(Arc::new(list));
+                p.dead = rng.below(8) == 0;
+                p.banned_until = if rng.below(8) == 0 { 5_000 } else { 0 };
+                p.lat = Some([0.0, 0.25, 0.5][rng.below(3) as usize]);
+                p.bw = Some(1e9);
+                p.compute_s = 0.5;
+            }
+            // Rejections edit a list in place.
+            let ids = n.peers.ids.clone();
+            for j in ids {
+                if rng.below(3) == 0 {
+                    let p = n.peers.get_mut(&j).unwrap();
+                    let sink = rng.below(sinks as u64) as NodeId;
+                    match rng.below(3) {
+                        0 => p.costs.remove(sink),
+                        1 => p.costs.insert(sink, INF),
+                        _ => p.costs.insert(sink, 0.25 * rng.below(12) as f64),
+                    }
+                    p.costs.insert(sink, 0.25 * rng.below(12) as f64);
+                }
+            }
+            assert_eq!(n.my_costs(), my_costs_reference(&n), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn gossiped_lists_are_kept_ordered_by_cost() {
+        let ordered = |c: &SinkCosts| {
+            c.0.windows(2)
+                .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less)
+        };
+        // Out of order, a sink twice (the last one wins, as in a map).
+        let mut c = SinkCosts::from_gossip(Arc::new(vec![(3, 2.0), (1, 1.0), (3, 0.5), (2, 1.0)]));
+        assert_eq!(*c.0, vec![(3, 0.5), (1, 1.0), (2, 1.0)]);
+        c.insert(1, 0.1);
+        c.insert(9, 0.7);
+        c.remove(2);
+        assert_eq!(*c.0, vec![(1, 0.1), (3, 0.5), (9, 0.7)]);
+        assert!(ordered(&c));
+        assert_eq!(c.get(9), Some(0.7));
+        assert_eq!(c.get(2), None);
+        // What my_costs sends is shared as it is.
+        let list = Arc::new(vec![(5, 0.1), (4, 0.2), (6, 0.2)]);
+        let c = SinkCosts::from_gossip(list.clone());
+        assert!(Arc::ptr_eq(&c.0, &list));
+        assert!(!c.material_change(&[(5, 0.1), (4, 0.2), (6, 0.201)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2), (6, 0.3)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2), (7, 0.2)]));
+        assert!(!c.material_change(&[(4, 0.2), (5, 0.1), (6, 0.2)]));
+    }
+
+    #[test]
+    fn member_list_follows_the_set() {
+        let mut m = MemberSet::default();
+        for x in [5, 1, 9] {
+            m.insert(x);
+        }
+        assert_eq!(*m.list(), vec![1, 5, 9]);
+        m.remove(&5);
+        assert_eq!(*m.list(), vec![1, 9]);
+        let announced = Arc::new(vec![1, 2, 9]);
+        m.assign(&announced, 9);
+        assert!(Arc::ptr_eq(&m.list(), &announced));
+        m.assign(&Arc::new(vec![1, 2]), 9);
+        assert_eq!(*m.list(), vec![1, 2, 9]);
+        m.assign(&Arc::new(vec![7, 3]), 9);
+        assert_eq!(m.iter().copied().collect::<Vec<_>>(), vec![3, 7, 9]);
+        assert_eq!(*m.list(), vec![3, 7, 9]);
     }
 }

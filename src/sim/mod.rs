@@ -1,8 +1,9 @@
 //! Deterministic discrete-event simulator driving many protocol nodes.
 //!
-//! - Virtual clock (microseconds); one event heap ordered by (time, sequence
-//!   number), so the same seed gives bit-identical output. No hash-map
-//!   iteration reaches an output (hash maps are only looked up).
+//! - Virtual clock (microseconds); one event queue (a calendar queue)
+//!   ordered by (time, sequence number), so the same seed gives
+//!   bit-identical output. No hash-map iteration reaches an output (hash
+//!   maps are only looked up).
 //! - Compute model: a node's GPU runs one task at a time (backward work
 //!   before forward work); task time = FLOPs / node speed, from the model
 //!   presets of `crate::model` ([`model`]); memory bounds each relay's
@@ -23,10 +24,10 @@
 //! The simulator checks invariants as it runs (see [`SimReport::violations`]).
 pub mod model;
 pub mod optimal;
+mod queue;
 pub mod scenario;
 
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::protocol::rng::Rng;
@@ -36,6 +37,7 @@ use crate::protocol::{
 };
 use model::ModelPreset;
 use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
+use queue::EventQueue;
 use scenario::Scenario;
 
 /// (microbatch, member whose result is in the aggregate) of one stage's commit.
@@ -97,6 +99,33 @@ impl SimConfig {
         }
     }
 }
+
+/// Hasher for small keys of maps that are only looked up (never iterated
+/// into an output): one multiply per word.
+#[derive(Default)]
+struct WordHasher(u64);
+
+impl std::hash::Hasher for WordHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+    fn write_isize(&mut self, x: isize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type FastHash = std::hash::BuildHasherDefault<WordHasher>;
 
 /// Results of one run.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -162,29 +191,6 @@ enum Ev {
     Join,
 }
 
-/// Heap entries stay small; the event itself waits in a slab.
-struct Entry {
-    t: Time,
-    seq: u64,
-    slot: u32,
-}
-impl PartialEq for Entry {
-    fn eq(&self, o: &Self) -> bool {
-        self.t == o.t && self.seq == o.seq
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Entry {
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.t, o.seq).cmp(&(self.t, self.seq))
-    }
-}
-
 struct Xfer {
     from: NodeId,
     to: NodeId,
@@ -216,16 +222,20 @@ pub struct Sim {
     pcfg: Arc<Config>,
     now: Time,
     seq: u64,
-    heap: BinaryHeap<Entry>,
-    slab: Vec<Option<Ev>>,
-    free: Vec<u32>,
+    queue: EventQueue<Ev>,
+    /// Reusable buffer for the actions of one node call.
+    acts: Vec<Action>,
     nodes: Vec<SimNode>,
-    links: HashMap<(NodeId, NodeId), Link>,
+    /// Region of each node (index = node id).
+    region_of: Vec<u32>,
+    /// (latency, bandwidth) of each region pair, row-major.
+    link_table: Vec<(f64, f64)>,
+    links: HashMap<(NodeId, NodeId), Link, FastHash>,
     rng: Rng,
     rep: SimReport,
-    ledger: HashMap<(NodeId, TaskId), f64>,
-    claimed: HashMap<(NodeId, MbId), Vec<TaskId>>,
-    fwd_count: HashMap<(MbId, Stage), u32>,
+    ledger: HashMap<(NodeId, TaskId), f64, FastHash>,
+    claimed: HashMap<(NodeId, MbId), Vec<TaskId>, FastHash>,
+    fwd_count: HashMap<(MbId, Stage), u32, FastHash>,
     committed: BTreeMap<(u32, Stage), Committed>,
     dropped: BTreeMap<(u32, Stage), Vec<MbId>>,
     versions: BTreeMap<(Stage, u32), BTreeSet<u64>>,
@@ -243,7 +253,8 @@ pub struct Sim {
     holder_share: f64,
     joining_relay: bool,
     debug: bool,
-    msg_counts: BTreeMap<&'static str, u64>,
+    /// Messages sent, by kind (name, count).
+    msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
     regions_cache: BTreeMap<Stage, (u64, BTreeSet<usize>)>,
 }
@@ -259,20 +270,28 @@ impl Sim {
             .collect();
         pc.start_delay = 20 * SEC;
         let initial = cfg.holders + cfg.relays;
+        let sc = &cfg.scenario;
+        let mut link_table = Vec::new();
+        for a in 0..sc.regions.len() {
+            for b in 0..sc.regions.len() {
+                link_table.push((sc.latency[a][b], sc.bandwidth[a][b]));
+            }
+        }
         let mut sim = Sim {
             pcfg: Arc::new(pc),
             now: 0,
             seq: 0,
-            heap: BinaryHeap::new(),
-            slab: Vec::new(),
-            free: Vec::new(),
+            queue: EventQueue::new(),
+            acts: Vec::new(),
             nodes: Vec::new(),
-            links: HashMap::new(),
+            region_of: Vec::new(),
+            link_table,
+            links: HashMap::default(),
             rng: Rng::derive(cfg.seed, 0x5151),
             rep: SimReport::default(),
-            ledger: HashMap::new(),
-            claimed: HashMap::new(),
-            fwd_count: HashMap::new(),
+            ledger: HashMap::default(),
+            claimed: HashMap::default(),
+            fwd_count: HashMap::default(),
             committed: BTreeMap::new(),
             dropped: BTreeMap::new(),
             versions: BTreeMap::new(),
@@ -289,7 +308,7 @@ impl Sim {
             initial,
             holder_share: cfg.holders as f64 / initial.max(1) as f64,
             joining_relay: false,
-            msg_counts: BTreeMap::new(),
+            msg_counts: HashMap::default(),
             population_version: 0,
             regions_cache: BTreeMap::new(),
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
@@ -312,21 +331,7 @@ impl Sim {
 
     fn push(&mut self, t: Time, ev: Ev) {
         self.seq += 1;
-        let slot = match self.free.pop() {
-            Some(i) => {
-                self.slab[i as usize] = Some(ev);
-                i
-            }
-            None => {
-                self.slab.push(Some(ev));
-                (self.slab.len() - 1) as u32
-            }
-        };
-        self.heap.push(Entry {
-            t,
-            seq: self.seq,
-            slot,
-        });
+        self.queue.push(t, self.seq, ev);
     }
 
     fn new_node(&mut self, stage: Stage, region: usize) -> NodeId {
@@ -352,6 +357,7 @@ impl Sim {
             (3.0 * f / flops, m.relay_capacity(stage.max(1), mem))
         };
         let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
+        self.region_of.push(region as u32);
         self.nodes.push(SimNode {
             node,
             region,
@@ -456,16 +462,12 @@ impl Sim {
         } else {
             secs(3600.0 + 900.0 * self.cfg.iterations as f64)
         };
-        while let Some(e) = self.heap.pop() {
-            if e.t > limit || self.stop {
+        while let Some((t, ev)) = self.queue.pop() {
+            if t > limit || self.stop {
                 break;
             }
-            self.now = e.t;
+            self.now = t;
             self.rep.events += 1;
-            let ev = self.slab[e.slot as usize]
-                .take()
-                .expect("event in its slot");
-            self.free.push(e.slot);
             self.dispatch(ev);
         }
         self.finish()
@@ -489,7 +491,8 @@ impl Sim {
                     return;
                 }
                 n.timer_at = None;
-                let acts = n.node.on_timeout(self.now);
+                let mut acts = std::mem::take(&mut self.acts);
+                n.node.on_timeout_into(self.now, &mut acts);
                 self.apply(node, acts);
             }
             Ev::GpuDone { node, gen } => {
@@ -533,17 +536,26 @@ impl Sim {
     }
 
     fn input(&mut self, node: NodeId, input: Input) {
-        let acts = self.nodes[node as usize].node.handle(self.now, input);
+        let mut acts = std::mem::take(&mut self.acts);
+        self.nodes[node as usize]
+            .node
+            .handle_into(self.now, input, &mut acts);
         self.apply(node, acts);
     }
 
-    fn apply(&mut self, node: NodeId, acts: Vec<Action>) {
-        for a in acts {
+    /// Carries out a node's actions; `acts` is the reusable action buffer
+    /// (taken from `self.acts`, given back empty; a nested call while it is
+    /// out works on a fresh one).
+    fn apply(&mut self, node: NodeId, mut acts: Vec<Action>) {
+        for a in acts.drain(..) {
             match a {
                 Action::Send { to, msg } => self.send(node, to, msg),
                 Action::Run(task) => self.run_task(node, task),
                 Action::Event(e) => self.on_event(node, e),
             }
+        }
+        if acts.capacity() > self.acts.capacity() {
+            self.acts = acts;
         }
         let n = &mut self.nodes[node as usize];
         if !n.alive {
@@ -558,19 +570,25 @@ impl Sim {
         }
     }
 
+    /// (latency s, bandwidth bytes/s) from `a` to `b`: two small arrays,
+    /// no visit to the (large) node states.
     fn link_params(&self, a: NodeId, b: NodeId) -> (f64, f64) {
-        let (ra, rb) = (self.nodes[a as usize].region, self.nodes[b as usize].region);
-        (
-            self.cfg.scenario.latency[ra][rb],
-            self.cfg.scenario.bandwidth[ra][rb],
-        )
+        let r = self.cfg.scenario.regions.len();
+        let (ra, rb) = (
+            self.region_of[a as usize] as usize,
+            self.region_of[b as usize] as usize,
+        );
+        self.link_table[ra * r + rb]
     }
 
     fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
         if to as usize >= self.nodes.len() {
             return;
         }
-        *self.msg_counts.entry(msg.name()).or_insert(0) += 1;
+        self.msg_counts
+            .entry(std::mem::discriminant(&msg))
+            .or_insert((msg.name(), 0))
+            .1 += 1;
         let bytes = msg.wire_bytes(&self.pcfg) as f64;
         let (lat, bw) = self.link_params(from, to);
         if !msg.is_bulk() {
@@ -1029,6 +1047,22 @@ impl Sim {
         // Every microbatch of a holder that finished the iteration is in
         // every stage's aggregate exactly once.
         let mut trained = 0u64;
+        // How many times each microbatch is in each stage's aggregate
+        // (one pass over the commits, not one per microbatch).
+        let counts: Vec<BTreeMap<MbId, usize>> = (0..=s)
+            .map(|st| {
+                let mut m = BTreeMap::new();
+                for x in self
+                    .committed
+                    .get(&(iter, st))
+                    .iter()
+                    .flat_map(|v| v.iter())
+                {
+                    *m.entry(x.0).or_insert(0) += 1;
+                }
+                m
+            })
+            .collect();
         for &h in holders.iter() {
             for idx in 0..self.cfg.mb_per_iter {
                 let mb = MbId {
@@ -1038,10 +1072,7 @@ impl Sim {
                 };
                 let mut ok = true;
                 for st in 0..=s {
-                    let n = self
-                        .committed
-                        .get(&(iter, st))
-                        .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count());
+                    let n = counts[st as usize].get(&mb).copied().unwrap_or(0);
                     if n > 1 {
                         self.rep
                             .violations
@@ -1055,12 +1086,9 @@ impl Sim {
                     trained += 1;
                 } else if self.nodes[h as usize].alive {
                     if self.debug {
-                        let per: Vec<usize> = (0..=s)
-                            .map(|st| {
-                                self.committed
-                                    .get(&(iter, st))
-                                    .map_or(0, |v| v.iter().filter(|x| x.0 == mb).count())
-                            })
+                        let per: Vec<usize> = counts
+                            .iter()
+                            .map(|c| c.get(&mb).copied().unwrap_or(0))
                             .collect();
                         let dropped: Vec<bool> = (0..=s)
                             .map(|st| {
@@ -1131,7 +1159,7 @@ impl Sim {
     fn finish(mut self) -> SimReport {
         self.rep.messages = self
             .msg_counts
-            .iter()
+            .values()
             .map(|(k, v)| (k.to_string(), *v))
             .collect();
         let r = &mut self.rep;
