@@ -127,8 +127,16 @@ impl<'a> IntoIterator for &'a PeerMap {
 /// it, so that it is shared with the CHANGE message that carried it (one
 /// gossip round costs one allocation however many peers receive it) and
 /// `my_costs` merges the lists instead of scanning them all.
-#[derive(Clone, Debug, Default)]
-struct SinkCosts(Arc<Vec<(NodeId, f64)>>);
+/// One allocation (counts and entries together): reading a list's head
+/// costs one cache miss, not two.
+#[derive(Clone, Debug)]
+struct SinkCosts(Arc<[(NodeId, f64)]>);
+
+impl Default for SinkCosts {
+    fn default() -> SinkCosts {
+        SinkCosts(Arc::new([]))
+    }
+}
 
 /// The order of a cost list: by cost, then by sink.
 fn cost_order(a: &(NodeId, f64), b: &(NodeId, f64)) -> std::cmp::Ordering {
@@ -139,7 +147,7 @@ impl SinkCosts {
     /// The gossiped list as it came; a list out of order or with a sink
     /// twice (not what `my_costs` sends) is put in order, the last entry
     /// of a sink winning.
-    fn from_gossip(costs: Arc<Vec<(NodeId, f64)>>) -> SinkCosts {
+    fn from_gossip(costs: Arc<[(NodeId, f64)]>) -> SinkCosts {
         let ordered = costs
             .windows(2)
             .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less);
@@ -160,7 +168,7 @@ impl SinkCosts {
         let last: BTreeMap<NodeId, f64> = costs.iter().copied().collect();
         let mut v: Vec<(NodeId, f64)> = last.into_iter().collect();
         v.sort_by(cost_order);
-        SinkCosts(Arc::new(v))
+        SinkCosts(v.into())
     }
     fn get(&self, sink: NodeId) -> Option<f64> {
         self.0.iter().find(|x| x.0 == sink).map(|x| x.1)
@@ -180,14 +188,16 @@ impl SinkCosts {
             .any(|&(k, v)| self.get(k).is_none_or(|old| moved(old, v)))
     }
     fn insert(&mut self, sink: NodeId, cost: f64) {
-        self.remove(sink);
-        let v = Arc::make_mut(&mut self.0);
+        let mut v: Vec<(NodeId, f64)> = self.0.iter().copied().filter(|x| x.0 != sink).collect();
         let at = v.partition_point(|x| cost_order(x, &(sink, cost)) == std::cmp::Ordering::Less);
         v.insert(at, (sink, cost));
+        self.0 = v.into();
     }
     fn remove(&mut self, sink: NodeId) {
         if let Some(i) = self.0.iter().position(|x| x.0 == sink) {
-            Arc::make_mut(&mut self.0).remove(i);
+            let mut v = self.0.to_vec();
+            v.remove(i);
+            self.0 = v.into();
         }
     }
 }
@@ -502,7 +512,7 @@ pub struct Node {
     /// Largest next iteration peers told us about.
     known_iter: u32,
     /// Costs last gossiped upstream.
-    advertised: Arc<Vec<(NodeId, f64)>>,
+    advertised: Arc<[(NodeId, f64)]>,
     gossip_round: usize,
 }
 
@@ -583,7 +593,7 @@ impl Node {
             member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
-            advertised: Arc::new(Vec::new()),
+            advertised: Arc::new([]),
             gossip_round: 0,
             cfg,
         }
@@ -1919,11 +1929,11 @@ impl Node {
     /// CHANGE to the upstream peers; `costs` when the caller has just
     /// computed `my_costs()` (the node's state has not changed since).
     fn gossip_costs(&mut self, costs: Option<Vec<(NodeId, f64)>>) {
-        let costs = Arc::new(if self.cfg.policy == Policy::Gwtf && self.stage > 0 {
-            costs.unwrap_or_else(|| self.my_costs())
+        let costs: Arc<[(NodeId, f64)]> = if self.cfg.policy == Policy::Gwtf && self.stage > 0 {
+            costs.unwrap_or_else(|| self.my_costs()).into()
         } else {
-            Vec::new()
-        });
+            Arc::new([])
+        };
         self.advertised = costs.clone();
         let spare = self.spare();
         let ps = self.prev_stage();
@@ -4018,7 +4028,7 @@ mod tests {
                     .collect();
                 let stage = if rng.below(5) == 0 { 1 } else { 3 };
                 let p = n.peers.get_or_insert_with(j * 7, || Peer::new(stage, 0));
-                p.costs = SinkCosts::from_gossip(Arc::new(list));
+                p.costs = SinkCosts::from_gossip(list.into());
                 p.dead = rng.below(8) == 0;
                 p.banned_until = if rng.below(8) == 0 { 5_000 } else { 0 };
                 p.lat = Some([0.0, 0.25, 0.5][rng.below(3) as usize]);
@@ -4050,17 +4060,17 @@ mod tests {
                 .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less)
         };
         // Out of order, a sink twice (the last one wins, as in a map).
-        let mut c = SinkCosts::from_gossip(Arc::new(vec![(3, 2.0), (1, 1.0), (3, 0.5), (2, 1.0)]));
-        assert_eq!(*c.0, vec![(3, 0.5), (1, 1.0), (2, 1.0)]);
+        let mut c = SinkCosts::from_gossip(vec![(3, 2.0), (1, 1.0), (3, 0.5), (2, 1.0)].into());
+        assert_eq!(*c.0, [(3, 0.5), (1, 1.0), (2, 1.0)]);
         c.insert(1, 0.1);
         c.insert(9, 0.7);
         c.remove(2);
-        assert_eq!(*c.0, vec![(1, 0.1), (3, 0.5), (9, 0.7)]);
+        assert_eq!(*c.0, [(1, 0.1), (3, 0.5), (9, 0.7)]);
         assert!(ordered(&c));
         assert_eq!(c.get(9), Some(0.7));
         assert_eq!(c.get(2), None);
         // What my_costs sends is shared as it is.
-        let list = Arc::new(vec![(5, 0.1), (4, 0.2), (6, 0.2)]);
+        let list: Arc<[(NodeId, f64)]> = vec![(5, 0.1), (4, 0.2), (6, 0.2)].into();
         let c = SinkCosts::from_gossip(list.clone());
         assert!(Arc::ptr_eq(&c.0, &list));
         assert!(!c.material_change(&[(5, 0.1), (4, 0.2), (6, 0.201)]));

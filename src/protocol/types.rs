@@ -246,7 +246,7 @@ pub enum Msg {
     Change {
         spare: u32,
         compute_s: f64,
-        costs: Arc<Vec<(NodeId, f64)>>,
+        costs: Arc<[(NodeId, f64)]>,
     },
     FlowRequest {
         label: Label,
