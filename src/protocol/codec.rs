@@ -538,7 +538,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             Msg::Change {
                 spare,
                 compute_s,
-                costs: Arc::new(costs),
+                costs: Arc::from(costs),
             }
         }
         7 => Msg::FlowRequest {
@@ -749,7 +749,7 @@ pub fn samples() -> Vec<Msg> {
         Msg::Change {
             spare: 1,
             compute_s: 0.25,
-            costs: Arc::new(vec![(1, 2.5), (3, -0.0)]),
+            costs: Arc::from(vec![(1, 2.5), (3, -0.0)]),
         },
         Msg::FlowRequest {
             label: u64::MAX,
