@@ -446,3 +446,53 @@ fn crossed_flows_are_swapped_and_the_critical_path_drops() {
     assert_eq!(prev_of(&net, 3), 1);
     assert_eq!(prev_of(&net, 4), 2);
 }
+
+/// Every holder is gone; a new holder takes over the holders' barrier. Its
+/// links are slow (3 s each way), so at its first tick no relay has told it
+/// which iteration comes next yet: it must wait for that rather than open
+/// iteration 0 again (which the holders' stage already committed), and then
+/// open the iteration the relays are at.
+#[test]
+fn a_new_holders_coordinator_waits_for_the_relays_iteration() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 2, 1);
+        let mut net = Net::new(|a, b| if a == 9 || b == 9 { 3 * SEC } else { 10 * MS });
+        let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2)];
+        start(&mut net, &cfg, &layout);
+        net.run(900 * SEC, |n| n.finalized(1).is_some());
+        assert!(net.finalized(1).is_some(), "{policy:?}");
+        net.kill(0);
+        net.run(net.now + 30 * SEC, |_| false);
+        net.add(Node::new(cfg.clone(), 9, 0, 0.1, 2, 7));
+        let t0 = net.now;
+        net.input(
+            9,
+            Input::Start {
+                peers: layout[1..].to_vec(),
+            },
+        );
+        net.run(net.now + 900 * SEC, |n| n.finalized(2).is_some());
+        let started: Vec<(Time, u32)> = net
+            .events
+            .iter()
+            .filter_map(|(t, id, e)| match e {
+                Event::IterStarted { iter } if *id == 9 => Some((*t, *iter)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(started.first().map(|s| s.1), Some(2), "{policy:?}");
+        // Not before a relay's answer (one round trip) came back.
+        assert!(started[0].0 >= t0 + 6 * SEC, "{policy:?}");
+        assert_eq!(net.finalized(2).as_deref(), Some(&vec![9]), "{policy:?}");
+        // No stage committed an iteration twice.
+        let mut seen = BTreeSet::new();
+        for (_, _, e) in &net.events {
+            if let Event::StageCommitted { stage, iter, .. } = e {
+                assert!(
+                    seen.insert((*stage, *iter)),
+                    "{policy:?}: stage {stage} committed {iter} twice"
+                );
+            }
+        }
+    }
+}

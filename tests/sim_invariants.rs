@@ -199,3 +199,18 @@ fn seed_sweep() {
     eprintln!("{} of {runs} runs failed: {failed:?}", failed.len());
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+/// Regression: after every holder was gone, a new holders' coordinator that
+/// had not heard from any relay opened iteration 0 again (seed 67, every
+/// policy): the holders' stage committed iteration 0 twice. The run pauses
+/// (a relay stage empties); it stops a little after the time the old code
+/// committed twice.
+#[test]
+fn new_holders_after_every_holder_left_do_not_reopen_finished_iterations() {
+    for (policy, seed, until_s) in [(Policy::Swarm, 67, 2500.0)] {
+        let mut c = small(policy, seed, 3.0, 40);
+        c.max_sim_time_s = until_s;
+        let r = Sim::new(c).run();
+        check(&r, &format!("{policy:?} seed {seed} churn 3"));
+    }
+}

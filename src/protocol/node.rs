@@ -511,6 +511,9 @@ pub struct Node {
     seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
     /// Largest next iteration peers told us about.
     known_iter: u32,
+    /// A relay told us which iteration comes next (`known_iter`): a holders'
+    /// coordinator without a history of its own opens no iteration before.
+    iter_heard: bool,
     /// Costs last gossiped upstream.
     advertised: Arc<[(NodeId, f64)]>,
     gossip_round: usize,
@@ -593,6 +596,7 @@ impl Node {
             member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
+            iter_heard: false,
             advertised: Arc::new([]),
             gossip_round: 0,
             cfg,
@@ -1503,6 +1507,9 @@ impl Node {
                 echo,
             } => {
                 self.known_iter = self.known_iter.max(iter);
+                if stage != 0 {
+                    self.iter_heard = true;
+                }
                 let now = self.now;
                 let a = self.cfg.ema_alpha;
                 let bytes = self.cfg.probe_bytes;
@@ -3839,7 +3846,16 @@ impl Node {
                 return;
             }
             // Open the first iteration (or, after every holder was gone, the
-            // one the relays say comes next).
+            // one the relays say comes next) only once the iteration is
+            // known: from our own history (an applied aggregate) or from a
+            // relay (its introduction says which iteration comes next; at a
+            // fresh start that is 0). A coordinator that knows nothing (every
+            // holder was gone and no relay answered yet, or the stages next
+            // to us are empty) waits: opening iteration 0 there would re-run
+            // iterations that are over.
+            if !self.iter_heard && self.last_applied.is_none() {
+                return;
+            }
             let first = self.iter_hint();
             let holders: Arc<Vec<NodeId>> = Arc::new(
                 self.members
