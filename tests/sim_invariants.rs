@@ -202,12 +202,18 @@ fn seed_sweep() {
 
 /// Regression: after every holder was gone, a new holders' coordinator that
 /// had not heard from any relay opened iteration 0 again (seed 67, every
-/// policy): the holders' stage committed iteration 0 twice. The run pauses
-/// (a relay stage empties); it stops a little after the time the old code
-/// committed twice.
+/// policy); one that heard only relays which had not applied the last
+/// iteration reopened the iteration the holders' stage had already committed
+/// (GWTF seeds 64 and 150). The holders' stage committed an iteration twice.
+/// These runs pause (a relay stage empties); each stops a little after the
+/// time the old code committed twice.
 #[test]
 fn new_holders_after_every_holder_left_do_not_reopen_finished_iterations() {
-    for (policy, seed, until_s) in [(Policy::Swarm, 67, 2500.0)] {
+    for (policy, seed, until_s) in [
+        (Policy::Swarm, 67, 2500.0),
+        (Policy::Gwtf, 64, 3500.0),
+        (Policy::Gwtf, 150, 12000.0),
+    ] {
         let mut c = small(policy, seed, 3.0, 40);
         c.max_sim_time_s = until_s;
         let r = Sim::new(c).run();

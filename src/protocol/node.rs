@@ -1045,11 +1045,15 @@ impl Node {
         }
     }
 
-    /// The iteration this node believes comes next (told to new holders).
+    /// The iteration this node believes comes next (told to new holders):
+    /// past the last one applied here, and past the last one whose end was
+    /// announced (an ended iteration takes no new microbatches; the holders'
+    /// stage may already have applied it).
     fn iter_hint(&self) -> u32 {
         let a = self.last_applied.map_or(0, |a| a + 1);
         let s = self.seen_iter.as_ref().map_or(0, |s| s.0);
-        a.max(s).max(self.min_iter).max(self.known_iter)
+        let e = self.end_fwd.keys().next_back().map_or(0, |k| k + 1);
+        a.max(s).max(e).max(self.min_iter).max(self.known_iter)
     }
 
     fn intro_msg(&self, echo: Option<Time>) -> Msg {
@@ -3474,8 +3478,19 @@ impl Node {
         let last = self.end_fwd.get(&iter).copied();
         if last.is_none_or(|t| t + period <= self.now) {
             self.end_fwd.insert(iter, self.now);
+            // Holders also tell a few peers of the last stage: both stages
+            // next to the holders then know the iteration is over before the
+            // holders' stage can commit it, so a holders' coordinator that
+            // starts over after every holder was gone opens a later one
+            // (see `iter_hint`), even when stage 1 is empty.
+            let mut stages = Vec::new();
             if self.stage < self.s() {
-                let ns = self.stage + 1;
+                stages.push(self.stage + 1);
+            }
+            if self.stage == 0 && self.s() > 1 {
+                stages.push(self.s());
+            }
+            for ns in stages {
                 let mut targets: Vec<NodeId> = self
                     .peers
                     .iter()
