@@ -220,3 +220,13 @@ fn new_holders_after_every_holder_left_do_not_reopen_finished_iterations() {
         check(&r, &format!("{policy:?} seed {seed} churn 3"));
     }
 }
+
+/// Regression: a coordinator granted a claim from a node it did not count as
+/// a member (the claim overtook the node's GroupJoin) and committed without
+/// it: the aggregate counted a microbatch whose gradient was never in the
+/// all-reduce (SWARM seed 141).
+#[test]
+fn swarm_seed_141_every_granted_node_takes_part_in_the_commit() {
+    let r = Sim::new(small(Policy::Swarm, 141, 3.0, 40)).run();
+    check(&r, "Swarm seed 141 churn 3");
+}

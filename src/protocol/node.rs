@@ -3448,6 +3448,13 @@ impl Node {
             self.send(from, Msg::ClaimReply { mb, granted: false });
             return;
         }
+        // A node that claims takes us for its coordinator: it is a member
+        // (its claim can overtake its GroupJoin). Every grant's owner must
+        // be in the group, or a commit would leave its gradient out of the
+        // all-reduce while counting its microbatch in.
+        if from != self.id && self.members.insert(from) {
+            self.members_changed = true;
+        }
         let ci = self.coord_iters.entry(iter).or_default();
         let granted = if ci.applied || ci.commit.is_some() || ci.dropped.contains(&mb) {
             ci.granted.get(&mb).is_some_and(|g| g.0 == from)
