@@ -221,6 +221,23 @@ fn new_holders_after_every_holder_left_do_not_reopen_finished_iterations() {
     }
 }
 
+/// Regression: a stage whose member died with a granted contribution asks the
+/// holder to restart it and, when the holder took longer than the retries
+/// (its restart queued behind stuck microbatches, or slow re-runs under
+/// churn), dropped a live holder's microbatch: lost at that stage.
+#[test]
+fn a_live_holders_microbatch_is_not_given_up() {
+    for (policy, seed) in [
+        (Policy::Swarm, 47),
+        (Policy::Swarm, 58),
+        (Policy::Swarm, 98),
+        (Policy::Gwtf, 147),
+    ] {
+        let r = Sim::new(small(policy, seed, 3.0, 40)).run();
+        check(&r, &format!("{policy:?} seed {seed} churn 3"));
+    }
+}
+
 /// Regression: a coordinator granted a claim from a node it did not count as
 /// a member (the claim overtook the node's GroupJoin) and committed without
 /// it: the aggregate counted a microbatch whose gradient was never in the

@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 40;
+pub const MSG_KINDS: u16 = 41;
 
 /// The `msg_type` of a message.
 pub fn msg_type(m: &Msg) -> u16 {
@@ -68,6 +68,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::StageInfo { .. } => 37,
         Msg::StateRequest => 38,
         Msg::StateResponse { .. } => 39,
+        Msg::Restarting { .. } => 40,
     }
 }
 
@@ -395,6 +396,7 @@ pub fn encode(m: &Msg) -> Result<ControlEnvelope, WireError> {
             w.mb(mb);
             w.opt(attempt, |w, &a| w.u32(a));
         }
+        Msg::Restarting { mb } => w.mb(mb),
         Msg::Redo { mb, dead, next } => {
             w.mb(mb);
             w.u32(*dead);
@@ -690,6 +692,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             members: Arc::new(r.ids()?),
             bytes: r.u64()?,
         },
+        40 => Msg::Restarting { mb: r.mb()? },
         t => {
             return Err(WireError::BadField {
                 field: "protocol message type",
@@ -885,6 +888,7 @@ pub fn samples() -> Vec<Msg> {
             members: ids,
             bytes: 1 << 30,
         },
+        Msg::Restarting { mb },
     ]
 }
 

@@ -1716,7 +1716,22 @@ impl Node {
                     self.recover(mb, dead, Some(after));
                 }
             }
-            Msg::Restart { mb, attempt } => self.restart(mb, attempt),
+            Msg::Restart { mb, attempt } => {
+                self.restart(mb, attempt);
+                // An aggregate lost its contribution: tell that stage's
+                // coordinator we are alive and on it (queued restarts wait
+                // for a free in-flight slot, which can take long).
+                if attempt.is_none()
+                    && from != self.id
+                    && self.stage == 0
+                    && mb.holder == self.id
+                    && self.dh.iter == Some(mb.iter)
+                    && (self.dh.restarts.contains(&mb) || self.dh.in_flight.contains_key(&mb))
+                {
+                    self.send(from, Msg::Restarting { mb });
+                }
+            }
+            Msg::Restarting { mb } => self.on_restarting(from, mb),
             Msg::Redo { mb, dead, next } => {
                 if self.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
                     self.redo(mb, dead, next);
@@ -3611,6 +3626,30 @@ impl Node {
         if let Some(b) = self.barrier.as_mut() {
             let _ = b;
             self.barrier_check();
+        }
+    }
+
+    /// Coordinator: the holder of a lost microbatch answered a restart
+    /// request; it is alive and re-running it, so the microbatch is not
+    /// given up: the request is repeated after a full `redo_timeout` (a
+    /// holder that stops answering is taken for dead and its microbatch is
+    /// dropped after the usual escalation).
+    fn on_restarting(&mut self, from: NodeId, mb: MbId) {
+        if self.coord != Some(self.id) || from != mb.holder {
+            return;
+        }
+        let now = self.now;
+        let Some(ci) = self.coord_iters.get_mut(&mb.iter) else {
+            return;
+        };
+        if ci.applied || ci.commit.is_some() {
+            return;
+        }
+        if let Some(l) = ci.lost.get_mut(&mb) {
+            if l.level > 0 {
+                l.level = l.level.min(3);
+                l.since = now;
+            }
         }
     }
 

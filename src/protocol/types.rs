@@ -126,8 +126,10 @@ pub struct Config {
     /// Bytes of the probe transfer sent after an introduction.
     pub probe_bytes: u64,
     /// A missing microbatch at aggregation is re-requested after this long,
-    /// then the whole microbatch is restarted from its data holder, then it
-    /// is dropped (only a dead holder's microbatch can end there).
+    /// then the whole microbatch is restarted from its data holder (asked
+    /// again every period while the holder answers that it is on it), then
+    /// it is dropped (only a holder that stopped answering, a dead one, has
+    /// its microbatch end there).
     pub redo_timeout: Time,
     /// A holder restarts a microbatch in flight for this long (last resort).
     pub e2e_timeout: Time,
@@ -349,6 +351,12 @@ pub enum Msg {
         mb: MbId,
         attempt: Option<u32>,
     },
+    /// The holder's answer to a [`Msg::Restart`] without an attempt: it is
+    /// alive and re-running `mb` (queued or in flight), so the aggregate
+    /// that lost it keeps waiting instead of dropping it.
+    Restarting {
+        mb: MbId,
+    },
     /// The stage of `dead` lost its contribution for `mb`: re-send the stored
     /// activation to a replacement that sends to `next`.
     Redo {
@@ -451,6 +459,7 @@ impl Msg {
             Msg::Ack { .. } => "Ack",
             Msg::CrashNotice { .. } => "CrashNotice",
             Msg::Restart { .. } => "Restart",
+            Msg::Restarting { .. } => "Restarting",
             Msg::Redo { .. } => "Redo",
             Msg::StartIter { .. } => "StartIter",
             Msg::HolderDone { .. } => "HolderDone",
