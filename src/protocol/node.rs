@@ -1880,23 +1880,27 @@ impl Node {
         }
         let ns = self.next_stage();
         let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
-        let mut heap: std::collections::BinaryHeap<MergeHead> = std::collections::BinaryHeap::new();
         for (&j, p) in &self.peers {
             if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
                 continue;
             }
-            let Some(&(sink, c)) = p.costs.0.first() else {
-                continue;
-            };
-            let lc = self.link_cost_to(p);
-            heap.push(MergeHead {
-                v: lc + c,
-                sink,
-                list: lists.len() as u32,
-                pos: 0,
-            });
-            lists.push((lc, &p.costs.0));
+            lists.push((self.link_cost_to(p), &p.costs.0));
         }
+        // The heads, read in a pass of their own: the lists live in their
+        // senders' memory, and independent loads overlap their misses.
+        let heads: Vec<MergeHead> = lists
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &(lc, list))| {
+                list.first().map(|&(sink, c)| MergeHead {
+                    v: lc + c,
+                    sink,
+                    list: i as u32,
+                    pos: 0,
+                })
+            })
+            .collect();
+        let mut heap = std::collections::BinaryHeap::from(heads);
         let mut out: Vec<(NodeId, f64)> = Vec::with_capacity(k);
         let mut threshold: Option<f64> = None;
         while let Some(h) = heap.pop() {
