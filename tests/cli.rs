@@ -60,3 +60,119 @@ fn probe_with_a_broken_driver_reports_init_error() {
     let v: serde_json::Value = serde_json::from_str(stdout_of(&out).trim()).unwrap();
     assert_eq!(v["state"], "init-error", "{v}");
 }
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn gpu_ready() -> bool {
+    let out = run_ok(gwtf().args(["probe", "--json"]));
+    let v: serde_json::Value = serde_json::from_str(stdout_of(&out).trim()).unwrap();
+    v["state"] == "ready"
+}
+
+#[test]
+fn train_on_cuda_without_a_gpu_fails_with_the_probe_message() {
+    let train = [
+        "train", "--model", "gpt-tiny", "--steps", "2", "--device", "cuda",
+    ];
+    // With the stand-in driver (present, no device): on every machine.
+    let stub = stub_libcuda_dir();
+    for json in [false, true] {
+        let mut cmd = gwtf();
+        cmd.args(train).env("LD_LIBRARY_PATH", &stub);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(
+            err,
+            "gwtf: error: device unavailable: CUDA driver present but no device \
+             (CUDA_ERROR_NO_DEVICE)\n"
+        );
+        if json {
+            assert_eq!(stdout_of(&out), "", "no step was logged");
+        }
+    }
+    // Without any driver library, where there is none.
+    if !std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() && !gpu_ready() {
+        let out = gwtf().args(train).output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(
+            stderr_of(&out),
+            "gwtf: error: device unavailable: no CUDA driver library (libcuda.so) found\n"
+        );
+    }
+}
+
+#[test]
+fn train_on_cuda_with_a_gpu_logs_every_step() {
+    if !gpu_ready() {
+        if std::env::var_os("GWTF_REQUIRE_GPU").is_some() {
+            panic!("GWTF_REQUIRE_GPU is set but the probe finds no GPU");
+        }
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU)");
+        return;
+    }
+    for model in ["gpt-tiny", "llama-tiny"] {
+        let out = run_ok(gwtf().args([
+            "train", "--model", model, "--steps", "3", "--device", "cuda", "--json",
+        ]));
+        let lines: Vec<serde_json::Value> = stdout_of(&out)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 3, "{model}");
+        let loss = |i: usize| lines[i]["loss"].as_f64().unwrap();
+        assert!(loss(0) > 5.0 && loss(0) < 6.0, "{model}: {lines:?}");
+        assert!(loss(2) < loss(0), "{model}: {lines:?}");
+    }
+}
+
+#[test]
+fn bench_kernels_reports_training_on_cpu_and_cuda() {
+    let out = run_ok(gwtf().args([
+        "bench",
+        "kernels",
+        "--elements",
+        "4096",
+        "--min-secs",
+        "0.001",
+        "--train-steps",
+        "2",
+        "--train-model",
+        "llama-tiny",
+        "--json",
+    ]));
+    let lines: Vec<serde_json::Value> = stdout_of(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let train: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|v| v["name"] == "train llama-tiny")
+        .collect();
+    assert_eq!(train.len(), 2, "{lines:?}");
+    assert_eq!(train[0]["device"], "cpu");
+    assert!(train[0]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(train[1]["device"], "cuda");
+    if gpu_ready() {
+        assert!(
+            train[1]["tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{lines:?}"
+        );
+        assert!(train[1]["ratio_vs_cpu"].as_f64().unwrap() > 0.0);
+    } else {
+        let why = train[1]["skipped"].as_str().unwrap();
+        assert!(why.starts_with("device unavailable: "), "{why}");
+    }
+    let bad = gwtf()
+        .args(["bench", "kernels", "--train-model", "llama-124m"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr_of(&bad).contains("--train-model llama-124m"));
+}

@@ -1,26 +1,51 @@
-//! Every CUDA kernel against its CPU twin, on a real device.
+//! Every CUDA kernel against its CPU twin, and GPU training against CPU
+//! training, on a real device.
 //!
 //! Without a GPU every test prints "SKIPPED: ..." and passes; with
 //! `GWTF_REQUIRE_GPU=1` (set when running on a GPU machine) a missing device
 //! fails instead, so a GPU run cannot skip silently. Exact kernels (bf16,
-//! int8, average, AdamW, RoPE) must match bit for bit; the others within the
-//! stated tolerances (tree-ordered reductions, libdevice expf/tanhf).
+//! int8, average, AdamW, RoPE, embedding, residual and bias adds,
+//! cross-entropy backward) must match bit for bit; the others within the
+//! tolerances stated in common/backend_check.rs (cuBLAS and tree-ordered
+//! reductions sum in another order, libdevice expf/tanhf differ by an ulp or
+//! two). The same op and training checks run without a GPU on the emulated
+//! device (tests/cuda_emulated.rs).
 #![cfg(feature = "cuda")]
+
+#[path = "common/backend_check.rs"]
+mod backend_check;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use gwtf::cuda::gpu::{elementwise_grid, per_row_grid, Gpu, KernelArg::*};
+use gwtf::model::gpu::{Backend, CudaBackend};
 use gwtf::model::{kernels as cpu, ops, AdamW};
+use std::sync::Arc;
+
+fn skip_or_fail(e: &dyn std::fmt::Display) {
+    if std::env::var_os("GWTF_REQUIRE_GPU").is_some() {
+        panic!("GWTF_REQUIRE_GPU is set but: {e}");
+    }
+    // Written to stderr directly: libtest captures eprintln! of passing tests.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
+}
 
 fn gpu_or_skip() -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),
         Err(e) => {
-            if std::env::var_os("GWTF_REQUIRE_GPU").is_some() {
-                panic!("GWTF_REQUIRE_GPU is set but: {e}");
-            }
-            // Written to stderr directly: libtest captures eprintln! of passing tests.
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
+            skip_or_fail(&e);
+            None
+        }
+    }
+}
+
+/// The training backend: our kernels and cuBLAS on device 0.
+fn backend_or_skip() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            skip_or_fail(&e);
             None
         }
     }
@@ -356,4 +381,25 @@ fn norms_activations_rope_softmax_match_cpu() {
         (gloss - loss).abs() < 1e-4 * loss.abs().max(1.0),
         "loss gpu {gloss} cpu {loss}"
     );
+}
+
+#[test]
+fn every_layer_op_matches_its_cpu_twin() {
+    let Some(be) = backend_or_skip() else { return };
+    backend_check::check_every_op(&be);
+}
+
+#[test]
+fn gpu_training_matches_cpu_training() {
+    let Some(be) = backend_or_skip() else { return };
+    let be = Arc::new(be);
+    for name in ["gpt-tiny", "llama-tiny"] {
+        let worst = backend_check::check_training(be.clone(), name, 3);
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "{name} on {}: largest relative loss difference over 3 steps {worst:e}",
+            be.describe()
+        );
+    }
 }

@@ -42,10 +42,44 @@ fn every_kernel_compiles_to_ptx_for_ampere_and_hopper() {
             // --fmad=false: the units that must match the CPU bit for bit
             // contain no fused multiply-add (libdevice's expf/tanhf use FMA
             // internally, so the other units are compared with tolerances).
-            let exact = ["quantize.cu", "average.cu", "adamw.cu", "rope.cu"];
+            let exact = [
+                "quantize.cu",
+                "average.cu",
+                "adamw.cu",
+                "rope.cu",
+                "encoder.cu",
+                "residual.cu",
+            ];
             assert!(
                 !exact.contains(&unit.file) || !ptx.contains("fma.rn.f32"),
                 "{} ({arch}): contracted FMA found",
+                unit.file
+            );
+        }
+    }
+}
+
+#[test]
+fn every_cu_file_is_a_registered_unit() {
+    // A kernel file left out of SOURCES would be neither compiled by the test
+    // above nor loaded by the launcher.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cuda/kernels");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".cu"))
+        .collect();
+    files.sort();
+    let mut units: Vec<String> = SOURCES.iter().map(|u| u.file.to_string()).collect();
+    units.sort();
+    assert_eq!(files, units);
+    for unit in SOURCES {
+        assert!(!unit.entries.is_empty(), "{}: no entry points", unit.file);
+        for entry in unit.entries {
+            assert!(
+                unit.source
+                    .contains(&format!("extern \"C\" __global__ void {entry}(")),
+                "{}: {entry} is not defined there",
                 unit.file
             );
         }

@@ -1,5 +1,8 @@
-//! Control-message decoders: never panic; what decodes re-encodes exactly.
+//! Control-message decoders (heartbeat, goodbye, the typed envelope, and the
+//! GWTF protocol messages inside it): never panic; what decodes re-encodes
+//! exactly.
 #![no_main]
+use gwtf::protocol::codec;
 use gwtf::wire::{ControlEnvelope, Goodbye, Heartbeat};
 use libfuzzer_sys::fuzz_target;
 
@@ -7,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    match which % 3 {
+    match which % 4 {
         0 => {
             if let Ok(m) = Heartbeat::decode(body) {
                 assert_eq!(m.encode(), body);
@@ -18,9 +21,16 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(m.encode(), body);
             }
         }
-        _ => {
+        2 => {
             if let Ok(m) = ControlEnvelope::decode(body) {
                 assert_eq!(m.encode().unwrap(), body);
+            }
+        }
+        _ => {
+            if let Ok(env) = ControlEnvelope::decode(body) {
+                if let Ok(m) = codec::decode(&env) {
+                    assert_eq!(codec::encode(&m).unwrap(), env);
+                }
             }
         }
     }

@@ -3,9 +3,11 @@
 //! [`Gpu`] owns a stream on the device's primary context (the one the CUDA
 //! runtime API uses too, so a C++ trainer's `cudaMalloc` pointers are valid
 //! here), compiles every kernel unit with NVRTC for the device's architecture
-//! and launches them on raw device pointers. Every public operation enqueues
-//! its kernel and waits for it, so that the caller may reuse the buffers as
-//! soon as it returns.
+//! and launches them on raw device pointers. The named operations (and
+//! `Gpu::launch`) enqueue their kernel and wait for it, so that the caller
+//! may reuse the buffers as soon as they return; the trainer uses
+//! `Gpu::enqueue` and the copies, which only queue work on the stream, and
+//! waits once per step.
 
 use std::fmt;
 
@@ -20,6 +22,8 @@ pub enum GpuError {
     Nvrtc(NvrtcError),
     /// A CUDA driver call failed (CUDA error name and context).
     Driver(String),
+    /// A cuBLAS call failed (cuBLAS status name and context).
+    Blas(String),
     /// The arguments do not describe a valid operation.
     Invalid(String),
 }
@@ -30,6 +34,7 @@ impl fmt::Display for GpuError {
             Self::Unavailable(why) => write!(f, "no usable CUDA device: {why}"),
             Self::Nvrtc(e) => write!(f, "{e}"),
             Self::Driver(e) => write!(f, "CUDA driver error: {e}"),
+            Self::Blas(e) => write!(f, "cuBLAS error: {e}"),
             Self::Invalid(e) => write!(f, "invalid kernel arguments: {e}"),
         }
     }
@@ -212,6 +217,25 @@ mod imp {
             grid: u32,
             args: &[KernelArg],
         ) -> Result<(), GpuError> {
+            // SAFETY: forwarded to the caller's contract.
+            unsafe { self.enqueue(name, grid, args) }?;
+            self.stream.synchronize().map_err(|e| driver(name, e))
+        }
+
+        /// Queues kernel `name` on the stream without waiting for it: work on
+        /// one stream runs in order, so later launches and copies see its
+        /// results. Used by the trainer, which waits once per step.
+        ///
+        /// # Safety
+        /// As [`Gpu::launch`], and the memory must stay allocated until the
+        /// kernel has run (freeing it stream-ordered, as `CudaSlice` does on a
+        /// device with memory pools, is enough).
+        pub unsafe fn enqueue(
+            &self,
+            name: &str,
+            grid: u32,
+            args: &[KernelArg],
+        ) -> Result<(), GpuError> {
             let f = self
                 .functions
                 .get(name)
@@ -232,7 +256,84 @@ mod imp {
             };
             // SAFETY: forwarded to the caller's contract.
             unsafe { b.launch(cfg) }.map_err(|e| driver(name, e))?;
-            self.stream.synchronize().map_err(|e| driver(name, e))
+            Ok(())
+        }
+
+        /// Queues `bytes` zero bytes at device address `dst`.
+        ///
+        /// # Safety
+        /// `dst` must be device memory of at least `bytes` bytes.
+        pub unsafe fn memset_zero(&self, dst: u64, bytes: usize) -> Result<(), GpuError> {
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver("bind context", e))?;
+            // SAFETY: caller's contract; the stream belongs to this context.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream())
+            }
+            .map_err(|e| driver("memset", e))
+        }
+
+        /// Copies host values to device address `dst` (for pageable host memory
+        /// the copy is staged before this returns, so `src` may be reused).
+        ///
+        /// # Safety
+        /// `dst` must be device memory of at least `src.len()` values of `T`.
+        pub unsafe fn copy_htod<T: cudarc::driver::DeviceRepr>(
+            &self,
+            dst: u64,
+            src: &[T],
+        ) -> Result<(), GpuError> {
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver("bind context", e))?;
+            // SAFETY: caller's contract.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+                .map_err(|e| driver("copy host to device", e))
+        }
+
+        /// Queues a device-to-device copy of `bytes` bytes.
+        ///
+        /// # Safety
+        /// Both addresses must be device memory of at least `bytes` bytes, not
+        /// overlapping.
+        pub unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver("bind context", e))?;
+            // SAFETY: caller's contract.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+            }
+            .map_err(|e| driver("copy device to device", e))
+        }
+
+        /// Waits for everything queued, then copies `dst.len()` values from
+        /// device address `src` to the host.
+        ///
+        /// # Safety
+        /// `src` must be device memory holding `dst.len()` values of `T`.
+        pub unsafe fn copy_dtoh<T: cudarc::driver::DeviceRepr>(
+            &self,
+            dst: &mut [T],
+            src: u64,
+        ) -> Result<(), GpuError> {
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver("bind context", e))?;
+            // SAFETY: caller's contract.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+                .map_err(|e| driver("copy device to host", e))?;
+            self.stream
+                .synchronize()
+                .map_err(|e| driver("copy device to host", e))
+        }
+
+        /// Waits for everything queued on the stream.
+        pub fn synchronize(&self) -> Result<(), GpuError> {
+            self.stream
+                .synchronize()
+                .map_err(|e| driver("synchronize", e))
         }
 
         /// `out[i] = bf16(in[i])` on device pointers.

@@ -68,6 +68,33 @@ pub const SOURCES: &[KernelSource] = &[
         source: include_str!("kernels/softmax.cu"),
         entries: &["gwtf_crossentropy_forward", "gwtf_crossentropy_backward"],
     },
+    KernelSource {
+        file: "encoder.cu",
+        source: include_str!("kernels/encoder.cu"),
+        entries: &[
+            "gwtf_encoder_forward",
+            "gwtf_encoder_backward_wte",
+            "gwtf_encoder_backward_wpe",
+        ],
+    },
+    KernelSource {
+        file: "residual.cu",
+        source: include_str!("kernels/residual.cu"),
+        entries: &[
+            "gwtf_add_inplace",
+            "gwtf_bias_forward",
+            "gwtf_bias_backward",
+        ],
+    },
+    KernelSource {
+        file: "attention.cu",
+        source: include_str!("kernels/attention.cu"),
+        entries: &[
+            "gwtf_attention_forward",
+            "gwtf_attention_backward_query",
+            "gwtf_attention_backward_key_value",
+        ],
+    },
 ];
 
 impl KernelSource {

@@ -14,6 +14,13 @@
 //! - Connections start with the authenticated handshake of [`crate::wire`];
 //!   heartbeats, dead-peer detection, handshake and frame deadlines, graceful
 //!   goodbye, and an optional user-space link emulation (delay, bandwidth).
+//! - Few wake-ups per frame, since on small machines they cost more than the
+//!   bytes: inside a payload the socket's receive low-water mark is raised
+//!   to what the frame still needs (up to 1 MiB), so the poll thread wakes
+//!   once per MiB, not once per segment; a sender blocked on a full queue
+//!   resumes at half depth and refills several frames at once; and a send to
+//!   a peer whose socket is full does not wake the poll thread (the socket's
+//!   writable event will).
 
 mod poll;
 
@@ -355,29 +362,51 @@ fn add(c: &AtomicU64, v: u64) {
 
 /// Per-peer send-queue accounting shared by trainer threads and the poll thread.
 pub(crate) struct PeerSlot {
-    queued: Mutex<usize>,
+    queued: Mutex<SendQueue>,
     room: Condvar,
     open: AtomicBool,
+    /// A sender blocked on a full queue resumes once the queue has drained
+    /// to this many frames: it then refills several at once, instead of
+    /// waking (and waking the poll thread) once per frame sent.
+    resume_at: usize,
+    /// Set by the poll thread while this peer's socket refused bytes with
+    /// frames still queued: the coming writable event will pick up new
+    /// frames, so a sender need not wake the poll thread for them.
+    write_blocked: AtomicBool,
+}
+
+#[derive(Default)]
+struct SendQueue {
+    queued: usize,
+    waiting: usize,
 }
 
 impl PeerSlot {
-    fn new() -> Self {
+    pub(crate) fn new(depth: usize) -> Self {
         Self {
-            queued: Mutex::new(0),
+            queued: Mutex::new(SendQueue::default()),
             room: Condvar::new(),
             open: AtomicBool::new(true),
+            resume_at: depth / 2,
+            write_blocked: AtomicBool::new(false),
         }
     }
     pub(crate) fn done(&self, n: usize) {
         let mut q = self.queued.lock();
-        *q = q.saturating_sub(n);
+        q.queued = q.queued.saturating_sub(n);
+        let wake = q.waiting > 0 && q.queued <= self.resume_at;
         drop(q);
-        self.room.notify_all();
+        if wake {
+            self.room.notify_all();
+        }
     }
     pub(crate) fn close(&self) {
         self.open.store(false, Ordering::SeqCst);
         let _g = self.queued.lock();
         self.room.notify_all();
+    }
+    pub(crate) fn set_write_blocked(&self, blocked: bool) {
+        self.write_blocked.store(blocked, Ordering::SeqCst);
     }
 }
 
@@ -637,10 +666,11 @@ impl Node {
             if !slot.open.load(Ordering::SeqCst) {
                 return Err(EngineError::Closed(format!("peer {peer:x} is gone")));
             }
-            if *q < depth {
-                *q += 1;
+            if q.queued < depth {
+                q.queued += 1;
                 break;
             }
+            q.waiting += 1;
             let timed_out = match deadline {
                 Some(d) => slot.room.wait_until(&mut q, d).timed_out(),
                 None => {
@@ -648,7 +678,8 @@ impl Node {
                     false
                 }
             };
-            if timed_out && *q >= depth {
+            q.waiting -= 1;
+            if timed_out && q.queued >= depth {
                 return Err(EngineError::Timeout(format!(
                     "send queue to peer {peer:x} is full ({depth} frames)"
                 )));
@@ -695,9 +726,16 @@ impl Node {
             payload: lease.map_or(OutPayload::None, OutPayload::Lease),
             data_len: len,
         };
-        if let Err(e) = self.command(cmd) {
+        if self.stopped.load(Ordering::SeqCst) || self.cmd_tx.send(cmd).is_err() {
             slot.done(1);
-            return Err(e);
+            return Err(EngineError::Closed("node is shut down".into()));
+        }
+        // A peer whose socket is full gets its frames picked up by the
+        // coming writable event; waking the poll thread now would only
+        // meet the same full socket.
+        fence(Ordering::SeqCst);
+        if !slot.write_blocked.load(Ordering::SeqCst) {
+            self.shared.wake();
         }
         Ok(())
     }

@@ -26,6 +26,10 @@ const FIRST_CONN: usize = 2;
 const READ_BUDGET: usize = 16 << 20;
 const MAX_IOV: usize = 64;
 const GOODBYE_FLUSH: Duration = Duration::from_secs(2);
+/// Largest receive low-water mark asked of the kernel while a payload is
+/// being read: the poll thread then wakes once per this many bytes, not once
+/// per segment (fewer epoll round trips per frame).
+const RCVLOWAT_MAX: usize = 1 << 20;
 
 struct OutItem {
     head: Box<[u8; HEADER_LEN]>,
@@ -99,6 +103,8 @@ struct Conn {
     write_at: Option<Instant>,
     got_bytes: bool,
     shut: bool,
+    /// The socket's current SO_RCVLOWAT (1 = the kernel default).
+    rcvlowat: usize,
 }
 
 pub(crate) struct Driver {
@@ -121,6 +127,36 @@ fn nonce() -> [u8; 32] {
     let mut n = [0u8; 32];
     getrandom::fill(&mut n).expect("OS random source");
     n
+}
+
+/// Before waiting for more bytes: inside a payload, ask the kernel to wake
+/// the poll thread only once `min(remaining, RCVLOWAT_MAX)` bytes are queued
+/// (never more than the frame still needs, so the frame always completes);
+/// between frames, back to one byte so headers and control messages wake at
+/// once. Best effort: a kernel that refuses only costs extra wake-ups.
+fn set_rcvlowat(c: &mut Conn) {
+    let want = match c.machine.read_target() {
+        ReadTarget::Payload { remaining, .. } => (remaining as usize).clamp(1, RCVLOWAT_MAX),
+        _ => 1,
+    };
+    if want == c.rcvlowat {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let v = want as libc::c_int;
+    // SAFETY: a valid socket descriptor owned by `c.stream`, and a c_int option value.
+    let r = unsafe {
+        libc::setsockopt(
+            c.stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        c.rcvlowat = want;
+    }
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -319,6 +355,7 @@ impl Driver {
             write_at: None,
             got_bytes: false,
             shut: false,
+            rcvlowat: 1,
         };
         self.conns.insert(token, conn);
         if !connecting {
@@ -528,6 +565,7 @@ impl Driver {
             c.hs_out.clear();
             c.hs_off = 0;
         }
+        let mut blocked = false;
         while failure.is_none() && c.machine.is_established() && !c.sendq.is_empty() {
             let now = Instant::now();
             if let Some(ra) = c.sendq[0].ready_at {
@@ -620,10 +658,16 @@ impl Driver {
                         }
                     }
                 }
-                Err(e) if would_block(&e) => break,
+                Err(e) if would_block(&e) => {
+                    blocked = true;
+                    break;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => failure = Some(CloseReason::Io(e.to_string())),
             }
+        }
+        if let Some(s) = &c.slot {
+            s.set_write_blocked(blocked && !c.sendq.is_empty());
         }
         if failure.is_none() && c.closing.is_some() && c.sendq.is_empty() && !c.shut {
             // Half-close after the goodbye and wait for the peer's EOF, so
@@ -644,6 +688,7 @@ impl Driver {
         let mut delivered = Vec::new();
         let mut controls = Vec::new();
         let mut handshake_out = false;
+        let mut drained = false;
         {
             let Some(c) = self.conns.get_mut(&t) else {
                 return;
@@ -683,7 +728,10 @@ impl Driver {
                                 }
                                 c.machine.small_read(n)
                             }
-                            Err(e) if would_block(&e) => break,
+                            Err(e) if would_block(&e) => {
+                                drained = true;
+                                break;
+                            }
                             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                             Err(e) => {
                                 outcome = Err(CloseReason::Io(e.to_string()));
@@ -729,7 +777,10 @@ impl Driver {
                                 let chunk = &lease.as_slice()[start..start + n];
                                 c.machine.payload_read(chunk)
                             }
-                            Err(e) if would_block(&e) => break,
+                            Err(e) if would_block(&e) => {
+                                drained = true;
+                                break;
+                            }
                             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                             Err(e) => {
                                 outcome = Err(CloseReason::Io(e.to_string()));
@@ -796,6 +847,9 @@ impl Driver {
                     break;
                 }
             }
+            if drained && outcome.is_ok() {
+                set_rcvlowat(c);
+            }
         }
         for f in delivered {
             let _ = self.frames_tx.send(f);
@@ -851,7 +905,7 @@ impl Driver {
             }
             self.close(other, CloseReason::Duplicate);
         }
-        let slot = Arc::new(PeerSlot::new());
+        let slot = Arc::new(PeerSlot::new(self.shared.opts.send_queue_depth));
         self.shared.peers.write().insert(peer, slot.clone());
         self.by_peer.insert(peer, t);
         add(&self.shared.counters.peers_connected, 1);

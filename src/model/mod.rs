@@ -9,6 +9,9 @@
 //! - [`kernels`]: CPU twins of the CUDA kernels (bf16, int8 blockwise, weighted average,
 //!   fused AdamW).
 //! - [`train`]: the single-process pipeline trainer used by `gwtf train` and the tests.
+//! - [`gpu`]: the same stages, pipeline and trainer with everything resident on a device
+//!   (`gwtf train --device cuda`: cuBLAS and our NVRTC kernels), or on the host through
+//!   the kernels' CPU twins.
 //! - [`data`]: a deterministic, seeded English-like corpus and a byte-level tokenizer.
 //! - [`bench`]: kernel bandwidth against memcpy measured in the same run.
 //!
@@ -18,6 +21,7 @@
 pub mod bench;
 pub mod config;
 pub mod data;
+pub mod gpu;
 pub mod kernels;
 pub mod ops;
 pub mod rng;
@@ -72,6 +76,8 @@ pub enum ModelError {
     BadState(String),
     /// The requested device is not available.
     DeviceUnavailable(String),
+    /// An operation on the device failed (driver, cuBLAS or kernel launch error).
+    Device(String),
 }
 
 impl fmt::Display for ModelError {
@@ -103,6 +109,7 @@ impl fmt::Display for ModelError {
             ModelError::NothingAccumulated => write!(f, "optimizer step with no gradient"),
             ModelError::BadState(s) => write!(f, "bad stage state: {s}"),
             ModelError::DeviceUnavailable(s) => write!(f, "device unavailable: {s}"),
+            ModelError::Device(s) => write!(f, "device error: {s}"),
         }
     }
 }

@@ -239,11 +239,25 @@ pub fn matmul_forward<T: Real>(
 ) {
     gemm(n, ic, oc, inp, false, w, true, T::ZERO, out);
     if let Some(b) = bias {
-        out.par_chunks_mut(oc).for_each(|row| {
-            for (o, bb) in row.iter_mut().zip(b) {
-                *o += *bb;
-            }
-        });
+        bias_forward(out, b, oc);
+    }
+}
+
+/// `out[r, j] += bias[j]` for every row `r` of `oc` columns (the bias of [`matmul_forward`]).
+pub fn bias_forward<T: Real>(out: &mut [T], bias: &[T], oc: usize) {
+    out.par_chunks_mut(oc).for_each(|row| {
+        for (o, bb) in row.iter_mut().zip(bias) {
+            *o += *bb;
+        }
+    });
+}
+
+/// `dbias[j] += sum_r dout[r, j]`, rows added in order (the bias of [`matmul_backward`]).
+pub fn bias_backward<T: Real>(dbias: &mut [T], dout: &[T], oc: usize) {
+    for row in dout.chunks(oc) {
+        for (d, g) in dbias.iter_mut().zip(row) {
+            *d += *g;
+        }
     }
 }
 
@@ -264,11 +278,7 @@ pub fn matmul_backward<T: Real>(
     gemm(n, oc, ic, dout, false, w, false, T::ONE, dinp);
     gemm(oc, n, ic, dout, true, inp, false, T::ONE, dw);
     if let Some(db) = dbias {
-        for row in dout.chunks(oc) {
-            for (d, g) in db.iter_mut().zip(row) {
-                *d += *g;
-            }
-        }
+        bias_backward(db, dout, oc);
     }
 }
 
@@ -752,7 +762,19 @@ pub fn crossentropy_forward<T: Real>(
     targets: &[u32],
     v: usize,
 ) -> f64 {
-    let losses: Vec<f64> = probs
+    let losses = crossentropy_forward_rows(probs, logits, targets, v);
+    let n = losses.len().max(1);
+    losses.iter().sum::<f64>() / n as f64
+}
+
+/// [`crossentropy_forward`] without the mean: the loss `-ln p[target]` of every row.
+pub fn crossentropy_forward_rows<T: Real>(
+    probs: &mut [T],
+    logits: &[T],
+    targets: &[u32],
+    v: usize,
+) -> Vec<f64> {
+    probs
         .par_chunks_mut(v)
         .zip(logits.par_chunks(v))
         .zip(targets.par_iter())
@@ -773,9 +795,7 @@ pub fn crossentropy_forward<T: Real>(
             // -ln p[target] computed from logits for accuracy.
             -((l[tg as usize] - maxv).to_f64() - sum.to_f64().ln())
         })
-        .collect();
-    let n = losses.len().max(1);
-    losses.iter().sum::<f64>() / n as f64
+        .collect()
 }
 
 /// Backward of [`crossentropy_forward`] for the mean loss scaled by `dloss`:

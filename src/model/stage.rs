@@ -131,7 +131,12 @@ fn split_mut<'a>(mut s: &'a mut [f32], lens: &[usize]) -> Vec<&'a mut [f32]> {
     v
 }
 
-fn check_tokens(what: &'static str, t: &[u32], n: usize, vocab: usize) -> Result<(), ModelError> {
+pub(crate) fn check_tokens(
+    what: &'static str,
+    t: &[u32],
+    n: usize,
+    vocab: usize,
+) -> Result<(), ModelError> {
     if t.len() != n {
         return Err(ModelError::ShapeMismatch {
             what,
@@ -145,16 +150,30 @@ fn check_tokens(what: &'static str, t: &[u32], n: usize, vocab: usize) -> Result
     Ok(())
 }
 
-impl Stage {
-    /// Stage `index` of `plan`, initialised from `seed`. A tensor's initial values depend
-    /// only on the seed and the tensor's identity (layer, name), never on the cut, so any
-    /// plan of the same config starts from the same model.
-    pub fn new(
-        cfg: &ModelConfig,
-        plan: &StagePlan,
-        index: usize,
-        seed: u64,
-    ) -> Result<Stage, ModelError> {
+/// Where a stage's tensors lie in its flat buffers, and how they are initialised: shared by
+/// the CPU [`Stage`] and the device stage ([`super::gpu::DeviceStage`]), so that both hold
+/// the same tensors in the same order and start from the same values.
+#[derive(Clone, Debug)]
+pub(crate) struct Layout {
+    /// The config, with `n_stages` set to the plan's (validated).
+    pub cfg: ModelConfig,
+    /// What the stage holds.
+    pub spec: StageSpec,
+    /// Every tensor and its range in the flat buffers, in buffer order.
+    pub tensors: Vec<(TensorSpec, Range<usize>)>,
+    /// `(layer, index in its list)` of every tensor: the key of its random stream.
+    ids: Vec<(u64, u64)>,
+    /// Range of the embedding tensors (empty if none).
+    pub emb: Range<usize>,
+    /// Range of each block's tensors.
+    pub blocks: Vec<Range<usize>>,
+    /// Range of the head's tensors (empty if none).
+    pub head: Range<usize>,
+}
+
+impl Layout {
+    /// The layout of stage `index` of `plan`.
+    pub fn new(cfg: &ModelConfig, plan: &StagePlan, index: usize) -> Result<Layout, ModelError> {
         let mut c = cfg.clone();
         c.n_stages = plan.len();
         c.validate()?;
@@ -187,9 +206,27 @@ impl Stage {
         } else {
             off..off
         };
-        let n = off;
-        let mut params = vec![0.0f32; n];
-        for ((t, r), (layer, ti)) in tensors.iter().zip(&ids) {
+        Ok(Layout {
+            cfg: c,
+            spec,
+            tensors,
+            ids,
+            emb,
+            blocks,
+            head,
+        })
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.tensors.last().map(|(_, r)| r.end).unwrap_or(0)
+    }
+
+    /// The initial parameters for `seed`. A tensor's initial values depend only on the seed
+    /// and the tensor's identity (layer, name), never on the cut.
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        let mut params = vec![0.0f32; self.num_params()];
+        for ((t, r), (layer, ti)) in self.tensors.iter().zip(&self.ids) {
             let p = &mut params[r.clone()];
             match t.init {
                 Init::Ones => p.fill(1.0),
@@ -202,6 +239,32 @@ impl Stage {
                 }
             }
         }
+        params
+    }
+}
+
+impl Stage {
+    /// Stage `index` of `plan`, initialised from `seed`. A tensor's initial values depend
+    /// only on the seed and the tensor's identity (layer, name), never on the cut, so any
+    /// plan of the same config starts from the same model.
+    pub fn new(
+        cfg: &ModelConfig,
+        plan: &StagePlan,
+        index: usize,
+        seed: u64,
+    ) -> Result<Stage, ModelError> {
+        let layout = Layout::new(cfg, plan, index)?;
+        let params = layout.init_params(seed);
+        let n = params.len();
+        let Layout {
+            cfg: c,
+            spec,
+            tensors,
+            emb,
+            blocks,
+            head,
+            ..
+        } = layout;
         Ok(Stage {
             cfg: c,
             spec,

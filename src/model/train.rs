@@ -178,13 +178,8 @@ pub struct StepLog {
     pub elapsed_s: f64,
 }
 
-/// Trains `cfg` on the generated corpus with the stages run one after another; calls
-/// `on_step` after every step and returns all logs.
-pub fn train(
-    cfg: &ModelConfig,
-    o: &TrainOptions,
-    mut on_step: impl FnMut(&StepLog),
-) -> Result<Vec<StepLog>, ModelError> {
+/// Checks [`TrainOptions`] for `cfg` (shared by [`train`] and the device trainer).
+pub(crate) fn check_options(cfg: &ModelConfig, o: &TrainOptions) -> Result<(), ModelError> {
     if cfg.vocab_size < 256 {
         return Err(ModelError::InvalidConfig(
             "byte-level training needs vocab_size >= 256".into(),
@@ -199,19 +194,27 @@ pub fn train(
     if !o.lr.is_finite() || o.lr <= 0.0 {
         return Err(ModelError::InvalidConfig(format!("learning rate {}", o.lr)));
     }
-    let mut p = Pipeline::new(cfg, o.stages, o.seed)?;
+    Ok(())
+}
+
+/// The training loop shared by [`train`] and the device trainer: the seeded corpus and
+/// sampler, the learning-rate schedule and the logs. `step` runs one optimizer step on
+/// the step's microbatches (`accum` pairs of token and target ids, `batch * seq` each)
+/// and returns each microbatch's mean loss.
+pub(crate) fn run_loop(
+    o: &TrainOptions,
+    mut step: impl FnMut(&[(Vec<u32>, Vec<u32>)], &AdamW) -> Result<Vec<f32>, ModelError>,
+    mut on_step: impl FnMut(&StepLog),
+) -> Result<Vec<StepLog>, ModelError> {
     let corpus = generate_corpus(o.seed, o.corpus_bytes);
     let mut data = Batcher::new(tokenize(&corpus), o.seed.wrapping_add(17))?;
     let mut logs = Vec::with_capacity(o.steps);
     let t0 = Instant::now();
-    let mut mb: MicrobatchId = 0;
     for s in 0..o.steps {
         let ts = Instant::now();
-        let mut loss = 0.0;
+        let mut mbs = Vec::with_capacity(o.accum);
         for _ in 0..o.accum {
-            let (x, y) = data.next_batch(o.batch, o.seq)?;
-            loss += p.forward_backward(mb, o.batch, o.seq, &x, &y)?;
-            mb += 1;
+            mbs.push(data.next_batch(o.batch, o.seq)?);
         }
         let lr = o.lr_at(s);
         let opt = AdamW {
@@ -219,7 +222,8 @@ pub fn train(
             weight_decay: o.weight_decay,
             ..AdamW::default()
         };
-        p.step(&opt)?;
+        let losses = step(&mbs, &opt)?;
+        let loss: f32 = losses.iter().sum();
         let dt = ts.elapsed().as_secs_f64();
         let log = StepLog {
             step: s + 1,
@@ -232,4 +236,29 @@ pub fn train(
         logs.push(log);
     }
     Ok(logs)
+}
+
+/// Trains `cfg` on the generated corpus with the stages run one after another; calls
+/// `on_step` after every step and returns all logs.
+pub fn train(
+    cfg: &ModelConfig,
+    o: &TrainOptions,
+    on_step: impl FnMut(&StepLog),
+) -> Result<Vec<StepLog>, ModelError> {
+    check_options(cfg, o)?;
+    let mut p = Pipeline::new(cfg, o.stages, o.seed)?;
+    let mut mb: MicrobatchId = 0;
+    run_loop(
+        o,
+        |mbs, opt| {
+            let mut losses = Vec::with_capacity(mbs.len());
+            for (x, y) in mbs {
+                losses.push(p.forward_backward(mb, o.batch, o.seq, x, y)?);
+                mb += 1;
+            }
+            p.step(opt)?;
+            Ok(losses)
+        },
+        on_step,
+    )
 }

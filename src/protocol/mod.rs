@@ -48,6 +48,7 @@
 //!   state from a member and joins its group; leaving nodes say goodbye.
 //! - **SWARM** ([`Policy::Swarm`]) and the centrally planned **optimal**
 //!   routing ([`Policy::Optimal`]) run in the same framework.
+pub mod codec;
 mod node;
 pub mod rng;
 mod types;

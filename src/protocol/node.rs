@@ -1918,7 +1918,9 @@ impl Node {
             }
             // Infinite (or NaN) costs and everything after them are out;
             // past the k-th sink, only ties of its cost still count.
-            if !(h.v < INF) || threshold.is_some_and(|t| h.v > t) {
+            if h.v.partial_cmp(&INF) != Some(std::cmp::Ordering::Less)
+                || threshold.is_some_and(|t| h.v > t)
+            {
                 break;
             }
             if !out.iter().any(|x| x.0 == h.sink) {

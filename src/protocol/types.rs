@@ -1,8 +1,8 @@
 //! Plain data types of the protocol: identifiers, configuration, messages,
 //! inputs, actions, trainer tasks and events.
 //!
-//! Messages are plain Rust enums so that the wire codec (built elsewhere) can
-//! encode them later without changing the protocol.
+//! Messages are plain Rust enums; [`super::codec`] encodes them as control
+//! envelopes of the v1 wire format.
 use std::sync::Arc;
 
 /// Virtual or real time in microseconds. The protocol never reads a clock:

@@ -1,10 +1,11 @@
 //! `gwtf bench kernels`: the memory-bound kernels' bandwidth against a copy
 //! measured in the same run (memcpy on the CPU, device-to-device on the GPU),
-//! and the training rate of the small model.
+//! and the training rate of the small model on the CPU and, when present, the GPU.
 
 use clap::Args;
 use gwtf::model::bench::{cpu_kernels, BenchOptions, KernelBench};
-use gwtf::model::train::{train, TrainOptions};
+use gwtf::model::gpu::train_gpu;
+use gwtf::model::train::{train, StepLog, TrainOptions};
 
 #[derive(Args)]
 pub struct BenchKernelsArgs {
@@ -14,9 +15,12 @@ pub struct BenchKernelsArgs {
     /// Minimum seconds of work per kernel.
     #[arg(long, default_value_t = 0.5)]
     min_secs: f64,
-    /// Training steps of llama-small for the tokens/s figure (0 skips it).
+    /// Training steps for the tokens/s figures, CPU and GPU (0 skips them).
     #[arg(long, default_value_t = 5)]
     train_steps: usize,
+    /// Model of the training figures: llama-small, llama-tiny or gpt-tiny.
+    #[arg(long, default_value = "llama-small")]
+    train_model: String,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -52,6 +56,13 @@ pub fn run(a: BenchKernelsArgs) -> super::CliResult {
     if a.elements == 0 || a.min_secs.is_nan() || a.min_secs <= 0.0 {
         return Err("--elements and --min-secs must be > 0".into());
     }
+    if !["gpt-tiny", "llama-tiny", "llama-small"].contains(&a.train_model.as_str()) {
+        return Err(format!(
+            "--train-model {}: one of gpt-tiny, llama-tiny, llama-small",
+            a.train_model
+        )
+        .into());
+    }
     let opts = BenchOptions {
         elements: a.elements,
         min_secs: a.min_secs,
@@ -81,29 +92,63 @@ pub fn run(a: BenchKernelsArgs) -> super::CliResult {
     }
 
     if a.train_steps > 0 {
-        let cfg = gwtf::model::preset("llama-small")?;
+        let cfg = gwtf::model::preset(&a.train_model)?;
         let mut o = TrainOptions::for_config(&cfg);
         o.steps = a.train_steps;
         o.warmup = 1;
-        let logs = train(&cfg, &o, |_| {})?;
-        // The first step includes warm-up (allocation); report the rest.
-        let rest = &logs[logs.len().min(1)..];
-        let tps = if rest.is_empty() {
-            logs.last().map(|l| l.tokens_per_s).unwrap_or(0.0)
-        } else {
-            rest.iter().map(|l| l.tokens_per_s).sum::<f64>() / rest.len() as f64
-        };
+        let name = format!("train {}", a.train_model);
+        let cpu = steady_tokens_per_s(&train(&cfg, &o, |_| {})?);
         if a.json {
             println!(
                 "{}",
-                serde_json::json!({"device": "cpu", "name": "train llama-small", "steps": a.train_steps, "tokens_per_s": tps})
+                serde_json::json!({"device": "cpu", "name": name, "steps": a.train_steps, "tokens_per_s": cpu})
             );
         } else {
             println!(
-                "cpu   train llama-small: {tps:.0} tokens/s over {} steps",
+                "cpu   {name}: {cpu:.0} tokens/s over {} steps",
                 a.train_steps
             );
         }
+        // The same training on CUDA device 0 (cuBLAS + our kernels, all on the device).
+        match train_gpu(&cfg, &o, |_| {}) {
+            Ok(logs) => {
+                let gpu = steady_tokens_per_s(&logs);
+                if a.json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"device": "cuda", "name": name, "steps": a.train_steps,
+                            "tokens_per_s": gpu, "ratio_vs_cpu": gpu / cpu.max(1e-9)})
+                    );
+                } else {
+                    println!(
+                        "cuda  {name}: {gpu:.0} tokens/s over {} steps ({:.1}x the CPU)",
+                        a.train_steps,
+                        gpu / cpu.max(1e-9)
+                    );
+                }
+            }
+            Err(e) => {
+                if a.json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"device": "cuda", "name": name, "skipped": e.to_string()})
+                    );
+                } else {
+                    println!("cuda  {name} skipped: {e}");
+                }
+            }
+        }
     }
     Ok(())
+}
+
+/// Mean tokens/s of the steps after the first (which includes allocation and, on a GPU,
+/// the first use of every kernel); the only step's if there is one.
+fn steady_tokens_per_s(logs: &[StepLog]) -> f64 {
+    let rest = &logs[logs.len().min(1)..];
+    if rest.is_empty() {
+        logs.last().map(|l| l.tokens_per_s).unwrap_or(0.0)
+    } else {
+        rest.iter().map(|l| l.tokens_per_s).sum::<f64>() / rest.len() as f64
+    }
 }

@@ -1,14 +1,17 @@
-//! `gwtf train`: trains the reference model in one process (stages run one after another).
+//! `gwtf train`: trains the reference model in one process (stages run one after another),
+//! on the CPU or on a CUDA device.
 use clap::{Args, ValueEnum};
+use gwtf::model::gpu::train_gpu;
+use gwtf::model::preset;
 use gwtf::model::train::{train, TrainOptions};
-use gwtf::model::{preset, ModelError};
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
     /// CPU kernels (rayon + matrixmultiply).
     Cpu,
-    /// CUDA kernels (not yet available for training).
+    /// CUDA device 0: cuBLAS matrix multiplies and our NVRTC kernels, everything resident
+    /// on the device.
     Cuda,
 }
 
@@ -50,16 +53,10 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> super::CliResult {
-    if a.device == Device::Cuda {
-        return Err(ModelError::DeviceUnavailable(
-            "CUDA training not available in this build yet (use --device cpu)".into(),
-        )
-        .into());
-    }
     let cfg = preset(&a.model)?;
     if !["gpt-tiny", "llama-tiny", "llama-small"].contains(&a.model.as_str()) {
         return Err(format!(
-            "--model {}: only gpt-tiny, llama-tiny and llama-small are trained on the CPU \
+            "--model {}: only gpt-tiny, llama-tiny and llama-small are trained here \
              (the larger presets are shapes for the simulator)",
             a.model
         )
@@ -94,10 +91,15 @@ pub fn run(a: TrainArgs) -> super::CliResult {
     let every = a.log_every.max(1);
     if !a.json {
         println!(
-            "gwtf train: {} ({} params, {} stages), batch {} x seq {} x accum {}, lr {}, seed {}",
+            "gwtf train: {} ({} params, {} stages) on {}, batch {} x seq {} x accum {}, lr {}, \
+             seed {}",
             cfg.name,
             cfg.total_params(),
             o.stages,
+            match a.device {
+                Device::Cpu => "the CPU",
+                Device::Cuda => "CUDA device 0",
+            },
             o.batch,
             o.seq,
             o.accum,
@@ -107,7 +109,7 @@ pub fn run(a: TrainArgs) -> super::CliResult {
     }
     let steps = o.steps;
     let mut err: Option<serde_json::Error> = None;
-    let logs = train(&cfg, &o, |l| {
+    let on_step = |l: &gwtf::model::StepLog| {
         if l.step % every != 0 && l.step != 1 && l.step != steps {
             return;
         }
@@ -122,7 +124,11 @@ pub fn run(a: TrainArgs) -> super::CliResult {
                 l.step, l.loss, l.lr, l.tokens_per_s, l.elapsed_s
             );
         }
-    })?;
+    };
+    let logs = match a.device {
+        Device::Cpu => train(&cfg, &o, on_step)?,
+        Device::Cuda => train_gpu(&cfg, &o, on_step)?,
+    };
     if let Some(e) = err {
         return Err(e.into());
     }

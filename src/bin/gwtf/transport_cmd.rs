@@ -202,10 +202,9 @@ fn raw_run(pairs: &[(TcpStream, TcpStream)], size: usize, per_conn: usize) -> f6
             });
             receivers.push(s.spawn(move || {
                 let mut buf = vec![0u8; size];
-                let mut rx = rx;
                 b.wait();
                 for _ in 0..per_conn {
-                    rx.read_exact(&mut buf).expect("raw recv");
+                    recv_waitall(rx, &mut buf).expect("raw recv");
                 }
             }));
         }
@@ -217,6 +216,38 @@ fn raw_run(pairs: &[(TcpStream, TcpStream)], size: usize, per_conn: usize) -> f6
         let dt = t0.elapsed().as_secs_f64();
         (size * per_conn * pairs.len()) as f64 / dt / 1e9
     })
+}
+
+/// The strongest blocking receive loop: `recv(MSG_WAITALL)` sleeps in the
+/// kernel until the whole message is there (as the shared reference harness
+/// does), instead of returning to user space per segment.
+fn recv_waitall(rx: &TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut off = 0;
+    while off < buf.len() {
+        let rest = &mut buf[off..];
+        // SAFETY: `rest` is a valid writable buffer of `rest.len()` bytes and
+        // the descriptor is owned by `rx` for the duration of the call.
+        let n = unsafe {
+            libc::recv(
+                rx.as_raw_fd(),
+                rest.as_mut_ptr().cast(),
+                rest.len(),
+                libc::MSG_WAITALL,
+            )
+        };
+        match n {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => off += n as usize,
+        }
+    }
+    Ok(())
 }
 
 fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> f64 {
@@ -243,6 +274,9 @@ fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> f64 {
     })
 }
 
+/// The framed side of a case: `c` independent connections, each between its
+/// own sending and receiving node (as raw TCP has `c` independent sockets,
+/// each with its own sender and receiver thread).
 struct FramedPair {
     tx: Node,
     rx: Node,
@@ -317,7 +351,8 @@ fn framed_run(pairs: &[FramedPair], size: usize, per_conn: usize) -> f64 {
 }
 
 fn framed_rtt(p: &FramedPair, iters: usize) -> f64 {
-    let back = p.rx.peers()[0];
+    let (tx, peer) = (&p.tx, &p.peer);
+    let back = tx.node_id();
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -330,9 +365,9 @@ fn framed_rtt(p: &FramedPair, iters: usize) -> f64 {
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             let t = Instant::now();
-            let f = p.tx.alloc(64, T).expect("alloc");
-            p.tx.send(p.peer, f, T).expect("send");
-            let r = p.tx.recv(T).expect("rtt recv");
+            let f = tx.alloc(64, T).expect("alloc");
+            tx.send(*peer, f, T).expect("send");
+            let r = tx.recv(T).expect("rtt recv");
             drop(r);
             times.push(t.elapsed().as_secs_f64() * 1e6);
         }
@@ -359,6 +394,9 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             if args.payload_crc { "on" } else { "off (header crc only)" }
         );
         println!(
+            "raw: blocking send / recv(MSG_WAITALL) of reused buffers; framed: pool slot -> writev -> pool slot; TCP_NODELAY on both; one sender and one receiver per connection"
+        );
+        println!(
             "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>11} {:>8} {:>10}",
             "size",
             "conns",
@@ -380,11 +418,13 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             // Warm-up pair.
             raw_run(&raw, size, per_conn.div_ceil(4));
             framed_run(&framed, size, per_conn.div_ceil(4));
-            let copies0: u64 = framed
-                .iter()
-                .map(|p| p.tx.stats().user_copies + p.rx.stats().user_copies)
-                .sum();
-            let frames0: u64 = framed.iter().map(|p| p.rx.stats().frames_received).sum();
+            let sum = |f: &dyn Fn(&FramedPair) -> u64| framed.iter().map(f).sum::<u64>();
+            let copies = || sum(&|p| p.tx.stats().user_copies + p.rx.stats().user_copies);
+            let writes = || sum(&|p| p.tx.stats().write_calls);
+            let copies0 = copies();
+            let frames0: u64 = sum(&|p| p.rx.stats().frames_received);
+            let reads0: u64 = sum(&|p| p.rx.stats().read_calls);
+            let writes0: u64 = writes();
             let mut raws = Vec::new();
             let mut frs = Vec::new();
             let mut ratios = Vec::new();
@@ -395,12 +435,14 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                 frs.push(f);
                 ratios.push(f / r);
             }
-            let copies1: u64 = framed
-                .iter()
-                .map(|p| p.tx.stats().user_copies + p.rx.stats().user_copies)
-                .sum();
-            let frames1: u64 = framed.iter().map(|p| p.rx.stats().frames_received).sum();
-            let copies_per_frame = (copies1 - copies0) as f64 / (frames1 - frames0).max(1) as f64;
+            let copies1 = copies();
+            let frames1: u64 = sum(&|p| p.rx.stats().frames_received);
+            let frames = (frames1 - frames0).max(1) as f64;
+            let copies_per_frame = (copies1 - copies0) as f64 / frames;
+            let reads1: u64 = sum(&|p| p.rx.stats().read_calls);
+            let writes1: u64 = writes();
+            let reads_per_frame = (reads1 - reads0) as f64 / frames;
+            let writes_per_frame = (writes1 - writes0) as f64 / frames;
             let raw_rtt_us = raw_rtt(&raw[0], args.rtt_iters);
             let framed_rtt_us = framed_rtt(&framed[0], args.rtt_iters);
             let (rmin, rmax) = ratios
@@ -423,6 +465,8 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                         "raw_gbps_runs": raws,
                         "framed_gbps_runs": frs,
                         "copies_per_frame": copies_per_frame,
+                        "read_calls_per_frame": reads_per_frame,
+                        "write_calls_per_frame": writes_per_frame,
                         "raw_rtt_us": raw_rtt_us,
                         "framed_rtt_us": framed_rtt_us,
                         "bytes_per_measurement": size * per_conn * c,
