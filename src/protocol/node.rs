@@ -514,6 +514,8 @@ pub struct Node {
     /// A relay told us which iteration comes next (`known_iter`): a holders'
     /// coordinator without a history of its own opens no iteration before.
     iter_heard: bool,
+    /// A snapshot was marked stuck since the tick last looked for them.
+    maybe_stuck: bool,
     /// Costs last gossiped upstream.
     advertised: Arc<[(NodeId, f64)]>,
     gossip_round: usize,
@@ -597,6 +599,7 @@ impl Node {
             seen_iter: None,
             known_iter: 0,
             iter_heard: false,
+            maybe_stuck: false,
             advertised: Arc::new([]),
             gossip_round: 0,
             cfg,
@@ -1391,13 +1394,17 @@ impl Node {
         if self.cfg.policy == Policy::Gwtf {
             self.flow_maintenance();
         }
-        // Stuck recoveries.
-        let stuck: Vec<MbId> = self
-            .snaps
-            .iter()
-            .filter(|(_, s)| s.stuck)
-            .map(|(m, _)| *m)
-            .collect();
+        // Stuck recoveries (looked for only when a microbatch got stuck
+        // since the last look).
+        let stuck: Vec<MbId> = if std::mem::take(&mut self.maybe_stuck) {
+            self.snaps
+                .iter()
+                .filter(|(_, s)| s.stuck)
+                .map(|(m, _)| *m)
+                .collect()
+        } else {
+            Vec::new()
+        };
         for mb in stuck {
             let dead = self.snaps[&mb].next.unwrap_or(self.id);
             let (hint, redo) = (self.snaps[&mb].hint, self.snaps[&mb].grad_in);
@@ -1899,23 +1906,27 @@ impl Node {
         }
         let ns = self.next_stage();
         let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
-        let mut heap: std::collections::BinaryHeap<MergeHead> = std::collections::BinaryHeap::new();
         for (&j, p) in &self.peers {
             if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
                 continue;
             }
-            let Some(&(sink, c)) = p.costs.0.first() else {
-                continue;
-            };
-            let lc = self.link_cost_to(p);
-            heap.push(MergeHead {
-                v: lc + c,
-                sink,
-                list: lists.len() as u32,
-                pos: 0,
-            });
-            lists.push((lc, &p.costs.0));
+            lists.push((self.link_cost_to(p), &p.costs.0));
         }
+        // The heads, read in a pass of their own: the lists live in their
+        // senders' memory, and independent loads overlap their misses.
+        let heads: Vec<MergeHead> = lists
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &(lc, list))| {
+                list.first().map(|&(sink, c)| MergeHead {
+                    v: lc + c,
+                    sink,
+                    list: i as u32,
+                    pos: 0,
+                })
+            })
+            .collect();
+        let mut heap = std::collections::BinaryHeap::from(heads);
         let mut out: Vec<(NodeId, f64)> = Vec::with_capacity(k);
         let mut threshold: Option<f64> = None;
         while let Some(h) = heap.pop() {
@@ -2309,26 +2320,40 @@ impl Node {
         if self.stage == 0 || self.flows.is_empty() || self.sa_busy_until > self.now {
             return;
         }
-        // Live members not skipped; `alive` by a merge of the two ordered
-        // maps (a stage group can be far larger than the view).
-        let mut peers = self.peers.iter().peekable();
-        let cands: Vec<NodeId> = self
-            .members
-            .iter()
-            .copied()
-            .filter(|&m| {
-                while peers.next_if(|(p, _)| **p < m).is_some() {}
-                let dead = m != self.id && peers.peek().is_some_and(|(p, x)| **p == m && x.dead);
-                m != self.id && !dead && self.sa_skip.get(&m).copied().unwrap_or(0) == 0
-            })
-            .collect();
+        // A random one of the candidates: the members, in id order, but
+        // this node, those known dead and those skipped. The excluded ones
+        // are few (a stage group can hold thousands): find their positions
+        // in the member list and index around them.
+        let list = self.members.list();
+        let mut out: Vec<usize> = list.binary_search(&self.id).ok().into_iter().collect();
+        for (id, p) in &self.peers {
+            if p.dead {
+                out.extend(list.binary_search(id).ok());
+            }
+        }
+        for (id, &v) in &self.sa_skip {
+            if v != 0 {
+                out.extend(list.binary_search(id).ok());
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        let cands = list.len() - out.len();
         for v in self.sa_skip.values_mut() {
             *v = v.saturating_sub(1);
         }
-        if cands.is_empty() {
+        if cands == 0 {
             return;
         }
-        let b = cands[self.rng.below(cands.len() as u64) as usize];
+        // The r-th member not excluded.
+        let mut at = self.rng.below(cands as u64) as usize;
+        for &x in &out {
+            if x > at {
+                break;
+            }
+            at += 1;
+        }
+        let b = list[at];
         self.sa_busy_until = self.now + self.cfg.gossip_ticks as Time * self.cfg.tick;
         self.send(b, Msg::QueryFlows);
     }
@@ -3162,6 +3187,7 @@ impl Node {
             None => {
                 let s = self.snaps.get_mut(&mb).unwrap();
                 s.stuck = true;
+                self.maybe_stuck = true;
             }
             Some((n, out_label)) => {
                 let s = self.snaps.get_mut(&mb).unwrap();
@@ -3393,6 +3419,7 @@ impl Node {
         match self.route(mb, None, None, plan.as_ref(), &[dead]) {
             None => {
                 self.snaps.get_mut(&mb).unwrap().stuck = true;
+                self.maybe_stuck = true;
             }
             Some((r, _)) => {
                 let msg = Msg::Forward {
