@@ -56,3 +56,28 @@ fn protocol_messages_cross_the_transport_as_control_frames() {
     }
     assert_eq!(got, samples, "in order, all of them, unchanged");
 }
+
+/// The link size the simulator charges for a message is the size of the
+/// frames it really takes: the encoded control frame, plus the data frame
+/// of a bulk message.
+#[test]
+fn link_bytes_is_the_framed_size() {
+    use gwtf::wire::{encode_control_frame, FrameKind, HEADER_LEN};
+    let payload = 12_345u64;
+    for m in codec::samples() {
+        let env = codec::encode(&m).unwrap().encode().unwrap();
+        let control = encode_control_frame(FrameKind::Control, 7, &env).len() as u64;
+        let want = if m.is_bulk() {
+            control + HEADER_LEN as u64 + payload
+        } else {
+            control
+        };
+        assert_eq!(codec::link_bytes(&m, payload), want, "{}", m.name());
+        assert_eq!(
+            codec::body_len(&m),
+            codec::encode(&m).unwrap().body.len(),
+            "{}",
+            m.name()
+        );
+    }
+}

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use super::types::{FlowInfo, MbId, Msg, NodeId, StageSummary};
 use crate::wire::control::MAX_CONTROL_PAYLOAD;
-use crate::wire::{ControlEnvelope, WireError};
+use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 
 /// Version of the message bodies below.
 pub const MSG_VERSION: u16 = 1;
@@ -73,20 +73,33 @@ pub fn msg_type(m: &Msg) -> u16 {
 }
 
 /// Little-endian body writer.
-struct W(Vec<u8>);
+/// Body writer. A counting writer (`buf: None`) runs the same field code as
+/// the encoder and only adds up lengths, so [`body_len`] is exact by
+/// construction and allocates nothing (the simulator sizes every message
+/// with it).
+struct W {
+    buf: Option<Vec<u8>>,
+    len: usize,
+}
 
 impl W {
+    fn put(&mut self, b: &[u8]) {
+        self.len += b.len();
+        if let Some(v) = &mut self.buf {
+            v.extend_from_slice(b);
+        }
+    }
     fn u8(&mut self, v: u8) {
-        self.0.push(v);
+        self.put(&[v]);
     }
     fn u16(&mut self, v: u16) {
-        self.0.extend_from_slice(&v.to_le_bytes());
+        self.put(&v.to_le_bytes());
     }
     fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
+        self.put(&v.to_le_bytes());
     }
     fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
+        self.put(&v.to_le_bytes());
     }
     fn f64(&mut self, v: f64) {
         self.u64(v.to_bits());
@@ -238,7 +251,46 @@ const FLOW_BYTES: usize = 44;
 /// Encodes `m` as a control envelope; fails only when the body would exceed
 /// the control payload limit (a list too long for one message).
 pub fn encode(m: &Msg) -> Result<ControlEnvelope, WireError> {
-    let mut w = W(Vec::with_capacity(64));
+    let mut w = W {
+        buf: Some(Vec::with_capacity(64)),
+        len: 0,
+    };
+    write_body(&mut w, m);
+    let env = ControlEnvelope {
+        msg_type: msg_type(m),
+        msg_version: MSG_VERSION,
+        body: w.buf.unwrap_or_default(),
+    };
+    if env.body.len() > MAX_CONTROL_PAYLOAD - ControlEnvelope::HEADER_LEN {
+        return Err(WireError::BadField {
+            field: "protocol message body length",
+            value: env.body.len() as u64,
+        });
+    }
+    Ok(env)
+}
+
+/// Length of `m`'s encoded body, without encoding it.
+pub fn body_len(m: &Msg) -> usize {
+    let mut w = W { buf: None, len: 0 };
+    write_body(&mut w, m);
+    w.len
+}
+
+/// Bytes `m` puts on a link: its control frame (frame header, envelope
+/// header, body) and, for a bulk message, the data frame that follows it
+/// (frame header and `payload` bytes: the tensor or state the message
+/// announces).
+pub fn link_bytes(m: &Msg, payload: u64) -> u64 {
+    let control = (HEADER_LEN + ControlEnvelope::HEADER_LEN + body_len(m)) as u64;
+    if m.is_bulk() {
+        control + HEADER_LEN as u64 + payload
+    } else {
+        control
+    }
+}
+
+fn write_body(w: &mut W, m: &Msg) {
     match m {
         Msg::Introduce {
             iter,
@@ -481,18 +533,6 @@ pub fn encode(m: &Msg) -> Result<ControlEnvelope, WireError> {
             w.u64(*bytes);
         }
     }
-    let env = ControlEnvelope {
-        msg_type: msg_type(m),
-        msg_version: MSG_VERSION,
-        body: w.0,
-    };
-    if env.body.len() > MAX_CONTROL_PAYLOAD - ControlEnvelope::HEADER_LEN {
-        return Err(WireError::BadField {
-            field: "protocol message body length",
-            value: env.body.len() as u64,
-        });
-    }
-    Ok(env)
 }
 
 /// Decodes a control envelope into a protocol message.

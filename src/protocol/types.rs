@@ -479,29 +479,16 @@ impl Msg {
         }
     }
 
-    /// Bytes this message occupies on a link (header + payload), for drivers
-    /// that model links.
+    /// Bytes this message occupies on a link, for drivers that model links:
+    /// its encoded control frame plus, for a bulk message, the data frame
+    /// with its tensor or state (exact: see [`super::codec::link_bytes`]).
     pub fn wire_bytes(&self, cfg: &Config) -> u64 {
-        const H: u64 = 64;
-        match self {
-            Msg::Forward { path, plan, .. } => {
-                H + cfg.activation_bytes
-                    + 4 * path.len() as u64
-                    + plan.as_ref().map_or(0, |p| 4 * p.len() as u64)
-            }
-            Msg::Backward { path, .. } => H + cfg.activation_bytes + 4 * path.len() as u64,
-            Msg::Probe { bytes, .. } => H + bytes,
-            Msg::StateResponse { bytes, members, .. } => H + bytes + 4 * members.len() as u64,
-            Msg::Change { costs, .. } => H + 12 * costs.len() as u64,
-            Msg::FlowTable { flows, .. } => H + 48 * flows.len() as u64,
-            Msg::Heartbeat { members } => H + members.as_ref().map_or(0, |m| 4 * m.len() as u64),
-            Msg::StartIter { holders, .. }
-            | Msg::EndIter { holders, .. }
-            | Msg::Finalize { holders, .. } => H + 4 * holders.len() as u64,
-            Msg::Sync { granted, .. } => H + 20 * granted.len() as u64,
-            Msg::Commit { members, .. } => H + 4 * members.len() as u64,
-            _ => H,
-        }
+        let payload = match self {
+            Msg::Forward { .. } | Msg::Backward { .. } => cfg.activation_bytes,
+            Msg::Probe { bytes, .. } | Msg::StateResponse { bytes, .. } => *bytes,
+            _ => 0,
+        };
+        super::codec::link_bytes(self, payload)
     }
 
     /// True for messages that carry bulk data (activations, gradients, state).
