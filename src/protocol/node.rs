@@ -344,6 +344,10 @@ struct PendingReq {
     cost_from_source: f64,
     tried: Vec<NodeId>,
     expires: Time,
+    /// A reroute of the existing flow `in_label` (see [`Node::reroute_flows`]):
+    /// on acceptance the flow switches to the new next hop; on refusal the
+    /// flow simply keeps its current one (nothing is said upstream).
+    reroute: bool,
 }
 
 /// Lightweight snapshot of one microbatch at this node.
@@ -1147,7 +1151,8 @@ impl Node {
     }
 
     fn spare(&self) -> u32 {
-        let used = self.flows.len() + self.pending.len();
+        // A pending reroute belongs to a flow already counted.
+        let used = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
         self.capacity.saturating_sub(used as u32)
     }
 
@@ -1361,6 +1366,7 @@ impl Node {
             self.gossip();
             if self.cfg.policy == Policy::Gwtf {
                 self.local_search();
+                self.reroute_flows();
             }
         }
         if self.tick_no % (4 * hb) == 0 {
@@ -2023,6 +2029,9 @@ impl Node {
             .collect();
         for l in expired {
             let r = self.pending.remove(&l).unwrap();
+            if r.reroute {
+                continue;
+            }
             if let Some(inl) = r.in_label {
                 self.send(
                     r.prev,
@@ -2049,7 +2058,7 @@ impl Node {
         // Holders reserve flows up to their in-flight bound (one request
         // per missing unit, each toward the best next hop with spare room).
         if self.stage == 0 {
-            let have = self.flows.len() + self.pending.len();
+            let have = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
             for _ in have..self.cfg.max_in_flight as usize {
                 if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
                     let label = self.new_label();
@@ -2065,6 +2074,7 @@ impl Node {
                             tried: vec![j],
                             expires: now
                                 + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                            reroute: false,
                         },
                     );
                     if let Some(p) = self.peers.get_mut(&j) {
@@ -2082,6 +2092,92 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// Rerouting of reserved flows (GWTF.md section 5: CHANGE gossip is
+    /// there so that upstream nodes pick the next hop minimising
+    /// d(me, j) + cost_to_sink(j)). Flows are reserved greedily when they
+    /// are built, often right after a crash, through the cheapest next hop
+    /// that had room at that moment; the gossip later shows cheaper next
+    /// hops with spare capacity (a joiner, capacity released elsewhere), and
+    /// the swap and redirect moves of the local search cannot use them (a
+    /// swap needs a same-stage peer with a flow to the same sink, a redirect
+    /// moves a flow into the proposer only). So, once per gossip period,
+    /// this node moves the one flow that gains most to the cheapest next
+    /// hop with spare capacity, when that lowers the flow's cost to its sink
+    /// by more than `reroute_min_gain`. The new downstream segment is
+    /// reserved first (FLOW_REQUEST with the cost expected); only when it is
+    /// accepted is the old one cancelled, so the flow always has a path.
+    /// Only local knowledge is used: own link costs and gossiped costs.
+    fn reroute_flows(&mut self) {
+        if self.stage == self.s() || self.pending.values().any(|r| r.reroute) {
+            return;
+        }
+        let mut best: Option<(f64, Label, NodeId, f64)> = None;
+        for f in self.flows.values() {
+            let cur = self.cost_via(f.next, f.sink);
+            if cur >= INF {
+                continue;
+            }
+            let Some((j, c)) = self.best_to_sink(f.sink, true, &[f.next]) else {
+                continue;
+            };
+            let gain = cur - c;
+            if gain > self.cfg.reroute_min_gain * cur && best.is_none_or(|b| gain > b.0) {
+                best = Some((gain, f.in_label, j, c));
+            }
+        }
+        let Some((_, inl, j, c)) = best else { return };
+        let f = self.flows[&inl].clone();
+        let out = self.new_label();
+        self.pending.insert(
+            out,
+            PendingReq {
+                in_label: Some(f.in_label),
+                prev: f.prev,
+                sink: f.sink,
+                next: j,
+                cost_from_source: f.cost_from_source,
+                tried: vec![j],
+                expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: true,
+            },
+        );
+        if let Some(p) = self.peers.get_mut(&j) {
+            p.spare = p.spare.saturating_sub(1);
+        }
+        let expected = c - self.link_cost(j);
+        self.send(
+            j,
+            Msg::FlowRequest {
+                label: out,
+                sink: f.sink,
+                cost_from_source: f.cost_from_source,
+                expected_cost: expected,
+            },
+        );
+    }
+
+    /// The new downstream segment `out` through `next` of a reroute was
+    /// accepted: switch the flow to it and cancel the old segment, unless
+    /// the flow is gone or the new segment is no longer cheaper (then the
+    /// new one is cancelled instead).
+    fn finish_reroute(&mut self, r: PendingReq, out: Label, next: NodeId) {
+        let keep = r.in_label.and_then(|inl| self.flows.get(&inl)).filter(|f| {
+            f.sink == r.sink
+                && f.next != next
+                && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
+        });
+        let Some(f) = keep.cloned() else {
+            self.send(next, Msg::Cancel { label: out });
+            return;
+        };
+        self.out_index.remove(&f.out_label);
+        self.send(f.next, Msg::Cancel { label: f.out_label });
+        let e = self.flows.get_mut(&f.in_label).unwrap();
+        e.next = next;
+        e.out_label = out;
+        self.out_index.insert(out, f.in_label);
     }
 
     /// Removes a flow entry; tells upstream (PushBack) and/or downstream (Cancel).
@@ -2173,6 +2269,7 @@ impl Node {
                 cost_from_source: cfs_here,
                 tried: vec![j],
                 expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: false,
             },
         );
         if let Some(p) = self.peers.get_mut(&j) {
@@ -2218,7 +2315,9 @@ impl Node {
             }
             return;
         };
-        if accept {
+        if accept && r.reroute {
+            self.finish_reroute(r, label, from);
+        } else if accept {
             let total = self.link_cost(from) + cost;
             match r.in_label {
                 None => self.insert_flow(FlowEntry {
@@ -2263,6 +2362,10 @@ impl Node {
         let Some(mut r) = self.pending.remove(&label) else {
             return;
         };
+        if r.reroute {
+            // The flow still runs on its current next hop.
+            return;
+        }
         if !r.tried.contains(&failed) {
             r.tried.push(failed);
         }
