@@ -2721,6 +2721,15 @@ impl Node {
         exclude: &[NodeId],
     ) -> Option<(NodeId, Option<Label>)> {
         if self.stage == self.s() {
+            // The last stage sends back to the holder, but the reserved flow
+            // is still in use: without this refresh a last-stage relay would
+            // release every flow as idle `flow_idle_expiry_ticks` after it
+            // was reserved, pushing it back all the way to the holder, which
+            // then rebuilds it greedily and loses what local search had
+            // gained (every flow was torn down about every two minutes).
+            if let Some(f) = label.and_then(|l| self.flows.get_mut(&l)) {
+                f.last_used = self.now;
+            }
             return Some((mb.holder, None));
         }
         // Candidates: next hops not excluded (looked up one by one; the
