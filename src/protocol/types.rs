@@ -172,7 +172,7 @@ impl Config {
             gossip_sinks: 16,
             gossip_fanout: 12,
             stale_cost_tolerance: 0.25,
-            reroute_min_gain: 0.03,
+            reroute_min_gain: 0.10,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
             probe_bytes: 1 << 20,
