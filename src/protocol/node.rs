@@ -490,6 +490,9 @@ pub struct Node {
     next_label: u64,
     sa_temp: f64,
     sa_skip: BTreeMap<NodeId, u32>,
+    /// Holder (GWTF): EMA of the observed round trip (launch to gradient
+    /// back) of a microbatch on each of its reserved flows, in seconds.
+    flow_rtt: BTreeMap<Label, f64>,
     sa_busy_until: Time,
     dh: HolderState,
     acc: BTreeMap<u32, Acc>,
@@ -584,6 +587,7 @@ impl Node {
             next_label: 1,
             sa_temp: t0,
             sa_skip: BTreeMap::new(),
+            flow_rtt: BTreeMap::new(),
             sa_busy_until: 0,
             dh: HolderState::default(),
             acc: BTreeMap::new(),
@@ -2901,6 +2905,17 @@ impl Node {
             } else {
                 None
             };
+            if let Some(l) = label {
+                if self.better_wait(l) {
+                    // Put the microbatch back: a busy flow finishes it sooner.
+                    if mb.idx + 1 == self.dh.next_idx && !self.dh.restarts.contains(&mb) {
+                        self.dh.next_idx -= 1;
+                    } else {
+                        self.dh.restarts.push_front(mb);
+                    }
+                    break;
+                }
+            }
             let plan = if self.cfg.policy == Policy::Optimal && !self.plan.is_empty() {
                 Some(self.plan[self.dh.in_flight.len() % self.plan.len()].clone())
             } else {
@@ -2932,6 +2947,54 @@ impl Node {
                 },
             );
         }
+    }
+
+    /// Holder (GWTF): whether the remaining microbatches of the iteration
+    /// finish sooner without using the free flow `free` now. The flows of a
+    /// holder have unequal costs (a flow rebuilt after a crash, a distant
+    /// relay), and the iteration waits for the holder's last microbatch:
+    /// list scheduling by earliest expected completion (each flow free at
+    /// its current microbatch's start + its observed round trip) assigns
+    /// the remaining microbatches one by one to the flow that would finish
+    /// each first; when the free flow gets none, the holder waits for a
+    /// faster one. Only the holder's own observations are used; with any
+    /// round trip unknown it does not wait.
+    fn better_wait(&self, free: Label) -> bool {
+        let Some(&r_free) = self.flow_rtt.get(&free) else {
+            return false;
+        };
+        let now = to_secs(self.now);
+        // (time the flow is free, its round trip) of the busy flows.
+        let mut flows: Vec<(f64, f64)> = Vec::new();
+        for (m, l) in &self.dh.in_flight {
+            let Some(l) = l else { continue };
+            let (Some(&r), Some(s)) = (self.flow_rtt.get(l), self.snaps.get(m)) else {
+                return false;
+            };
+            flows.push(((to_secs(s.started) + r).max(now), r));
+        }
+        if flows.is_empty() {
+            return false;
+        }
+        // The microbatch at hand and those not started yet.
+        let remaining = 1
+            + self.dh.restarts.len()
+            + self.cfg.mb_per_iter.saturating_sub(self.dh.next_idx) as usize;
+        flows.push((now, r_free));
+        let free_at = flows.len() - 1;
+        for _ in 0..remaining {
+            let (i, _) = flows
+                .iter()
+                .enumerate()
+                .map(|(i, f)| (i, f.0 + f.1))
+                .min_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                .unwrap();
+            if i == free_at {
+                return false;
+            }
+            flows[i].0 += flows[i].1;
+        }
+        true
     }
 
     fn restart(&mut self, mb: MbId, failed: Option<u32>) {
@@ -3239,7 +3302,14 @@ impl Node {
                 }
                 if self.stage == 0 {
                     // The microbatch is complete.
-                    if self.dh.in_flight.remove(&mb).is_some() {
+                    if let Some(label) = self.dh.in_flight.remove(&mb) {
+                        if let (Some(l), Some(s)) = (label, self.snaps.get(&mb)) {
+                            let rtt = to_secs(self.now.saturating_sub(s.started));
+                            let old = self.flow_rtt.get(&l).copied();
+                            if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
+                                self.flow_rtt.insert(l, v);
+                            }
+                        }
                         let first = self.dh.done.insert(mb.idx);
                         if first {
                             self.event(Event::MbDone {
