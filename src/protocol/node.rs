@@ -344,6 +344,10 @@ struct PendingReq {
     cost_from_source: f64,
     tried: Vec<NodeId>,
     expires: Time,
+    /// A reroute of the existing flow `in_label` (see [`Node::reroute_flows`]):
+    /// on acceptance the flow switches to the new next hop; on refusal the
+    /// flow simply keeps its current one (nothing is said upstream).
+    reroute: bool,
 }
 
 /// Lightweight snapshot of one microbatch at this node.
@@ -486,6 +490,9 @@ pub struct Node {
     next_label: u64,
     sa_temp: f64,
     sa_skip: BTreeMap<NodeId, u32>,
+    /// Holder (GWTF): EMA of the observed round trip (launch to gradient
+    /// back) of a microbatch on each of its reserved flows, in seconds.
+    flow_rtt: BTreeMap<Label, f64>,
     sa_busy_until: Time,
     dh: HolderState,
     acc: BTreeMap<u32, Acc>,
@@ -580,6 +587,7 @@ impl Node {
             next_label: 1,
             sa_temp: t0,
             sa_skip: BTreeMap::new(),
+            flow_rtt: BTreeMap::new(),
             sa_busy_until: 0,
             dh: HolderState::default(),
             acc: BTreeMap::new(),
@@ -1147,7 +1155,8 @@ impl Node {
     }
 
     fn spare(&self) -> u32 {
-        let used = self.flows.len() + self.pending.len();
+        // A pending reroute belongs to a flow already counted.
+        let used = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
         self.capacity.saturating_sub(used as u32)
     }
 
@@ -1361,6 +1370,7 @@ impl Node {
             self.gossip();
             if self.cfg.policy == Policy::Gwtf {
                 self.local_search();
+                self.reroute_flows();
             }
         }
         if self.tick_no % (4 * hb) == 0 {
@@ -2023,6 +2033,9 @@ impl Node {
             .collect();
         for l in expired {
             let r = self.pending.remove(&l).unwrap();
+            if r.reroute {
+                continue;
+            }
             if let Some(inl) = r.in_label {
                 self.send(
                     r.prev,
@@ -2049,7 +2062,7 @@ impl Node {
         // Holders reserve flows up to their in-flight bound (one request
         // per missing unit, each toward the best next hop with spare room).
         if self.stage == 0 {
-            let have = self.flows.len() + self.pending.len();
+            let have = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
             for _ in have..self.cfg.max_in_flight as usize {
                 if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
                     let label = self.new_label();
@@ -2065,6 +2078,7 @@ impl Node {
                             tried: vec![j],
                             expires: now
                                 + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                            reroute: false,
                         },
                     );
                     if let Some(p) = self.peers.get_mut(&j) {
@@ -2082,6 +2096,92 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// Rerouting of reserved flows (GWTF.md section 5: CHANGE gossip is
+    /// there so that upstream nodes pick the next hop minimising
+    /// d(me, j) + cost_to_sink(j)). Flows are reserved greedily when they
+    /// are built, often right after a crash, through the cheapest next hop
+    /// that had room at that moment; the gossip later shows cheaper next
+    /// hops with spare capacity (a joiner, capacity released elsewhere), and
+    /// the swap and redirect moves of the local search cannot use them (a
+    /// swap needs a same-stage peer with a flow to the same sink, a redirect
+    /// moves a flow into the proposer only). So, once per gossip period,
+    /// this node moves the one flow that gains most to the cheapest next
+    /// hop with spare capacity, when that lowers the flow's cost to its sink
+    /// by more than `reroute_min_gain`. The new downstream segment is
+    /// reserved first (FLOW_REQUEST with the cost expected); only when it is
+    /// accepted is the old one cancelled, so the flow always has a path.
+    /// Only local knowledge is used: own link costs and gossiped costs.
+    fn reroute_flows(&mut self) {
+        if self.stage == self.s() || self.pending.values().any(|r| r.reroute) {
+            return;
+        }
+        let mut best: Option<(f64, Label, NodeId, f64)> = None;
+        for f in self.flows.values() {
+            let cur = self.cost_via(f.next, f.sink);
+            if cur >= INF {
+                continue;
+            }
+            let Some((j, c)) = self.best_to_sink(f.sink, true, &[f.next]) else {
+                continue;
+            };
+            let gain = cur - c;
+            if gain > self.cfg.reroute_min_gain * cur && best.is_none_or(|b| gain > b.0) {
+                best = Some((gain, f.in_label, j, c));
+            }
+        }
+        let Some((_, inl, j, c)) = best else { return };
+        let f = self.flows[&inl].clone();
+        let out = self.new_label();
+        self.pending.insert(
+            out,
+            PendingReq {
+                in_label: Some(f.in_label),
+                prev: f.prev,
+                sink: f.sink,
+                next: j,
+                cost_from_source: f.cost_from_source,
+                tried: vec![j],
+                expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: true,
+            },
+        );
+        if let Some(p) = self.peers.get_mut(&j) {
+            p.spare = p.spare.saturating_sub(1);
+        }
+        let expected = c - self.link_cost(j);
+        self.send(
+            j,
+            Msg::FlowRequest {
+                label: out,
+                sink: f.sink,
+                cost_from_source: f.cost_from_source,
+                expected_cost: expected,
+            },
+        );
+    }
+
+    /// The new downstream segment `out` through `next` of a reroute was
+    /// accepted: switch the flow to it and cancel the old segment, unless
+    /// the flow is gone or the new segment is no longer cheaper (then the
+    /// new one is cancelled instead).
+    fn finish_reroute(&mut self, r: PendingReq, out: Label, next: NodeId) {
+        let keep = r.in_label.and_then(|inl| self.flows.get(&inl)).filter(|f| {
+            f.sink == r.sink
+                && f.next != next
+                && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
+        });
+        let Some(f) = keep.cloned() else {
+            self.send(next, Msg::Cancel { label: out });
+            return;
+        };
+        self.out_index.remove(&f.out_label);
+        self.send(f.next, Msg::Cancel { label: f.out_label });
+        let e = self.flows.get_mut(&f.in_label).unwrap();
+        e.next = next;
+        e.out_label = out;
+        self.out_index.insert(out, f.in_label);
     }
 
     /// Removes a flow entry; tells upstream (PushBack) and/or downstream (Cancel).
@@ -2173,6 +2273,7 @@ impl Node {
                 cost_from_source: cfs_here,
                 tried: vec![j],
                 expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: false,
             },
         );
         if let Some(p) = self.peers.get_mut(&j) {
@@ -2218,7 +2319,9 @@ impl Node {
             }
             return;
         };
-        if accept {
+        if accept && r.reroute {
+            self.finish_reroute(r, label, from);
+        } else if accept {
             let total = self.link_cost(from) + cost;
             match r.in_label {
                 None => self.insert_flow(FlowEntry {
@@ -2263,6 +2366,10 @@ impl Node {
         let Some(mut r) = self.pending.remove(&label) else {
             return;
         };
+        if r.reroute {
+            // The flow still runs on its current next hop.
+            return;
+        }
         if !r.tried.contains(&failed) {
             r.tried.push(failed);
         }
@@ -2618,6 +2725,15 @@ impl Node {
         exclude: &[NodeId],
     ) -> Option<(NodeId, Option<Label>)> {
         if self.stage == self.s() {
+            // The last stage sends back to the holder, but the reserved flow
+            // is still in use: without this refresh a last-stage relay would
+            // release every flow as idle `flow_idle_expiry_ticks` after it
+            // was reserved, pushing it back all the way to the holder, which
+            // then rebuilds it greedily and loses what local search had
+            // gained (every flow was torn down about every two minutes).
+            if let Some(f) = label.and_then(|l| self.flows.get_mut(&l)) {
+                f.last_used = self.now;
+            }
             return Some((mb.holder, None));
         }
         // Candidates: next hops not excluded (looked up one by one; the
@@ -2789,6 +2905,17 @@ impl Node {
             } else {
                 None
             };
+            if let Some(l) = label {
+                if self.better_wait(l) {
+                    // Put the microbatch back: a busy flow finishes it sooner.
+                    if mb.idx + 1 == self.dh.next_idx && !self.dh.restarts.contains(&mb) {
+                        self.dh.next_idx -= 1;
+                    } else {
+                        self.dh.restarts.push_front(mb);
+                    }
+                    break;
+                }
+            }
             let plan = if self.cfg.policy == Policy::Optimal && !self.plan.is_empty() {
                 Some(self.plan[self.dh.in_flight.len() % self.plan.len()].clone())
             } else {
@@ -2820,6 +2947,54 @@ impl Node {
                 },
             );
         }
+    }
+
+    /// Holder (GWTF): whether the remaining microbatches of the iteration
+    /// finish sooner without using the free flow `free` now. The flows of a
+    /// holder have unequal costs (a flow rebuilt after a crash, a distant
+    /// relay), and the iteration waits for the holder's last microbatch:
+    /// list scheduling by earliest expected completion (each flow free at
+    /// its current microbatch's start + its observed round trip) assigns
+    /// the remaining microbatches one by one to the flow that would finish
+    /// each first; when the free flow gets none, the holder waits for a
+    /// faster one. Only the holder's own observations are used; with any
+    /// round trip unknown it does not wait.
+    fn better_wait(&self, free: Label) -> bool {
+        let Some(&r_free) = self.flow_rtt.get(&free) else {
+            return false;
+        };
+        let now = to_secs(self.now);
+        // (time the flow is free, its round trip) of the busy flows.
+        let mut flows: Vec<(f64, f64)> = Vec::new();
+        for (m, l) in &self.dh.in_flight {
+            let Some(l) = l else { continue };
+            let (Some(&r), Some(s)) = (self.flow_rtt.get(l), self.snaps.get(m)) else {
+                return false;
+            };
+            flows.push(((to_secs(s.started) + r).max(now), r));
+        }
+        if flows.is_empty() {
+            return false;
+        }
+        // The microbatch at hand and those not started yet.
+        let remaining = 1
+            + self.dh.restarts.len()
+            + self.cfg.mb_per_iter.saturating_sub(self.dh.next_idx) as usize;
+        flows.push((now, r_free));
+        let free_at = flows.len() - 1;
+        for _ in 0..remaining {
+            let (i, _) = flows
+                .iter()
+                .enumerate()
+                .map(|(i, f)| (i, f.0 + f.1))
+                .min_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                .unwrap();
+            if i == free_at {
+                return false;
+            }
+            flows[i].0 += flows[i].1;
+        }
+        true
     }
 
     fn restart(&mut self, mb: MbId, failed: Option<u32>) {
@@ -3127,7 +3302,14 @@ impl Node {
                 }
                 if self.stage == 0 {
                     // The microbatch is complete.
-                    if self.dh.in_flight.remove(&mb).is_some() {
+                    if let Some(label) = self.dh.in_flight.remove(&mb) {
+                        if let (Some(l), Some(s)) = (label, self.snaps.get(&mb)) {
+                            let rtt = to_secs(self.now.saturating_sub(s.started));
+                            let old = self.flow_rtt.get(&l).copied();
+                            if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
+                                self.flow_rtt.insert(l, v);
+                            }
+                        }
                         let first = self.dh.done.insert(mb.idx);
                         if first {
                             self.event(Event::MbDone {

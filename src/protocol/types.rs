@@ -119,6 +119,10 @@ pub struct Config {
     /// A reservation is rejected when the downstream cost grew by more than
     /// this fraction over the cost the requester assumed.
     pub stale_cost_tolerance: f64,
+    /// GWTF rerouting: a flow moves to a cheaper next hop only when that
+    /// lowers its cost to the sink by more than this fraction (hysteresis
+    /// against flapping on measurement noise).
+    pub reroute_min_gain: f64,
     /// SWARM: a peer that failed is banned for this many ticks.
     pub ban_ticks: u32,
     /// Bandwidth assumed for a link before it is measured (bytes/s).
@@ -168,6 +172,7 @@ impl Config {
             gossip_sinks: 16,
             gossip_fanout: 12,
             stale_cost_tolerance: 0.25,
+            reroute_min_gain: 0.10,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
             probe_bytes: 1 << 20,

@@ -253,6 +253,7 @@ pub struct Sim {
     holder_share: f64,
     joining_relay: bool,
     debug: bool,
+    trace: bool,
     /// Messages sent, by kind (name, count).
     msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
@@ -312,6 +313,7 @@ impl Sim {
             population_version: 0,
             regions_cache: BTreeMap::new(),
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
+            trace: std::env::var_os("GWTF_SIM_TRACE").is_some(),
             cfg,
         };
         sim.rep.policy = sim.cfg.policy.name().into();
@@ -732,6 +734,14 @@ impl Sim {
     fn run_task(&mut self, node: NodeId, task: Task) {
         if !task.kind.is_compute() {
             let d = self.task_time(node, &task);
+            if self.trace {
+                eprintln!(
+                    "T {:.2} agg {node} st {} {:.3}",
+                    to_secs(self.now),
+                    task.stage,
+                    d
+                );
+            }
             if self.debug && d > 100.0 {
                 eprintln!(
                     "t={:.1} node {node} aggregate {:?} lasts {d:.0} s",
@@ -768,6 +778,16 @@ impl Sim {
         n.gpu_gen += 1;
         let gen = n.gpu_gen;
         let d = self.task_time(node, &task);
+        if self.trace {
+            eprintln!(
+                "T {:.2} gpu {node} st {} {:?} {:?} {:.3}",
+                to_secs(self.now),
+                task.stage,
+                task.kind,
+                task.mb.map(|m| (m.holder, m.iter, m.idx)),
+                d
+            );
+        }
         let t = self.now + secs(d).max(1);
         self.push(t, Ev::GpuDone { node, gen });
     }
@@ -804,6 +824,13 @@ impl Sim {
 
     fn kill(&mut self, v: NodeId) {
         self.population_version += 1;
+        if self.trace {
+            eprintln!(
+                "T {:.2} kill {v} st {}",
+                to_secs(self.now),
+                self.nodes[v as usize].node.stage()
+            );
+        }
         let n = &mut self.nodes[v as usize];
         n.alive = false;
         if let Some((_, start)) = n.running.take() {
@@ -950,6 +977,17 @@ impl Sim {
             }
             Event::MbDone { mb, path } => {
                 let c = self.path_cost(&path);
+                if self.trace {
+                    eprintln!(
+                        "T {:.2} done {} {} {} {:.2} {:?}",
+                        to_secs(self.now),
+                        mb.holder,
+                        mb.iter,
+                        mb.idx,
+                        c,
+                        path
+                    );
+                }
                 let e = self.crit.entry(mb.iter).or_insert(0.0);
                 *e = e.max(c);
             }
@@ -958,7 +996,12 @@ impl Sim {
                     self.first_start = Some(self.now);
                 }
             }
-            Event::IterFinalized { iter, holders } => self.on_finalized(iter, holders),
+            Event::IterFinalized { iter, holders } => {
+                if self.trace {
+                    eprintln!("T {:.2} final {iter}", to_secs(self.now));
+                }
+                self.on_finalized(iter, holders)
+            }
             Event::StageCommitted {
                 stage,
                 iter,
