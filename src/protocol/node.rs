@@ -3309,6 +3309,13 @@ impl Node {
                             if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
                                 self.flow_rtt.insert(l, v);
                             }
+                            // Forget the round trips of flows that are gone
+                            // (bounded by the flows a holder has, not by how
+                            // many it ever had).
+                            if self.flow_rtt.len() > 2 * self.flows.len() + 8 {
+                                let flows = &self.flows;
+                                self.flow_rtt.retain(|l, _| flows.contains_key(l));
+                            }
                         }
                         let first = self.dh.done.insert(mb.idx);
                         if first {
