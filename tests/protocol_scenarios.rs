@@ -496,3 +496,54 @@ fn a_new_holders_coordinator_waits_for_the_relays_iteration() {
         }
     }
 }
+
+/// Two nodes join the stage of a single relay at once and download its
+/// state; the relay dies right after serving them, before their GroupJoins
+/// reach it. Neither hears of a live member from the relay's member list:
+/// each coordinated a group of its own and both committed the same
+/// iterations. The relay tells the second joiner of the first one, so they
+/// form one group.
+#[test]
+fn joiners_whose_state_server_dies_form_one_group() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 2, 1);
+        let mut net = Net::new(flat);
+        // Stage 1 has one relay (the bottleneck), stage 2 two.
+        let layout = [(0, 0), (1, 1), (3, 2), (4, 2)];
+        start(&mut net, &cfg, &layout);
+        net.run(900 * SEC, |n| n.finalized(1).is_some());
+        assert!(net.finalized(1).is_some(), "{policy:?}");
+        for id in [9, 10] {
+            net.add(Node::new(cfg.clone(), id, 0, 0.3, 4, 7));
+            net.input(
+                id,
+                Input::Join {
+                    peers: layout.to_vec(),
+                },
+            );
+        }
+        let served = |n: &Net| {
+            [9, 10].iter().all(|j| {
+                n.sent.iter().any(|(_, from, to, m)| {
+                    *from == 1 && to == j && matches!(m, Msg::StateResponse { .. })
+                })
+            })
+        };
+        net.run(net.now + 120 * SEC, served);
+        assert!(served(&net), "{policy:?}: both joiners were served");
+        net.kill(1);
+        net.run(net.now + 900 * SEC, |n| n.finalized(4).is_some());
+        assert!(net.finalized(4).is_some(), "{policy:?}");
+        assert_eq!(net.nodes[&9].coordinator(), Some(9), "{policy:?}");
+        assert_eq!(net.nodes[&10].coordinator(), Some(9), "{policy:?}");
+        let mut seen = BTreeSet::new();
+        for (_, _, e) in &net.events {
+            if let Event::StageCommitted { stage, iter, .. } = e {
+                assert!(
+                    seen.insert((*stage, *iter)),
+                    "{policy:?}: stage {stage} committed {iter} twice"
+                );
+            }
+        }
+    }
+}

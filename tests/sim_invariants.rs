@@ -247,3 +247,16 @@ fn swarm_seed_141_every_granted_node_takes_part_in_the_commit() {
     let r = Sim::new(small(Policy::Swarm, 141, 3.0, 40)).run();
     check(&r, "Swarm seed 141 churn 3");
 }
+
+/// Regression: two relays joined stage 1 and downloaded its state from its
+/// coordinator, which died before their GroupJoins reached it; every member
+/// each had been told of was dead, so each coordinated a group of its own:
+/// the stage committed iterations 17 to 36 twice, with different weights
+/// (GWTF and SWARM seed 618).
+#[test]
+fn joiners_whose_state_server_died_form_one_group() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let r = Sim::new(small(policy, 618, 3.0, 40)).run();
+        check(&r, &format!("{policy:?} seed 618 churn 3"));
+    }
+}

@@ -470,6 +470,10 @@ pub struct Node {
     members: MemberSet,
     members_changed: bool,
     coord: Option<NodeId>,
+    /// Nodes this node sent its stage state to (when), not yet seen as
+    /// members: told to later joiners with the member list, so that two
+    /// joiners whose only live contact dies meanwhile still find each other.
+    joiners: BTreeMap<NodeId, Time>,
     out: Vec<Action>,
     selfq: VecDeque<Msg>,
     next_tick: Time,
@@ -563,6 +567,7 @@ impl Node {
             peers: PeerMap::default(),
             members: MemberSet::default(),
             members_changed: true,
+            joiners: BTreeMap::new(),
             coord: None,
             out: Vec::new(),
             selfq: VecDeque::new(),
@@ -1825,7 +1830,30 @@ impl Node {
                 self.stage_infos.insert(summary.stage, summary);
             }
             Msg::StateRequest => {
-                let members = self.members.list();
+                // The joiners served before (still downloading, or whose
+                // GroupJoin may have reached nobody alive) go with the member
+                // list: if every member this joiner hears of dies before it
+                // is done, it still knows them and does not coordinate a
+                // group of its own beside theirs (two groups of one stage
+                // committing the same iterations). A download longer than
+                // `e2e_timeout` is as good as gone.
+                let now = self.now;
+                let expiry = self.cfg.e2e_timeout;
+                let joiners = std::mem::take(&mut self.joiners);
+                self.joiners = joiners
+                    .into_iter()
+                    .filter(|&(j, t)| {
+                        t + expiry > now && !self.members.contains(&j) && self.alive(j)
+                    })
+                    .collect();
+                let members = if self.joiners.is_empty() {
+                    self.members.list()
+                } else {
+                    let mut all: BTreeSet<NodeId> = self.members.iter().copied().collect();
+                    all.extend(self.joiners.keys().copied());
+                    Arc::new(all.into_iter().collect())
+                };
+                self.joiners.insert(from, now);
                 let bytes = self
                     .cfg
                     .stage_state_bytes
@@ -1850,7 +1878,11 @@ impl Node {
                     if version != (0, 0) {
                         self.last_applied = Some(version.0);
                     }
-                    self.members = members.iter().copied().collect();
+                    // Members that joined us while we downloaded (a later
+                    // joiner that took us for its coordinator) stay.
+                    for &m in members.iter() {
+                        self.members.insert(m);
+                    }
                     self.members.insert(self.id);
                     // Keep only the views that matter to this stage.
                     let (ps, ns) = (self.prev_stage(), self.next_stage());
