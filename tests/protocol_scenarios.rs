@@ -547,3 +547,57 @@ fn joiners_whose_state_server_dies_form_one_group() {
         }
     }
 }
+
+/// The holders' coordinator leaves while a holder's microbatch is granted;
+/// the holder hears the Goodbye first and syncs its grants to the next
+/// coordinator, whose own Goodbye is slower (1 s): the Sync reaches it before
+/// it knows it coordinates. The Sync was dropped, the new coordinator took
+/// the microbatch for missing and had it run again (at the holders' stage,
+/// after a timeout, dropped). It is kept and counted once.
+#[test]
+fn a_sync_that_overtakes_the_coordinators_goodbye_is_kept() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 2, 1);
+        let slow = Rc::new(Cell::new(false));
+        let s = slow.clone();
+        let mut net = Net::new(move |a, b| {
+            if s.get() && a.min(b) == 0 && a.max(b) == 1 {
+                SEC
+            } else {
+                10 * MS
+            }
+        });
+        let layout = [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 2)];
+        start(&mut net, &cfg, &layout);
+        net.run(900 * SEC, |n| n.finalized(1).is_some());
+        assert!(net.finalized(1).is_some(), "{policy:?}");
+        let granted = |n: &Net| {
+            n.sent.iter().find_map(|(_, from, to, m)| match m {
+                Msg::ClaimReply { mb, granted: true } if *from == 0 && *to == 2 && mb.iter >= 2 => {
+                    Some(*mb)
+                }
+                _ => None,
+            })
+        };
+        net.run(net.now + 300 * SEC, |n| granted(n).is_some());
+        let mb = granted(&net).expect("holder 2 got a grant");
+        slow.set(true);
+        net.input(0, Input::Leave);
+        net.kill(0);
+        net.run(net.now + 900 * SEC, |n| n.finalized(mb.iter).is_some());
+        assert!(net.finalized(mb.iter).is_some(), "{policy:?}");
+        assert!(
+            net.committed(0, mb.iter).contains(&(mb, 2)),
+            "{policy:?}: {mb:?} in the holders' aggregate"
+        );
+        assert_eq!(net.count(mb, TaskKind::Embed), 1, "{policy:?}: run once");
+        assert!(
+            !net.sent
+                .iter()
+                .any(|(_, _, _, m)| matches!(m, Msg::Restart { mb: x, .. } if *x == mb)),
+            "{policy:?}: nobody asked to restart {mb:?}"
+        );
+    }
+}

@@ -260,3 +260,14 @@ fn joiners_whose_state_server_died_form_one_group() {
         check(&r, &format!("{policy:?} seed 618 churn 3"));
     }
 }
+
+/// Regression: the holders' coordinator left while a holder's microbatch was
+/// granted; the holder's Sync to the next coordinator overtook the Goodbye and
+/// was dropped, so the microbatch was taken for missing, restarted (through
+/// a relay that left in turn) and dropped at the holders' stage: lost (SWARM
+/// seed 684).
+#[test]
+fn a_sync_that_overtakes_the_goodbye_is_not_lost() {
+    let r = Sim::new(small(Policy::Swarm, 684, 3.0, 40)).run();
+    check(&r, "Swarm seed 684 churn 3");
+}

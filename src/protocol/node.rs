@@ -476,6 +476,15 @@ pub struct Node {
     joiners: BTreeMap<NodeId, Time>,
     out: Vec<Action>,
     selfq: VecDeque<Msg>,
+    /// Syncs that reached this node before it knew it coordinates (a
+    /// member saw the old coordinator leave or die first): (when, from,
+    /// message), replayed once it takes over.
+    early_syncs: Vec<(Time, NodeId, Msg)>,
+    /// Early syncs to handle now (this node took over).
+    replay: VecDeque<(NodeId, Msg)>,
+    /// Claims that were pending at the last heartbeat (re-sent at the next
+    /// one if still unanswered).
+    stale_claims: BTreeSet<MbId>,
     next_tick: Time,
     tick_no: u64,
     deadlines: BTreeSet<(Time, Dl)>,
@@ -571,6 +580,9 @@ impl Node {
             coord: None,
             out: Vec::new(),
             selfq: VecDeque::new(),
+            early_syncs: Vec::new(),
+            replay: VecDeque::new(),
+            stale_claims: BTreeSet::new(),
             next_tick: 0,
             tick_no: 0,
             deadlines: BTreeSet::new(),
@@ -797,12 +809,22 @@ impl Node {
 
     fn drain_into(&mut self, out: &mut Vec<Action>) {
         let mut guard = 0;
-        while let Some(m) = self.selfq.pop_front() {
+        loop {
             guard += 1;
             if guard > 100_000 {
                 break;
             }
-            self.on_msg(self.id, m);
+            if let Some(m) = self.selfq.pop_front() {
+                self.on_msg(self.id, m);
+            } else if let Some((from, m)) = self.replay.pop_front() {
+                // A member that died since is not made a member again (its
+                // grants were not in the aggregate).
+                if self.alive(from) {
+                    self.on_msg(from, m);
+                }
+            } else {
+                break;
+            }
         }
         out.append(&mut self.out);
     }
@@ -1191,6 +1213,14 @@ impl Node {
                     // Our own contributions go into the new coordinator state.
                     self.sync_to(self.id);
                 }
+                // The members' syncs that came before we knew.
+                let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+                let now = self.now;
+                for (t, from, m) in std::mem::take(&mut self.early_syncs) {
+                    if t + keep >= now {
+                        self.replay.push_back((from, m));
+                    }
+                }
             } else if let Some(c) = c {
                 if old.is_some() {
                     self.sync_to(c);
@@ -1489,7 +1519,36 @@ impl Node {
                 return;
             }
             self.send(c, Msg::Heartbeat { members: None });
+            self.resend_stale_claims(c);
         }
+    }
+
+    /// A claim still unanswered after a whole heartbeat period reached a node
+    /// that did not coordinate (yet): it came before that node heard that
+    /// its coordinator left or died, and was answered with a member list
+    /// only. It is sent again (a claim is idempotent at the coordinator: the
+    /// same claimant gets the same answer).
+    fn resend_stale_claims(&mut self, c: NodeId) {
+        let pending: BTreeSet<MbId> = self
+            .acc
+            .values()
+            .flat_map(|a| a.pending.keys().copied())
+            .collect();
+        let stale: Vec<MbId> = pending.intersection(&self.stale_claims).copied().collect();
+        for mb in stale {
+            let (prev, next, _) = &self.acc[&mb.iter].pending[&mb];
+            let (prev, next) = (*prev, *next);
+            self.send(
+                c,
+                Msg::Claim {
+                    iter: mb.iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+        self.stale_claims = pending;
     }
 
     // ------------------------------------------------------------ messages
@@ -1780,6 +1839,18 @@ impl Node {
                     if let Some((origin, holders)) = end {
                         self.on_end_iter(from, iter, origin, holders);
                     }
+                } else if self.phase == Phase::Active && from != self.id {
+                    // The member takes us for its coordinator: it saw ours
+                    // leave or die before we did (a Goodbye or a suspicion
+                    // can reach us later than its Sync). Dropping the Sync
+                    // would lose its grants: the new coordinator would take
+                    // its microbatches for missing and, at the holders'
+                    // stage, drop them. Kept until we take over (or stale).
+                    let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+                    let now = self.now;
+                    self.early_syncs.retain(|(t, _, _)| t + keep >= now);
+                    self.early_syncs
+                        .push((now, from, Msg::Sync { iter, granted, end }));
                 }
             }
             Msg::Commit {
@@ -2741,6 +2812,14 @@ impl Node {
             self.seen_iter = Some((iter, holders.clone()));
         }
         if self.dh.iter.is_some_and(|k| k >= iter) {
+            // The barrier announces the iteration again to holders it has
+            // not heard are done: our HolderDone went to a node that did not
+            // coordinate yet (it had not heard the old coordinator leave).
+            if self.dh.iter == Some(iter) && self.dh.reported {
+                if let Some(c) = self.coord {
+                    self.send(c, Msg::HolderDone { iter });
+                }
+            }
             return;
         }
         self.forget_before(iter);
