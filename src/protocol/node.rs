@@ -3797,6 +3797,17 @@ impl Node {
         let timeout = self.cfg.redo_timeout;
         let stage = self.stage;
         let policy = self.cfg.policy;
+        // The holders' stage: its live members (the holders still here).
+        let live: BTreeSet<NodeId> = if stage == 0 {
+            self.members
+                .iter()
+                .copied()
+                .filter(|&m| self.alive(m))
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let alive = |h: NodeId| live.contains(&h);
         let Some(ci) = self.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -3806,8 +3817,11 @@ impl Node {
             if l.level > 0 && l.since + timeout > now {
                 continue;
             }
-            if stage == 0 {
-                // A holder's own part cannot be redone without it.
+            if stage == 0 && (l.level == 0 || l.level > 3 || !alive(mb.holder)) {
+                // A holder's own part cannot be redone without it. A live
+                // holder is asked again (as at the relays' stages): it
+                // answers while it re-runs the microbatch, which keeps it
+                // from being dropped here while the other stages count it.
                 drop.push(*mb);
                 continue;
             }
