@@ -496,3 +496,108 @@ fn a_new_holders_coordinator_waits_for_the_relays_iteration() {
         }
     }
 }
+
+/// Two nodes join the stage of a single relay at once and download its
+/// state; the relay dies right after serving them, before their GroupJoins
+/// reach it. Neither hears of a live member from the relay's member list:
+/// each coordinated a group of its own and both committed the same
+/// iterations. The relay tells the second joiner of the first one, so they
+/// form one group.
+#[test]
+fn joiners_whose_state_server_dies_form_one_group() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 2, 1);
+        let mut net = Net::new(flat);
+        // Stage 1 has one relay (the bottleneck), stage 2 two.
+        let layout = [(0, 0), (1, 1), (3, 2), (4, 2)];
+        start(&mut net, &cfg, &layout);
+        net.run(900 * SEC, |n| n.finalized(1).is_some());
+        assert!(net.finalized(1).is_some(), "{policy:?}");
+        for id in [9, 10] {
+            net.add(Node::new(cfg.clone(), id, 0, 0.3, 4, 7));
+            net.input(
+                id,
+                Input::Join {
+                    peers: layout.to_vec(),
+                },
+            );
+        }
+        let served = |n: &Net| {
+            [9, 10].iter().all(|j| {
+                n.sent.iter().any(|(_, from, to, m)| {
+                    *from == 1 && to == j && matches!(m, Msg::StateResponse { .. })
+                })
+            })
+        };
+        net.run(net.now + 120 * SEC, served);
+        assert!(served(&net), "{policy:?}: both joiners were served");
+        net.kill(1);
+        net.run(net.now + 900 * SEC, |n| n.finalized(4).is_some());
+        assert!(net.finalized(4).is_some(), "{policy:?}");
+        assert_eq!(net.nodes[&9].coordinator(), Some(9), "{policy:?}");
+        assert_eq!(net.nodes[&10].coordinator(), Some(9), "{policy:?}");
+        let mut seen = BTreeSet::new();
+        for (_, _, e) in &net.events {
+            if let Event::StageCommitted { stage, iter, .. } = e {
+                assert!(
+                    seen.insert((*stage, *iter)),
+                    "{policy:?}: stage {stage} committed {iter} twice"
+                );
+            }
+        }
+    }
+}
+
+/// The holders' coordinator leaves while a holder's microbatch is granted;
+/// the holder hears the Goodbye first and syncs its grants to the next
+/// coordinator, whose own Goodbye is slower (1 s): the Sync reaches it before
+/// it knows it coordinates. The Sync was dropped, the new coordinator took
+/// the microbatch for missing and had it run again (at the holders' stage,
+/// after a timeout, dropped). It is kept and counted once.
+#[test]
+fn a_sync_that_overtakes_the_coordinators_goodbye_is_kept() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 2, 2, 1);
+        let slow = Rc::new(Cell::new(false));
+        let s = slow.clone();
+        let mut net = Net::new(move |a, b| {
+            if s.get() && a.min(b) == 0 && a.max(b) == 1 {
+                SEC
+            } else {
+                10 * MS
+            }
+        });
+        let layout = [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 2)];
+        start(&mut net, &cfg, &layout);
+        net.run(900 * SEC, |n| n.finalized(1).is_some());
+        assert!(net.finalized(1).is_some(), "{policy:?}");
+        let granted = |n: &Net| {
+            n.sent.iter().find_map(|(_, from, to, m)| match m {
+                Msg::ClaimReply { mb, granted: true } if *from == 0 && *to == 2 && mb.iter >= 2 => {
+                    Some(*mb)
+                }
+                _ => None,
+            })
+        };
+        net.run(net.now + 300 * SEC, |n| granted(n).is_some());
+        let mb = granted(&net).expect("holder 2 got a grant");
+        slow.set(true);
+        net.input(0, Input::Leave);
+        net.kill(0);
+        net.run(net.now + 900 * SEC, |n| n.finalized(mb.iter).is_some());
+        assert!(net.finalized(mb.iter).is_some(), "{policy:?}");
+        assert!(
+            net.committed(0, mb.iter).contains(&(mb, 2)),
+            "{policy:?}: {mb:?} in the holders' aggregate"
+        );
+        assert_eq!(net.count(mb, TaskKind::Embed), 1, "{policy:?}: run once");
+        assert!(
+            !net.sent
+                .iter()
+                .any(|(_, _, _, m)| matches!(m, Msg::Restart { mb: x, .. } if *x == mb)),
+            "{policy:?}: nobody asked to restart {mb:?}"
+        );
+    }
+}

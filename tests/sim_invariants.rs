@@ -247,3 +247,27 @@ fn swarm_seed_141_every_granted_node_takes_part_in_the_commit() {
     let r = Sim::new(small(Policy::Swarm, 141, 3.0, 40)).run();
     check(&r, "Swarm seed 141 churn 3");
 }
+
+/// Regression: two relays joined stage 1 and downloaded its state from its
+/// coordinator, which died before their GroupJoins reached it; every member
+/// each had been told of was dead, so each coordinated a group of its own:
+/// the stage committed iterations 17 to 36 twice, with different weights
+/// (GWTF and SWARM seed 618).
+#[test]
+fn joiners_whose_state_server_died_form_one_group() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let r = Sim::new(small(policy, 618, 3.0, 40)).run();
+        check(&r, &format!("{policy:?} seed 618 churn 3"));
+    }
+}
+
+/// Regression: the holders' coordinator left while a holder's microbatch was
+/// granted; the holder's Sync to the next coordinator overtook the Goodbye and
+/// was dropped, so the microbatch was taken for missing, restarted (through
+/// a relay that left in turn) and dropped at the holders' stage: lost (SWARM
+/// seed 684).
+#[test]
+fn a_sync_that_overtakes_the_goodbye_is_not_lost() {
+    let r = Sim::new(small(Policy::Swarm, 684, 3.0, 40)).run();
+    check(&r, "Swarm seed 684 churn 3");
+}

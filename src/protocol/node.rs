@@ -474,8 +474,21 @@ pub struct Node {
     members: MemberSet,
     members_changed: bool,
     coord: Option<NodeId>,
+    /// Nodes this node sent its stage state to (when), not yet seen as
+    /// members: told to later joiners with the member list, so that two
+    /// joiners whose only live contact dies meanwhile still find each other.
+    joiners: BTreeMap<NodeId, Time>,
     out: Vec<Action>,
     selfq: VecDeque<Msg>,
+    /// Syncs that reached this node before it knew it coordinates (a
+    /// member saw the old coordinator leave or die first): (when, from,
+    /// message), replayed once it takes over.
+    early_syncs: Vec<(Time, NodeId, Msg)>,
+    /// Early syncs to handle now (this node took over).
+    replay: VecDeque<(NodeId, Msg)>,
+    /// Claims that were pending at the last heartbeat (re-sent at the next
+    /// one if still unanswered).
+    stale_claims: BTreeSet<MbId>,
     next_tick: Time,
     tick_no: u64,
     deadlines: BTreeSet<(Time, Dl)>,
@@ -570,9 +583,13 @@ impl Node {
             peers: PeerMap::default(),
             members: MemberSet::default(),
             members_changed: true,
+            joiners: BTreeMap::new(),
             coord: None,
             out: Vec::new(),
             selfq: VecDeque::new(),
+            early_syncs: Vec::new(),
+            replay: VecDeque::new(),
+            stale_claims: BTreeSet::new(),
             next_tick: 0,
             tick_no: 0,
             deadlines: BTreeSet::new(),
@@ -800,12 +817,22 @@ impl Node {
 
     fn drain_into(&mut self, out: &mut Vec<Action>) {
         let mut guard = 0;
-        while let Some(m) = self.selfq.pop_front() {
+        loop {
             guard += 1;
             if guard > 100_000 {
                 break;
             }
-            self.on_msg(self.id, m);
+            if let Some(m) = self.selfq.pop_front() {
+                self.on_msg(self.id, m);
+            } else if let Some((from, m)) = self.replay.pop_front() {
+                // A member that died since is not made a member again (its
+                // grants were not in the aggregate).
+                if self.alive(from) {
+                    self.on_msg(from, m);
+                }
+            } else {
+                break;
+            }
         }
         out.append(&mut self.out);
     }
@@ -1195,6 +1222,14 @@ impl Node {
                     // Our own contributions go into the new coordinator state.
                     self.sync_to(self.id);
                 }
+                // The members' syncs that came before we knew.
+                let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+                let now = self.now;
+                for (t, from, m) in std::mem::take(&mut self.early_syncs) {
+                    if t + keep >= now {
+                        self.replay.push_back((from, m));
+                    }
+                }
             } else if let Some(c) = c {
                 if old.is_some() {
                     self.sync_to(c);
@@ -1494,7 +1529,36 @@ impl Node {
                 return;
             }
             self.send(c, Msg::Heartbeat { members: None });
+            self.resend_stale_claims(c);
         }
+    }
+
+    /// A claim still unanswered after a whole heartbeat period reached a node
+    /// that did not coordinate (yet): it came before that node heard that
+    /// its coordinator left or died, and was answered with a member list
+    /// only. It is sent again (a claim is idempotent at the coordinator: the
+    /// same claimant gets the same answer).
+    fn resend_stale_claims(&mut self, c: NodeId) {
+        let pending: BTreeSet<MbId> = self
+            .acc
+            .values()
+            .flat_map(|a| a.pending.keys().copied())
+            .collect();
+        let stale: Vec<MbId> = pending.intersection(&self.stale_claims).copied().collect();
+        for mb in stale {
+            let (prev, next, _) = &self.acc[&mb.iter].pending[&mb];
+            let (prev, next) = (*prev, *next);
+            self.send(
+                c,
+                Msg::Claim {
+                    iter: mb.iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+        self.stale_claims = pending;
     }
 
     // ------------------------------------------------------------ messages
@@ -1785,6 +1849,18 @@ impl Node {
                     if let Some((origin, holders)) = end {
                         self.on_end_iter(from, iter, origin, holders);
                     }
+                } else if self.phase == Phase::Active && from != self.id {
+                    // The member takes us for its coordinator: it saw ours
+                    // leave or die before we did (a Goodbye or a suspicion
+                    // can reach us later than its Sync). Dropping the Sync
+                    // would lose its grants: the new coordinator would take
+                    // its microbatches for missing and, at the holders'
+                    // stage, drop them. Kept until we take over (or stale).
+                    let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+                    let now = self.now;
+                    self.early_syncs.retain(|(t, _, _)| t + keep >= now);
+                    self.early_syncs
+                        .push((now, from, Msg::Sync { iter, granted, end }));
                 }
             }
             Msg::Commit {
@@ -1835,7 +1911,30 @@ impl Node {
                 self.stage_infos.insert(summary.stage, summary);
             }
             Msg::StateRequest => {
-                let members = self.members.list();
+                // The joiners served before (still downloading, or whose
+                // GroupJoin may have reached nobody alive) go with the member
+                // list: if every member this joiner hears of dies before it
+                // is done, it still knows them and does not coordinate a
+                // group of its own beside theirs (two groups of one stage
+                // committing the same iterations). A download longer than
+                // `e2e_timeout` is as good as gone.
+                let now = self.now;
+                let expiry = self.cfg.e2e_timeout;
+                let joiners = std::mem::take(&mut self.joiners);
+                self.joiners = joiners
+                    .into_iter()
+                    .filter(|&(j, t)| {
+                        t + expiry > now && !self.members.contains(&j) && self.alive(j)
+                    })
+                    .collect();
+                let members = if self.joiners.is_empty() {
+                    self.members.list()
+                } else {
+                    let mut all: BTreeSet<NodeId> = self.members.iter().copied().collect();
+                    all.extend(self.joiners.keys().copied());
+                    Arc::new(all.into_iter().collect())
+                };
+                self.joiners.insert(from, now);
                 let bytes = self
                     .cfg
                     .stage_state_bytes
@@ -1860,7 +1959,11 @@ impl Node {
                     if version != (0, 0) {
                         self.last_applied = Some(version.0);
                     }
-                    self.members = members.iter().copied().collect();
+                    // Members that joined us while we downloaded (a later
+                    // joiner that took us for its coordinator) stay.
+                    for &m in members.iter() {
+                        self.members.insert(m);
+                    }
                     self.members.insert(self.id);
                     // Keep only the views that matter to this stage.
                     let (ps, ns) = (self.prev_stage(), self.next_stage());
@@ -2825,6 +2928,14 @@ impl Node {
             self.seen_iter = Some((iter, holders.clone()));
         }
         if self.dh.iter.is_some_and(|k| k >= iter) {
+            // The barrier announces the iteration again to holders it has
+            // not heard are done: our HolderDone went to a node that did not
+            // coordinate yet (it had not heard the old coordinator leave).
+            if self.dh.iter == Some(iter) && self.dh.reported {
+                if let Some(c) = self.coord {
+                    self.send(c, Msg::HolderDone { iter });
+                }
+            }
             return;
         }
         self.forget_before(iter);
@@ -3875,6 +3986,17 @@ impl Node {
         let timeout = self.cfg.redo_timeout;
         let stage = self.stage;
         let policy = self.cfg.policy;
+        // The holders' stage: its live members (the holders still here).
+        let live: BTreeSet<NodeId> = if stage == 0 {
+            self.members
+                .iter()
+                .copied()
+                .filter(|&m| self.alive(m))
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let alive = |h: NodeId| live.contains(&h);
         let Some(ci) = self.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -3884,8 +4006,11 @@ impl Node {
             if l.level > 0 && l.since + timeout > now {
                 continue;
             }
-            if stage == 0 {
-                // A holder's own part cannot be redone without it.
+            if stage == 0 && (l.level == 0 || l.level > 3 || !alive(mb.holder)) {
+                // A holder's own part cannot be redone without it. A live
+                // holder is asked again (as at the relays' stages): it
+                // answers while it re-runs the microbatch, which keeps it
+                // from being dropped here while the other stages count it.
                 drop.push(*mb);
                 continue;
             }
