@@ -390,11 +390,19 @@ struct HolderState {
     reported: bool,
 }
 
+/// Syncs kept for a coordinator role not yet taken over, at most.
+const MAX_EARLY_SYNCS: usize = 1024;
+
 /// A member's accumulated (granted) contributions of one iteration.
 #[derive(Clone, Debug, Default)]
 struct Acc {
     granted: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     pending: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    /// Claims that were refused. A claim is re-sent when unanswered for a
+    /// heartbeat period, so a late grant can follow a refusal (the holder
+    /// of the first grant died in between): the grant is honoured, since
+    /// the coordinator counts the microbatch as ours from then on.
+    refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     agg_task: Option<(TaskId, u64)>,
 }
 
@@ -1859,8 +1867,12 @@ impl Node {
                     let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
                     let now = self.now;
                     self.early_syncs.retain(|(t, _, _)| t + keep >= now);
-                    self.early_syncs
-                        .push((now, from, Msg::Sync { iter, granted, end }));
+                    // Bounded: a flood of syncs is not kept (a real group
+                    // sends one per member per coordinator change).
+                    if self.early_syncs.len() < MAX_EARLY_SYNCS {
+                        self.early_syncs
+                            .push((now, from, Msg::Sync { iter, granted, end }));
+                    }
                 }
             }
             Msg::Commit {
@@ -3764,13 +3776,22 @@ impl Node {
         let Some(a) = self.acc.get_mut(&mb.iter) else {
             return;
         };
-        let Some(x) = a.pending.remove(&mb) else {
-            return;
+        let x = match a.pending.remove(&mb) {
+            Some(x) => x,
+            None if granted && !a.granted.contains_key(&mb) => {
+                let Some(x) = a.refused.remove(&mb) else {
+                    return;
+                };
+                x
+            }
+            None => return,
         };
         if granted {
             let tasks = x.2.clone();
             a.granted.insert(mb, x);
             self.event(Event::Claimed { mb, tasks });
+        } else {
+            a.refused.insert(mb, x);
         }
     }
 
@@ -4425,6 +4446,38 @@ mod tests {
         v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         v.truncate(n.cfg.gossip_sinks);
         v
+    }
+
+    /// A claim re-sent after a heartbeat period can be granted after its
+    /// first copy was refused (the first grant's owner died in between):
+    /// the coordinator then counts the microbatch as ours, so the late grant
+    /// must be honoured. A grant for a microbatch never claimed is ignored.
+    #[test]
+    fn a_grant_after_a_refusal_is_honoured() {
+        let cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+        let mut n = Node::new(Arc::new(cfg), 5, 2, 0.5, 4, 1);
+        let mb = MbId {
+            holder: 0,
+            iter: 3,
+            idx: 1,
+        };
+        let other = MbId { idx: 2, ..mb };
+        n.acc
+            .entry(3)
+            .or_default()
+            .pending
+            .insert(mb, (1, 7, vec![11, 12]));
+        n.on_claim_reply(mb, false);
+        assert!(n.acc[&3].granted.is_empty());
+        n.on_claim_reply(mb, true);
+        assert_eq!(n.acc[&3].granted.get(&mb), Some(&(1, 7, vec![11, 12])));
+        assert!(n.acc[&3].refused.is_empty());
+        // Answers to a duplicate claim change nothing.
+        n.on_claim_reply(mb, true);
+        n.on_claim_reply(mb, false);
+        assert_eq!(n.acc[&3].granted.len(), 1);
+        n.on_claim_reply(other, true);
+        assert!(!n.acc[&3].granted.contains_key(&other));
     }
 
     #[test]
