@@ -1782,6 +1782,12 @@ impl Node {
                 busy,
                 bytes,
             } => self.on_ack(from, mb, attempt, backward, busy, bytes),
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait,
+            } => self.on_queued(from, mb, attempt, backward, wait),
             Msg::CrashNotice {
                 mb,
                 attempt,
@@ -3207,6 +3213,7 @@ impl Node {
                 self.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
                 self.arrivals.insert((mb, false), self.now);
             }
+            self.notify_queued(from, mb, attempt, false);
             return;
         }
         if let Some(label) = label {
@@ -3261,6 +3268,9 @@ impl Node {
                             bytes: 0,
                         },
                     );
+                } else {
+                    // A re-sent hop whose work is still queued here.
+                    self.notify_queued(from, mb, attempt, false);
                 }
                 return;
             }
@@ -3293,6 +3303,7 @@ impl Node {
         );
         // Queue wait starts now; remember when the input arrived.
         self.arrivals.insert((mb, false), self.now);
+        self.notify_queued(from, mb, attempt, false);
     }
 
     fn task_done(&mut self, id: TaskId) {
@@ -3530,6 +3541,8 @@ impl Node {
                         bytes: 0,
                     },
                 );
+            } else {
+                self.notify_queued(from, mb, attempt, true);
             }
             return;
         }
@@ -3545,6 +3558,59 @@ impl Node {
         let t = self.run(kind, Some(mb), attempt);
         self.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
         self.arrivals.insert((mb, true), self.now);
+        self.notify_queued(from, mb, attempt, true);
+    }
+
+    /// A hop's work waits behind other work in this node's GPU queue: tell
+    /// the sender it arrived and is queued, with the expected time until it
+    /// is done (the compute queued here, by this node's own estimate of its
+    /// speed), so that queueing is not taken for a crash. Nothing is sent
+    /// when the GPU has nothing else to do first.
+    fn notify_queued(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
+        let mut n = 0usize;
+        let mut wait = 0.0;
+        for (kind, _, _) in self.tasks.values() {
+            if !kind.is_compute() {
+                continue;
+            }
+            n += 1;
+            wait += match kind {
+                TaskKind::Backward | TaskKind::EmbedBackward => 2.0 * self.compute_s / 3.0,
+                _ => self.compute_s / 3.0,
+            };
+        }
+        if n < 2 {
+            return;
+        }
+        self.send(
+            to,
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait: secs(wait),
+            },
+        );
+    }
+
+    /// The receiver of a tracked hop has it queued: its ack is due after
+    /// the queue it reported (with a margin for the estimate) plus the
+    /// usual ack timeout. A crash of the receiver is still caught by the
+    /// liveness checks (`peer_dead`) or by this later deadline.
+    fn on_queued(&mut self, from: NodeId, mb: MbId, attempt: u32, backward: bool, wait: Time) {
+        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if o.to != from || o.attempt != attempt {
+            return;
+        }
+        let deadline = self.now + 2 * wait + self.ack_timeout_for(from);
+        if deadline <= o.deadline {
+            return;
+        }
+        let mut o = o.clone();
+        o.deadline = deadline;
+        self.add_deadline((mb, backward), o);
     }
 
     fn on_ack(
