@@ -32,6 +32,11 @@ struct Peer {
     queued: u32,
     /// SWARM: EMA of microbatches per second through this peer.
     thr: Option<f64>,
+    /// When the hops this node sent to the peer are through the link, by
+    /// the bandwidth estimate (transfers on a link share it), and when that
+    /// busy period of the link began.
+    link_free: Time,
+    link_busy_since: Time,
 }
 
 impl Peer {
@@ -42,6 +47,8 @@ impl Peer {
             bw: None,
             ack: None,
             compute_s: 1.0,
+            link_free: 0,
+            link_busy_since: 0,
             spare: 1,
             costs: SinkCosts::default(),
             banned_until: 0,
@@ -774,7 +781,7 @@ impl Node {
             }
             self.deadlines.remove(&(t, dl));
             match dl {
-                Dl::Ack(mb, back) => self.ack_timeout(mb, back),
+                Dl::Ack(mb, back) => self.ack_deadline(mb, back),
             }
         }
         if self.now >= self.next_tick {
@@ -1013,6 +1020,17 @@ impl Node {
     fn send_tracked(&mut self, to: NodeId, msg: Msg, mb: MbId, backward: bool, attempt: u32) {
         let bytes = self.cfg.activation_bytes;
         let deadline = self.now + self.ack_timeout_for(to);
+        // Hops sent to one peer share the link: remember when what this
+        // node queued on it is through, by the bandwidth estimate.
+        let now = self.now;
+        let prior = self.cfg.prior_bandwidth;
+        if let Some(p) = self.peers.get_mut(&to) {
+            let xfer = secs(bytes as f64 / p.bw.unwrap_or(prior).max(1.0));
+            if p.link_free <= now {
+                p.link_busy_since = now;
+            }
+            p.link_free = p.link_free.max(now) + xfer;
+        }
         self.add_deadline(
             (mb, backward),
             Outstanding {
@@ -3647,6 +3665,30 @@ impl Node {
                 p.thr = Self::ema(p.thr, 1.0 / service.max(1e-6), a);
             }
         }
+    }
+
+    /// A hop's ack deadline passed. While the link to the peer is still
+    /// busy with transfers this node queued on it since the hop was sent
+    /// (a burst of hops to one peer shares its bandwidth, so each arrives
+    /// late), the ack is not due yet: the deadline moves to the usual
+    /// timeout after that busy period, by the bandwidth estimate.
+    fn ack_deadline(&mut self, mb: MbId, backward: bool) {
+        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if let Some(p) = self.peers.get(&o.to) {
+            // The usual timeout counts the hop's own transfer; what the
+            // transfers queued with it add is the rest of the busy period.
+            let xfer = secs(o.bytes as f64 / p.bw.unwrap_or(self.cfg.prior_bandwidth).max(1.0));
+            let due = p.link_free.saturating_sub(xfer) + self.ack_timeout_for(o.to);
+            if !p.dead && o.sent_at >= p.link_busy_since && due > self.now {
+                let mut o = o.clone();
+                o.deadline = due;
+                self.add_deadline((mb, backward), o);
+                return;
+            }
+        }
+        self.ack_timeout(mb, backward);
     }
 
     fn ack_timeout(&mut self, mb: MbId, backward: bool) {
