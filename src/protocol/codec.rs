@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 41;
+pub const MSG_KINDS: u16 = 42;
 
 /// The `msg_type` of a message.
 pub fn msg_type(m: &Msg) -> u16 {
@@ -69,6 +69,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::StateRequest => 38,
         Msg::StateResponse { .. } => 39,
         Msg::Restarting { .. } => 40,
+        Msg::Queued { .. } => 41,
     }
 }
 
@@ -449,6 +450,17 @@ fn write_body(w: &mut W, m: &Msg) {
             w.opt(attempt, |w, &a| w.u32(a));
         }
         Msg::Restarting { mb } => w.mb(mb),
+        Msg::Queued {
+            mb,
+            attempt,
+            backward,
+            wait,
+        } => {
+            w.mb(mb);
+            w.u32(*attempt);
+            w.bool(*backward);
+            w.u64(*wait);
+        }
         Msg::Redo { mb, dead, next } => {
             w.mb(mb);
             w.u32(*dead);
@@ -733,6 +745,12 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             bytes: r.u64()?,
         },
         40 => Msg::Restarting { mb: r.mb()? },
+        41 => Msg::Queued {
+            mb: r.mb()?,
+            attempt: r.u32()?,
+            backward: r.bool("queued.backward")?,
+            wait: r.u64()?,
+        },
         t => {
             return Err(WireError::BadField {
                 field: "protocol message type",
@@ -929,6 +947,12 @@ pub fn samples() -> Vec<Msg> {
             bytes: 1 << 30,
         },
         Msg::Restarting { mb },
+        Msg::Queued {
+            mb,
+            attempt: 1,
+            backward: false,
+            wait: 2500,
+        },
     ]
 }
 

@@ -32,6 +32,11 @@ struct Peer {
     queued: u32,
     /// SWARM: EMA of microbatches per second through this peer.
     thr: Option<f64>,
+    /// When the hops this node sent to the peer are through the link, by
+    /// the bandwidth estimate (transfers on a link share it), and when that
+    /// busy period of the link began.
+    link_free: Time,
+    link_busy_since: Time,
 }
 
 impl Peer {
@@ -42,6 +47,8 @@ impl Peer {
             bw: None,
             ack: None,
             compute_s: 1.0,
+            link_free: 0,
+            link_busy_since: 0,
             spare: 1,
             costs: SinkCosts::default(),
             banned_until: 0,
@@ -782,7 +789,7 @@ impl Node {
             }
             self.deadlines.remove(&(t, dl));
             match dl {
-                Dl::Ack(mb, back) => self.ack_timeout(mb, back),
+                Dl::Ack(mb, back) => self.ack_deadline(mb, back),
             }
         }
         if self.now >= self.next_tick {
@@ -1021,6 +1028,17 @@ impl Node {
     fn send_tracked(&mut self, to: NodeId, msg: Msg, mb: MbId, backward: bool, attempt: u32) {
         let bytes = self.cfg.activation_bytes;
         let deadline = self.now + self.ack_timeout_for(to);
+        // Hops sent to one peer share the link: remember when what this
+        // node queued on it is through, by the bandwidth estimate.
+        let now = self.now;
+        let prior = self.cfg.prior_bandwidth;
+        if let Some(p) = self.peers.get_mut(&to) {
+            let xfer = secs(bytes as f64 / p.bw.unwrap_or(prior).max(1.0));
+            if p.link_free <= now {
+                p.link_busy_since = now;
+            }
+            p.link_free = p.link_free.max(now) + xfer;
+        }
         self.add_deadline(
             (mb, backward),
             Outstanding {
@@ -1790,6 +1808,12 @@ impl Node {
                 busy,
                 bytes,
             } => self.on_ack(from, mb, attempt, backward, busy, bytes),
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait,
+            } => self.on_queued(from, mb, attempt, backward, wait),
             Msg::CrashNotice {
                 mb,
                 attempt,
@@ -3219,6 +3243,7 @@ impl Node {
                 self.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
                 self.arrivals.insert((mb, false), self.now);
             }
+            self.notify_queued(from, mb, attempt, false);
             return;
         }
         if let Some(label) = label {
@@ -3273,6 +3298,9 @@ impl Node {
                             bytes: 0,
                         },
                     );
+                } else {
+                    // A re-sent hop whose work is still queued here.
+                    self.notify_queued(from, mb, attempt, false);
                 }
                 return;
             }
@@ -3305,6 +3333,7 @@ impl Node {
         );
         // Queue wait starts now; remember when the input arrived.
         self.arrivals.insert((mb, false), self.now);
+        self.notify_queued(from, mb, attempt, false);
     }
 
     fn task_done(&mut self, id: TaskId) {
@@ -3542,6 +3571,8 @@ impl Node {
                         bytes: 0,
                     },
                 );
+            } else {
+                self.notify_queued(from, mb, attempt, true);
             }
             return;
         }
@@ -3557,6 +3588,59 @@ impl Node {
         let t = self.run(kind, Some(mb), attempt);
         self.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
         self.arrivals.insert((mb, true), self.now);
+        self.notify_queued(from, mb, attempt, true);
+    }
+
+    /// A hop's work waits behind other work in this node's GPU queue: tell
+    /// the sender it arrived and is queued, with the expected time until it
+    /// is done (the compute queued here, by this node's own estimate of its
+    /// speed), so that queueing is not taken for a crash. Nothing is sent
+    /// when the GPU has nothing else to do first.
+    fn notify_queued(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
+        let mut n = 0usize;
+        let mut wait = 0.0;
+        for (kind, _, _) in self.tasks.values() {
+            if !kind.is_compute() {
+                continue;
+            }
+            n += 1;
+            wait += match kind {
+                TaskKind::Backward | TaskKind::EmbedBackward => 2.0 * self.compute_s / 3.0,
+                _ => self.compute_s / 3.0,
+            };
+        }
+        if n < 2 {
+            return;
+        }
+        self.send(
+            to,
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait: secs(wait),
+            },
+        );
+    }
+
+    /// The receiver of a tracked hop has it queued: its ack is due after
+    /// the queue it reported (with a margin for the estimate) plus the
+    /// usual ack timeout. A crash of the receiver is still caught by the
+    /// liveness checks (`peer_dead`) or by this later deadline.
+    fn on_queued(&mut self, from: NodeId, mb: MbId, attempt: u32, backward: bool, wait: Time) {
+        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if o.to != from || o.attempt != attempt {
+            return;
+        }
+        let deadline = self.now + 2 * wait + self.ack_timeout_for(from);
+        if deadline <= o.deadline {
+            return;
+        }
+        let mut o = o.clone();
+        o.deadline = deadline;
+        self.add_deadline((mb, backward), o);
     }
 
     fn on_ack(
@@ -3593,6 +3677,30 @@ impl Node {
                 p.thr = Self::ema(p.thr, 1.0 / service.max(1e-6), a);
             }
         }
+    }
+
+    /// A hop's ack deadline passed. While the link to the peer is still
+    /// busy with transfers this node queued on it since the hop was sent
+    /// (a burst of hops to one peer shares its bandwidth, so each arrives
+    /// late), the ack is not due yet: the deadline moves to the usual
+    /// timeout after that busy period, by the bandwidth estimate.
+    fn ack_deadline(&mut self, mb: MbId, backward: bool) {
+        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if let Some(p) = self.peers.get(&o.to) {
+            // The usual timeout counts the hop's own transfer; what the
+            // transfers queued with it add is the rest of the busy period.
+            let xfer = secs(o.bytes as f64 / p.bw.unwrap_or(self.cfg.prior_bandwidth).max(1.0));
+            let due = p.link_free.saturating_sub(xfer) + self.ack_timeout_for(o.to);
+            if !p.dead && o.sent_at >= p.link_busy_since && due > self.now {
+                let mut o = o.clone();
+                o.deadline = due;
+                self.add_deadline((mb, backward), o);
+                return;
+            }
+        }
+        self.ack_timeout(mb, backward);
     }
 
     fn ack_timeout(&mut self, mb: MbId, backward: bool) {

@@ -342,6 +342,17 @@ pub enum Msg {
         busy: Time,
         bytes: u64,
     },
+    /// A hop arrived and waits in the receiver's GPU queue: it is alive
+    /// and holds the work; `wait` is its estimate of the time until the
+    /// hop's work is done (the full `Ack` follows then). The sender pushes
+    /// the hop's ack deadline back by that much instead of taking queueing
+    /// for a crash.
+    Queued {
+        mb: MbId,
+        attempt: u32,
+        backward: bool,
+        wait: Time,
+    },
     /// The node after `dead` could not hand it a gradient: the node before
     /// `dead` re-runs `dead`'s stage on a replacement (GWTF).
     CrashNotice {
@@ -462,6 +473,7 @@ impl Msg {
             Msg::Forward { .. } => "Forward",
             Msg::Backward { .. } => "Backward",
             Msg::Ack { .. } => "Ack",
+            Msg::Queued { .. } => "Queued",
             Msg::CrashNotice { .. } => "CrashNotice",
             Msg::Restart { .. } => "Restart",
             Msg::Restarting { .. } => "Restarting",
