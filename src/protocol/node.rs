@@ -3634,7 +3634,14 @@ impl Node {
         if o.to != from || o.attempt != attempt {
             return;
         }
-        let deadline = self.now + 2 * wait + self.ack_timeout_for(from);
+        // The reported wait is the peer's word: capped at the holder's
+        // last-resort timeout (no hostile or broken peer postpones a hop
+        // further) and added without overflow.
+        let wait = wait.min(self.cfg.e2e_timeout);
+        let deadline = self
+            .now
+            .saturating_add(2 * wait)
+            .saturating_add(self.ack_timeout_for(from));
         if deadline <= o.deadline {
             return;
         }
@@ -4554,6 +4561,40 @@ mod tests {
         v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         v.truncate(n.cfg.gossip_sinks);
         v
+    }
+
+    /// A `Queued` notice postpones a hop's ack deadline by the reported
+    /// wait, but a hostile wait (u64::MAX) neither overflows nor postpones
+    /// it beyond the holder's last-resort timeout; a notice from another
+    /// peer than the hop's receiver changes nothing.
+    #[test]
+    fn a_queued_notice_postpones_a_hop_within_bounds() {
+        let cfg = Arc::new(Config::new(Policy::Gwtf, 4, 1 << 20));
+        let mut n = Node::new(cfg.clone(), 5, 2, 0.5, 4, 1);
+        n.now = 1_000 * SEC;
+        let mb = MbId {
+            holder: 0,
+            iter: 3,
+            idx: 1,
+        };
+        let o = Outstanding {
+            to: 9,
+            sent_at: n.now,
+            deadline: n.now + SEC,
+            bytes: 1 << 20,
+            attempt: 0,
+        };
+        n.outstanding.insert((mb, false), o);
+        n.on_queued(8, mb, 0, false, 10 * SEC);
+        assert_eq!(n.outstanding[&(mb, false)].deadline, n.now + SEC);
+        n.on_queued(9, mb, 0, false, 10 * SEC);
+        let d = n.outstanding[&(mb, false)].deadline;
+        assert!(d >= n.now + 20 * SEC, "{d}");
+        for wait in [u64::MAX / 4, u64::MAX] {
+            n.on_queued(9, mb, 0, false, wait);
+            let d = n.outstanding[&(mb, false)].deadline;
+            assert!(d > n.now + 20 * SEC && d <= n.now + 2 * cfg.e2e_timeout + 3600 * SEC);
+        }
     }
 
     /// A claim re-sent after a heartbeat period can be granted after its
