@@ -8,6 +8,9 @@
  * Enum-like parameters are int32_t and are checked. Objects are opaque,
  * created by _new/_probe and freed by _free; _free(NULL) is a no-op.
  * A panic inside libgwtf returns GWTF_STATUS_PANIC and poisons the handle.
+ *
+ * What the system does: docs/SPEC.md in the libgwtf repository; how the
+ * library is organised and the C API's conventions: docs/ARCHITECTURE.md.
  */
 
 #ifndef GWTF_H
@@ -1092,7 +1095,7 @@ gwtf_status gwtf_flow_set_supply(const struct gwtf_flow *flow,
 
 /**
  * Creates an empty GWTF routing model with `stages` pipeline stages and
- * activations of `activation_bytes` per microbatch (GWTF.md sections 3-4).
+ * activations of `activation_bytes` per microbatch (docs/SPEC.md sections 2-3).
  *
  * Ownership: the caller owns `*out_flow` and frees it with `gwtf_flow_free`.
  *

@@ -113,8 +113,7 @@ fn train_on_cuda_with_a_gpu_logs_every_step() {
         if std::env::var_os("GWTF_REQUIRE_GPU").is_some() {
             panic!("GWTF_REQUIRE_GPU is set but the probe finds no GPU");
         }
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU)");
+        common::skip::skipped("no GPU: the probe finds no usable device");
         return;
     }
     for model in ["gpt-tiny", "llama-tiny"] {

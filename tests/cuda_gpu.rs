@@ -1,7 +1,7 @@
 //! Every CUDA kernel against its CPU twin, and GPU training against CPU
 //! training, on a real device.
 //!
-//! Without a GPU every test prints "SKIPPED: ..." and passes; with
+//! Without a GPU every test is recorded as skipped (common/skip.rs); with
 //! `GWTF_REQUIRE_GPU=1` (set when running on a GPU machine) a missing device
 //! fails instead, so a GPU run cannot skip silently. Exact kernels (bf16,
 //! int8, average, AdamW, RoPE, embedding, residual and bias adds,
@@ -11,6 +11,9 @@
 //! two). The same op and training checks run without a GPU on the emulated
 //! device (tests/cuda_emulated.rs).
 #![cfg(feature = "cuda")]
+
+#[path = "common/skip.rs"]
+mod skip;
 
 #[path = "common/backend_check.rs"]
 mod backend_check;
@@ -25,9 +28,7 @@ fn skip_or_fail(e: &dyn std::fmt::Display) {
     if std::env::var_os("GWTF_REQUIRE_GPU").is_some() {
         panic!("GWTF_REQUIRE_GPU is set but: {e}");
     }
-    // Written to stderr directly: libtest captures eprintln! of passing tests.
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
+    skip::skipped(&format!("no GPU: {e}"));
 }
 
 fn gpu_or_skip() -> Option<Gpu> {

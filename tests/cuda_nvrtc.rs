@@ -2,7 +2,10 @@
 //!
 //! The test command installs NVRTC (scripts/nvrtc-deps) and sets
 //! `GWTF_NVRTC_LIBRARY` and `GWTF_REQUIRE_NVRTC=1`, so in CI this cannot be
-//! skipped; elsewhere, without NVRTC, it says SKIPPED.
+//! skipped; elsewhere, without NVRTC, it is recorded as skipped.
+
+#[path = "common/skip.rs"]
+mod skip;
 
 use gwtf::cuda::kernels::SOURCES;
 use gwtf::cuda::nvrtc::{compile_ptx, ensure_loaded};
@@ -14,9 +17,7 @@ fn nvrtc_or_skip() -> bool {
             if std::env::var_os("GWTF_REQUIRE_NVRTC").is_some() {
                 panic!("GWTF_REQUIRE_NVRTC is set but {e}");
             }
-            // Written to stderr directly: libtest captures eprintln! of passing tests.
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED: {e}");
+            skip::skipped(&format!("no NVRTC: {e}"));
             false
         }
     }

@@ -50,12 +50,7 @@ fn go_available() -> bool {
         return true;
     }
     if std::env::var_os("GWTF_SKIP_GO").is_some() {
-        // Written to stderr directly: libtest captures eprintln! of passing tests.
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: Go is not installed and GWTF_SKIP_GO is set"
-        );
+        common::skip::skipped("Go is not installed and GWTF_SKIP_GO is set");
         return false;
     }
     panic!("Go is not installed: run scripts/install-deps (or set GWTF_SKIP_GO=1 to skip visibly)");
@@ -194,6 +189,21 @@ fn installed_library_is_usable_through_pkg_config() {
     );
     let lib = prefix.join("lib");
     assert!(lib.join("libgwtf.so.1").is_file());
+    // What is installed carries no debug info, even when installed from this
+    // debug build.
+    for shipped in ["libgwtf.so.1", "libgwtf.a"] {
+        let sections = stdout_of(&run_ok(
+            Command::new("readelf")
+                .args(["-S", "-W"])
+                .arg(lib.join(shipped)),
+        ));
+        for debug_info in [".debug_info", ".debug_line"] {
+            assert!(
+                !sections.contains(debug_info),
+                "{shipped} still has a {debug_info} section"
+            );
+        }
+    }
     assert!(prefix.join("include/gwtf.h").is_file());
     let pc_path = lib.join("pkgconfig");
     let flags = |what: &str| -> Vec<String> {

@@ -1,5 +1,8 @@
 //! Same optimal cost as OR-tools on generated GWTF-shaped instances (cold and after a node
 //! crash), when the repo's venv with ortools exists; always against our reference solver.
+#[path = "common/skip.rs"]
+mod skip;
+
 use gwtf::flow::{dimacs, reference, ArcId, Status};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -23,24 +26,17 @@ fn venv_python() -> Option<PathBuf> {
 #[test]
 fn same_cost_as_ortools_cold_and_after_crash() {
     // The test command installs the venv and sets GWTF_REQUIRE_ORTOOLS, so in
-    // CI this comparison cannot be skipped; elsewhere a skip is written to
-    // stderr directly (libtest captures eprintln! of passing tests).
-    let skip = |why: &str| {
+    // CI this comparison cannot be skipped; elsewhere the skip is recorded.
+    let skip_because = |why: &str| {
         if std::env::var_os("GWTF_REQUIRE_ORTOOLS").is_some() {
             panic!("GWTF_REQUIRE_ORTOOLS is set but {why}");
         }
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+        skip::skipped(why);
     };
     let Some(py) = venv_python() else {
-        skip("the ortools venv is missing (run scripts/python-deps)");
+        skip_because("the ortools venv is missing (run scripts/python-deps)");
         return;
     };
-    let reference_dir = repo().join("../shared/bench");
-    if !reference_dir.join("flow_reference.py").exists() {
-        skip("../shared/bench/flow_reference.py is missing");
-        return;
-    }
     for (size, mode, seed) in [
         (100, "knn16", 1),
         (300, "dense", 2),
@@ -51,8 +47,6 @@ fn same_cost_as_ortools_cold_and_after_crash() {
             std::env::temp_dir().join(format!("gwtf-ort-{}-{size}-{mode}.min", std::process::id()));
         let mut child = Command::new(&py)
             .arg(repo().join("scripts/flow_ortools.py"))
-            .arg("--reference")
-            .arg(&reference_dir)
             .args([
                 "--size",
                 &size.to_string(),

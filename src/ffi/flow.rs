@@ -393,7 +393,7 @@ pub extern "C" fn gwtf_flow_set_supply(
 }
 
 /// Creates an empty GWTF routing model with `stages` pipeline stages and
-/// activations of `activation_bytes` per microbatch (GWTF.md sections 3-4).
+/// activations of `activation_bytes` per microbatch (docs/SPEC.md sections 2-3).
 ///
 /// Ownership: the caller owns `*out_flow` and frees it with `gwtf_flow_free`.
 ///

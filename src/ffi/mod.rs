@@ -4,7 +4,7 @@
 //! machinery every export shares: the panic boundary and handle checks
 //! ([`boundary`]) and the checked conversion of enum-like integers ([`enums`]).
 //!
-//! Conventions (see DESIGN.md): every symbol is `gwtf_<object>_<verb>`; fallible
+//! Conventions (see docs/ARCHITECTURE.md): every symbol is `gwtf_<object>_<verb>`; fallible
 //! calls return a [`gwtf_status`] and take an optional trailing
 //! `gwtf_error **out_err`; outputs are written only on success; `_free(NULL)` is
 //! a no-op; a panic never crosses the boundary.

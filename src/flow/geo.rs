@@ -16,9 +16,9 @@ use super::routing::{LinkParams, NodeIdx, RoutingModel};
 use super::FlowError;
 use std::collections::HashMap;
 
-/// The ten-region link table (copy of `shared/geo10.csv`).
+/// The ten-region link table (region, region, one-way latency ms, bandwidth Gbit/s).
 pub const GEO10_CSV: &str = include_str!("data/geo10.csv");
-/// The ten-region relative compute times (copy of `shared/geo10-compute.csv`).
+/// The ten-region relative compute times (region, time per microbatch relative to the reference).
 pub const GEO10_COMPUTE_CSV: &str = include_str!("data/geo10-compute.csv");
 
 /// Parameters of a geo scenario.

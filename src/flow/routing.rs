@@ -1,4 +1,4 @@
-//! The GWTF routing model (GWTF.md sections 3–4) on top of [`MinCostFlow`].
+//! The GWTF routing model (docs/SPEC.md sections 2-3) on top of [`MinCostFlow`].
 //!
 //! Flow graph: a super source `s` and sink `t`; every data holder `h` has a *send* node
 //! (`s -> send`, capacity = holder capacity) and a *return* node (`return -> t`); every relay

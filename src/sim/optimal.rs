@@ -1,5 +1,5 @@
 //! The centralized yardstick: min-cost max-flow over the layered routing
-//! graph with global knowledge (GWTF.md section 4), behind a small trait so
+//! graph with global knowledge (docs/SPEC.md section 3), behind a small trait so
 //! that the project's routing solver (`src/flow/`) can be plugged in.
 //!
 //! [`FlowRouter`] builds the instance for the project's min-cost flow solver
@@ -15,7 +15,7 @@ pub struct RouteInstance<'a> {
     /// (relay, stage 1..=S, capacity).
     pub relays: Vec<(NodeId, Stage, u32)>,
     pub stages: Stage,
-    /// d_ij in seconds (GWTF.md section 3).
+    /// d_ij in seconds (docs/SPEC.md section 2).
     pub cost: &'a dyn Fn(NodeId, NodeId) -> f64,
 }
 

@@ -2,6 +2,8 @@
 //! against the built `libgwtf.so`.
 #![allow(dead_code)]
 
+pub mod skip;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;

@@ -54,7 +54,7 @@ pub struct RouteArgs {
 
 #[derive(Args)]
 pub struct BenchFlowArgs {
-    /// Peer counts (flow_reference.py sizes).
+    /// Peer counts of the generated instances (holders + relays).
     #[arg(long, num_args = 1.., default_values_t = vec![100, 1000, 10000])]
     sizes: Vec<usize>,
     /// Edge modes: dense, knnK.
@@ -80,9 +80,6 @@ pub struct BenchFlowArgs {
     /// Python with ortools (default: $REPO/.venv/bin/python, made by scripts/python-deps).
     #[arg(long)]
     python: Option<PathBuf>,
-    /// Directory holding flow_reference.py (default: $REPO/../shared/bench).
-    #[arg(long)]
-    reference: Option<PathBuf>,
 }
 
 pub fn run(cmd: FlowCmd) -> super::CliResult {
@@ -362,17 +359,6 @@ pub fn bench(args: BenchFlowArgs) -> super::CliResult {
         )
         .into());
     }
-    let reference = args
-        .reference
-        .clone()
-        .unwrap_or_else(|| repo.join("../shared/bench"));
-    if !reference.join("flow_reference.py").exists() {
-        return Err(format!(
-            "{}/flow_reference.py not found (use --reference DIR)",
-            reference.display()
-        )
-        .into());
-    }
     let tmp = std::env::temp_dir().join(format!("gwtf-bench-flow-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let cores = std::thread::available_parallelism()
@@ -404,7 +390,7 @@ pub fn bench(args: BenchFlowArgs) -> super::CliResult {
                 );
                 continue;
             }
-            let row = bench_one(&args, &python, &reference, &tmp, size, mode)?;
+            let row = bench_one(&args, &python, &tmp, size, mode)?;
             if args.json {
                 println!("{row}");
             } else {
@@ -439,7 +425,6 @@ fn print_row(r: &Value, header: bool) {
 fn bench_one(
     args: &BenchFlowArgs,
     python: &Path,
-    reference: &Path,
     tmp: &Path,
     size: usize,
     mode: &str,
@@ -448,8 +433,6 @@ fn bench_one(
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/flow_ortools.py");
     let mut child = Command::new(python)
         .arg(&script)
-        .arg("--reference")
-        .arg(reference)
         .args([
             "--size",
             &size.to_string(),
