@@ -145,9 +145,13 @@ pub struct BenchTransportArgs {
     /// Payload bytes per measurement (all connections together).
     #[arg(long, default_value = "1G")]
     pub bytes: String,
-    /// Round trips for the latency measurement.
+    /// Round trips for the latency measurement (each path), taken in
+    /// `--rtt-rounds` interleaved rounds (raw, framed, raw, framed ...).
     #[arg(long, default_value_t = 2000)]
     pub rtt_iters: usize,
+    /// Interleaved rounds of the latency measurement.
+    #[arg(long, default_value_t = 10)]
+    pub rtt_rounds: usize,
     /// Payload CRC32C on the framed path (off: header CRC only).
     #[arg(long)]
     pub payload_crc: bool,
@@ -250,7 +254,8 @@ fn recv_waitall(rx: &TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> f64 {
+/// Round-trip times (us) of 64-byte messages on a raw socket pair.
+fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> Vec<f64> {
     let (a, b) = pair;
     std::thread::scope(|s| {
         s.spawn(move || {
@@ -270,7 +275,7 @@ fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> f64 {
             a.read_exact(&mut buf).expect("rtt read");
             times.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        median(&mut times)
+        times
     })
 }
 
@@ -350,7 +355,8 @@ fn framed_run(pairs: &[FramedPair], size: usize, per_conn: usize) -> f64 {
     })
 }
 
-fn framed_rtt(p: &FramedPair, iters: usize) -> f64 {
+/// Round-trip times (us) of 64-byte frames through both nodes' poll threads.
+fn framed_rtt(p: &FramedPair, iters: usize) -> Vec<f64> {
     let (tx, peer) = (&p.tx, &p.peer);
     let back = tx.node_id();
     let stop = AtomicBool::new(false);
@@ -371,13 +377,58 @@ fn framed_rtt(p: &FramedPair, iters: usize) -> f64 {
             drop(r);
             times.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        median(&mut times)
+        times
     })
 }
 
 fn median(v: &mut [f64]) -> f64 {
+    quantile(v, 0.5)
+}
+
+fn quantile(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// A round trip slower than this waited for a CPU: on a loaded machine a
+/// woken thread can wait a whole scheduler time slice (about 4 ms here).
+const SLOW_RTT_US: f64 = 1000.0;
+
+/// Latency of both paths, measured in interleaved rounds so that a burst of
+/// load from other processes hits both alike.
+struct Rtt {
+    raw: Vec<f64>,
+    framed: Vec<f64>,
+}
+
+impl Rtt {
+    fn measure(
+        raw: &(TcpStream, TcpStream),
+        framed: &FramedPair,
+        iters: usize,
+        rounds: usize,
+    ) -> Rtt {
+        let per_round = iters.div_ceil(rounds).max(1);
+        let (mut r, mut f) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            r.extend(raw_rtt(raw, per_round));
+            f.extend(framed_rtt(framed, per_round));
+        }
+        Rtt { raw: r, framed: f }
+    }
+    fn slow(v: &[f64]) -> usize {
+        v.iter().filter(|&&t| t > SLOW_RTT_US).count()
+    }
+}
+
+/// The 1-minute load average, when the system reports one.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 pub fn bench(args: BenchTransportArgs) -> super::CliResult {
@@ -385,7 +436,22 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
     if args.pairs == 0 {
         return Err("--pairs must be at least 1".into());
     }
+    if args.rtt_iters == 0 || args.rtt_rounds == 0 || args.rtt_rounds > args.rtt_iters {
+        return Err(format!(
+            "--rtt-iters ({}) and --rtt-rounds ({}) must be at least 1, with no more rounds than round trips",
+            args.rtt_iters, args.rtt_rounds
+        )
+        .into());
+    }
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load = load_average();
+    if let Some(l) = load.filter(|&l| l >= cores as f64) {
+        eprintln!(
+            "gwtf bench transport: warning: load average {l:.1} on {cores} cores: other processes compete for the CPUs. \
+             A framed round trip hands over between four threads (caller, two poll threads, echo), a raw one between two; \
+             under contention a hand-off can wait a whole scheduler time slice (~4 ms), which the 'slow' column counts."
+        );
+    }
     if !args.json {
         println!(
             "gwtf bench transport: loopback, {cores} cores, {} pairs (ABAB) after warm-up, >= {} MiB per measurement, payload crc {}",
@@ -397,7 +463,7 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             "raw: blocking send / recv(MSG_WAITALL) of reused buffers; framed: pool slot -> writev -> pool slot; TCP_NODELAY on both; one sender and one receiver per connection"
         );
         println!(
-            "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>11} {:>8} {:>10}",
+            "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>11} {:>8} {:>10} {:>10} {:>6}",
             "size",
             "conns",
             "raw GB/s",
@@ -406,7 +472,9 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             "(min-max)",
             "copies/frm",
             "raw rtt",
-            "framed rtt"
+            "framed rtt",
+            "frm p99",
+            "slow"
         );
     }
     for size_s in &args.sizes {
@@ -443,8 +511,12 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             let writes1: u64 = writes();
             let reads_per_frame = (reads1 - reads0) as f64 / frames;
             let writes_per_frame = (writes1 - writes0) as f64 / frames;
-            let raw_rtt_us = raw_rtt(&raw[0], args.rtt_iters);
-            let framed_rtt_us = framed_rtt(&framed[0], args.rtt_iters);
+            let mut rtt = Rtt::measure(&raw[0], &framed[0], args.rtt_iters, args.rtt_rounds);
+            let (raw_slow, framed_slow) = (Rtt::slow(&rtt.raw), Rtt::slow(&rtt.framed));
+            let raw_rtt_us = median(&mut rtt.raw);
+            let framed_rtt_us = median(&mut rtt.framed);
+            let raw_p99_us = quantile(&mut rtt.raw, 0.99);
+            let framed_p99_us = quantile(&mut rtt.framed, 0.99);
             let (rmin, rmax) = ratios
                 .iter()
                 .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
@@ -469,6 +541,13 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                         "write_calls_per_frame": writes_per_frame,
                         "raw_rtt_us": raw_rtt_us,
                         "framed_rtt_us": framed_rtt_us,
+                        "raw_rtt_p99_us": raw_p99_us,
+                        "framed_rtt_p99_us": framed_p99_us,
+                        "rtt_samples": rtt.framed.len(),
+                        "raw_rtt_slow": raw_slow,
+                        "framed_rtt_slow": framed_slow,
+                        "slow_rtt_threshold_us": SLOW_RTT_US,
+                        "load_average": load,
                         "bytes_per_measurement": size * per_conn * c,
                         "pairs": args.pairs,
                         "payload_crc": args.payload_crc,
@@ -477,7 +556,7 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                 );
             } else {
                 println!(
-                    "{:>9} {:>5} {:>9.2} {:>11.2} {:>7.3} {:>13} {:>11.1} {:>6.1}us {:>8.1}us",
+                    "{:>9} {:>5} {:>9.2} {:>11.2} {:>7.3} {:>13} {:>11.1} {:>6.1}us {:>8.1}us {:>8.1}us {:>6}",
                     size_s,
                     c,
                     raw_gbps,
@@ -486,7 +565,9 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                     format!("({rmin:.2}-{rmax:.2})"),
                     copies_per_frame,
                     raw_rtt_us,
-                    framed_rtt_us
+                    framed_rtt_us,
+                    framed_p99_us,
+                    format!("{framed_slow}/{}", rtt.framed.len())
                 );
             }
             drop(framed);
