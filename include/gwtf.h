@@ -995,7 +995,7 @@ gwtf_status gwtf_flow_new_from_dimacs(const char *text,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (a routing model),
  * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_add_node(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_add_node(struct gwtf_flow *flow,
                                int64_t supply,
                                uint32_t *out_node,
                                struct gwtf_error **out_err);
@@ -1012,7 +1012,7 @@ gwtf_status gwtf_flow_add_node(const struct gwtf_flow *flow,
  * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_LIMIT_EXCEEDED`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_add_arc(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_add_arc(struct gwtf_flow *flow,
                               uint32_t from,
                               uint32_t to,
                               int64_t capacity,
@@ -1030,7 +1030,7 @@ gwtf_status gwtf_flow_add_arc(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_remove_node(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_remove_node(struct gwtf_flow *flow,
                                   uint32_t node,
                                   struct gwtf_error **out_err);
 
@@ -1044,7 +1044,7 @@ gwtf_status gwtf_flow_remove_node(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_remove_arc(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_remove_arc(struct gwtf_flow *flow,
                                  uint32_t arc,
                                  struct gwtf_error **out_err);
 
@@ -1058,7 +1058,7 @@ gwtf_status gwtf_flow_remove_arc(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_arc_capacity(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_arc_capacity(struct gwtf_flow *flow,
                                        uint32_t arc,
                                        int64_t capacity,
                                        struct gwtf_error **out_err);
@@ -1073,7 +1073,7 @@ gwtf_status gwtf_flow_set_arc_capacity(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_arc_cost(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_arc_cost(struct gwtf_flow *flow,
                                    uint32_t arc,
                                    int64_t cost,
                                    struct gwtf_error **out_err);
@@ -1088,7 +1088,7 @@ gwtf_status gwtf_flow_set_arc_cost(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_supply(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_supply(struct gwtf_flow *flow,
                                  uint32_t node,
                                  int64_t supply,
                                  struct gwtf_error **out_err);
@@ -1120,7 +1120,7 @@ gwtf_status gwtf_flow_new_routing(uint32_t stages,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (negative capacity, non-finite
  * time, not a routing model), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_add_data_holder(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_add_data_holder(struct gwtf_flow *flow,
                                       int64_t capacity,
                                       double compute_us,
                                       uint32_t *out_member,
@@ -1138,7 +1138,7 @@ gwtf_status gwtf_flow_add_data_holder(const struct gwtf_flow *flow,
  * capacity, non-finite time, not a routing model), `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_add_relay(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_add_relay(struct gwtf_flow *flow,
                                 uint32_t stage,
                                 int64_t capacity,
                                 double compute_us,
@@ -1156,7 +1156,7 @@ gwtf_status gwtf_flow_add_relay(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (unknown member, non-positive
  * bandwidth, negative latency), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_link(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_link(struct gwtf_flow *flow,
                                uint32_t a,
                                uint32_t b,
                                double latency_ab_us,
@@ -1176,7 +1176,7 @@ gwtf_status gwtf_flow_set_link(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (unknown or removed member),
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_remove_member(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_remove_member(struct gwtf_flow *flow,
                                     uint32_t member,
                                     struct gwtf_error **out_err);
 
@@ -1190,7 +1190,7 @@ gwtf_status gwtf_flow_remove_member(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_member_capacity(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_member_capacity(struct gwtf_flow *flow,
                                           uint32_t member,
                                           int64_t capacity,
                                           struct gwtf_error **out_err);
@@ -1205,7 +1205,7 @@ gwtf_status gwtf_flow_set_member_capacity(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_set_member_compute(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_set_member_compute(struct gwtf_flow *flow,
                                          uint32_t member,
                                          double compute_us,
                                          struct gwtf_error **out_err);
@@ -1222,7 +1222,7 @@ gwtf_status gwtf_flow_set_member_compute(const struct gwtf_flow *flow,
  * Errors: `GWTF_STATUS_LIMIT_EXCEEDED` (costs too large for exact scaling),
  * `GWTF_STATUS_INTERNAL`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_flow_solve(const struct gwtf_flow *flow,
+gwtf_status gwtf_flow_solve(struct gwtf_flow *flow,
                             int32_t *out_state,
                             struct gwtf_error **out_err);
 
@@ -1333,7 +1333,7 @@ gwtf_status gwtf_frame_get_view(const struct gwtf_frame *frame,
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (kind
  * not data, unknown flags or dtype, ndim > 4).
  */
-gwtf_status gwtf_frame_set_header(const struct gwtf_frame *frame,
+gwtf_status gwtf_frame_set_header(struct gwtf_frame *frame,
                                   const struct gwtf_frame_header *header,
                                   struct gwtf_error **out_err);
 
@@ -1637,7 +1637,7 @@ gwtf_status gwtf_node_local_addr(const struct gwtf_node *node,
  * protocol error, or every attempt failed; the message says which),
  * `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`.
  */
-gwtf_status gwtf_node_connect(const struct gwtf_node *node,
+gwtf_status gwtf_node_connect(struct gwtf_node *node,
                               const char *addr,
                               uint32_t timeout_ms,
                               uint64_t *out_peer_id,
@@ -1657,7 +1657,7 @@ gwtf_status gwtf_node_connect(const struct gwtf_node *node,
  * `GWTF_STATUS_TIMEOUT` (pool exhausted for the whole timeout),
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
  */
-gwtf_status gwtf_node_frame_alloc(const struct gwtf_node *node,
+gwtf_status gwtf_node_frame_alloc(struct gwtf_node *node,
                                   uint64_t payload_len,
                                   uint32_t timeout_ms,
                                   struct gwtf_frame **out_frame,
@@ -1678,7 +1678,7 @@ gwtf_status gwtf_node_frame_alloc(const struct gwtf_node *node,
  * gone), `GWTF_STATUS_TIMEOUT` (queue full), `GWTF_STATUS_INVALID_ARGUMENT`
  * (bad header or frame), `GWTF_STATUS_NULL_POINTER`.
  */
-gwtf_status gwtf_node_send(const struct gwtf_node *node,
+gwtf_status gwtf_node_send(struct gwtf_node *node,
                            uint64_t peer_id,
                            struct gwtf_frame *frame,
                            uint32_t timeout_ms,
@@ -1696,7 +1696,7 @@ gwtf_status gwtf_node_send(const struct gwtf_node *node,
  * Errors: `GWTF_STATUS_TIMEOUT` (nothing arrived), `GWTF_STATUS_CLOSED`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
  */
-gwtf_status gwtf_node_recv(const struct gwtf_node *node,
+gwtf_status gwtf_node_recv(struct gwtf_node *node,
                            uint32_t timeout_ms,
                            struct gwtf_frame **out_frame,
                            struct gwtf_error **out_err);
@@ -1712,7 +1712,7 @@ gwtf_status gwtf_node_recv(const struct gwtf_node *node,
  * Errors: `GWTF_STATUS_TIMEOUT` (no event), `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_INVALID_ARGUMENT`.
  */
-gwtf_status gwtf_node_poll_event(const struct gwtf_node *node,
+gwtf_status gwtf_node_poll_event(struct gwtf_node *node,
                                  uint32_t timeout_ms,
                                  struct gwtf_event *out_event,
                                  struct gwtf_error **out_err);
@@ -1743,7 +1743,7 @@ gwtf_status gwtf_node_get_stats(const struct gwtf_node *node,
  * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_CLOSED`,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
  */
-gwtf_status gwtf_node_disconnect(const struct gwtf_node *node,
+gwtf_status gwtf_node_disconnect(struct gwtf_node *node,
                                  uint64_t peer_id,
                                  struct gwtf_error **out_err);
 
@@ -1758,7 +1758,7 @@ gwtf_status gwtf_node_disconnect(const struct gwtf_node *node,
  *
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
  */
-gwtf_status gwtf_node_shutdown(const struct gwtf_node *node,
+gwtf_status gwtf_node_shutdown(struct gwtf_node *node,
                                struct gwtf_error **out_err);
 
 /**
@@ -1851,7 +1851,7 @@ gwtf_status gwtf_stage_get_info(const struct gwtf_stage *stage,
  * input kind or length, token out of range, microbatch already in flight),
  * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_stage_forward(const struct gwtf_stage *stage,
+gwtf_status gwtf_stage_forward(struct gwtf_stage *stage,
                                uint64_t microbatch,
                                uint32_t batch,
                                uint32_t seq,
@@ -1882,7 +1882,7 @@ gwtf_status gwtf_stage_forward(const struct gwtf_stage *stage,
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`,
  * `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_stage_backward(const struct gwtf_stage *stage,
+gwtf_status gwtf_stage_backward(struct gwtf_stage *stage,
                                 uint64_t microbatch,
                                 const float *grad_output,
                                 size_t grad_output_len,
@@ -1902,7 +1902,7 @@ gwtf_status gwtf_stage_backward(const struct gwtf_stage *stage,
  *
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_stage_discard(const struct gwtf_stage *stage,
+gwtf_status gwtf_stage_discard(struct gwtf_stage *stage,
                                uint64_t microbatch,
                                bool *out_found,
                                struct gwtf_error **out_err);
@@ -1919,7 +1919,7 @@ gwtf_status gwtf_stage_discard(const struct gwtf_stage *stage,
  * (non-finite or negative hyper-parameters, nothing accumulated),
  * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_stage_step(const struct gwtf_stage *stage,
+gwtf_status gwtf_stage_step(struct gwtf_stage *stage,
                             const struct gwtf_adamw_options *opts,
                             struct gwtf_error **out_err);
 
@@ -1952,7 +1952,7 @@ gwtf_status gwtf_stage_export_params(const struct gwtf_stage *stage,
  * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length), `GWTF_STATUS_NULL_POINTER`,
  * `GWTF_STATUS_POISONED`.
  */
-gwtf_status gwtf_stage_import_params(const struct gwtf_stage *stage,
+gwtf_status gwtf_stage_import_params(struct gwtf_stage *stage,
                                      const float *params,
                                      size_t len,
                                      struct gwtf_error **out_err);

@@ -146,11 +146,19 @@ fn graph(i: &mut Inner) -> FfiResult<&mut MinCostFlow> {
     }
 }
 
-fn routing(i: &mut Inner) -> FfiResult<&mut RoutingModel> {
+/// Runs one change of a routing model. The routes of the last solve are
+/// dropped only when the change succeeded: a call that fails leaves the
+/// object exactly as it was (the model's own methods check their arguments
+/// before they change anything).
+fn change_routing<T>(
+    i: &mut Inner,
+    change: impl FnOnce(&mut RoutingModel) -> Result<T, FlowError>,
+) -> FfiResult<T> {
     match &mut i.model {
         Model::Routing { model, routes } => {
+            let out = change(model.as_mut()).map_err(flow_err)?;
             routes.clear();
-            Ok(model.as_mut())
+            Ok(out)
         }
         Model::Graph { .. } => Err(FfiError::invalid(
             "this gwtf_flow is a general graph; routing calls need gwtf_flow_new_routing",
@@ -251,7 +259,7 @@ pub extern "C" fn gwtf_flow_new_from_dimacs(
 /// `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_add_node(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     supply: i64,
     out_node: *mut u32,
     out_err: *mut *mut gwtf_error,
@@ -275,7 +283,7 @@ pub extern "C" fn gwtf_flow_add_node(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_add_arc(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     from: u32,
     to: u32,
     capacity: i64,
@@ -302,7 +310,7 @@ pub extern "C" fn gwtf_flow_add_arc(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_remove_node(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     node: u32,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
@@ -321,7 +329,7 @@ pub extern "C" fn gwtf_flow_remove_node(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_remove_arc(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     arc: u32,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
@@ -340,7 +348,7 @@ pub extern "C" fn gwtf_flow_remove_arc(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_set_arc_capacity(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     arc: u32,
     capacity: i64,
     out_err: *mut *mut gwtf_error,
@@ -362,7 +370,7 @@ pub extern "C" fn gwtf_flow_set_arc_capacity(
 /// `GWTF_STATUS_LIMIT_EXCEEDED`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_set_arc_cost(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     arc: u32,
     cost: i64,
     out_err: *mut *mut gwtf_error,
@@ -382,7 +390,7 @@ pub extern "C" fn gwtf_flow_set_arc_cost(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_set_supply(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     node: u32,
     supply: i64,
     out_err: *mut *mut gwtf_error,
@@ -432,16 +440,14 @@ pub extern "C" fn gwtf_flow_new_routing(
 /// time, not a routing model), `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_add_data_holder(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     capacity: i64,
     compute_us: f64,
     out_member: *mut u32,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     with_flow(out_err, flow, |i| {
-        let m = routing(i)?
-            .add_data_holder(capacity, compute_us)
-            .map_err(flow_err)?;
+        let m = change_routing(i, |m| m.add_data_holder(capacity, compute_us))?;
         id_out(out_member, m.0);
         Ok(())
     })
@@ -459,7 +465,7 @@ pub extern "C" fn gwtf_flow_add_data_holder(
 /// `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_add_relay(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     stage: u32,
     capacity: i64,
     compute_us: f64,
@@ -467,9 +473,7 @@ pub extern "C" fn gwtf_flow_add_relay(
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     with_flow(out_err, flow, |i| {
-        let m = routing(i)?
-            .add_relay(stage, capacity, compute_us)
-            .map_err(flow_err)?;
+        let m = change_routing(i, |m| m.add_relay(stage, capacity, compute_us))?;
         id_out(out_member, m.0);
         Ok(())
     })
@@ -487,7 +491,7 @@ pub extern "C" fn gwtf_flow_add_relay(
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn gwtf_flow_set_link(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     a: u32,
     b: u32,
     latency_ab_us: f64,
@@ -512,9 +516,7 @@ pub extern "C" fn gwtf_flow_set_link(
                 "latencies must be finite and >= 0, bandwidths finite and > 0",
             ));
         }
-        routing(i)?
-            .set_link(NodeIdx(a), NodeIdx(b), p)
-            .map_err(flow_err)
+        change_routing(i, |m| m.set_link(NodeIdx(a), NodeIdx(b), p))
     })
 }
 
@@ -529,12 +531,12 @@ pub extern "C" fn gwtf_flow_set_link(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_remove_member(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     member: u32,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     with_flow(out_err, flow, |i| {
-        routing(i)?.remove_node(NodeIdx(member)).map_err(flow_err)
+        change_routing(i, |m| m.remove_node(NodeIdx(member)))
     })
 }
 
@@ -548,15 +550,13 @@ pub extern "C" fn gwtf_flow_remove_member(
 /// `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_set_member_capacity(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     member: u32,
     capacity: i64,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     with_flow(out_err, flow, |i| {
-        routing(i)?
-            .set_capacity(NodeIdx(member), capacity)
-            .map_err(flow_err)
+        change_routing(i, |m| m.set_capacity(NodeIdx(member), capacity))
     })
 }
 
@@ -570,15 +570,13 @@ pub extern "C" fn gwtf_flow_set_member_capacity(
 /// `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_set_member_compute(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     member: u32,
     compute_us: f64,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     with_flow(out_err, flow, |i| {
-        routing(i)?
-            .set_compute(NodeIdx(member), compute_us)
-            .map_err(flow_err)
+        change_routing(i, |m| m.set_compute(NodeIdx(member), compute_us))
     })
 }
 
@@ -594,7 +592,7 @@ pub extern "C" fn gwtf_flow_set_member_compute(
 /// `GWTF_STATUS_INTERNAL`, `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_flow_solve(
-    flow: *const gwtf_flow,
+    flow: *mut gwtf_flow,
     out_state: *mut i32,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
@@ -822,3 +820,7 @@ pub extern "C" fn gwtf_flow_free(flow: *mut gwtf_flow) {
     // SAFETY: NULL or a pointer from a gwtf_flow_new_* function, once.
     unsafe { super::boundary::free_handle(flow) }
 }
+
+#[cfg(test)]
+#[path = "flow_tests.rs"]
+mod tests;

@@ -162,7 +162,7 @@ pub extern "C" fn gwtf_frame_get_view(
 /// not data, unknown flags or dtype, ndim > 4).
 #[no_mangle]
 pub extern "C" fn gwtf_frame_set_header(
-    frame: *const gwtf_frame,
+    frame: *mut gwtf_frame,
     header: *const FrameHeader,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {

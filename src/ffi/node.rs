@@ -381,7 +381,7 @@ pub extern "C" fn gwtf_node_local_addr(
 /// `GWTF_STATUS_INVALID_ARGUMENT`, `GWTF_STATUS_NULL_POINTER`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_connect(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     addr: *const c_char,
     timeout_ms: u32,
     out_peer_id: *mut u64,
@@ -414,7 +414,7 @@ pub extern "C" fn gwtf_node_connect(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_frame_alloc(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     payload_len: u64,
     timeout_ms: u32,
     out_frame: *mut *mut gwtf_frame,
@@ -446,7 +446,7 @@ pub extern "C" fn gwtf_node_frame_alloc(
 /// (bad header or frame), `GWTF_STATUS_NULL_POINTER`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_send(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     peer_id: u64,
     frame: *mut gwtf_frame,
     timeout_ms: u32,
@@ -481,7 +481,7 @@ fn guard_value_frame(frame: *mut gwtf_frame) -> FfiResult<crate::engine::Frame> 
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_recv(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     timeout_ms: u32,
     out_frame: *mut *mut gwtf_frame,
     out_err: *mut *mut gwtf_error,
@@ -514,7 +514,7 @@ fn fill(dst: &mut [c_char], s: &str) {
 /// `GWTF_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_poll_event(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     timeout_ms: u32,
     out_event: *mut gwtf_event,
     out_err: *mut *mut gwtf_error,
@@ -658,7 +658,7 @@ pub extern "C" fn gwtf_node_get_stats(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_disconnect(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     peer_id: u64,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
@@ -678,7 +678,7 @@ pub extern "C" fn gwtf_node_disconnect(
 /// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn gwtf_node_shutdown(
-    node: *const gwtf_node,
+    node: *mut gwtf_node,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     guard_handle(out_err, node, |n| {

@@ -277,7 +277,7 @@ pub extern "C" fn gwtf_stage_get_info(
 /// `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_stage_forward(
-    stage: *const gwtf_stage,
+    stage: *mut gwtf_stage,
     microbatch: u64,
     batch: u32,
     seq: u32,
@@ -366,7 +366,7 @@ pub extern "C" fn gwtf_stage_forward(
 /// `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_stage_backward(
-    stage: *const gwtf_stage,
+    stage: *mut gwtf_stage,
     microbatch: u64,
     grad_output: *const f32,
     grad_output_len: usize,
@@ -420,7 +420,7 @@ pub extern "C" fn gwtf_stage_backward(
 /// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_stage_discard(
-    stage: *const gwtf_stage,
+    stage: *mut gwtf_stage,
     microbatch: u64,
     out_found: *mut bool,
     out_err: *mut *mut gwtf_error,
@@ -447,7 +447,7 @@ pub extern "C" fn gwtf_stage_discard(
 /// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_stage_step(
-    stage: *const gwtf_stage,
+    stage: *mut gwtf_stage,
     opts: *const gwtf_adamw_options,
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
@@ -530,7 +530,7 @@ pub extern "C" fn gwtf_stage_export_params(
 /// `GWTF_STATUS_POISONED`.
 #[no_mangle]
 pub extern "C" fn gwtf_stage_import_params(
-    stage: *const gwtf_stage,
+    stage: *mut gwtf_stage,
     params: *const f32,
     len: usize,
     out_err: *mut *mut gwtf_error,

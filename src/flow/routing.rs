@@ -464,6 +464,9 @@ impl RoutingModel {
         if stage == 0 || stage > self.stages {
             return Err(rerr(format!("stage {stage} outside 1..={}", self.stages)));
         }
+        if us < 0 {
+            return Err(rerr(format!("negative aggregation time {us}")));
+        }
         self.aggregation_us[stage as usize - 1] = us;
         Ok(())
     }
@@ -486,8 +489,7 @@ impl RoutingModel {
                 .members
                 .iter()
                 .filter(|m| m.alive && m.role == Role::Holder)
-                .map(|m| m.capacity)
-                .sum(),
+                .fold(0i64, |sum, m| sum.saturating_add(m.capacity)),
         };
         if f != self.current_demand {
             self.current_demand = f;
