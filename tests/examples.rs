@@ -146,6 +146,8 @@ fn go_package_tests_and_program_run() {
         "TestNodeSendRecvTensors",
         "TestWrongKeyIsRefused",
         "TestNodeCloseTwiceAndShortKey",
+        "TestStagesTrainAPipeline",
+        "TestStageErrorsAndParameterTransfer",
     ] {
         assert!(out.contains(&format!("--- PASS: {t}")), "{t}: {out}");
     }
@@ -189,6 +191,7 @@ fn installed_library_is_usable_through_pkg_config() {
     );
     let lib = prefix.join("lib");
     assert!(lib.join("libgwtf.so.1").is_file());
+    assert!(prefix.join("include/gwtf.hpp").is_file());
     // What is installed carries no debug info, even when installed from this
     // debug build.
     for shipped in ["libgwtf.so.1", "libgwtf.a"] {
@@ -247,4 +250,74 @@ fn installed_library_is_usable_through_pkg_config() {
         )),
         "{ldd}"
     );
+}
+
+/// A Go program in a module of its own uses the package as the README says:
+/// `require libgwtf.local/gwtf` with a `replace` pointing at the checkout,
+/// linked against an installed library, found at run time through an rpath.
+#[test]
+fn go_program_in_its_own_module_uses_the_installed_library() {
+    if !go_available() {
+        return;
+    }
+    let prefix = scratch("install-prefix-go");
+    run_ok(
+        Command::new(repo_root().join("scripts/install"))
+            .arg(&prefix)
+            .arg(lib_dir()),
+    );
+    let module = scratch("go-user-module");
+    std::fs::write(
+        module.join("go.mod"),
+        format!(
+            "module mytrainer\n\ngo 1.19\n\nrequire libgwtf.local/gwtf v0.0.0\n\nreplace libgwtf.local/gwtf => {}\n",
+            repo_root().join("c-examples/go").display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        module.join("main.go"),
+        r#"package main
+
+import (
+	"fmt"
+	"os"
+
+	"libgwtf.local/gwtf"
+)
+
+func main() {
+	if err := gwtf.CheckABI(); err != nil {
+		fmt.Println(err)
+		os.Exit(1)
+	}
+	s, err := gwtf.NewStage("llama-tiny", 2, 0, 1)
+	if err != nil {
+		fmt.Println(err)
+		os.Exit(1)
+	}
+	defer s.Close()
+	fmt.Printf("mytrainer: libgwtf %s, stage 0 has %d parameters\n", gwtf.Version(), s.Info().NumParams)
+}
+"#,
+    )
+    .unwrap();
+    let lib = prefix.join("lib");
+    let exe = module.join("mytrainer");
+    run_ok(
+        Command::new("go")
+            .args(["build", "-o"])
+            .arg(&exe)
+            .arg(".")
+            .current_dir(&module)
+            .envs(go_env())
+            .env("PKG_CONFIG_PATH", lib.join("pkgconfig"))
+            .env("CGO_LDFLAGS", format!("-Wl,-rpath,{}", lib.display())),
+    );
+    let out = stdout_of(&run_ok(Command::new(&exe).env_remove("LD_LIBRARY_PATH")));
+    let expected = format!(
+        "mytrainer: libgwtf {}, stage 0 has ",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(out.starts_with(&expected), "{out}");
 }
