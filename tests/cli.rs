@@ -68,6 +68,17 @@ fn benches_and_echo_refuse_bad_arguments_before_working() {
             vec!["--rtt-iters", "got 0"],
         ),
         (
+            vec![
+                "bench",
+                "transport",
+                "--rtt-iters",
+                "5",
+                "--rtt-rounds",
+                "6",
+            ],
+            vec!["--rtt-rounds 6 is more than --rtt-iters 5"],
+        ),
+        (
             vec!["bench", "kernels", "--min-secs", "-1"],
             vec!["--min-secs", "must be > 0, got -1"],
         ),
