@@ -16,6 +16,87 @@ fn version_matches_cargo() {
 }
 
 #[test]
+fn benches_and_echo_refuse_bad_arguments_before_working() {
+    let key = scratch("cli-short-key").join("key");
+    std::fs::write(&key, "short\n").unwrap();
+    let key = key.to_str().unwrap();
+    let echo = ["echo", "--listen", "127.0.0.1:0", "--swarm-key-file"];
+    let with = |extra: &[&'static str]| -> Vec<&str> {
+        echo.iter()
+            .copied()
+            .chain([key])
+            .chain(extra.iter().copied())
+            .collect()
+    };
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (
+            with(&[]),
+            vec!["--swarm-key-file", key, "5 bytes, at least 16"],
+        ),
+        (
+            vec![
+                "echo",
+                "--listen",
+                "127.0.0.1:0",
+                "--swarm-key-file",
+                "/nonexistent/key",
+            ],
+            vec!["cannot read --swarm-key-file /nonexistent/key"],
+        ),
+        (
+            with(&["--heartbeat-ms", "0"]),
+            vec!["--heartbeat-ms", "got 0"],
+        ),
+        (
+            with(&["--max-payload", "-1"]),
+            vec!["--max-payload", "got -1"],
+        ),
+        (
+            vec!["bench", "transport", "--sizes", "64K,0"],
+            vec!["--sizes 0: must be > 0"],
+        ),
+        (
+            vec!["bench", "transport", "--bytes", "lots"],
+            vec!["--bytes lots", "not a byte count"],
+        ),
+        (
+            vec!["bench", "transport", "--conns", "0"],
+            vec!["--conns", "got 0"],
+        ),
+        (
+            vec!["bench", "transport", "--rtt-iters", "0"],
+            vec!["--rtt-iters", "got 0"],
+        ),
+        (
+            vec![
+                "bench",
+                "transport",
+                "--rtt-iters",
+                "5",
+                "--rtt-rounds",
+                "6",
+            ],
+            vec!["--rtt-rounds 6 is more than --rtt-iters 5"],
+        ),
+        (
+            vec!["bench", "kernels", "--min-secs", "-1"],
+            vec!["--min-secs", "must be > 0, got -1"],
+        ),
+        (
+            vec!["bench", "kernels", "--elements", "0"],
+            vec!["--elements", "got 0"],
+        ),
+        (
+            vec!["bench", "kernels", "--train-model", "nope"],
+            vec!["--train-model nope"],
+        ),
+    ];
+    for (args, names) in cases {
+        gwtf_refuses(&args, &names);
+    }
+}
+
+#[test]
 fn probe_without_driver_and_with_stub_driver() {
     if !std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() {
         let out = stdout_of(&run_ok(gwtf().arg("probe")));

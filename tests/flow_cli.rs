@@ -1,4 +1,6 @@
 //! Runs the built `gwtf` binary on small inputs and checks its JSON.
+mod common;
+
 use std::process::Command;
 
 fn gwtf(args: &[&str]) -> (bool, String, String) {
@@ -106,4 +108,96 @@ fn route_geo10_with_crash() {
             .all(|n| n.as_str() != Some(victim.as_str())));
     }
     assert!(v["repair_ms"].as_f64().unwrap() >= 0.0);
+}
+
+#[test]
+fn route_checks_crash_names_and_arguments_before_solving() {
+    let err = common::gwtf_refuses(
+        &["flow", "route", "geo10", "--crash", "Atlantis-9"],
+        &[
+            "--crash Atlantis-9: no member of that name in geo10",
+            "Tokyo",
+        ],
+    );
+    assert!(!err.contains("routes"), "{err}");
+    common::gwtf_refuses(
+        &[
+            "flow", "route", "geo10", "--crash", "Tokyo-1", "--crash", "Tokyo-1",
+        ],
+        &["--crash Tokyo-1 is given twice"],
+    );
+    for (args, names) in [
+        (
+            vec!["flow", "route", "geo10", "--capacity", "5..2"],
+            vec!["--capacity", "need 0 <= LO <= HI, got 5..2"],
+        ),
+        (
+            vec!["flow", "route", "geo10", "--capacity", "-1..2"],
+            vec!["--capacity", "got -1..2"],
+        ),
+        (
+            vec!["flow", "route", "geo10", "--capacity", "x"],
+            vec!["--capacity", "LO..HI"],
+        ),
+        (
+            vec!["flow", "route", "geo10", "--nodes-per-region", "0"],
+            vec!["--nodes-per-region", "got 0"],
+        ),
+        (
+            vec!["flow", "route", "geo10", "--stages", "-2"],
+            vec!["--stages", "got -2"],
+        ),
+        (
+            vec!["flow", "route", "homogeneous"],
+            vec!["--nodes-per-region 4", "raise --nodes-per-region"],
+        ),
+        (
+            vec!["flow", "route", "/nonexistent/file"],
+            vec!["/nonexistent/file"],
+        ),
+        (
+            vec!["bench", "flow", "--edge-modes", "knnx"],
+            vec!["--edge-modes knnx"],
+        ),
+        (
+            vec!["bench", "flow", "--sizes", "5"],
+            vec!["--sizes 5", "at least 10 peers"],
+        ),
+        (
+            vec!["bench", "flow", "--reps", "0"],
+            vec!["--reps", "got 0"],
+        ),
+        (
+            vec!["bench", "flow", "--victim-budget-s", "-1"],
+            vec!["--victim-budget-s", "got -1"],
+        ),
+    ] {
+        common::gwtf_refuses(&args, &names);
+    }
+}
+
+#[test]
+fn route_reads_the_example_scenario_shared_with_the_simulator() {
+    let example = common::repo_root().join("scenarios/example.scenario");
+    let (ok, out, err) = gwtf(&[
+        "flow",
+        "route",
+        example.to_str().unwrap(),
+        "--nodes-per-region",
+        "8",
+        "--crash",
+        "Tokyo-1",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["initial"]["flow"].as_i64().unwrap() > 0, "{v}");
+    assert_eq!(v["crashed"][0], "Tokyo-1");
+    let bad = tmp_file("bad.scenario", "intra 2 1\nregion a 4\nregion b x\n");
+    let bad_s = bad.to_str().unwrap();
+    common::gwtf_refuses(
+        &["flow", "route", bad_s],
+        &[bad_s, "line 3: compute time `x` is not a number"],
+    );
+    let _ = std::fs::remove_file(bad);
 }

@@ -1,6 +1,7 @@
 //! Routing model: a hand-checked scenario, crash repair, bypass feasibility, geo10.
 use gwtf::flow::geo::{self, GeoConfig};
 use gwtf::flow::{LinkParams, NodeIdx, RoutingModel, Status};
+use gwtf::sim::scenario::Scenario;
 
 /// H (holder, cap 2) -> {A (cap 1, 100 us), B (cap 1, 300 us)} -> C (cap 2, 100 us) -> H.
 /// Latency 1000 us each way, zero-size activations, so d = (c_i + c_j)/2 + 1000.
@@ -117,14 +118,33 @@ fn geo10_crash_repair_matches_fresh_solve() {
 }
 
 #[test]
-fn scenario_file_format() {
-    let text = "# tiny\nstages 2\nactivation_bytes 0\nholder H 2 0\nrelay A 1 1 100\nrelay B 1 1 300\nrelay C 2 2 100\n\
-                link H A 1000 1e9\nlink H B 1000 1e9\nlink A C 1000 1e9\nlink2 B C 1000 1000 1e9 1e9\nlink C H 1000 1e9\naggregation 2 500\n";
-    let mut m = geo::parse_scenario(text).unwrap();
-    m.solve().unwrap();
-    assert_eq!(m.total_cost(), 6600);
-    let err = geo::parse_scenario("stages 2\nrelay A 9 1 1\n").unwrap_err();
-    assert!(err.to_string().contains("line 2"), "{err}");
-    let err = geo::parse_scenario("relay A 1 1 1\n").unwrap_err();
-    assert!(err.to_string().contains("line 1"), "{err}");
+fn scenario_files_place_members_over_their_regions() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scenarios/example.scenario"
+    ))
+    .unwrap();
+    let cfg = GeoConfig {
+        nodes_per_region: 8,
+        ..Default::default()
+    };
+    let mut sc = Scenario::parse(&text).unwrap().routing(&cfg).unwrap();
+    assert_eq!(sc.region.len(), 24);
+    assert!(sc.model.find("Tokyo-7").is_some());
+    assert_eq!(sc.model.solve().unwrap(), Status::Optimal);
+    assert!(sc.model.flow_value() > 0);
+
+    // geo10 through the scenario is geo10 from the CSVs with the scenario's
+    // same-region link.
+    let cfg = GeoConfig {
+        same_region_latency_us: 2_000.0,
+        same_region_gbps: 1.0,
+        ..Default::default()
+    };
+    let mut a = Scenario::geo10().routing(&GeoConfig::default()).unwrap();
+    let mut b = geo::build_geo(geo::GEO10_CSV, geo::GEO10_COMPUTE_CSV, &cfg).unwrap();
+    a.model.solve().unwrap();
+    b.model.solve().unwrap();
+    assert_eq!(a.model.flow_value(), b.model.flow_value());
+    assert_eq!(a.model.total_cost(), b.model.total_cost());
 }

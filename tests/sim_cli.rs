@@ -8,19 +8,27 @@ fn gwtf() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gwtf"))
 }
 
-#[test]
-fn sim_prints_a_table_and_writes_json_and_svg() {
-    let dir = scratch("sim-cli");
-    let json = dir.join("out.json");
-    let svg = dir.join("out.svg");
-    let out = stdout_of(&run_ok(gwtf().args([
+/// `gwtf sim` on a small world (llama-124m, 3 holders) that runs in moments.
+fn small_sim(relays: &str) -> Command {
+    let mut c = gwtf();
+    c.args([
         "sim",
         "--model",
         "llama-124m",
         "--holders",
         "3",
         "--relays",
-        "8",
+        relays,
+    ]);
+    c
+}
+
+#[test]
+fn sim_prints_a_table_and_writes_json_and_svg() {
+    let dir = scratch("sim-cli");
+    let json = dir.join("out.json");
+    let svg = dir.join("out.svg");
+    let out = stdout_of(&run_ok(small_sim("8").args([
         "--microbatches",
         "2",
         "--in-flight",
@@ -65,18 +73,135 @@ fn sim_prints_a_table_and_writes_json_and_svg() {
 }
 
 #[test]
-fn sim_rejects_bad_arguments() {
-    for args in [
-        vec!["sim", "--policy", "nope"],
-        vec!["sim", "--model", "nope"],
-        vec!["sim", "--scenario", "/nonexistent/file"],
-        vec!["sim", "--churn-per-hour", "-1"],
-        vec!["sim", "--relays", "2"],
-        vec!["sim", "--iterations", "0"],
-    ] {
-        let out = gwtf().args(&args).output().unwrap();
-        assert!(!out.status.success(), "{args:?} accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("error"), "{args:?}: {err}");
+fn sim_refuses_bad_arguments_before_simulating() {
+    // 100,000 iterations: a check made after the simulation would time out.
+    let long = ["sim", "--iterations", "100000"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        long.iter().chain(extra).copied().collect()
+    };
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (
+            with(&["--json", "/nonexistent/dir/x.json"]),
+            vec!["cannot write --json /nonexistent/dir/x.json: directory /nonexistent/dir does not exist"],
+        ),
+        (
+            with(&["--plot", "/nonexistent/dir/x.svg"]),
+            vec!["cannot write --plot /nonexistent/dir/x.svg: directory /nonexistent/dir does not exist"],
+        ),
+        (with(&["--json", "/"]), vec!["cannot write --json /"]),
+        (
+            with(&["--churn-per-hour", "-1"]),
+            vec!["--churn-per-hour", "must be >= 0, got -1"],
+        ),
+        (
+            with(&["--churn-per-hour", "NaN"]),
+            vec!["--churn-per-hour", "finite"],
+        ),
+        (
+            with(&["--churn-per-hour", "101"]),
+            vec!["--churn-per-hour", "must be <= 100, got 101"],
+        ),
+        (
+            with(&["--leave-fraction", "1.5"]),
+            vec!["--leave-fraction", "must be <= 1, got 1.5"],
+        ),
+        (
+            vec!["sim", "--iterations", "0"],
+            vec!["--iterations", "must be >= 1, got 0"],
+        ),
+        (
+            vec!["sim", "--iterations", "-3"],
+            vec!["--iterations", "must be >= 1, got -3"],
+        ),
+        (with(&["--holders", "0"]), vec!["--holders", "got 0"]),
+        (with(&["--microbatches", "0"]), vec!["--microbatches", "got 0"]),
+        (with(&["--in-flight", "0"]), vec!["--in-flight", "got 0"]),
+        (with(&["--seed", "-1"]), vec!["--seed", "got -1"]),
+        (
+            with(&["--relays", "2"]),
+            vec!["--relays 2", "llama-500m has 6 relay stages"],
+        ),
+        (with(&["--policy", "nope"]), vec!["--policy nope"]),
+        (with(&["--model", "nope"]), vec!["--model nope"]),
+        (
+            with(&["--scenario", "/nonexistent/file"]),
+            vec!["/nonexistent/file", "No such file"],
+        ),
+    ];
+    for (args, names) in cases {
+        gwtf_refuses(&args, &names);
     }
+    assert_eq!(
+        std::fs::metadata("/nonexistent/dir")
+            .ok()
+            .map(|m| m.is_dir()),
+        None
+    );
+}
+
+#[test]
+fn sim_reads_the_example_scenario_and_refuses_a_malformed_one() {
+    let example = repo_root().join("scenarios/example.scenario");
+    let out = stdout_of(&run_ok(small_sim("8").args([
+        "--scenario",
+        example.to_str().unwrap(),
+        "--iterations",
+        "2",
+        "--policy",
+        "gwtf",
+    ])));
+    assert!(out.lines().any(|l| l.starts_with("gwtf")), "{out}");
+    let dir = scratch("sim-cli-bad-scenario");
+    let bad = dir.join("bad.scenario");
+    std::fs::write(&bad, "intra 2 1\nregion a 4\n\nlink a b 30 0.5\n").unwrap();
+    let bad = bad.to_str().unwrap();
+    gwtf_refuses(
+        &["sim", "--iterations", "100000", "--scenario", bad],
+        &[bad, "line 4: unknown region b"],
+    );
+}
+
+#[test]
+fn sim_bench_refuses_bad_arguments() {
+    gwtf_refuses(&["bench", "sim", "--nodes", "3"], &["--nodes 3", "too few"]);
+    gwtf_refuses(&["bench", "sim", "--nodes", "-5"], &["--nodes", "got -5"]);
+    gwtf_refuses(&["bench", "sim", "--iterations", "0"], &["--iterations"]);
+    gwtf_refuses(&["bench", "sim", "--policy", "all"], &["--policy all"]);
+}
+
+#[test]
+fn sim_plot_is_readable() {
+    let dir = scratch("sim-cli-plot");
+    let svg = dir.join("plot.svg");
+    run_ok(small_sim("12").args([
+        "--iterations",
+        "6",
+        "--churn-per-hour",
+        "2",
+        "--policy",
+        "all",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    // plotters writes each text on a line of its own.
+    let texts: Vec<&str> = svg
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('<'))
+        .collect();
+    // Legend entries for the policies and for both kinds of churn marks.
+    for entry in ["gwtf", "swarm", "optimal", "crash (", "join ("] {
+        assert!(
+            texts.iter().any(|t| t.starts_with(entry)),
+            "no legend entry {entry}: {texts:?}"
+        );
+    }
+    // Integer ticks print as integers.
+    assert!(
+        !texts
+            .iter()
+            .any(|t| t.ends_with(".0") && t.parse::<f64>().is_ok()),
+        "a tick label ends in .0: {texts:?}"
+    );
 }

@@ -1,6 +1,8 @@
 //! `gwtf`: the libgwtf command-line tool.
 use clap::{Parser, Subcommand};
 
+#[path = "gwtf/checks.rs"]
+mod checks;
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
 #[path = "gwtf/kernels_cmd.rs"]
@@ -10,6 +12,8 @@ mod kernels_cmd;
 mod kernels_gpu;
 #[path = "gwtf/sim_cmd.rs"]
 mod sim_cmd;
+#[path = "gwtf/sim_plot.rs"]
+mod sim_plot;
 #[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
 #[path = "gwtf/transport_cmd.rs"]
@@ -109,6 +113,12 @@ fn probe(json: bool, require_gpu: bool) -> CliResult {
 }
 
 fn main() {
+    // Die quietly on a closed pipe (`gwtf ... | head`) like other command-line
+    // tools, instead of panicking in println!.
+    // SAFETY: restoring the default disposition of one signal at start-up.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result: CliResult = match cli.cmd {
         Cmd::Version => {

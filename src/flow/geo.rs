@@ -1,5 +1,6 @@
-//! Scenario builders for the routing model: the `geo10` ten-region world (from the region
-//! CSVs) and a small line-based scenario file format.
+//! Scenario builders for the routing model: members placed over regions, from the `geo10`
+//! region CSVs or from any region table (the scenario files of `gwtf::sim::scenario`, the
+//! one format read by both `gwtf flow route` and `gwtf sim`, go through [`build_regions`]).
 //!
 //! geo10 choices (documented defaults of [`GeoConfig`]):
 //! * `nodes_per_region` members per region, named `Region-j`; a seeded shuffle picks
@@ -134,6 +135,16 @@ pub fn build_geo(
 ) -> Result<GeoScenario, FlowError> {
     let links = parse_region_links(links_csv)?;
     let regions = parse_region_compute(compute_csv)?;
+    build_regions(&regions, &links, cfg)
+}
+
+/// Builds a geo scenario from regions (name, relative compute time, in order) and the
+/// links between every two of them; members of one region share `cfg`'s same-region link.
+pub fn build_regions(
+    regions: &[(String, f64)],
+    links: &RegionLinks,
+    cfg: &GeoConfig,
+) -> Result<GeoScenario, FlowError> {
     if regions.is_empty() {
         return Err(FlowError::Routing("no regions".into()));
     }
@@ -207,130 +218,4 @@ pub fn build_geo(
         }
     }
     Ok(GeoScenario { model, region })
-}
-
-/// Parses the small scenario format (one statement per line, `#` comments):
-///
-/// ```text
-/// stages 2
-/// activation_bytes 4194304
-/// holder  NAME CAPACITY COMPUTE_US
-/// relay   NAME STAGE CAPACITY COMPUTE_US
-/// link    A B LATENCY_US BANDWIDTH_BYTES_PER_S      # symmetric
-/// link2   A B LAT_AB_US LAT_BA_US BW_AB BW_BA       # per direction
-/// aggregation STAGE US
-/// demand  MICROBATCHES
-/// ```
-/// `stages` (and optionally `activation_bytes`, default 4 MiB) must precede members.
-pub fn parse_scenario(text: &str) -> Result<RoutingModel, FlowError> {
-    let mut stages: Option<u32> = None;
-    let mut act: u64 = 4 << 20;
-    let mut model: Option<RoutingModel> = None;
-    for (i, raw) in text.lines().enumerate() {
-        let line = i + 1;
-        let l = raw.split('#').next().unwrap_or("").trim();
-        if l.is_empty() {
-            continue;
-        }
-        let f: Vec<&str> = l.split_whitespace().collect();
-        let num = |k: usize, what: &str| -> Result<f64, FlowError> {
-            let s = f
-                .get(k)
-                .ok_or_else(|| perr(line, format!("missing {what}")))?;
-            s.parse::<f64>()
-                .ok()
-                .filter(|v| v.is_finite())
-                .ok_or_else(|| perr(line, format!("bad {what} '{s}'")))
-        };
-        let want = |n: usize| -> Result<(), FlowError> {
-            if f.len() != n {
-                return Err(perr(
-                    line,
-                    format!("'{}' takes {} fields, got {}", f[0], n - 1, f.len() - 1),
-                ));
-            }
-            Ok(())
-        };
-        let wrap = |e: FlowError| match e {
-            FlowError::Parse { .. } => e,
-            other => perr(line, other.to_string()),
-        };
-        match f[0] {
-            "stages" => {
-                want(2)?;
-                if model.is_some() {
-                    return Err(perr(line, "'stages' after members"));
-                }
-                stages = Some(num(1, "stage count")? as u32);
-            }
-            "activation_bytes" => {
-                want(2)?;
-                if model.is_some() {
-                    return Err(perr(line, "'activation_bytes' after members"));
-                }
-                act = num(1, "activation size")? as u64;
-            }
-            kw => {
-                if model.is_none() {
-                    let s = stages.ok_or_else(|| perr(line, "'stages N' must come first"))?;
-                    model = Some(RoutingModel::new(s, act).map_err(wrap)?);
-                }
-                let m = model.as_mut().unwrap();
-                let member = |m: &RoutingModel, k: usize| -> Result<NodeIdx, FlowError> {
-                    let name = f[k];
-                    m.find(name)
-                        .ok_or_else(|| perr(line, format!("unknown member '{name}'")))
-                };
-                match kw {
-                    "holder" => {
-                        want(4)?;
-                        m.add_data_holder_named(
-                            f[1],
-                            num(2, "capacity")? as i64,
-                            num(3, "compute")?,
-                        )
-                        .map_err(wrap)?;
-                    }
-                    "relay" => {
-                        want(5)?;
-                        m.add_relay_named(
-                            f[1],
-                            num(2, "stage")? as u32,
-                            num(3, "capacity")? as i64,
-                            num(4, "compute")?,
-                        )
-                        .map_err(wrap)?;
-                    }
-                    "link" => {
-                        want(5)?;
-                        let (a, b) = (member(m, 1)?, member(m, 2)?);
-                        let p = LinkParams::symmetric(num(3, "latency")?, num(4, "bandwidth")?);
-                        m.set_link(a, b, p).map_err(wrap)?;
-                    }
-                    "link2" => {
-                        want(7)?;
-                        let (a, b) = (member(m, 1)?, member(m, 2)?);
-                        let p = LinkParams {
-                            latency_ab_us: num(3, "latency a->b")?,
-                            latency_ba_us: num(4, "latency b->a")?,
-                            bandwidth_ab: num(5, "bandwidth a->b")?,
-                            bandwidth_ba: num(6, "bandwidth b->a")?,
-                        };
-                        m.set_link(a, b, p).map_err(wrap)?;
-                    }
-                    "aggregation" => {
-                        want(3)?;
-                        m.set_aggregation_us(num(1, "stage")? as u32, num(2, "time")? as i64)
-                            .map_err(wrap)?;
-                    }
-                    "demand" => {
-                        want(2)?;
-                        m.set_demand(Some(num(1, "demand")? as i64)).map_err(wrap)?;
-                    }
-                    other => return Err(perr(line, format!("unknown statement '{other}'"))),
-                }
-            }
-        }
-    }
-    model.ok_or_else(|| perr(1, "no members"))
 }

@@ -1,5 +1,8 @@
 //! Network and compute scenarios: `geo10` (ten AWS regions), `homogeneous`,
-//! and custom ones read from a small text file.
+//! and custom ones read from a small text file. The one scenario description
+//! of the project: the simulator runs on it, and [`Scenario::routing`] places
+//! routing-model members on it (`gwtf flow route`), so both commands read the
+//! same files (an example ships as `scenarios/example.scenario`).
 //!
 //! Custom scenario file format (one directive per line, `#` starts a comment):
 //!
@@ -12,6 +15,8 @@
 //! # link A B LATENCY_MS BANDWIDTH_GBPS (symmetric; every pair of regions)
 //! link east west 35 0.5
 //! ```
+use crate::flow::geo::{self, GeoConfig, GeoScenario, RegionLinks};
+use crate::flow::FlowError;
 use std::collections::BTreeMap;
 
 const GEO10: &str = include_str!("data/geo10.csv");
@@ -158,6 +163,37 @@ impl Scenario {
         })
     }
 
+    /// A routing model of members placed over this scenario's regions:
+    /// `cfg` says how many per region, their stages and capacities (see
+    /// [`geo::build_regions`]); compute times, links and the same-region link
+    /// come from the scenario (`cfg`'s same-region fields are overridden).
+    pub fn routing(&self, cfg: &GeoConfig) -> Result<GeoScenario, FlowError> {
+        let regions: Vec<(String, f64)> = self
+            .regions
+            .iter()
+            .cloned()
+            .zip(self.compute_factor.iter().copied())
+            .collect();
+        let ms = |s: f64| s * 1e3;
+        let gbit = |bytes_per_s: f64| bytes_per_s * 8.0 / 1e9;
+        let mut links = RegionLinks::new();
+        for (a, na) in self.regions.iter().enumerate() {
+            for (b, nb) in self.regions.iter().enumerate() {
+                if a != b {
+                    let l = (ms(self.latency[a][b]), gbit(self.bandwidth[a][b]));
+                    links.insert((na.clone(), nb.clone()), l);
+                }
+            }
+        }
+        let cfg = GeoConfig {
+            same_region_latency_us: self.latency[0][0] * 1e6,
+            same_region_gbps: gbit(self.bandwidth[0][0]),
+            ..cfg.clone()
+        };
+        geo::build_regions(&regions, &links, &cfg)
+    }
+
+    /// `geo10`, `homogeneous`, or the path of a scenario file.
     pub fn by_name(name: &str) -> Result<Scenario, String> {
         match name {
             "geo10" => Ok(Scenario::geo10()),

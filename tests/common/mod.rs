@@ -92,6 +92,36 @@ pub fn stdout_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs the built `gwtf` with `args`, which must be refused before any work:
+/// it fails within `REFUSE_WITHIN`, prints nothing on stdout, and its error
+/// names every string of `names` (the flag, the value, the path). Returns stderr.
+pub fn gwtf_refuses(args: &[&str], names: &[&str]) -> String {
+    let t = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_gwtf"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} accepted");
+    assert!(
+        t.elapsed() < REFUSE_WITHIN,
+        "{args:?} took {:?}: the check comes after the work",
+        t.elapsed()
+    );
+    assert_eq!(stdout_of(&out), "", "{args:?} printed before refusing");
+    for n in names {
+        assert!(
+            err.contains(n),
+            "{args:?}: error does not name {n:?}: {err}"
+        );
+    }
+    err
+}
+
+/// Refusals are immediate; the work they guard (e.g. a simulation of
+/// 100,000 iterations) takes far longer, even in a debug build.
+pub const REFUSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Flags every C/C++ program of ours is built with.
 pub const WARN: &[&str] = &["-Wall", "-Wextra", "-Werror", "-pedantic"];
 pub const ASAN: &[&str] = &[

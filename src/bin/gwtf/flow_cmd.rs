@@ -1,13 +1,16 @@
 //! `gwtf flow ...` and `gwtf bench flow` (owned by the routing-solver work).
 use clap::{Args, Subcommand};
-use gwtf::flow::geo::{self, GeoConfig};
+use gwtf::flow::geo::GeoConfig;
 use gwtf::flow::rng::SplitMix64;
 use gwtf::flow::{dimacs, ArcId, MinCostFlow, NodeId, RoutingModel, Status};
+use gwtf::sim::scenario::Scenario;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
+
+use super::checks;
 
 #[derive(Subcommand)]
 pub enum FlowCmd {
@@ -20,31 +23,37 @@ pub enum FlowCmd {
         #[arg(long)]
         arc_flows: bool,
     },
-    /// Route microbatches in a scenario: `geo10` (built from the ten-region tables) or a
-    /// scenario file (format: see `gwtf::flow::geo::parse_scenario`).
+    /// Route microbatches over a scenario's regions: `geo10`, `homogeneous` or a
+    /// scenario file (the format `gwtf sim --scenario` reads: README, section
+    /// "Scenario files"; example: scenarios/example.scenario).
     Route(RouteArgs),
 }
 
 #[derive(Args)]
 pub struct RouteArgs {
-    /// `geo10` or a path to a scenario file.
+    /// `geo10`, `homogeneous` or the path of a scenario file.
     scenario: String,
-    /// geo10: members per region.
-    #[arg(long, default_value_t = 4)]
+    /// Members per region, named REGION-0, REGION-1, ... (>= 1).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     nodes_per_region: usize,
-    /// geo10: pipeline stages.
-    #[arg(long, default_value_t = 6)]
+    /// Pipeline stages (>= 1).
+    #[arg(long, default_value_t = 6, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     stages: u32,
-    /// geo10: capacity range LO..HI (microbatches per member).
-    #[arg(long, default_value = "1..4")]
-    capacity: String,
-    /// geo10: seed of the role/capacity assignment.
-    #[arg(long, default_value_t = 1)]
+    /// Capacity range LO..HI (microbatches per member), 0 <= LO <= HI.
+    #[arg(long, default_value = "1..4", allow_hyphen_values = true, value_parser = parse_range)]
+    capacity: (i64, i64),
+    /// Seed of the role/capacity assignment.
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     seed: u64,
-    /// geo10: number of data holders (default one per region).
-    #[arg(long)]
+    /// Number of data holders (default one per region; >= 1).
+    #[arg(long, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     holders: Option<usize>,
-    /// Crash this member (by name, e.g. `Tokyo-2`) after solving, then repair.
+    /// Crash this member (by name, e.g. `Tokyo-2`) after solving, then repair
+    /// (repeatable; every name is checked before anything is solved).
     #[arg(long)]
     crash: Vec<String>,
     /// Print JSON instead of a table.
@@ -60,19 +69,24 @@ pub struct BenchFlowArgs {
     /// Edge modes: dense, knnK.
     #[arg(long, num_args = 1.., default_values = ["dense", "knn16"])]
     edge_modes: Vec<String>,
-    /// Interleaved cold-solve pairs after one warm-up pair.
-    #[arg(long, default_value_t = 5)]
+    /// Interleaved cold-solve pairs after one warm-up pair (>= 1).
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     reps: usize,
     /// Random flow-carrying victims for the repair comparison.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(0))]
     victims: usize,
     /// Stop adding victims once OR-tools re-solves took this long (at least 5 victims).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, allow_negative_numbers = true,
+          value_parser = checks::float_in(0.0, f64::MAX))]
     victim_budget_s: f64,
     /// Skip instances with more arcs than this (dense 10k has 11M).
-    #[arg(long, default_value_t = 12_000_000)]
+    #[arg(long, default_value_t = 12_000_000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     max_arcs: usize,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     seed: u64,
     /// One JSON object per instance instead of the table.
     #[arg(long)]
@@ -123,19 +137,20 @@ fn solve_file(file: &Path, arc_flows: bool) -> super::CliResult {
 
 // ------------------------------------------------------------------------------ route
 
+/// `LO..HI` (or `LO..=HI`), both inclusive, with 0 <= LO <= HI.
 fn parse_range(s: &str) -> Result<(i64, i64), String> {
     let (a, b) = s
         .split_once("..")
-        .ok_or_else(|| format!("capacity range '{s}' must look like LO..HI"))?;
-    let lo = a
-        .trim()
-        .parse()
-        .map_err(|_| format!("bad capacity '{a}'"))?;
-    let hi = b
-        .trim_start_matches('=')
-        .trim()
-        .parse()
-        .map_err(|_| format!("bad capacity '{b}'"))?;
+        .ok_or_else(|| format!("`{s}` must look like LO..HI"))?;
+    let num = |t: &str| {
+        t.trim()
+            .parse::<i64>()
+            .map_err(|_| format!("`{}` in `{s}` is not a whole number", t.trim()))
+    };
+    let (lo, hi) = (num(a)?, num(b.trim_start_matches('='))?);
+    if lo < 0 || hi < lo {
+        return Err(format!("need 0 <= LO <= HI, got {lo}..{hi}"));
+    }
     Ok((lo, hi))
 }
 
@@ -185,23 +200,49 @@ fn print_routes(title: &str, m: &RoutingModel) {
 }
 
 fn route(args: RouteArgs) -> super::CliResult {
-    let mut model = if args.scenario == "geo10" {
-        let (lo, hi) = parse_range(&args.capacity)?;
-        let cfg = GeoConfig {
-            nodes_per_region: args.nodes_per_region,
-            stages: args.stages,
-            cap_lo: lo,
-            cap_hi: hi,
-            seed: args.seed,
-            holders: args.holders,
-            ..Default::default()
-        };
-        geo::build_geo(geo::GEO10_CSV, geo::GEO10_COMPUTE_CSV, &cfg)?.model
-    } else {
-        let text = std::fs::read_to_string(&args.scenario)
-            .map_err(|e| format!("{}: {e}", args.scenario))?;
-        geo::parse_scenario(&text).map_err(|e| format!("{}: {e}", args.scenario))?
+    let scenario = Scenario::by_name(&args.scenario)?;
+    let cfg = GeoConfig {
+        nodes_per_region: args.nodes_per_region,
+        stages: args.stages,
+        cap_lo: args.capacity.0,
+        cap_hi: args.capacity.1,
+        seed: args.seed,
+        holders: args.holders,
+        ..Default::default()
     };
+    let members = scenario.regions.len() * args.nodes_per_region;
+    let holders = args.holders.unwrap_or(scenario.regions.len());
+    if members < holders + args.stages as usize {
+        return Err(format!(
+            "scenario {} has {} region(s) x --nodes-per-region {} = {members} members, fewer than {holders} holder(s) + {} stage(s): raise --nodes-per-region",
+            args.scenario,
+            scenario.regions.len(),
+            args.nodes_per_region,
+            args.stages
+        )
+        .into());
+    }
+    let mut model = scenario
+        .routing(&cfg)
+        .map_err(|e| format!("scenario {}: {e}", args.scenario))?
+        .model;
+    // Every crash victim must exist before anything is solved or printed.
+    let mut victims = Vec::new();
+    for name in &args.crash {
+        let idx = model.find(name).ok_or_else(|| {
+            format!(
+                "--crash {name}: no member of that name in {} (members are REGION-J with J in 0..{}, e.g. {}-0; regions: {})",
+                args.scenario,
+                args.nodes_per_region,
+                scenario.regions[0],
+                scenario.regions.join(", ")
+            )
+        })?;
+        if victims.contains(&idx) {
+            return Err(format!("--crash {name} is given twice").into());
+        }
+        victims.push(idx);
+    }
     let t0 = Instant::now();
     model.solve()?;
     let solve_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -212,10 +253,7 @@ fn route(args: RouteArgs) -> super::CliResult {
         print_routes("routes:", &model);
     }
     if !args.crash.is_empty() {
-        for name in &args.crash {
-            let idx = model
-                .find(name)
-                .ok_or_else(|| format!("no member named '{name}'"))?;
+        for &idx in &victims {
             model.remove_node(idx)?;
         }
         let t0 = Instant::now();
@@ -346,7 +384,34 @@ fn estimate_arcs(total: usize, k: Option<usize>) -> usize {
     }
 }
 
+/// `dense` -> None, `knnK` -> Some(K) with K >= 1.
+fn edge_mode_k(mode: &str) -> Result<Option<usize>, String> {
+    if mode == "dense" {
+        return Ok(None);
+    }
+    match mode.strip_prefix("knn").map(str::parse::<usize>) {
+        Some(Ok(k)) if k >= 1 => Ok(Some(k)),
+        _ => Err(format!(
+            "--edge-modes {mode}: not `dense` or `knnK` with K >= 1 (e.g. knn16)"
+        )),
+    }
+}
+
+/// Refuses what would fail or mean nothing halfway through the benchmark.
+fn check_bench_args(a: &BenchFlowArgs) -> Result<(), String> {
+    for mode in &a.edge_modes {
+        edge_mode_k(mode)?;
+    }
+    // The instance generator puts a tenth of the peers as data holders and the
+    // rest on 8 stages: fewer than 10 peers leaves a stage empty.
+    if let Some(n) = a.sizes.iter().find(|&&n| n < 10) {
+        return Err(format!("--sizes {n}: an instance needs at least 10 peers"));
+    }
+    Ok(())
+}
+
 pub fn bench(args: BenchFlowArgs) -> super::CliResult {
+    check_bench_args(&args)?;
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let python = args
         .python
@@ -374,15 +439,7 @@ pub fn bench(args: BenchFlowArgs) -> super::CliResult {
     }
     for &size in &args.sizes {
         for mode in &args.edge_modes {
-            let k = if mode == "dense" {
-                None
-            } else {
-                Some(
-                    mode.trim_start_matches("knn")
-                        .parse::<usize>()
-                        .map_err(|_| format!("bad edge mode '{mode}'"))?,
-                )
-            };
+            let k = edge_mode_k(mode)?;
             if estimate_arcs(size, k) > args.max_arcs {
                 eprintln!(
                     "[{size} {mode}] skipped: ~{} arcs > --max-arcs",

@@ -7,16 +7,21 @@ use gwtf::model::bench::{cpu_kernels, BenchOptions, KernelBench};
 use gwtf::model::gpu::train_gpu;
 use gwtf::model::train::{train, StepLog, TrainOptions};
 
+use super::checks;
+
 #[derive(Args)]
 pub struct BenchKernelsArgs {
-    /// f32 elements per buffer (default 8 Mi = 32 MiB).
-    #[arg(long, default_value_t = 8 << 20)]
+    /// f32 elements per buffer (default 8 Mi = 32 MiB; >= 1).
+    #[arg(long, default_value_t = 8 << 20, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     elements: usize,
-    /// Minimum seconds of work per kernel.
-    #[arg(long, default_value_t = 0.5)]
+    /// Minimum seconds of work per kernel (> 0).
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true,
+          value_parser = checks::positive_float)]
     min_secs: f64,
     /// Training steps for the tokens/s figures, CPU and GPU (0 skips them).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(0))]
     train_steps: usize,
     /// Model of the training figures: llama-small, llama-tiny or gpt-tiny.
     #[arg(long, default_value = "llama-small")]
@@ -53,9 +58,6 @@ fn gpu_rows(_: &BenchOptions) -> Result<Vec<KernelBench>, Box<dyn std::error::Er
 }
 
 pub fn run(a: BenchKernelsArgs) -> super::CliResult {
-    if a.elements == 0 || a.min_secs.is_nan() || a.min_secs <= 0.0 {
-        return Err("--elements and --min-secs must be > 0".into());
-    }
     if !["gpt-tiny", "llama-tiny", "llama-small"].contains(&a.train_model.as_str()) {
         return Err(format!(
             "--train-model {}: one of gpt-tiny, llama-tiny, llama-small",

@@ -5,44 +5,56 @@ use gwtf::sim::model::ModelPreset;
 use gwtf::sim::scenario::Scenario;
 use gwtf::sim::{Sim, SimConfig, SimReport};
 
+use super::checks;
+
 #[derive(Args)]
 pub struct SimArgs {
-    /// geo10, homogeneous, or the path of a scenario file (format in the
-    /// documentation of gwtf::sim::scenario).
+    /// geo10, homogeneous, or the path of a scenario file (format: README,
+    /// section "Scenario files"; example: scenarios/example.scenario).
     #[arg(long, default_value = "geo10")]
     scenario: String,
     /// llama-124m, llama-500m or llama-1.5b.
     #[arg(long, default_value = "llama-500m")]
     model: String,
-    /// Departures (and joins) per hour as a fraction of the nodes (0.16 = 16%).
-    #[arg(long, default_value_t = 0.0)]
+    /// Departures (and joins) per hour as a fraction of the nodes (0.16 = 16%), 0..=100.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+          value_parser = checks::float_in(0.0, 100.0))]
     churn_per_hour: f64,
-    /// Fraction of departures that are graceful leaves; the rest crash.
-    #[arg(long, default_value_t = 0.25)]
+    /// Fraction of departures that are graceful leaves; the rest crash (0..=1).
+    #[arg(long, default_value_t = 0.25, allow_negative_numbers = true,
+          value_parser = checks::float_in(0.0, 1.0))]
     leave_fraction: f64,
     /// gwtf, swarm, optimal or all.
     #[arg(long, default_value = "all")]
     policy: String,
-    #[arg(long, default_value_t = 20)]
+    /// Training iterations to simulate (>= 1).
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     iterations: u32,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     seed: u64,
-    /// Data holders.
-    #[arg(long, default_value_t = 10)]
+    /// Data holders (>= 1).
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     holders: u32,
-    /// Relays (spread over the stages and regions).
-    #[arg(long, default_value_t = 60)]
+    /// Relays, spread over the stages and regions (at least one per stage).
+    #[arg(long, default_value_t = 60, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     relays: u32,
-    /// Microbatches per holder per iteration.
-    #[arg(long, default_value_t = 8)]
+    /// Microbatches per holder per iteration (>= 1).
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     microbatches: u32,
-    /// Microbatches in flight per holder.
-    #[arg(long, default_value_t = 4)]
+    /// Microbatches in flight per holder (>= 1).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     in_flight: u32,
     /// Write one JSON object per policy (an array) to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    /// Write an SVG of throughput over time with churn events.
+    /// Write an SVG of throughput over time per policy, with crashes, leaves
+    /// and joins marked.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
 }
@@ -55,36 +67,29 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
         "all" => vec![Policy::Gwtf, Policy::Swarm, Policy::Optimal],
         other => {
             return Err(format!(
-                "unknown policy `{other}` (gwtf, swarm, optimal, all)"
+                "--policy {other}: unknown policy (gwtf, swarm, optimal, all)"
             ))
         }
     })
 }
 
-fn config(a: &SimArgs, policy: Policy) -> Result<SimConfig, String> {
-    let scenario = Scenario::by_name(&a.scenario)?;
-    let model = ModelPreset::by_name(&a.model).ok_or_else(|| {
-        format!(
-            "unknown model `{}` (llama-124m, llama-500m, llama-1.5b)",
-            a.model
-        )
-    })?;
-    if !(0.0..=100.0).contains(&a.churn_per_hour) || !a.churn_per_hour.is_finite() {
-        return Err("--churn-per-hour must be in 0..=100".into());
-    }
-    if !(0.0..=1.0).contains(&a.leave_fraction) {
-        return Err("--leave-fraction must be in 0..=1".into());
-    }
-    if a.holders == 0 || a.relays < model.relay_stages as u32 {
+fn model(name: &str) -> Result<ModelPreset, String> {
+    ModelPreset::by_name(name).ok_or_else(|| {
+        format!("--model {name}: unknown model (llama-124m, llama-500m, llama-1.5b)")
+    })
+}
+
+/// The configuration of one run; the ranges of the numbers are checked by
+/// their value parsers, what depends on two arguments here.
+fn config(a: &SimArgs, scenario: &Scenario, policy: Policy) -> Result<SimConfig, String> {
+    let model = model(&a.model)?;
+    if a.relays < model.relay_stages as u32 {
         return Err(format!(
-            "need at least one holder and one relay per stage ({} relay stages)",
-            model.relay_stages
+            "--relays {}: {} has {} relay stages and each needs at least one relay",
+            a.relays, a.model, model.relay_stages
         ));
     }
-    if a.iterations == 0 || a.microbatches == 0 || a.in_flight == 0 {
-        return Err("--iterations, --microbatches and --in-flight must be > 0".into());
-    }
-    let mut c = SimConfig::new(scenario, model, policy);
+    let mut c = SimConfig::new(scenario.clone(), model, policy);
     c.churn_per_hour = a.churn_per_hour;
     c.leave_fraction = a.leave_fraction;
     c.iterations = a.iterations;
@@ -98,18 +103,33 @@ fn config(a: &SimArgs, policy: Policy) -> Result<SimConfig, String> {
 }
 
 pub fn run(a: SimArgs) -> super::CliResult {
+    // Everything that can be refused is refused before the first run.
     let pols = policies(&a.policy)?;
-    let mut reports = Vec::new();
-    for p in pols {
-        let cfg = config(&a, p)?;
-        reports.push(Sim::new(cfg).run());
-    }
-    print_table(&a, &reports);
+    let scenario = Scenario::by_name(&a.scenario)?;
+    let configs = pols
+        .into_iter()
+        .map(|p| config(&a, &scenario, p))
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&reports)? + "\n")?;
+        checks::writable_output("--json", path)?;
     }
     if let Some(path) = &a.plot {
-        plot(path, &reports)?;
+        checks::writable_output("--plot", path)?;
+    }
+    let reports: Vec<SimReport> = configs.into_iter().map(|c| Sim::new(c).run()).collect();
+    print_table(&a, &reports);
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&reports)? + "\n")
+            .map_err(|e| format!("cannot write --json {}: {e}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        let subtitle = format!(
+            "{}, churn {}%/h",
+            a.scenario,
+            super::sim_plot::tick(&(a.churn_per_hour * 100.0))
+        );
+        super::sim_plot::plot(path, &subtitle, &reports)
+            .map_err(|e| format!("cannot write --plot {}: {e}", path.display()))?;
     }
     Ok(())
 }
@@ -193,80 +213,39 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
     }
 }
 
-fn plot(path: &std::path::Path, reports: &[SimReport]) -> super::CliResult {
-    use plotters::prelude::*;
-    let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let tmax = reports
-        .iter()
-        .flat_map(|r| r.series.iter().map(|x| x.0))
-        .fold(1.0f64, f64::max);
-    let ymax = reports
-        .iter()
-        .flat_map(|r| r.series.iter().map(|x| x.1))
-        .fold(1.0f64, f64::max)
-        * 1.1;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Throughput over time (microbatches/hour)",
-            ("sans-serif", 20),
-        )
-        .margin(10)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..tmax, 0.0..ymax)?;
-    chart
-        .configure_mesh()
-        .x_desc("simulated time (s)")
-        .y_desc("microbatches / hour")
-        .draw()?;
-    let colors = [BLUE, RED, GREEN];
-    for (i, r) in reports.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        chart
-            .draw_series(LineSeries::new(r.series.iter().copied(), c.stroke_width(2)))?
-            .label(r.policy.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-    }
-    // Churn events of the first run (all runs use the same seed and rates).
-    if let Some(r) = reports.first() {
-        for (t, kind) in &r.churn {
-            let c = match kind.as_str() {
-                "crash" => RED.mix(0.35),
-                "leave" => MAGENTA.mix(0.35),
-                _ => BLACK.mix(0.2),
-            };
-            chart.draw_series(std::iter::once(PathElement::new(
-                vec![(*t, 0.0), (*t, ymax * 0.05)],
-                c,
-            )))?;
-        }
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
-}
-
 #[derive(Args)]
 pub struct BenchSimArgs {
-    /// Node counts of the geo10 runs to time.
-    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    /// Node counts of the geo10 runs to time (a tenth of them, at least one, hold data).
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000", allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     nodes: Vec<u32>,
-    #[arg(long, default_value_t = 20)]
+    /// Training iterations per run (>= 1).
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
     iterations: u32,
+    /// gwtf, swarm or optimal.
     #[arg(long, default_value = "gwtf")]
     policy: String,
+}
+
+/// Holders and relays of a `bench sim` run of `n` nodes.
+fn bench_split(n: u32) -> (u32, u32) {
+    let holders = (n / 10).max(1);
+    (holders, n.saturating_sub(holders))
 }
 
 pub fn bench(a: BenchSimArgs) -> super::CliResult {
     let pol = match policies(&a.policy)?.as_slice() {
         [p] => *p,
-        _ => return Err("bench sim takes one policy".into()),
+        _ => return Err(format!("--policy {}: bench sim takes one policy", a.policy).into()),
     };
+    let stages = ModelPreset::llama_500m().relay_stages as u32;
+    if let Some(n) = a.nodes.iter().find(|&&n| bench_split(n).1 < stages) {
+        return Err(format!(
+            "--nodes {n}: too few for llama-500m (one relay per each of its {stages} stages plus the holders)"
+        )
+        .into());
+    }
     println!(
         "cores: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -276,10 +255,10 @@ pub fn bench(a: BenchSimArgs) -> super::CliResult {
         "nodes", "iters", "events", "wall_s", "events/s", "sim_time_s"
     );
     for &n in &a.nodes {
-        let holders = (n / 10).max(1);
+        let (holders, relays) = bench_split(n);
         let mut c = SimConfig::new(Scenario::geo10(), ModelPreset::llama_500m(), pol);
         c.holders = holders;
-        c.relays = n - holders;
+        c.relays = relays;
         c.iterations = a.iterations;
         c.reference_optimum = false;
         let t = std::time::Instant::now();

@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use gwtf::engine::{Event, LinkEmulation, Node, NodeOptions};
+use gwtf::wire::handshake::MIN_KEY_LEN;
+
+use super::checks;
 
 #[derive(Args)]
 pub struct EchoArgs {
@@ -19,27 +22,36 @@ pub struct EchoArgs {
     #[arg(long)]
     pub swarm_key_file: PathBuf,
     /// Node id (0: random).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     pub node_id: u64,
     /// Largest payload accepted.
-    #[arg(long, default_value_t = 256 << 20)]
+    #[arg(long, default_value_t = 256 << 20, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(1))]
     pub max_payload: u64,
     /// Frame pool size in bytes.
-    #[arg(long, default_value_t = 1 << 30)]
+    #[arg(long, default_value_t = 1 << 30, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     pub pool_bytes: usize,
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(1))]
     pub heartbeat_ms: u64,
-    #[arg(long, default_value_t = 10000)]
+    #[arg(long, default_value_t = 10000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(1))]
     pub peer_timeout_ms: u64,
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(1))]
     pub handshake_timeout_ms: u64,
-    #[arg(long, default_value_t = 10000)]
+    #[arg(long, default_value_t = 10000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(1))]
     pub frame_timeout_ms: u64,
     /// Emulated one-way delay added on the send side (milliseconds).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     pub link_delay_ms: u64,
     /// Emulated bandwidth cap on the send side (bytes per second, 0: none).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u64>(0))]
     pub link_bandwidth: u64,
 }
 
@@ -50,10 +62,18 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 pub fn read_key(path: &std::path::Path) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
-    let mut key =
-        std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut key = std::fs::read(path)
+        .map_err(|e| format!("cannot read --swarm-key-file {}: {e}", path.display()))?;
     while key.last().is_some_and(|b| b.is_ascii_whitespace()) {
         key.pop();
+    }
+    if key.len() < MIN_KEY_LEN {
+        return Err(format!(
+            "--swarm-key-file {}: the key has {} bytes, at least {MIN_KEY_LEN} are needed",
+            path.display(),
+            key.len()
+        )
+        .into());
     }
     Ok(key)
 }
@@ -136,21 +156,25 @@ pub struct BenchTransportArgs {
     /// Frame sizes in bytes (suffix K or M).
     #[arg(long, value_delimiter = ',', default_value = "64K,1M,16M,64M")]
     pub sizes: Vec<String>,
-    /// Connection counts.
-    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    /// Connection counts (each >= 1).
+    #[arg(long, value_delimiter = ',', default_value = "1,4", allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     pub conns: Vec<usize>,
-    /// Measured raw/framed pairs per case (after one warm-up pair).
-    #[arg(long, default_value_t = 5)]
+    /// Measured raw/framed pairs per case (after one warm-up pair; >= 1).
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     pub pairs: usize,
-    /// Payload bytes per measurement (all connections together).
+    /// Payload bytes per measurement (all connections together; suffix K, M or G).
     #[arg(long, default_value = "1G")]
     pub bytes: String,
     /// Round trips for the latency measurement (each path), taken in
     /// `--rtt-rounds` interleaved rounds (raw, framed, raw, framed ...).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     pub rtt_iters: usize,
-    /// Interleaved rounds of the latency measurement.
-    #[arg(long, default_value_t = 10)]
+    /// Interleaved rounds of the latency measurement (1..=--rtt-iters).
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
     pub rtt_rounds: usize,
     /// Payload CRC32C on the framed path (off: header CRC only).
     #[arg(long)]
@@ -160,17 +184,24 @@ pub struct BenchTransportArgs {
     pub json: bool,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
+/// A positive byte count with an optional K, M or G suffix (binary units).
+fn parse_size(flag: &str, s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
     };
-    num.parse::<u64>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("bad size {s:?}"))
+    let n = num
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| format!("{flag} {s}: not a byte count such as 4096, 64K, 16M or 1G"))?;
+    if n == 0 {
+        return Err(format!("{flag} {s}: must be > 0"));
+    }
+    Ok(n)
 }
 
 const BENCH_KEY: &[u8] = b"gwtf-bench-transport-swarm-key!!";
@@ -432,14 +463,16 @@ fn load_average() -> Option<f64> {
 }
 
 pub fn bench(args: BenchTransportArgs) -> super::CliResult {
-    let total = parse_size(&args.bytes)? as usize;
-    if args.pairs == 0 {
-        return Err("--pairs must be at least 1".into());
-    }
-    if args.rtt_iters == 0 || args.rtt_rounds == 0 || args.rtt_rounds > args.rtt_iters {
+    let total = parse_size("--bytes", &args.bytes)? as usize;
+    let sizes = args
+        .sizes
+        .iter()
+        .map(|s| parse_size("--sizes", s).map(|n| (s, n as usize)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if args.rtt_rounds > args.rtt_iters {
         return Err(format!(
-            "--rtt-iters ({}) and --rtt-rounds ({}) must be at least 1, with no more rounds than round trips",
-            args.rtt_iters, args.rtt_rounds
+            "--rtt-rounds {} is more than --rtt-iters {}: each round needs a round trip",
+            args.rtt_rounds, args.rtt_iters
         )
         .into());
     }
@@ -477,8 +510,7 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             "slow"
         );
     }
-    for size_s in &args.sizes {
-        let size = parse_size(size_s)? as usize;
+    for (size_s, size) in sizes {
         for &c in &args.conns {
             let per_conn = total.div_ceil(size * c).max(1);
             let raw = raw_pairs(c)?;
