@@ -7,4 +7,5 @@ pub mod model;
 pub mod pool;
 pub mod protocol;
 pub mod sim;
+pub mod swarm;
 pub mod wire;

@@ -1,0 +1,206 @@
+//! The stage all-reduce between engine nodes over loopback TCP: every member
+//! ends with the same bits; a member that dies in the middle ends the
+//! operation for the survivors within seconds (broken connection, not a
+//! timeout), and they finish it again without it; a member that sends a
+//! malformed chunk is reported, nothing is added.
+use gwtf::engine::{Node, NodeOptions};
+use gwtf::protocol::rng::Rng;
+use gwtf::swarm::allreduce::{Outcome, RingAllReduce};
+use gwtf::swarm::allreduce_net;
+use std::time::{Duration, Instant};
+
+const KEY: &[u8] = b"0123456789abcdef-allreduce-test-key";
+const STAGE: u32 = 3;
+const T: Duration = Duration::from_secs(30);
+
+/// `n` nodes, each connected to every other.
+fn mesh(n: usize) -> Vec<Node> {
+    let nodes: Vec<Node> = (0..n)
+        .map(|_| {
+            Node::new(NodeOptions {
+                listen: Some("127.0.0.1:0".parse().unwrap()),
+                swarm_key: KEY.to_vec(),
+                max_payload: 16 << 20,
+                pool_bytes: 64 << 20,
+                heartbeat_interval: Duration::from_millis(200),
+                peer_timeout: Duration::from_secs(20),
+                ..NodeOptions::default()
+            })
+            .unwrap()
+        })
+        .collect();
+    for i in 0..n {
+        for j in i + 1..n {
+            nodes[i]
+                .connect_wait(nodes[j].local_addr().unwrap(), T)
+                .unwrap();
+        }
+    }
+    let deadline = Instant::now() + T;
+    while nodes.iter().any(|x| x.peers().len() < n - 1) {
+        assert!(Instant::now() < deadline, "mesh not connected");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    nodes
+}
+
+fn contribution(seed: u64, len: usize) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..len)
+        .map(|_| (rng.next_f64() * 2.0 - 1.0) as f32)
+        .collect()
+}
+
+/// Runs operation `op` among `ring` on every given node at once.
+fn run_members(nodes: &[&Node], ring: &[u64], op: u64, inputs: &[(Vec<f32>, u64)]) -> Vec<Outcome> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = nodes
+            .iter()
+            .zip(inputs)
+            .map(|(node, (sum, mbs))| {
+                s.spawn(move || {
+                    let r = RingAllReduce::new(op, node.node_id(), ring, sum, *mbs).unwrap();
+                    allreduce_net::run(node, STAGE, r, Instant::now() + T).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs one operation among exactly the given nodes.
+fn all_reduce(nodes: &[&Node], op: u64, inputs: &[(Vec<f32>, u64)]) -> Vec<Outcome> {
+    let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
+    run_members(nodes, &ids, op, inputs)
+}
+
+fn weighted_mean(inputs: &[(Vec<f32>, u64)]) -> Vec<f64> {
+    let total: u64 = inputs.iter().map(|x| x.1).sum();
+    (0..inputs[0].0.len())
+        .map(|i| inputs.iter().map(|x| x.0[i] as f64).sum::<f64>() / total as f64)
+        .collect()
+}
+
+fn assert_identical_and_right(outcomes: &[Outcome], inputs: &[(Vec<f32>, u64)]) {
+    let want = weighted_mean(inputs);
+    let Outcome::Done { mean, microbatches } = &outcomes[0] else {
+        panic!("{:?}", outcomes[0]);
+    };
+    assert_eq!(*microbatches, inputs.iter().map(|x| x.1).sum::<u64>());
+    for (g, w) in mean.iter().zip(&want) {
+        assert!((*g as f64 - w).abs() < 1e-5, "{g} vs {w}");
+    }
+    for o in outcomes {
+        let Outcome::Done { mean: m, .. } = o else {
+            panic!("{o:?}")
+        };
+        assert!(m.iter().zip(mean).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
+fn four_members_reduce_a_large_buffer_to_identical_bits() {
+    let nodes = mesh(4);
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let inputs: Vec<(Vec<f32>, u64)> = (0..4)
+        .map(|k| (contribution(k, 1_000_003), k + 1))
+        .collect();
+    let out = all_reduce(&refs, 1, &inputs);
+    assert_identical_and_right(&out, &inputs);
+    // Each member sent 2(n-1)/n of the buffer, not the whole buffer n times.
+    let sent: u64 = nodes[0].stats().bytes_sent;
+    let buffer = 4 * 1_000_004u64;
+    assert!(
+        sent < buffer * 2,
+        "member 0 sent {sent} bytes for a {buffer}-byte buffer"
+    );
+}
+
+#[test]
+fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
+    let mut nodes = mesh(4);
+    let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
+    let inputs: Vec<(Vec<f32>, u64)> = (0..4).map(|k| (contribution(10 + k, 50_000), 2)).collect();
+    // The victim sends its first chunk, then its process is gone.
+    let victim = nodes.remove(2);
+    let victim_input = inputs[2].clone();
+    let survivors_inputs: Vec<(Vec<f32>, u64)> = inputs
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| *k != 2)
+        .map(|(_, x)| x.clone())
+        .collect();
+    let t0 = Instant::now();
+    let outcomes = std::thread::scope(|s| {
+        let ids2 = ids.clone();
+        s.spawn(move || {
+            let mut r =
+                RingAllReduce::new(7, victim.node_id(), &ids2, &victim_input.0, victim_input.1)
+                    .unwrap();
+            for (to, msg) in r.take_outbox() {
+                let f = allreduce_net::frame_of(&victim, STAGE, &msg, T).unwrap();
+                victim.send(to, f, T).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            drop(victim);
+        });
+        let handles: Vec<_> = nodes
+            .iter()
+            .zip(&survivors_inputs)
+            .map(|(node, (sum, mbs))| {
+                let ids = ids.clone();
+                s.spawn(move || {
+                    let r = RingAllReduce::new(7, node.node_id(), &ids, sum, *mbs).unwrap();
+                    allreduce_net::run(node, STAGE, r, Instant::now() + T).unwrap()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let took = t0.elapsed();
+    for o in &outcomes {
+        assert_eq!(o, &Outcome::Lost { member: ids[2] });
+    }
+    assert!(
+        took < Duration::from_secs(5),
+        "the loss took {took:?} to notice"
+    );
+    // Again among the survivors, with a new operation id.
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let again = all_reduce(&refs, 8, &survivors_inputs);
+    assert_identical_and_right(&again, &survivors_inputs);
+}
+
+#[test]
+fn a_malformed_chunk_is_refused_and_reported_as_its_senders_loss() {
+    let nodes = mesh(3);
+    let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    // The bad member sends its right neighbour a chunk of the wrong length.
+    let bad = nodes.iter().position(|x| x.node_id() == sorted[0]).unwrap();
+    let right = sorted[1];
+    let mut f = nodes[bad].alloc(12, T).unwrap();
+    f.header.stage = STAGE;
+    f.header.microbatch = 3;
+    f.header.dtype = gwtf::wire::Dtype::F32 as u16;
+    f.header.ndim = 1;
+    f.header.shape = [3, 0, 0, 0];
+    nodes[bad].send(right, f, T).unwrap();
+    let honest: Vec<&Node> = nodes.iter().filter(|x| x.node_id() != sorted[0]).collect();
+    let ones: Vec<(Vec<f32>, u64)> = honest.iter().map(|_| (vec![1.0; 1000], 1)).collect();
+    let outcomes = run_members(&honest, &ids, 3, &ones);
+    for (node, o) in honest.iter().zip(&outcomes) {
+        if node.node_id() == right {
+            assert!(
+                matches!(o, Outcome::Failed { reason } if reason.contains("elements")),
+                "{o:?}"
+            );
+        } else {
+            assert_eq!(o, &Outcome::Lost { member: sorted[0] });
+        }
+    }
+}
