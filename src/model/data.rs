@@ -147,24 +147,43 @@ pub fn detokenize(tokens: &[u32]) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
-/// Samples (input, target) windows of a token stream with a seeded generator.
+/// Samples (input, target) windows of token streams with a seeded generator. A window
+/// never crosses from one document (file) into another: every start position of every
+/// document is equally likely.
 pub struct Batcher {
-    tokens: Vec<u32>,
+    docs: Vec<Vec<u32>>,
     rng: Rng,
 }
 
 impl Batcher {
-    /// A sampler over `tokens` (needs more than one token).
+    /// A sampler over one token stream (needs more than one token).
     pub fn new(tokens: Vec<u32>, seed: u64) -> Result<Self, ModelError> {
-        if tokens.len() < 2 {
+        Self::from_documents(vec![tokens], seed)
+    }
+
+    /// A sampler over several documents (each needs more than one token). With one
+    /// document it draws exactly what [`Batcher::new`] draws.
+    pub fn from_documents(docs: Vec<Vec<u32>>, seed: u64) -> Result<Self, ModelError> {
+        if docs.is_empty() || docs.iter().any(|d| d.len() < 2) {
             return Err(ModelError::InvalidConfig(
                 "corpus shorter than 2 tokens".into(),
             ));
         }
         Ok(Batcher {
-            tokens,
+            docs,
             rng: Rng::new(seed),
         })
+    }
+
+    /// The sampler's position in its random stream (saved in checkpoints, so that a
+    /// resumed run draws the same windows as an uninterrupted one).
+    pub fn rng_state(&self) -> u64 {
+        self.rng.state()
+    }
+
+    /// Continues from a position given by [`Batcher::rng_state`].
+    pub fn set_rng_state(&mut self, state: u64) {
+        self.rng = Rng::new(state);
     }
 
     /// `batch` random windows of `seq` tokens: inputs and next-token targets, each
@@ -174,18 +193,27 @@ impl Batcher {
         batch: usize,
         seq: usize,
     ) -> Result<(Vec<u32>, Vec<u32>), ModelError> {
-        if seq + 1 > self.tokens.len() {
+        if let Some(d) = self.docs.iter().find(|d| seq + 1 > d.len()) {
             return Err(ModelError::InvalidConfig(format!(
                 "corpus of {} tokens is too short for seq {seq}",
-                self.tokens.len()
+                d.len()
             )));
         }
+        let total: usize = self.docs.iter().map(|d| d.len() - seq).sum();
         let mut x = Vec::with_capacity(batch * seq);
         let mut y = Vec::with_capacity(batch * seq);
         for _ in 0..batch {
-            let s = self.rng.below(self.tokens.len() - seq);
-            x.extend_from_slice(&self.tokens[s..s + seq]);
-            y.extend_from_slice(&self.tokens[s + 1..s + seq + 1]);
+            let mut s = self.rng.below(total);
+            let mut doc = &self.docs[0];
+            for d in &self.docs {
+                doc = d;
+                if s < d.len() - seq {
+                    break;
+                }
+                s -= d.len() - seq;
+            }
+            x.extend_from_slice(&doc[s..s + seq]);
+            y.extend_from_slice(&doc[s + 1..s + seq + 1]);
         }
         Ok((x, y))
     }
