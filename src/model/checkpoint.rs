@@ -385,13 +385,11 @@ pub fn read_stage_file(
             ),
         ));
     }
-    let mut named: Vec<(&str, &[u8])> = Vec::new();
-    let mut out: Vec<Vec<f32>> = Vec::new();
     let names: Vec<String> = KINDS
         .iter()
         .flat_map(|k| tensors.iter().map(move |t| format!("{k}.{}", t.name)))
         .collect();
-    let mut views = Vec::new();
+    let mut views = Vec::with_capacity(names.len());
     for (name, t) in names.iter().zip(tensors.iter().cycle()) {
         let v = st
             .tensor(name)
@@ -409,10 +407,13 @@ pub fn read_stage_file(
         }
         views.push(v);
     }
-    for (name, v) in names.iter().zip(&views) {
-        named.push((name.as_str(), v.data()));
-    }
-    let crc = crc_of(named);
+    let crc = crc_of(
+        names
+            .iter()
+            .map(String::as_str)
+            .zip(views.iter().map(|v| v.data()))
+            .collect(),
+    );
     if get("crc32c") != crc {
         return Err(err(
             path,
@@ -422,16 +423,15 @@ pub fn read_stage_file(
             ),
         ));
     }
-    for chunk in views.chunks(tensors.len()) {
-        let mut flat = Vec::new();
-        for v in chunk {
-            flat.extend(bytes_to_f32s(v.data()).map_err(|e| err(path, e))?);
+    // One flat buffer per kind (param, adam_m, adam_v), tensors in buffer order.
+    let flat = |kind: usize| -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::new();
+        for v in &views[kind * tensors.len()..(kind + 1) * tensors.len()] {
+            out.extend(bytes_to_f32s(v.data()).map_err(|e| err(path, e))?);
         }
-        out.push(flat);
-    }
-    let [params, m, v]: [Vec<f32>; 3] = out
-        .try_into()
-        .map_err(|_| err(path, "expected param, adam_m and adam_v tensors"))?;
+        Ok(out)
+    };
+    let (params, m, v) = (flat(0)?, flat(1)?, flat(2)?);
     Ok(StageState {
         index: spec.index,
         step,

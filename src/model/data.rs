@@ -218,3 +218,45 @@ impl Batcher {
         Ok((x, y))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_stay_inside_one_document() {
+        let a: Vec<u32> = (0..40).collect();
+        let b: Vec<u32> = (100..120).collect();
+        let mut s = Batcher::from_documents(vec![a, b], 5).unwrap();
+        let (mut in_a, mut in_b) = (0, 0);
+        for _ in 0..200 {
+            let (x, y) = s.next_batch(1, 8).unwrap();
+            assert!(x.windows(2).all(|w| w[1] == w[0] + 1), "{x:?}");
+            assert_eq!(y[0], x[0] + 1);
+            if x[0] < 100 {
+                in_a += 1;
+            } else {
+                in_b += 1;
+            }
+        }
+        // Start positions: 32 in the first document, 12 in the second.
+        assert!(in_a > in_b && in_b > 20, "{in_a} {in_b}");
+        // A position in the random stream can be saved and restored.
+        let saved = s.rng_state();
+        let next = s.next_batch(2, 8).unwrap();
+        s.set_rng_state(saved);
+        assert_eq!(s.next_batch(2, 8).unwrap(), next);
+    }
+
+    #[test]
+    fn one_document_draws_as_before() {
+        let t: Vec<u32> = (0..300).map(|i| i % 256).collect();
+        let mut a = Batcher::new(t.clone(), 9).unwrap();
+        let mut r = Rng::new(9);
+        let (x, _) = a.next_batch(4, 16).unwrap();
+        for i in 0..4 {
+            let s = r.below(300 - 16);
+            assert_eq!(x[i * 16..(i + 1) * 16], t[s..s + 16]);
+        }
+    }
+}
