@@ -10,6 +10,8 @@ mod kernels_cmd;
 #[cfg(feature = "cuda")]
 #[path = "gwtf/kernels_gpu.rs"]
 mod kernels_gpu;
+#[path = "gwtf/sample_cmd.rs"]
+mod sample_cmd;
 #[path = "gwtf/sim_cmd.rs"]
 mod sim_cmd;
 #[path = "gwtf/sim_plot.rs"]
@@ -53,6 +55,8 @@ enum Cmd {
     },
     /// Train the reference model in one process (stages run one after another).
     Train(train_cmd::TrainArgs),
+    /// Generate text from a checkpoint saved by `gwtf train --save`.
+    Sample(sample_cmd::SampleArgs),
     /// A diagnostic peer: accepts authenticated peers and sends every frame
     /// back unchanged; runs until SIGINT/SIGTERM; logs refused connections.
     Echo(transport_cmd::EchoArgs),
@@ -132,6 +136,7 @@ fn main() {
         Cmd::Probe { json, require_gpu } => probe(json, require_gpu),
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
+        Cmd::Sample(args) => sample_cmd::run(args),
         Cmd::Echo(args) => transport_cmd::echo(args),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Bench { what } => match what {

@@ -3,7 +3,8 @@ use super::ModelError;
 use std::ops::Range;
 
 /// The two model families.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Family {
     /// GPT-2-like: learned positions, LayerNorm (with bias), GELU MLP, biased linears.
     Gpt,
@@ -11,8 +12,9 @@ pub enum Family {
     Llama,
 }
 
-/// Shape of a model (and its default microbatch shape).
-#[derive(Clone, Debug, PartialEq)]
+/// Shape of a model (and its default microbatch shape). Serialized as is in a
+/// checkpoint's `config.json` (with the run's stages and microbatch shape).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelConfig {
     /// Preset name (free text for custom configs).
     pub name: String,

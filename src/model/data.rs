@@ -147,24 +147,43 @@ pub fn detokenize(tokens: &[u32]) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
-/// Samples (input, target) windows of a token stream with a seeded generator.
+/// Samples (input, target) windows of token streams with a seeded generator. A window
+/// never crosses from one document (file) into another: every start position of every
+/// document is equally likely.
 pub struct Batcher {
-    tokens: Vec<u32>,
+    docs: Vec<Vec<u32>>,
     rng: Rng,
 }
 
 impl Batcher {
-    /// A sampler over `tokens` (needs more than one token).
+    /// A sampler over one token stream (needs more than one token).
     pub fn new(tokens: Vec<u32>, seed: u64) -> Result<Self, ModelError> {
-        if tokens.len() < 2 {
+        Self::from_documents(vec![tokens], seed)
+    }
+
+    /// A sampler over several documents (each needs more than one token). With one
+    /// document it draws exactly what [`Batcher::new`] draws.
+    pub fn from_documents(docs: Vec<Vec<u32>>, seed: u64) -> Result<Self, ModelError> {
+        if docs.is_empty() || docs.iter().any(|d| d.len() < 2) {
             return Err(ModelError::InvalidConfig(
                 "corpus shorter than 2 tokens".into(),
             ));
         }
         Ok(Batcher {
-            tokens,
+            docs,
             rng: Rng::new(seed),
         })
+    }
+
+    /// The sampler's position in its random stream (saved in checkpoints, so that a
+    /// resumed run draws the same windows as an uninterrupted one).
+    pub fn rng_state(&self) -> u64 {
+        self.rng.state()
+    }
+
+    /// Continues from a position given by [`Batcher::rng_state`].
+    pub fn set_rng_state(&mut self, state: u64) {
+        self.rng = Rng::new(state);
     }
 
     /// `batch` random windows of `seq` tokens: inputs and next-token targets, each
@@ -174,19 +193,70 @@ impl Batcher {
         batch: usize,
         seq: usize,
     ) -> Result<(Vec<u32>, Vec<u32>), ModelError> {
-        if seq + 1 > self.tokens.len() {
+        if let Some(d) = self.docs.iter().find(|d| seq + 1 > d.len()) {
             return Err(ModelError::InvalidConfig(format!(
                 "corpus of {} tokens is too short for seq {seq}",
-                self.tokens.len()
+                d.len()
             )));
         }
+        let total: usize = self.docs.iter().map(|d| d.len() - seq).sum();
         let mut x = Vec::with_capacity(batch * seq);
         let mut y = Vec::with_capacity(batch * seq);
         for _ in 0..batch {
-            let s = self.rng.below(self.tokens.len() - seq);
-            x.extend_from_slice(&self.tokens[s..s + seq]);
-            y.extend_from_slice(&self.tokens[s + 1..s + seq + 1]);
+            let mut s = self.rng.below(total);
+            let mut doc = &self.docs[0];
+            for d in &self.docs {
+                doc = d;
+                if s < d.len() - seq {
+                    break;
+                }
+                s -= d.len() - seq;
+            }
+            x.extend_from_slice(&doc[s..s + seq]);
+            y.extend_from_slice(&doc[s + 1..s + seq + 1]);
         }
         Ok((x, y))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_stay_inside_one_document() {
+        let a: Vec<u32> = (0..40).collect();
+        let b: Vec<u32> = (100..120).collect();
+        let mut s = Batcher::from_documents(vec![a, b], 5).unwrap();
+        let (mut in_a, mut in_b) = (0, 0);
+        for _ in 0..200 {
+            let (x, y) = s.next_batch(1, 8).unwrap();
+            assert!(x.windows(2).all(|w| w[1] == w[0] + 1), "{x:?}");
+            assert_eq!(y[0], x[0] + 1);
+            if x[0] < 100 {
+                in_a += 1;
+            } else {
+                in_b += 1;
+            }
+        }
+        // Start positions: 32 in the first document, 12 in the second.
+        assert!(in_a > in_b && in_b > 20, "{in_a} {in_b}");
+        // A position in the random stream can be saved and restored.
+        let saved = s.rng_state();
+        let next = s.next_batch(2, 8).unwrap();
+        s.set_rng_state(saved);
+        assert_eq!(s.next_batch(2, 8).unwrap(), next);
+    }
+
+    #[test]
+    fn one_document_draws_as_before() {
+        let t: Vec<u32> = (0..300).map(|i| i % 256).collect();
+        let mut a = Batcher::new(t.clone(), 9).unwrap();
+        let mut r = Rng::new(9);
+        let (x, _) = a.next_batch(4, 16).unwrap();
+        for i in 0..4 {
+            let s = r.below(300 - 16);
+            assert_eq!(x[i * 16..(i + 1) * 16], t[s..s + 16]);
+        }
     }
 }

@@ -12,19 +12,28 @@
 //! - [`gpu`]: the same stages, pipeline and trainer with everything resident on a device
 //!   (`gwtf train --device cuda`: cuBLAS and our NVRTC kernels), or on the host through
 //!   the kernels' CPU twins.
-//! - [`data`]: a deterministic, seeded English-like corpus and a byte-level tokenizer.
+//! - [`data`]: a deterministic, seeded English-like corpus, a byte-level tokenizer and the
+//!   window sampler.
+//! - [`dataset`]: what a run trains on (the generated corpus or text files) and the part of
+//!   it held out for evaluation.
+//! - [`checkpoint`]: saving and loading a run (weights, AdamW state, data position), one
+//!   safetensors file per stage (docs/CHECKPOINT.md).
+//! - [`sample`]: text generation from a trained model.
 //! - [`bench`]: kernel bandwidth against memcpy measured in the same run.
 //!
 //! Stage 0 is the embedding, the last stage the final norm + head + cross-entropy loss,
 //! the stages between hold transformer blocks. Activations and their gradients between
 //! stages are flat f32 buffers of shape `[batch, seq, d_model]`.
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod dataset;
 pub mod gpu;
 pub mod kernels;
 pub mod ops;
 pub mod rng;
+pub mod sample;
 pub mod stage;
 pub mod train;
 
@@ -32,7 +41,9 @@ pub use config::{
     preset, preset_names, stage_costs, Family, ModelConfig, StageCost, StagePlan, StageSpec,
 };
 pub use kernels::AdamW;
-pub use stage::{average_replicas, ActShape, MicrobatchId, Stage, StageInput, StageOutput};
+pub use stage::{
+    average_replicas, ActShape, MicrobatchId, Stage, StageInput, StageOutput, StageState,
+};
 pub use train::{Pipeline, StepLog, TrainOptions};
 
 use std::fmt;
@@ -78,6 +89,10 @@ pub enum ModelError {
     DeviceUnavailable(String),
     /// An operation on the device failed (driver, cuBLAS or kernel launch error).
     Device(String),
+    /// Training data that cannot be used (the message names the file).
+    Data(String),
+    /// A checkpoint that cannot be written, read or used (the message names the file).
+    Checkpoint(String),
 }
 
 impl fmt::Display for ModelError {
@@ -110,6 +125,8 @@ impl fmt::Display for ModelError {
             ModelError::BadState(s) => write!(f, "bad stage state: {s}"),
             ModelError::DeviceUnavailable(s) => write!(f, "device unavailable: {s}"),
             ModelError::Device(s) => write!(f, "device error: {s}"),
+            ModelError::Data(s) => write!(f, "training data: {s}"),
+            ModelError::Checkpoint(s) => write!(f, "checkpoint: {s}"),
         }
     }
 }

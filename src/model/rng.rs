@@ -23,6 +23,12 @@ impl Rng {
         r
     }
 
+    /// The whole state: `Rng::new(r.state())` continues exactly where `r` is (what a
+    /// checkpoint keeps of the data order).
+    pub fn state(&self) -> u64 {
+        self.state
+    }
+
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);

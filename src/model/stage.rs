@@ -91,6 +91,38 @@ struct Saved {
     head: Option<HeadActs>,
 }
 
+/// Everything a stage carries from one optimizer step to the next: what a checkpoint keeps
+/// of it (the gradient accumulator is empty between steps, activations are not kept).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageState {
+    /// Stage index in its plan.
+    pub index: usize,
+    /// AdamW steps taken (the bias correction of the next step depends on it).
+    pub step: u64,
+    /// Parameters, flat, in the stage's tensor order.
+    pub params: Vec<f32>,
+    /// AdamW first moments, same layout.
+    pub m: Vec<f32>,
+    /// AdamW second moments, same layout.
+    pub v: Vec<f32>,
+}
+
+impl StageState {
+    /// Checks that the state fits a stage `index` of `n` parameters.
+    pub fn check(&self, index: usize, n: usize) -> Result<(), ModelError> {
+        if self.index != index || self.params.len() != n || self.m.len() != n || self.v.len() != n {
+            return Err(ModelError::BadState(format!(
+                "state of stage {} with {}/{}/{} params/m/v for stage {index} with {n}",
+                self.index,
+                self.params.len(),
+                self.m.len(),
+                self.v.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One pipeline stage.
 pub struct Stage {
     cfg: ModelConfig,
@@ -325,6 +357,16 @@ impl Stage {
     /// `(batch, seq)` of a microbatch whose forward is stored, if any.
     pub fn saved_shape(&self, mb: MicrobatchId) -> Option<(usize, usize)> {
         self.saved.get(&mb).map(|s| (s.batch, s.seq))
+    }
+
+    /// The head's softmax probabilities (`[batch * seq, vocab]`) of a microbatch whose
+    /// forward ran on this stage (the last one) and is still held: what text generation
+    /// samples from.
+    pub fn saved_probs(&self, mb: MicrobatchId) -> Option<&[f32]> {
+        self.saved
+            .get(&mb)
+            .and_then(|s| s.head.as_ref())
+            .map(|h| h.probs.as_slice())
     }
 
     /// Microbatches whose forward ran and whose backward has not (activations held).
@@ -577,6 +619,30 @@ impl Stage {
             b.extend_from_slice(&f32s_to_bytes(buf));
         }
         b
+    }
+
+    /// A copy of the parameters, AdamW moments and step count.
+    pub fn state(&self) -> StageState {
+        StageState {
+            index: self.spec.index,
+            step: self.step,
+            params: self.params.clone(),
+            m: self.m.clone(),
+            v: self.v.clone(),
+        }
+    }
+
+    /// Inverse of [`Stage::state`]: checked before any change; drops the gradient
+    /// accumulator and any activations held.
+    pub fn set_state(&mut self, st: &StageState) -> Result<(), ModelError> {
+        st.check(self.spec.index, self.params.len())?;
+        self.params.copy_from_slice(&st.params);
+        self.m.copy_from_slice(&st.m);
+        self.v.copy_from_slice(&st.v);
+        self.step = st.step;
+        self.saved.clear();
+        self.zero_grad();
+        Ok(())
     }
 
     /// Inverse of [`Stage::export_state`]; checked (magic, stage index, sizes) before any

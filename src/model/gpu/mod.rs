@@ -31,9 +31,10 @@ pub use kernel::{KernelBackend, KernelBuf, KernelRunner};
 pub use stage::{DeviceIds, DeviceInput, DeviceOutput, DeviceStage};
 
 use super::config::{ModelConfig, StagePlan};
+use super::dataset::{DataSource, Dataset};
 use super::kernels::AdamW;
-use super::stage::MicrobatchId;
-use super::train::{check_options, run_loop, StepLog, TrainOptions};
+use super::stage::{MicrobatchId, StageState};
+use super::train::{check_options, check_state_count, StepLog, TrainModel, TrainOptions, Trainer};
 use super::ModelError;
 use std::sync::Arc;
 
@@ -82,7 +83,7 @@ impl<B: Backend> DevicePipeline<B> {
         seq: usize,
         microbatches: &[(Vec<u32>, Vec<u32>)],
     ) -> Result<Vec<f32>, ModelError> {
-        let losses = self.queue_microbatches(batch, seq, microbatches)?;
+        let losses = self.queue_microbatches(batch, seq, microbatches, true)?;
         self.mean_losses(&losses, microbatches.len())
     }
 
@@ -100,9 +101,35 @@ impl<B: Backend> DevicePipeline<B> {
         microbatches: &[(Vec<u32>, Vec<u32>)],
         opt: &AdamW,
     ) -> Result<Vec<f32>, ModelError> {
-        let losses = self.queue_microbatches(batch, seq, microbatches)?;
+        let losses = self.queue_microbatches(batch, seq, microbatches, true)?;
         self.step(opt)?;
         self.mean_losses(&losses, microbatches.len())
+    }
+
+    /// Each microbatch's mean loss, forward only: no gradient is accumulated and the
+    /// activations are dropped (the held-out evaluation).
+    pub fn eval_losses(
+        &mut self,
+        batch: usize,
+        seq: usize,
+        microbatches: &[(Vec<u32>, Vec<u32>)],
+    ) -> Result<Vec<f32>, ModelError> {
+        let losses = self.queue_microbatches(batch, seq, microbatches, false)?;
+        self.mean_losses(&losses, microbatches.len())
+    }
+
+    /// Every stage's parameters, AdamW moments and step count, on the host.
+    pub fn states(&self) -> Result<Vec<StageState>, ModelError> {
+        self.stages.iter().map(|s| s.state()).collect()
+    }
+
+    /// Replaces every stage's state (checked against each stage before it is uploaded).
+    pub fn set_states(&mut self, states: &[StageState]) -> Result<(), ModelError> {
+        check_state_count(self.stages.len(), states.len())?;
+        for (s, st) in self.stages.iter_mut().zip(states) {
+            s.set_state(st)?;
+        }
+        Ok(())
     }
 
     /// All parameters, stage after stage, on the host.
@@ -123,13 +150,14 @@ impl<B: Backend> DevicePipeline<B> {
         Ok(v)
     }
 
-    /// Queues forward and backward of the microbatches; returns the per-position losses,
-    /// microbatch after microbatch (`len * batch * seq`).
+    /// Queues forward and (when `train`) backward of the microbatches; returns the
+    /// per-position losses, microbatch after microbatch (`len * batch * seq`).
     fn queue_microbatches(
         &mut self,
         batch: usize,
         seq: usize,
         microbatches: &[(Vec<u32>, Vec<u32>)],
+        train: bool,
     ) -> Result<B::Buf, ModelError> {
         let k = microbatches.len();
         let n = batch * seq;
@@ -159,8 +187,8 @@ impl<B: Backend> DevicePipeline<B> {
         for i in 0..k {
             let mb = self.next_mb;
             self.next_mb += 1;
-            let r = self.one_microbatch(mb, batch, seq, &ids, i, k, losses.ptr());
-            if r.is_err() {
+            let r = self.one_microbatch(mb, batch, seq, &ids, i, k, losses.ptr(), train);
+            if r.is_err() || !train {
                 for s in &mut self.stages {
                     s.discard(mb);
                 }
@@ -180,6 +208,7 @@ impl<B: Backend> DevicePipeline<B> {
         i: usize,
         k: usize,
         losses: DPtr<f32>,
+        train: bool,
     ) -> Result<(), ModelError> {
         let n = batch * seq;
         let last = self.stages.len() - 1;
@@ -197,6 +226,9 @@ impl<B: Backend> DevicePipeline<B> {
                     break;
                 }
             }
+        }
+        if !train {
+            return Ok(());
         }
         let mut g: Option<B::Buf> = None;
         for s in self.stages.iter_mut().rev() {
@@ -217,6 +249,35 @@ impl<B: Backend> DevicePipeline<B> {
     }
 }
 
+impl<B: Backend> TrainModel for DevicePipeline<B> {
+    fn train_step(
+        &mut self,
+        batch: usize,
+        seq: usize,
+        microbatches: &[(Vec<u32>, Vec<u32>)],
+        opt: &AdamW,
+    ) -> Result<Vec<f32>, ModelError> {
+        DevicePipeline::train_step(self, batch, seq, microbatches, opt)
+    }
+
+    fn eval_losses(
+        &mut self,
+        batch: usize,
+        seq: usize,
+        microbatches: &[(Vec<u32>, Vec<u32>)],
+    ) -> Result<Vec<f32>, ModelError> {
+        DevicePipeline::eval_losses(self, batch, seq, microbatches)
+    }
+
+    fn stage_states(&self) -> Result<Vec<StageState>, ModelError> {
+        self.states()
+    }
+
+    fn set_stage_states(&mut self, states: &[StageState]) -> Result<(), ModelError> {
+        self.set_states(states)
+    }
+}
+
 /// [`crate::model::train::train`] on `backend`: same checks, corpus, sampler, schedule and
 /// logs; one upload of ids and one download of losses per step.
 pub fn train_on<B: Backend>(
@@ -226,12 +287,23 @@ pub fn train_on<B: Backend>(
     on_step: impl FnMut(&StepLog),
 ) -> Result<Vec<StepLog>, ModelError> {
     check_options(cfg, o)?;
-    let mut p = DevicePipeline::new(backend, cfg, o.stages, o.seed)?;
-    run_loop(
-        o,
-        |mbs, opt| p.train_step(o.batch, o.seq, mbs, opt),
-        on_step,
-    )
+    let data = Dataset::load(
+        &DataSource::Synthetic {
+            seed: o.seed,
+            bytes: o.corpus_bytes,
+        },
+        o.seq,
+    )?;
+    let p = DevicePipeline::new(backend, cfg, o.stages, o.seed)?;
+    Trainer::new(p, o.clone(), data)?.run(o.steps, on_step)
+}
+
+/// Opens CUDA device 0 for training: the probe, NVRTC compilation and cuBLAS. Without a
+/// usable device (no driver, no GPU, no cuBLAS, or a build without CUDA) this is
+/// [`ModelError::DeviceUnavailable`] with the probe's explanation.
+#[cfg(feature = "cuda")]
+pub fn open_cuda() -> Result<Arc<CudaBackend>, ModelError> {
+    Ok(Arc::new(CudaBackend::new(0)?))
 }
 
 /// Trains `cfg` on CUDA device 0 (`gwtf train --device cuda`). Without a usable device (no
@@ -245,14 +317,19 @@ pub fn train_gpu(
     check_options(cfg, o)?;
     #[cfg(feature = "cuda")]
     {
-        let backend = Arc::new(CudaBackend::new(0)?);
-        train_on(backend, cfg, o, on_step)
+        train_on(open_cuda()?, cfg, o, on_step)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = on_step;
-        Err(ModelError::DeviceUnavailable(
-            crate::cuda::probe(crate::cuda::ProbeDetail::CountOnly).to_string(),
-        ))
+        Err(no_cuda())
     }
+}
+
+/// The error of a build without the `cuda` feature: the probe's explanation.
+#[cfg(not(feature = "cuda"))]
+pub fn no_cuda() -> ModelError {
+    ModelError::DeviceUnavailable(
+        crate::cuda::probe(crate::cuda::ProbeDetail::CountOnly).to_string(),
+    )
 }

@@ -6,7 +6,7 @@ use super::backend::{Backend, DPtr, DeviceBuffer};
 use crate::model::config::{block_tensors, head_tensors, Family, ModelConfig, StageSpec};
 use crate::model::config::{StagePlan, TensorSpec};
 use crate::model::kernels::AdamW;
-use crate::model::stage::{check_tokens, Layout, MicrobatchId};
+use crate::model::stage::{check_tokens, Layout, MicrobatchId, StageState};
 use crate::model::ModelError;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -281,6 +281,33 @@ impl<B: Backend> DeviceStage<B> {
     /// copied to the host.
     pub fn grads_to_host(&self) -> Result<Vec<f32>, ModelError> {
         self.backend.download_buf(&self.grads)
+    }
+
+    /// Parameters, AdamW moments and step count, copied to the host (as
+    /// [`crate::model::Stage::state`]).
+    pub fn state(&self) -> Result<StageState, ModelError> {
+        Ok(StageState {
+            index: self.layout.spec.index,
+            step: self.step,
+            params: self.backend.download_buf(&self.params)?,
+            m: self.backend.download_buf(&self.m)?,
+            v: self.backend.download_buf(&self.v)?,
+        })
+    }
+
+    /// Inverse of [`DeviceStage::state`] (as [`crate::model::Stage::set_state`]): checked
+    /// before any change, then uploaded.
+    pub fn set_state(&mut self, st: &StageState) -> Result<(), ModelError> {
+        st.check(self.layout.spec.index, self.layout.num_params())?;
+        let (p, m, v) = (
+            self.backend.upload(&st.params)?,
+            self.backend.upload(&st.m)?,
+            self.backend.upload(&st.v)?,
+        );
+        (self.params, self.m, self.v) = (p, m, v);
+        self.step = st.step;
+        self.saved.clear();
+        self.zero_grad()
     }
 
     /// Forward pass of microbatch `mb`, with the checks and meaning of
