@@ -161,7 +161,11 @@ fn route_checks_crash_names_and_arguments_before_solving() {
         ),
         (
             vec!["bench", "flow", "--sizes", "5"],
-            vec!["--sizes 5", "at least 10 peers"],
+            vec!["--sizes", "must be >= 10, got 5"],
+        ),
+        (
+            vec!["bench", "flow", "--sizes", "-5"],
+            vec!["--sizes", "must be >= 10, got -5"],
         ),
         (
             vec!["bench", "flow", "--reps", "0"],
