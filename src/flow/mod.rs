@@ -43,6 +43,7 @@ pub mod dimacs;
 pub mod geo;
 pub mod mcf;
 pub mod reference;
+pub mod ring;
 pub mod rng;
 pub mod routing;
 

@@ -8,11 +8,12 @@
 //! microbatches are recomputed. Nothing is ever added twice: a chunk is
 //! accepted only from the ring neighbour whose turn it is, once per step.
 //!
-//! Determinism: the ring is the members sorted by id and chunk `c` is summed
-//! in ring order starting at member `c`, so every run over the same inputs
-//! gives the same bits, and the all-gather copies each reduced chunk
-//! verbatim: after [`Outcome::Done`] every member holds a bit-identical
-//! result.
+//! Determinism: every member is given the same ring (the order the stage
+//! coordinator chose, e.g. with `flow::ring::order` so that neighbours are
+//! near each other) and chunk `c` is summed in ring order starting at member
+//! `c`, so every run over the same inputs gives the same bits, and the
+//! all-gather copies each reduced chunk verbatim: after [`Outcome::Done`]
+//! every member holds a bit-identical result.
 //!
 //! Schedule, for member `i` of `n` (ring neighbours `i+1` and `i-1`):
 //! reduce-scatter steps `s = 0..n-1` send chunk `i-s` and add the received
@@ -118,24 +119,26 @@ pub struct RingAllReduce {
 }
 
 impl RingAllReduce {
-    /// Sets up member `me`'s side of operation `op` among `members` (any
-    /// order; the ring is their sorted order), contributing `sum` (the sum
-    /// of its microbatches' gradients) and `microbatches`.
+    /// Sets up member `me`'s side of operation `op` around `ring` (every
+    /// member must be given the same order), contributing `sum` (the sum of
+    /// its microbatches' gradients) and `microbatches`.
     pub fn new(
         op: u64,
         me: MemberId,
-        members: &[MemberId],
+        ring: &[MemberId],
         sum: &[f32],
         microbatches: u64,
     ) -> Result<RingAllReduce, SetupError> {
-        let mut ring = members.to_vec();
-        ring.sort_unstable();
-        if let Some(w) = ring.windows(2).find(|w| w[0] == w[1]) {
+        let mut sorted = ring.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
             return Err(SetupError::DuplicateMember(w[0]));
         }
+        let ring = ring.to_vec();
         let me = ring
-            .binary_search(&me)
-            .map_err(|_| SetupError::NotAMember)?;
+            .iter()
+            .position(|&m| m == me)
+            .ok_or(SetupError::NotAMember)?;
         if microbatches > 1 << 24 {
             return Err(SetupError::TooManyMicrobatches(microbatches));
         }

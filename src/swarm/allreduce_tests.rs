@@ -256,9 +256,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
     let mut rng = Rng::new(5);
     let ins = inputs(&mut rng, 3, 30);
     let ids: Vec<MemberId> = ins.iter().map(|x| x.0).collect();
-    let mut sorted = ids.clone();
-    sorted.sort_unstable();
-    let (left, me, right) = (sorted[2], sorted[0], sorted[1]);
+    let (left, me, right) = (ids[2], ids[0], ids[1]);
     let mine = ins.iter().find(|x| x.0 == me).unwrap();
     let fresh = || RingAllReduce::new(4, me, &ids, &mine.1, mine.2).unwrap();
     let cases: Vec<(MemberId, Message, &str)> = vec![
