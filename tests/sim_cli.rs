@@ -44,14 +44,23 @@ fn sim_prints_a_table_and_writes_json_and_svg() {
         "--plot",
         svg.to_str().unwrap(),
     ])));
-    for p in ["gwtf", "swarm", "optimal"] {
+    for p in ["bound", "gwtf", "swarm", "central-mcmf"] {
         assert!(out.lines().any(|l| l.starts_with(p)), "{out}");
     }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let arr = v.as_array().unwrap();
-    assert_eq!(arr.len(), 3);
-    for r in arr {
+    assert_eq!(arr.len(), 4);
+    let names: Vec<&str> = arr.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gwtf", "swarm", "central-mcmf", "bound"]);
+    let bound = &arr[3];
+    let b = bound["iteration_time_s"].as_f64().unwrap();
+    assert!(b > 0.0);
+    for r in &arr[..3] {
+        assert!(r["time_over_bound"].as_f64().unwrap() >= 1.0 - 1e-6);
+        assert!(r["bound_training_time_s"].as_f64().unwrap() > 0.0);
+    }
+    for r in &arr[..3] {
         for k in [
             "policy",
             "training_time_s",
@@ -162,6 +171,72 @@ fn sim_reads_the_example_scenario_and_refuses_a_malformed_one() {
 }
 
 #[test]
+fn sim_runs_every_built_in_scenario_and_takes_optimal_as_an_alias() {
+    for name in ["geo10", "geo10-gib", "geo10-sparse", "homogeneous"] {
+        let out = stdout_of(&run_ok(gwtf().args([
+            "sim",
+            "--scenario",
+            name,
+            "--model",
+            "llama-124m",
+            "--iterations",
+            "2",
+            "--policy",
+            "optimal",
+        ])));
+        assert!(out.contains(&format!("scenario {name} ")), "{out}");
+        assert!(out.lines().any(|l| l.starts_with("central-mcmf")), "{out}");
+        assert!(out.lines().any(|l| l.starts_with("bound")), "{out}");
+        assert!(!out.contains("INVARIANT"), "{out}");
+    }
+    // geo10-sparse brings its own population; the command line overrides it.
+    let sparse = |extra: &[&str]| {
+        let mut c = gwtf();
+        c.args([
+            "sim",
+            "--scenario",
+            "geo10-sparse",
+            "--model",
+            "llama-124m",
+            "--iterations",
+            "1",
+            "--policy",
+            "gwtf",
+        ]);
+        stdout_of(&run_ok(c.args(extra)))
+    };
+    let out = sparse(&[]);
+    assert!(out.contains("10 holders + 30 relays"), "{out}");
+    let out = sparse(&["--relays", "12", "--holders", "4"]);
+    assert!(out.contains("4 holders + 12 relays"), "{out}");
+}
+
+#[test]
+fn a_scenario_file_sets_the_global_batch_and_the_nic() {
+    let dir = scratch("sim-cli-batch");
+    let file = dir.join("batch.scenario");
+    std::fs::write(
+        &file,
+        "intra 2 1\nregion a 4\nregion b 4.4\nlink a b 30 0.5\nnic 25\nbatch 12\n",
+    )
+    .unwrap();
+    let out = stdout_of(&run_ok(small_sim("8").args([
+        "--scenario",
+        file.to_str().unwrap(),
+        "--iterations",
+        "1",
+        "--policy",
+        "gwtf",
+    ])));
+    // 12 microbatches over 3 holders: 4 each.
+    assert!(
+        out.contains("4 microbatches/holder (global batch 12)"),
+        "{out}"
+    );
+    assert!(out.contains("NIC 25 Gbit/s"), "{out}");
+}
+
+#[test]
 fn sim_bench_refuses_bad_arguments() {
     gwtf_refuses(&["bench", "sim", "--nodes", "3"], &["--nodes 3", "too few"]);
     gwtf_refuses(&["bench", "sim", "--nodes", "-5"], &["--nodes", "got -5"]);
@@ -191,7 +266,7 @@ fn sim_plot_is_readable() {
         .filter(|l| !l.starts_with('<'))
         .collect();
     // Legend entries for the policies and for both kinds of churn marks.
-    for entry in ["gwtf", "swarm", "optimal", "crash (", "join ("] {
+    for entry in ["gwtf", "swarm", "central-mcmf", "crash (", "join ("] {
         assert!(
             texts.iter().any(|t| t.starts_with(entry)),
             "no legend entry {entry}: {texts:?}"

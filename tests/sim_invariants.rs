@@ -131,6 +131,48 @@ fn without_churn_gwtf_is_close_to_the_optimum_and_wastes_nothing() {
     assert!(g.critical_path_s < reports[2].critical_path_s);
 }
 
+/// The bound is a lower bound: on every built-in scenario, without churn
+/// (the membership never changes, so every iteration is held to it), no
+/// policy finishes an iteration faster; and it is not vacuous.
+#[test]
+fn no_policy_beats_the_bound() {
+    for name in Scenario::BUILT_IN {
+        for seed in 1..=2 {
+            for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+                let mut c = small(policy, seed, 0.0, 6);
+                c.scenario = Scenario::by_name(name).unwrap();
+                let r = Sim::new(c).run();
+                let what = format!("{name} {policy:?} seed {seed}");
+                check(&r, &what);
+                assert!(r.completed, "{what}");
+                let b = r.bound_initial_s;
+                assert!(b > 0.0, "{what}");
+                for (i, &t) in r.iteration_times_s.iter().enumerate() {
+                    assert!(
+                        t >= b * (1.0 - 1e-6) - 1e-3,
+                        "{what}: iteration {i} {t} s < {b} s"
+                    );
+                }
+                assert!(r.time_over_bound >= 1.0 - 1e-6, "{what}");
+                // Not vacuous: within a factor of 4 of what the runs achieve.
+                assert!(r.time_over_bound < 4.0, "{what}: {}", r.time_over_bound);
+            }
+        }
+    }
+}
+
+/// Under churn every iteration whose membership did not change is checked
+/// against its bound as the simulation runs (a violation otherwise).
+#[test]
+fn under_churn_the_bound_is_recomputed_and_kept() {
+    for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+        let r = Sim::new(small(policy, 4, 2.0, 12)).run();
+        check(&r, &format!("{policy:?}"));
+        assert!(r.bound_series.len() > 1, "{policy:?}: {:?}", r.bound_series);
+        assert!(r.time_over_bound >= 1.0 - 1e-6);
+    }
+}
+
 #[test]
 fn custom_scenario_and_homogeneous_run() {
     let s = Scenario::parse("intra 1 1.0\nregion a 4.0\nregion b 5.0\nlink a b 40 0.4\n").unwrap();

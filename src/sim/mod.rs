@@ -9,7 +9,7 @@
 //!   presets of `crate::model` ([`model`]); memory bounds each relay's
 //!   capacity.
 //! - Link model: one-way latency + size / bandwidth per region pair
-//!   ([`scenario`]); bulk transfers on the same directed link share its
+//!   ([`scenario`]), the bandwidth capped by the scenario's NIC; bulk transfers on the same directed link share its
 //!   bandwidth equally (processor sharing); small control messages take
 //!   latency + size / bandwidth.
 //! - Churn: departures (crash, or graceful leave with probability
@@ -17,11 +17,16 @@
 //!   `churn_per_hour` x the initial population per hour; a crash can hit a
 //!   node at any moment, in the middle of a forward, a backward or an
 //!   aggregation.
-//! - Aggregation (all-reduce) time of a stage: 2 (n-1)/n x gradient bytes /
-//!   the slowest bandwidth between the members' regions + 2 log2(n) x the
-//!   largest latency (a bandwidth-optimal tree/ring all-reduce).
+//! - Aggregation (all-reduce) time of a stage: the runtime's ring all-reduce
+//!   in f32 around the ring `flow::ring::order` picks ([`allreduce`]).
+//! - Yardstick: a lower bound on the iteration time of the current
+//!   membership ([`bound`]), recomputed when the membership changed, that
+//!   every policy's time is reported against.
 //!
-//! The simulator checks invariants as it runs (see [`SimReport::violations`]).
+//! The simulator checks invariants as it runs (see [`SimReport::violations`]),
+//! among them that no iteration beats its bound.
+pub mod allreduce;
+pub mod bound;
 pub mod model;
 pub mod optimal;
 mod queue;
@@ -39,6 +44,16 @@ use model::ModelPreset;
 use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
 use queue::EventQueue;
 use scenario::Scenario;
+
+/// The name a policy has in the simulator's output: the centrally planned
+/// policy is a min-cost max-flow plan, not an optimum (it minimises the sum of
+/// path costs, not the iteration time), so it is called `central-mcmf`.
+pub fn policy_name(p: Policy) -> &'static str {
+    match p {
+        Policy::Optimal => "central-mcmf",
+        other => other.name(),
+    }
+}
 
 /// (microbatch, member whose result is in the aggregate) of one stage's commit.
 type Committed = Arc<Vec<(MbId, NodeId)>>;
@@ -77,8 +92,15 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
+    /// The scenario's population, GPU memory and global batch where it sets
+    /// them, the defaults otherwise.
     pub fn new(scenario: Scenario, model: ModelPreset, policy: Policy) -> SimConfig {
+        let holders = scenario.holders.unwrap_or(10);
         SimConfig {
+            holders,
+            relays: scenario.relays.unwrap_or(60),
+            mb_per_iter: scenario.microbatches_per_holder(holders).unwrap_or(8),
+            gpu_mem_gib: scenario.gpu_mem_gib.clone().unwrap_or(vec![16, 24, 48]),
             scenario,
             model,
             policy,
@@ -86,12 +108,8 @@ impl SimConfig {
             seed: 1,
             churn_per_hour: 0.0,
             leave_fraction: 0.25,
-            holders: 10,
-            relays: 60,
-            mb_per_iter: 8,
             max_in_flight: 4,
             base_tflops: 40.0,
-            gpu_mem_gib: vec![16, 24, 48],
             view_size: 16,
             max_sim_time_s: 0.0,
             reference_optimum: true,
@@ -161,8 +179,20 @@ pub struct SimReport {
     pub flow_value: f64,
     /// Mean over iterations of the largest flow cost of the paths used (s).
     pub critical_path_s: f64,
+    /// The same for the central min-cost max-flow plan of the membership.
     pub optimal_flow_value: f64,
     pub optimal_critical_path_s: f64,
+    /// Lower bound on the iteration time of the founding membership (s; see
+    /// [`bound`]).
+    pub bound_initial_s: f64,
+    /// Sum over the iterations of the bound of the membership each started with.
+    pub bound_training_time_s: f64,
+    /// `training_time_s / bound_training_time_s` (1 = no routing can do better).
+    pub time_over_bound: f64,
+    /// (time s, bound s) at each iteration start where the bound changed.
+    pub bound_series: Vec<(f64, f64)>,
+    /// Microbatches per aggregation at the start (holders x microbatches per holder).
+    pub global_batch: u32,
     pub events: u64,
     pub empty_stages: Vec<(f64, Stage)>,
     /// Why training did not finish, when a stage was left empty.
@@ -257,7 +287,13 @@ pub struct Sim {
     /// Messages sent, by kind (name, count).
     msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
-    regions_cache: BTreeMap<Stage, (u64, BTreeSet<usize>)>,
+    /// Ring all-reduce time per (stage, members), for a population version.
+    agg_cache: BTreeMap<(Stage, u32), (u64, f64)>,
+    /// The bound of the membership of `population_version` (when computed).
+    bound_cache: Option<(u64, Option<f64>)>,
+    /// The bound the running iteration started with, and the population
+    /// version then.
+    iter_bound: Option<(f64, u64)>,
 }
 
 impl Sim {
@@ -275,7 +311,8 @@ impl Sim {
         let mut link_table = Vec::new();
         for a in 0..sc.regions.len() {
             for b in 0..sc.regions.len() {
-                link_table.push((sc.latency[a][b], sc.bandwidth[a][b]));
+                let bw = sc.bandwidth[a][b].min(sc.nic_bandwidth);
+                link_table.push((sc.latency[a][b], bw));
             }
         }
         let mut sim = Sim {
@@ -311,12 +348,15 @@ impl Sim {
             joining_relay: false,
             msg_counts: HashMap::default(),
             population_version: 0,
-            regions_cache: BTreeMap::new(),
+            agg_cache: BTreeMap::new(),
+            bound_cache: None,
+            iter_bound: None,
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
             trace: std::env::var_os("GWTF_SIM_TRACE").is_some(),
             cfg,
         };
-        sim.rep.policy = sim.cfg.policy.name().into();
+        sim.rep.policy = policy_name(sim.cfg.policy).into();
+        sim.rep.global_batch = sim.cfg.holders * sim.cfg.mb_per_iter;
         sim.rep.scenario = sim.cfg.scenario.name.clone();
         sim.rep.model = sim.cfg.model.name.clone();
         sim.rep.seed = sim.cfg.seed;
@@ -324,6 +364,17 @@ impl Sim {
         sim.rep.churn_per_hour = sim.cfg.churn_per_hour;
         sim.rep.iterations_requested = sim.cfg.iterations;
         sim
+    }
+
+    /// The links of the world, for [`allreduce`] and [`bound`].
+    fn with_links<R>(&self, f: impl FnOnce(&allreduce::Links) -> R) -> R {
+        let r = self.cfg.scenario.regions.len();
+        let table = &self.link_table;
+        let link = move |a: usize, b: usize| table[a * r + b];
+        f(&allreduce::Links {
+            link: &link,
+            nic: self.cfg.scenario.nic_bandwidth,
+        })
     }
 
     /// Replaces the centralized router (the optimal policy and the reference).
@@ -695,40 +746,90 @@ impl Sim {
         }
     }
 
+    /// The stage's ring all-reduce among `members` (the protocol gives the
+    /// count, not the ids: the ring is the stage's live members, the steps
+    /// and chunks those of `members`), cached until the population changes.
     fn agg_time(&mut self, stage: Stage, members: u32) -> f64 {
-        let n = members.max(1) as f64;
-        if n <= 1.0 {
-            return 0.0;
-        }
-        // Regions present in the stage, cached until the population changes.
-        if self
-            .regions_cache
-            .get(&stage)
-            .is_none_or(|c| c.0 != self.population_version)
-        {
-            let r: BTreeSet<usize> = self
-                .members_of(stage)
-                .iter()
-                .map(|&i| self.nodes[i as usize].region)
-                .collect();
-            self.regions_cache
-                .insert(stage, (self.population_version, r));
-        }
-        let regions = &self.regions_cache[&stage].1;
-        let mut bw = f64::INFINITY;
-        let mut lat: f64 = 0.0;
-        for &a in regions {
-            for &b in regions {
-                bw = bw.min(self.cfg.scenario.bandwidth[a][b]);
-                lat = lat.max(self.cfg.scenario.latency[a][b]);
+        let key = (stage, members);
+        if let Some(&(v, t)) = self.agg_cache.get(&key) {
+            if v == self.population_version {
+                return t;
             }
         }
-        if !bw.is_finite() {
-            return 0.0;
+        let mut regions: Vec<usize> = self
+            .members_of(stage)
+            .iter()
+            .map(|&i| self.nodes[i as usize].region)
+            .collect();
+        // As many members as the protocol's group: the first ones if the
+        // stage has more live members, repeated if it has fewer.
+        let n = members as usize;
+        if !regions.is_empty() {
+            regions = regions.iter().copied().cycle().take(n).collect();
         }
-        // [decision] gradients are all-reduced in bf16.
-        let bytes = 2.0 * self.cfg.model.stage_params(stage) as f64;
-        2.0 * (n - 1.0) / n * bytes / bw + 2.0 * n.log2().ceil() * lat
+        let params = self.cfg.model.stage_params(stage);
+        let t = self.with_links(|l| allreduce::ring_allreduce_secs(&regions, params, l));
+        self.agg_cache.insert(key, (self.population_version, t));
+        t
+    }
+
+    /// The iteration bound of the current membership (`None` while a stage
+    /// is empty), recomputed when the membership changed.
+    fn current_bound(&mut self) -> Option<f64> {
+        if let Some((v, b)) = self.bound_cache {
+            if v == self.population_version {
+                return b;
+            }
+        }
+        let member = |i: NodeId| bound::Member {
+            region: self.nodes[i as usize].region,
+            flops: self.nodes[i as usize].flops,
+        };
+        let holders: Vec<bound::Member> = self.members_of(0).into_iter().map(member).collect();
+        let relays: Vec<Vec<bound::Member>> = (1..=self.cfg.model.relay_stages)
+            .map(|k| self.members_of(k).into_iter().map(member).collect())
+            .collect();
+        let b = self.with_links(|links| {
+            bound::iteration_bound(&bound::World {
+                model: &self.cfg.model,
+                holders: &holders,
+                relays: &relays,
+                mb_per_holder: self.cfg.mb_per_iter,
+                in_flight: self.cfg.max_in_flight,
+                links,
+            })
+        });
+        let b = b.map(|b| b.secs);
+        self.bound_cache = Some((self.population_version, b));
+        b
+    }
+
+    /// An iteration starts now: note the bound it is held to.
+    fn start_bound(&mut self) {
+        self.iter_bound = self.current_bound().map(|b| (b, self.population_version));
+        if let Some((b, _)) = self.iter_bound {
+            if self.rep.bound_initial_s == 0.0 {
+                self.rep.bound_initial_s = b;
+            }
+            if self.rep.bound_series.last().is_none_or(|l| l.1 != b) {
+                self.rep.bound_series.push((to_secs(self.now), b));
+            }
+        }
+    }
+
+    /// An iteration of `dt` seconds ended: count its bound, and check that it
+    /// did not beat it when the membership stayed the same throughout.
+    fn end_bound(&mut self, iter: u32, dt: f64) {
+        let Some((b, version)) = self.iter_bound.take() else {
+            return;
+        };
+        self.rep.bound_training_time_s += b;
+        // Tolerance: task times are rounded to the microsecond.
+        if version == self.population_version && dt < b * (1.0 - 1e-6) - 1e-3 {
+            self.rep.violations.push(format!(
+                "iteration {iter} took {dt:.3} s, below its lower bound {b:.3} s"
+            ));
+        }
     }
 
     fn run_task(&mut self, node: NodeId, task: Task) {
@@ -923,11 +1024,16 @@ impl Sim {
         let mut router = std::mem::replace(&mut self.router, Box::new(FlowRouter));
         let plan = {
             let cost = |a: NodeId, b: NodeId| self.true_cost(a, b);
+            let relay_secs = |r: NodeId| {
+                let n = &self.nodes[r as usize];
+                3.0 * self.cfg.model.stage_fwd_flops(n.node.stage()) / n.flops
+            };
             let inst = RouteInstance {
                 holders,
                 relays,
                 stages: self.cfg.model.relay_stages,
                 cost: &cost,
+                relay_secs: &relay_secs,
             };
             router.route(&inst)
         };
@@ -994,6 +1100,7 @@ impl Sim {
             Event::IterStarted { .. } => {
                 if self.first_start.is_none() {
                     self.first_start = Some(self.now);
+                    self.start_bound();
                 }
             }
             Event::IterFinalized { iter, holders } => {
@@ -1087,6 +1194,7 @@ impl Sim {
         let dt = to_secs(self.now - start);
         self.last_final = Some(self.now);
         self.rep.iteration_times_s.push(dt);
+        self.end_bound(iter, dt);
         // Every microbatch of a holder that finished the iteration is in
         // every stage's aggregate exactly once.
         let mut trained = 0u64;
@@ -1196,6 +1304,8 @@ impl Sim {
         self.finalized += 1;
         if self.finalized >= self.cfg.iterations {
             self.stop = true;
+        } else {
+            self.start_bound();
         }
     }
 
@@ -1254,6 +1364,9 @@ impl Sim {
         }
         if !self.flow_samples.is_empty() {
             r.flow_value = self.flow_samples.iter().sum::<f64>() / self.flow_samples.len() as f64;
+        }
+        if r.bound_training_time_s > 0.0 {
+            r.time_over_bound = r.training_time_s / r.bound_training_time_s;
         }
         if !self.opt_samples.is_empty() {
             let n = self.opt_samples.len() as f64;

@@ -1,9 +1,17 @@
-//! The centralized yardstick: min-cost max-flow over the layered routing
-//! graph with global knowledge (docs/SPEC.md section 3), behind a small trait so
-//! that the project's routing solver (`src/flow/`) can be plugged in.
+//! The centrally planned policy (`central-mcmf`): a min-cost max-flow over the
+//! layered routing graph with global knowledge (docs/SPEC.md section 3),
+//! behind a small trait so that the project's routing solver (`src/flow/`)
+//! can be plugged in. It is a plan, not an optimum: it minimises the sum of
+//! the paths' costs, not the iteration time (the yardstick for that is
+//! [`super::bound`]).
 //!
 //! [`FlowRouter`] builds the instance for the project's min-cost flow solver
 //! (`crate::flow`), the same one the routing benchmarks and the C API use.
+//! Costs are load-dependent: the `k`-th microbatch routed through a relay
+//! (from 0) also pays `k` times the relay's GPU time per microbatch, the
+//! time it waits behind the others (a convex cost, one unit arc per
+//! microbatch of the relay's capacity). Without it every flow of a stage
+//! goes through its cheapest relay up to that relay's capacity.
 use std::collections::BTreeMap;
 
 use crate::protocol::{NodeId, Stage};
@@ -17,6 +25,9 @@ pub struct RouteInstance<'a> {
     pub stages: Stage,
     /// d_ij in seconds (docs/SPEC.md section 2).
     pub cost: &'a dyn Fn(NodeId, NodeId) -> f64,
+    /// GPU seconds per microbatch (forward + backward) of a relay: the wait
+    /// each further microbatch routed through it adds.
+    pub relay_secs: &'a dyn Fn(NodeId) -> f64,
 }
 
 /// The routing chosen: paths per holder (holder, stage-1 relay, ..., stage-S relay).
@@ -85,8 +96,11 @@ fn route_with_solver(inst: &RouteInstance) -> Result<RoutePlan, crate::flow::Flo
         add(&mut mcf, 3 + 2 * i, 1, cap as i64, 0)?;
     }
     let mut by_stage: BTreeMap<Stage, Vec<usize>> = BTreeMap::new();
-    for (j, &(_, s, cap)) in inst.relays.iter().enumerate() {
-        add(&mut mcf, base + 2 * j, base + 2 * j + 1, cap as i64, 0)?;
+    for (j, &(r, s, cap)) in inst.relays.iter().enumerate() {
+        let wait = us((inst.relay_secs)(r));
+        for k in 0..cap.min(demand.max(1) as u32) as i64 {
+            add(&mut mcf, base + 2 * j, base + 2 * j + 1, 1, k * wait)?;
+        }
         by_stage.entry(s).or_default().push(j);
     }
     let empty = Vec::new();
@@ -182,6 +196,7 @@ mod tests {
             relays: vec![(10, 1, 1), (11, 1, 1), (20, 2, 1), (21, 2, 1)],
             stages: 2,
             cost: &cost,
+            relay_secs: &|_| 0.0,
         };
         let plan = FlowRouter.route(&inst);
         assert_eq!(plan.flow, 2);
@@ -190,5 +205,32 @@ mod tests {
         assert!(all.contains(&vec![1, 10, 20]) || all.contains(&vec![2, 10, 20]));
         assert!((plan.total_cost_s - (3.0 + 15.0)).abs() < 1e-6);
         assert!((plan.critical_path_s - 15.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn load_dependent_costs_spread_the_flows() {
+        // Two holders of two microbatches, one stage of two equal relays of
+        // capacity 4 with 1 s of GPU work per microbatch: without the wait
+        // all four flows may share a relay; with it, two go through each
+        // (a third on one relay would wait 2 s where the other's first
+        // waits 0 s).
+        let cost = |_: NodeId, _: NodeId| 1.0;
+        let inst = RouteInstance {
+            holders: vec![(1, 2), (2, 2)],
+            relays: vec![(10, 1, 4), (11, 1, 4)],
+            stages: 1,
+            cost: &cost,
+            relay_secs: &|_| 1.0,
+        };
+        let plan = FlowRouter.route(&inst);
+        assert_eq!(plan.flow, 4);
+        let through = |r: NodeId| plan.paths.values().flatten().filter(|p| p[1] == r).count();
+        assert_eq!((through(10), through(11)), (2, 2));
+        // Waits 0 + 1 on each relay, on top of 4 x 2 s of links.
+        assert!(
+            (plan.total_cost_s - (8.0 + 2.0)).abs() < 1e-6,
+            "{}",
+            plan.total_cost_s
+        );
     }
 }

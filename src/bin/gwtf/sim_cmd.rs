@@ -9,8 +9,9 @@ use super::checks;
 
 #[derive(Args)]
 pub struct SimArgs {
-    /// geo10, homogeneous, or the path of a scenario file (format: README,
-    /// section "Scenario files"; example: scenarios/example.scenario).
+    /// geo10, geo10-gib, geo10-sparse, homogeneous, or the path of a scenario
+    /// file (format: README, section "Scenario files"; example:
+    /// scenarios/example.scenario).
     #[arg(long, default_value = "geo10")]
     scenario: String,
     /// llama-124m, llama-500m or llama-1.5b.
@@ -24,7 +25,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true,
           value_parser = checks::float_in(0.0, 1.0))]
     leave_fraction: f64,
-    /// gwtf, swarm, optimal or all.
+    /// gwtf, swarm, central-mcmf (alias: optimal) or all.
     #[arg(long, default_value = "all")]
     policy: String,
     /// Training iterations to simulate (>= 1).
@@ -34,18 +35,20 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u64>(0))]
     seed: u64,
-    /// Data holders (>= 1).
-    #[arg(long, default_value_t = 10, allow_negative_numbers = true,
+    /// Data holders (>= 1; default: the scenario's, else 10).
+    #[arg(long, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
-    holders: u32,
-    /// Relays, spread over the stages and regions (at least one per stage).
-    #[arg(long, default_value_t = 60, allow_negative_numbers = true,
+    holders: Option<u32>,
+    /// Relays, spread over the stages and regions (at least one per stage;
+    /// default: the scenario's, else 60).
+    #[arg(long, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
-    relays: u32,
-    /// Microbatches per holder per iteration (>= 1).
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true,
+    relays: Option<u32>,
+    /// Microbatches per holder per iteration (>= 1; default: the scenario's
+    /// global batch over the holders, rounded up, else 8).
+    #[arg(long, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
-    microbatches: u32,
+    microbatches: Option<u32>,
     /// Microbatches in flight per holder (>= 1).
     #[arg(long, default_value_t = 4, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
@@ -63,11 +66,11 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
     Ok(match p {
         "gwtf" => vec![Policy::Gwtf],
         "swarm" => vec![Policy::Swarm],
-        "optimal" => vec![Policy::Optimal],
+        "central-mcmf" | "optimal" => vec![Policy::Optimal],
         "all" => vec![Policy::Gwtf, Policy::Swarm, Policy::Optimal],
         other => {
             return Err(format!(
-                "--policy {other}: unknown policy (gwtf, swarm, optimal, all)"
+                "--policy {other}: unknown policy (gwtf, swarm, central-mcmf, all)"
             ))
         }
     })
@@ -83,22 +86,26 @@ fn model(name: &str) -> Result<ModelPreset, String> {
 /// their value parsers, what depends on two arguments here.
 fn config(a: &SimArgs, scenario: &Scenario, policy: Policy) -> Result<SimConfig, String> {
     let model = model(&a.model)?;
-    if a.relays < model.relay_stages as u32 {
+    let stages = model.relay_stages as u32;
+    let mut c = SimConfig::new(scenario.clone(), model, policy);
+    c.holders = a.holders.unwrap_or(c.holders);
+    c.relays = a.relays.unwrap_or(c.relays);
+    if c.relays < stages {
         return Err(format!(
-            "--relays {}: {} has {} relay stages and each needs at least one relay",
-            a.relays, a.model, model.relay_stages
+            "--relays {}: {} has {stages} relay stages and each needs at least one relay",
+            c.relays, a.model
         ));
     }
-    let mut c = SimConfig::new(scenario.clone(), model, policy);
+    c.mb_per_iter = a
+        .microbatches
+        .or(scenario.microbatches_per_holder(c.holders))
+        .unwrap_or(c.mb_per_iter);
     c.churn_per_hour = a.churn_per_hour;
     c.leave_fraction = a.leave_fraction;
     c.iterations = a.iterations;
     c.seed = a.seed;
-    c.holders = a.holders;
-    c.relays = a.relays;
-    c.mb_per_iter = a.microbatches;
     c.max_in_flight = a.in_flight;
-    c.reference_optimum = a.holders + a.relays <= 2000;
+    c.reference_optimum = c.holders + c.relays <= 2000;
     Ok(c)
 }
 
@@ -116,10 +123,15 @@ pub fn run(a: SimArgs) -> super::CliResult {
     if let Some(path) = &a.plot {
         checks::writable_output("--plot", path)?;
     }
+    let first = configs[0].clone();
     let reports: Vec<SimReport> = configs.into_iter().map(|c| Sim::new(c).run()).collect();
-    print_table(&a, &reports);
+    print_table(&a, &first, &reports);
     if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&reports)? + "\n")
+        let mut rows = serde_json::to_value(&reports)?;
+        if let (Some(rows), Some(r)) = (rows.as_array_mut(), reports.first()) {
+            rows.push(serde_json::to_value(BoundRow::of(r, a.iterations))?);
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&rows)? + "\n")
             .map_err(|e| format!("cannot write --json {}: {e}", path.display()))?;
     }
     if let Some(path) = &a.plot {
@@ -134,42 +146,89 @@ pub fn run(a: SimArgs) -> super::CliResult {
     Ok(())
 }
 
-fn print_table(a: &SimArgs, reports: &[SimReport]) {
+/// The `bound` row of the table and of `--json`: what no policy can beat
+/// with the founding membership (see `gwtf::sim::bound`).
+#[derive(serde::Serialize)]
+struct BoundRow {
+    policy: &'static str,
+    iteration_time_s: f64,
+    training_time_s: f64,
+    throughput_microbatches_per_hour: f64,
+    time_per_microbatch_s: f64,
+}
+
+impl BoundRow {
+    /// The founding membership's bound (the same in every run of a seed).
+    fn of(r: &SimReport, iterations: u32) -> BoundRow {
+        let it = r.bound_initial_s;
+        let per_hour = if it > 0.0 {
+            r.global_batch as f64 / it * 3600.0
+        } else {
+            0.0
+        };
+        BoundRow {
+            policy: "bound",
+            iteration_time_s: it,
+            training_time_s: it * iterations as f64,
+            throughput_microbatches_per_hour: per_hour,
+            time_per_microbatch_s: it / r.global_batch.max(1) as f64,
+        }
+    }
+}
+
+fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
     println!(
-        "scenario {} | model {} | {} holders + {} relays | churn {:.0}%/h | {} iterations x {} microbatches/holder | seed {}",
+        "scenario {} | model {} | {} holders + {} relays | churn {:.0}%/h | {} iterations x {} microbatches/holder (global batch {}) | NIC {} Gbit/s | seed {}",
         a.scenario,
         a.model,
-        a.holders,
-        a.relays,
+        c.holders,
+        c.relays,
         a.churn_per_hour * 100.0,
         a.iterations,
-        a.microbatches,
+        c.mb_per_iter,
+        c.holders * c.mb_per_iter,
+        c.scenario.nic_bandwidth * 8.0 / 1e9,
         a.seed
     );
     println!(
-        "{:<8} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>6} {:>7} {:>6} {:>12} {:>16}",
+        "{:<12} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6} {:>7} {:>6} {:>10} {:>17}",
         "policy",
         "train_s",
         "mb/hour",
         "it_p50_s",
         "it_p95_s",
         "s/mb",
+        "t/bound",
         "waste%",
         "lost",
         "recomp",
         "crash",
-        "flow/opt",
-        "critpath/opt_s"
+        "flow/mcmf",
+        "critpath/mcmf_s"
     );
+    if let Some(r) = reports.first() {
+        let b = BoundRow::of(r, a.iterations);
+        println!(
+            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2}",
+            b.policy,
+            b.training_time_s,
+            b.throughput_microbatches_per_hour,
+            b.iteration_time_s,
+            b.iteration_time_s,
+            b.time_per_microbatch_s,
+            1.0
+        );
+    }
     for r in reports {
         println!(
-            "{:<8} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>6} {:>7} {:>6} {:>12} {:>16}",
+            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>7.2} {:>6} {:>7} {:>6} {:>10} {:>17}",
             r.policy,
             r.training_time_s,
             r.throughput_microbatches_per_hour,
             r.iteration_time_p50_s,
             r.iteration_time_p95_s,
             r.time_per_microbatch_s,
+            r.time_over_bound,
             r.wasted_gpu_pct,
             r.lost_microbatches,
             r.recomputed_stages,
@@ -178,6 +237,9 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
             format!("{:.2}/{:.2}", r.critical_path_s, r.optimal_critical_path_s),
         );
     }
+    println!(
+        "bound: no iteration of the founding membership is shorter; t/bound: a run's time over the sum of its iterations' bounds (each that of the membership it started with)"
+    );
     for r in reports {
         let mut notes = Vec::new();
         if !r.completed {
@@ -223,7 +285,7 @@ pub struct BenchSimArgs {
     #[arg(long, default_value_t = 20, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
     iterations: u32,
-    /// gwtf, swarm or optimal.
+    /// gwtf, swarm or central-mcmf (alias: optimal).
     #[arg(long, default_value = "gwtf")]
     policy: String,
 }

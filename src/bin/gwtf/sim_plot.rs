@@ -26,7 +26,7 @@ const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
 const LEAVE: RGBColor = RGBColor(148, 103, 189);
 
-/// How one policy's line looks. The optimum is a wide pale band drawn first,
+/// How one policy's line looks. The central plan is a wide pale band drawn first,
 /// SWARM a dashed line with triangles, GWTF a solid line with dots on top.
 #[derive(Clone, Copy)]
 struct LineLook {
@@ -47,7 +47,7 @@ enum Marker {
 
 fn look(policy: &str) -> LineLook {
     match policy {
-        "optimal" => LineLook {
+        "central-mcmf" => LineLook {
             color: OPTIMAL,
             width: 8,
             alpha: 0.35,
@@ -81,7 +81,7 @@ fn look(policy: &str) -> LineLook {
 /// Draw order: the widest, palest line first so the narrow ones stay visible.
 fn draw_rank(policy: &str) -> u8 {
     match policy {
-        "optimal" => 0,
+        "central-mcmf" => 0,
         "swarm" => 1,
         "gwtf" => 3,
         _ => 2,

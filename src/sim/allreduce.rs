@@ -1,0 +1,282 @@
+//! How long a stage's all-reduce takes, modelled on the one the runtime ships
+//! (`crate::swarm::allreduce`): a ring reduce-scatter + all-gather of the
+//! stage's gradients in f32 (4 bytes per parameter, plus one element for the
+//! microbatch count; no bf16), `2 (n-1)` steps, each moving a chunk of
+//! `ceil(L / n)` elements from every member to its ring neighbour and each
+//! waiting for the previous one, around the ring [`crate::flow::ring::order`]
+//! picks for the members' link costs. A step lasts as long as the ring's
+//! slowest link for that chunk: latency + chunk / bandwidth of the actual
+//! pair, the bandwidth capped by the node's NIC.
+//!
+//! [`ring_step_lower_bound`] is what no ring of the same members can beat,
+//! for the iteration bound ([`super::bound`]).
+use crate::flow::ring;
+
+/// Bytes per element on the wire: the runtime all-reduces f32.
+pub const BYTES_PER_ELEMENT: f64 = 4.0;
+
+/// Rings up to this size are ordered member by member, as the runtime does;
+/// larger ones (the order is `O(n^4)` at worst) keep each region's members
+/// together and order the regions (members of one region are
+/// interchangeable for the link costs).
+pub const EXACT_RING_MAX: usize = 64;
+
+/// The links of the world: one-way latency (s) and bandwidth (bytes/s)
+/// between two regions, and every node's NIC (bytes/s).
+pub struct Links<'a> {
+    pub link: &'a dyn Fn(usize, usize) -> (f64, f64),
+    pub nic: f64,
+}
+
+impl Links<'_> {
+    /// Seconds to send `bytes` from a node of region `a` to one of `b`.
+    pub fn send_secs(&self, a: usize, b: usize, bytes: f64) -> f64 {
+        let (lat, bw) = (self.link)(a, b);
+        lat + bytes / bw.min(self.nic)
+    }
+}
+
+/// Bytes of the largest chunk when a stage of `params` parameters is
+/// all-reduced by `n` members (chunks `[k L / n, (k+1) L / n)` of the
+/// `L = params + 1` elements).
+pub fn chunk_bytes(params: u64, n: usize) -> f64 {
+    BYTES_PER_ELEMENT * (params + 1).div_ceil(n.max(1) as u64) as f64
+}
+
+/// Seconds of the ring all-reduce of a stage of `params` parameters among
+/// members in `regions` (one entry per member).
+pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
+    let n = regions.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let chunk = chunk_bytes(params, n);
+    let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
+    let ring = if n <= EXACT_RING_MAX {
+        ring::order(n, step)
+    } else {
+        region_blocks(regions, &|a, b| links.send_secs(a, b, chunk))
+    };
+    let (slowest, _) = ring::ring_cost(&ring, &step);
+    2.0 * (n - 1) as f64 * slowest
+}
+
+/// A ring over the members (indices into `regions`) that visits each region's
+/// members together, the regions in the order [`ring::order`] picks.
+fn region_blocks(regions: &[usize], cost: &dyn Fn(usize, usize) -> f64) -> Vec<usize> {
+    let mut distinct: Vec<usize> = regions.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let order = ring::order(distinct.len(), |a, b| cost(distinct[a], distinct[b]));
+    order
+        .into_iter()
+        .flat_map(|r| {
+            let region = distinct[r];
+            (0..regions.len()).filter(move |&m| regions[m] == region)
+        })
+        .collect()
+}
+
+/// Rings up to this size get the exact best slowest link (a dynamic program
+/// over subsets, `O(2^n n^2)`) as their lower bound.
+pub const EXACT_BOUND_MAX: usize = 12;
+
+/// A lower bound on the slowest link of any ring over `n >= 2` members with
+/// link cost `cost(a, b)` of sending from `a` to `b`: the exact best ring's
+/// slowest link up to [`EXACT_BOUND_MAX`] members, a relaxation beyond.
+pub fn ring_step_lower_bound(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
+    if n <= EXACT_BOUND_MAX {
+        best_ring_step(n, cost)
+    } else {
+        relaxed_ring_step(n, cost)
+    }
+}
+
+/// The smallest slowest link of any ring over `n` members (bottleneck
+/// travelling salesman, Held-Karp): `best[S][j]` is the cheapest slowest
+/// link of a path from member 0 through the set `S` ending at `j`.
+fn best_ring_step(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
+    if n < 2 {
+        return 0.0;
+    }
+    let full = 1usize << n;
+    let mut best = vec![f64::INFINITY; full * n];
+    best[n] = 0.0; // set {0}, ending at 0
+    for set in 1..full {
+        if set & 1 == 0 {
+            continue;
+        }
+        for j in 0..n {
+            let here = best[set * n + j];
+            if !here.is_finite() {
+                continue;
+            }
+            for k in 0..n {
+                if set & (1 << k) == 0 {
+                    let next = &mut best[(set | 1 << k) * n + k];
+                    *next = next.min(here.max(cost(j, k)));
+                }
+            }
+        }
+    }
+    (1..n)
+        .map(|j| best[(full - 1) * n + j].max(cost(j, 0)))
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// A lower bound on the slowest link of any ring over `n >= 2` members with
+/// link cost `cost(a, b)`. With `w(a, b) = min(cost(a, b), cost(b, a))`:
+/// a ring less one link is a spanning path, so its slowest link is at least
+/// the bottleneck of a minimum spanning tree of `w`; and (n >= 3) every
+/// member has two different ring neighbours, so the slower of its two links
+/// costs at least its second cheapest `w`. For `n = 2` the ring is the
+/// pair's two links.
+fn relaxed_ring_step(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
+    if n < 2 {
+        return 0.0;
+    }
+    if n == 2 {
+        return cost(0, 1).max(cost(1, 0));
+    }
+    let w = |a: usize, b: usize| cost(a, b).min(cost(b, a));
+    // Prim's algorithm: the largest edge of a minimum spanning tree.
+    let mut best = vec![f64::INFINITY; n];
+    let mut in_tree = vec![false; n];
+    let mut bottleneck: f64 = 0.0;
+    let mut v = 0;
+    for _ in 1..n {
+        in_tree[v] = true;
+        let mut next = usize::MAX;
+        for u in 0..n {
+            if !in_tree[u] {
+                best[u] = best[u].min(w(v, u));
+                if next == usize::MAX || best[u] < best[next] {
+                    next = u;
+                }
+            }
+        }
+        bottleneck = bottleneck.max(best[next]);
+        v = next;
+    }
+    // Every member's second cheapest link.
+    let mut second: f64 = 0.0;
+    for a in 0..n {
+        let (mut m1, mut m2) = (f64::INFINITY, f64::INFINITY);
+        for b in (0..n).filter(|&b| b != a) {
+            let c = w(a, b);
+            if c < m1 {
+                m2 = m1;
+                m1 = c;
+            } else if c < m2 {
+                m2 = c;
+            }
+        }
+        second = second.max(m2);
+    }
+    bottleneck.max(second)
+}
+
+/// A lower bound on the all-reduce of a stage of `params` parameters among
+/// members in `regions`, by any ring: `2 (n-1)` steps of at least
+/// [`ring_step_lower_bound`] each.
+pub fn allreduce_lower_bound(regions: &[usize], params: u64, links: &Links) -> f64 {
+    let n = regions.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let chunk = chunk_bytes(params, n);
+    let step = ring_step_lower_bound(n, |a, b| links.send_secs(regions[a], regions[b], chunk));
+    2.0 * (n - 1) as f64 * step
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three regions: a-b 10 ms and 100 MB/s, b-c 20 ms and 50 MB/s,
+    /// a-c 50 ms and 10 MB/s; NIC 80 MB/s.
+    fn three() -> impl Fn(usize, usize) -> (f64, f64) {
+        |a, b| match (a.min(b), a.max(b)) {
+            (0, 1) => (0.010, 100e6),
+            (1, 2) => (0.020, 50e6),
+            (0, 2) => (0.050, 10e6),
+            _ => (0.001, 1e9),
+        }
+    }
+
+    #[test]
+    fn three_members_by_hand() {
+        let link = three();
+        let links = Links {
+            link: &link,
+            nic: 80e6,
+        };
+        // 2,999,999 parameters + 1 count = 3,000,000 f32 = 12 MB; chunk =
+        // 1,000,000 elements = 4 MB. Every ring of three members uses all
+        // three links: a-b 0.010 + 4e6 / min(100e6, 80e6) = 0.060 s,
+        // b-c 0.020 + 4e6 / 50e6 = 0.100 s, a-c 0.050 + 4e6 / 10e6 = 0.450 s.
+        // 2 (3-1) = 4 steps of the slowest, 0.450 s: 1.8 s.
+        // (The old model: bf16 6 MB, 2 (2/3) 6 MB / 10 MB/s + 2 ceil(log2 3)
+        // 0.05 s = 1.0 s.)
+        let t = ring_allreduce_secs(&[0, 1, 2], 2_999_999, &links);
+        assert!((t - 1.8).abs() < 1e-9, "{t}");
+        // The lower bound is tight here: a ring of three is every link.
+        let lb = allreduce_lower_bound(&[0, 1, 2], 2_999_999, &links);
+        assert!((lb - 1.8).abs() < 1e-9, "{lb}");
+        // One member: nothing to reduce; two: 2 steps of the pair's link.
+        assert_eq!(ring_allreduce_secs(&[1], 10, &links), 0.0);
+        // 1,999,999 + 1 elements, chunk 1e6 = 4 MB, b-c 0.100 s, 2 steps.
+        let t = ring_allreduce_secs(&[1, 2], 1_999_999, &links);
+        assert!((t - 0.2).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
+    fn the_exact_best_ring_on_points_of_a_line() {
+        // Best ring over points of a line: out over every other point and
+        // back over the rest; its slowest link is the largest gap between a
+        // point and the next but one (here 4: 1..5 or 5..9).
+        let pos = [0.0, 9.0, 1.0, 5.0, 3.0, 7.0];
+        let cost = |a: usize, b: usize| f64::abs(pos[a] - pos[b]);
+        assert_eq!(best_ring_step(6, cost), 4.0);
+        assert!(relaxed_ring_step(6, cost) <= 4.0);
+        assert_eq!(best_ring_step(2, cost), 9.0);
+    }
+
+    #[test]
+    fn the_ring_order_avoids_the_slow_pair() {
+        // Five members: two in a, two in c, one in b. Avoiding the slow a-c
+        // link would take a b member on each side of the a block: with one b
+        // member, one a-c link is forced, so the slowest link is a-c.
+        let link = three();
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let regions = [0, 2, 0, 1, 2];
+        let chunk = chunk_bytes(999_999, 5);
+        let t = ring_allreduce_secs(&regions, 999_999, &links);
+        let ac = 0.050 + chunk / 10e6;
+        assert!((t - 8.0 * ac).abs() < 1e-9, "{t}");
+        assert!(allreduce_lower_bound(&regions, 999_999, &links) <= t + 1e-12);
+    }
+
+    #[test]
+    fn large_rings_keep_regions_together_and_stay_above_the_bound() {
+        let link = three();
+        let links = Links {
+            link: &link,
+            nic: 80e6,
+        };
+        let regions: Vec<usize> = (0..200).map(|i| [1, 0, 1, 2][i % 4]).collect();
+        let t = ring_allreduce_secs(&regions, 10_000_000, &links);
+        let lb = allreduce_lower_bound(&regions, 10_000_000, &links);
+        assert!(lb <= t + 1e-12 && lb > 0.0, "{lb} {t}");
+        // The relaxation is below the exact best ring on small rings too.
+        let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], 1e6);
+        let exact = best_ring_step(8, step);
+        assert!(relaxed_ring_step(8, step) <= exact + 1e-12);
+        let chunk = chunk_bytes(10_000_000, 200);
+        // Blocks 0 | 1 | 2: the ring closes 2 -> 0 over the slow pair.
+        assert!((t - 2.0 * 199.0 * (0.050 + chunk / 10e6)).abs() < 1e-9);
+    }
+}

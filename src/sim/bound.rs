@@ -1,0 +1,244 @@
+//! A lower bound on the time of one iteration for a given membership: the
+//! yardstick every policy is measured against (no policy can beat it, so
+//! "time / bound" says how much any routing could still gain).
+//!
+//! An iteration trains `m` microbatches per holder (`H m` in all) and then
+//! every stage all-reduces its gradients; the next iteration starts only once
+//! every stage has applied (the protocol's barrier). With the membership
+//! fixed during the iteration, its time is at least the largest of:
+//!
+//! - **Each relay stage `k`**: its GPU work, `H m x 3 x forward FLOPs of k`
+//!   (backward = 2 x forward), cannot be done faster than by all its members
+//!   at full speed from the first instant (work conservation: a GPU runs one
+//!   task at a time), and its all-reduce needs every gradient, so it starts
+//!   after that work: `work_k / sum of the members' speeds + the stage's
+//!   all-reduce by the best possible ring`
+//!   ([`super::allreduce::allreduce_lower_bound`]).
+//! - **Each holder `h`** (stage 0): its own GPU work (embedding, head and loss
+//!   of its `m` microbatches, nobody else can do it), and its chain: at most
+//!   `F` (in-flight limit) of its microbatches are in flight at once, each for
+//!   at least the cheapest round trip `P_h` (embedding, forward through one
+//!   relay per stage, loss, backward through the same relays, embedding
+//!   backward, every hop's latency + activation / bandwidth both ways), so
+//!   its microbatches take at least `ceil(m / F) P_h`; then the holders'
+//!   all-reduce, by the best ring.
+//!
+//! Capacity (memory) only limits how many microbatches a relay holds at once,
+//! never its speed, so it leaves the bound valid; per-link byte limits are not
+//! counted (the bound is weaker, still valid). What the bound ignores (the
+//! barrier's messages, queueing, aggregation waiting for every stage, a
+//! crash's recomputation) can only make an iteration longer. Under churn the
+//! bound of the membership an iteration starts with is reported; it is
+//! checked only on iterations during which the membership did not change.
+use super::allreduce::{allreduce_lower_bound, Links};
+use super::model::ModelPreset;
+use std::collections::BTreeMap;
+
+/// A live node: its region and its speed (FLOP/s).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Member {
+    pub region: usize,
+    pub flops: f64,
+}
+
+/// The membership of one iteration and what it trains.
+pub struct World<'a> {
+    pub model: &'a ModelPreset,
+    pub holders: &'a [Member],
+    /// Relays of stage `k` at index `k - 1`.
+    pub relays: &'a [Vec<Member>],
+    pub mb_per_holder: u32,
+    pub in_flight: u32,
+    pub links: &'a Links<'a>,
+}
+
+/// The bound and what sets it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct IterationBound {
+    /// Seconds: no iteration of this membership is shorter.
+    pub secs: f64,
+    /// The bound of each stage (index 0 = the holders).
+    pub stage_secs: Vec<f64>,
+}
+
+impl IterationBound {
+    /// The stage whose bound is the iteration's.
+    pub fn binding_stage(&self) -> usize {
+        (0..self.stage_secs.len())
+            .max_by(|&a, &b| self.stage_secs[a].total_cmp(&self.stage_secs[b]))
+            .unwrap_or(0)
+    }
+}
+
+/// The iteration bound of `w`; `None` when there is no holder or a stage has
+/// no member (no iteration can finish).
+pub fn iteration_bound(w: &World) -> Option<IterationBound> {
+    let m = w.model;
+    if w.holders.is_empty() || w.relays.iter().any(|r| r.is_empty()) {
+        return None;
+    }
+    let mbs = w.holders.len() as f64 * w.mb_per_holder as f64;
+    let mut stage_secs = Vec::with_capacity(w.relays.len() + 1);
+    // Holders: own work or chain, then their all-reduce.
+    let holder_flops = m.loss_flops() + 3.0 * m.embed_flops();
+    let waves = w.mb_per_holder.div_ceil(w.in_flight.max(1)) as f64;
+    let mut trips: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut holders_done: f64 = 0.0;
+    for h in w.holders {
+        let own = w.mb_per_holder as f64 * holder_flops / h.flops;
+        let relays_trip = *trips
+            .entry(h.region)
+            .or_insert_with(|| cheapest_relay_trip(w, h.region));
+        let chain = waves * (holder_flops / h.flops + relays_trip);
+        holders_done = holders_done.max(own.max(chain));
+    }
+    let regions: Vec<usize> = w.holders.iter().map(|h| h.region).collect();
+    stage_secs.push(holders_done + allreduce_lower_bound(&regions, m.stage_params(0), w.links));
+    // Relay stages: work conservation, then their all-reduce.
+    for (i, members) in w.relays.iter().enumerate() {
+        let k = (i + 1) as u16;
+        let speed: f64 = members.iter().map(|r| r.flops).sum();
+        let work = mbs * 3.0 * m.stage_fwd_flops(k);
+        let regions: Vec<usize> = members.iter().map(|r| r.region).collect();
+        stage_secs.push(work / speed + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
+    }
+    let secs = stage_secs.iter().copied().fold(0.0, f64::max);
+    Some(IterationBound { secs, stage_secs })
+}
+
+/// The cheapest round trip of one microbatch from a holder in `home` through
+/// one relay per stage and back, without the holder's own compute: each
+/// relay's forward + backward on the fastest relay of its region, each hop's
+/// transfer both ways. Members of a region share their links, so the
+/// shortest path runs over (stage, region): `O(S R^2)`.
+fn cheapest_relay_trip(w: &World, home: usize) -> f64 {
+    let act = w.model.activation_bytes() as f64;
+    let hop = |a: usize, b: usize| w.links.send_secs(a, b, act) + w.links.send_secs(b, a, act);
+    // (region, cheapest cost so far ending at a relay of that region).
+    let mut frontier: Vec<(usize, f64)> = vec![(home, 0.0)];
+    for (i, members) in w.relays.iter().enumerate() {
+        let k = (i + 1) as u16;
+        let per_mb = 3.0 * w.model.stage_fwd_flops(k);
+        let mut fastest: BTreeMap<usize, f64> = BTreeMap::new();
+        for r in members {
+            let t = per_mb / r.flops;
+            let e = fastest.entry(r.region).or_insert(t);
+            *e = e.min(t);
+        }
+        frontier = fastest
+            .into_iter()
+            .map(|(region, compute)| {
+                let reach = frontier
+                    .iter()
+                    .map(|&(from, c)| c + hop(from, region))
+                    .fold(f64::INFINITY, f64::min);
+                (region, reach + compute)
+            })
+            .collect();
+    }
+    frontier
+        .iter()
+        .map(|&(from, c)| c + hop(from, home))
+        .fold(f64::INFINITY, f64::min)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(region: usize, flops: f64) -> Member {
+        Member { region, flops }
+    }
+
+    /// llama-124m, one region (link 1 ms, 1 GB/s), two holders at 1 TFLOP/s
+    /// and relays of 2 TFLOP/s; the bound is worked out from the model's own
+    /// figures so that the test checks the arithmetic, not the preset.
+    #[test]
+    fn a_tiny_world_by_hand() {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages as usize;
+        let link = |_: usize, _: usize| (0.001, 1e9);
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let holder = member(0, 1e12);
+        let relay = member(0, 2e12);
+        // Stage 1 has two relays, the others one.
+        let mut relays = vec![vec![relay]; s];
+        relays[0].push(relay);
+        let w = World {
+            model: &model,
+            holders: &[holder, holder],
+            relays: &relays,
+            mb_per_holder: 4,
+            in_flight: 2,
+            links: &links,
+        };
+        let b = iteration_bound(&w).unwrap();
+        // Stage 2: 2 holders x 4 microbatches x 3 forward FLOPs on one
+        // 2 TFLOP/s relay; alone, no all-reduce.
+        let f2 = model.stage_fwd_flops(2);
+        assert!((b.stage_secs[2] - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
+        // Stage 1: the same work on two relays (4 TFLOP/s), then a ring of
+        // two: 2 steps of 1 ms + 4 ceil((params + 1) / 2) bytes / 1 GB/s.
+        let p1 = model.stage_params(1);
+        let agg1 = 2.0 * (0.001 + 4.0 * (p1 + 1).div_ceil(2) as f64 / 1e9);
+        let want1 = 8.0 * 3.0 * model.stage_fwd_flops(1) / 4e12 + agg1;
+        assert!((b.stage_secs[1] - want1).abs() < 1e-12, "{b:?}");
+        // Holders: 2 waves (4 microbatches, 2 in flight) of the round trip:
+        // own compute + every relay's 3 forward at 2 TFLOP/s + s+1 hops
+        // both ways; then their ring of two.
+        let act = model.activation_bytes() as f64;
+        let own = model.loss_flops() + 3.0 * model.embed_flops();
+        let relays_c: f64 = (1..=s as u16)
+            .map(|k| 3.0 * model.stage_fwd_flops(k) / 2e12)
+            .sum();
+        let trip = own / 1e12 + relays_c + (s as f64 + 1.0) * 2.0 * (0.001 + act / 1e9);
+        let p0 = model.stage_params(0);
+        let agg0 = 2.0 * (0.001 + 4.0 * (p0 + 1).div_ceil(2) as f64 / 1e9);
+        let want0 = (2.0 * trip).max(4.0 * own / 1e12) + agg0;
+        assert!(
+            (b.stage_secs[0] - want0).abs() < 1e-9,
+            "{} {want0}",
+            b.stage_secs[0]
+        );
+        let max = b.stage_secs.iter().copied().fold(0.0, f64::max);
+        assert_eq!(b.secs, max);
+        assert_eq!(b.stage_secs[b.binding_stage()], max);
+        // An empty stage: no bound.
+        let mut gap = relays.clone();
+        gap[1].clear();
+        assert!(iteration_bound(&World { relays: &gap, ..w }).is_none());
+    }
+
+    #[test]
+    fn the_cheapest_trip_goes_through_the_near_region() {
+        // Two regions 100 ms apart; one relay per stage in each; the home
+        // region's relays are slower but the far ones cost 2 x 100 ms a hop.
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages as usize;
+        let link = |a: usize, b: usize| if a == b { (0.0, 1e15) } else { (0.1, 1e15) };
+        let links = Links {
+            link: &link,
+            nic: 1e15,
+        };
+        let near = member(0, 1e15);
+        let far = member(1, 2e15);
+        let relays = vec![vec![near, far]; s];
+        let holders = [near];
+        let w = World {
+            model: &model,
+            holders: &holders,
+            relays: &relays,
+            mb_per_holder: 1,
+            in_flight: 1,
+            links: &links,
+        };
+        let work: f64 = (1..=s as u16).map(|k| 3.0 * model.stage_fwd_flops(k)).sum();
+        // Far relays are twice as fast but every far hop costs 2 x 100 ms.
+        let hops = (s as f64 + 1.0) * 2.0 * model.activation_bytes() as f64 / 1e15;
+        let trip = cheapest_relay_trip(&w, 0);
+        assert!((trip - (work / 1e15 + hops)).abs() < 1e-12, "{trip}");
+    }
+}
