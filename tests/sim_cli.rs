@@ -266,7 +266,14 @@ fn sim_plot_is_readable() {
         .filter(|l| !l.starts_with('<'))
         .collect();
     // Legend entries for the policies and for both kinds of churn marks.
-    for entry in ["gwtf", "swarm", "central-mcmf", "crash (", "join ("] {
+    for entry in [
+        "gwtf",
+        "swarm",
+        "central-mcmf",
+        "bound",
+        "crash (",
+        "join (",
+    ] {
         assert!(
             texts.iter().any(|t| t.starts_with(entry)),
             "no legend entry {entry}: {texts:?}"

@@ -189,8 +189,9 @@ pub struct SimReport {
     pub bound_training_time_s: f64,
     /// `training_time_s / bound_training_time_s` (1 = no routing can do better).
     pub time_over_bound: f64,
-    /// (time s, bound s) at each iteration start where the bound changed.
-    pub bound_series: Vec<(f64, f64)>,
+    /// (time s, bound s, microbatches of the iteration) at each iteration
+    /// start where the bound changed.
+    pub bound_series: Vec<(f64, f64, u32)>,
     /// Microbatches per aggregation at the start (holders x microbatches per holder).
     pub global_batch: u32,
     pub events: u64,
@@ -290,7 +291,7 @@ pub struct Sim {
     /// Ring all-reduce time per (stage, members), for a population version.
     agg_cache: BTreeMap<(Stage, u32), (u64, f64)>,
     /// The bound of the membership of `population_version` (when computed).
-    bound_cache: Option<(u64, Option<f64>)>,
+    bound_cache: Option<(u64, Option<(f64, u32)>)>,
     /// The bound the running iteration started with, and the population
     /// version then.
     iter_bound: Option<(f64, u64)>,
@@ -775,7 +776,8 @@ impl Sim {
 
     /// The iteration bound of the current membership (`None` while a stage
     /// is empty), recomputed when the membership changed.
-    fn current_bound(&mut self) -> Option<f64> {
+    /// With the iteration's microbatches (holders x microbatches per holder).
+    fn current_bound(&mut self) -> Option<(f64, u32)> {
         if let Some((v, b)) = self.bound_cache {
             if v == self.population_version {
                 return b;
@@ -799,21 +801,29 @@ impl Sim {
                 links,
             })
         });
-        let b = b.map(|b| b.secs);
+        let mbs = holders.len() as u32 * self.cfg.mb_per_iter;
+        let b = b.map(|b| (b.secs, mbs));
         self.bound_cache = Some((self.population_version, b));
         b
     }
 
     /// An iteration starts now: note the bound it is held to.
     fn start_bound(&mut self) {
-        self.iter_bound = self.current_bound().map(|b| (b, self.population_version));
-        if let Some((b, _)) = self.iter_bound {
-            if self.rep.bound_initial_s == 0.0 {
-                self.rep.bound_initial_s = b;
-            }
-            if self.rep.bound_series.last().is_none_or(|l| l.1 != b) {
-                self.rep.bound_series.push((to_secs(self.now), b));
-            }
+        let Some((b, mbs)) = self.current_bound() else {
+            self.iter_bound = None;
+            return;
+        };
+        self.iter_bound = Some((b, self.population_version));
+        if self.rep.bound_initial_s == 0.0 {
+            self.rep.bound_initial_s = b;
+        }
+        if self
+            .rep
+            .bound_series
+            .last()
+            .is_none_or(|l| (l.1, l.2) != (b, mbs))
+        {
+            self.rep.bound_series.push((to_secs(self.now), b, mbs));
         }
     }
 

@@ -1,4 +1,5 @@
-//! The SVG of `gwtf sim --plot`: throughput over time per policy, with the
+//! The SVG of `gwtf sim --plot`: throughput over time per policy, the
+//! throughput the bound allows (dotted, the first run's membership), and the
 //! churn events (crashes, graceful leaves, joins) marked across the chart.
 //!
 //! Made to be read without the source at hand: every mark has a legend entry,
@@ -22,6 +23,7 @@ const GWTF: RGBColor = RGBColor(31, 119, 180);
 const SWARM: RGBColor = RGBColor(255, 127, 14);
 const OPTIMAL: RGBColor = RGBColor(44, 160, 44);
 const OTHER: RGBColor = RGBColor(90, 90, 90);
+const BOUND: RGBColor = RGBColor(0, 0, 0);
 const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
 const LEAVE: RGBColor = RGBColor(148, 103, 189);
@@ -120,15 +122,36 @@ pub fn plot(path: &std::path::Path, subtitle: &str, reports: &[SimReport]) -> Re
     Ok(())
 }
 
+/// The throughput the first run's bound allows (the iteration's microbatches
+/// per bound), as steps from each bound change to the next and on to `tmax`.
+fn bound_line(reports: &[SimReport], tmax: f64) -> Vec<(f64, f64)> {
+    let Some(r) = reports.first() else {
+        return Vec::new();
+    };
+    let mut pts: Vec<(f64, f64)> = Vec::new();
+    for &(t, b, mbs) in r.bound_series.iter().filter(|x| x.1 > 0.0) {
+        if let Some(&(_, last)) = pts.last() {
+            pts.push((t, last));
+        }
+        pts.push((t, mbs as f64 / b * 3600.0));
+    }
+    if let Some(&(_, last)) = pts.last() {
+        pts.push((tmax, last));
+    }
+    pts
+}
+
 fn chart(area: &Area, subtitle: &str, reports: &[SimReport], churn: &[(f64, String)]) -> Res {
     let tmax = reports
         .iter()
         .flat_map(|r| r.series.iter().map(|x| x.0))
         .chain(churn.iter().map(|c| c.0))
         .fold(1.0f64, f64::max);
+    let bound = bound_line(reports, tmax);
     let ymax = reports
         .iter()
         .flat_map(|r| r.series.iter().map(|x| x.1))
+        .chain(bound.iter().map(|x| x.1))
         .fold(1.0f64, f64::max)
         * 1.12;
     let mut chart = ChartBuilder::on(area)
@@ -164,6 +187,7 @@ fn chart(area: &Area, subtitle: &str, reports: &[SimReport], churn: &[(f64, Stri
         ))?;
     }
 
+    chart.draw_series(DashedLineSeries::new(bound, 3, 4, BOUND.stroke_width(2)))?;
     let mut order: Vec<&SimReport> = reports.iter().collect();
     order.sort_by_key(|r| draw_rank(&r.policy));
     for r in order {
@@ -242,6 +266,12 @@ fn legend(area: &Area, reports: &[SimReport], churn: &[(f64, String)]) -> Res {
             area.draw(&(EmptyElement::at((x0 + 22, y)) + shape))?;
         }
         area.draw(&Text::new(r.policy.clone(), (x0 + 56, y - 8), text.clone()))?;
+        y += row;
+    }
+    if reports.first().is_some_and(|r| !r.bound_series.is_empty()) {
+        let line = vec![(x0, y), (x0 + 44, y)];
+        area.draw(&DashedPathElement::new(line, 3, 4, BOUND.stroke_width(2)))?;
+        area.draw(&Text::new("bound", (x0 + 56, y - 8), text.clone()))?;
         y += row;
     }
     y += 26;
