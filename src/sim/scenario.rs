@@ -98,7 +98,7 @@ impl Scenario {
     /// `geo10` with its bandwidth figures read as GiB/s instead of Gbit/s
     /// (how the source simulator of these figures read them): every link,
     /// the same-region one included, is 8 x 1.073741824 times faster; the NIC
-    /// is raised to the fastest link, so that it does not undo the reading.
+    /// is at least the fastest link, so that it does not undo the reading.
     pub fn geo10_gib() -> Scenario {
         let mut s = Scenario::geo10();
         for row in &mut s.bandwidth {
@@ -106,7 +106,8 @@ impl Scenario {
                 *b *= GIB_PER_GBIT;
             }
         }
-        s.nic_bandwidth = s.bandwidth.iter().flatten().copied().fold(0.0, f64::max);
+        let fastest = s.bandwidth.iter().flatten().copied().fold(0.0, f64::max);
+        s.nic_bandwidth = s.nic_bandwidth.max(fastest);
         s.name = "geo10-gib".into();
         s
     }
