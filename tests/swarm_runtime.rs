@@ -30,6 +30,17 @@ fn free_addr() -> SocketAddr {
 }
 
 fn start(id: NodeId, stage: Stage, addr: SocketAddr, all: &[Peer], cfg: &Arc<Config>) -> Runtime {
+    start_as(id, stage, addr, all, cfg, false)
+}
+
+fn start_as(
+    id: NodeId,
+    stage: Stage,
+    addr: SocketAddr,
+    all: &[Peer],
+    cfg: &Arc<Config>,
+    join: bool,
+) -> Runtime {
     Runtime::start(
         RuntimeOptions {
             id,
@@ -37,7 +48,7 @@ fn start(id: NodeId, stage: Stage, addr: SocketAddr, all: &[Peer], cfg: &Arc<Con
             listen: addr,
             swarm_key: KEY.to_vec(),
             bootstrap: all.to_vec(),
-            join: false,
+            join,
             protocol: cfg.clone(),
             compute_s: 0.01,
             capacity: 4,
@@ -45,6 +56,7 @@ fn start(id: NodeId, stage: Stage, addr: SocketAddr, all: &[Peer], cfg: &Arc<Con
             net: NodeOptions {
                 heartbeat_interval: Duration::from_millis(200),
                 peer_timeout: Duration::from_secs(10),
+                log: std::env::var_os("GWTF_TEST_TRACE").is_some(),
                 ..NodeOptions::default()
             },
         },
@@ -88,14 +100,7 @@ fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     // One data holder (stage 0) and three relays in each of two stages.
     let layout: Vec<(NodeId, Stage)> =
         vec![(1, 0), (11, 1), (12, 1), (13, 1), (21, 2), (22, 2), (23, 2)];
-    let peers: Vec<Peer> = layout
-        .iter()
-        .map(|&(id, stage)| Peer {
-            id,
-            stage,
-            addr: free_addr(),
-        })
-        .collect();
+    let peers = peers_of(&layout);
     let mut nodes: Vec<Option<Runtime>> = peers
         .iter()
         .map(|p| Some(start(p.id, p.stage, p.addr, &peers, &cfg)))
@@ -124,6 +129,68 @@ fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
     holder.leave();
     for n in nodes.into_iter().flatten() {
+        n.leave();
+    }
+}
+
+fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {
+    layout
+        .iter()
+        .map(|&(id, stage)| Peer {
+            id,
+            stage,
+            addr: free_addr(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_joiner_takes_over_flows_and_a_relay_leaves_gracefully() {
+    let cfg = protocol_config();
+    // Stage 2 has a single relay: everything goes through it.
+    let layout: Vec<(NodeId, Stage)> = vec![(1, 0), (11, 1), (12, 1), (21, 2)];
+    let peers = peers_of(&layout);
+    let mut nodes: Vec<Runtime> = peers
+        .iter()
+        .map(|p| start(p.id, p.stage, p.addr, &peers, &cfg))
+        .collect();
+    let holder = nodes.remove(0);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    watch(
+        &holder,
+        deadline,
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 2),
+    );
+    // A new node joins through the holder; the protocol picks its stage
+    // (the bottleneck: stage 2, which has one relay).
+    let joiner_addr = free_addr();
+    let joiner = start_as(31, 2, joiner_addr, &peers[..1], &cfg, true);
+    let mut active = None;
+    while Instant::now() < deadline && active.is_none() {
+        if let Ok(Event::Active { stage }) =
+            joiner.events().recv_timeout(Duration::from_millis(100))
+        {
+            active = Some(stage);
+        }
+    }
+    assert_eq!(
+        active,
+        Some(2),
+        "the joiner did not become active in stage 2"
+    );
+    // Then the old stage-2 relay leaves gracefully: the joiner carries on.
+    let old = nodes.pop().unwrap();
+    old.leave();
+    let (_, paths) = watch(
+        &holder,
+        deadline,
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 8),
+    );
+    let tail = &paths[paths.len().saturating_sub(4)..];
+    assert!(tail.iter().all(|p| p[2] == 31), "{tail:?}");
+    holder.leave();
+    joiner.leave();
+    for n in nodes {
         n.leave();
     }
 }

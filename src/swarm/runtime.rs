@@ -39,6 +39,8 @@ pub const DIRECTORY_MSG: u16 = 0x8000;
 const DIRECTORY_MAX: usize = 512;
 /// Messages kept for a peer whose connection is being set up.
 const PENDING_MAX: usize = 4096;
+/// How long a joiner waits for its bootstrap peers' directories.
+const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
 
 /// Runs the protocol's tasks: forward, backward, loss, aggregate.
 pub trait Trainer: Send + 'static {
@@ -154,6 +156,7 @@ impl Runtime {
             leave_rx,
             stop: stop.clone(),
             busy: 0,
+            joining: None,
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap
@@ -161,10 +164,16 @@ impl Runtime {
             .filter(|p| p.id != opts.id)
             .map(|p| (p.id, p.stage))
             .collect();
+        // A joiner first learns the swarm's directory from its bootstrap
+        // peers: the protocol's join needs peers of every stage.
         let first = if opts.join {
-            Input::Join { peers: bootstrap }
+            driver.joining = Some(Instant::now() + JOIN_DIRECTORY_WAIT);
+            for p in &opts.bootstrap {
+                let _ = net.connect(p.addr);
+            }
+            None
         } else {
-            Input::Start { peers: bootstrap }
+            Some(Input::Start { peers: bootstrap })
         };
         let driver_thread = std::thread::Builder::new()
             .name(format!("gwtf-driver-{:x}", opts.id))
@@ -231,6 +240,8 @@ struct Driver {
     stop: Arc<AtomicBool>,
     /// Tasks handed to the trainer and not yet done.
     busy: usize,
+    /// A joiner waiting for a directory, until this time.
+    joining: Option<Instant>,
 }
 
 impl Driver {
@@ -338,9 +349,19 @@ impl Driver {
                         self.dir.insert(p.id, p);
                     }
                 }
+                if self.joining.is_some() {
+                    self.join_now();
+                }
             }
             Err(e) => self.log(format!("bad directory from {from:x}: {e}")),
         }
+    }
+
+    /// Joins through every peer the directory knows.
+    fn join_now(&mut self) {
+        self.joining = None;
+        let peers = self.dir.values().map(|p| (p.id, p.stage)).collect();
+        self.input(Input::Join { peers });
     }
 
     fn on_net(&mut self, ev: NetEvent) {
@@ -399,10 +420,15 @@ impl Driver {
         }
     }
 
-    fn run(&mut self, first: Input) {
-        self.input(first);
+    fn run(&mut self, first: Option<Input>) {
+        if let Some(first) = first {
+            self.input(first);
+        }
         let mut leaving = false;
         while !self.stop.load(Ordering::SeqCst) {
+            if self.joining.is_some_and(|t| Instant::now() >= t) {
+                self.join_now();
+            }
             while let Some(id) = self.lost.pop_front() {
                 self.input(Input::PeerLost { peer: id });
             }
