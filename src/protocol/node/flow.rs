@@ -1,0 +1,426 @@
+//! Flow reservations (GWTF): FLOW_REQUEST / FLOW_RESPONSE, idle expiry,
+//! push-backs and cancels, and the reroute of a reserved flow to a cheaper
+//! next hop.
+use super::*;
+
+/// One reserved flow through this node (GWTF).
+#[derive(Clone, Debug)]
+pub(super) struct FlowEntry {
+    pub(super) in_label: Label,
+    pub(super) sink: NodeId,
+    /// Upstream node (the holder itself for a holder's own flows).
+    pub(super) prev: NodeId,
+    pub(super) next: NodeId,
+    pub(super) out_label: Label,
+    pub(super) cost_from_source: f64,
+    pub(super) last_used: Time,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct PendingReq {
+    /// None for a holder's own request.
+    pub(super) in_label: Option<Label>,
+    pub(super) prev: NodeId,
+    pub(super) sink: NodeId,
+    pub(super) next: NodeId,
+    pub(super) cost_from_source: f64,
+    pub(super) tried: Vec<NodeId>,
+    pub(super) expires: Time,
+    /// A reroute of the existing flow `in_label` (see [`Node::reroute_flows`]):
+    /// on acceptance the flow switches to the new next hop; on refusal the
+    /// flow simply keeps its current one (nothing is said upstream).
+    pub(super) reroute: bool,
+}
+
+impl Node {
+    pub(super) fn spare(&self) -> u32 {
+        // A pending reroute belongs to a flow already counted.
+        let used = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
+        self.capacity.saturating_sub(used as u32)
+    }
+
+    pub(super) fn flow_maintenance(&mut self) {
+        let now = self.now;
+        // Expired reservations.
+        let expired: Vec<Label> = self
+            .pending
+            .iter()
+            .filter(|(_, r)| r.expires <= now)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in expired {
+            let r = self.pending.remove(&l).unwrap();
+            if r.reroute {
+                continue;
+            }
+            if let Some(inl) = r.in_label {
+                self.send(
+                    r.prev,
+                    Msg::FlowResponse {
+                        label: inl,
+                        accept: false,
+                        cost: INF,
+                        spare: self.spare(),
+                    },
+                );
+            }
+        }
+        // Idle flows.
+        let idle = self.cfg.flow_idle_expiry_ticks as Time * self.cfg.tick;
+        let stale: Vec<Label> = self
+            .flows
+            .iter()
+            .filter(|(_, f)| f.last_used + idle < now)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in stale {
+            self.drop_flow(l, true, true);
+        }
+        // Holders reserve flows up to their in-flight bound (one request
+        // per missing unit, each toward the best next hop with spare room).
+        if self.stage == 0 {
+            let have = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
+            for _ in have..self.cfg.max_in_flight as usize {
+                if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
+                    let label = self.new_label();
+                    let expected = c - self.link_cost(j);
+                    self.pending.insert(
+                        label,
+                        PendingReq {
+                            in_label: None,
+                            prev: self.id,
+                            sink: self.id,
+                            next: j,
+                            cost_from_source: 0.0,
+                            tried: vec![j],
+                            expires: now
+                                + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                            reroute: false,
+                        },
+                    );
+                    if let Some(p) = self.peers.get_mut(&j) {
+                        p.spare = p.spare.saturating_sub(1);
+                    }
+                    self.send(
+                        j,
+                        Msg::FlowRequest {
+                            label,
+                            sink: self.id,
+                            cost_from_source: 0.0,
+                            expected_cost: expected,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Rerouting of reserved flows (GWTF.md section 5: CHANGE gossip is
+    /// there so that upstream nodes pick the next hop minimising
+    /// d(me, j) + cost_to_sink(j)). Flows are reserved greedily when they
+    /// are built, often right after a crash, through the cheapest next hop
+    /// that had room at that moment; the gossip later shows cheaper next
+    /// hops with spare capacity (a joiner, capacity released elsewhere), and
+    /// the swap and redirect moves of the local search cannot use them (a
+    /// swap needs a same-stage peer with a flow to the same sink, a redirect
+    /// moves a flow into the proposer only). So, once per gossip period,
+    /// this node moves the one flow that gains most to the cheapest next
+    /// hop with spare capacity, when that lowers the flow's cost to its sink
+    /// by more than `reroute_min_gain`. The new downstream segment is
+    /// reserved first (FLOW_REQUEST with the cost expected); only when it is
+    /// accepted is the old one cancelled, so the flow always has a path.
+    /// Only local knowledge is used: own link costs and gossiped costs.
+    pub(super) fn reroute_flows(&mut self) {
+        if self.stage == self.s() || self.pending.values().any(|r| r.reroute) {
+            return;
+        }
+        let mut best: Option<(f64, Label, NodeId, f64)> = None;
+        for f in self.flows.values() {
+            let cur = self.cost_via(f.next, f.sink);
+            if cur >= INF {
+                continue;
+            }
+            let Some((j, c)) = self.best_to_sink(f.sink, true, &[f.next]) else {
+                continue;
+            };
+            let gain = cur - c;
+            if gain > self.cfg.reroute_min_gain * cur && best.is_none_or(|b| gain > b.0) {
+                best = Some((gain, f.in_label, j, c));
+            }
+        }
+        let Some((_, inl, j, c)) = best else { return };
+        let f = self.flows[&inl].clone();
+        let out = self.new_label();
+        self.pending.insert(
+            out,
+            PendingReq {
+                in_label: Some(f.in_label),
+                prev: f.prev,
+                sink: f.sink,
+                next: j,
+                cost_from_source: f.cost_from_source,
+                tried: vec![j],
+                expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: true,
+            },
+        );
+        if let Some(p) = self.peers.get_mut(&j) {
+            p.spare = p.spare.saturating_sub(1);
+        }
+        let expected = c - self.link_cost(j);
+        self.send(
+            j,
+            Msg::FlowRequest {
+                label: out,
+                sink: f.sink,
+                cost_from_source: f.cost_from_source,
+                expected_cost: expected,
+            },
+        );
+    }
+
+    /// The new downstream segment `out` through `next` of a reroute was
+    /// accepted: switch the flow to it and cancel the old segment, unless
+    /// the flow is gone or the new segment is no longer cheaper (then the
+    /// new one is cancelled instead).
+    pub(super) fn finish_reroute(&mut self, r: PendingReq, out: Label, next: NodeId) {
+        let keep = r.in_label.and_then(|inl| self.flows.get(&inl)).filter(|f| {
+            f.sink == r.sink
+                && f.next != next
+                && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
+        });
+        let Some(f) = keep.cloned() else {
+            self.send(next, Msg::Cancel { label: out });
+            return;
+        };
+        self.out_index.remove(&f.out_label);
+        self.send(f.next, Msg::Cancel { label: f.out_label });
+        let e = self.flows.get_mut(&f.in_label).unwrap();
+        e.next = next;
+        e.out_label = out;
+        self.out_index.insert(out, f.in_label);
+    }
+
+    /// Removes a flow entry; tells upstream (PushBack) and/or downstream (Cancel).
+    pub(super) fn drop_flow(&mut self, in_label: Label, upstream: bool, downstream: bool) {
+        let Some(f) = self.flows.remove(&in_label) else {
+            return;
+        };
+        self.out_index.remove(&f.out_label);
+        if upstream && f.prev != self.id {
+            self.send(f.prev, Msg::PushBack { label: f.in_label });
+        }
+        if downstream && self.stage != self.s() {
+            self.send(f.next, Msg::Cancel { label: f.out_label });
+        }
+    }
+
+    pub(super) fn insert_flow(&mut self, f: FlowEntry) {
+        self.out_index.insert(f.out_label, f.in_label);
+        self.flows.insert(f.in_label, f);
+    }
+
+    pub(super) fn on_flow_request(
+        &mut self,
+        from: NodeId,
+        label: Label,
+        sink: NodeId,
+        cfs: f64,
+        expected: f64,
+    ) {
+        if self.phase != Phase::Active || self.stage == 0 {
+            return;
+        }
+        let ps = self.prev_stage();
+        self.learn(from, ps);
+        let reject = |me: &mut Node, cost: f64| {
+            let spare = me.spare();
+            me.send(
+                from,
+                Msg::FlowResponse {
+                    label,
+                    accept: false,
+                    cost,
+                    spare,
+                },
+            );
+        };
+        if self.spare() == 0 {
+            let c = self.best_to_sink(sink, false, &[]).map_or(INF, |b| b.1);
+            return reject(self, c);
+        }
+        let Some((j, c)) = self.best_to_sink(sink, true, &[]) else {
+            return reject(self, INF);
+        };
+        if c > expected * (1.0 + self.cfg.stale_cost_tolerance) + 1e-6 {
+            return reject(self, c);
+        }
+        let cfs_here = cfs + self.link_cost(from);
+        if self.stage == self.s() {
+            self.insert_flow(FlowEntry {
+                in_label: label,
+                sink,
+                prev: from,
+                next: sink,
+                out_label: label,
+                cost_from_source: cfs_here,
+                last_used: self.now,
+            });
+            let spare = self.spare();
+            self.send(
+                from,
+                Msg::FlowResponse {
+                    label,
+                    accept: true,
+                    cost: c,
+                    spare,
+                },
+            );
+            return;
+        }
+        let out = self.new_label();
+        let expected_next = c - self.link_cost(j);
+        self.pending.insert(
+            out,
+            PendingReq {
+                in_label: Some(label),
+                prev: from,
+                sink,
+                next: j,
+                cost_from_source: cfs_here,
+                tried: vec![j],
+                expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
+                reroute: false,
+            },
+        );
+        if let Some(p) = self.peers.get_mut(&j) {
+            p.spare = p.spare.saturating_sub(1);
+        }
+        self.send(
+            j,
+            Msg::FlowRequest {
+                label: out,
+                sink,
+                cost_from_source: cfs_here,
+                expected_cost: expected_next,
+            },
+        );
+    }
+
+    pub(super) fn on_flow_response(
+        &mut self,
+        from: NodeId,
+        label: Label,
+        accept: bool,
+        cost: f64,
+        spare: u32,
+    ) {
+        let ns = self.next_stage();
+        let sink_known = self.pending.get(&label).map(|r| r.sink);
+        {
+            let p = self.learn(from, ns);
+            p.spare = spare;
+            if let Some(sink) = sink_known {
+                if !accept {
+                    if cost >= INF {
+                        p.costs.remove(sink);
+                    } else {
+                        p.costs.insert(sink, cost);
+                    }
+                }
+            }
+        }
+        let Some(r) = self.pending.remove(&label) else {
+            if accept {
+                self.send(from, Msg::Cancel { label });
+            }
+            return;
+        };
+        if accept && r.reroute {
+            self.finish_reroute(r, label, from);
+        } else if accept {
+            let total = self.link_cost(from) + cost;
+            match r.in_label {
+                None => self.insert_flow(FlowEntry {
+                    in_label: label,
+                    sink: r.sink,
+                    prev: self.id,
+                    next: from,
+                    out_label: label,
+                    cost_from_source: 0.0,
+                    last_used: self.now,
+                }),
+                Some(inl) => {
+                    self.insert_flow(FlowEntry {
+                        in_label: inl,
+                        sink: r.sink,
+                        prev: r.prev,
+                        next: from,
+                        out_label: label,
+                        cost_from_source: r.cost_from_source,
+                        last_used: self.now,
+                    });
+                    let spare = self.spare();
+                    self.send(
+                        r.prev,
+                        Msg::FlowResponse {
+                            label: inl,
+                            accept: true,
+                            cost: total,
+                            spare,
+                        },
+                    );
+                }
+            }
+        } else {
+            self.pending.insert(label, r);
+            self.retry_pending(label, from);
+        }
+    }
+
+    /// A downstream candidate refused or died: try another, or give up.
+    pub(super) fn retry_pending(&mut self, label: Label, failed: NodeId) {
+        let Some(mut r) = self.pending.remove(&label) else {
+            return;
+        };
+        if r.reroute {
+            // The flow still runs on its current next hop.
+            return;
+        }
+        if !r.tried.contains(&failed) {
+            r.tried.push(failed);
+        }
+        if r.tried.len() < 3 {
+            if let Some((j, c)) = self.best_to_sink(r.sink, true, &r.tried) {
+                r.tried.push(j);
+                r.next = j;
+                let expected = c - self.link_cost(j);
+                let (sink, cfs) = (r.sink, r.cost_from_source);
+                self.pending.insert(label, r);
+                self.send(
+                    j,
+                    Msg::FlowRequest {
+                        label,
+                        sink,
+                        cost_from_source: cfs,
+                        expected_cost: expected,
+                    },
+                );
+                return;
+            }
+        }
+        if let Some(inl) = r.in_label {
+            let c = self.best_to_sink(r.sink, false, &[]).map_or(INF, |b| b.1);
+            let spare = self.spare();
+            self.send(
+                r.prev,
+                Msg::FlowResponse {
+                    label: inl,
+                    accept: false,
+                    cost: c,
+                    spare,
+                },
+            );
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The member side of the stage group: claims of backward results, the
+//! granted contributions, syncs to a new coordinator.
+use super::*;
+
+/// Syncs kept for a coordinator role not yet taken over, at most.
+pub(super) const MAX_EARLY_SYNCS: usize = 1024;
+
+/// A member's accumulated (granted) contributions of one iteration.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Acc {
+    pub(super) granted: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    pub(super) pending: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    /// Claims that were refused. A claim is re-sent when unanswered for a
+    /// heartbeat period, so a late grant can follow a refusal (the holder
+    /// of the first grant died in between): the grant is honoured, since
+    /// the coordinator counts the microbatch as ours from then on.
+    pub(super) refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    pub(super) agg_task: Option<(TaskId, u64)>,
+}
+
+impl Node {
+    /// A one-line summary of the member state (debugging aid).
+    pub fn debug_member(&self) -> String {
+        format!(
+            "node {} coord {:?} last_commit {:?} last_applied {:?} acc {:?} tasks {:?}",
+            self.id,
+            self.coord,
+            self.last_commit,
+            self.last_applied,
+            self.acc
+                .iter()
+                .map(|(k, a)| (*k, a.granted.len(), a.pending.len(), a.agg_task))
+                .collect::<Vec<_>>(),
+            self.tasks
+                .iter()
+                .filter(|t| matches!(t.1 .0, TaskKind::Aggregate { .. }))
+                .map(|t| *t.0)
+                .collect::<Vec<_>>()
+        )
+    }
+
+    pub(super) fn sync_to(&mut self, c: NodeId) {
+        let iters: Vec<u32> = self.acc.keys().copied().collect();
+        for k in iters {
+            let a = &self.acc[&k];
+            let granted: Vec<(MbId, NodeId, NodeId)> = a
+                .granted
+                .iter()
+                .map(|(m, (p, n, _))| (*m, *p, *n))
+                .collect();
+            let pend: Vec<(MbId, NodeId, NodeId)> = a
+                .pending
+                .iter()
+                .map(|(m, (p, n, _))| (*m, *p, *n))
+                .collect();
+            self.send(
+                c,
+                Msg::Sync {
+                    iter: k,
+                    granted,
+                    end: None,
+                },
+            );
+            for (mb, prev, next) in pend {
+                self.send(
+                    c,
+                    Msg::Claim {
+                        iter: k,
+                        mb,
+                        prev,
+                        next,
+                    },
+                );
+            }
+        }
+        if self.stage == 0 {
+            if let Some(k) = self.dh.iter {
+                if self.dh.reported {
+                    self.send(c, Msg::HolderDone { iter: k });
+                }
+            }
+        }
+        self.send(c, Msg::GroupJoin { stage: self.stage });
+    }
+
+    /// A claim still unanswered after a whole heartbeat period reached a node
+    /// that did not coordinate (yet): it came before that node heard that
+    /// its coordinator left or died, and was answered with a member list
+    /// only. It is sent again (a claim is idempotent at the coordinator: the
+    /// same claimant gets the same answer).
+    pub(super) fn resend_stale_claims(&mut self, c: NodeId) {
+        let pending: BTreeSet<MbId> = self
+            .acc
+            .values()
+            .flat_map(|a| a.pending.keys().copied())
+            .collect();
+        let stale: Vec<MbId> = pending.intersection(&self.stale_claims).copied().collect();
+        for mb in stale {
+            let (prev, next, _) = &self.acc[&mb.iter].pending[&mb];
+            let (prev, next) = (*prev, *next);
+            self.send(
+                c,
+                Msg::Claim {
+                    iter: mb.iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+        self.stale_claims = pending;
+    }
+
+    pub(super) fn claim(&mut self, mb: MbId, prev: NodeId, next: NodeId, tasks: Vec<TaskId>) {
+        let iter = mb.iter;
+        self.acc
+            .entry(iter)
+            .or_default()
+            .pending
+            .insert(mb, (prev, next, tasks));
+        if let Some(c) = self.coord {
+            self.send(
+                c,
+                Msg::Claim {
+                    iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+    }
+
+    pub(super) fn on_claim_reply(&mut self, mb: MbId, granted: bool) {
+        let Some(a) = self.acc.get_mut(&mb.iter) else {
+            return;
+        };
+        let x = match a.pending.remove(&mb) {
+            Some(x) => x,
+            None if granted && !a.granted.contains_key(&mb) => {
+                let Some(x) = a.refused.remove(&mb) else {
+                    return;
+                };
+                x
+            }
+            None => return,
+        };
+        if granted {
+            let tasks = x.2.clone();
+            a.granted.insert(mb, x);
+            self.event(Event::Claimed { mb, tasks });
+        } else {
+            a.refused.insert(mb, x);
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! The microbatch lifecycle at one node: forward and backward hops in,
+//! trainer tasks done, outputs sent on, with a snapshot of each microbatch
+//! kept until its iteration is final.
+use super::*;
+
+/// Lightweight snapshot of one microbatch at this node.
+#[derive(Clone, Debug)]
+pub(super) struct Snap {
+    pub(super) attempt: u32,
+    /// Path up to and including this node (index = stage), then the full
+    /// path once the backward came through.
+    pub(super) path: Arc<Vec<NodeId>>,
+    pub(super) prev: NodeId,
+    pub(super) next: Option<NodeId>,
+    pub(super) label_in: Option<Label>,
+    pub(super) hint: Option<NodeId>,
+    pub(super) plan: Option<Arc<Vec<NodeId>>>,
+    pub(super) need_grad: bool,
+    pub(super) fwd_task: Option<TaskId>,
+    pub(super) fwd_done: bool,
+    pub(super) bwd_task: Option<TaskId>,
+    /// Holder: loss task (head fwd+bwd).
+    pub(super) loss_task: Option<TaskId>,
+    /// Gradient for `prev` is computed and stored (re-sent on recovery).
+    pub(super) grad_ready: bool,
+    /// The gradient from `next` arrived.
+    pub(super) grad_in: bool,
+    pub(super) done: bool,
+    /// Waiting for a replacement to appear (recovery found no candidate).
+    pub(super) stuck: bool,
+    /// When this node took the microbatch (attempt) in.
+    pub(super) started: Time,
+}
+
+/// `newer` (a path up to some stage) followed by what `older` knows beyond it.
+pub(super) fn merge_path(newer: &Arc<Vec<NodeId>>, older: &Arc<Vec<NodeId>>) -> Arc<Vec<NodeId>> {
+    if older.len() <= newer.len() {
+        return newer.clone();
+    }
+    let mut v = (**newer).clone();
+    v.extend_from_slice(&older[newer.len()..]);
+    Arc::new(v)
+}
+
+impl Node {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_forward(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+        label: Option<Label>,
+        hint: Option<NodeId>,
+        need_grad: bool,
+        plan: Option<Arc<Vec<NodeId>>>,
+    ) {
+        if self.phase != Phase::Active || mb.iter < self.min_iter {
+            return;
+        }
+        if mb.iter > self.min_iter && self.stage != 0 {
+            self.forget_before(mb.iter);
+        }
+        let ps = self.prev_stage();
+        if !self.peers.contains_key(&from) {
+            self.learn(from, ps);
+        }
+        if self.stage == 0 {
+            // Sink: the output of the last stage came back.
+            if mb.holder != self.id {
+                return;
+            }
+            let Some(s) = self.snaps.get_mut(&mb) else {
+                return;
+            };
+            if s.attempt != attempt {
+                return;
+            }
+            s.prev = from;
+            s.path = merge_path(&path, &s.path);
+            if s.grad_ready {
+                // Recovery: re-send the stored loss gradient.
+                let p = s.path.clone();
+                self.send(
+                    from,
+                    Msg::Ack {
+                        mb,
+                        attempt,
+                        backward: false,
+                        busy: 0,
+                        bytes: 0,
+                    },
+                );
+                self.send_tracked(
+                    from,
+                    Msg::Backward {
+                        mb,
+                        attempt,
+                        path: p,
+                    },
+                    mb,
+                    true,
+                    attempt,
+                );
+                return;
+            }
+            if s.loss_task.is_none() {
+                let t = self.run(TaskKind::Loss, Some(mb), attempt);
+                self.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
+                self.arrivals.insert((mb, false), self.now);
+            }
+            self.notify_queued(from, mb, attempt, false);
+            return;
+        }
+        if let Some(label) = label {
+            if !self.flows.contains_key(&label)
+                && !self.ghosts.contains_key(&label)
+                && self.cfg.policy == Policy::Gwtf
+            {
+                // Unknown reservation: tell the sender to drop it.
+                self.send(from, Msg::PushBack { label });
+            }
+        }
+        if let Some(s) = self.snaps.get_mut(&mb) {
+            if s.attempt == attempt {
+                s.prev = from;
+                s.need_grad = need_grad;
+                s.path = merge_path(&path, &s.path);
+                if s.grad_ready {
+                    // We already hold this microbatch's gradient for our
+                    // predecessor: re-send it, no recompute.
+                    self.send(
+                        from,
+                        Msg::Ack {
+                            mb,
+                            attempt,
+                            backward: false,
+                            busy: 0,
+                            bytes: 0,
+                        },
+                    );
+                    if need_grad {
+                        let p = self.snaps[&mb].path.clone();
+                        self.send_tracked(
+                            from,
+                            Msg::Backward {
+                                mb,
+                                attempt,
+                                path: p,
+                            },
+                            mb,
+                            true,
+                            attempt,
+                        );
+                    }
+                } else if s.fwd_done {
+                    self.send(
+                        from,
+                        Msg::Ack {
+                            mb,
+                            attempt,
+                            backward: false,
+                            busy: 0,
+                            bytes: 0,
+                        },
+                    );
+                } else {
+                    // A re-sent hop whose work is still queued here.
+                    self.notify_queued(from, mb, attempt, false);
+                }
+                return;
+            }
+            if s.attempt > attempt {
+                return;
+            }
+        }
+        let t = self.run(TaskKind::Forward, Some(mb), attempt);
+        self.snaps.insert(
+            mb,
+            Snap {
+                attempt,
+                path,
+                prev: from,
+                next: None,
+                label_in: label,
+                hint,
+                plan,
+                need_grad,
+                fwd_task: Some(t),
+                fwd_done: false,
+                bwd_task: None,
+                loss_task: None,
+                grad_ready: false,
+                grad_in: false,
+                done: false,
+                stuck: false,
+                started: self.now,
+            },
+        );
+        // Queue wait starts now; remember when the input arrived.
+        self.arrivals.insert((mb, false), self.now);
+        self.notify_queued(from, mb, attempt, false);
+    }
+
+    pub(super) fn task_done(&mut self, id: TaskId) {
+        let Some((kind, mb, attempt)) = self.tasks.remove(&id) else {
+            return;
+        };
+        if self.phase != Phase::Active {
+            return;
+        }
+        match kind {
+            TaskKind::Aggregate { .. } => {
+                let found = self
+                    .acc
+                    .iter()
+                    .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
+                    .map(|(k, a)| (*k, a.agg_task.unwrap().1));
+                if let Some((iter, epoch)) = found {
+                    if let Some(c) = self.coord {
+                        self.send(c, Msg::AggDone { iter, epoch });
+                    }
+                }
+            }
+            TaskKind::Embed | TaskKind::Forward => {
+                let mb = mb.unwrap();
+                let Some(s) = self.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.fwd_task != Some(id) {
+                    return;
+                }
+                s.fwd_done = true;
+                let mut path = (*s.path).clone();
+                path.truncate(self.stage as usize);
+                path.push(self.id);
+                let path = Arc::new(path);
+                s.path = path.clone();
+                let (label, hint, plan, prev) = (s.label_in, s.hint, s.plan.clone(), s.prev);
+                if kind == TaskKind::Forward {
+                    let busy = self
+                        .arrivals
+                        .remove(&(mb, false))
+                        .map_or(0, |t| self.now - t);
+                    self.send(
+                        prev,
+                        Msg::Ack {
+                            mb,
+                            attempt,
+                            backward: false,
+                            busy,
+                            bytes: self.cfg.activation_bytes,
+                        },
+                    );
+                }
+                self.forward_out(mb, label, hint, plan, &[]);
+            }
+            TaskKind::Loss => {
+                let mb = mb.unwrap();
+                let Some(s) = self.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.loss_task != Some(id) {
+                    return;
+                }
+                s.grad_ready = true;
+                let (prev, path) = (s.prev, s.path.clone());
+                let busy = self
+                    .arrivals
+                    .remove(&(mb, false))
+                    .map_or(0, |t| self.now - t);
+                self.send(
+                    prev,
+                    Msg::Ack {
+                        mb,
+                        attempt,
+                        backward: false,
+                        busy,
+                        bytes: self.cfg.activation_bytes,
+                    },
+                );
+                self.send_tracked(prev, Msg::Backward { mb, attempt, path }, mb, true, attempt);
+            }
+            TaskKind::Backward | TaskKind::EmbedBackward => {
+                let mb = mb.unwrap();
+                let Some(s) = self.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.bwd_task != Some(id) {
+                    return;
+                }
+                s.grad_ready = true;
+                s.done = true;
+                let (prev, next, path, need) = (
+                    s.prev,
+                    s.next.unwrap_or(self.id),
+                    s.path.clone(),
+                    s.need_grad,
+                );
+                let busy = self
+                    .arrivals
+                    .remove(&(mb, true))
+                    .map_or(0, |t| self.now - t);
+                self.send(
+                    next,
+                    Msg::Ack {
+                        mb,
+                        attempt,
+                        backward: true,
+                        busy,
+                        bytes: self.cfg.activation_bytes,
+                    },
+                );
+                let mut used = vec![id];
+                if let Some(f) = self.snaps[&mb].fwd_task {
+                    used.push(f);
+                }
+                if let Some(l) = self.snaps[&mb].loss_task {
+                    used.push(l);
+                }
+                if self.stage == 0 {
+                    // The microbatch is complete.
+                    if let Some(label) = self.dh.in_flight.remove(&mb) {
+                        if let (Some(l), Some(s)) = (label, self.snaps.get(&mb)) {
+                            let rtt = to_secs(self.now.saturating_sub(s.started));
+                            let old = self.flow_rtt.get(&l).copied();
+                            if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
+                                self.flow_rtt.insert(l, v);
+                            }
+                            // Forget the round trips of flows that are gone
+                            // (bounded by the flows a holder has, not by how
+                            // many it ever had).
+                            if self.flow_rtt.len() > 2 * self.flows.len() + 8 {
+                                let flows = &self.flows;
+                                self.flow_rtt.retain(|l, _| flows.contains_key(l));
+                            }
+                        }
+                        let first = self.dh.done.insert(mb.idx);
+                        if first {
+                            self.event(Event::MbDone {
+                                mb,
+                                path: path.clone(),
+                            });
+                        }
+                    }
+                    self.claim(mb, self.id, next, used);
+                    self.holder_progress();
+                    self.launch();
+                } else {
+                    self.claim(mb, prev, next, used);
+                    if need {
+                        if !self.alive(prev) {
+                            self.backward_failed(mb, prev);
+                        } else {
+                            self.send_tracked(
+                                prev,
+                                Msg::Backward { mb, attempt, path },
+                                mb,
+                                true,
+                                attempt,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends this node's stored output for `mb` to the next hop.
+    pub(super) fn forward_out(
+        &mut self,
+        mb: MbId,
+        label: Option<Label>,
+        hint: Option<NodeId>,
+        plan: Option<Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) {
+        let Some(s) = self.snaps.get(&mb) else { return };
+        let (attempt, path) = (s.attempt, s.path.clone());
+        match self.route(mb, label, hint, plan.as_ref(), exclude) {
+            None => {
+                let s = self.snaps.get_mut(&mb).unwrap();
+                s.stuck = true;
+                self.maybe_stuck = true;
+            }
+            Some((n, out_label)) => {
+                let s = self.snaps.get_mut(&mb).unwrap();
+                s.next = Some(n);
+                s.stuck = false;
+                let msg = Msg::Forward {
+                    mb,
+                    attempt,
+                    path,
+                    label: out_label,
+                    hint: None,
+                    need_grad: true,
+                    plan,
+                };
+                self.send_tracked(n, msg, mb, false, attempt);
+            }
+        }
+    }
+
+    pub(super) fn on_backward(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+    ) {
+        if self.phase != Phase::Active {
+            return;
+        }
+        let Some(s) = self.snaps.get_mut(&mb) else {
+            return;
+        };
+        if s.attempt != attempt || !s.fwd_done {
+            return;
+        }
+        if s.grad_in {
+            // Duplicate: already have it.
+            if s.done {
+                self.send(
+                    from,
+                    Msg::Ack {
+                        mb,
+                        attempt,
+                        backward: true,
+                        busy: 0,
+                        bytes: 0,
+                    },
+                );
+            } else {
+                self.notify_queued(from, mb, attempt, true);
+            }
+            return;
+        }
+        s.grad_in = true;
+        s.next = Some(from);
+        s.path = path;
+        self.clear_deadline((mb, false));
+        let kind = if self.stage == 0 {
+            TaskKind::EmbedBackward
+        } else {
+            TaskKind::Backward
+        };
+        let t = self.run(kind, Some(mb), attempt);
+        self.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
+        self.arrivals.insert((mb, true), self.now);
+        self.notify_queued(from, mb, attempt, true);
+    }
+}

@@ -1,0 +1,360 @@
+//! Membership: the partial view of the neighbouring stages (introductions,
+//! RTT and bandwidth probes, suspicion, goodbyes) and the stage group
+//! (members, coordinator election, heartbeats).
+use super::*;
+
+/// The members of this node's stage group: an ordered set, with its list
+/// (what heartbeats, claims answers and state downloads carry) built once
+/// per change and shared, not once per message.
+#[derive(Clone, Debug, Default)]
+pub(super) struct MemberSet {
+    pub(super) set: BTreeSet<NodeId>,
+    pub(super) list: Option<Arc<Vec<NodeId>>>,
+}
+
+impl MemberSet {
+    pub(super) fn insert(&mut self, m: NodeId) -> bool {
+        let new = self.set.insert(m);
+        if new {
+            self.list = None;
+        }
+        new
+    }
+    pub(super) fn remove(&mut self, m: &NodeId) -> bool {
+        let had = self.set.remove(m);
+        if had {
+            self.list = None;
+        }
+        had
+    }
+    pub(super) fn contains(&self, m: &NodeId) -> bool {
+        self.set.contains(m)
+    }
+    pub(super) fn len(&self) -> usize {
+        self.set.len()
+    }
+    pub(super) fn iter(&self) -> std::collections::btree_set::Iter<'_, NodeId> {
+        self.set.iter()
+    }
+    /// The members in increasing order.
+    pub(super) fn list(&mut self) -> Arc<Vec<NodeId>> {
+        let set = &self.set;
+        self.list
+            .get_or_insert_with(|| Arc::new(set.iter().copied().collect()))
+            .clone()
+    }
+    /// Becomes `list` plus `me`; a list equal to the current group (the
+    /// periodic announcement of an unchanged group) costs one comparison.
+    pub(super) fn assign(&mut self, list: &Arc<Vec<NodeId>>, me: NodeId) {
+        if list.windows(2).all(|w| w[0] < w[1]) {
+            let has_me = list.binary_search(&me).is_ok();
+            let same = if has_me {
+                self.set.len() == list.len() && self.set.iter().eq(list.iter())
+            } else {
+                self.set.len() == list.len() + 1
+                    && self.set.contains(&me)
+                    && self.set.iter().filter(|&&m| m != me).eq(list.iter())
+            };
+            if same {
+                return;
+            }
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = has_me.then(|| list.clone());
+        } else {
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = None;
+        }
+    }
+}
+
+impl FromIterator<NodeId> for MemberSet {
+    fn from_iter<I: IntoIterator<Item = NodeId>>(it: I) -> MemberSet {
+        MemberSet {
+            set: it.into_iter().collect(),
+            list: None,
+        }
+    }
+}
+
+impl IntoIterator for MemberSet {
+    type Item = NodeId;
+    type IntoIter = std::collections::btree_set::IntoIter<NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a MemberSet {
+    type Item = &'a NodeId;
+    type IntoIter = std::collections::btree_set::Iter<'a, NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.iter()
+    }
+}
+
+impl Node {
+    /// Not known to be dead (members of the group need not be in `peers`).
+    pub(super) fn alive(&self, p: NodeId) -> bool {
+        p == self.id || !self.peers.get(&p).is_some_and(|x| x.dead)
+    }
+
+    pub(super) fn learn(&mut self, p: NodeId, stage: Stage) -> &mut Peer {
+        let now = self.now;
+        let e = self.peers.get_or_insert_with(p, || Peer::new(stage, now));
+        e.stage = stage;
+        e
+    }
+
+    pub(super) fn ema(old: Option<f64>, x: f64, a: f64) -> Option<f64> {
+        Some(match old {
+            None => x,
+            Some(o) => o * (1.0 - a) + x * a,
+        })
+    }
+
+    /// Introductions to the previous and next stage; periodic ones go only
+    /// to peers not heard from for `stale` (liveness and RTT refresh).
+    pub(super) fn introduce_all(&mut self, stale: Option<Time>) {
+        let (ps, ns) = (self.prev_stage(), self.next_stage());
+        let now = self.now;
+        let targets: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.dead && (p.stage == ps || p.stage == ns))
+            .filter(|(_, p)| stale.is_none_or(|d| p.last_heard + d < now))
+            .map(|(id, _)| *id)
+            .collect();
+        for t in targets {
+            let m = self.intro_msg(None);
+            self.send(t, m);
+        }
+    }
+
+    /// The iteration this node believes comes next (told to new holders):
+    /// past the last one applied here, and past the last one whose end was
+    /// announced (an ended iteration takes no new microbatches; the holders'
+    /// stage may already have applied it).
+    pub(super) fn iter_hint(&self) -> u32 {
+        let a = self.last_applied.map_or(0, |a| a + 1);
+        let s = self.seen_iter.as_ref().map_or(0, |s| s.0);
+        let e = self.end_fwd.keys().next_back().map_or(0, |k| k + 1);
+        a.max(s).max(e).max(self.min_iter).max(self.known_iter)
+    }
+
+    pub(super) fn intro_msg(&self, echo: Option<Time>) -> Msg {
+        Msg::Introduce {
+            iter: self.iter_hint(),
+            stage: self.stage,
+            spare: self.spare(),
+            compute_s: self.compute_s,
+            sent_at: self.now,
+            echo,
+        }
+    }
+
+    pub(super) fn leave(&mut self) {
+        let all: BTreeSet<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.dead)
+            .map(|(id, _)| *id)
+            .chain(self.members.iter().copied())
+            .filter(|&p| p != self.id)
+            .collect();
+        for p in all {
+            self.send(p, Msg::Goodbye);
+        }
+        self.phase = Phase::Left;
+        self.event(Event::Left);
+    }
+
+    pub(super) fn recompute_coord(&mut self) {
+        let old = self.coord;
+        let c = self.members.iter().copied().find(|&m| self.alive(m));
+        self.coord = c;
+        if old != c {
+            self.last_coord_heard = self.now;
+            if c == Some(self.id) {
+                self.members_changed = true;
+                // Members heartbeated the old coordinator, not us: each gets
+                // a full suspicion period from now (what we heard while not
+                // coordinating is stale).
+                let now = self.now;
+                for &m in &self.members {
+                    self.member_heard.insert(m, now);
+                }
+                // A new coordinator of the holders reopens the barrier from
+                // its own knowledge.
+                if self.stage == 0 && self.barrier.is_none() {
+                    if let Some((k, participants)) = self.seen_iter.clone() {
+                        self.barrier = Some(Barrier {
+                            iter: k,
+                            participants,
+                            ..Default::default()
+                        });
+                        if self.dh.reported && self.dh.iter == Some(k) {
+                            self.barrier.as_mut().unwrap().done.insert(self.id);
+                        }
+                    }
+                }
+                if old.is_some() {
+                    // Our own contributions go into the new coordinator state.
+                    self.sync_to(self.id);
+                }
+                // The members' syncs that came before we knew.
+                let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+                let now = self.now;
+                for (t, from, m) in std::mem::take(&mut self.early_syncs) {
+                    if t + keep >= now {
+                        self.replay.push_back((from, m));
+                    }
+                }
+            } else if let Some(c) = c {
+                if old.is_some() {
+                    self.sync_to(c);
+                }
+            }
+        }
+    }
+
+    pub(super) fn peer_dead(&mut self, p: NodeId) {
+        if p == self.id {
+            return;
+        }
+        if !self.peers.contains_key(&p) {
+            let st = self.stage;
+            self.learn(p, st);
+        }
+        let peer = self.peers.get_mut(&p).unwrap();
+        if peer.dead {
+            return;
+        }
+        peer.dead = true;
+        peer.queued = 0;
+        if self.members.remove(&p) {
+            self.member_gone(p);
+        }
+        // Flows through the dead node.
+        let through: Vec<Label> = self
+            .flows
+            .iter()
+            .filter(|(_, f)| f.next == p || f.prev == p)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in through {
+            let f = self.flows[&l].clone();
+            if f.next == p {
+                self.drop_flow(l, true, false);
+            } else {
+                self.drop_flow(l, false, true);
+            }
+        }
+        let pend: Vec<Label> = self
+            .pending
+            .iter()
+            .filter(|(_, r)| r.next == p)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in pend {
+            self.retry_pending(l, p);
+        }
+        // Hops waiting for the dead node's ack.
+        let waiting: Vec<(MbId, bool)> = self
+            .outstanding
+            .iter()
+            .filter(|(_, o)| o.to == p)
+            .map(|(k, _)| *k)
+            .collect();
+        for (mb, back) in waiting {
+            self.ack_timeout(mb, back);
+        }
+        // Microbatches whose output went to the dead node and whose gradient
+        // has not come back: the forward or backward through it is broken.
+        if self.cfg.policy != Policy::Swarm {
+            let broken: Vec<MbId> = self
+                .snaps
+                .iter()
+                .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
+                .map(|(m, _)| *m)
+                .collect();
+            for mb in broken {
+                self.recover(mb, p, None);
+            }
+        }
+    }
+
+    pub(super) fn member_gone(&mut self, p: NodeId) {
+        self.members_changed = true;
+        if self.coord == Some(self.id) {
+            self.event(Event::MemberRemoved { peer: p });
+        }
+        let was_coord = self.coord == Some(p);
+        if self.coord == Some(self.id) {
+            self.coord_member_dead(p);
+        }
+        if was_coord {
+            self.recompute_coord();
+        }
+    }
+
+    pub(super) fn heartbeat(&mut self) {
+        let Some(c) = self.coord else { return };
+        let limit = self.cfg.suspect_ticks as Time * self.cfg.tick;
+        if c == self.id {
+            let members: Vec<NodeId> = self.members.iter().copied().collect();
+            let list = if self.members_changed
+                || self.tick_no % (8 * self.cfg.heartbeat_ticks as u64) == 0
+            {
+                self.members_changed = false;
+                Some(Arc::new(members.clone()))
+            } else {
+                None
+            };
+            // Suspect silent members.
+            let now = self.now;
+            for &m in &members {
+                self.member_heard.entry(m).or_insert(now);
+            }
+            let silent: Vec<NodeId> = members
+                .iter()
+                .copied()
+                .filter(|&m| m != self.id && self.member_heard[&m] + limit < now)
+                .collect();
+            for m in silent {
+                self.peer_dead(m);
+            }
+            for m in self.members.clone() {
+                if m != self.id {
+                    self.send(
+                        m,
+                        Msg::Heartbeat {
+                            members: list.clone(),
+                        },
+                    );
+                }
+            }
+        } else {
+            if self.last_coord_heard + limit < self.now {
+                self.peer_dead(c);
+                if let Some(nc) = self.coord {
+                    if nc != self.id {
+                        self.send(nc, Msg::Heartbeat { members: None });
+                    }
+                }
+                return;
+            }
+            self.send(c, Msg::Heartbeat { members: None });
+            self.resend_stale_claims(c);
+        }
+    }
+
+    pub(super) fn peer_suspect(&mut self, p: NodeId) {
+        let ban = self.cfg.ban_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        if let Some(x) = self.peers.get_mut(&p) {
+            x.banned_until = now + ban;
+        }
+    }
+}

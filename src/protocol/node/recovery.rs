@@ -1,0 +1,143 @@
+//! Crash recovery of a microbatch (docs/SPEC.md section 5): a forward hop
+//! rerouted around a dead node; a backward hop through a dead node re-run on
+//! a replacement of only that stage (GWTF, optimal) or restarted from the
+//! holder (SWARM).
+use super::*;
+
+impl Node {
+    /// A forward hop got no ack: re-send the stored output to another node
+    /// of the same stage (both policies).
+    pub(super) fn forward_failed(&mut self, mb: MbId, dead: NodeId) {
+        if self.stage == self.s() {
+            // The sink (holder) is gone: the microbatch is dropped with it.
+            self.snaps.remove(&mb);
+            return;
+        }
+        if self.cfg.policy == Policy::Gwtf {
+            // Its reservations through the dead node are gone.
+            let through: Vec<Label> = self
+                .flows
+                .iter()
+                .filter(|(_, f)| f.next == dead)
+                .map(|(l, _)| *l)
+                .collect();
+            for l in through {
+                self.drop_flow(l, true, false);
+            }
+        }
+        let st = self.next_stage();
+        self.event(Event::Rerouted { mb, stage: st });
+        let (hint, plan, redo) = {
+            let s = &self.snaps[&mb];
+            (s.hint.filter(|h| *h != dead), s.plan.clone(), s.grad_in)
+        };
+        if redo {
+            // This node already has its gradient: it was re-running the
+            // next stage for the aggregate (see `redo`).
+            if let Some(h) = hint {
+                self.redo(mb, dead, h);
+            }
+            return;
+        }
+        self.forward_out(mb, None, hint, plan, &[dead]);
+    }
+
+    /// A backward hop (to `dead`, our predecessor) got no ack.
+    pub(super) fn backward_failed(&mut self, mb: MbId, dead: NodeId) {
+        // Index of this node in the path (a holder sends the first gradient,
+        // after stage S).
+        let my = if self.stage == 0 {
+            self.s() as usize + 1
+        } else {
+            self.stage as usize
+        };
+        if my == 1 || dead == mb.holder {
+            // The holder is gone: its microbatch is dropped.
+            return;
+        }
+        match self.cfg.policy {
+            Policy::Swarm => {
+                // SWARM restarts the whole microbatch from its data holder.
+                let attempt = Some(self.snaps[&mb].attempt);
+                self.send(mb.holder, Msg::Restart { mb, attempt });
+            }
+            Policy::Gwtf | Policy::Optimal => {
+                let path = self.snaps[&mb].path.clone();
+                // The node before the dead one re-runs the dead node's stage
+                // on a replacement.
+                if my >= 2 && path.len() > my - 2 {
+                    let before = path[my - 2];
+                    if self.alive(before) || before == mb.holder {
+                        let attempt = self.snaps[&mb].attempt;
+                        self.send(
+                            before,
+                            Msg::CrashNotice {
+                                mb,
+                                attempt,
+                                dead,
+                                after: self.id,
+                            },
+                        );
+                        return;
+                    }
+                }
+                let attempt = Some(self.snaps[&mb].attempt);
+                self.send(mb.holder, Msg::Restart { mb, attempt });
+            }
+        }
+    }
+
+    /// GWTF recovery: re-send this node's stored output for `mb` to a
+    /// replacement of `dead`, asking it to pass on to `after`.
+    pub(super) fn recover(&mut self, mb: MbId, dead: NodeId, after: Option<NodeId>) {
+        let Some(s) = self.snaps.get_mut(&mb) else {
+            return;
+        };
+        if !s.fwd_done || s.grad_in {
+            return;
+        }
+        s.hint = after;
+        let plan = s.plan.clone();
+        self.clear_deadline((mb, false));
+        if self.stage == self.s() {
+            return;
+        }
+        self.forward_out(mb, None, after, plan, &[dead]);
+        if let Some(s) = self.snaps.get_mut(&mb) {
+            s.hint = after;
+        }
+    }
+
+    /// Stage `dead` lost its contribution for `mb` after the backward went
+    /// through: re-run it on a replacement that gets the stored gradient
+    /// from `next`; the result is not needed here (need_grad = false).
+    pub(super) fn redo(&mut self, mb: MbId, dead: NodeId, next: NodeId) {
+        let Some(s) = self.snaps.get_mut(&mb) else {
+            return;
+        };
+        s.hint = Some(next);
+        let (attempt, path, plan) = (s.attempt, s.path.clone(), s.plan.clone());
+        let mut p = (*path).clone();
+        p.truncate(self.stage as usize + 1);
+        match self.route(mb, None, None, plan.as_ref(), &[dead]) {
+            None => {
+                self.snaps.get_mut(&mb).unwrap().stuck = true;
+                self.maybe_stuck = true;
+            }
+            Some((r, _)) => {
+                let msg = Msg::Forward {
+                    mb,
+                    attempt,
+                    path: Arc::new(p),
+                    label: None,
+                    hint: Some(next),
+                    need_grad: false,
+                    plan,
+                };
+                // Tracked like any forward hop: a silent replacement is
+                // replaced in turn.
+                self.send_tracked(r, msg, mb, false, attempt);
+            }
+        }
+    }
+}
