@@ -222,4 +222,17 @@ impl Node {
             self.forward_failed(mb, to);
         }
     }
+
+    /// Hops waiting for dead `p`'s ack time out now.
+    pub(super) fn hops_lost_to(&mut self, p: NodeId) {
+        let waiting: Vec<(MbId, bool)> = self
+            .outstanding
+            .iter()
+            .filter(|(_, o)| o.to == p)
+            .map(|(k, _)| *k)
+            .collect();
+        for (mb, back) in waiting {
+            self.ack_timeout(mb, back);
+        }
+    }
 }

@@ -177,4 +177,23 @@ impl Node {
             }
         }
     }
+
+    /// A holder finished its microbatches of `iter`.
+    pub(super) fn on_holder_done(&mut self, from: NodeId, iter: u32) {
+        if let Some(b) = self.barrier.as_mut() {
+            if b.iter == iter {
+                b.done.insert(from);
+            }
+        }
+    }
+
+    /// A stage applied `iter`.
+    pub(super) fn on_stage_done(&mut self, iter: u32, stage: Stage) {
+        if let Some(b) = self.barrier.as_mut() {
+            if b.iter == iter {
+                b.stage_done.insert(stage);
+            }
+        }
+        self.barrier_check();
+    }
 }

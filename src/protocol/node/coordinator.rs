@@ -534,4 +534,48 @@ impl Node {
         });
         self.acc.retain(|k, _| *k > iter);
     }
+
+    /// A member's contributions, sent to a new coordinator.
+    pub(super) fn on_sync(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        granted: Vec<(MbId, NodeId, NodeId)>,
+        end: Option<(NodeId, Arc<Vec<NodeId>>)>,
+    ) {
+        if self.coord == Some(self.id) {
+            for (mb, prev, next) in granted {
+                self.on_claim(from, iter, mb, prev, next);
+            }
+            if let Some((origin, holders)) = end {
+                self.on_end_iter(from, iter, origin, holders);
+            }
+        } else if self.phase == Phase::Active && from != self.id {
+            // The member takes us for its coordinator: it saw ours
+            // leave or die before we did (a Goodbye or a suspicion
+            // can reach us later than its Sync). Dropping the Sync
+            // would lose its grants: the new coordinator would take
+            // its microbatches for missing and, at the holders'
+            // stage, drop them. Kept until we take over (or stale).
+            let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+            let now = self.now;
+            self.early_syncs.retain(|(t, _, _)| t + keep >= now);
+            // Bounded: a flood of syncs is not kept (a real group
+            // sends one per member per coordinator change).
+            if self.early_syncs.len() < MAX_EARLY_SYNCS {
+                self.early_syncs
+                    .push((now, from, Msg::Sync { iter, granted, end }));
+            }
+        }
+    }
+
+    /// A member finished its part of the all-reduce of `iter`.
+    pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64) {
+        if let Some(ci) = self.coord_iters.get_mut(&iter) {
+            if ci.epoch == epoch && ci.commit.is_some() {
+                ci.agg_done.insert(from);
+            }
+        }
+        self.coord_check(iter);
+    }
 }

@@ -198,7 +198,9 @@ impl Node {
         out
     }
 
+    /// The periodic CHANGE (it makes a pending triggered update moot).
     pub(super) fn gossip(&mut self) {
+        self.gossip_dirty = false;
         self.gossip_costs(None)
     }
 
@@ -252,5 +254,44 @@ impl Node {
     /// Cost of the hop from `p` into this node, from this node's view.
     pub(super) fn link_cost_from(&self, p: NodeId) -> f64 {
         self.link_cost(p)
+    }
+
+    /// CHANGE from a next-stage peer: its capacity, speed and costs to the sinks.
+    pub(super) fn on_change(
+        &mut self,
+        from: NodeId,
+        spare: u32,
+        compute_s: f64,
+        costs: Arc<[(NodeId, f64)]>,
+    ) {
+        let ns = self.next_stage();
+        let p = self.learn(from, ns);
+        p.spare = spare;
+        p.compute_s = compute_s;
+        // Only a material change (another sink set, or a cost moved
+        // by more than 2%) triggers our own update upstream.
+        if p.costs.material_change(&costs) {
+            p.costs = SinkCosts::from_gossip(costs);
+            self.gossip_dirty = true;
+        }
+    }
+
+    /// A triggered update: the costs downstream changed since the last
+    /// gossip; a CHANGE goes upstream only when what this node advertises
+    /// really changed.
+    pub(super) fn triggered_gossip(&mut self) {
+        if !self.gossip_dirty {
+            return;
+        }
+        self.gossip_dirty = false;
+        let now_costs = self.my_costs();
+        let changed = now_costs.len() != self.advertised.len()
+            || now_costs
+                .iter()
+                .zip(self.advertised.iter())
+                .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
+        if changed {
+            self.gossip_costs(Some(now_costs));
+        }
     }
 }

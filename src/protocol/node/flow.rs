@@ -423,4 +423,64 @@ impl Node {
             );
         }
     }
+
+    /// The upstream end of flow `label` moved to `new_prev` (a swap).
+    pub(super) fn on_notify_switch(&mut self, label: Label, new_prev: NodeId) {
+        if let Some(f) = self.flows.get_mut(&label) {
+            f.prev = new_prev;
+        }
+    }
+
+    /// The downstream end of our flow out on `label` moved to `new_next`.
+    pub(super) fn on_notify_redirect(&mut self, label: Label, new_next: NodeId) {
+        if let Some(&inl) = self.out_index.get(&label) {
+            if let Some(f) = self.flows.get_mut(&inl) {
+                f.next = new_next;
+            }
+        }
+    }
+
+    /// The next hop dropped our reservation `label`.
+    pub(super) fn on_push_back(&mut self, from: NodeId, label: Label) {
+        if let Some(&inl) = self.out_index.get(&label) {
+            if self.flows.get(&inl).is_some_and(|f| f.next == from) {
+                self.drop_flow(inl, true, false);
+            }
+        }
+    }
+
+    /// The previous hop released its reservation `label` with us.
+    pub(super) fn on_cancel(&mut self, from: NodeId, label: Label) {
+        if self.flows.get(&label).is_some_and(|f| f.prev == from) {
+            self.drop_flow(label, false, true);
+        }
+    }
+
+    /// The flows through dead `p` are released (the other end is told), and
+    /// reservations waiting for its answer try another next hop.
+    pub(super) fn release_flows_through(&mut self, p: NodeId) {
+        let through: Vec<Label> = self
+            .flows
+            .iter()
+            .filter(|(_, f)| f.next == p || f.prev == p)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in through {
+            let f = self.flows[&l].clone();
+            if f.next == p {
+                self.drop_flow(l, true, false);
+            } else {
+                self.drop_flow(l, false, true);
+            }
+        }
+        let pend: Vec<Label> = self
+            .pending
+            .iter()
+            .filter(|(_, r)| r.next == p)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in pend {
+            self.retry_pending(l, p);
+        }
+    }
 }

@@ -153,4 +153,16 @@ impl Node {
             a.refused.insert(mb, x);
         }
     }
+
+    /// The coordinator commits `iter`: run the all-reduce (once per epoch).
+    pub(super) fn on_commit(&mut self, iter: u32, epoch: u64, members: Arc<Vec<NodeId>>) {
+        if self.last_commit == Some((iter, epoch)) {
+            return;
+        }
+        self.last_commit = Some((iter, epoch));
+        self.acc.entry(iter).or_default();
+        let n = members.len() as u32;
+        let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
+        self.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
+    }
 }

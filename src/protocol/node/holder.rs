@@ -247,4 +247,41 @@ impl Node {
             }
         }
     }
+
+    /// A microbatch of ours must start again (its path or its aggregate lost it).
+    pub(super) fn on_restart_request(&mut self, from: NodeId, mb: MbId, attempt: Option<u32>) {
+        self.restart(mb, attempt);
+        // An aggregate lost its contribution: tell that stage's
+        // coordinator we are alive and on it (queued restarts wait
+        // for a free in-flight slot, which can take long).
+        if attempt.is_none()
+            && from != self.id
+            && self.stage == 0
+            && mb.holder == self.id
+            && self.dh.iter == Some(mb.iter)
+            && (self.dh.restarts.contains(&mb) || self.dh.in_flight.contains_key(&mb))
+        {
+            self.send(from, Msg::Restarting { mb });
+        }
+    }
+
+    /// The holder's periodic work: the last resort (every policy), a
+    /// microbatch with no news for `e2e_timeout` is started again from
+    /// here; then launches what the in-flight bound allows.
+    pub(super) fn holder_tick(&mut self) {
+        let e2e = self.cfg.e2e_timeout;
+        let now = self.now;
+        let late: Vec<(MbId, u32)> = self
+            .dh
+            .in_flight
+            .keys()
+            .filter_map(|mb| self.snaps.get(mb).map(|s| (*mb, s)))
+            .filter(|(_, s)| s.started + e2e <= now)
+            .map(|(mb, s)| (mb, s.attempt))
+            .collect();
+        for (mb, attempt) in late {
+            self.restart(mb, Some(attempt));
+        }
+        self.launch();
+    }
 }

@@ -95,4 +95,90 @@ impl Node {
             None => self.phase = Phase::Querying { since: self.now },
         }
     }
+
+    /// A joiner asks for this stage's summary.
+    pub(super) fn on_stage_query(&mut self, from: NodeId) {
+        if self.phase == Phase::Active && self.stage > 0 {
+            let members = self.members.len() as u32;
+            let summary = StageSummary {
+                stage: self.stage,
+                members,
+                throughput: members as f64 / self.compute_s.max(1e-9),
+            };
+            self.send(from, Msg::StageInfo { summary });
+        }
+    }
+
+    /// A stage's summary, for a joining node choosing its stage.
+    pub(super) fn on_stage_info(&mut self, from: NodeId, summary: StageSummary) {
+        self.learn(from, summary.stage);
+        self.stage_infos.insert(summary.stage, summary);
+    }
+
+    /// A joiner downloads this stage's state (with the member list).
+    pub(super) fn on_state_request(&mut self, from: NodeId) {
+        // The joiners served before (still downloading, or whose
+        // GroupJoin may have reached nobody alive) go with the member
+        // list: if every member this joiner hears of dies before it
+        // is done, it still knows them and does not coordinate a
+        // group of its own beside theirs (two groups of one stage
+        // committing the same iterations). A download longer than
+        // `e2e_timeout` is as good as gone.
+        let now = self.now;
+        let expiry = self.cfg.e2e_timeout;
+        let joiners = std::mem::take(&mut self.joiners);
+        self.joiners = joiners
+            .into_iter()
+            .filter(|&(j, t)| t + expiry > now && !self.members.contains(&j) && self.alive(j))
+            .collect();
+        let members = if self.joiners.is_empty() {
+            self.members.list()
+        } else {
+            let mut all: BTreeSet<NodeId> = self.members.iter().copied().collect();
+            all.extend(self.joiners.keys().copied());
+            Arc::new(all.into_iter().collect())
+        };
+        self.joiners.insert(from, now);
+        let bytes = self
+            .cfg
+            .stage_state_bytes
+            .get(self.stage as usize)
+            .copied()
+            .unwrap_or(0);
+        let version = self.version;
+        self.send(
+            from,
+            Msg::StateResponse {
+                version,
+                members,
+                bytes,
+            },
+        );
+    }
+
+    /// The state download is done: join the group.
+    pub(super) fn on_state_response(&mut self, version: (u32, u64), members: Arc<Vec<NodeId>>) {
+        if let Phase::Downloading { stage } = self.phase {
+            self.version = version;
+            if version != (0, 0) {
+                self.last_applied = Some(version.0);
+            }
+            // Members that joined us while we downloaded (a later
+            // joiner that took us for its coordinator) stay.
+            for &m in members.iter() {
+                self.members.insert(m);
+            }
+            self.members.insert(self.id);
+            // Keep only the views that matter to this stage.
+            let (ps, ns) = (self.prev_stage(), self.next_stage());
+            self.peers
+                .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
+            self.become_active();
+            if let Some(c) = self.coord {
+                if c != self.id {
+                    self.send(c, Msg::GroupJoin { stage });
+                }
+            }
+        }
+    }
 }

@@ -219,72 +219,6 @@ impl Node {
         }
     }
 
-    pub(super) fn peer_dead(&mut self, p: NodeId) {
-        if p == self.id {
-            return;
-        }
-        if !self.peers.contains_key(&p) {
-            let st = self.stage;
-            self.learn(p, st);
-        }
-        let peer = self.peers.get_mut(&p).unwrap();
-        if peer.dead {
-            return;
-        }
-        peer.dead = true;
-        peer.queued = 0;
-        if self.members.remove(&p) {
-            self.member_gone(p);
-        }
-        // Flows through the dead node.
-        let through: Vec<Label> = self
-            .flows
-            .iter()
-            .filter(|(_, f)| f.next == p || f.prev == p)
-            .map(|(l, _)| *l)
-            .collect();
-        for l in through {
-            let f = self.flows[&l].clone();
-            if f.next == p {
-                self.drop_flow(l, true, false);
-            } else {
-                self.drop_flow(l, false, true);
-            }
-        }
-        let pend: Vec<Label> = self
-            .pending
-            .iter()
-            .filter(|(_, r)| r.next == p)
-            .map(|(l, _)| *l)
-            .collect();
-        for l in pend {
-            self.retry_pending(l, p);
-        }
-        // Hops waiting for the dead node's ack.
-        let waiting: Vec<(MbId, bool)> = self
-            .outstanding
-            .iter()
-            .filter(|(_, o)| o.to == p)
-            .map(|(k, _)| *k)
-            .collect();
-        for (mb, back) in waiting {
-            self.ack_timeout(mb, back);
-        }
-        // Microbatches whose output went to the dead node and whose gradient
-        // has not come back: the forward or backward through it is broken.
-        if self.cfg.policy != Policy::Swarm {
-            let broken: Vec<MbId> = self
-                .snaps
-                .iter()
-                .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
-                .map(|(m, _)| *m)
-                .collect();
-            for mb in broken {
-                self.recover(mb, p, None);
-            }
-        }
-    }
-
     pub(super) fn member_gone(&mut self, p: NodeId) {
         self.members_changed = true;
         if self.coord == Some(self.id) {
@@ -356,5 +290,192 @@ impl Node {
         if let Some(x) = self.peers.get_mut(&p) {
             x.banned_until = now + ban;
         }
+    }
+
+    /// Any message is a sign of life: a member heard by its coordinator, a
+    /// peer heard (a suspected one was alive after all, unless it says
+    /// goodbye), the coordinator heard by a member.
+    pub(super) fn heard_from(&mut self, from: NodeId, goodbye: bool) {
+        if self.coord == Some(self.id) {
+            self.member_heard.insert(from, self.now);
+        }
+        if let Some(p) = self.peers.get_mut(&from) {
+            p.last_heard = self.now;
+            if p.dead && !goodbye {
+                // False suspicion: it is alive after all.
+                p.dead = false;
+            }
+        }
+        if Some(from) == self.coord {
+            self.last_coord_heard = self.now;
+        }
+    }
+
+    /// INTRODUCE: learns the peer, measures the RTT (an echo answers ours; a
+    /// first introduction is echoed) and probes the bandwidth on first contact.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_introduce(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        stage: Stage,
+        spare: u32,
+        compute_s: f64,
+        sent_at: Time,
+        echo: Option<Time>,
+    ) {
+        self.known_iter = self.known_iter.max(iter);
+        if stage != 0 {
+            self.iter_heard = true;
+        }
+        let now = self.now;
+        let a = self.cfg.ema_alpha;
+        let bytes = self.cfg.probe_bytes;
+        let p = self.learn(from, stage);
+        p.spare = spare;
+        p.compute_s = compute_s;
+        p.last_heard = now;
+        match echo {
+            Some(t0) => {
+                let rtt = to_secs(now.saturating_sub(t0));
+                p.lat = Self::ema(p.lat, rtt / 2.0, a);
+                // Bandwidth probe on first contact only; data hops
+                // keep the estimate fresh afterwards.
+                if p.bw.is_none() {
+                    self.send(
+                        from,
+                        Msg::Probe {
+                            bytes,
+                            sent_at: now,
+                        },
+                    );
+                }
+            }
+            None => {
+                let m = Msg::Introduce {
+                    iter: self.iter_hint(),
+                    stage: self.stage,
+                    spare: self.spare(),
+                    compute_s: self.compute_s,
+                    sent_at: now,
+                    echo: Some(sent_at),
+                };
+                self.send(from, m);
+            }
+        }
+        if stage == self.stage
+            && self.coord == Some(self.id)
+            && self.phase == Phase::Active
+            && self.members.insert(from)
+        {
+            self.members_changed = true;
+        }
+    }
+
+    /// The bandwidth probe came back: the transfer time beyond the RTT gives
+    /// the bandwidth.
+    pub(super) fn on_probe_ack(&mut self, from: NodeId, bytes: u64, sent_at: Time) {
+        let a = self.cfg.ema_alpha;
+        let now = self.now;
+        if let Some(p) = self.peers.get_mut(&from) {
+            let rtt = to_secs(now.saturating_sub(sent_at));
+            let lat = p.lat.unwrap_or(0.0);
+            let xfer = (rtt - 2.0 * lat).max(1e-4);
+            p.bw = Self::ema(p.bw, bytes as f64 / xfer, a);
+        }
+    }
+
+    /// A heartbeat: from the coordinator (with the member list when it
+    /// changed) or from a member.
+    pub(super) fn on_heartbeat(&mut self, from: NodeId, members: Option<Arc<Vec<NodeId>>>) {
+        if let Some(ms) = members {
+            if Some(from) == self.coord || from < self.coord.unwrap_or(NodeId::MAX) {
+                self.members.assign(&ms, self.id);
+                self.recompute_coord();
+            }
+        } else if self.coord != Some(self.id)
+            && self.phase == Phase::Active
+            && self.members.contains(&from)
+        {
+            // A member takes us for its coordinator (a joiner that
+            // reached us while our own coordinator was failing): tell
+            // it who is, so it does not suspect a live member and
+            // coordinate a group of its own.
+            let members = self.members.list();
+            self.send(
+                from,
+                Msg::Heartbeat {
+                    members: Some(members),
+                },
+            );
+        }
+    }
+
+    /// A node joins (or rejoins) this stage's group.
+    pub(super) fn on_group_join(&mut self, from: NodeId, stage: Stage) {
+        let st = self.stage;
+        if stage == st {
+            if let Some(p) = self.peers.get_mut(&from) {
+                p.dead = false;
+            }
+            self.member_heard.insert(from, self.now);
+            if self.members.insert(from) {
+                self.members_changed = true;
+            }
+            if self.coord == Some(self.id) && self.version.0 > 0 {
+                let (iter, version) = self.version;
+                self.send(from, Msg::Applied { iter, version });
+            }
+            self.recompute_coord();
+        }
+    }
+
+    /// Next-stage peers publish themselves (CHANGE) every gossip period;
+    /// one silent for three periods has left the view (like an expired DHT
+    /// record).
+    pub(super) fn expire_silent_next_stage(&mut self) {
+        let ns = self.next_stage();
+        // With a bounded fanout a peer reaches each of its upstream peers
+        // every ceil(view / fanout) rounds; three of those is the expiry.
+        let view = self
+            .peers
+            .values()
+            .filter(|p| p.stage == ns && !p.dead)
+            .count()
+            .max(1);
+        let rounds = view.div_ceil(self.cfg.gossip_fanout.max(1)).max(1) as Time;
+        let expiry = 3 * rounds * self.cfg.gossip_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        let expired: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.stage == ns && !p.dead && p.last_heard + expiry < now)
+            .map(|(id, _)| *id)
+            .collect();
+        for p in expired {
+            self.peer_dead(p);
+        }
+    }
+
+    /// Marks `p` dead (it leaves the group, and a coordinator is elected
+    /// again if it was ours); false when it is this node or already dead.
+    pub(super) fn mark_dead(&mut self, p: NodeId) -> bool {
+        if p == self.id {
+            return false;
+        }
+        if !self.peers.contains_key(&p) {
+            let st = self.stage;
+            self.learn(p, st);
+        }
+        let peer = self.peers.get_mut(&p).unwrap();
+        if peer.dead {
+            return false;
+        }
+        peer.dead = true;
+        peer.queued = 0;
+        if self.members.remove(&p) {
+            self.member_gone(p);
+        }
+        true
     }
 }

@@ -417,6 +417,18 @@ impl Node {
         l
     }
 
+    /// A peer is dead (suspected, expired, gone with a goodbye, or lost by
+    /// the transport): each part lets go of what went through it.
+    fn peer_dead(&mut self, p: NodeId) {
+        if !self.mark_dead(p) {
+            return;
+        }
+        self.release_flows_through(p);
+        self.hops_lost_to(p);
+        self.recover_hops_through(p);
+    }
+
+    /// The periodic work of an active node, part by part.
     fn tick(&mut self) {
         match self.phase.clone() {
             Phase::Querying { since } => {
@@ -433,28 +445,13 @@ impl Node {
             self.heartbeat();
         }
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
-        if self.cfg.policy == Policy::Gwtf
-            && self.gossip_dirty
-            && !gossip_tick
-            && self.tick_no % 3 == 0
-        {
-            self.gossip_dirty = false;
-            // Triggered update only when what we advertise really changed.
-            let now_costs = self.my_costs();
-            let changed = now_costs.len() != self.advertised.len()
-                || now_costs
-                    .iter()
-                    .zip(self.advertised.iter())
-                    .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
-            if changed {
-                self.gossip_costs(Some(now_costs));
-            }
+        if self.cfg.policy == Policy::Gwtf && !gossip_tick && self.tick_no % 3 == 0 {
+            self.triggered_gossip();
         }
         if gossip_tick {
             // Every policy keeps its upstream informed of liveness, compute
             // speed and capacity (SWARM peers publish their throughput);
             // GWTF adds its costs to the sinks.
-            self.gossip_dirty = false;
             self.gossip();
             if self.cfg.policy == Policy::Gwtf {
                 self.local_search();
@@ -465,91 +462,22 @@ impl Node {
             let cycle = 4 * hb * self.cfg.tick;
             self.introduce_all(Some(cycle));
         }
-        // Next-stage peers publish themselves (CHANGE) every gossip period;
-        // one silent for three periods has left the view (like an expired
-        // DHT record).
-        let ns = self.next_stage();
-        // With a bounded fanout a peer reaches each of its upstream peers
-        // every ceil(view / fanout) rounds; three of those is the expiry.
-        let view = self
-            .peers
-            .values()
-            .filter(|p| p.stage == ns && !p.dead)
-            .count()
-            .max(1);
-        let rounds = view.div_ceil(self.cfg.gossip_fanout.max(1)).max(1) as Time;
-        let expiry = 3 * rounds * self.cfg.gossip_ticks as Time * self.cfg.tick;
-        let now = self.now;
-        let expired: Vec<NodeId> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| p.stage == ns && !p.dead && p.last_heard + expiry < now)
-            .map(|(id, _)| *id)
-            .collect();
-        for p in expired {
-            self.peer_dead(p);
-        }
+        self.expire_silent_next_stage();
         if self.cfg.policy == Policy::Gwtf {
             self.flow_maintenance();
         }
-        // Stuck recoveries (looked for only when a microbatch got stuck
-        // since the last look).
-        let stuck: Vec<MbId> = if std::mem::take(&mut self.maybe_stuck) {
-            self.snaps
-                .iter()
-                .filter(|(_, s)| s.stuck)
-                .map(|(m, _)| *m)
-                .collect()
-        } else {
-            Vec::new()
-        };
-        for mb in stuck {
-            let dead = self.snaps[&mb].next.unwrap_or(self.id);
-            let (hint, redo) = (self.snaps[&mb].hint, self.snaps[&mb].grad_in);
-            self.snaps.get_mut(&mb).unwrap().stuck = false;
-            match (redo, hint) {
-                (true, Some(h)) => self.redo(mb, dead, h),
-                _ => self.recover(mb, dead, hint),
-            }
-        }
+        self.retry_stuck();
         if self.coord == Some(self.id) {
             self.coord_tick();
         }
         if self.stage == 0 {
-            // Last resort (both policies): a microbatch with no news for
-            // `e2e_timeout` is started again from here.
-            let e2e = self.cfg.e2e_timeout;
-            let now = self.now;
-            let late: Vec<(MbId, u32)> = self
-                .dh
-                .in_flight
-                .keys()
-                .filter_map(|mb| self.snaps.get(mb).map(|s| (*mb, s)))
-                .filter(|(_, s)| s.started + e2e <= now)
-                .map(|(mb, s)| (mb, s.attempt))
-                .collect();
-            for (mb, attempt) in late {
-                self.restart(mb, Some(attempt));
-            }
-            self.launch();
+            self.holder_tick();
         }
     }
 
     fn on_msg(&mut self, from: NodeId, msg: Msg) {
         if from != self.id {
-            if self.coord == Some(self.id) {
-                self.member_heard.insert(from, self.now);
-            }
-            if let Some(p) = self.peers.get_mut(&from) {
-                p.last_heard = self.now;
-                if p.dead && !matches!(msg, Msg::Goodbye) {
-                    // False suspicion: it is alive after all.
-                    p.dead = false;
-                }
-            }
-            if Some(from) == self.coord {
-                self.last_coord_heard = self.now;
-            }
+            self.heard_from(from, matches!(msg, Msg::Goodbye));
         }
         if self.phase == Phase::Left {
             return;
@@ -562,122 +490,17 @@ impl Node {
                 compute_s,
                 sent_at,
                 echo,
-            } => {
-                self.known_iter = self.known_iter.max(iter);
-                if stage != 0 {
-                    self.iter_heard = true;
-                }
-                let now = self.now;
-                let a = self.cfg.ema_alpha;
-                let bytes = self.cfg.probe_bytes;
-                let p = self.learn(from, stage);
-                p.spare = spare;
-                p.compute_s = compute_s;
-                p.last_heard = now;
-                match echo {
-                    Some(t0) => {
-                        let rtt = to_secs(now.saturating_sub(t0));
-                        p.lat = Self::ema(p.lat, rtt / 2.0, a);
-                        // Bandwidth probe on first contact only; data hops
-                        // keep the estimate fresh afterwards.
-                        if p.bw.is_none() {
-                            self.send(
-                                from,
-                                Msg::Probe {
-                                    bytes,
-                                    sent_at: now,
-                                },
-                            );
-                        }
-                    }
-                    None => {
-                        let m = Msg::Introduce {
-                            iter: self.iter_hint(),
-                            stage: self.stage,
-                            spare: self.spare(),
-                            compute_s: self.compute_s,
-                            sent_at: now,
-                            echo: Some(sent_at),
-                        };
-                        self.send(from, m);
-                    }
-                }
-                if stage == self.stage
-                    && self.coord == Some(self.id)
-                    && self.phase == Phase::Active
-                    && self.members.insert(from)
-                {
-                    self.members_changed = true;
-                }
-            }
+            } => self.on_introduce(from, iter, stage, spare, compute_s, sent_at, echo),
             Msg::Probe { bytes, sent_at } => self.send(from, Msg::ProbeAck { bytes, sent_at }),
-            Msg::ProbeAck { bytes, sent_at } => {
-                let a = self.cfg.ema_alpha;
-                let now = self.now;
-                if let Some(p) = self.peers.get_mut(&from) {
-                    let rtt = to_secs(now.saturating_sub(sent_at));
-                    let lat = p.lat.unwrap_or(0.0);
-                    let xfer = (rtt - 2.0 * lat).max(1e-4);
-                    p.bw = Self::ema(p.bw, bytes as f64 / xfer, a);
-                }
-            }
-            Msg::Heartbeat { members } => {
-                if let Some(ms) = members {
-                    if Some(from) == self.coord || from < self.coord.unwrap_or(NodeId::MAX) {
-                        self.members.assign(&ms, self.id);
-                        self.recompute_coord();
-                    }
-                } else if self.coord != Some(self.id)
-                    && self.phase == Phase::Active
-                    && self.members.contains(&from)
-                {
-                    // A member takes us for its coordinator (a joiner that
-                    // reached us while our own coordinator was failing): tell
-                    // it who is, so it does not suspect a live member and
-                    // coordinate a group of its own.
-                    let members = self.members.list();
-                    self.send(
-                        from,
-                        Msg::Heartbeat {
-                            members: Some(members),
-                        },
-                    );
-                }
-            }
+            Msg::ProbeAck { bytes, sent_at } => self.on_probe_ack(from, bytes, sent_at),
+            Msg::Heartbeat { members } => self.on_heartbeat(from, members),
             Msg::Goodbye => self.peer_dead(from),
-            Msg::GroupJoin { stage } => {
-                let st = self.stage;
-                if stage == st {
-                    if let Some(p) = self.peers.get_mut(&from) {
-                        p.dead = false;
-                    }
-                    self.member_heard.insert(from, self.now);
-                    if self.members.insert(from) {
-                        self.members_changed = true;
-                    }
-                    if self.coord == Some(self.id) && self.version.0 > 0 {
-                        let (iter, version) = self.version;
-                        self.send(from, Msg::Applied { iter, version });
-                    }
-                    self.recompute_coord();
-                }
-            }
+            Msg::GroupJoin { stage } => self.on_group_join(from, stage),
             Msg::Change {
                 spare,
                 compute_s,
                 costs,
-            } => {
-                let ns = self.next_stage();
-                let p = self.learn(from, ns);
-                p.spare = spare;
-                p.compute_s = compute_s;
-                // Only a material change (another sink set, or a cost moved
-                // by more than 2%) triggers our own update upstream.
-                if p.costs.material_change(&costs) {
-                    p.costs = SinkCosts::from_gossip(costs);
-                    self.gossip_dirty = true;
-                }
-            }
+            } => self.on_change(from, spare, compute_s, costs),
             Msg::FlowRequest {
                 label,
                 sink,
@@ -690,11 +513,7 @@ impl Node {
                 cost,
                 spare,
             } => self.on_flow_response(from, label, accept, cost, spare),
-            Msg::QueryFlows => {
-                let flows = self.flow_infos();
-                let spare = self.spare();
-                self.send(from, Msg::FlowTable { spare, flows });
-            }
+            Msg::QueryFlows => self.on_query_flows(from),
             Msg::FlowTable { spare, flows } => self.on_flow_table(from, spare, flows),
             Msg::ProposeSwap {
                 mine,
@@ -713,30 +532,10 @@ impl Node {
                 temperature,
             } => self.on_propose_redirect(from, yours, new_cost, temperature),
             Msg::RespondRedirect { accept, flow } => self.on_respond_redirect(from, accept, flow),
-            Msg::NotifySwitch { label, new_prev } => {
-                if let Some(f) = self.flows.get_mut(&label) {
-                    f.prev = new_prev;
-                }
-            }
-            Msg::NotifyRedirect { label, new_next } => {
-                if let Some(&inl) = self.out_index.get(&label) {
-                    if let Some(f) = self.flows.get_mut(&inl) {
-                        f.next = new_next;
-                    }
-                }
-            }
-            Msg::PushBack { label } => {
-                if let Some(&inl) = self.out_index.get(&label) {
-                    if self.flows.get(&inl).is_some_and(|f| f.next == from) {
-                        self.drop_flow(inl, true, false);
-                    }
-                }
-            }
-            Msg::Cancel { label } => {
-                if self.flows.get(&label).is_some_and(|f| f.prev == from) {
-                    self.drop_flow(label, false, true);
-                }
-            }
+            Msg::NotifySwitch { label, new_prev } => self.on_notify_switch(label, new_prev),
+            Msg::NotifyRedirect { label, new_next } => self.on_notify_redirect(label, new_next),
+            Msg::PushBack { label } => self.on_push_back(from, label),
+            Msg::Cancel { label } => self.on_cancel(from, label),
             Msg::Forward {
                 mb,
                 attempt,
@@ -765,48 +564,12 @@ impl Node {
                 attempt,
                 dead,
                 after,
-            } => {
-                self.peer_suspect(dead);
-                let ok = self
-                    .snaps
-                    .get(&mb)
-                    .is_some_and(|s| s.attempt == attempt && s.next == Some(dead) && !s.grad_in);
-                if ok {
-                    self.recover(mb, dead, Some(after));
-                }
-            }
-            Msg::Restart { mb, attempt } => {
-                self.restart(mb, attempt);
-                // An aggregate lost its contribution: tell that stage's
-                // coordinator we are alive and on it (queued restarts wait
-                // for a free in-flight slot, which can take long).
-                if attempt.is_none()
-                    && from != self.id
-                    && self.stage == 0
-                    && mb.holder == self.id
-                    && self.dh.iter == Some(mb.iter)
-                    && (self.dh.restarts.contains(&mb) || self.dh.in_flight.contains_key(&mb))
-                {
-                    self.send(from, Msg::Restarting { mb });
-                }
-            }
+            } => self.on_crash_notice(mb, attempt, dead, after),
+            Msg::Restart { mb, attempt } => self.on_restart_request(from, mb, attempt),
             Msg::Restarting { mb } => self.on_restarting(from, mb),
-            Msg::Redo { mb, dead, next } => {
-                if self.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
-                    self.redo(mb, dead, next);
-                } else if self.stage != 0 {
-                    // No snapshot left here: the holder restarts it.
-                    self.send(mb.holder, Msg::Restart { mb, attempt: None });
-                }
-            }
+            Msg::Redo { mb, dead, next } => self.on_redo(mb, dead, next),
             Msg::StartIter { iter, holders } => self.on_start_iter(iter, holders),
-            Msg::HolderDone { iter } => {
-                if let Some(b) = self.barrier.as_mut() {
-                    if b.iter == iter {
-                        b.done.insert(from);
-                    }
-                }
-            }
+            Msg::HolderDone { iter } => self.on_holder_done(from, iter),
             Msg::EndIter {
                 iter,
                 origin,
@@ -819,146 +582,22 @@ impl Node {
                 next,
             } => self.on_claim(from, iter, mb, prev, next),
             Msg::ClaimReply { mb, granted } => self.on_claim_reply(mb, granted),
-            Msg::Sync { iter, granted, end } => {
-                if self.coord == Some(self.id) {
-                    for (mb, prev, next) in granted {
-                        self.on_claim(from, iter, mb, prev, next);
-                    }
-                    if let Some((origin, holders)) = end {
-                        self.on_end_iter(from, iter, origin, holders);
-                    }
-                } else if self.phase == Phase::Active && from != self.id {
-                    // The member takes us for its coordinator: it saw ours
-                    // leave or die before we did (a Goodbye or a suspicion
-                    // can reach us later than its Sync). Dropping the Sync
-                    // would lose its grants: the new coordinator would take
-                    // its microbatches for missing and, at the holders'
-                    // stage, drop them. Kept until we take over (or stale).
-                    let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
-                    let now = self.now;
-                    self.early_syncs.retain(|(t, _, _)| t + keep >= now);
-                    // Bounded: a flood of syncs is not kept (a real group
-                    // sends one per member per coordinator change).
-                    if self.early_syncs.len() < MAX_EARLY_SYNCS {
-                        self.early_syncs
-                            .push((now, from, Msg::Sync { iter, granted, end }));
-                    }
-                }
-            }
+            Msg::Sync { iter, granted, end } => self.on_sync(from, iter, granted, end),
             Msg::Commit {
                 iter,
                 epoch,
                 members,
-            } => {
-                if self.last_commit == Some((iter, epoch)) {
-                    return;
-                }
-                self.last_commit = Some((iter, epoch));
-                self.acc.entry(iter).or_default();
-                let n = members.len() as u32;
-                let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
-                self.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
-            }
-            Msg::AggDone { iter, epoch } => {
-                if let Some(ci) = self.coord_iters.get_mut(&iter) {
-                    if ci.epoch == epoch && ci.commit.is_some() {
-                        ci.agg_done.insert(from);
-                    }
-                }
-                self.coord_check(iter);
-            }
+            } => self.on_commit(iter, epoch, members),
+            Msg::AggDone { iter, epoch } => self.on_agg_done(from, iter, epoch),
             Msg::Applied { iter, version } => self.on_applied(iter, version),
-            Msg::StageDone { iter, stage } => {
-                if let Some(b) = self.barrier.as_mut() {
-                    if b.iter == iter {
-                        b.stage_done.insert(stage);
-                    }
-                }
-                self.barrier_check();
-            }
+            Msg::StageDone { iter, stage } => self.on_stage_done(iter, stage),
             Msg::Finalize { .. } => {}
-            Msg::StageQuery => {
-                if self.phase == Phase::Active && self.stage > 0 {
-                    let members = self.members.len() as u32;
-                    let summary = StageSummary {
-                        stage: self.stage,
-                        members,
-                        throughput: members as f64 / self.compute_s.max(1e-9),
-                    };
-                    self.send(from, Msg::StageInfo { summary });
-                }
-            }
-            Msg::StageInfo { summary } => {
-                self.learn(from, summary.stage);
-                self.stage_infos.insert(summary.stage, summary);
-            }
-            Msg::StateRequest => {
-                // The joiners served before (still downloading, or whose
-                // GroupJoin may have reached nobody alive) go with the member
-                // list: if every member this joiner hears of dies before it
-                // is done, it still knows them and does not coordinate a
-                // group of its own beside theirs (two groups of one stage
-                // committing the same iterations). A download longer than
-                // `e2e_timeout` is as good as gone.
-                let now = self.now;
-                let expiry = self.cfg.e2e_timeout;
-                let joiners = std::mem::take(&mut self.joiners);
-                self.joiners = joiners
-                    .into_iter()
-                    .filter(|&(j, t)| {
-                        t + expiry > now && !self.members.contains(&j) && self.alive(j)
-                    })
-                    .collect();
-                let members = if self.joiners.is_empty() {
-                    self.members.list()
-                } else {
-                    let mut all: BTreeSet<NodeId> = self.members.iter().copied().collect();
-                    all.extend(self.joiners.keys().copied());
-                    Arc::new(all.into_iter().collect())
-                };
-                self.joiners.insert(from, now);
-                let bytes = self
-                    .cfg
-                    .stage_state_bytes
-                    .get(self.stage as usize)
-                    .copied()
-                    .unwrap_or(0);
-                let version = self.version;
-                self.send(
-                    from,
-                    Msg::StateResponse {
-                        version,
-                        members,
-                        bytes,
-                    },
-                );
-            }
+            Msg::StageQuery => self.on_stage_query(from),
+            Msg::StageInfo { summary } => self.on_stage_info(from, summary),
+            Msg::StateRequest => self.on_state_request(from),
             Msg::StateResponse {
                 version, members, ..
-            } => {
-                if let Phase::Downloading { stage } = self.phase {
-                    self.version = version;
-                    if version != (0, 0) {
-                        self.last_applied = Some(version.0);
-                    }
-                    // Members that joined us while we downloaded (a later
-                    // joiner that took us for its coordinator) stay.
-                    for &m in members.iter() {
-                        self.members.insert(m);
-                    }
-                    self.members.insert(self.id);
-                    // Keep only the views that matter to this stage.
-                    let (ps, ns) = (self.prev_stage(), self.next_stage());
-                    self.peers
-                        .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
-                    self.become_active();
-                    if let Some(c) = self.coord {
-                        if c != self.id {
-                            self.send(c, Msg::GroupJoin { stage });
-                        }
-                    }
-                }
-            }
+            } => self.on_state_response(version, members),
         }
     }
 }

@@ -140,4 +140,67 @@ impl Node {
             }
         }
     }
+
+    /// The node after `dead` reports it dead: re-send our stored output to a
+    /// replacement that passes it on to `after`.
+    pub(super) fn on_crash_notice(&mut self, mb: MbId, attempt: u32, dead: NodeId, after: NodeId) {
+        self.peer_suspect(dead);
+        let ok = self
+            .snaps
+            .get(&mb)
+            .is_some_and(|s| s.attempt == attempt && s.next == Some(dead) && !s.grad_in);
+        if ok {
+            self.recover(mb, dead, Some(after));
+        }
+    }
+
+    /// A coordinator asks to re-run stage of `dead` for `mb` from our stored
+    /// activation (the aggregate lost that contribution).
+    pub(super) fn on_redo(&mut self, mb: MbId, dead: NodeId, next: NodeId) {
+        if self.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
+            self.redo(mb, dead, next);
+        } else if self.stage != 0 {
+            // No snapshot left here: the holder restarts it.
+            self.send(mb.holder, Msg::Restart { mb, attempt: None });
+        }
+    }
+
+    /// Recoveries that found no replacement are tried again (looked for
+    /// only when a microbatch got stuck since the last look).
+    pub(super) fn retry_stuck(&mut self) {
+        let stuck: Vec<MbId> = if std::mem::take(&mut self.maybe_stuck) {
+            self.snaps
+                .iter()
+                .filter(|(_, s)| s.stuck)
+                .map(|(m, _)| *m)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for mb in stuck {
+            let dead = self.snaps[&mb].next.unwrap_or(self.id);
+            let (hint, redo) = (self.snaps[&mb].hint, self.snaps[&mb].grad_in);
+            self.snaps.get_mut(&mb).unwrap().stuck = false;
+            match (redo, hint) {
+                (true, Some(h)) => self.redo(mb, dead, h),
+                _ => self.recover(mb, dead, hint),
+            }
+        }
+    }
+
+    /// Microbatches whose output went to dead `p` and whose gradient has
+    /// not come back: the forward or backward through it is broken.
+    pub(super) fn recover_hops_through(&mut self, p: NodeId) {
+        if self.cfg.policy != Policy::Swarm {
+            let broken: Vec<MbId> = self
+                .snaps
+                .iter()
+                .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
+                .map(|(m, _)| *m)
+                .collect();
+            for mb in broken {
+                self.recover(mb, p, None);
+            }
+        }
+    }
 }

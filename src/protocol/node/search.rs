@@ -315,4 +315,11 @@ impl Node {
         );
         self.sa_temp *= self.cfg.sa_cooling;
     }
+
+    /// QUERY_FLOWS: answers with this node's flow table.
+    pub(super) fn on_query_flows(&mut self, from: NodeId) {
+        let flows = self.flow_infos();
+        let spare = self.spare();
+        self.send(from, Msg::FlowTable { spare, flows });
+    }
 }
