@@ -70,7 +70,7 @@ impl Node {
                 attempt,
             },
         );
-        if !backward && self.cfg.policy == Policy::Swarm {
+        if !backward && self.policy().counts_queues() {
             if let Some(p) = self.peers.get_mut(&to) {
                 p.queued += 1;
             }
@@ -162,7 +162,7 @@ impl Node {
         let o = self.clear_deadline((mb, backward)).unwrap();
         let a = self.cfg.ema_alpha;
         let delay = to_secs(self.now - o.sent_at);
-        let policy = self.cfg.policy;
+        let counts_queues = self.policy().counts_queues();
         if let Some(p) = self.peers.get_mut(&from) {
             p.ack = Self::ema(p.ack, delay, a);
             let lat = p.lat.unwrap_or(0.0);
@@ -170,7 +170,7 @@ impl Node {
             if bytes > 0 && o.bytes > 0 {
                 p.bw = Self::ema(p.bw, o.bytes as f64 / net, a);
             }
-            if !backward && policy == Policy::Swarm {
+            if !backward && counts_queues {
                 p.queued = p.queued.saturating_sub(1);
                 // Service time of one microbatch through this peer:
                 // transfer + its compute (queueing is what `queued` counts).

@@ -283,7 +283,7 @@ impl Node {
         let now = self.now;
         let timeout = self.cfg.redo_timeout;
         let stage = self.stage;
-        let policy = self.cfg.policy;
+        let reruns_stage = self.policy().reruns_crashed_stage();
         // The holders' stage: its live members (the holders still here).
         let live: BTreeSet<NodeId> = if stage == 0 {
             self.members
@@ -314,23 +314,23 @@ impl Node {
             }
             match l.level {
                 0 => {
-                    match (policy, l.prev, l.next) {
-                        (Policy::Swarm, _, _) | (_, None, _) | (_, _, None) => {
-                            sends.push((
-                                mb.holder,
-                                Msg::Restart {
-                                    mb: *mb,
-                                    attempt: None,
-                                },
-                            ));
-                        }
-                        (_, Some(prev), Some(next)) => {
+                    match (l.prev, l.next) {
+                        (Some(prev), Some(next)) if reruns_stage => {
                             sends.push((
                                 prev,
                                 Msg::Redo {
                                     mb: *mb,
                                     dead: l.dead,
                                     next,
+                                },
+                            ));
+                        }
+                        _ => {
+                            sends.push((
+                                mb.holder,
+                                Msg::Restart {
+                                    mb: *mb,
+                                    attempt: None,
                                 },
                             ));
                         }

@@ -207,7 +207,7 @@ impl Node {
     /// CHANGE to the upstream peers; `costs` when the caller has just
     /// computed `my_costs()` (the node's state has not changed since).
     pub(super) fn gossip_costs(&mut self, costs: Option<Vec<(NodeId, f64)>>) {
-        let costs: Arc<[(NodeId, f64)]> = if self.cfg.policy == Policy::Gwtf && self.stage > 0 {
+        let costs: Arc<[(NodeId, f64)]> = if self.policy().reserves_flows() && self.stage > 0 {
             costs.unwrap_or_else(|| self.my_costs()).into()
         } else {
             Arc::new([])

@@ -73,20 +73,12 @@ impl Node {
         }
         let Some(k) = self.dh.iter else { return };
         loop {
-            let limit = match self.cfg.policy {
-                // Microbatches ride on reserved flows when there are
-                // enough; the others (flows being rebuilt after a crash)
-                // are routed hop by hop by the gossiped costs.
-                Policy::Gwtf => self.cfg.max_in_flight as usize,
-                Policy::Optimal => {
-                    if self.plan.is_empty() {
-                        self.cfg.max_in_flight as usize
-                    } else {
-                        self.plan.len().min(self.cfg.max_in_flight as usize)
-                    }
-                }
-                Policy::Swarm => self.cfg.max_in_flight as usize,
-            };
+            // GWTF: microbatches ride on reserved flows when there are
+            // enough; the others (flows being rebuilt after a crash) are
+            // routed hop by hop by the gossiped costs.
+            let limit = self
+                .policy()
+                .in_flight_limit(self.cfg.max_in_flight as usize, &self.plan);
             if self.dh.in_flight.len() >= limit {
                 break;
             }
@@ -104,7 +96,7 @@ impl Node {
                 break;
             };
             // A free reserved flow (GWTF), or a planned path (optimal).
-            let label = if self.cfg.policy == Policy::Gwtf {
+            let label = if self.policy().reserves_flows() {
                 let busy: BTreeSet<Label> = self.dh.in_flight.values().flatten().copied().collect();
                 self.flows.keys().copied().find(|l| !busy.contains(l))
             } else {
@@ -121,11 +113,9 @@ impl Node {
                     break;
                 }
             }
-            let plan = if self.cfg.policy == Policy::Optimal && !self.plan.is_empty() {
-                Some(self.plan[self.dh.in_flight.len() % self.plan.len()].clone())
-            } else {
-                None
-            };
+            let plan = self
+                .policy()
+                .planned_path(&self.plan, self.dh.in_flight.len());
             self.dh.in_flight.insert(mb, label);
             let attempt = self.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
             let t = self.run(TaskKind::Embed, Some(mb), attempt);

@@ -115,7 +115,7 @@ impl Node {
         if let Some(label) = label {
             if !self.flows.contains_key(&label)
                 && !self.ghosts.contains_key(&label)
-                && self.cfg.policy == Policy::Gwtf
+                && self.policy().reserves_flows()
             {
                 // Unknown reservation: tell the sender to drop it.
                 self.send(from, Msg::PushBack { label });

@@ -445,7 +445,7 @@ impl Node {
             self.heartbeat();
         }
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
-        if self.cfg.policy == Policy::Gwtf && !gossip_tick && self.tick_no % 3 == 0 {
+        if self.policy().reserves_flows() && !gossip_tick && self.tick_no % 3 == 0 {
             self.triggered_gossip();
         }
         if gossip_tick {
@@ -453,7 +453,7 @@ impl Node {
             // speed and capacity (SWARM peers publish their throughput);
             // GWTF adds its costs to the sinks.
             self.gossip();
-            if self.cfg.policy == Policy::Gwtf {
+            if self.policy().reserves_flows() {
                 self.local_search();
                 self.reroute_flows();
             }
@@ -463,7 +463,7 @@ impl Node {
             self.introduce_all(Some(cycle));
         }
         self.expire_silent_next_stage();
-        if self.cfg.policy == Policy::Gwtf {
+        if self.policy().reserves_flows() {
             self.flow_maintenance();
         }
         self.retry_stuck();

@@ -13,7 +13,7 @@ impl Node {
             self.snaps.remove(&mb);
             return;
         }
-        if self.cfg.policy == Policy::Gwtf {
+        if self.policy().reserves_flows() {
             // Its reservations through the dead node are gone.
             let through: Vec<Label> = self
                 .flows
@@ -55,36 +55,33 @@ impl Node {
             // The holder is gone: its microbatch is dropped.
             return;
         }
-        match self.cfg.policy {
-            Policy::Swarm => {
-                // SWARM restarts the whole microbatch from its data holder.
-                let attempt = Some(self.snaps[&mb].attempt);
-                self.send(mb.holder, Msg::Restart { mb, attempt });
-            }
-            Policy::Gwtf | Policy::Optimal => {
-                let path = self.snaps[&mb].path.clone();
-                // The node before the dead one re-runs the dead node's stage
-                // on a replacement.
-                if my >= 2 && path.len() > my - 2 {
-                    let before = path[my - 2];
-                    if self.alive(before) || before == mb.holder {
-                        let attempt = self.snaps[&mb].attempt;
-                        self.send(
-                            before,
-                            Msg::CrashNotice {
-                                mb,
-                                attempt,
-                                dead,
-                                after: self.id,
-                            },
-                        );
-                        return;
-                    }
-                }
-                let attempt = Some(self.snaps[&mb].attempt);
-                self.send(mb.holder, Msg::Restart { mb, attempt });
+        if !self.policy().reruns_crashed_stage() {
+            // SWARM restarts the whole microbatch from its data holder.
+            let attempt = Some(self.snaps[&mb].attempt);
+            self.send(mb.holder, Msg::Restart { mb, attempt });
+            return;
+        }
+        let path = self.snaps[&mb].path.clone();
+        // The node before the dead one re-runs the dead node's stage
+        // on a replacement.
+        if my >= 2 && path.len() > my - 2 {
+            let before = path[my - 2];
+            if self.alive(before) || before == mb.holder {
+                let attempt = self.snaps[&mb].attempt;
+                self.send(
+                    before,
+                    Msg::CrashNotice {
+                        mb,
+                        attempt,
+                        dead,
+                        after: self.id,
+                    },
+                );
+                return;
             }
         }
+        let attempt = Some(self.snaps[&mb].attempt);
+        self.send(mb.holder, Msg::Restart { mb, attempt });
     }
 
     /// GWTF recovery: re-send this node's stored output for `mb` to a
@@ -191,7 +188,7 @@ impl Node {
     /// Microbatches whose output went to dead `p` and whose gradient has
     /// not come back: the forward or backward through it is broken.
     pub(super) fn recover_hops_through(&mut self, p: NodeId) {
-        if self.cfg.policy != Policy::Swarm {
+        if self.policy().reruns_crashed_stage() {
             let broken: Vec<MbId> = self
                 .snaps
                 .iter()

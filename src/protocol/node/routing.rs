@@ -1,5 +1,123 @@
-//! The next hop of one microbatch.
+//! The next hop of one microbatch, and what else the routing policies
+//! (GWTF, SWARM, centrally planned; docs/SPEC.md sections 3, 4 and 8)
+//! decide differently, behind one small trait: the rest of the node is the
+//! same for all three.
 use super::*;
+
+/// What a routing policy decides.
+pub(super) trait RoutingPolicy: Sync {
+    /// Reserves flows, gossips its costs to the sinks and runs the local
+    /// search (GWTF).
+    fn reserves_flows(&self) -> bool {
+        false
+    }
+    /// Counts the microbatches queued at each next hop and measures its
+    /// throughput (SWARM chooses the smallest expected finish time).
+    fn counts_queues(&self) -> bool {
+        false
+    }
+    /// A crashed stage is re-run alone, from the activation stored before
+    /// it and the gradient stored after it; otherwise (SWARM) the
+    /// microbatch restarts from its data holder.
+    fn reruns_crashed_stage(&self) -> bool {
+        true
+    }
+    /// Microbatches a holder keeps in flight, given its planned paths.
+    fn in_flight_limit(&self, max_in_flight: usize, _plan: &[Arc<Vec<NodeId>>]) -> usize {
+        max_in_flight
+    }
+    /// The planned path of the `n`-th microbatch in flight, if any.
+    fn planned_path(&self, _plan: &[Arc<Vec<NodeId>>], _n: usize) -> Option<Arc<Vec<NodeId>>> {
+        None
+    }
+    /// The next hop of `mb` (with its out label) when no hint applies.
+    fn next_hop(
+        &self,
+        node: &mut Node,
+        mb: MbId,
+        label: Option<Label>,
+        plan: Option<&Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, Option<Label>)>;
+}
+
+/// GWTF: reserved flows, cost gossip, stage-only crash recovery.
+struct Gwtf;
+
+impl RoutingPolicy for Gwtf {
+    fn reserves_flows(&self) -> bool {
+        true
+    }
+    fn next_hop(
+        &self,
+        node: &mut Node,
+        mb: MbId,
+        label: Option<Label>,
+        plan: Option<&Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, Option<Label>)> {
+        node.next_hop_by_cost(mb, label, plan, exclude)
+    }
+}
+
+/// SWARM: the next hop with the smallest expected finish time; a crash
+/// restarts the microbatch from its holder.
+struct Swarm;
+
+impl RoutingPolicy for Swarm {
+    fn counts_queues(&self) -> bool {
+        true
+    }
+    fn reruns_crashed_stage(&self) -> bool {
+        false
+    }
+    fn next_hop(
+        &self,
+        node: &mut Node,
+        _mb: MbId,
+        _label: Option<Label>,
+        _plan: Option<&Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, Option<Label>)> {
+        node.next_hop_by_queue(exclude)
+    }
+}
+
+/// Centrally planned (the optimal routing): the holders follow the paths
+/// of `Input::SetPlan`, at most one microbatch in flight per path.
+struct Planned;
+
+impl RoutingPolicy for Planned {
+    fn in_flight_limit(&self, max_in_flight: usize, plan: &[Arc<Vec<NodeId>>]) -> usize {
+        if plan.is_empty() {
+            max_in_flight
+        } else {
+            plan.len().min(max_in_flight)
+        }
+    }
+    fn planned_path(&self, plan: &[Arc<Vec<NodeId>>], n: usize) -> Option<Arc<Vec<NodeId>>> {
+        (!plan.is_empty()).then(|| plan[n % plan.len()].clone())
+    }
+    fn next_hop(
+        &self,
+        node: &mut Node,
+        mb: MbId,
+        label: Option<Label>,
+        plan: Option<&Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, Option<Label>)> {
+        node.next_hop_by_cost(mb, label, plan, exclude)
+    }
+}
+
+/// The policy of `p`.
+pub(super) fn routing_policy(p: Policy) -> &'static dyn RoutingPolicy {
+    match p {
+        Policy::Gwtf => &Gwtf,
+        Policy::Swarm => &Swarm,
+        Policy::Optimal => &Planned,
+    }
+}
 
 impl Node {
     /// Chooses the next hop of a microbatch; returns (node, label).
@@ -23,82 +141,102 @@ impl Node {
             }
             return Some((mb.holder, None));
         }
-        // Candidates: next hops not excluded (looked up one by one; the
-        // whole list is built only where all of them are compared).
-        let is_cand = |me: &Node, c: NodeId| {
-            !exclude.contains(&c) && me.peers.get(&c).is_some_and(|p| me.is_next_candidate(c, p))
-        };
         if let Some(h) = hint {
-            if is_cand(self, h) {
+            if self.is_candidate(h, exclude) {
                 return Some((h, None));
             }
         }
-        match self.cfg.policy {
-            Policy::Swarm => {
-                let cands: Vec<NodeId> = self
-                    .next_candidates()
-                    .into_iter()
-                    .filter(|c| !exclude.contains(c))
-                    .collect();
-                // Smallest expected finish time: queued work / throughput.
-                let mut best: Option<(f64, NodeId)> = None;
-                for c in cands {
-                    let p = &self.peers[&c];
-                    let thr = p.thr.unwrap_or(1.0 / p.compute_s.max(1e-6));
-                    let eta = (p.queued as f64 + 1.0) / thr.max(1e-9);
-                    if best.is_none_or(|b| eta < b.0) {
-                        best = Some((eta, c));
-                    }
-                }
-                best.map(|b| (b.1, None))
-            }
-            Policy::Optimal | Policy::Gwtf => {
-                if let Some(plan) = plan {
-                    let t = self.next_stage() as usize;
-                    if let Some(&n) = plan.get(t) {
-                        if is_cand(self, n) {
-                            return Some((n, None));
-                        }
-                    }
-                }
-                if let Some(l) = label {
-                    if let Some(f) = self.flows.get_mut(&l) {
-                        f.last_used = self.now;
-                        let (n, o) = (f.next, f.out_label);
-                        if is_cand(self, n) {
-                            return Some((n, Some(o)));
-                        }
-                    } else if let Some(&(n, o)) = self.ghosts.get(&l) {
-                        if is_cand(self, n) {
-                            return Some((n, Some(o)));
-                        }
-                    }
-                }
-                // No reservation: the cheapest next hop toward the sink,
-                // preferring peers with spare capacity.
-                let mut best: Option<(f64, NodeId)> = None;
-                for (&c, p) in &self.peers {
-                    if !self.is_next_candidate(c, p) || exclude.contains(&c) {
-                        continue;
-                    }
-                    let lc = self.link_cost_to(p);
-                    // cost_via(c, holder), from the entry at hand.
-                    let mut v = match p.costs.get(mb.holder) {
-                        Some(x) => lc + x,
-                        None => INF,
-                    };
-                    if v >= INF {
-                        v = lc + 1e6;
-                    }
-                    if p.spare == 0 {
-                        v += 1e3;
-                    }
-                    if best.is_none_or(|b| v < b.0) {
-                        best = Some((v, c));
-                    }
-                }
-                best.map(|b| (b.1, None))
+        self.policy().next_hop(self, mb, label, plan, exclude)
+    }
+
+    /// The routing policy this node runs.
+    pub(super) fn policy(&self) -> &'static dyn RoutingPolicy {
+        routing_policy(self.cfg.policy)
+    }
+
+    /// Whether `c` is a next hop candidate not in `exclude` (looked up
+    /// alone; the whole list is built only where all are compared).
+    fn is_candidate(&self, c: NodeId, exclude: &[NodeId]) -> bool {
+        !exclude.contains(&c)
+            && self
+                .peers
+                .get(&c)
+                .is_some_and(|p| self.is_next_candidate(c, p))
+    }
+
+    /// SWARM: the candidate with the smallest expected finish time.
+    fn next_hop_by_queue(&self, exclude: &[NodeId]) -> Option<(NodeId, Option<Label>)> {
+        let cands: Vec<NodeId> = self
+            .next_candidates()
+            .into_iter()
+            .filter(|c| !exclude.contains(c))
+            .collect();
+        // Smallest expected finish time: queued work / throughput.
+        let mut best: Option<(f64, NodeId)> = None;
+        for c in cands {
+            let p = &self.peers[&c];
+            let thr = p.thr.unwrap_or(1.0 / p.compute_s.max(1e-6));
+            let eta = (p.queued as f64 + 1.0) / thr.max(1e-9);
+            if best.is_none_or(|b| eta < b.0) {
+                best = Some((eta, c));
             }
         }
+        best.map(|b| (b.1, None))
+    }
+
+    /// GWTF and planned: the planned next hop, else the reserved flow's, else
+    /// the cheapest toward the holder by the gossiped costs.
+    fn next_hop_by_cost(
+        &mut self,
+        mb: MbId,
+        label: Option<Label>,
+        plan: Option<&Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, Option<Label>)> {
+        if let Some(plan) = plan {
+            let t = self.next_stage() as usize;
+            if let Some(&n) = plan.get(t) {
+                if self.is_candidate(n, exclude) {
+                    return Some((n, None));
+                }
+            }
+        }
+        if let Some(l) = label {
+            if let Some(f) = self.flows.get_mut(&l) {
+                f.last_used = self.now;
+                let (n, o) = (f.next, f.out_label);
+                if self.is_candidate(n, exclude) {
+                    return Some((n, Some(o)));
+                }
+            } else if let Some(&(n, o)) = self.ghosts.get(&l) {
+                if self.is_candidate(n, exclude) {
+                    return Some((n, Some(o)));
+                }
+            }
+        }
+        // No reservation: the cheapest next hop toward the sink,
+        // preferring peers with spare capacity.
+        let mut best: Option<(f64, NodeId)> = None;
+        for (&c, p) in &self.peers {
+            if !self.is_next_candidate(c, p) || exclude.contains(&c) {
+                continue;
+            }
+            let lc = self.link_cost_to(p);
+            // cost_via(c, holder), from the entry at hand.
+            let mut v = match p.costs.get(mb.holder) {
+                Some(x) => lc + x,
+                None => INF,
+            };
+            if v >= INF {
+                v = lc + 1e6;
+            }
+            if p.spare == 0 {
+                v += 1e3;
+            }
+            if best.is_none_or(|b| v < b.0) {
+                best = Some((v, c));
+            }
+        }
+        best.map(|b| (b.1, None))
     }
 }
