@@ -2,6 +2,13 @@
 //! adaptive ack deadlines; QUEUED notices for work waiting in a GPU queue.
 use super::*;
 
+/// Hops sent and not yet acknowledged, with their deadlines.
+#[derive(Debug, Default)]
+pub(super) struct AckTimers {
+    pub(super) deadlines: BTreeSet<(Time, Dl)>,
+    pub(super) outstanding: BTreeMap<(MbId, bool), Outstanding>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Dl {
     /// Ack of a hop of `mb` (backward or forward) not received.
@@ -19,16 +26,21 @@ pub(super) struct Outstanding {
 
 impl Node {
     pub(super) fn add_deadline(&mut self, key: (MbId, bool), o: Outstanding) {
-        if let Some(old) = self.outstanding.insert(key, o.clone()) {
-            self.deadlines
+        if let Some(old) = self.acks.outstanding.insert(key, o.clone()) {
+            self.acks
+                .deadlines
                 .remove(&(old.deadline, Dl::Ack(key.0, key.1)));
         }
-        self.deadlines.insert((o.deadline, Dl::Ack(key.0, key.1)));
+        self.acks
+            .deadlines
+            .insert((o.deadline, Dl::Ack(key.0, key.1)));
     }
 
     pub(super) fn clear_deadline(&mut self, key: (MbId, bool)) -> Option<Outstanding> {
-        let o = self.outstanding.remove(&key)?;
-        self.deadlines.remove(&(o.deadline, Dl::Ack(key.0, key.1)));
+        let o = self.acks.outstanding.remove(&key)?;
+        self.acks
+            .deadlines
+            .remove(&(o.deadline, Dl::Ack(key.0, key.1)));
         Some(o)
     }
 
@@ -122,7 +134,7 @@ impl Node {
         backward: bool,
         wait: Time,
     ) {
-        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
         if o.to != from || o.attempt != attempt {
@@ -153,7 +165,7 @@ impl Node {
         busy: Time,
         bytes: u64,
     ) {
-        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
         if o.to != from || o.attempt != attempt {
@@ -186,7 +198,7 @@ impl Node {
     /// late), the ack is not due yet: the deadline moves to the usual
     /// timeout after that busy period, by the bandwidth estimate.
     pub(super) fn ack_deadline(&mut self, mb: MbId, backward: bool) {
-        let Some(o) = self.outstanding.get(&(mb, backward)) else {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
         if let Some(p) = self.peers.get(&o.to) {
@@ -213,7 +225,12 @@ impl Node {
         if let Some(p) = self.peers.get_mut(&to) {
             p.queued = p.queued.saturating_sub(1);
         }
-        if self.snaps.get(&mb).is_none_or(|s| s.attempt != o.attempt) {
+        if self
+            .lifecycle
+            .snaps
+            .get(&mb)
+            .is_none_or(|s| s.attempt != o.attempt)
+        {
             return;
         }
         if backward {
@@ -226,6 +243,7 @@ impl Node {
     /// Hops waiting for dead `p`'s ack time out now.
     pub(super) fn hops_lost_to(&mut self, p: NodeId) {
         let waiting: Vec<(MbId, bool)> = self
+            .acks
             .outstanding
             .iter()
             .filter(|(_, o)| o.to == p)

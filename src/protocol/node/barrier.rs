@@ -17,7 +17,7 @@ pub(super) struct Barrier {
 
 impl Node {
     pub(super) fn barrier_tick(&mut self) {
-        if self.coord != Some(self.id) || self.stage != 0 {
+        if self.group.coord != Some(self.id) || self.stage != 0 {
             return;
         }
         if self.barrier.is_none() {
@@ -37,7 +37,8 @@ impl Node {
             }
             let first = self.iter_hint();
             let holders: Arc<Vec<NodeId>> = Arc::new(
-                self.members
+                self.group
+                    .members
                     .iter()
                     .copied()
                     .filter(|m| self.alive(*m))
@@ -89,7 +90,7 @@ impl Node {
             // Re-announce the iteration to holders that may have missed it.
             self.barrier.as_mut().unwrap().last_bcast = self.now;
             // To every member: those who joined meanwhile learn the iteration.
-            for h in self.members.clone() {
+            for h in self.group.members.clone() {
                 if self.alive(h) && !b.done.contains(&h) {
                     self.send(
                         h,
@@ -105,7 +106,7 @@ impl Node {
 
     pub(super) fn bcast_end(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
         let me = self.id;
-        for m in self.members.clone() {
+        for m in self.group.members.clone() {
             self.send(
                 m,
                 Msg::EndIter {
@@ -118,7 +119,7 @@ impl Node {
     }
 
     pub(super) fn barrier_check(&mut self) {
-        if self.coord != Some(self.id) || self.stage != 0 {
+        if self.group.coord != Some(self.id) || self.stage != 0 {
             return;
         }
         let Some(b) = self.barrier.clone() else {
@@ -128,7 +129,7 @@ impl Node {
             let waiting = b
                 .participants
                 .iter()
-                .any(|h| self.alive(*h) && self.members.contains(h) && !b.done.contains(h));
+                .any(|h| self.alive(*h) && self.group.members.contains(h) && !b.done.contains(h));
             if waiting {
                 return;
             }
@@ -154,7 +155,8 @@ impl Node {
             });
             let next = b.iter + 1;
             let holders: Arc<Vec<NodeId>> = Arc::new(
-                self.members
+                self.group
+                    .members
                     .iter()
                     .copied()
                     .filter(|m| self.alive(*m))

@@ -2,6 +2,18 @@
 //! an iteration, commits, aggregation done, recomputation of lost grants.
 use super::*;
 
+/// The coordinator's state (when this node coordinates its stage).
+#[derive(Debug, Default)]
+pub(super) struct Coordinator {
+    pub(super) coord_iters: BTreeMap<u32, CoordIter>,
+    /// When each member was last heard from.
+    pub(super) member_heard: BTreeMap<NodeId, Time>,
+    /// Syncs that reached this node before it knew it coordinates (a
+    /// member saw the old coordinator leave or die first): (when, from,
+    /// message), replayed once it takes over.
+    pub(super) early_syncs: Vec<(Time, NodeId, Msg)>,
+}
+
 #[derive(Clone, Debug)]
 pub(super) struct Lost {
     pub(super) prev: Option<NodeId>,
@@ -34,10 +46,10 @@ impl Node {
             "node {} stage {} coord {:?} members {}",
             self.id,
             self.stage,
-            self.coord,
-            self.members.len()
+            self.group.coord,
+            self.group.members.len()
         );
-        for (k, ci) in &self.coord_iters {
+        for (k, ci) in &self.coordinating.coord_iters {
             let exp = ci.end.as_ref().map(|e| self.expected(*k, &e.1));
             let missing: Vec<MbId> = exp
                 .unwrap_or_default()
@@ -67,9 +79,9 @@ impl Node {
         prev: NodeId,
         next: NodeId,
     ) {
-        if self.coord != Some(self.id) {
+        if self.group.coord != Some(self.id) {
             // Not the coordinator (any more): tell the member who is.
-            let members = self.members.list();
+            let members = self.group.members.list();
             self.send(
                 from,
                 Msg::Heartbeat {
@@ -86,10 +98,10 @@ impl Node {
         // (its claim can overtake its GroupJoin). Every grant's owner must
         // be in the group, or a commit would leave its gradient out of the
         // all-reduce while counting its microbatch in.
-        if from != self.id && self.members.insert(from) {
-            self.members_changed = true;
+        if from != self.id && self.group.members.insert(from) {
+            self.group.members_changed = true;
         }
-        let ci = self.coord_iters.entry(iter).or_default();
+        let ci = self.coordinating.coord_iters.entry(iter).or_default();
         let granted = if ci.applied || ci.commit.is_some() || ci.dropped.contains(&mb) {
             ci.granted.get(&mb).is_some_and(|g| g.0 == from)
         } else {
@@ -156,7 +168,7 @@ impl Node {
                     );
                 }
             }
-            if let Some(c) = self.coord {
+            if let Some(c) = self.group.coord {
                 if c != self.id {
                     self.send(
                         c,
@@ -169,9 +181,9 @@ impl Node {
                 }
             }
         }
-        if self.coord == Some(self.id) {
+        if self.group.coord == Some(self.id) {
             let now = self.now;
-            let ci = self.coord_iters.entry(iter).or_default();
+            let ci = self.coordinating.coord_iters.entry(iter).or_default();
             if ci.applied {
                 let st = self.stage;
                 self.send(origin, Msg::StageDone { iter, stage: st });
@@ -204,9 +216,9 @@ impl Node {
     /// Coordinator: a member is gone; its contributions not yet applied are lost.
     pub(super) fn coord_member_dead(&mut self, p: NodeId) {
         let now = self.now;
-        let iters: Vec<u32> = self.coord_iters.keys().copied().collect();
+        let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
         for k in iters {
-            let ci = self.coord_iters.get_mut(&k).unwrap();
+            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
             if ci.applied {
                 continue;
             }
@@ -260,11 +272,11 @@ impl Node {
     /// holder that stops answering is taken for dead and its microbatch is
     /// dropped after the usual escalation).
     pub(super) fn on_restarting(&mut self, from: NodeId, mb: MbId) {
-        if self.coord != Some(self.id) || from != mb.holder {
+        if self.group.coord != Some(self.id) || from != mb.holder {
             return;
         }
         let now = self.now;
-        let Some(ci) = self.coord_iters.get_mut(&mb.iter) else {
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&mb.iter) else {
             return;
         };
         if ci.applied || ci.commit.is_some() {
@@ -286,7 +298,8 @@ impl Node {
         let reruns_stage = self.policy().reruns_crashed_stage();
         // The holders' stage: its live members (the holders still here).
         let live: BTreeSet<NodeId> = if stage == 0 {
-            self.members
+            self.group
+                .members
                 .iter()
                 .copied()
                 .filter(|&m| self.alive(m))
@@ -295,7 +308,7 @@ impl Node {
             BTreeSet::new()
         };
         let alive = |h: NodeId| live.contains(&h);
-        let Some(ci) = self.coord_iters.get_mut(&iter) else {
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
         let mut sends: Vec<(NodeId, Msg)> = Vec::new();
@@ -365,14 +378,14 @@ impl Node {
     }
 
     pub(super) fn coord_tick(&mut self) {
-        let iters: Vec<u32> = self.coord_iters.keys().copied().collect();
+        let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
         let now = self.now;
         let timeout = self.cfg.redo_timeout;
         for k in iters {
             // Expected microbatches never claimed (their node died before it
             // could claim and the data path did not recover them in time).
             let missing: Vec<MbId> = {
-                let ci = &self.coord_iters[&k];
+                let ci = &self.coordinating.coord_iters[&k];
                 if ci.applied || ci.commit.is_some() {
                     Vec::new()
                 } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
@@ -389,7 +402,7 @@ impl Node {
                     Vec::new()
                 }
             };
-            let ci = self.coord_iters.get_mut(&k).unwrap();
+            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
             for &mb in &missing {
                 ci.lost.insert(
                     mb,
@@ -430,12 +443,12 @@ impl Node {
 
     /// Coordinator: commit when complete, apply when every member aggregated.
     pub(super) fn coord_check(&mut self, iter: u32) {
-        if self.coord != Some(self.id) {
+        if self.group.coord != Some(self.id) {
             return;
         }
         if self.last_applied.is_some_and(|a| a >= iter) {
             // Applied under an earlier coordinator: only confirm.
-            let ci = self.coord_iters.entry(iter).or_default();
+            let ci = self.coordinating.coord_iters.entry(iter).or_default();
             ci.applied = true;
             if let Some((origin, _)) = ci.end.clone() {
                 let st = self.stage;
@@ -443,7 +456,7 @@ impl Node {
             }
             return;
         }
-        let Some(ci) = self.coord_iters.get(&iter) else {
+        let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
             return;
         };
         if ci.applied {
@@ -461,12 +474,13 @@ impl Node {
                 return;
             }
             let members: BTreeSet<NodeId> = self
+                .group
                 .members
                 .iter()
                 .copied()
                 .filter(|m| self.alive(*m))
                 .collect();
-            let ci = self.coord_iters.get_mut(&iter).unwrap();
+            let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
             // Epochs are unique across coordinators.
             ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);
             ci.agg_done.clear();
@@ -485,7 +499,7 @@ impl Node {
             }
             return;
         }
-        let ci = &self.coord_iters[&iter];
+        let ci = &self.coordinating.coord_iters[&iter];
         let commit = ci.commit.as_ref().unwrap();
         if !commit
             .iter()
@@ -502,7 +516,7 @@ impl Node {
         }
         let mbs: Vec<(MbId, NodeId)> = ci.granted.iter().map(|(m, g)| (*m, g.0)).collect();
         let dropped: Vec<MbId> = ci.dropped.iter().copied().collect();
-        let ci = self.coord_iters.get_mut(&iter).unwrap();
+        let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
         ci.applied = true;
         let st = self.stage;
         self.event(Event::StageCommitted {
@@ -511,7 +525,7 @@ impl Node {
             mbs: Arc::new(mbs),
             dropped,
         });
-        for m in self.members.clone() {
+        for m in self.group.members.clone() {
             self.send(m, Msg::Applied { iter, version: h });
         }
         self.send(origin, Msg::StageDone { iter, stage: st });
@@ -523,7 +537,7 @@ impl Node {
         }
         self.version = (iter, version);
         self.last_applied = Some(self.last_applied.map_or(iter, |a| a.max(iter)));
-        if let Some(ci) = self.coord_iters.get_mut(&iter) {
+        if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             ci.applied = true;
         }
         let st = self.stage;
@@ -532,7 +546,7 @@ impl Node {
             iter,
             version,
         });
-        self.acc.retain(|k, _| *k > iter);
+        self.member.acc.retain(|k, _| *k > iter);
     }
 
     /// A member's contributions, sent to a new coordinator.
@@ -543,7 +557,7 @@ impl Node {
         granted: Vec<(MbId, NodeId, NodeId)>,
         end: Option<(NodeId, Arc<Vec<NodeId>>)>,
     ) {
-        if self.coord == Some(self.id) {
+        if self.group.coord == Some(self.id) {
             for (mb, prev, next) in granted {
                 self.on_claim(from, iter, mb, prev, next);
             }
@@ -559,11 +573,14 @@ impl Node {
             // stage, drop them. Kept until we take over (or stale).
             let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
             let now = self.now;
-            self.early_syncs.retain(|(t, _, _)| t + keep >= now);
+            self.coordinating
+                .early_syncs
+                .retain(|(t, _, _)| t + keep >= now);
             // Bounded: a flood of syncs is not kept (a real group
             // sends one per member per coordinator change).
-            if self.early_syncs.len() < MAX_EARLY_SYNCS {
-                self.early_syncs
+            if self.coordinating.early_syncs.len() < MAX_EARLY_SYNCS {
+                self.coordinating
+                    .early_syncs
                     .push((now, from, Msg::Sync { iter, granted, end }));
             }
         }
@@ -571,7 +588,7 @@ impl Node {
 
     /// A member finished its part of the all-reduce of `iter`.
     pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64) {
-        if let Some(ci) = self.coord_iters.get_mut(&iter) {
+        if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             if ci.epoch == epoch && ci.commit.is_some() {
                 ci.agg_done.insert(from);
             }

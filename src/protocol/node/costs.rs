@@ -2,6 +2,27 @@
 //! costs to the sinks (section 4).
 use super::*;
 
+/// What this node last told upstream (CHANGE).
+#[derive(Debug)]
+pub(super) struct CostGossip {
+    /// Costs last gossiped upstream.
+    pub(super) advertised: Arc<[(NodeId, f64)]>,
+    /// Round robin position over the upstream peers (bounded fanout).
+    pub(super) gossip_round: usize,
+    /// Downstream costs changed: gossip at the next tick (triggered update).
+    pub(super) gossip_dirty: bool,
+}
+
+impl Default for CostGossip {
+    fn default() -> CostGossip {
+        CostGossip {
+            advertised: Arc::new([]),
+            gossip_round: Default::default(),
+            gossip_dirty: Default::default(),
+        }
+    }
+}
+
 /// The next entry of one candidate's cost list in `my_costs`' merge
 /// (ordered for a min-heap on (cost through the candidate, sink, list)).
 pub(super) struct MergeHead {
@@ -200,7 +221,7 @@ impl Node {
 
     /// The periodic CHANGE (it makes a pending triggered update moot).
     pub(super) fn gossip(&mut self) {
-        self.gossip_dirty = false;
+        self.cost_gossip.gossip_dirty = false;
         self.gossip_costs(None)
     }
 
@@ -212,7 +233,7 @@ impl Node {
         } else {
             Arc::new([])
         };
-        self.advertised = costs.clone();
+        self.cost_gossip.advertised = costs.clone();
         let spare = self.spare();
         let ps = self.prev_stage();
         let ups: Vec<NodeId> = self
@@ -228,13 +249,13 @@ impl Node {
         if ups.len() <= fan {
             targets.extend(ups.iter().copied());
         } else {
-            let start = self.gossip_round % ups.len();
+            let start = self.cost_gossip.gossip_round % ups.len();
             for i in 0..fan {
                 targets.insert(ups[(start + i) % ups.len()]);
             }
-            self.gossip_round = (start + fan) % ups.len();
+            self.cost_gossip.gossip_round = (start + fan) % ups.len();
         }
-        for f in self.flows.values() {
+        for f in self.reservations.flows.values() {
             if f.prev != self.id {
                 targets.insert(f.prev);
             }
@@ -272,7 +293,7 @@ impl Node {
         // by more than 2%) triggers our own update upstream.
         if p.costs.material_change(&costs) {
             p.costs = SinkCosts::from_gossip(costs);
-            self.gossip_dirty = true;
+            self.cost_gossip.gossip_dirty = true;
         }
     }
 
@@ -280,15 +301,15 @@ impl Node {
     /// gossip; a CHANGE goes upstream only when what this node advertises
     /// really changed.
     pub(super) fn triggered_gossip(&mut self) {
-        if !self.gossip_dirty {
+        if !self.cost_gossip.gossip_dirty {
             return;
         }
-        self.gossip_dirty = false;
+        self.cost_gossip.gossip_dirty = false;
         let now_costs = self.my_costs();
-        let changed = now_costs.len() != self.advertised.len()
+        let changed = now_costs.len() != self.cost_gossip.advertised.len()
             || now_costs
                 .iter()
-                .zip(self.advertised.iter())
+                .zip(self.cost_gossip.advertised.iter())
                 .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
         if changed {
             self.gossip_costs(Some(now_costs));

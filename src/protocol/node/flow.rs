@@ -3,6 +3,37 @@
 //! next hop.
 use super::*;
 
+/// The flow reservations through this node (GWTF).
+#[derive(Debug)]
+pub(super) struct Reservations {
+    /// Reserved flows, by in label.
+    pub(super) flows: BTreeMap<Label, FlowEntry>,
+    /// The in label of the flow that goes out on each out label.
+    pub(super) out_index: BTreeMap<Label, Label>,
+    /// Flows redirected away, by in label (next hop, out label): microbatches
+    /// already on them still pass, until the iteration is final.
+    pub(super) ghosts: BTreeMap<Label, (NodeId, Label)>,
+    /// Requests waiting for the next hop's answer, by out label.
+    pub(super) pending: BTreeMap<Label, PendingReq>,
+    pub(super) next_label: u64,
+    /// Holder: EMA of the observed round trip (launch to gradient back) of a
+    /// microbatch on each of its reserved flows, in seconds.
+    pub(super) flow_rtt: BTreeMap<Label, f64>,
+}
+
+impl Default for Reservations {
+    fn default() -> Reservations {
+        Reservations {
+            next_label: 1,
+            flows: Default::default(),
+            out_index: Default::default(),
+            ghosts: Default::default(),
+            pending: Default::default(),
+            flow_rtt: Default::default(),
+        }
+    }
+}
+
 /// One reserved flow through this node (GWTF).
 #[derive(Clone, Debug)]
 pub(super) struct FlowEntry {
@@ -35,7 +66,13 @@ pub(super) struct PendingReq {
 impl Node {
     pub(super) fn spare(&self) -> u32 {
         // A pending reroute belongs to a flow already counted.
-        let used = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
+        let used = self.reservations.flows.len()
+            + self
+                .reservations
+                .pending
+                .values()
+                .filter(|r| !r.reroute)
+                .count();
         self.capacity.saturating_sub(used as u32)
     }
 
@@ -43,13 +80,14 @@ impl Node {
         let now = self.now;
         // Expired reservations.
         let expired: Vec<Label> = self
+            .reservations
             .pending
             .iter()
             .filter(|(_, r)| r.expires <= now)
             .map(|(l, _)| *l)
             .collect();
         for l in expired {
-            let r = self.pending.remove(&l).unwrap();
+            let r = self.reservations.pending.remove(&l).unwrap();
             if r.reroute {
                 continue;
             }
@@ -68,6 +106,7 @@ impl Node {
         // Idle flows.
         let idle = self.cfg.flow_idle_expiry_ticks as Time * self.cfg.tick;
         let stale: Vec<Label> = self
+            .reservations
             .flows
             .iter()
             .filter(|(_, f)| f.last_used + idle < now)
@@ -79,12 +118,18 @@ impl Node {
         // Holders reserve flows up to their in-flight bound (one request
         // per missing unit, each toward the best next hop with spare room).
         if self.stage == 0 {
-            let have = self.flows.len() + self.pending.values().filter(|r| !r.reroute).count();
+            let have = self.reservations.flows.len()
+                + self
+                    .reservations
+                    .pending
+                    .values()
+                    .filter(|r| !r.reroute)
+                    .count();
             for _ in have..self.cfg.max_in_flight as usize {
                 if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
                     let label = self.new_label();
                     let expected = c - self.link_cost(j);
-                    self.pending.insert(
+                    self.reservations.pending.insert(
                         label,
                         PendingReq {
                             in_label: None,
@@ -131,11 +176,11 @@ impl Node {
     /// accepted is the old one cancelled, so the flow always has a path.
     /// Only local knowledge is used: own link costs and gossiped costs.
     pub(super) fn reroute_flows(&mut self) {
-        if self.stage == self.s() || self.pending.values().any(|r| r.reroute) {
+        if self.stage == self.s() || self.reservations.pending.values().any(|r| r.reroute) {
             return;
         }
         let mut best: Option<(f64, Label, NodeId, f64)> = None;
-        for f in self.flows.values() {
+        for f in self.reservations.flows.values() {
             let cur = self.cost_via(f.next, f.sink);
             if cur >= INF {
                 continue;
@@ -149,9 +194,9 @@ impl Node {
             }
         }
         let Some((_, inl, j, c)) = best else { return };
-        let f = self.flows[&inl].clone();
+        let f = self.reservations.flows[&inl].clone();
         let out = self.new_label();
-        self.pending.insert(
+        self.reservations.pending.insert(
             out,
             PendingReq {
                 in_label: Some(f.in_label),
@@ -184,29 +229,32 @@ impl Node {
     /// the flow is gone or the new segment is no longer cheaper (then the
     /// new one is cancelled instead).
     pub(super) fn finish_reroute(&mut self, r: PendingReq, out: Label, next: NodeId) {
-        let keep = r.in_label.and_then(|inl| self.flows.get(&inl)).filter(|f| {
-            f.sink == r.sink
-                && f.next != next
-                && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
-        });
+        let keep = r
+            .in_label
+            .and_then(|inl| self.reservations.flows.get(&inl))
+            .filter(|f| {
+                f.sink == r.sink
+                    && f.next != next
+                    && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
+            });
         let Some(f) = keep.cloned() else {
             self.send(next, Msg::Cancel { label: out });
             return;
         };
-        self.out_index.remove(&f.out_label);
+        self.reservations.out_index.remove(&f.out_label);
         self.send(f.next, Msg::Cancel { label: f.out_label });
-        let e = self.flows.get_mut(&f.in_label).unwrap();
+        let e = self.reservations.flows.get_mut(&f.in_label).unwrap();
         e.next = next;
         e.out_label = out;
-        self.out_index.insert(out, f.in_label);
+        self.reservations.out_index.insert(out, f.in_label);
     }
 
     /// Removes a flow entry; tells upstream (PushBack) and/or downstream (Cancel).
     pub(super) fn drop_flow(&mut self, in_label: Label, upstream: bool, downstream: bool) {
-        let Some(f) = self.flows.remove(&in_label) else {
+        let Some(f) = self.reservations.flows.remove(&in_label) else {
             return;
         };
-        self.out_index.remove(&f.out_label);
+        self.reservations.out_index.remove(&f.out_label);
         if upstream && f.prev != self.id {
             self.send(f.prev, Msg::PushBack { label: f.in_label });
         }
@@ -216,8 +264,8 @@ impl Node {
     }
 
     pub(super) fn insert_flow(&mut self, f: FlowEntry) {
-        self.out_index.insert(f.out_label, f.in_label);
-        self.flows.insert(f.in_label, f);
+        self.reservations.out_index.insert(f.out_label, f.in_label);
+        self.reservations.flows.insert(f.in_label, f);
     }
 
     pub(super) fn on_flow_request(
@@ -280,7 +328,7 @@ impl Node {
         }
         let out = self.new_label();
         let expected_next = c - self.link_cost(j);
-        self.pending.insert(
+        self.reservations.pending.insert(
             out,
             PendingReq {
                 in_label: Some(label),
@@ -316,7 +364,7 @@ impl Node {
         spare: u32,
     ) {
         let ns = self.next_stage();
-        let sink_known = self.pending.get(&label).map(|r| r.sink);
+        let sink_known = self.reservations.pending.get(&label).map(|r| r.sink);
         {
             let p = self.learn(from, ns);
             p.spare = spare;
@@ -330,7 +378,7 @@ impl Node {
                 }
             }
         }
-        let Some(r) = self.pending.remove(&label) else {
+        let Some(r) = self.reservations.pending.remove(&label) else {
             if accept {
                 self.send(from, Msg::Cancel { label });
             }
@@ -373,14 +421,14 @@ impl Node {
                 }
             }
         } else {
-            self.pending.insert(label, r);
+            self.reservations.pending.insert(label, r);
             self.retry_pending(label, from);
         }
     }
 
     /// A downstream candidate refused or died: try another, or give up.
     pub(super) fn retry_pending(&mut self, label: Label, failed: NodeId) {
-        let Some(mut r) = self.pending.remove(&label) else {
+        let Some(mut r) = self.reservations.pending.remove(&label) else {
             return;
         };
         if r.reroute {
@@ -396,7 +444,7 @@ impl Node {
                 r.next = j;
                 let expected = c - self.link_cost(j);
                 let (sink, cfs) = (r.sink, r.cost_from_source);
-                self.pending.insert(label, r);
+                self.reservations.pending.insert(label, r);
                 self.send(
                     j,
                     Msg::FlowRequest {
@@ -426,15 +474,15 @@ impl Node {
 
     /// The upstream end of flow `label` moved to `new_prev` (a swap).
     pub(super) fn on_notify_switch(&mut self, label: Label, new_prev: NodeId) {
-        if let Some(f) = self.flows.get_mut(&label) {
+        if let Some(f) = self.reservations.flows.get_mut(&label) {
             f.prev = new_prev;
         }
     }
 
     /// The downstream end of our flow out on `label` moved to `new_next`.
     pub(super) fn on_notify_redirect(&mut self, label: Label, new_next: NodeId) {
-        if let Some(&inl) = self.out_index.get(&label) {
-            if let Some(f) = self.flows.get_mut(&inl) {
+        if let Some(&inl) = self.reservations.out_index.get(&label) {
+            if let Some(f) = self.reservations.flows.get_mut(&inl) {
                 f.next = new_next;
             }
         }
@@ -442,8 +490,13 @@ impl Node {
 
     /// The next hop dropped our reservation `label`.
     pub(super) fn on_push_back(&mut self, from: NodeId, label: Label) {
-        if let Some(&inl) = self.out_index.get(&label) {
-            if self.flows.get(&inl).is_some_and(|f| f.next == from) {
+        if let Some(&inl) = self.reservations.out_index.get(&label) {
+            if self
+                .reservations
+                .flows
+                .get(&inl)
+                .is_some_and(|f| f.next == from)
+            {
                 self.drop_flow(inl, true, false);
             }
         }
@@ -451,7 +504,12 @@ impl Node {
 
     /// The previous hop released its reservation `label` with us.
     pub(super) fn on_cancel(&mut self, from: NodeId, label: Label) {
-        if self.flows.get(&label).is_some_and(|f| f.prev == from) {
+        if self
+            .reservations
+            .flows
+            .get(&label)
+            .is_some_and(|f| f.prev == from)
+        {
             self.drop_flow(label, false, true);
         }
     }
@@ -460,13 +518,14 @@ impl Node {
     /// reservations waiting for its answer try another next hop.
     pub(super) fn release_flows_through(&mut self, p: NodeId) {
         let through: Vec<Label> = self
+            .reservations
             .flows
             .iter()
             .filter(|(_, f)| f.next == p || f.prev == p)
             .map(|(l, _)| *l)
             .collect();
         for l in through {
-            let f = self.flows[&l].clone();
+            let f = self.reservations.flows[&l].clone();
             if f.next == p {
                 self.drop_flow(l, true, false);
             } else {
@@ -474,6 +533,7 @@ impl Node {
             }
         }
         let pend: Vec<Label> = self
+            .reservations
             .pending
             .iter()
             .filter(|(_, r)| r.next == p)

@@ -2,6 +2,18 @@
 //! granted contributions, syncs to a new coordinator.
 use super::*;
 
+/// This node as a member of its stage group.
+#[derive(Debug, Default)]
+pub(super) struct GroupMember {
+    /// Contributions claimed and granted, by iteration.
+    pub(super) acc: BTreeMap<u32, Acc>,
+    /// Last commit (coordinator, epoch) this member ran.
+    pub(super) last_commit: Option<(u32, u64)>,
+    /// Claims that were pending at the last heartbeat (re-sent at the next
+    /// one if still unanswered).
+    pub(super) stale_claims: BTreeSet<MbId>,
+}
+
 /// Syncs kept for a coordinator role not yet taken over, at most.
 pub(super) const MAX_EARLY_SYNCS: usize = 1024;
 
@@ -24,10 +36,11 @@ impl Node {
         format!(
             "node {} coord {:?} last_commit {:?} last_applied {:?} acc {:?} tasks {:?}",
             self.id,
-            self.coord,
-            self.last_commit,
+            self.group.coord,
+            self.member.last_commit,
             self.last_applied,
-            self.acc
+            self.member
+                .acc
                 .iter()
                 .map(|(k, a)| (*k, a.granted.len(), a.pending.len(), a.agg_task))
                 .collect::<Vec<_>>(),
@@ -40,9 +53,9 @@ impl Node {
     }
 
     pub(super) fn sync_to(&mut self, c: NodeId) {
-        let iters: Vec<u32> = self.acc.keys().copied().collect();
+        let iters: Vec<u32> = self.member.acc.keys().copied().collect();
         for k in iters {
-            let a = &self.acc[&k];
+            let a = &self.member.acc[&k];
             let granted: Vec<(MbId, NodeId, NodeId)> = a
                 .granted
                 .iter()
@@ -90,13 +103,17 @@ impl Node {
     /// same claimant gets the same answer).
     pub(super) fn resend_stale_claims(&mut self, c: NodeId) {
         let pending: BTreeSet<MbId> = self
+            .member
             .acc
             .values()
             .flat_map(|a| a.pending.keys().copied())
             .collect();
-        let stale: Vec<MbId> = pending.intersection(&self.stale_claims).copied().collect();
+        let stale: Vec<MbId> = pending
+            .intersection(&self.member.stale_claims)
+            .copied()
+            .collect();
         for mb in stale {
-            let (prev, next, _) = &self.acc[&mb.iter].pending[&mb];
+            let (prev, next, _) = &self.member.acc[&mb.iter].pending[&mb];
             let (prev, next) = (*prev, *next);
             self.send(
                 c,
@@ -108,17 +125,18 @@ impl Node {
                 },
             );
         }
-        self.stale_claims = pending;
+        self.member.stale_claims = pending;
     }
 
     pub(super) fn claim(&mut self, mb: MbId, prev: NodeId, next: NodeId, tasks: Vec<TaskId>) {
         let iter = mb.iter;
-        self.acc
+        self.member
+            .acc
             .entry(iter)
             .or_default()
             .pending
             .insert(mb, (prev, next, tasks));
-        if let Some(c) = self.coord {
+        if let Some(c) = self.group.coord {
             self.send(
                 c,
                 Msg::Claim {
@@ -132,7 +150,7 @@ impl Node {
     }
 
     pub(super) fn on_claim_reply(&mut self, mb: MbId, granted: bool) {
-        let Some(a) = self.acc.get_mut(&mb.iter) else {
+        let Some(a) = self.member.acc.get_mut(&mb.iter) else {
             return;
         };
         let x = match a.pending.remove(&mb) {
@@ -156,13 +174,13 @@ impl Node {
 
     /// The coordinator commits `iter`: run the all-reduce (once per epoch).
     pub(super) fn on_commit(&mut self, iter: u32, epoch: u64, members: Arc<Vec<NodeId>>) {
-        if self.last_commit == Some((iter, epoch)) {
+        if self.member.last_commit == Some((iter, epoch)) {
             return;
         }
-        self.last_commit = Some((iter, epoch));
-        self.acc.entry(iter).or_default();
+        self.member.last_commit = Some((iter, epoch));
+        self.member.acc.entry(iter).or_default();
         let n = members.len() as u32;
         let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
-        self.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
+        self.member.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
     }
 }

@@ -26,7 +26,7 @@ impl Node {
             // not heard are done: our HolderDone went to a node that did not
             // coordinate yet (it had not heard the old coordinator leave).
             if self.dh.iter == Some(iter) && self.dh.reported {
-                if let Some(c) = self.coord {
+                if let Some(c) = self.group.coord {
                     self.send(c, Msg::HolderDone { iter });
                 }
             }
@@ -51,8 +51,9 @@ impl Node {
             return;
         }
         self.min_iter = iter;
-        self.snaps.retain(|m, _| m.iter >= iter);
+        self.lifecycle.snaps.retain(|m, _| m.iter >= iter);
         let old: Vec<(MbId, bool)> = self
+            .acks
             .outstanding
             .keys()
             .filter(|k| k.0.iter < iter)
@@ -61,10 +62,10 @@ impl Node {
         for k in old {
             self.clear_deadline(k);
         }
-        self.ghosts.clear();
+        self.reservations.ghosts.clear();
         self.end_fwd.retain(|k, _| *k >= iter);
         let keep = iter.saturating_sub(1);
-        self.coord_iters.retain(|k, _| *k >= keep);
+        self.coordinating.coord_iters.retain(|k, _| *k >= keep);
     }
 
     pub(super) fn launch(&mut self) {
@@ -98,7 +99,11 @@ impl Node {
             // A free reserved flow (GWTF), or a planned path (optimal).
             let label = if self.policy().reserves_flows() {
                 let busy: BTreeSet<Label> = self.dh.in_flight.values().flatten().copied().collect();
-                self.flows.keys().copied().find(|l| !busy.contains(l))
+                self.reservations
+                    .flows
+                    .keys()
+                    .copied()
+                    .find(|l| !busy.contains(l))
             } else {
                 None
             };
@@ -117,9 +122,9 @@ impl Node {
                 .policy()
                 .planned_path(&self.plan, self.dh.in_flight.len());
             self.dh.in_flight.insert(mb, label);
-            let attempt = self.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
+            let attempt = self.lifecycle.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
             let t = self.run(TaskKind::Embed, Some(mb), attempt);
-            self.snaps.insert(
+            self.lifecycle.snaps.insert(
                 mb,
                 Snap {
                     attempt,
@@ -155,7 +160,7 @@ impl Node {
     /// faster one. Only the holder's own observations are used; with any
     /// round trip unknown it does not wait.
     pub(super) fn better_wait(&self, free: Label) -> bool {
-        let Some(&r_free) = self.flow_rtt.get(&free) else {
+        let Some(&r_free) = self.reservations.flow_rtt.get(&free) else {
             return false;
         };
         let now = to_secs(self.now);
@@ -163,7 +168,10 @@ impl Node {
         let mut flows: Vec<(f64, f64)> = Vec::new();
         for (m, l) in &self.dh.in_flight {
             let Some(l) = l else { continue };
-            let (Some(&r), Some(s)) = (self.flow_rtt.get(l), self.snaps.get(m)) else {
+            let (Some(&r), Some(s)) = (
+                self.reservations.flow_rtt.get(l),
+                self.lifecycle.snaps.get(m),
+            ) else {
                 return false;
             };
             flows.push(((to_secs(s.started) + r).max(now), r));
@@ -200,7 +208,7 @@ impl Node {
             return;
         }
         if self.dh.in_flight.contains_key(&mb) {
-            let s = self.snaps.get(&mb);
+            let s = self.lifecycle.snaps.get(&mb);
             let stale = match failed {
                 // The data path reports a failed attempt: only that one.
                 Some(a) => s.is_some_and(|s| s.attempt != a),
@@ -212,7 +220,7 @@ impl Node {
                 return;
             }
             self.dh.in_flight.remove(&mb);
-        } else if let (Some(a), Some(s)) = (failed, self.snaps.get(&mb)) {
+        } else if let (Some(a), Some(s)) = (failed, self.lifecycle.snaps.get(&mb)) {
             if s.attempt != a || s.done {
                 return;
             }
@@ -232,7 +240,7 @@ impl Node {
         let Some(k) = self.dh.iter else { return };
         if self.dh.done.len() as u32 >= self.cfg.mb_per_iter {
             self.dh.reported = true;
-            if let Some(c) = self.coord {
+            if let Some(c) = self.group.coord {
                 self.send(c, Msg::HolderDone { iter: k });
             }
         }
@@ -265,7 +273,7 @@ impl Node {
             .dh
             .in_flight
             .keys()
-            .filter_map(|mb| self.snaps.get(mb).map(|s| (*mb, s)))
+            .filter_map(|mb| self.lifecycle.snaps.get(mb).map(|s| (*mb, s)))
             .filter(|(_, s)| s.started + e2e <= now)
             .map(|(mb, s)| (mb, s.attempt))
             .collect();

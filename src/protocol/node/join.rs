@@ -3,16 +3,27 @@
 //! state from a member and joins its group.
 use super::*;
 
+/// Join: what a joining node learns, and whom a member served.
+#[derive(Debug, Default)]
+pub(super) struct JoinState {
+    /// The stages' summaries (a joining node chooses from them).
+    pub(super) stage_infos: BTreeMap<Stage, StageSummary>,
+    /// Nodes this node sent its stage state to (when), not yet seen as
+    /// members: told to later joiners with the member list, so that two
+    /// joiners whose only live contact dies meanwhile still find each other.
+    pub(super) joiners: BTreeMap<NodeId, Time>,
+}
+
 impl Node {
     pub(super) fn start(&mut self, peers: Vec<(NodeId, Stage)>) {
         for (p, s) in peers {
             if s == self.stage {
-                self.members.insert(p);
+                self.group.members.insert(p);
             } else if p != self.id {
                 self.learn(p, s);
             }
         }
-        self.members.insert(self.id);
+        self.group.members.insert(self.id);
         self.become_active();
         if self.stage == 0 {
             // The holders' coordinator opens the first iteration after the
@@ -26,7 +37,7 @@ impl Node {
         self.next_tick = self.now + self.cfg.tick;
         self.recompute_coord();
         self.introduce_all(None);
-        if let Some(c) = self.coord {
+        if let Some(c) = self.group.coord {
             if c != self.id {
                 let st = self.stage;
                 self.send(c, Msg::GroupJoin { stage: st });
@@ -66,7 +77,7 @@ impl Node {
         // Bottleneck first: the stage with the smallest aggregate throughput
         // (largest predicted time per microbatch) gains the most from us.
         let mut best: Option<(f64, Stage)> = None;
-        for (s, info) in &self.stage_infos {
+        for (s, info) in &self.joining.stage_infos {
             if info.members == 0 {
                 continue;
             }
@@ -99,7 +110,7 @@ impl Node {
     /// A joiner asks for this stage's summary.
     pub(super) fn on_stage_query(&mut self, from: NodeId) {
         if self.phase == Phase::Active && self.stage > 0 {
-            let members = self.members.len() as u32;
+            let members = self.group.members.len() as u32;
             let summary = StageSummary {
                 stage: self.stage,
                 members,
@@ -112,7 +123,7 @@ impl Node {
     /// A stage's summary, for a joining node choosing its stage.
     pub(super) fn on_stage_info(&mut self, from: NodeId, summary: StageSummary) {
         self.learn(from, summary.stage);
-        self.stage_infos.insert(summary.stage, summary);
+        self.joining.stage_infos.insert(summary.stage, summary);
     }
 
     /// A joiner downloads this stage's state (with the member list).
@@ -126,19 +137,19 @@ impl Node {
         // `e2e_timeout` is as good as gone.
         let now = self.now;
         let expiry = self.cfg.e2e_timeout;
-        let joiners = std::mem::take(&mut self.joiners);
-        self.joiners = joiners
+        let joiners = std::mem::take(&mut self.joining.joiners);
+        self.joining.joiners = joiners
             .into_iter()
-            .filter(|&(j, t)| t + expiry > now && !self.members.contains(&j) && self.alive(j))
+            .filter(|&(j, t)| t + expiry > now && !self.group.members.contains(&j) && self.alive(j))
             .collect();
-        let members = if self.joiners.is_empty() {
-            self.members.list()
+        let members = if self.joining.joiners.is_empty() {
+            self.group.members.list()
         } else {
-            let mut all: BTreeSet<NodeId> = self.members.iter().copied().collect();
-            all.extend(self.joiners.keys().copied());
+            let mut all: BTreeSet<NodeId> = self.group.members.iter().copied().collect();
+            all.extend(self.joining.joiners.keys().copied());
             Arc::new(all.into_iter().collect())
         };
-        self.joiners.insert(from, now);
+        self.joining.joiners.insert(from, now);
         let bytes = self
             .cfg
             .stage_state_bytes
@@ -166,15 +177,15 @@ impl Node {
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
             for &m in members.iter() {
-                self.members.insert(m);
+                self.group.members.insert(m);
             }
-            self.members.insert(self.id);
+            self.group.members.insert(self.id);
             // Keep only the views that matter to this stage.
             let (ps, ns) = (self.prev_stage(), self.next_stage());
             self.peers
                 .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
             self.become_active();
-            if let Some(c) = self.coord {
+            if let Some(c) = self.group.coord {
                 if c != self.id {
                     self.send(c, Msg::GroupJoin { stage });
                 }

@@ -3,6 +3,16 @@
 //! kept until its iteration is final.
 use super::*;
 
+/// The microbatches this node holds.
+#[derive(Debug, Default)]
+pub(super) struct Microbatches {
+    pub(super) snaps: BTreeMap<MbId, Snap>,
+    /// When the input of a hop arrived (for the busy time reported in acks).
+    pub(super) arrivals: BTreeMap<(MbId, bool), Time>,
+    /// A snapshot was marked stuck since the tick last looked for them.
+    pub(super) maybe_stuck: bool,
+}
+
 /// Lightweight snapshot of one microbatch at this node.
 #[derive(Clone, Debug)]
 pub(super) struct Snap {
@@ -70,7 +80,7 @@ impl Node {
             if mb.holder != self.id {
                 return;
             }
-            let Some(s) = self.snaps.get_mut(&mb) else {
+            let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
                 return;
             };
             if s.attempt != attempt {
@@ -106,22 +116,22 @@ impl Node {
             }
             if s.loss_task.is_none() {
                 let t = self.run(TaskKind::Loss, Some(mb), attempt);
-                self.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
-                self.arrivals.insert((mb, false), self.now);
+                self.lifecycle.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
+                self.lifecycle.arrivals.insert((mb, false), self.now);
             }
             self.notify_queued(from, mb, attempt, false);
             return;
         }
         if let Some(label) = label {
-            if !self.flows.contains_key(&label)
-                && !self.ghosts.contains_key(&label)
+            if !self.reservations.flows.contains_key(&label)
+                && !self.reservations.ghosts.contains_key(&label)
                 && self.policy().reserves_flows()
             {
                 // Unknown reservation: tell the sender to drop it.
                 self.send(from, Msg::PushBack { label });
             }
         }
-        if let Some(s) = self.snaps.get_mut(&mb) {
+        if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
             if s.attempt == attempt {
                 s.prev = from;
                 s.need_grad = need_grad;
@@ -140,7 +150,7 @@ impl Node {
                         },
                     );
                     if need_grad {
-                        let p = self.snaps[&mb].path.clone();
+                        let p = self.lifecycle.snaps[&mb].path.clone();
                         self.send_tracked(
                             from,
                             Msg::Backward {
@@ -175,7 +185,7 @@ impl Node {
             }
         }
         let t = self.run(TaskKind::Forward, Some(mb), attempt);
-        self.snaps.insert(
+        self.lifecycle.snaps.insert(
             mb,
             Snap {
                 attempt,
@@ -198,7 +208,7 @@ impl Node {
             },
         );
         // Queue wait starts now; remember when the input arrived.
-        self.arrivals.insert((mb, false), self.now);
+        self.lifecycle.arrivals.insert((mb, false), self.now);
         self.notify_queued(from, mb, attempt, false);
     }
 
@@ -212,19 +222,20 @@ impl Node {
         match kind {
             TaskKind::Aggregate { .. } => {
                 let found = self
+                    .member
                     .acc
                     .iter()
                     .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
                     .map(|(k, a)| (*k, a.agg_task.unwrap().1));
                 if let Some((iter, epoch)) = found {
-                    if let Some(c) = self.coord {
+                    if let Some(c) = self.group.coord {
                         self.send(c, Msg::AggDone { iter, epoch });
                     }
                 }
             }
             TaskKind::Embed | TaskKind::Forward => {
                 let mb = mb.unwrap();
-                let Some(s) = self.snaps.get_mut(&mb) else {
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
                     return;
                 };
                 if s.attempt != attempt || s.fwd_task != Some(id) {
@@ -239,6 +250,7 @@ impl Node {
                 let (label, hint, plan, prev) = (s.label_in, s.hint, s.plan.clone(), s.prev);
                 if kind == TaskKind::Forward {
                     let busy = self
+                        .lifecycle
                         .arrivals
                         .remove(&(mb, false))
                         .map_or(0, |t| self.now - t);
@@ -257,7 +269,7 @@ impl Node {
             }
             TaskKind::Loss => {
                 let mb = mb.unwrap();
-                let Some(s) = self.snaps.get_mut(&mb) else {
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
                     return;
                 };
                 if s.attempt != attempt || s.loss_task != Some(id) {
@@ -266,6 +278,7 @@ impl Node {
                 s.grad_ready = true;
                 let (prev, path) = (s.prev, s.path.clone());
                 let busy = self
+                    .lifecycle
                     .arrivals
                     .remove(&(mb, false))
                     .map_or(0, |t| self.now - t);
@@ -283,7 +296,7 @@ impl Node {
             }
             TaskKind::Backward | TaskKind::EmbedBackward => {
                 let mb = mb.unwrap();
-                let Some(s) = self.snaps.get_mut(&mb) else {
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
                     return;
                 };
                 if s.attempt != attempt || s.bwd_task != Some(id) {
@@ -298,6 +311,7 @@ impl Node {
                     s.need_grad,
                 );
                 let busy = self
+                    .lifecycle
                     .arrivals
                     .remove(&(mb, true))
                     .map_or(0, |t| self.now - t);
@@ -312,27 +326,31 @@ impl Node {
                     },
                 );
                 let mut used = vec![id];
-                if let Some(f) = self.snaps[&mb].fwd_task {
+                if let Some(f) = self.lifecycle.snaps[&mb].fwd_task {
                     used.push(f);
                 }
-                if let Some(l) = self.snaps[&mb].loss_task {
+                if let Some(l) = self.lifecycle.snaps[&mb].loss_task {
                     used.push(l);
                 }
                 if self.stage == 0 {
                     // The microbatch is complete.
                     if let Some(label) = self.dh.in_flight.remove(&mb) {
-                        if let (Some(l), Some(s)) = (label, self.snaps.get(&mb)) {
+                        if let (Some(l), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
                             let rtt = to_secs(self.now.saturating_sub(s.started));
-                            let old = self.flow_rtt.get(&l).copied();
+                            let old = self.reservations.flow_rtt.get(&l).copied();
                             if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
-                                self.flow_rtt.insert(l, v);
+                                self.reservations.flow_rtt.insert(l, v);
                             }
                             // Forget the round trips of flows that are gone
                             // (bounded by the flows a holder has, not by how
                             // many it ever had).
-                            if self.flow_rtt.len() > 2 * self.flows.len() + 8 {
-                                let flows = &self.flows;
-                                self.flow_rtt.retain(|l, _| flows.contains_key(l));
+                            if self.reservations.flow_rtt.len()
+                                > 2 * self.reservations.flows.len() + 8
+                            {
+                                let flows = &self.reservations.flows;
+                                self.reservations
+                                    .flow_rtt
+                                    .retain(|l, _| flows.contains_key(l));
                             }
                         }
                         let first = self.dh.done.insert(mb.idx);
@@ -375,16 +393,18 @@ impl Node {
         plan: Option<Arc<Vec<NodeId>>>,
         exclude: &[NodeId],
     ) {
-        let Some(s) = self.snaps.get(&mb) else { return };
+        let Some(s) = self.lifecycle.snaps.get(&mb) else {
+            return;
+        };
         let (attempt, path) = (s.attempt, s.path.clone());
         match self.route(mb, label, hint, plan.as_ref(), exclude) {
             None => {
-                let s = self.snaps.get_mut(&mb).unwrap();
+                let s = self.lifecycle.snaps.get_mut(&mb).unwrap();
                 s.stuck = true;
-                self.maybe_stuck = true;
+                self.lifecycle.maybe_stuck = true;
             }
             Some((n, out_label)) => {
-                let s = self.snaps.get_mut(&mb).unwrap();
+                let s = self.lifecycle.snaps.get_mut(&mb).unwrap();
                 s.next = Some(n);
                 s.stuck = false;
                 let msg = Msg::Forward {
@@ -411,7 +431,7 @@ impl Node {
         if self.phase != Phase::Active {
             return;
         }
-        let Some(s) = self.snaps.get_mut(&mb) else {
+        let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
             return;
         };
         if s.attempt != attempt || !s.fwd_done {
@@ -445,8 +465,8 @@ impl Node {
             TaskKind::Backward
         };
         let t = self.run(kind, Some(mb), attempt);
-        self.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
-        self.arrivals.insert((mb, true), self.now);
+        self.lifecycle.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
+        self.lifecycle.arrivals.insert((mb, true), self.now);
         self.notify_queued(from, mb, attempt, true);
     }
 }

@@ -3,6 +3,28 @@
 //! (members, coordinator election, heartbeats).
 use super::*;
 
+/// The stage group as this node sees it.
+#[derive(Debug)]
+pub(super) struct Group {
+    pub(super) members: MemberSet,
+    /// The member list changed since the coordinator last sent it.
+    pub(super) members_changed: bool,
+    /// The coordinator: the live member with the smallest id.
+    pub(super) coord: Option<NodeId>,
+    pub(super) last_coord_heard: Time,
+}
+
+impl Default for Group {
+    fn default() -> Group {
+        Group {
+            members_changed: true,
+            members: Default::default(),
+            coord: Default::default(),
+            last_coord_heard: Default::default(),
+        }
+    }
+}
+
 /// The members of this node's stage group: an ordered set, with its list
 /// (what heartbeats, claims answers and state downloads carry) built once
 /// per change and shared, not once per message.
@@ -160,7 +182,7 @@ impl Node {
             .iter()
             .filter(|(_, p)| !p.dead)
             .map(|(id, _)| *id)
-            .chain(self.members.iter().copied())
+            .chain(self.group.members.iter().copied())
             .filter(|&p| p != self.id)
             .collect();
         for p in all {
@@ -171,19 +193,19 @@ impl Node {
     }
 
     pub(super) fn recompute_coord(&mut self) {
-        let old = self.coord;
-        let c = self.members.iter().copied().find(|&m| self.alive(m));
-        self.coord = c;
+        let old = self.group.coord;
+        let c = self.group.members.iter().copied().find(|&m| self.alive(m));
+        self.group.coord = c;
         if old != c {
-            self.last_coord_heard = self.now;
+            self.group.last_coord_heard = self.now;
             if c == Some(self.id) {
-                self.members_changed = true;
+                self.group.members_changed = true;
                 // Members heartbeated the old coordinator, not us: each gets
                 // a full suspicion period from now (what we heard while not
                 // coordinating is stale).
                 let now = self.now;
-                for &m in &self.members {
-                    self.member_heard.insert(m, now);
+                for &m in &self.group.members {
+                    self.coordinating.member_heard.insert(m, now);
                 }
                 // A new coordinator of the holders reopens the barrier from
                 // its own knowledge.
@@ -206,7 +228,7 @@ impl Node {
                 // The members' syncs that came before we knew.
                 let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
                 let now = self.now;
-                for (t, from, m) in std::mem::take(&mut self.early_syncs) {
+                for (t, from, m) in std::mem::take(&mut self.coordinating.early_syncs) {
                     if t + keep >= now {
                         self.replay.push_back((from, m));
                     }
@@ -220,12 +242,12 @@ impl Node {
     }
 
     pub(super) fn member_gone(&mut self, p: NodeId) {
-        self.members_changed = true;
-        if self.coord == Some(self.id) {
+        self.group.members_changed = true;
+        if self.group.coord == Some(self.id) {
             self.event(Event::MemberRemoved { peer: p });
         }
-        let was_coord = self.coord == Some(p);
-        if self.coord == Some(self.id) {
+        let was_coord = self.group.coord == Some(p);
+        if self.group.coord == Some(self.id) {
             self.coord_member_dead(p);
         }
         if was_coord {
@@ -234,14 +256,14 @@ impl Node {
     }
 
     pub(super) fn heartbeat(&mut self) {
-        let Some(c) = self.coord else { return };
+        let Some(c) = self.group.coord else { return };
         let limit = self.cfg.suspect_ticks as Time * self.cfg.tick;
         if c == self.id {
-            let members: Vec<NodeId> = self.members.iter().copied().collect();
-            let list = if self.members_changed
+            let members: Vec<NodeId> = self.group.members.iter().copied().collect();
+            let list = if self.group.members_changed
                 || self.tick_no % (8 * self.cfg.heartbeat_ticks as u64) == 0
             {
-                self.members_changed = false;
+                self.group.members_changed = false;
                 Some(Arc::new(members.clone()))
             } else {
                 None
@@ -249,17 +271,17 @@ impl Node {
             // Suspect silent members.
             let now = self.now;
             for &m in &members {
-                self.member_heard.entry(m).or_insert(now);
+                self.coordinating.member_heard.entry(m).or_insert(now);
             }
             let silent: Vec<NodeId> = members
                 .iter()
                 .copied()
-                .filter(|&m| m != self.id && self.member_heard[&m] + limit < now)
+                .filter(|&m| m != self.id && self.coordinating.member_heard[&m] + limit < now)
                 .collect();
             for m in silent {
                 self.peer_dead(m);
             }
-            for m in self.members.clone() {
+            for m in self.group.members.clone() {
                 if m != self.id {
                     self.send(
                         m,
@@ -270,9 +292,9 @@ impl Node {
                 }
             }
         } else {
-            if self.last_coord_heard + limit < self.now {
+            if self.group.last_coord_heard + limit < self.now {
                 self.peer_dead(c);
-                if let Some(nc) = self.coord {
+                if let Some(nc) = self.group.coord {
                     if nc != self.id {
                         self.send(nc, Msg::Heartbeat { members: None });
                     }
@@ -296,8 +318,8 @@ impl Node {
     /// peer heard (a suspected one was alive after all, unless it says
     /// goodbye), the coordinator heard by a member.
     pub(super) fn heard_from(&mut self, from: NodeId, goodbye: bool) {
-        if self.coord == Some(self.id) {
-            self.member_heard.insert(from, self.now);
+        if self.group.coord == Some(self.id) {
+            self.coordinating.member_heard.insert(from, self.now);
         }
         if let Some(p) = self.peers.get_mut(&from) {
             p.last_heard = self.now;
@@ -306,8 +328,8 @@ impl Node {
                 p.dead = false;
             }
         }
-        if Some(from) == self.coord {
-            self.last_coord_heard = self.now;
+        if Some(from) == self.group.coord {
+            self.group.last_coord_heard = self.now;
         }
     }
 
@@ -364,11 +386,11 @@ impl Node {
             }
         }
         if stage == self.stage
-            && self.coord == Some(self.id)
+            && self.group.coord == Some(self.id)
             && self.phase == Phase::Active
-            && self.members.insert(from)
+            && self.group.members.insert(from)
         {
-            self.members_changed = true;
+            self.group.members_changed = true;
         }
     }
 
@@ -389,19 +411,19 @@ impl Node {
     /// changed) or from a member.
     pub(super) fn on_heartbeat(&mut self, from: NodeId, members: Option<Arc<Vec<NodeId>>>) {
         if let Some(ms) = members {
-            if Some(from) == self.coord || from < self.coord.unwrap_or(NodeId::MAX) {
-                self.members.assign(&ms, self.id);
+            if Some(from) == self.group.coord || from < self.group.coord.unwrap_or(NodeId::MAX) {
+                self.group.members.assign(&ms, self.id);
                 self.recompute_coord();
             }
-        } else if self.coord != Some(self.id)
+        } else if self.group.coord != Some(self.id)
             && self.phase == Phase::Active
-            && self.members.contains(&from)
+            && self.group.members.contains(&from)
         {
             // A member takes us for its coordinator (a joiner that
             // reached us while our own coordinator was failing): tell
             // it who is, so it does not suspect a live member and
             // coordinate a group of its own.
-            let members = self.members.list();
+            let members = self.group.members.list();
             self.send(
                 from,
                 Msg::Heartbeat {
@@ -418,11 +440,11 @@ impl Node {
             if let Some(p) = self.peers.get_mut(&from) {
                 p.dead = false;
             }
-            self.member_heard.insert(from, self.now);
-            if self.members.insert(from) {
-                self.members_changed = true;
+            self.coordinating.member_heard.insert(from, self.now);
+            if self.group.members.insert(from) {
+                self.group.members_changed = true;
             }
-            if self.coord == Some(self.id) && self.version.0 > 0 {
+            if self.group.coord == Some(self.id) && self.version.0 > 0 {
                 let (iter, version) = self.version;
                 self.send(from, Msg::Applied { iter, version });
             }
@@ -473,7 +495,7 @@ impl Node {
         }
         peer.dead = true;
         peer.queued = 0;
-        if self.members.remove(&p) {
+        if self.group.members.remove(&p) {
             self.member_gone(p);
         }
         true

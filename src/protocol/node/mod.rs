@@ -27,12 +27,15 @@ mod search;
 use acks::*;
 use barrier::*;
 use coordinator::*;
+use costs::*;
 use flow::*;
 use group::*;
 use holder::*;
+use join::*;
 use lifecycle::*;
 use membership::*;
 use peers::*;
+use search::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Phase {
@@ -43,7 +46,9 @@ enum Phase {
     Left,
 }
 
-/// A GWTF node (data holder or relay).
+/// A GWTF node (data holder or relay). The fields past the identity are
+/// grouped by the part that owns them; the peer view and what the node
+/// knows of the iterations are shared.
 pub struct Node {
     cfg: Arc<Config>,
     id: NodeId,
@@ -51,65 +56,30 @@ pub struct Node {
     phase: Phase,
     rng: Rng,
     now: Time,
+    /// Own estimate of one microbatch's fwd+bwd time on this stage.
     compute_s: f64,
+    /// Microbatches its memory holds at once.
     capacity: u32,
-    peers: PeerMap,
-    members: MemberSet,
-    members_changed: bool,
-    coord: Option<NodeId>,
-    /// Nodes this node sent its stage state to (when), not yet seen as
-    /// members: told to later joiners with the member list, so that two
-    /// joiners whose only live contact dies meanwhile still find each other.
-    joiners: BTreeMap<NodeId, Time>,
+    // ---- the dispatcher: actions out, messages to itself, timers, tasks
     out: Vec<Action>,
     selfq: VecDeque<Msg>,
-    /// Syncs that reached this node before it knew it coordinates (a
-    /// member saw the old coordinator leave or die first): (when, from,
-    /// message), replayed once it takes over.
-    early_syncs: Vec<(Time, NodeId, Msg)>,
     /// Early syncs to handle now (this node took over).
     replay: VecDeque<(NodeId, Msg)>,
-    /// Claims that were pending at the last heartbeat (re-sent at the next
-    /// one if still unanswered).
-    stale_claims: BTreeSet<MbId>,
     next_tick: Time,
     tick_no: u64,
-    deadlines: BTreeSet<(Time, Dl)>,
-    outstanding: BTreeMap<(MbId, bool), Outstanding>,
+    /// Trainer tasks running: (kind, microbatch, attempt).
     tasks: BTreeMap<TaskId, (TaskKind, Option<MbId>, u32)>,
     next_task: TaskId,
-    snaps: BTreeMap<MbId, Snap>,
-    flows: BTreeMap<Label, FlowEntry>,
-    out_index: BTreeMap<Label, Label>,
-    ghosts: BTreeMap<Label, (NodeId, Label)>,
-    pending: BTreeMap<Label, PendingReq>,
-    next_label: u64,
-    sa_temp: f64,
-    sa_skip: BTreeMap<NodeId, u32>,
-    /// Holder (GWTF): EMA of the observed round trip (launch to gradient
-    /// back) of a microbatch on each of its reserved flows, in seconds.
-    flow_rtt: BTreeMap<Label, f64>,
-    sa_busy_until: Time,
-    dh: HolderState,
-    acc: BTreeMap<u32, Acc>,
-    coord_iters: BTreeMap<u32, CoordIter>,
-    barrier: Option<Barrier>,
-    end_fwd: BTreeMap<u32, Time>,
+    // ---- shared: the peer view and what this node knows of the iterations
+    peers: PeerMap,
+    /// The weights version (iteration, hash) this node holds.
     version: (u32, u64),
-    plan: Vec<Arc<Vec<NodeId>>>,
-    last_coord_heard: Time,
-    stage_infos: BTreeMap<Stage, StageSummary>,
-    min_iter: u32,
-    /// When the input of a hop arrived (for the busy time reported in acks).
-    arrivals: BTreeMap<(MbId, bool), Time>,
-    /// Last commit (coordinator, epoch) this member ran.
-    last_commit: Option<(u32, u64)>,
-    /// Downstream costs changed: gossip at the next tick (triggered update).
-    gossip_dirty: bool,
     /// Last iteration whose aggregate this node applied.
     last_applied: Option<u32>,
-    /// Coordinator: when each member was last heard from.
-    member_heard: BTreeMap<NodeId, Time>,
+    /// Iterations before this one are final (their state is forgotten).
+    min_iter: u32,
+    /// When the end of each iteration was last passed on.
+    end_fwd: BTreeMap<u32, Time>,
     /// Holders: the latest iteration announced and its participants.
     seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
     /// Largest next iteration peers told us about.
@@ -117,11 +87,20 @@ pub struct Node {
     /// A relay told us which iteration comes next (`known_iter`): a holders'
     /// coordinator without a history of its own opens no iteration before.
     iter_heard: bool,
-    /// A snapshot was marked stuck since the tick last looked for them.
-    maybe_stuck: bool,
-    /// Costs last gossiped upstream.
-    advertised: Arc<[(NodeId, f64)]>,
-    gossip_round: usize,
+    // ---- the parts' own state
+    group: Group,
+    joining: JoinState,
+    cost_gossip: CostGossip,
+    reservations: Reservations,
+    search: LocalSearch,
+    /// The centrally planned paths (optimal routing), from `Input::SetPlan`.
+    plan: Vec<Arc<Vec<NodeId>>>,
+    dh: HolderState,
+    lifecycle: Microbatches,
+    acks: AckTimers,
+    member: GroupMember,
+    coordinating: Coordinator,
+    barrier: Option<Barrier>,
 }
 
 const INF: f64 = 1e12;
@@ -154,53 +133,36 @@ impl Node {
             compute_s,
             capacity: capacity.max(1),
             peers: PeerMap::default(),
-            members: MemberSet::default(),
-            members_changed: true,
-            joiners: BTreeMap::new(),
-            coord: None,
             out: Vec::new(),
             selfq: VecDeque::new(),
-            early_syncs: Vec::new(),
             replay: VecDeque::new(),
-            stale_claims: BTreeSet::new(),
             next_tick: 0,
             tick_no: 0,
-            deadlines: BTreeSet::new(),
-            outstanding: BTreeMap::new(),
             tasks: BTreeMap::new(),
             next_task: 1,
-            snaps: BTreeMap::new(),
-            flows: BTreeMap::new(),
-            out_index: BTreeMap::new(),
-            ghosts: BTreeMap::new(),
-            pending: BTreeMap::new(),
-            next_label: 1,
-            sa_temp: t0,
-            sa_skip: BTreeMap::new(),
-            flow_rtt: BTreeMap::new(),
-            sa_busy_until: 0,
             dh: HolderState::default(),
-            acc: BTreeMap::new(),
-            coord_iters: BTreeMap::new(),
             barrier: None,
             end_fwd: BTreeMap::new(),
             version: (0, 0),
             plan: Vec::new(),
-            last_coord_heard: 0,
-            stage_infos: BTreeMap::new(),
             min_iter: 0,
-            arrivals: BTreeMap::new(),
-            last_commit: None,
-            gossip_dirty: false,
             last_applied: None,
-            member_heard: BTreeMap::new(),
             seen_iter: None,
             known_iter: 0,
             iter_heard: false,
-            maybe_stuck: false,
-            advertised: Arc::new([]),
-            gossip_round: 0,
             cfg,
+            reservations: Reservations::default(),
+            search: LocalSearch {
+                sa_temp: t0,
+                ..Default::default()
+            },
+            cost_gossip: CostGossip::default(),
+            acks: AckTimers::default(),
+            lifecycle: Microbatches::default(),
+            member: GroupMember::default(),
+            coordinating: Coordinator::default(),
+            joining: JoinState::default(),
+            group: Group::default(),
         }
     }
 
@@ -228,12 +190,12 @@ impl Node {
 
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
-        self.coord
+        self.group.coord
     }
 
     /// Reserved flows through this node (GWTF), for reporting.
     pub fn flow_count(&self) -> usize {
-        self.flows.len()
+        self.reservations.flows.len()
     }
 
     /// Holder: its reserved flows' first hops (GWTF).
@@ -243,7 +205,8 @@ impl Node {
 
     /// Reserved flows through this node: (in label, prev, next, out label).
     pub fn flows(&self) -> Vec<(Label, NodeId, NodeId, Label)> {
-        self.flows
+        self.reservations
+            .flows
             .values()
             .map(|f| (f.in_label, f.prev, f.next, f.out_label))
             .collect()
@@ -276,7 +239,7 @@ impl Node {
         if self.phase == Phase::Left || self.phase == Phase::Idle {
             return None;
         }
-        let d = self.deadlines.iter().next().map(|x| x.0);
+        let d = self.acks.deadlines.iter().next().map(|x| x.0);
         Some(match d {
             Some(d) => d.min(self.next_tick),
             None => self.next_tick,
@@ -297,11 +260,11 @@ impl Node {
         if self.phase == Phase::Left || self.phase == Phase::Idle {
             return;
         }
-        while let Some(&(t, dl)) = self.deadlines.iter().next() {
+        while let Some(&(t, dl)) = self.acks.deadlines.iter().next() {
             if t > self.now {
                 break;
             }
-            self.deadlines.remove(&(t, dl));
+            self.acks.deadlines.remove(&(t, dl));
             match dl {
                 Dl::Ack(mb, back) => self.ack_deadline(mb, back),
             }
@@ -412,8 +375,8 @@ impl Node {
     }
 
     fn new_label(&mut self) -> Label {
-        let l = ((self.id as u64) << 32) | self.next_label;
-        self.next_label += 1;
+        let l = ((self.id as u64) << 32) | self.reservations.next_label;
+        self.reservations.next_label += 1;
         l
     }
 
@@ -467,7 +430,7 @@ impl Node {
             self.flow_maintenance();
         }
         self.retry_stuck();
-        if self.coord == Some(self.id) {
+        if self.group.coord == Some(self.id) {
             self.coord_tick();
         }
         if self.stage == 0 {

@@ -10,12 +10,13 @@ impl Node {
     pub(super) fn forward_failed(&mut self, mb: MbId, dead: NodeId) {
         if self.stage == self.s() {
             // The sink (holder) is gone: the microbatch is dropped with it.
-            self.snaps.remove(&mb);
+            self.lifecycle.snaps.remove(&mb);
             return;
         }
         if self.policy().reserves_flows() {
             // Its reservations through the dead node are gone.
             let through: Vec<Label> = self
+                .reservations
                 .flows
                 .iter()
                 .filter(|(_, f)| f.next == dead)
@@ -28,7 +29,7 @@ impl Node {
         let st = self.next_stage();
         self.event(Event::Rerouted { mb, stage: st });
         let (hint, plan, redo) = {
-            let s = &self.snaps[&mb];
+            let s = &self.lifecycle.snaps[&mb];
             (s.hint.filter(|h| *h != dead), s.plan.clone(), s.grad_in)
         };
         if redo {
@@ -57,17 +58,17 @@ impl Node {
         }
         if !self.policy().reruns_crashed_stage() {
             // SWARM restarts the whole microbatch from its data holder.
-            let attempt = Some(self.snaps[&mb].attempt);
+            let attempt = Some(self.lifecycle.snaps[&mb].attempt);
             self.send(mb.holder, Msg::Restart { mb, attempt });
             return;
         }
-        let path = self.snaps[&mb].path.clone();
+        let path = self.lifecycle.snaps[&mb].path.clone();
         // The node before the dead one re-runs the dead node's stage
         // on a replacement.
         if my >= 2 && path.len() > my - 2 {
             let before = path[my - 2];
             if self.alive(before) || before == mb.holder {
-                let attempt = self.snaps[&mb].attempt;
+                let attempt = self.lifecycle.snaps[&mb].attempt;
                 self.send(
                     before,
                     Msg::CrashNotice {
@@ -80,14 +81,14 @@ impl Node {
                 return;
             }
         }
-        let attempt = Some(self.snaps[&mb].attempt);
+        let attempt = Some(self.lifecycle.snaps[&mb].attempt);
         self.send(mb.holder, Msg::Restart { mb, attempt });
     }
 
     /// GWTF recovery: re-send this node's stored output for `mb` to a
     /// replacement of `dead`, asking it to pass on to `after`.
     pub(super) fn recover(&mut self, mb: MbId, dead: NodeId, after: Option<NodeId>) {
-        let Some(s) = self.snaps.get_mut(&mb) else {
+        let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
             return;
         };
         if !s.fwd_done || s.grad_in {
@@ -100,7 +101,7 @@ impl Node {
             return;
         }
         self.forward_out(mb, None, after, plan, &[dead]);
-        if let Some(s) = self.snaps.get_mut(&mb) {
+        if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
             s.hint = after;
         }
     }
@@ -109,7 +110,7 @@ impl Node {
     /// through: re-run it on a replacement that gets the stored gradient
     /// from `next`; the result is not needed here (need_grad = false).
     pub(super) fn redo(&mut self, mb: MbId, dead: NodeId, next: NodeId) {
-        let Some(s) = self.snaps.get_mut(&mb) else {
+        let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
             return;
         };
         s.hint = Some(next);
@@ -118,8 +119,8 @@ impl Node {
         p.truncate(self.stage as usize + 1);
         match self.route(mb, None, None, plan.as_ref(), &[dead]) {
             None => {
-                self.snaps.get_mut(&mb).unwrap().stuck = true;
-                self.maybe_stuck = true;
+                self.lifecycle.snaps.get_mut(&mb).unwrap().stuck = true;
+                self.lifecycle.maybe_stuck = true;
             }
             Some((r, _)) => {
                 let msg = Msg::Forward {
@@ -143,6 +144,7 @@ impl Node {
     pub(super) fn on_crash_notice(&mut self, mb: MbId, attempt: u32, dead: NodeId, after: NodeId) {
         self.peer_suspect(dead);
         let ok = self
+            .lifecycle
             .snaps
             .get(&mb)
             .is_some_and(|s| s.attempt == attempt && s.next == Some(dead) && !s.grad_in);
@@ -154,7 +156,7 @@ impl Node {
     /// A coordinator asks to re-run stage of `dead` for `mb` from our stored
     /// activation (the aggregate lost that contribution).
     pub(super) fn on_redo(&mut self, mb: MbId, dead: NodeId, next: NodeId) {
-        if self.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
+        if self.lifecycle.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
             self.redo(mb, dead, next);
         } else if self.stage != 0 {
             // No snapshot left here: the holder restarts it.
@@ -165,8 +167,9 @@ impl Node {
     /// Recoveries that found no replacement are tried again (looked for
     /// only when a microbatch got stuck since the last look).
     pub(super) fn retry_stuck(&mut self) {
-        let stuck: Vec<MbId> = if std::mem::take(&mut self.maybe_stuck) {
-            self.snaps
+        let stuck: Vec<MbId> = if std::mem::take(&mut self.lifecycle.maybe_stuck) {
+            self.lifecycle
+                .snaps
                 .iter()
                 .filter(|(_, s)| s.stuck)
                 .map(|(m, _)| *m)
@@ -175,9 +178,12 @@ impl Node {
             Vec::new()
         };
         for mb in stuck {
-            let dead = self.snaps[&mb].next.unwrap_or(self.id);
-            let (hint, redo) = (self.snaps[&mb].hint, self.snaps[&mb].grad_in);
-            self.snaps.get_mut(&mb).unwrap().stuck = false;
+            let dead = self.lifecycle.snaps[&mb].next.unwrap_or(self.id);
+            let (hint, redo) = (
+                self.lifecycle.snaps[&mb].hint,
+                self.lifecycle.snaps[&mb].grad_in,
+            );
+            self.lifecycle.snaps.get_mut(&mb).unwrap().stuck = false;
             match (redo, hint) {
                 (true, Some(h)) => self.redo(mb, dead, h),
                 _ => self.recover(mb, dead, hint),
@@ -190,6 +196,7 @@ impl Node {
     pub(super) fn recover_hops_through(&mut self, p: NodeId) {
         if self.policy().reruns_crashed_stage() {
             let broken: Vec<MbId> = self
+                .lifecycle
                 .snaps
                 .iter()
                 .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)

@@ -136,7 +136,7 @@ impl Node {
             // was reserved, pushing it back all the way to the holder, which
             // then rebuilds it greedily and loses what local search had
             // gained (every flow was torn down about every two minutes).
-            if let Some(f) = label.and_then(|l| self.flows.get_mut(&l)) {
+            if let Some(f) = label.and_then(|l| self.reservations.flows.get_mut(&l)) {
                 f.last_used = self.now;
             }
             return Some((mb.holder, None));
@@ -202,13 +202,13 @@ impl Node {
             }
         }
         if let Some(l) = label {
-            if let Some(f) = self.flows.get_mut(&l) {
+            if let Some(f) = self.reservations.flows.get_mut(&l) {
                 f.last_used = self.now;
                 let (n, o) = (f.next, f.out_label);
                 if self.is_candidate(n, exclude) {
                     return Some((n, Some(o)));
                 }
-            } else if let Some(&(n, o)) = self.ghosts.get(&l) {
+            } else if let Some(&(n, o)) = self.reservations.ghosts.get(&l) {
                 if self.is_candidate(n, exclude) {
                     return Some((n, Some(o)));
                 }

@@ -3,6 +3,17 @@
 //! PROPOSE_SWAP, PROPOSE_REDIRECT and their answers).
 use super::*;
 
+/// The simulated annealing of the local search (GWTF).
+#[derive(Debug, Default)]
+pub(super) struct LocalSearch {
+    /// The temperature.
+    pub(super) sa_temp: f64,
+    /// Peers that refused a proposal, skipped for `sa_skip_attempts` rounds.
+    pub(super) sa_skip: BTreeMap<NodeId, u32>,
+    /// A proposal of ours is out until then (no other starts meanwhile).
+    pub(super) sa_busy_until: Time,
+}
+
 impl Node {
     pub(super) fn flow_info(&self, f: &FlowEntry) -> FlowInfo {
         FlowInfo {
@@ -17,25 +28,32 @@ impl Node {
     }
 
     pub(super) fn flow_infos(&self) -> Vec<FlowInfo> {
-        self.flows.values().map(|f| self.flow_info(f)).collect()
+        self.reservations
+            .flows
+            .values()
+            .map(|f| self.flow_info(f))
+            .collect()
     }
 
     pub(super) fn local_search(&mut self) {
-        if self.stage == 0 || self.flows.is_empty() || self.sa_busy_until > self.now {
+        if self.stage == 0
+            || self.reservations.flows.is_empty()
+            || self.search.sa_busy_until > self.now
+        {
             return;
         }
         // A random one of the candidates: the members, in id order, but
         // this node, those known dead and those skipped. The excluded ones
         // are few (a stage group can hold thousands): find their positions
         // in the member list and index around them.
-        let list = self.members.list();
+        let list = self.group.members.list();
         let mut out: Vec<usize> = list.binary_search(&self.id).ok().into_iter().collect();
         for (id, p) in &self.peers {
             if p.dead {
                 out.extend(list.binary_search(id).ok());
             }
         }
-        for (id, &v) in &self.sa_skip {
+        for (id, &v) in &self.search.sa_skip {
             if v != 0 {
                 out.extend(list.binary_search(id).ok());
             }
@@ -43,7 +61,7 @@ impl Node {
         out.sort_unstable();
         out.dedup();
         let cands = list.len() - out.len();
-        for v in self.sa_skip.values_mut() {
+        for v in self.search.sa_skip.values_mut() {
             *v = v.saturating_sub(1);
         }
         if cands == 0 {
@@ -58,7 +76,7 @@ impl Node {
             at += 1;
         }
         let b = list[at];
-        self.sa_busy_until = self.now + self.cfg.gossip_ticks as Time * self.cfg.tick;
+        self.search.sa_busy_until = self.now + self.cfg.gossip_ticks as Time * self.cfg.tick;
         self.send(b, Msg::QueryFlows);
     }
 
@@ -75,7 +93,7 @@ impl Node {
         let _ = spare;
         // Best swap: my flow f and its flow g to the same sink.
         let mut best: Option<(f64, Msg)> = None;
-        for f in self.flows.values() {
+        for f in self.reservations.flows.values() {
             let fi = self.flow_info(f);
             let f_full = fi.cost_from_source + fi.cost_to_sink;
             for g in &flows {
@@ -96,7 +114,7 @@ impl Node {
                             mine: fi.clone(),
                             yours: g.in_label,
                             mine_new_cost: f_new,
-                            temperature: self.sa_temp,
+                            temperature: self.search.sa_temp,
                         },
                     ));
                 }
@@ -129,7 +147,7 @@ impl Node {
                         Msg::ProposeRedirect {
                             yours: g.in_label,
                             new_cost: mine,
-                            temperature: self.sa_temp,
+                            temperature: self.search.sa_temp,
                         },
                     ));
                 }
@@ -137,7 +155,7 @@ impl Node {
         }
         match best {
             Some((_, m)) => self.send(from, m),
-            None => self.sa_busy_until = self.now,
+            None => self.search.sa_busy_until = self.now,
         }
     }
 
@@ -162,10 +180,10 @@ impl Node {
         // Two concurrent moves between the same peers would undo each
         // other: while busy with its own move, a node only yields to a
         // smaller id.
-        if self.sa_busy_until > self.now && from > self.id {
+        if self.search.sa_busy_until > self.now && from > self.id {
             return reject(self);
         }
-        let Some(g) = self.flows.get(&yours).cloned() else {
+        let Some(g) = self.reservations.flows.get(&yours).cloned() else {
             return reject(self);
         };
         if g.sink != mine.sink || g.next == mine.next {
@@ -183,13 +201,13 @@ impl Node {
             return reject(self);
         }
         // Take the proposer's downstream segment.
-        self.out_index.remove(&g.out_label);
+        self.reservations.out_index.remove(&g.out_label);
         {
-            let e = self.flows.get_mut(&yours).unwrap();
+            let e = self.reservations.flows.get_mut(&yours).unwrap();
             e.next = mine.next;
             e.out_label = mine.out_label;
         }
-        self.out_index.insert(mine.out_label, yours);
+        self.reservations.out_index.insert(mine.out_label, yours);
         self.send(
             mine.next,
             Msg::NotifySwitch {
@@ -214,18 +232,24 @@ impl Node {
         mine: Label,
         yours: Option<FlowInfo>,
     ) {
-        self.sa_busy_until = self.now;
+        self.search.sa_busy_until = self.now;
         if !accept {
-            self.sa_skip.insert(from, self.cfg.sa_skip_attempts);
+            self.search.sa_skip.insert(from, self.cfg.sa_skip_attempts);
             return;
         }
         let Some(g) = yours else { return };
-        if let Some(f) = self.flows.get(&mine).cloned().filter(|f| f.next != g.next) {
-            self.out_index.remove(&f.out_label);
-            let e = self.flows.get_mut(&mine).unwrap();
+        if let Some(f) = self
+            .reservations
+            .flows
+            .get(&mine)
+            .cloned()
+            .filter(|f| f.next != g.next)
+        {
+            self.reservations.out_index.remove(&f.out_label);
+            let e = self.reservations.flows.get_mut(&mine).unwrap();
             e.next = g.next;
             e.out_label = g.out_label;
-            self.out_index.insert(g.out_label, mine);
+            self.reservations.out_index.insert(g.out_label, mine);
             self.send(
                 g.next,
                 Msg::NotifySwitch {
@@ -233,7 +257,7 @@ impl Node {
                     new_prev: self.id,
                 },
             );
-            self.sa_temp *= self.cfg.sa_cooling;
+            self.search.sa_temp *= self.cfg.sa_cooling;
         }
     }
 
@@ -244,8 +268,14 @@ impl Node {
         new_cost: f64,
         temperature: f64,
     ) {
-        let busy = self.sa_busy_until > self.now && from > self.id;
-        let Some(g) = self.flows.get(&yours).cloned().filter(|_| !busy) else {
+        let busy = self.search.sa_busy_until > self.now && from > self.id;
+        let Some(g) = self
+            .reservations
+            .flows
+            .get(&yours)
+            .cloned()
+            .filter(|_| !busy)
+        else {
             self.send(
                 from,
                 Msg::RespondRedirect {
@@ -267,9 +297,11 @@ impl Node {
             return;
         }
         let gi = self.flow_info(&g);
-        self.flows.remove(&yours);
-        self.out_index.remove(&g.out_label);
-        self.ghosts.insert(g.in_label, (g.next, g.out_label));
+        self.reservations.flows.remove(&yours);
+        self.reservations.out_index.remove(&g.out_label);
+        self.reservations
+            .ghosts
+            .insert(g.in_label, (g.next, g.out_label));
         self.send(
             from,
             Msg::RespondRedirect {
@@ -285,9 +317,9 @@ impl Node {
         accept: bool,
         flow: Option<FlowInfo>,
     ) {
-        self.sa_busy_until = self.now;
+        self.search.sa_busy_until = self.now;
         let Some(g) = flow.filter(|_| accept) else {
-            self.sa_skip.insert(from, self.cfg.sa_skip_attempts);
+            self.search.sa_skip.insert(from, self.cfg.sa_skip_attempts);
             return;
         };
         self.insert_flow(FlowEntry {
@@ -313,7 +345,7 @@ impl Node {
                 new_prev: self.id,
             },
         );
-        self.sa_temp *= self.cfg.sa_cooling;
+        self.search.sa_temp *= self.cfg.sa_cooling;
     }
 
     /// QUERY_FLOWS: answers with this node's flow table.

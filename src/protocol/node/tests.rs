@@ -42,15 +42,15 @@ fn a_queued_notice_postpones_a_hop_within_bounds() {
         bytes: 1 << 20,
         attempt: 0,
     };
-    n.outstanding.insert((mb, false), o);
+    n.acks.outstanding.insert((mb, false), o);
     n.on_queued(8, mb, 0, false, 10 * SEC);
-    assert_eq!(n.outstanding[&(mb, false)].deadline, n.now + SEC);
+    assert_eq!(n.acks.outstanding[&(mb, false)].deadline, n.now + SEC);
     n.on_queued(9, mb, 0, false, 10 * SEC);
-    let d = n.outstanding[&(mb, false)].deadline;
+    let d = n.acks.outstanding[&(mb, false)].deadline;
     assert!(d >= n.now + 20 * SEC, "{d}");
     for wait in [u64::MAX / 4, u64::MAX] {
         n.on_queued(9, mb, 0, false, wait);
-        let d = n.outstanding[&(mb, false)].deadline;
+        let d = n.acks.outstanding[&(mb, false)].deadline;
         assert!(d > n.now + 20 * SEC && d <= n.now + 2 * cfg.e2e_timeout + 3600 * SEC);
     }
 }
@@ -69,22 +69,26 @@ fn a_grant_after_a_refusal_is_honoured() {
         idx: 1,
     };
     let other = MbId { idx: 2, ..mb };
-    n.acc
+    n.member
+        .acc
         .entry(3)
         .or_default()
         .pending
         .insert(mb, (1, 7, vec![11, 12]));
     n.on_claim_reply(mb, false);
-    assert!(n.acc[&3].granted.is_empty());
+    assert!(n.member.acc[&3].granted.is_empty());
     n.on_claim_reply(mb, true);
-    assert_eq!(n.acc[&3].granted.get(&mb), Some(&(1, 7, vec![11, 12])));
-    assert!(n.acc[&3].refused.is_empty());
+    assert_eq!(
+        n.member.acc[&3].granted.get(&mb),
+        Some(&(1, 7, vec![11, 12]))
+    );
+    assert!(n.member.acc[&3].refused.is_empty());
     // Answers to a duplicate claim change nothing.
     n.on_claim_reply(mb, true);
     n.on_claim_reply(mb, false);
-    assert_eq!(n.acc[&3].granted.len(), 1);
+    assert_eq!(n.member.acc[&3].granted.len(), 1);
     n.on_claim_reply(other, true);
-    assert!(!n.acc[&3].granted.contains_key(&other));
+    assert!(!n.member.acc[&3].granted.contains_key(&other));
 }
 
 #[test]
