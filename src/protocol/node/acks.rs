@@ -24,6 +24,18 @@ pub(super) struct Outstanding {
     pub(super) attempt: u32,
 }
 
+impl AckTimers {
+    /// The earliest deadline due at `now`, removed.
+    pub(super) fn pop_due(&mut self, now: Time) -> Option<Dl> {
+        let &(t, dl) = self.deadlines.iter().next()?;
+        if t > now {
+            return None;
+        }
+        self.deadlines.remove(&(t, dl));
+        Some(dl)
+    }
+}
+
 impl Node {
     pub(super) fn add_deadline(&mut self, key: (MbId, bool), o: Outstanding) {
         if let Some(old) = self.acks.outstanding.insert(key, o.clone()) {

@@ -198,4 +198,21 @@ impl Node {
         }
         self.barrier_check();
     }
+
+    /// A new coordinator of the holders reopens the barrier from its own
+    /// knowledge (the latest iteration announced, and whether it is done).
+    pub(super) fn reopen_barrier(&mut self) {
+        if self.stage == 0 && self.barrier.is_none() {
+            if let Some((k, participants)) = self.seen_iter.clone() {
+                self.barrier = Some(Barrier {
+                    iter: k,
+                    participants,
+                    ..Default::default()
+                });
+                if self.dh.reported && self.dh.iter == Some(k) {
+                    self.barrier.as_mut().unwrap().done.insert(self.id);
+                }
+            }
+        }
+    }
 }

@@ -6,8 +6,6 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct Coordinator {
     pub(super) coord_iters: BTreeMap<u32, CoordIter>,
-    /// When each member was last heard from.
-    pub(super) member_heard: BTreeMap<NodeId, Time>,
     /// Syncs that reached this node before it knew it coordinates (a
     /// member saw the old coordinator leave or die first): (when, from,
     /// message), replayed once it takes over.
@@ -37,6 +35,13 @@ pub(super) struct CoordIter {
     pub(super) applied: bool,
     /// Expected microbatches not granted (nor dropped), once the iteration ended.
     pub(super) missing: Option<BTreeSet<MbId>>,
+}
+
+impl Coordinator {
+    /// Forgets the iterations before `iter`.
+    pub(super) fn forget_before(&mut self, iter: u32) {
+        self.coord_iters.retain(|k, _| *k >= iter);
+    }
 }
 
 impl Node {
@@ -98,8 +103,8 @@ impl Node {
         // (its claim can overtake its GroupJoin). Every grant's owner must
         // be in the group, or a commit would leave its gradient out of the
         // all-reduce while counting its microbatch in.
-        if from != self.id && self.group.members.insert(from) {
-            self.group.members_changed = true;
+        if from != self.id {
+            self.group.admit(from);
         }
         let ci = self.coordinating.coord_iters.entry(iter).or_default();
         let granted = if ci.applied || ci.commit.is_some() || ci.dropped.contains(&mb) {
@@ -594,5 +599,23 @@ impl Node {
             }
         }
         self.coord_check(iter);
+    }
+
+    /// This node became its stage's coordinator (`succeeded`: it replaces
+    /// one): the holders' barrier reopens from its own knowledge, its own
+    /// contributions go into the new coordinator state, and the members'
+    /// syncs that came before it knew are handled.
+    pub(super) fn take_over(&mut self, succeeded: bool) {
+        self.reopen_barrier();
+        if succeeded {
+            self.sync_to(self.id);
+        }
+        let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        for (t, from, m) in std::mem::take(&mut self.coordinating.early_syncs) {
+            if t + keep >= now {
+                self.replay.push_back((from, m));
+            }
+        }
     }
 }

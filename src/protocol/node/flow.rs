@@ -63,6 +63,42 @@ pub(super) struct PendingReq {
     pub(super) reroute: bool,
 }
 
+impl Reservations {
+    /// A new label, unique to this node `me`.
+    pub(super) fn new_label(&mut self, me: NodeId) -> Label {
+        let l = ((me as u64) << 32) | self.next_label;
+        self.next_label += 1;
+        l
+    }
+
+    /// A microbatch goes out on flow `in_label`: its (next hop, out label),
+    /// and the flow is in use (not idle) now.
+    pub(super) fn use_flow(&mut self, in_label: Label, now: Time) -> Option<(NodeId, Label)> {
+        let f = self.flows.get_mut(&in_label)?;
+        f.last_used = now;
+        Some((f.next, f.out_label))
+    }
+
+    /// Flows redirected away are forgotten (their iteration is final).
+    pub(super) fn forget_ghosts(&mut self) {
+        self.ghosts.clear();
+    }
+
+    /// Holder: a microbatch came back `rtt` seconds after it went out on
+    /// flow `label`; round trips of flows gone are forgotten (bounded by the
+    /// flows a holder has, not by how many it ever had).
+    pub(super) fn observe_round_trip(&mut self, label: Label, rtt: f64, alpha: f64) {
+        let old = self.flow_rtt.get(&label).copied();
+        if let Some(v) = Node::ema(old, rtt, alpha) {
+            self.flow_rtt.insert(label, v);
+        }
+        if self.flow_rtt.len() > 2 * self.flows.len() + 8 {
+            let flows = &self.flows;
+            self.flow_rtt.retain(|l, _| flows.contains_key(l));
+        }
+    }
+}
+
 impl Node {
     pub(super) fn spare(&self) -> u32 {
         // A pending reroute belongs to a flow already counted.

@@ -62,10 +62,10 @@ impl Node {
         for k in old {
             self.clear_deadline(k);
         }
-        self.reservations.ghosts.clear();
+        self.reservations.forget_ghosts();
         self.end_fwd.retain(|k, _| *k >= iter);
         let keep = iter.saturating_sub(1);
-        self.coordinating.coord_iters.retain(|k, _| *k >= keep);
+        self.coordinating.forget_before(keep);
     }
 
     pub(super) fn launch(&mut self) {

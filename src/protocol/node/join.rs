@@ -16,14 +16,15 @@ pub(super) struct JoinState {
 
 impl Node {
     pub(super) fn start(&mut self, peers: Vec<(NodeId, Stage)>) {
+        let mut group = Vec::new();
         for (p, s) in peers {
             if s == self.stage {
-                self.group.members.insert(p);
+                group.push(p);
             } else if p != self.id {
                 self.learn(p, s);
             }
         }
-        self.group.members.insert(self.id);
+        self.group.adopt(group, self.id);
         self.become_active();
         if self.stage == 0 {
             // The holders' coordinator opens the first iteration after the
@@ -176,10 +177,7 @@ impl Node {
             }
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
-            for &m in members.iter() {
-                self.group.members.insert(m);
-            }
-            self.group.members.insert(self.id);
+            self.group.adopt(members.iter().copied(), self.id);
             // Keep only the views that matter to this stage.
             let (ps, ns) = (self.prev_stage(), self.next_stage());
             self.peers

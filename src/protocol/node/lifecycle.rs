@@ -337,21 +337,8 @@ impl Node {
                     if let Some(label) = self.dh.in_flight.remove(&mb) {
                         if let (Some(l), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
                             let rtt = to_secs(self.now.saturating_sub(s.started));
-                            let old = self.reservations.flow_rtt.get(&l).copied();
-                            if let Some(v) = Self::ema(old, rtt, self.cfg.ema_alpha) {
-                                self.reservations.flow_rtt.insert(l, v);
-                            }
-                            // Forget the round trips of flows that are gone
-                            // (bounded by the flows a holder has, not by how
-                            // many it ever had).
-                            if self.reservations.flow_rtt.len()
-                                > 2 * self.reservations.flows.len() + 8
-                            {
-                                let flows = &self.reservations.flows;
-                                self.reservations
-                                    .flow_rtt
-                                    .retain(|l, _| flows.contains_key(l));
-                            }
+                            let a = self.cfg.ema_alpha;
+                            self.reservations.observe_round_trip(l, rtt, a);
                         }
                         let first = self.dh.done.insert(mb.idx);
                         if first {

@@ -12,6 +12,8 @@ pub(super) struct Group {
     /// The coordinator: the live member with the smallest id.
     pub(super) coord: Option<NodeId>,
     pub(super) last_coord_heard: Time,
+    /// Coordinator: when each member was last heard from.
+    pub(super) member_heard: BTreeMap<NodeId, Time>,
 }
 
 impl Default for Group {
@@ -21,7 +23,28 @@ impl Default for Group {
             members: Default::default(),
             coord: Default::default(),
             last_coord_heard: Default::default(),
+            member_heard: Default::default(),
         }
+    }
+}
+
+impl Group {
+    /// Adds `m` to the group; whether it is new (the coordinator then sends
+    /// the list again).
+    pub(super) fn admit(&mut self, m: NodeId) -> bool {
+        let new = self.members.insert(m);
+        if new {
+            self.members_changed = true;
+        }
+        new
+    }
+
+    /// The group a starting or joining node finds: `members` and itself.
+    pub(super) fn adopt(&mut self, members: impl IntoIterator<Item = NodeId>, me: NodeId) {
+        for m in members {
+            self.members.insert(m);
+        }
+        self.members.insert(me);
     }
 }
 
@@ -205,34 +228,9 @@ impl Node {
                 // coordinating is stale).
                 let now = self.now;
                 for &m in &self.group.members {
-                    self.coordinating.member_heard.insert(m, now);
+                    self.group.member_heard.insert(m, now);
                 }
-                // A new coordinator of the holders reopens the barrier from
-                // its own knowledge.
-                if self.stage == 0 && self.barrier.is_none() {
-                    if let Some((k, participants)) = self.seen_iter.clone() {
-                        self.barrier = Some(Barrier {
-                            iter: k,
-                            participants,
-                            ..Default::default()
-                        });
-                        if self.dh.reported && self.dh.iter == Some(k) {
-                            self.barrier.as_mut().unwrap().done.insert(self.id);
-                        }
-                    }
-                }
-                if old.is_some() {
-                    // Our own contributions go into the new coordinator state.
-                    self.sync_to(self.id);
-                }
-                // The members' syncs that came before we knew.
-                let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
-                let now = self.now;
-                for (t, from, m) in std::mem::take(&mut self.coordinating.early_syncs) {
-                    if t + keep >= now {
-                        self.replay.push_back((from, m));
-                    }
-                }
+                self.take_over(old.is_some());
             } else if let Some(c) = c {
                 if old.is_some() {
                     self.sync_to(c);
@@ -271,12 +269,12 @@ impl Node {
             // Suspect silent members.
             let now = self.now;
             for &m in &members {
-                self.coordinating.member_heard.entry(m).or_insert(now);
+                self.group.member_heard.entry(m).or_insert(now);
             }
             let silent: Vec<NodeId> = members
                 .iter()
                 .copied()
-                .filter(|&m| m != self.id && self.coordinating.member_heard[&m] + limit < now)
+                .filter(|&m| m != self.id && self.group.member_heard[&m] + limit < now)
                 .collect();
             for m in silent {
                 self.peer_dead(m);
@@ -319,7 +317,7 @@ impl Node {
     /// goodbye), the coordinator heard by a member.
     pub(super) fn heard_from(&mut self, from: NodeId, goodbye: bool) {
         if self.group.coord == Some(self.id) {
-            self.coordinating.member_heard.insert(from, self.now);
+            self.group.member_heard.insert(from, self.now);
         }
         if let Some(p) = self.peers.get_mut(&from) {
             p.last_heard = self.now;
@@ -385,12 +383,8 @@ impl Node {
                 self.send(from, m);
             }
         }
-        if stage == self.stage
-            && self.group.coord == Some(self.id)
-            && self.phase == Phase::Active
-            && self.group.members.insert(from)
-        {
-            self.group.members_changed = true;
+        if stage == self.stage && self.group.coord == Some(self.id) && self.phase == Phase::Active {
+            self.group.admit(from);
         }
     }
 
@@ -440,10 +434,8 @@ impl Node {
             if let Some(p) = self.peers.get_mut(&from) {
                 p.dead = false;
             }
-            self.coordinating.member_heard.insert(from, self.now);
-            if self.group.members.insert(from) {
-                self.group.members_changed = true;
-            }
+            self.group.member_heard.insert(from, self.now);
+            self.group.admit(from);
             if self.group.coord == Some(self.id) && self.version.0 > 0 {
                 let (iter, version) = self.version;
                 self.send(from, Msg::Applied { iter, version });

@@ -260,11 +260,7 @@ impl Node {
         if self.phase == Phase::Left || self.phase == Phase::Idle {
             return;
         }
-        while let Some(&(t, dl)) = self.acks.deadlines.iter().next() {
-            if t > self.now {
-                break;
-            }
-            self.acks.deadlines.remove(&(t, dl));
+        while let Some(dl) = self.acks.pop_due(self.now) {
             match dl {
                 Dl::Ack(mb, back) => self.ack_deadline(mb, back),
             }
@@ -375,9 +371,7 @@ impl Node {
     }
 
     fn new_label(&mut self) -> Label {
-        let l = ((self.id as u64) << 32) | self.reservations.next_label;
-        self.reservations.next_label += 1;
-        l
+        self.reservations.new_label(self.id)
     }
 
     /// A peer is dead (suspected, expired, gone with a goodbye, or lost by

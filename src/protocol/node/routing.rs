@@ -136,8 +136,8 @@ impl Node {
             // was reserved, pushing it back all the way to the holder, which
             // then rebuilds it greedily and loses what local search had
             // gained (every flow was torn down about every two minutes).
-            if let Some(f) = label.and_then(|l| self.reservations.flows.get_mut(&l)) {
-                f.last_used = self.now;
+            if let Some(l) = label {
+                self.reservations.use_flow(l, self.now);
             }
             return Some((mb.holder, None));
         }
@@ -202,9 +202,7 @@ impl Node {
             }
         }
         if let Some(l) = label {
-            if let Some(f) = self.reservations.flows.get_mut(&l) {
-                f.last_used = self.now;
-                let (n, o) = (f.next, f.out_label);
+            if let Some((n, o)) = self.reservations.use_flow(l, self.now) {
                 if self.is_candidate(n, exclude) {
                     return Some((n, Some(o)));
                 }
