@@ -266,3 +266,57 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A `Queued` notice postpones a hop's ack deadline by the reported
+    /// wait, but a hostile wait (u64::MAX) neither overflows nor postpones
+    /// it beyond the holder's last-resort timeout; a notice from another
+    /// peer than the hop's receiver changes nothing.
+    #[test]
+    fn a_queued_notice_postpones_a_hop_within_bounds() {
+        let cfg = Arc::new(Config::new(Policy::Gwtf, 4, 1 << 20));
+        let mut n = Node::new(cfg.clone(), 5, 2, 0.5, 4, 1);
+        n.now = 1_000 * SEC;
+        let mb = MbId {
+            holder: 0,
+            iter: 3,
+            idx: 1,
+        };
+        let o = Outstanding {
+            to: 9,
+            sent_at: n.now,
+            deadline: n.now + SEC,
+            bytes: 1 << 20,
+            attempt: 0,
+        };
+        n.acks.outstanding.insert((mb, false), o);
+        n.on_queued(8, mb, 0, false, 10 * SEC);
+        assert_eq!(n.acks.outstanding[&(mb, false)].deadline, n.now + SEC);
+        n.on_queued(9, mb, 0, false, 10 * SEC);
+        let d = n.acks.outstanding[&(mb, false)].deadline;
+        assert!(d >= n.now + 20 * SEC, "{d}");
+        for wait in [u64::MAX / 4, u64::MAX] {
+            n.on_queued(9, mb, 0, false, wait);
+            let d = n.acks.outstanding[&(mb, false)].deadline;
+            assert!(d > n.now + 20 * SEC && d <= n.now + 2 * cfg.e2e_timeout + 3600 * SEC);
+        }
+    }
+
+    /// Due deadlines come out earliest first, and none before it is due.
+    #[test]
+    fn due_deadlines_pop_in_time_order() {
+        let mut t = AckTimers::default();
+        let (a, b) = (mb(0, 1, 0), mb(0, 1, 1));
+        t.deadlines.insert((5 * SEC, Dl::Ack(b, true)));
+        t.deadlines.insert((3 * SEC, Dl::Ack(a, false)));
+        assert_eq!(t.pop_due(2 * SEC), None);
+        assert_eq!(t.pop_due(6 * SEC), Some(Dl::Ack(a, false)));
+        assert_eq!(t.pop_due(4 * SEC), None);
+        assert_eq!(t.pop_due(5 * SEC), Some(Dl::Ack(b, true)));
+        assert!(t.deadlines.is_empty());
+    }
+}

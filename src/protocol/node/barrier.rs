@@ -216,3 +216,26 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// The holders' barrier counts a holder done once, for the iteration it
+    /// runs only.
+    #[test]
+    fn the_barrier_counts_the_holders_done() {
+        let mut n = started(Policy::Gwtf, 0, 0, &[1, 2], &[]);
+        n.barrier = Some(Barrier {
+            iter: 3,
+            participants: Arc::new(vec![0, 1, 2]),
+            ..Default::default()
+        });
+        deliver(&mut n, 1, Msg::HolderDone { iter: 2 });
+        deliver(&mut n, 1, Msg::HolderDone { iter: 3 });
+        deliver(&mut n, 1, Msg::HolderDone { iter: 3 });
+        let b = n.barrier.as_ref().unwrap();
+        assert_eq!(b.done.iter().copied().collect::<Vec<_>>(), [1]);
+    }
+}

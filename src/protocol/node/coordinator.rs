@@ -619,3 +619,79 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// Each microbatch is granted to exactly one claimant: the first; a later
+    /// claimant is refused, and the first one's re-sent claim is granted again
+    /// (claims are idempotent).
+    #[test]
+    fn a_microbatch_is_granted_to_exactly_one_claimant() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let (a, b) = (mb(0, 0, 0), mb(0, 0, 1));
+        let claim = |m: MbId| Msg::Claim {
+            iter: 0,
+            mb: m,
+            prev: 20,
+            next: 30,
+        };
+        let reply = |acts: Vec<Action>, to: NodeId| -> Option<bool> {
+            sends(&acts).into_iter().find_map(|(t, m)| match m {
+                Msg::ClaimReply { granted, .. } if t == to => Some(*granted),
+                _ => None,
+            })
+        };
+        assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+        assert_eq!(reply(deliver(&mut n, 3, claim(a)), 3), Some(false));
+        assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+        assert_eq!(reply(deliver(&mut n, 3, claim(b)), 3), Some(true));
+        let ci = &n.coordinating.coord_iters[&0];
+        assert_eq!(ci.granted[&a].0, 2);
+        assert_eq!(ci.granted[&b].0, 3);
+    }
+
+    /// Once an iteration is committed no grant moves: only the owner of a
+    /// grant hears "granted"; a microbatch of an iteration already final is
+    /// refused outright; a node that does not coordinate answers with the
+    /// member list instead.
+    #[test]
+    fn a_committed_or_final_iteration_grants_nothing_new() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let a = mb(0, 0, 0);
+        let claim = |iter, m: MbId| Msg::Claim {
+            iter,
+            mb: m,
+            prev: 20,
+            next: 30,
+        };
+        deliver(&mut n, 2, claim(0, a));
+        n.coordinating.coord_iters.get_mut(&0).unwrap().commit = Some(BTreeSet::new());
+        let granted = |acts: &[Action]| {
+            sends(acts).iter().find_map(|(_, m)| match m {
+                Msg::ClaimReply { granted, .. } => Some(*granted),
+                _ => None,
+            })
+        };
+        assert_eq!(granted(&deliver(&mut n, 3, claim(0, a))), Some(false));
+        assert_eq!(
+            granted(&deliver(&mut n, 3, claim(0, mb(0, 0, 5)))),
+            Some(false)
+        );
+        assert_eq!(granted(&deliver(&mut n, 2, claim(0, a))), Some(true));
+        n.min_iter = 5;
+        assert_eq!(
+            granted(&deliver(&mut n, 2, claim(3, mb(0, 3, 0)))),
+            Some(false)
+        );
+
+        let mut m = started(Policy::Gwtf, 2, 2, &[1, 3], &[]);
+        let acts = deliver(&mut m, 3, claim(0, a));
+        assert!(granted(&acts).is_none());
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 3 && matches!(m, Msg::Heartbeat { members: Some(_) })));
+    }
+}

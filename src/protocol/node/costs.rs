@@ -316,3 +316,75 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::rng::Rng;
+
+    /// `my_costs` as first written: the per-sink minimum over every entry of
+    /// every candidate, sorted by (cost, sink), the first `gossip_sinks`.
+    fn my_costs_reference(n: &Node) -> Vec<(NodeId, f64)> {
+        let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
+        for j in n.next_candidates() {
+            let lc = n.link_cost(j);
+            for &(sink, c) in n.peers[&j].costs.0.iter() {
+                let v = lc + c;
+                let e = m.entry(sink).or_insert(INF);
+                if v < *e {
+                    *e = v;
+                }
+            }
+        }
+        let mut v: Vec<(NodeId, f64)> = m.into_iter().filter(|x| x.1 < INF).collect();
+        v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        v.truncate(n.cfg.gossip_sinks);
+        v
+    }
+
+    #[test]
+    fn merged_cost_gossip_equals_the_full_scan() {
+        for seed in 0..300 {
+            let mut rng = Rng::new(seed);
+            let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+            cfg.gossip_sinks = 1 + rng.below(20) as usize;
+            let mut n = Node::new(Arc::new(cfg), 1000, 2, 0.5, 4, seed);
+            n.now = 1_000;
+            let sinks = 1 + rng.below(60) as u32;
+            for j in 0..rng.below(40) as NodeId {
+                // Costs from a few values (ties between sinks and lists).
+                let list: Vec<(NodeId, f64)> = (0..rng.below(20))
+                    .map(|_| {
+                        (
+                            rng.below(sinks as u64) as NodeId,
+                            0.25 * rng.below(12) as f64,
+                        )
+                    })
+                    .collect();
+                let stage = if rng.below(5) == 0 { 1 } else { 3 };
+                let p = n.peers.get_or_insert_with(j * 7, || Peer::new(stage, 0));
+                p.costs = SinkCosts::from_gossip(list.into());
+                p.dead = rng.below(8) == 0;
+                p.banned_until = if rng.below(8) == 0 { 5_000 } else { 0 };
+                p.lat = Some([0.0, 0.25, 0.5][rng.below(3) as usize]);
+                p.bw = Some(1e9);
+                p.compute_s = 0.5;
+            }
+            // Rejections edit a list in place.
+            let ids = n.peers.ids.clone();
+            for j in ids {
+                if rng.below(3) == 0 {
+                    let p = n.peers.get_mut(&j).unwrap();
+                    let sink = rng.below(sinks as u64) as NodeId;
+                    match rng.below(3) {
+                        0 => p.costs.remove(sink),
+                        1 => p.costs.insert(sink, INF),
+                        _ => p.costs.insert(sink, 0.25 * rng.below(12) as f64),
+                    }
+                    p.costs.insert(sink, 0.25 * rng.below(12) as f64);
+                }
+            }
+            assert_eq!(n.my_costs(), my_costs_reference(&n), "seed {seed}");
+        }
+    }
+}

@@ -580,3 +580,108 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// Relay 10 of stage 2 with room for `capacity` flows, next-stage peer 30
+    /// offering cost 1 to sink 0.
+    fn relay(capacity: u32) -> Node {
+        let mut n = Node::new(config(Policy::Gwtf), 10, 2, 0.5, capacity, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(20, 1), (30, 3)],
+            },
+        );
+        let change = Msg::Change {
+            spare: 4,
+            compute_s: 0.5,
+            costs: Arc::new([(0, 1.0)]),
+        };
+        deliver(&mut n, 30, change);
+        n
+    }
+
+    fn request(label: Label) -> Msg {
+        Msg::FlowRequest {
+            label,
+            sink: 0,
+            cost_from_source: 0.0,
+            expected_cost: 1e9,
+        }
+    }
+
+    /// A reservation is accepted upstream only once reserved downstream: the
+    /// request goes on to the next hop, and its acceptance installs the flow
+    /// and answers upstream.
+    #[test]
+    fn a_flow_is_reserved_downstream_before_it_is_accepted() {
+        let mut n = relay(4);
+        let acts = deliver(&mut n, 20, request(5));
+        let s = sends(&acts);
+        assert!(matches!(s[..], [(30, Msg::FlowRequest { .. })]), "{s:?}");
+        let Msg::FlowRequest { label: out, .. } = s[0].1 else {
+            unreachable!()
+        };
+        let out = *out;
+        assert_eq!(n.flow_count(), 0);
+        let reply = Msg::FlowResponse {
+            label: out,
+            accept: true,
+            cost: 1.0,
+            spare: 3,
+        };
+        let acts = deliver(&mut n, 30, reply);
+        assert!(sends(&acts).iter().any(|(to, m)| *to == 20
+            && matches!(
+                m,
+                Msg::FlowResponse {
+                    label: 5,
+                    accept: true,
+                    ..
+                }
+            )));
+        assert_eq!(n.flows(), [(5, 20, 30, out)]);
+    }
+
+    /// A relay with no spare capacity refuses, and tells its cost.
+    #[test]
+    fn a_full_relay_refuses_a_reservation() {
+        let mut n = relay(1);
+        n.test_add_flow(1, 0, 21, 30, 2);
+        let acts = deliver(&mut n, 20, request(5));
+        assert!(matches!(
+            sends(&acts)[..],
+            [(
+                20,
+                Msg::FlowResponse {
+                    label: 5,
+                    accept: false,
+                    ..
+                }
+            )]
+        ));
+    }
+
+    /// A dead next hop releases the flows through it (push-back upstream), and
+    /// a cancel from the previous hop releases the flow downstream.
+    #[test]
+    fn flows_through_a_dead_or_cancelling_peer_are_released() {
+        let mut n = relay(4);
+        n.test_add_flow(1, 0, 20, 30, 2);
+        n.test_add_flow(3, 0, 21, 31, 4);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 20 && matches!(m, Msg::PushBack { label: 1 })));
+        assert_eq!(n.flows(), [(3, 21, 31, 4)]);
+        let acts = deliver(&mut n, 21, Msg::Cancel { label: 3 });
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 31 && matches!(m, Msg::Cancel { label: 4 })));
+        assert_eq!(n.flow_count(), 0);
+    }
+}

@@ -283,3 +283,37 @@ impl Node {
         self.launch();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A holder keeps `max_in_flight` microbatches in flight, or one per
+    /// planned path when fewer paths are planned (optimal routing).
+    #[test]
+    fn a_holder_launches_up_to_its_in_flight_bound() {
+        let start_iter = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        let embeds = |acts: &[Action]| {
+            runs(acts)
+                .iter()
+                .filter(|t| t.kind == TaskKind::Embed)
+                .count()
+        };
+        let mut n = started(Policy::Gwtf, 0, 0, &[], &[(10, 1)]);
+        assert_eq!(embeds(&deliver(&mut n, 0, start_iter.clone())), 4);
+        assert_eq!(n.dh.in_flight.len(), 4);
+        let mut n = started(Policy::Optimal, 0, 0, &[], &[(10, 1)]);
+        let path = Arc::new(vec![0, 10, 11, 12, 13]);
+        n.handle(
+            SEC,
+            Input::SetPlan {
+                paths: vec![path.clone(), path],
+            },
+        );
+        assert_eq!(embeds(&deliver(&mut n, 0, start_iter)), 2);
+    }
+}

@@ -191,3 +191,55 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A joiner asks the stages, then joins the bottleneck (the smallest
+    /// throughput) and downloads its state from one of its members.
+    #[test]
+    fn a_joiner_picks_the_bottleneck_stage() {
+        let mut n = Node::new(config(Policy::Gwtf), 50, 0, 0.5, 4, 1);
+        let peers = vec![(11, 1), (21, 2), (31, 3), (41, 4)];
+        let acts = n.handle(SEC, Input::Join { peers });
+        assert_eq!(sends(&acts).len(), 4);
+        for (from, stage, thr) in [(11, 1, 8.0), (21, 2, 2.0), (31, 3, 5.0), (41, 4, 3.0)] {
+            let summary = StageSummary {
+                stage,
+                members: 2,
+                throughput: thr,
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        assert_eq!(n.stage(), 2);
+        assert!(matches!(sends(&acts)[..], [(21, Msg::StateRequest)]));
+        assert!(!n.is_active());
+        let members = Arc::new(vec![21, 22]);
+        let done = Msg::StateResponse {
+            version: (3, 9),
+            members,
+            bytes: 0,
+        };
+        deliver(&mut n, 21, done);
+        assert!(n.is_active());
+        assert_eq!(n.version(), (3, 9));
+        assert_eq!(n.coordinator(), Some(21));
+    }
+
+    /// A member serving its state names the joiners it served before, so that
+    /// joiners whose contact dies still know each other.
+    #[test]
+    fn a_state_download_names_the_earlier_joiners() {
+        let mut n = started(Policy::Gwtf, 21, 2, &[22], &[]);
+        deliver(&mut n, 50, Msg::StateRequest);
+        let acts = deliver(&mut n, 51, Msg::StateRequest);
+        let s = sends(&acts);
+        let Some((51, Msg::StateResponse { members, .. })) = s.first() else {
+            panic!("{s:?}")
+        };
+        assert_eq!(members[..], [21, 22, 50]);
+    }
+}

@@ -457,3 +457,46 @@ impl Node {
         self.notify_queued(from, mb, attempt, true);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A forward hop runs one task however often it is re-sent; once done, it
+    /// is acknowledged to the sender and passed on to the next stage.
+    #[test]
+    fn a_forward_hop_runs_once_and_is_acked_when_done() {
+        let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3)]);
+        let m = mb(0, 0, 0);
+        let fwd = || Msg::Forward {
+            mb: m,
+            attempt: 0,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        let acts = deliver(&mut n, 20, fwd());
+        let tasks = runs(&acts);
+        assert_eq!(tasks.len(), 1);
+        assert_eq!(tasks[0].kind, TaskKind::Forward);
+        let id = tasks[0].id;
+        assert!(runs(&deliver(&mut n, 20, fwd())).is_empty());
+        let acts = n.handle(2 * SEC, Input::TaskDone { id });
+        let s = sends(&acts);
+        assert!(s.iter().any(|(to, msg)| *to == 20
+            && matches!(
+                msg,
+                Msg::Ack {
+                    backward: false,
+                    ..
+                }
+            )));
+        assert!(s
+            .iter()
+            .any(|(to, msg)| *to == 30 && matches!(msg, Msg::Forward { .. })));
+        assert_eq!(n.lifecycle.snaps[&m].path[..], [0, 20, 10]);
+    }
+}

@@ -493,3 +493,76 @@ impl Node {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    #[test]
+    fn member_list_follows_the_set() {
+        let mut m = MemberSet::default();
+        for x in [5, 1, 9] {
+            m.insert(x);
+        }
+        assert_eq!(*m.list(), vec![1, 5, 9]);
+        m.remove(&5);
+        assert_eq!(*m.list(), vec![1, 9]);
+        let announced = Arc::new(vec![1, 2, 9]);
+        m.assign(&announced, 9);
+        assert!(Arc::ptr_eq(&m.list(), &announced));
+        m.assign(&Arc::new(vec![1, 2]), 9);
+        assert_eq!(*m.list(), vec![1, 2, 9]);
+        m.assign(&Arc::new(vec![7, 3]), 9);
+        assert_eq!(m.iter().copied().collect::<Vec<_>>(), vec![3, 7, 9]);
+        assert_eq!(*m.list(), vec![3, 7, 9]);
+    }
+
+    /// The coordinator is the live member with the smallest id; when it dies
+    /// the next one takes over, and only a coordinator reports members removed.
+    #[test]
+    fn the_coordinator_is_the_smallest_live_member() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[3, 7], &[]);
+        assert_eq!(n.coordinator(), Some(3));
+        let a = n.handle(2 * SEC, Input::PeerLost { peer: 3 });
+        assert_eq!(n.coordinator(), Some(5));
+        assert!(!a
+            .iter()
+            .any(|x| matches!(x, Action::Event(Event::MemberRemoved { .. }))));
+        let a = n.handle(3 * SEC, Input::PeerLost { peer: 7 });
+        assert!(a
+            .iter()
+            .any(|x| matches!(x, Action::Event(Event::MemberRemoved { peer: 7 }))));
+        assert_eq!(n.group.members.iter().copied().collect::<Vec<_>>(), [5]);
+    }
+
+    /// A coordinator declares a member that stays silent for `suspect_ticks`
+    /// dead; a member heard from in time stays.
+    #[test]
+    fn a_silent_member_is_suspected_by_its_coordinator() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let cfg = n.cfg.clone();
+        let mut t = SEC;
+        for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
+            t += cfg.tick;
+            deliver(&mut n, 3, Msg::Heartbeat { members: None });
+            n.on_timeout(t);
+        }
+        assert!(!n.group.members.contains(&2));
+        assert!(n.group.members.contains(&3));
+        assert!(!n.alive(2) && n.alive(3));
+    }
+
+    /// A message from a peer taken for dead lifts the suspicion, except a
+    /// goodbye.
+    #[test]
+    fn any_message_lifts_a_false_suspicion() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[], &[(30, 3)]);
+        n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+        assert!(!n.alive(30));
+        deliver(&mut n, 30, Msg::QueryFlows);
+        assert!(n.alive(30));
+        deliver(&mut n, 30, Msg::Goodbye);
+        assert!(!n.alive(30));
+    }
+}

@@ -560,4 +560,4 @@ impl Node {
 }
 
 #[cfg(test)]
-mod tests;
+mod testkit;

@@ -208,3 +208,49 @@ impl SinkCosts {
 pub(super) fn cost_order(a: &(NodeId, f64), b: &(NodeId, f64)) -> std::cmp::Ordering {
     a.1.total_cmp(&b.1).then(a.0.cmp(&b.0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gossiped_lists_are_kept_ordered_by_cost() {
+        let ordered = |c: &SinkCosts| {
+            c.0.windows(2)
+                .all(|w| cost_order(&w[0], &w[1]) == std::cmp::Ordering::Less)
+        };
+        // Out of order, a sink twice (the last one wins, as in a map).
+        let mut c = SinkCosts::from_gossip(vec![(3, 2.0), (1, 1.0), (3, 0.5), (2, 1.0)].into());
+        assert_eq!(*c.0, [(3, 0.5), (1, 1.0), (2, 1.0)]);
+        c.insert(1, 0.1);
+        c.insert(9, 0.7);
+        c.remove(2);
+        assert_eq!(*c.0, [(1, 0.1), (3, 0.5), (9, 0.7)]);
+        assert!(ordered(&c));
+        assert_eq!(c.get(9), Some(0.7));
+        assert_eq!(c.get(2), None);
+        // What my_costs sends is shared as it is.
+        let list: Arc<[(NodeId, f64)]> = vec![(5, 0.1), (4, 0.2), (6, 0.2)].into();
+        let c = SinkCosts::from_gossip(list.clone());
+        assert!(Arc::ptr_eq(&c.0, &list));
+        assert!(!c.material_change(&[(5, 0.1), (4, 0.2), (6, 0.201)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2), (6, 0.3)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2)]));
+        assert!(c.material_change(&[(5, 0.1), (4, 0.2), (7, 0.2)]));
+        assert!(!c.material_change(&[(4, 0.2), (5, 0.1), (6, 0.2)]));
+    }
+
+    #[test]
+    fn the_peer_view_is_kept_in_id_order() {
+        let mut m = PeerMap::default();
+        for id in [9, 2, 5, 7] {
+            m.get_or_insert_with(id, || Peer::new(id as Stage % 3, 0));
+        }
+        m.get_or_insert_with(5, || unreachable!()).spare = 4;
+        assert_eq!(m.iter().map(|x| *x.0).collect::<Vec<_>>(), [2, 5, 7, 9]);
+        m.retain(|id, _| *id != 7);
+        assert_eq!(m.iter().map(|x| *x.0).collect::<Vec<_>>(), [2, 5, 9]);
+        assert_eq!(m[&5].spare, 4);
+        assert!(!m.contains_key(&7) && m.get(&9).is_some());
+    }
+}

@@ -208,3 +208,131 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// Relay 10 of stage 2: previous stage 20 and 21, next stage 30 and 31, and
+    /// the snapshot of microbatch (0, 0, 0) forwarded from 20 to 30.
+    fn relay(policy: Policy) -> (Node, MbId) {
+        let peers = [(20, 1), (21, 1), (30, 3), (31, 3), (0, 0)];
+        let mut n = started(policy, 10, 2, &[], &peers);
+        let m = mb(0, 0, 0);
+        let now = n.now;
+        n.lifecycle
+            .snaps
+            .insert(m, forwarded(&[0, 20, 10], 30, now));
+        (n, m)
+    }
+
+    fn forwards_to(acts: &[Action]) -> Vec<NodeId> {
+        sends(acts)
+            .into_iter()
+            .filter(|(_, m)| matches!(m, Msg::Forward { .. }))
+            .map(|(to, _)| to)
+            .collect()
+    }
+
+    /// The next node dies before it acknowledged the forward hop: every
+    /// policy sends the stored output to another node of its stage.
+    #[test]
+    fn a_next_hop_lost_before_its_ack_is_replaced() {
+        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+            let (mut n, m) = relay(policy);
+            awaiting_ack(&mut n, m, false, 30);
+            let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+            assert_eq!(forwards_to(&acts), [31], "{policy:?}");
+            assert_eq!(n.lifecycle.snaps[&m].next, Some(31), "{policy:?}");
+        }
+    }
+
+    /// The next node dies after its ack, while the gradient is awaited: GWTF
+    /// re-sends the stored activation to a replacement at once; SWARM leaves
+    /// it to the holder's restart.
+    #[test]
+    fn a_next_hop_lost_after_its_ack_is_replaced_only_by_gwtf() {
+        let (mut n, _) = relay(Policy::Gwtf);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+        assert_eq!(forwards_to(&acts), [31]);
+        let (mut n, _) = relay(Policy::Swarm);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+        assert!(forwards_to(&acts).is_empty());
+    }
+
+    /// The previous node dies before it acknowledged the gradient: GWTF asks
+    /// the node before it (here the holder) to re-run only the dead stage;
+    /// SWARM restarts the microbatch from its holder.
+    #[test]
+    fn a_previous_hop_lost_in_the_backward_reruns_its_stage_or_restarts() {
+        let (mut n, m) = relay(Policy::Gwtf);
+        n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
+        awaiting_ack(&mut n, m, true, 20);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 20 });
+        let s = sends(&acts);
+        assert!(
+            s.iter().any(|(to, msg)| *to == 0
+                && matches!(
+                    msg,
+                    Msg::CrashNotice {
+                        dead: 20,
+                        after: 10,
+                        ..
+                    }
+                )),
+            "{s:?}"
+        );
+        let (mut n, m) = relay(Policy::Swarm);
+        n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
+        awaiting_ack(&mut n, m, true, 20);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 20 });
+        let s = sends(&acts);
+        assert!(
+            s.iter().any(|(to, msg)| *to == 0
+                && matches!(
+                    msg,
+                    Msg::Restart {
+                        attempt: Some(0),
+                        ..
+                    }
+                )),
+            "{s:?}"
+        );
+    }
+
+    /// The holder dies while its gradient is on the way back: the microbatch
+    /// is dropped with it (nothing is sent).
+    #[test]
+    fn a_holder_lost_in_the_backward_drops_its_microbatch() {
+        let mut n = started(Policy::Gwtf, 10, 1, &[], &[(0, 0), (20, 2)]);
+        let m = mb(0, 0, 0);
+        let now = n.now;
+        let mut s = forwarded(&[0, 10], 20, now);
+        s.grad_in = true;
+        n.lifecycle.snaps.insert(m, s);
+        awaiting_ack(&mut n, m, true, 0);
+        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 0 });
+        assert!(sends(&acts).is_empty(), "{:?}", sends(&acts));
+    }
+
+    /// With no replacement alive, a re-run waits (stuck) and is tried again at
+    /// a tick once a node of the stage is known.
+    #[test]
+    fn a_rerun_without_a_replacement_waits_for_one() {
+        let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3), (40, 4)]);
+        let m = mb(0, 0, 0);
+        let now = n.now;
+        let mut s = forwarded(&[0, 20, 10], 30, now);
+        s.grad_in = true;
+        n.lifecycle.snaps.insert(m, s);
+        n.peer_dead(30);
+        n.redo(m, 30, 40);
+        assert!(n.lifecycle.snaps[&m].stuck);
+        n.learn(31, 3);
+        let t = n.next_tick;
+        let acts = n.on_timeout(t);
+        assert_eq!(forwards_to(&acts), [31]);
+        assert!(!n.lifecycle.snaps[&m].stuck);
+    }
+}

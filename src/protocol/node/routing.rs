@@ -238,3 +238,49 @@ impl Node {
         best.map(|b| (b.1, None))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    #[test]
+    fn the_policies_differ_where_the_trait_says() {
+        let (g, s, p) = (
+            routing_policy(Policy::Gwtf),
+            routing_policy(Policy::Swarm),
+            routing_policy(Policy::Optimal),
+        );
+        assert!(g.reserves_flows() && !s.reserves_flows() && !p.reserves_flows());
+        assert!(s.counts_queues() && !g.counts_queues() && !p.counts_queues());
+        assert!(g.reruns_crashed_stage() && p.reruns_crashed_stage() && !s.reruns_crashed_stage());
+        let plan = vec![Arc::new(vec![1]), Arc::new(vec![2])];
+        assert_eq!(p.in_flight_limit(4, &plan), 2);
+        assert_eq!(p.in_flight_limit(4, &[]), 4);
+        assert_eq!(g.in_flight_limit(4, &plan), 4);
+        assert_eq!(p.planned_path(&plan, 3), Some(plan[1].clone()));
+        assert_eq!(g.planned_path(&plan, 3), None);
+    }
+
+    /// SWARM sends to the next hop that finishes first (fewest queued at equal
+    /// throughput); GWTF follows the reserved flow, and another next hop when
+    /// the flow's is excluded; the last stage sends back to the holder.
+    #[test]
+    fn each_policy_picks_its_next_hop() {
+        let m = mb(0, 0, 0);
+        let mut n = started(Policy::Swarm, 10, 2, &[], &[(30, 3), (31, 3)]);
+        n.peers.get_mut(&30).unwrap().queued = 3;
+        assert_eq!(n.route(m, None, None, None, &[]), Some((31, None)));
+        n.peers.get_mut(&31).unwrap().queued = 5;
+        assert_eq!(n.route(m, None, None, None, &[]), Some((30, None)));
+        assert_eq!(n.route(m, None, Some(31), None, &[]), Some((31, None)));
+
+        let mut n = started(Policy::Gwtf, 10, 2, &[], &[(30, 3), (31, 3)]);
+        n.test_add_flow(7, 0, 20, 31, 99);
+        assert_eq!(n.route(m, Some(7), None, None, &[]), Some((31, Some(99))));
+        assert_eq!(n.route(m, Some(7), None, None, &[31]), Some((30, None)));
+
+        let mut n = started(Policy::Gwtf, 40, 4, &[], &[(0, 0)]);
+        assert_eq!(n.route(m, None, None, None, &[]), Some((0, None)));
+    }
+}
