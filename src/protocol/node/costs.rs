@@ -55,7 +55,7 @@ impl Ord for MergeHead {
 }
 
 impl Node {
-    /// d_ij of GWTF.md section 3 from this node's measurements.
+    /// d_ij of docs/SPEC.md section 2 from this node's measurements.
     pub(super) fn link_cost(&self, j: NodeId) -> f64 {
         if j == self.id {
             return self.compute_s;

@@ -196,7 +196,7 @@ impl Node {
         }
     }
 
-    /// Rerouting of reserved flows (GWTF.md section 5: CHANGE gossip is
+    /// Rerouting of reserved flows (docs/SPEC.md section 4: CHANGE gossip is
     /// there so that upstream nodes pick the next hop minimising
     /// d(me, j) + cost_to_sink(j)). Flows are reserved greedily when they
     /// are built, often right after a crash, through the cheapest next hop
