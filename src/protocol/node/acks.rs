@@ -37,6 +37,51 @@ impl AckTimers {
 }
 
 impl Node {
+    /// Acknowledges the hop of `mb` (`attempt`) that came from `to`, its
+    /// work done here: `busy` is how long it waited and ran here (the
+    /// sender's ack timeout and bandwidth estimate discount it).
+    pub(super) fn ack(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool, busy: Time) {
+        let bytes = self.cfg.activation_bytes;
+        self.send(
+            to,
+            Msg::Ack {
+                mb,
+                attempt,
+                backward,
+                busy,
+                bytes,
+            },
+        );
+    }
+
+    /// Sends the gradient of `mb` (`attempt`) back to `to`, tracked like
+    /// every hop.
+    pub(super) fn send_backward(
+        &mut self,
+        to: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+    ) {
+        let msg = Msg::Backward { mb, attempt, path };
+        self.send_tracked(to, msg, mb, true, attempt);
+    }
+
+    /// Acknowledges again a hop whose work was done before (a re-sent hop):
+    /// nothing to measure.
+    pub(super) fn ack_again(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
+        self.send(
+            to,
+            Msg::Ack {
+                mb,
+                attempt,
+                backward,
+                busy: 0,
+                bytes: 0,
+            },
+        );
+    }
+
     pub(super) fn add_deadline(&mut self, key: (MbId, bool), o: Outstanding) {
         if let Some(old) = self.acks.outstanding.insert(key, o.clone()) {
             self.acks

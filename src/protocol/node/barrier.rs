@@ -36,14 +36,7 @@ impl Node {
                 return;
             }
             let first = self.iter_hint();
-            let holders: Arc<Vec<NodeId>> = Arc::new(
-                self.group
-                    .members
-                    .iter()
-                    .copied()
-                    .filter(|m| self.alive(*m))
-                    .collect(),
-            );
+            let holders = self.live_members();
             self.barrier = Some(Barrier {
                 iter: first,
                 participants: holders.clone(),
@@ -154,14 +147,7 @@ impl Node {
                 holders: ended,
             });
             let next = b.iter + 1;
-            let holders: Arc<Vec<NodeId>> = Arc::new(
-                self.group
-                    .members
-                    .iter()
-                    .copied()
-                    .filter(|m| self.alive(*m))
-                    .collect(),
-            );
+            let holders = self.live_members();
             self.barrier = Some(Barrier {
                 iter: next,
                 participants: holders.clone(),

@@ -79,6 +79,22 @@ impl Reservations {
         Some((f.next, f.out_label))
     }
 
+    /// Flow `in_label` (which exists) goes on through `next` on `out_label`
+    /// from now on (a swap of downstream segments).
+    pub(super) fn switch_downstream(&mut self, in_label: Label, next: NodeId, out_label: Label) {
+        let f = self.flows.get_mut(&in_label).expect("flow switched");
+        self.out_index.remove(&f.out_label);
+        f.next = next;
+        f.out_label = out_label;
+        self.out_index.insert(out_label, in_label);
+    }
+
+    /// Units of capacity reserved: the flows and the requests waiting for
+    /// an answer (a pending reroute belongs to a flow already counted).
+    pub(super) fn in_use(&self) -> usize {
+        self.flows.len() + self.pending.values().filter(|r| !r.reroute).count()
+    }
+
     /// Flows redirected away are forgotten (their iteration is final).
     pub(super) fn forget_ghosts(&mut self) {
         self.ghosts.clear();
@@ -101,14 +117,7 @@ impl Reservations {
 
 impl Node {
     pub(super) fn spare(&self) -> u32 {
-        // A pending reroute belongs to a flow already counted.
-        let used = self.reservations.flows.len()
-            + self
-                .reservations
-                .pending
-                .values()
-                .filter(|r| !r.reroute)
-                .count();
+        let used = self.reservations.in_use();
         self.capacity.saturating_sub(used as u32)
     }
 
@@ -154,43 +163,10 @@ impl Node {
         // Holders reserve flows up to their in-flight bound (one request
         // per missing unit, each toward the best next hop with spare room).
         if self.stage == 0 {
-            let have = self.reservations.flows.len()
-                + self
-                    .reservations
-                    .pending
-                    .values()
-                    .filter(|r| !r.reroute)
-                    .count();
+            let have = self.reservations.in_use();
             for _ in have..self.cfg.max_in_flight as usize {
-                if let Some((j, c)) = self.best_to_sink(self.id, true, &[]) {
-                    let label = self.new_label();
-                    let expected = c - self.link_cost(j);
-                    self.reservations.pending.insert(
-                        label,
-                        PendingReq {
-                            in_label: None,
-                            prev: self.id,
-                            sink: self.id,
-                            next: j,
-                            cost_from_source: 0.0,
-                            tried: vec![j],
-                            expires: now
-                                + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
-                            reroute: false,
-                        },
-                    );
-                    if let Some(p) = self.peers.get_mut(&j) {
-                        p.spare = p.spare.saturating_sub(1);
-                    }
-                    self.send(
-                        j,
-                        Msg::FlowRequest {
-                            label,
-                            sink: self.id,
-                            cost_from_source: 0.0,
-                            expected_cost: expected,
-                        },
-                    );
+                if let Some(hop) = self.best_to_sink(self.id, true, &[]) {
+                    self.request_flow(None, self.id, self.id, 0.0, hop, false);
                 }
             }
         }
@@ -231,33 +207,8 @@ impl Node {
         }
         let Some((_, inl, j, c)) = best else { return };
         let f = self.reservations.flows[&inl].clone();
-        let out = self.new_label();
-        self.reservations.pending.insert(
-            out,
-            PendingReq {
-                in_label: Some(f.in_label),
-                prev: f.prev,
-                sink: f.sink,
-                next: j,
-                cost_from_source: f.cost_from_source,
-                tried: vec![j],
-                expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
-                reroute: true,
-            },
-        );
-        if let Some(p) = self.peers.get_mut(&j) {
-            p.spare = p.spare.saturating_sub(1);
-        }
-        let expected = c - self.link_cost(j);
-        self.send(
-            j,
-            Msg::FlowRequest {
-                label: out,
-                sink: f.sink,
-                cost_from_source: f.cost_from_source,
-                expected_cost: expected,
-            },
-        );
+        let (sink, cfs) = (f.sink, f.cost_from_source);
+        self.request_flow(Some(f.in_label), f.prev, sink, cfs, (j, c), true);
     }
 
     /// The new downstream segment `out` through `next` of a reroute was
@@ -362,31 +313,47 @@ impl Node {
             );
             return;
         }
+        self.request_flow(Some(label), from, sink, cfs_here, (j, c), false);
+    }
+
+    /// Asks next hop `next` (cost `c` to `sink` through it, from here) to
+    /// reserve a flow for `in_label` from `prev` (none: a holder's own
+    /// flow); the request waits for the answer under a new out label, and
+    /// `next` is taken to have one unit of spare capacity less meanwhile.
+    fn request_flow(
+        &mut self,
+        in_label: Option<Label>,
+        prev: NodeId,
+        sink: NodeId,
+        cost_from_source: f64,
+        (next, c): (NodeId, f64),
+        reroute: bool,
+    ) {
         let out = self.new_label();
-        let expected_next = c - self.link_cost(j);
+        let expected = c - self.link_cost(next);
         self.reservations.pending.insert(
             out,
             PendingReq {
-                in_label: Some(label),
-                prev: from,
+                in_label,
+                prev,
                 sink,
-                next: j,
-                cost_from_source: cfs_here,
-                tried: vec![j],
+                next,
+                cost_from_source,
+                tried: vec![next],
                 expires: self.now + self.cfg.reservation_expiry_ticks as Time * self.cfg.tick,
-                reroute: false,
+                reroute,
             },
         );
-        if let Some(p) = self.peers.get_mut(&j) {
+        if let Some(p) = self.peers.get_mut(&next) {
             p.spare = p.spare.saturating_sub(1);
         }
         self.send(
-            j,
+            next,
             Msg::FlowRequest {
                 label: out,
                 sink,
-                cost_from_source: cfs_here,
-                expected_cost: expected_next,
+                cost_from_source,
+                expected_cost: expected,
             },
         );
     }

@@ -127,23 +127,9 @@ impl Node {
             self.lifecycle.snaps.insert(
                 mb,
                 Snap {
-                    attempt,
-                    path: Arc::new(vec![self.id]),
-                    prev: self.id,
-                    next: None,
                     label_in: label,
-                    hint: None,
                     plan,
-                    need_grad: false,
-                    fwd_task: Some(t),
-                    fwd_done: false,
-                    bwd_task: None,
-                    loss_task: None,
-                    grad_ready: false,
-                    grad_in: false,
-                    done: false,
-                    stuck: false,
-                    started: self.now,
+                    ..Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now)
                 },
             );
         }

@@ -52,7 +52,49 @@ pub(super) fn merge_path(newer: &Arc<Vec<NodeId>>, older: &Arc<Vec<NodeId>>) -> 
     Arc::new(v)
 }
 
+impl Snap {
+    /// A microbatch (attempt) taken in at `started` from `prev`, along
+    /// `path`, its forward task `fwd_task` queued; nothing else known yet.
+    pub(super) fn new(
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+        prev: NodeId,
+        fwd_task: Option<TaskId>,
+        started: Time,
+    ) -> Snap {
+        Snap {
+            attempt,
+            path,
+            prev,
+            next: None,
+            label_in: None,
+            hint: None,
+            plan: None,
+            need_grad: false,
+            fwd_task,
+            fwd_done: false,
+            bwd_task: None,
+            loss_task: None,
+            grad_ready: false,
+            grad_in: false,
+            done: false,
+            stuck: false,
+            started,
+        }
+    }
+}
+
 impl Node {
+    /// How long the hop of `mb` waited and ran here since its input
+    /// arrived (reported in its ack); the arrival is forgotten.
+    fn busy_since_arrival(&mut self, mb: MbId, backward: bool) -> Time {
+        let now = self.now;
+        self.lifecycle
+            .arrivals
+            .remove(&(mb, backward))
+            .map_or(0, |t| now - t)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn on_forward(
         &mut self,
@@ -91,27 +133,8 @@ impl Node {
             if s.grad_ready {
                 // Recovery: re-send the stored loss gradient.
                 let p = s.path.clone();
-                self.send(
-                    from,
-                    Msg::Ack {
-                        mb,
-                        attempt,
-                        backward: false,
-                        busy: 0,
-                        bytes: 0,
-                    },
-                );
-                self.send_tracked(
-                    from,
-                    Msg::Backward {
-                        mb,
-                        attempt,
-                        path: p,
-                    },
-                    mb,
-                    true,
-                    attempt,
-                );
+                self.ack_again(from, mb, attempt, false);
+                self.send_backward(from, mb, attempt, p);
                 return;
             }
             if s.loss_task.is_none() {
@@ -139,41 +162,13 @@ impl Node {
                 if s.grad_ready {
                     // We already hold this microbatch's gradient for our
                     // predecessor: re-send it, no recompute.
-                    self.send(
-                        from,
-                        Msg::Ack {
-                            mb,
-                            attempt,
-                            backward: false,
-                            busy: 0,
-                            bytes: 0,
-                        },
-                    );
+                    self.ack_again(from, mb, attempt, false);
                     if need_grad {
                         let p = self.lifecycle.snaps[&mb].path.clone();
-                        self.send_tracked(
-                            from,
-                            Msg::Backward {
-                                mb,
-                                attempt,
-                                path: p,
-                            },
-                            mb,
-                            true,
-                            attempt,
-                        );
+                        self.send_backward(from, mb, attempt, p);
                     }
                 } else if s.fwd_done {
-                    self.send(
-                        from,
-                        Msg::Ack {
-                            mb,
-                            attempt,
-                            backward: false,
-                            busy: 0,
-                            bytes: 0,
-                        },
-                    );
+                    self.ack_again(from, mb, attempt, false);
                 } else {
                     // A re-sent hop whose work is still queued here.
                     self.notify_queued(from, mb, attempt, false);
@@ -188,23 +183,11 @@ impl Node {
         self.lifecycle.snaps.insert(
             mb,
             Snap {
-                attempt,
-                path,
-                prev: from,
-                next: None,
                 label_in: label,
                 hint,
                 plan,
                 need_grad,
-                fwd_task: Some(t),
-                fwd_done: false,
-                bwd_task: None,
-                loss_task: None,
-                grad_ready: false,
-                grad_in: false,
-                done: false,
-                stuck: false,
-                started: self.now,
+                ..Snap::new(attempt, path, from, Some(t), self.now)
             },
         );
         // Queue wait starts now; remember when the input arrived.
@@ -249,21 +232,8 @@ impl Node {
                 s.path = path.clone();
                 let (label, hint, plan, prev) = (s.label_in, s.hint, s.plan.clone(), s.prev);
                 if kind == TaskKind::Forward {
-                    let busy = self
-                        .lifecycle
-                        .arrivals
-                        .remove(&(mb, false))
-                        .map_or(0, |t| self.now - t);
-                    self.send(
-                        prev,
-                        Msg::Ack {
-                            mb,
-                            attempt,
-                            backward: false,
-                            busy,
-                            bytes: self.cfg.activation_bytes,
-                        },
-                    );
+                    let busy = self.busy_since_arrival(mb, false);
+                    self.ack(prev, mb, attempt, false, busy);
                 }
                 self.forward_out(mb, label, hint, plan, &[]);
             }
@@ -277,22 +247,9 @@ impl Node {
                 }
                 s.grad_ready = true;
                 let (prev, path) = (s.prev, s.path.clone());
-                let busy = self
-                    .lifecycle
-                    .arrivals
-                    .remove(&(mb, false))
-                    .map_or(0, |t| self.now - t);
-                self.send(
-                    prev,
-                    Msg::Ack {
-                        mb,
-                        attempt,
-                        backward: false,
-                        busy,
-                        bytes: self.cfg.activation_bytes,
-                    },
-                );
-                self.send_tracked(prev, Msg::Backward { mb, attempt, path }, mb, true, attempt);
+                let busy = self.busy_since_arrival(mb, false);
+                self.ack(prev, mb, attempt, false, busy);
+                self.send_backward(prev, mb, attempt, path);
             }
             TaskKind::Backward | TaskKind::EmbedBackward => {
                 let mb = mb.unwrap();
@@ -310,21 +267,8 @@ impl Node {
                     s.path.clone(),
                     s.need_grad,
                 );
-                let busy = self
-                    .lifecycle
-                    .arrivals
-                    .remove(&(mb, true))
-                    .map_or(0, |t| self.now - t);
-                self.send(
-                    next,
-                    Msg::Ack {
-                        mb,
-                        attempt,
-                        backward: true,
-                        busy,
-                        bytes: self.cfg.activation_bytes,
-                    },
-                );
+                let busy = self.busy_since_arrival(mb, true);
+                self.ack(next, mb, attempt, true, busy);
                 let mut used = vec![id];
                 if let Some(f) = self.lifecycle.snaps[&mb].fwd_task {
                     used.push(f);
@@ -357,13 +301,7 @@ impl Node {
                         if !self.alive(prev) {
                             self.backward_failed(mb, prev);
                         } else {
-                            self.send_tracked(
-                                prev,
-                                Msg::Backward { mb, attempt, path },
-                                mb,
-                                true,
-                                attempt,
-                            );
+                            self.send_backward(prev, mb, attempt, path);
                         }
                     }
                 }
@@ -427,16 +365,7 @@ impl Node {
         if s.grad_in {
             // Duplicate: already have it.
             if s.done {
-                self.send(
-                    from,
-                    Msg::Ack {
-                        mb,
-                        attempt,
-                        backward: true,
-                        busy: 0,
-                        bytes: 0,
-                    },
-                );
+                self.ack_again(from, mb, attempt, true);
             } else {
                 self.notify_queued(from, mb, attempt, true);
             }

@@ -312,6 +312,18 @@ impl Node {
         }
     }
 
+    /// The members of this node's group not known to be dead, in id order.
+    pub(super) fn live_members(&self) -> Arc<Vec<NodeId>> {
+        Arc::new(
+            self.group
+                .members
+                .iter()
+                .copied()
+                .filter(|m| self.alive(*m))
+                .collect(),
+        )
+    }
+
     /// Any message is a sign of life: a member heard by its coordinator, a
     /// peer heard (a suspected one was alive after all, unless it says
     /// goodbye), the coordinator heard by a member.

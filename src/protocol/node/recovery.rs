@@ -266,39 +266,37 @@ mod tests {
     /// SWARM restarts the microbatch from its holder.
     #[test]
     fn a_previous_hop_lost_in_the_backward_reruns_its_stage_or_restarts() {
-        let (mut n, m) = relay(Policy::Gwtf);
-        n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
-        awaiting_ack(&mut n, m, true, 20);
-        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 20 });
+        let lose_prev = |policy| {
+            let (mut n, m) = relay(policy);
+            n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
+            awaiting_ack(&mut n, m, true, 20);
+            n.handle(2 * SEC, Input::PeerLost { peer: 20 })
+        };
+        let acts = lose_prev(Policy::Gwtf);
         let s = sends(&acts);
-        assert!(
-            s.iter().any(|(to, msg)| *to == 0
-                && matches!(
-                    msg,
-                    Msg::CrashNotice {
-                        dead: 20,
-                        after: 10,
-                        ..
-                    }
-                )),
-            "{s:?}"
-        );
-        let (mut n, m) = relay(Policy::Swarm);
-        n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
-        awaiting_ack(&mut n, m, true, 20);
-        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 20 });
+        let rerun = |msg: &&Msg| {
+            matches!(
+                msg,
+                Msg::CrashNotice {
+                    dead: 20,
+                    after: 10,
+                    ..
+                }
+            )
+        };
+        assert!(s.iter().any(|(to, msg)| *to == 0 && rerun(msg)), "{s:?}");
+        let acts = lose_prev(Policy::Swarm);
         let s = sends(&acts);
-        assert!(
-            s.iter().any(|(to, msg)| *to == 0
-                && matches!(
-                    msg,
-                    Msg::Restart {
-                        attempt: Some(0),
-                        ..
-                    }
-                )),
-            "{s:?}"
-        );
+        let restart = |msg: &&Msg| {
+            matches!(
+                msg,
+                Msg::Restart {
+                    attempt: Some(0),
+                    ..
+                }
+            )
+        };
+        assert!(s.iter().any(|(to, msg)| *to == 0 && restart(msg)), "{s:?}");
     }
 
     /// The holder dies while its gradient is on the way back: the microbatch

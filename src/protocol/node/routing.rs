@@ -30,24 +30,9 @@ pub(super) trait RoutingPolicy: Sync {
     fn planned_path(&self, _plan: &[Arc<Vec<NodeId>>], _n: usize) -> Option<Arc<Vec<NodeId>>> {
         None
     }
-    /// The next hop of `mb` (with its out label) when no hint applies.
-    fn next_hop(
-        &self,
-        node: &mut Node,
-        mb: MbId,
-        label: Option<Label>,
-        plan: Option<&Arc<Vec<NodeId>>>,
-        exclude: &[NodeId],
-    ) -> Option<(NodeId, Option<Label>)>;
-}
-
-/// GWTF: reserved flows, cost gossip, stage-only crash recovery.
-struct Gwtf;
-
-impl RoutingPolicy for Gwtf {
-    fn reserves_flows(&self) -> bool {
-        true
-    }
+    /// The next hop of `mb` (with its out label) when no hint applies: by
+    /// default the planned one, else the reserved flow's, else the cheapest
+    /// by the gossiped costs.
     fn next_hop(
         &self,
         node: &mut Node,
@@ -57,6 +42,15 @@ impl RoutingPolicy for Gwtf {
         exclude: &[NodeId],
     ) -> Option<(NodeId, Option<Label>)> {
         node.next_hop_by_cost(mb, label, plan, exclude)
+    }
+}
+
+/// GWTF: reserved flows, cost gossip, stage-only crash recovery.
+struct Gwtf;
+
+impl RoutingPolicy for Gwtf {
+    fn reserves_flows(&self) -> bool {
+        true
     }
 }
 
@@ -97,16 +91,6 @@ impl RoutingPolicy for Planned {
     }
     fn planned_path(&self, plan: &[Arc<Vec<NodeId>>], n: usize) -> Option<Arc<Vec<NodeId>>> {
         (!plan.is_empty()).then(|| plan[n % plan.len()].clone())
-    }
-    fn next_hop(
-        &self,
-        node: &mut Node,
-        mb: MbId,
-        label: Option<Label>,
-        plan: Option<&Arc<Vec<NodeId>>>,
-        exclude: &[NodeId],
-    ) -> Option<(NodeId, Option<Label>)> {
-        node.next_hop_by_cost(mb, label, plan, exclude)
     }
 }
 

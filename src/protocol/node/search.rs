@@ -15,6 +15,17 @@ pub(super) struct LocalSearch {
 }
 
 impl Node {
+    /// Tells `next` that the segment it receives on `out_label` now comes
+    /// from this node (a swap or redirect moved it here).
+    fn notify_switch(&mut self, next: NodeId, out_label: Label) {
+        let new_prev = self.id;
+        let msg = Msg::NotifySwitch {
+            label: out_label,
+            new_prev,
+        };
+        self.send(next, msg);
+    }
+
     pub(super) fn flow_info(&self, f: &FlowEntry) -> FlowInfo {
         FlowInfo {
             in_label: f.in_label,
@@ -201,20 +212,9 @@ impl Node {
             return reject(self);
         }
         // Take the proposer's downstream segment.
-        self.reservations.out_index.remove(&g.out_label);
-        {
-            let e = self.reservations.flows.get_mut(&yours).unwrap();
-            e.next = mine.next;
-            e.out_label = mine.out_label;
-        }
-        self.reservations.out_index.insert(mine.out_label, yours);
-        self.send(
-            mine.next,
-            Msg::NotifySwitch {
-                label: mine.out_label,
-                new_prev: self.id,
-            },
-        );
+        self.reservations
+            .switch_downstream(yours, mine.next, mine.out_label);
+        self.notify_switch(mine.next, mine.out_label);
         self.send(
             from,
             Msg::RespondSwap {
@@ -238,25 +238,15 @@ impl Node {
             return;
         }
         let Some(g) = yours else { return };
-        if let Some(f) = self
+        if self
             .reservations
             .flows
             .get(&mine)
-            .cloned()
-            .filter(|f| f.next != g.next)
+            .is_some_and(|f| f.next != g.next)
         {
-            self.reservations.out_index.remove(&f.out_label);
-            let e = self.reservations.flows.get_mut(&mine).unwrap();
-            e.next = g.next;
-            e.out_label = g.out_label;
-            self.reservations.out_index.insert(g.out_label, mine);
-            self.send(
-                g.next,
-                Msg::NotifySwitch {
-                    label: g.out_label,
-                    new_prev: self.id,
-                },
-            );
+            self.reservations
+                .switch_downstream(mine, g.next, g.out_label);
+            self.notify_switch(g.next, g.out_label);
             self.search.sa_temp *= self.cfg.sa_cooling;
         }
     }
@@ -268,6 +258,13 @@ impl Node {
         new_cost: f64,
         temperature: f64,
     ) {
+        let reject = |me: &mut Node| {
+            let refusal = Msg::RespondRedirect {
+                accept: false,
+                flow: None,
+            };
+            me.send(from, refusal)
+        };
         let busy = self.search.sa_busy_until > self.now && from > self.id;
         let Some(g) = self
             .reservations
@@ -276,25 +273,11 @@ impl Node {
             .cloned()
             .filter(|_| !busy)
         else {
-            self.send(
-                from,
-                Msg::RespondRedirect {
-                    accept: false,
-                    flow: None,
-                },
-            );
-            return;
+            return reject(self);
         };
         let old = self.link_cost_from(g.prev) + self.link_cost(g.next) - self.compute_s;
         if !self.accept_move(old, new_cost, temperature) {
-            self.send(
-                from,
-                Msg::RespondRedirect {
-                    accept: false,
-                    flow: None,
-                },
-            );
-            return;
+            return reject(self);
         }
         let gi = self.flow_info(&g);
         self.reservations.flows.remove(&yours);
@@ -338,13 +321,7 @@ impl Node {
                 new_next: self.id,
             },
         );
-        self.send(
-            g.next,
-            Msg::NotifySwitch {
-                label: g.out_label,
-                new_prev: self.id,
-            },
-        );
+        self.notify_switch(g.next, g.out_label);
         self.search.sa_temp *= self.cfg.sa_cooling;
     }
 

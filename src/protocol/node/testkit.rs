@@ -56,26 +56,14 @@ pub(super) fn mb(holder: NodeId, iter: u32, idx: u32) -> MbId {
 }
 
 /// The snapshot of a microbatch whose forward this node has done and sent
-/// to `next` (attempt 0, input from `path`'s last node).
+/// to `next` (attempt 0; `path` ends with this node, the input came from the one before).
 pub(super) fn forwarded(path: &[NodeId], next: NodeId, now: Time) -> Snap {
+    let prev = path[path.len() - 2];
     Snap {
-        attempt: 0,
-        path: Arc::new(path.to_vec()),
-        prev: *path.last().unwrap(),
         next: Some(next),
-        label_in: None,
-        hint: None,
-        plan: None,
         need_grad: true,
-        fwd_task: None,
         fwd_done: true,
-        bwd_task: None,
-        loss_task: None,
-        grad_ready: false,
-        grad_in: false,
-        done: false,
-        stuck: false,
-        started: now,
+        ..Snap::new(0, Arc::new(path.to_vec()), prev, None, now)
     }
 }
 
