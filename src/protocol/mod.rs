@@ -9,9 +9,10 @@
 //!
 //! # Map
 //!
-//! `Node` (node/mod.rs) holds the identity, the dispatcher's state, the
-//! peer view and what the node knows of the iterations; it hands each input,
-//! each tick and each peer's death to the parts, which own the rest:
+//! `Node` (node/mod.rs) holds the identity and the dispatcher's state; it
+//! hands each input, each tick and each peer's death to the parts, which own
+//! the rest. Shared by all: the peer view (`peers.rs`) and what the node
+//! knows of the iterations (`iterations.rs`, changed through its methods).
 //!
 //! | part | files | owns |
 //! | --- | --- | --- |
@@ -23,8 +24,8 @@
 //! | stage group | `group.rs`, `coordinator.rs`, `barrier.rs` | a member's claims and commits; the coordinator's exactly-once grants, commit, aggregation and recomputation of lost grants; the holders' iteration barrier (section 6) |
 //!
 //! A part changes only its own state and the shared peer view; it asks
-//! another part through that part's methods. `node/testkit.rs` helps the
-//! parts' unit tests drive a single node.
+//! another part, or the iterations, through their methods.
+//! `node/testkit.rs` helps the parts' unit tests drive a single node.
 //!
 //! # Where each message kind is handled
 //!

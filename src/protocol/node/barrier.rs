@@ -21,7 +21,7 @@ impl Node {
             return;
         }
         if self.barrier.is_none() {
-            if self.now < self.cfg.start_delay || self.seen_iter.is_some() {
+            if self.now < self.cfg.start_delay || self.iters.seen_iter.is_some() {
                 return;
             }
             // Open the first iteration (or, after every holder was gone, the
@@ -32,10 +32,10 @@ impl Node {
             // holder was gone and no relay answered yet, or the stages next
             // to us are empty) waits: opening iteration 0 there would re-run
             // iterations that are over.
-            if !self.iter_heard && self.last_applied.is_none() {
+            if !self.iters.iter_heard && self.iters.last_applied.is_none() {
                 return;
             }
-            let first = self.iter_hint();
+            let first = self.iters.next_hint();
             let holders = self.live_members();
             self.barrier = Some(Barrier {
                 iter: first,
@@ -189,7 +189,7 @@ impl Node {
     /// knowledge (the latest iteration announced, and whether it is done).
     pub(super) fn reopen_barrier(&mut self) {
         if self.stage == 0 && self.barrier.is_none() {
-            if let Some((k, participants)) = self.seen_iter.clone() {
+            if let Some((k, participants)) = self.iters.seen_iter.clone() {
                 self.barrier = Some(Barrier {
                     iter: k,
                     participants,

@@ -95,7 +95,7 @@ impl Node {
             );
             return;
         }
-        if iter + 1 < self.min_iter {
+        if iter + 1 < self.iters.min_iter {
             self.send(from, Msg::ClaimReply { mb, granted: false });
             return;
         }
@@ -139,9 +139,7 @@ impl Node {
         }
         // Pass it on along the pipeline (once per heartbeat period).
         let period = self.cfg.heartbeat_ticks as Time * self.cfg.tick;
-        let last = self.end_fwd.get(&iter).copied();
-        if last.is_none_or(|t| t + period <= self.now) {
-            self.end_fwd.insert(iter, self.now);
+        if self.iters.pass_on_end(iter, self.now, period) {
             // Holders also tell a few peers of the last stage: both stages
             // next to the holders then know the iteration is over before the
             // holders' stage can commit it, so a holders' coordinator that
@@ -451,7 +449,7 @@ impl Node {
         if self.group.coord != Some(self.id) {
             return;
         }
-        if self.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
             // Applied under an earlier coordinator: only confirm.
             let ci = self.coordinating.coord_iters.entry(iter).or_default();
             ci.applied = true;
@@ -514,7 +512,7 @@ impl Node {
         }
         // Apply: the new weights version follows from the previous one and
         // exactly the contributions that are in the aggregate.
-        let mut h = mix(self.version.1, iter as u64);
+        let mut h = mix(self.iters.version.1, iter as u64);
         for (mb, g) in &ci.granted {
             h = mix(h, ((mb.holder as u64) << 32) | mb.idx as u64);
             h = mix(h, g.0 as u64);
@@ -537,11 +535,10 @@ impl Node {
     }
 
     pub(super) fn on_applied(&mut self, iter: u32, version: u64) {
-        if self.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
             return;
         }
-        self.version = (iter, version);
-        self.last_applied = Some(self.last_applied.map_or(iter, |a| a.max(iter)));
+        self.iters.applied(iter, version);
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             ci.applied = true;
         }
@@ -681,7 +678,7 @@ mod tests {
             Some(false)
         );
         assert_eq!(granted(&deliver(&mut n, 2, claim(0, a))), Some(true));
-        n.min_iter = 5;
+        n.iters.finalize_before(5);
         assert_eq!(
             granted(&deliver(&mut n, 2, claim(3, mb(0, 3, 0)))),
             Some(false)

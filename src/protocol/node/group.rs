@@ -38,7 +38,7 @@ impl Node {
             self.id,
             self.group.coord,
             self.member.last_commit,
-            self.last_applied,
+            self.iters.last_applied,
             self.member
                 .acc
                 .iter()

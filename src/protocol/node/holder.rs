@@ -18,9 +18,7 @@ impl Node {
         if self.stage != 0 || self.phase != Phase::Active {
             return;
         }
-        if self.seen_iter.as_ref().is_none_or(|s| s.0 < iter) {
-            self.seen_iter = Some((iter, holders.clone()));
-        }
+        self.iters.announced(iter, &holders);
         if self.dh.iter.is_some_and(|k| k >= iter) {
             // The barrier announces the iteration again to holders it has
             // not heard are done: our HolderDone went to a node that did not
@@ -47,10 +45,9 @@ impl Node {
 
     /// Drops snapshots and state of iterations before `iter` (they are final).
     pub(super) fn forget_before(&mut self, iter: u32) {
-        if iter <= self.min_iter {
+        if !self.iters.finalize_before(iter) {
             return;
         }
-        self.min_iter = iter;
         self.lifecycle.snaps.retain(|m, _| m.iter >= iter);
         let old: Vec<(MbId, bool)> = self
             .acks
@@ -63,7 +60,7 @@ impl Node {
             self.clear_deadline(k);
         }
         self.reservations.forget_ghosts();
-        self.end_fwd.retain(|k, _| *k >= iter);
+        self.iters.forget_ends_before(iter);
         let keep = iter.saturating_sub(1);
         self.coordinating.forget_before(keep);
     }

@@ -157,7 +157,7 @@ impl Node {
             .get(self.stage as usize)
             .copied()
             .unwrap_or(0);
-        let version = self.version;
+        let version = self.iters.version;
         self.send(
             from,
             Msg::StateResponse {
@@ -171,10 +171,7 @@ impl Node {
     /// The state download is done: join the group.
     pub(super) fn on_state_response(&mut self, version: (u32, u64), members: Arc<Vec<NodeId>>) {
         if let Phase::Downloading { stage } = self.phase {
-            self.version = version;
-            if version != (0, 0) {
-                self.last_applied = Some(version.0);
-            }
+            self.iters.downloaded(version);
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
             self.group.adopt(members.iter().copied(), self.id);

@@ -107,10 +107,10 @@ impl Node {
         need_grad: bool,
         plan: Option<Arc<Vec<NodeId>>>,
     ) {
-        if self.phase != Phase::Active || mb.iter < self.min_iter {
+        if self.phase != Phase::Active || mb.iter < self.iters.min_iter {
             return;
         }
-        if mb.iter > self.min_iter && self.stage != 0 {
+        if mb.iter > self.iters.min_iter && self.stage != 0 {
             self.forget_before(mb.iter);
         }
         let ps = self.prev_stage();

@@ -177,20 +177,9 @@ impl Node {
         }
     }
 
-    /// The iteration this node believes comes next (told to new holders):
-    /// past the last one applied here, and past the last one whose end was
-    /// announced (an ended iteration takes no new microbatches; the holders'
-    /// stage may already have applied it).
-    pub(super) fn iter_hint(&self) -> u32 {
-        let a = self.last_applied.map_or(0, |a| a + 1);
-        let s = self.seen_iter.as_ref().map_or(0, |s| s.0);
-        let e = self.end_fwd.keys().next_back().map_or(0, |k| k + 1);
-        a.max(s).max(e).max(self.min_iter).max(self.known_iter)
-    }
-
     pub(super) fn intro_msg(&self, echo: Option<Time>) -> Msg {
         Msg::Introduce {
-            iter: self.iter_hint(),
+            iter: self.iters.next_hint(),
             stage: self.stage,
             spare: self.spare(),
             compute_s: self.compute_s,
@@ -356,10 +345,7 @@ impl Node {
         sent_at: Time,
         echo: Option<Time>,
     ) {
-        self.known_iter = self.known_iter.max(iter);
-        if stage != 0 {
-            self.iter_heard = true;
-        }
+        self.iters.hear_next(iter, stage == 0);
         let now = self.now;
         let a = self.cfg.ema_alpha;
         let bytes = self.cfg.probe_bytes;
@@ -385,7 +371,7 @@ impl Node {
             }
             None => {
                 let m = Msg::Introduce {
-                    iter: self.iter_hint(),
+                    iter: self.iters.next_hint(),
                     stage: self.stage,
                     spare: self.spare(),
                     compute_s: self.compute_s,
@@ -448,8 +434,8 @@ impl Node {
             }
             self.group.member_heard.insert(from, self.now);
             self.group.admit(from);
-            if self.group.coord == Some(self.id) && self.version.0 > 0 {
-                let (iter, version) = self.version;
+            if self.group.coord == Some(self.id) && self.iters.version.0 > 0 {
+                let (iter, version) = self.iters.version;
                 self.send(from, Msg::Applied { iter, version });
             }
             self.recompute_coord();

@@ -16,6 +16,7 @@ mod costs;
 mod flow;
 mod group;
 mod holder;
+mod iterations;
 mod join;
 mod lifecycle;
 mod membership;
@@ -31,6 +32,7 @@ use costs::*;
 use flow::*;
 use group::*;
 use holder::*;
+use iterations::*;
 use join::*;
 use lifecycle::*;
 use membership::*;
@@ -72,21 +74,7 @@ pub struct Node {
     next_task: TaskId,
     // ---- shared: the peer view and what this node knows of the iterations
     peers: PeerMap,
-    /// The weights version (iteration, hash) this node holds.
-    version: (u32, u64),
-    /// Last iteration whose aggregate this node applied.
-    last_applied: Option<u32>,
-    /// Iterations before this one are final (their state is forgotten).
-    min_iter: u32,
-    /// When the end of each iteration was last passed on.
-    end_fwd: BTreeMap<u32, Time>,
-    /// Holders: the latest iteration announced and its participants.
-    seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
-    /// Largest next iteration peers told us about.
-    known_iter: u32,
-    /// A relay told us which iteration comes next (`known_iter`): a holders'
-    /// coordinator without a history of its own opens no iteration before.
-    iter_heard: bool,
+    iters: Iterations,
     // ---- the parts' own state
     group: Group,
     joining: JoinState,
@@ -142,14 +130,7 @@ impl Node {
             next_task: 1,
             dh: HolderState::default(),
             barrier: None,
-            end_fwd: BTreeMap::new(),
-            version: (0, 0),
             plan: Vec::new(),
-            min_iter: 0,
-            last_applied: None,
-            seen_iter: None,
-            known_iter: 0,
-            iter_heard: false,
             cfg,
             reservations: Reservations::default(),
             search: LocalSearch {
@@ -162,6 +143,7 @@ impl Node {
             member: GroupMember::default(),
             coordinating: Coordinator::default(),
             joining: JoinState::default(),
+            iters: Iterations::default(),
             group: Group::default(),
         }
     }
@@ -185,7 +167,7 @@ impl Node {
 
     /// The weights version (iteration, hash) this node holds.
     pub fn version(&self) -> (u32, u64) {
-        self.version
+        self.iters.version
     }
 
     /// The coordinator this node believes in.
