@@ -3,6 +3,10 @@
 //! `handle(now, input)` and `on_timeout(now)` return the actions to carry
 //! out; `timeout()` is the next instant `on_timeout` wants to run. The node
 //! never reads a clock, never touches a socket and never sleeps.
+//!
+//! This file is the dispatcher: it hands each input, each tick and each
+//! peer's death to the part that owns it (the map is in the documentation
+//! of `crate::protocol`); each part lives in a file of its own.
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
@@ -180,7 +184,7 @@ impl Node {
         self.reservations.flows.len()
     }
 
-    /// Holder: its reserved flows' first hops (GWTF).
+    /// Microbatches this node's memory holds at once (the flows it can carry).
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
