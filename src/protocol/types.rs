@@ -49,7 +49,7 @@ pub struct MbId {
 pub enum Policy {
     /// The decentralized flow protocol of GWTF.
     Gwtf,
-    /// The SWARM baseline (GWTF.md section 8).
+    /// The SWARM baseline (docs/SPEC.md section 8).
     Swarm,
     /// Source routing along paths computed centrally (min-cost flow with
     /// global knowledge) and handed to the data holders by the driver.
@@ -66,7 +66,7 @@ impl Policy {
     }
 }
 
-/// Protocol configuration. Every constant of GWTF.md section 5 is here.
+/// Protocol configuration. Every constant of docs/SPEC.md section 4 is here.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub policy: Policy,
@@ -144,7 +144,7 @@ pub struct Config {
 }
 
 impl Config {
-    /// Defaults from GWTF.md (prototype constants where they exist).
+    /// Defaults from docs/SPEC.md (prototype constants where they exist).
     pub fn new(policy: Policy, relay_stages: Stage, activation_bytes: u64) -> Config {
         let tick = 2 * SEC;
         Config {
