@@ -127,6 +127,16 @@ fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     let late: Vec<&Vec<NodeId>> = after.iter().skip(8).collect();
     assert!(!late.is_empty());
     assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
+    // Activations and gradients crossed the wire as data frames: the holder
+    // received the last stage's output and stage 1's gradient of every
+    // microbatch it finished.
+    let done = (paths.len() + after.len()) as u64;
+    let got = holder.net_stats();
+    assert!(
+        got.bytes_received >= 2 * done * cfg.activation_bytes,
+        "{} bytes received for {done} microbatches",
+        got.bytes_received
+    );
     holder.leave();
     for n in nodes.into_iter().flatten() {
         n.leave();

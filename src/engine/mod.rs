@@ -228,6 +228,13 @@ pub enum Event {
     Control { peer: u64, msg: ControlEnvelope },
 }
 
+/// What [`Node::next_incoming`] hands over.
+#[derive(Debug)]
+pub enum Incoming {
+    Frame(Frame),
+    Event(Event),
+}
+
 /// Errors of the engine API.
 #[derive(Debug)]
 pub enum EngineError {
@@ -786,6 +793,16 @@ impl Node {
     /// The next event, waiting up to `timeout`.
     pub fn poll_event(&self, timeout: Duration) -> Option<Event> {
         self.events_rx.recv_timeout(timeout).ok()
+    }
+
+    /// Whichever comes first, a received data frame or an event, waiting up
+    /// to `timeout` (a driver that handles both waits on both at once).
+    pub fn next_incoming(&self, timeout: Duration) -> Option<Incoming> {
+        crossbeam_channel::select! {
+            recv(self.frames_rx) -> f => f.ok().map(Incoming::Frame),
+            recv(self.events_rx) -> e => e.ok().map(Incoming::Event),
+            default(timeout) => None,
+        }
     }
 
     /// Closes the connection to `peer` after a goodbye.

@@ -5,4 +5,5 @@
 //! its driver over the engine's connections ([`allreduce_net`]).
 pub mod allreduce;
 pub mod allreduce_net;
+pub mod bulk;
 pub mod runtime;

@@ -17,12 +17,17 @@
 //! connected waits (bounded) until the connection is up; a peer that cannot
 //! be reached is lost to the protocol.
 //!
-//! What this skeleton does not do yet (the real-swarm work builds on it):
-//! tensors (a bulk message's data frame), the stage all-reduce inside the
-//! aggregate task (`super::allreduce` exists), state download for joiners.
-//! Its trainer interface therefore only runs tasks; [`TimedTrainer`] takes
-//! the time a task would take, for tests of the runtime itself.
-use crate::engine::{EngineError, Event as NetEvent, Node as Net, NodeOptions};
+//! Bulk messages (activations, gradients, bandwidth probes, state) are
+//! followed by their data frame ([`super::bulk`]), so transfers take their
+//! real time and the protocol measures real bandwidths. What this runtime
+//! does not do yet (the real-swarm work builds on it): the frames carry no
+//! tensor yet (their payload is as long as the tensor would be), the stage
+//! all-reduce inside the aggregate task (`super::allreduce` exists), a real
+//! state download. Its trainer interface therefore only runs tasks;
+//! [`TimedTrainer`] takes the time a task would take, for tests of the
+//! runtime itself.
+use super::bulk::{self, Pairing};
+use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, NodeOptions};
 use crate::protocol::{codec, Action, Config, Event, Input, Msg, Node, NodeId, Stage, Task, Time};
 use crate::wire::ControlEnvelope;
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
@@ -136,6 +141,8 @@ impl Runtime {
             addr,
         };
         let mut driver = Driver {
+            cfg: opts.protocol.clone(),
+            pairing: Pairing::default(),
             node: Node::new(
                 opts.protocol.clone(),
                 opts.id,
@@ -194,6 +201,11 @@ impl Runtime {
         &self.events
     }
 
+    /// The engine's counters (frames and bytes moved, peers, pool).
+    pub fn net_stats(&self) -> crate::engine::NodeStats {
+        self.net.stats()
+    }
+
     /// Where this node listens.
     pub fn addr(&self) -> Option<SocketAddr> {
         self.net.local_addr()
@@ -224,6 +236,9 @@ impl Drop for Runtime {
 }
 
 struct Driver {
+    cfg: Arc<Config>,
+    /// Bulk messages and data frames waiting for each other.
+    pairing: Pairing<Frame>,
     node: Node,
     net: Arc<Net>,
     start: Instant,
@@ -288,12 +303,32 @@ impl Driver {
             .net
             .send_control(to as u64, &env, Duration::from_secs(5))
         {
+            Ok(()) if msg.is_bulk() => self.send_data(to, &msg),
             Ok(()) => {}
             Err(EngineError::NotFound(_)) => self.connect(to, msg),
             Err(e) => {
                 self.log(format!("send to {to:x}: {e}"));
                 self.lost.push_back(to);
             }
+        }
+    }
+
+    /// The data frame after a bulk message (as long as its tensor would be).
+    fn send_data(&mut self, to: NodeId, msg: &Msg) {
+        let max = self.net.options().max_payload;
+        let len = bulk::payload_len(msg, &self.cfg).min(max) as usize;
+        let (microbatch, iteration) = bulk::header_fields(msg);
+        let sent = self
+            .net
+            .alloc(len, Duration::from_secs(5))
+            .and_then(|mut f| {
+                f.header.stage = self.me.stage as u32;
+                f.header.microbatch = microbatch;
+                f.header.iteration = iteration;
+                self.net.send(to as u64, f, Duration::from_secs(5))
+            });
+        if let Err(e) = sent {
+            self.log(format!("data for {} to {to:x}: {e}", msg.name()));
         }
     }
 
@@ -382,6 +417,7 @@ impl Driver {
             NetEvent::PeerLost { peer, .. } => {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.pending.remove(&id);
+                    self.pairing.forget(id);
                     self.input(Input::PeerLost { peer: id });
                 }
             }
@@ -407,6 +443,12 @@ impl Driver {
                     return;
                 }
                 match codec::decode(&msg) {
+                    Ok(m) if m.is_bulk() => {
+                        let key = bulk::key_of_msg(from, &m);
+                        if let Some((m, _data)) = self.pairing.on_msg(key, m) {
+                            self.input(Input::Message { from, msg: m });
+                        }
+                    }
                     Ok(m) => self.input(Input::Message { from, msg: m }),
                     Err(e) => {
                         self.log(format!("refused a message from {from:x}: {e}"));
@@ -417,6 +459,17 @@ impl Driver {
             NetEvent::Refused { addr, reason, .. } => {
                 self.log(format!("refused {addr}: {reason}"));
             }
+        }
+    }
+
+    /// A data frame: the second half of a bulk message.
+    fn on_frame(&mut self, f: Frame) {
+        let Ok(from) = NodeId::try_from(f.peer()) else {
+            return;
+        };
+        let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
+        if let Some((msg, _data)) = self.pairing.on_data(key, f) {
+            self.input(Input::Message { from, msg });
         }
     }
 
@@ -468,11 +521,13 @@ impl Driver {
             });
             let cap = if self.busy > 0 { 1 } else { 20 };
             let wait = until_timer.min(Duration::from_millis(cap));
-            if let Some(ev) = self.net.poll_event(wait) {
-                self.on_net(ev);
-                while let Some(ev) = self.net.poll_event(Duration::ZERO) {
-                    self.on_net(ev);
+            let mut next = self.net.next_incoming(wait);
+            while let Some(incoming) = next {
+                match incoming {
+                    Incoming::Event(ev) => self.on_net(ev),
+                    Incoming::Frame(f) => self.on_frame(f),
                 }
+                next = self.net.next_incoming(Duration::ZERO);
             }
         }
     }
