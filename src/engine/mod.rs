@@ -228,6 +228,13 @@ pub enum Event {
     Control { peer: u64, msg: ControlEnvelope },
 }
 
+/// Events a node queues for its caller. Past `EVENT_QUEUE - EVENT_ROOM`
+/// queued events the poll thread stops reading control messages (TCP pushes
+/// back on the peers) instead of dropping them; the room left is for
+/// connection events.
+pub(crate) const EVENT_QUEUE: usize = 4096;
+pub(crate) const EVENT_ROOM: usize = 64;
+
 /// What [`Node::next_incoming`] hands over.
 #[derive(Debug)]
 pub enum Incoming {
@@ -534,7 +541,7 @@ impl Node {
         };
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (frames_tx, frames_rx) = crossbeam_channel::unbounded();
-        let (events_tx, events_rx) = crossbeam_channel::bounded(4096);
+        let (events_tx, events_rx) = crossbeam_channel::bounded(EVENT_QUEUE);
         let shared = Arc::new(Shared {
             node_id: opts.node_id,
             opts,
