@@ -230,3 +230,87 @@ fn directory_messages_are_parsed_defensively() {
     not_addr[n - 1] = b'x';
     assert!(parse_directory(&not_addr).is_err());
 }
+
+/// Not a test of its own: the entry point of a node process for
+/// `a_node_process_killed_with_sigkill_is_survived` (run with --ignored by
+/// that test, with the swarm in the environment). Does nothing otherwise.
+#[test]
+#[ignore]
+fn node_process() {
+    let (Ok(id), Ok(spec)) = (
+        std::env::var("GWTF_TEST_NODE_ID"),
+        std::env::var("GWTF_TEST_SWARM"),
+    ) else {
+        return;
+    };
+    let id: NodeId = id.parse().unwrap();
+    let peers: Vec<Peer> = spec
+        .split(';')
+        .map(|p| {
+            let f: Vec<&str> = p.split(',').collect();
+            Peer {
+                id: f[0].parse().unwrap(),
+                stage: f[1].parse().unwrap(),
+                addr: f[2].parse().unwrap(),
+            }
+        })
+        .collect();
+    let me = peers.iter().find(|p| p.id == id).unwrap().clone();
+    let _node = start(me.id, me.stage, me.addr, &peers, &protocol_config());
+    // Lives until killed (bounded, so a forgotten process ends by itself).
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn a_node_process_killed_with_sigkill_is_survived() {
+    let cfg = protocol_config();
+    let layout: Vec<(NodeId, Stage)> =
+        vec![(1, 0), (11, 1), (12, 1), (13, 1), (21, 2), (22, 2), (23, 2)];
+    let peers = peers_of(&layout);
+    let spec: Vec<String> = peers
+        .iter()
+        .map(|p| format!("{},{},{}", p.id, p.stage, p.addr))
+        .collect();
+    let spec = spec.join(";");
+    // Every relay is a process of its own; the holder runs here.
+    let mut children: Vec<(NodeId, std::process::Child)> = peers[1..]
+        .iter()
+        .map(|p| {
+            let child = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--ignored", "--exact", "node_process", "--nocapture"])
+                .env("GWTF_TEST_NODE_ID", p.id.to_string())
+                .env("GWTF_TEST_SWARM", &spec)
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            (p.id, child)
+        })
+        .collect();
+    let holder = start(1, 0, peers[0].addr, &peers, &cfg);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (_, paths) = watch(
+        &holder,
+        deadline,
+        |ev| matches!(ev, Event::MbDone { mb, .. } if mb.iter == 3 && mb.idx == 1),
+    );
+    // SIGKILL the stage-2 relay that carried the last microbatch.
+    let victim = paths.last().unwrap()[2];
+    let k = children.iter().position(|(id, _)| *id == victim).unwrap();
+    let (_, mut child) = children.remove(k);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (reached, after) = watch(
+        &holder,
+        deadline,
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 7),
+    );
+    assert!(reached >= 7);
+    let late: Vec<&Vec<NodeId>> = after.iter().skip(8).collect();
+    assert!(!late.is_empty());
+    assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
+    holder.leave();
+    for (_, mut c) in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
