@@ -646,12 +646,12 @@ fn a_stage_whose_work_is_done_commits_before_the_iteration_ends() {
 /// all-reduce again, within a few ticks (not after `redo_timeout`).
 #[test]
 fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
-    let cfg = config(Policy::Gwtf, 3, 2, 2);
+    let cfg = config(Policy::Gwtf, 3, 8, 4);
     let mut net = Net::new(flat);
     let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
     start(&mut net, &cfg, &layout);
     // Node 3 (stage 2's coordinator: the smallest id) dies when it starts
-    // its part of the all-reduce, with a contribution of its own granted.
+    // its part of the all-reduce, with contributions of its own granted.
     net.kill_on = Some(Box::new(|id, t: &Task| {
         id == 3 && matches!(t.kind, TaskKind::Aggregate { .. })
     }));
@@ -669,6 +669,10 @@ fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
         "recovered {} s after the loss",
         (done_at - lost_at) / SEC
     );
-    assert_eq!(net.committed(2, 0).len(), 2);
-    assert!(net.committed(2, 0).iter().all(|(_, m)| *m == 4));
+    let stage2 = net.committed(2, 0);
+    assert_eq!(stage2.len(), cfg.mb_per_iter as usize);
+    assert!(stage2.iter().all(|(_, m)| *m == 4));
+    for st in [0, 1, 3] {
+        assert_eq!(net.committed(st, 0).len(), cfg.mb_per_iter as usize);
+    }
 }
