@@ -601,3 +601,78 @@ fn a_sync_that_overtakes_the_coordinators_goodbye_is_kept() {
         );
     }
 }
+
+/// When `stage`'s coordinator first sent a commit of iteration `iter`.
+fn first_commit(net: &Net, layout: &[(NodeId, Stage)], stage: Stage, iter: u32) -> Option<Time> {
+    net.sent
+        .iter()
+        .find(|(_, from, _, m)| {
+            layout.contains(&(*from, stage))
+                && matches!(m, Msg::Commit { iter: k, .. } if *k == iter)
+        })
+        .map(|x| x.0)
+}
+
+/// Each stage starts its all-reduce as soon as every microbatch of the
+/// iteration is granted there: the last stage (the first to see the
+/// backwards) commits before the holders' barrier ends the iteration and
+/// before stage 1; every stage still counts each microbatch once.
+#[test]
+fn a_stage_whose_work_is_done_commits_before_the_iteration_ends() {
+    let cfg = config(Policy::Gwtf, 3, 2, 2);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    net.run(600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let end = net
+        .sent
+        .iter()
+        .find(|(_, from, _, m)| *from == 0 && matches!(m, Msg::EndIter { iter: 0, .. }))
+        .map(|x| x.0)
+        .expect("the iteration ended");
+    let last = first_commit(&net, &layout, 3, 0).expect("stage 3 committed");
+    let first = first_commit(&net, &layout, 1, 0).expect("stage 1 committed");
+    assert!(last < end, "stage 3 committed at {last}, the end at {end}");
+    assert!(last < first, "stage 3 at {last}, stage 1 at {first}");
+    for st in 0..=3 {
+        assert_eq!(net.committed(st, 0).len(), 2, "stage {st}");
+    }
+}
+
+/// A stage's coordinator dies in the middle of its all-reduce and the
+/// transport reports it lost at once: a member takes over, the dead
+/// coordinator's own contribution is recomputed and the survivors run the
+/// all-reduce again, within a few ticks (not after `redo_timeout`).
+#[test]
+fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
+    let cfg = config(Policy::Gwtf, 3, 8, 4);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    // Node 3 (stage 2's coordinator: the smallest id) dies when it starts
+    // its part of the all-reduce, with contributions of its own granted.
+    net.kill_on = Some(Box::new(|id, t: &Task| {
+        id == 3 && matches!(t.kind, TaskKind::Aggregate { .. })
+    }));
+    net.run(600 * SEC, |n| !n.dead.is_empty());
+    assert_eq!(net.dead.iter().copied().collect::<Vec<_>>(), [3]);
+    let lost_at = net.now;
+    for id in [0, 1, 2, 4, 5, 6] {
+        net.input(id, Input::PeerLost { peer: 3 });
+    }
+    net.run(lost_at + 600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let done_at = net.now;
+    assert!(
+        done_at - lost_at < cfg.redo_timeout / 2,
+        "recovered {} s after the loss",
+        (done_at - lost_at) / SEC
+    );
+    let stage2 = net.committed(2, 0);
+    assert_eq!(stage2.len(), cfg.mb_per_iter as usize);
+    assert!(stage2.iter().all(|(_, m)| *m == 4));
+    for st in [0, 1, 3] {
+        assert_eq!(net.committed(st, 0).len(), cfg.mb_per_iter as usize);
+    }
+}

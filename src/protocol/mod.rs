@@ -21,7 +21,7 @@
 //! | flow protocol (GWTF) | `costs.rs`, `flow.rs`, `search.rs` | the cost model and CHANGE gossip; reservations (request, response, idle expiry, push-back, cancel, reroute); the local search (swaps, redirects) |
 //! | routing | `routing.rs` | the next hop, and what the GWTF, SWARM and planned policies decide differently ([`Policy`] behind one trait) |
 //! | microbatch lifecycle | `holder.rs`, `lifecycle.rs`, `acks.rs`, `recovery.rs` | iterations at a holder and its launches; forward and backward hops with their snapshots; acks, deadlines, queued notices; forward rerouting, stage-only re-runs, restarts (section 5) |
-//! | stage group | `group.rs`, `coordinator.rs`, `barrier.rs` | a member's claims and commits; the coordinator's exactly-once grants, commit, aggregation and recomputation of lost grants; the holders' iteration barrier (section 6) |
+//! | stage group | `group.rs`, `coordinator.rs`, `barrier.rs` | a member's claims and commits; the coordinator's exactly-once grants, commit (as soon as its stage's work is done), aggregation and recomputation of lost grants; the holders' iteration barrier and the opening of an iteration passed along the pipeline (section 6) |
 //!
 //! A part changes only its own state and the shared peer view; it asks
 //! another part, or the iterations, through their methods.
@@ -41,7 +41,7 @@
 //! | `Forward`, `Backward` | lifecycle (`on_forward`, `on_backward`) |
 //! | `Ack`, `Queued` | lifecycle, acks (`on_ack`, `on_queued`) |
 //! | `CrashNotice`, `Redo` | lifecycle, recovery (`on_crash_notice`, `on_redo`) |
-//! | `Restart`, `StartIter` | lifecycle, holder (`on_restart_request`, `on_start_iter`) |
+//! | `Restart`, `StartIter` | lifecycle, holder (`on_restart_request`, `on_start_iter`); `StartIter` also stage group, barrier (`on_iteration_opened`: passed along the pipeline) |
 //! | `Claim`, `Sync`, `EndIter`, `AggDone`, `Applied`, `Restarting` | stage group, coordinator (`on_claim`, `on_sync`, `on_end_iter`, `on_agg_done`, `on_applied`, `on_restarting`) |
 //! | `ClaimReply`, `Commit` | stage group, member (`on_claim_reply`, `on_commit`) |
 //! | `HolderDone`, `StageDone` | stage group, barrier (`on_holder_done`, `on_stage_done`) |

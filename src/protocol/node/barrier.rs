@@ -166,13 +166,58 @@ impl Node {
         }
     }
 
-    /// A holder finished its microbatches of `iter`.
+    /// A holder finished its microbatches of `iter`: the last one ends the
+    /// iteration at once (not at the next tick).
     pub(super) fn on_holder_done(&mut self, from: NodeId, iter: u32) {
         if let Some(b) = self.barrier.as_mut() {
             if b.iter == iter {
                 b.done.insert(from);
             }
         }
+        self.barrier_check();
+    }
+
+    /// An iteration opened (the holders' `StartIter`): its participants are
+    /// passed along the pipeline once, as its end is, so that each stage's
+    /// coordinator knows what its stage must aggregate and commits as soon
+    /// as its own work is done instead of at the end of the iteration.
+    pub(super) fn on_iteration_opened(&mut self, iter: u32, holders: &Arc<Vec<NodeId>>) {
+        if self.phase != Phase::Active || !self.iters.opened(iter, holders) {
+            return;
+        }
+        let mut targets: Vec<NodeId> = Vec::new();
+        if self.stage < self.s() {
+            targets = self.live_peers_of(self.stage + 1, 3);
+        }
+        // The holders' coordinator is where the news comes from.
+        if let Some(c) = self
+            .group
+            .coord
+            .filter(|&c| c != self.id && self.stage != 0)
+        {
+            targets.push(c);
+        }
+        for t in targets {
+            self.send(
+                t,
+                Msg::StartIter {
+                    iter,
+                    holders: holders.clone(),
+                },
+            );
+        }
+        self.coord_check(iter);
+    }
+
+    /// Up to `n` live peers of `stage` (in id order): where the opening and
+    /// the end of an iteration are passed on.
+    pub(super) fn live_peers_of(&self, stage: Stage, n: usize) -> Vec<NodeId> {
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.stage == stage && !p.dead)
+            .map(|(id, _)| *id)
+            .take(n)
+            .collect()
     }
 
     /// A stage applied `iter`.
@@ -198,6 +243,7 @@ impl Node {
                 if self.dh.reported && self.dh.iter == Some(k) {
                     self.barrier.as_mut().unwrap().done.insert(self.id);
                 }
+                self.barrier_check();
             }
         }
     }
@@ -223,5 +269,27 @@ mod tests {
         deliver(&mut n, 1, Msg::HolderDone { iter: 3 });
         let b = n.barrier.as_ref().unwrap();
         assert_eq!(b.done.iter().copied().collect::<Vec<_>>(), [1]);
+    }
+
+    /// The last holder's `HolderDone` ends the iteration on arrival: the
+    /// end goes out with it, not at the next tick.
+    #[test]
+    fn the_last_holder_done_ends_the_iteration_at_once() {
+        let mut n = started(Policy::Gwtf, 0, 0, &[1, 2], &[]);
+        n.barrier = Some(Barrier {
+            iter: 3,
+            participants: Arc::new(vec![0, 1, 2]),
+            done: [0, 1].into_iter().collect(),
+            ..Default::default()
+        });
+        let ends = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::EndIter { iter: 3, .. }))
+                .count()
+        };
+        assert_eq!(ends(&deliver(&mut n, 1, Msg::HolderDone { iter: 3 })), 0);
+        assert_eq!(ends(&deliver(&mut n, 2, Msg::HolderDone { iter: 3 })), 2);
+        assert!(n.barrier.as_ref().unwrap().ended.is_some());
     }
 }

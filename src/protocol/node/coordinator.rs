@@ -10,6 +10,13 @@ pub(super) struct Coordinator {
     /// member saw the old coordinator leave or die first): (when, from,
     /// message), replayed once it takes over.
     pub(super) early_syncs: Vec<(Time, NodeId, Msg)>,
+    /// When this node took over from a coordinator that is gone, and the
+    /// iteration it believed came next then: the grants of that
+    /// coordinator's own contributions (to these iterations) are lost with it
+    /// and nobody can sync them, so what is still missing at their end is
+    /// recomputed after a short grace for the members' syncs, not after
+    /// `redo_timeout`.
+    pub(super) inherited: Option<(Time, u32)>,
 }
 
 #[derive(Clone, Debug)]
@@ -42,6 +49,32 @@ impl Coordinator {
     pub(super) fn forget_before(&mut self, iter: u32) {
         self.coord_iters.retain(|k, _| *k >= iter);
     }
+
+    /// When the microbatches still missing at the end of `iter` (which ended
+    /// at `end_at`) are taken for lost: after `redo_timeout` (the last resort
+    /// for claims that never came), or a short `grace` after the end when the
+    /// previous coordinator is known gone with its grants to `iter`.
+    pub(super) fn missing_deadline(
+        &self,
+        iter: u32,
+        end_at: Time,
+        grace: Time,
+        redo_timeout: Time,
+    ) -> Time {
+        match self.inherited {
+            Some((at, upto)) if iter <= upto => end_at.max(at) + grace,
+            _ => end_at + redo_timeout,
+        }
+    }
+}
+
+/// The grace a new coordinator leaves the members' syncs before it takes
+/// the microbatches still missing for lost with its predecessor: a
+/// heartbeat period (members notice a coordinator gone within about one of
+/// each other; a sync later than that finds its microbatch re-run and
+/// refused, and the member leaves it out: see `on_claim_reply`).
+fn sync_grace(cfg: &Config) -> Time {
+    cfg.heartbeat_ticks as Time * cfg.tick
 }
 
 impl Node {
@@ -137,6 +170,7 @@ impl Node {
         if self.phase != Phase::Active {
             return;
         }
+        self.iters.ended(iter, origin, &holders);
         // Pass it on along the pipeline (once per heartbeat period).
         let period = self.cfg.heartbeat_ticks as Time * self.cfg.tick;
         if self.iters.pass_on_end(iter, self.now, period) {
@@ -153,14 +187,7 @@ impl Node {
                 stages.push(self.s());
             }
             for ns in stages {
-                let mut targets: Vec<NodeId> = self
-                    .peers
-                    .iter()
-                    .filter(|(_, p)| p.stage == ns && !p.dead)
-                    .map(|(id, _)| *id)
-                    .collect();
-                targets.truncate(3);
-                for t in targets {
+                for t in self.live_peers_of(ns, 3) {
                     self.send(
                         t,
                         Msg::EndIter {
@@ -384,6 +411,7 @@ impl Node {
         let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
         let now = self.now;
         let timeout = self.cfg.redo_timeout;
+        let grace = sync_grace(&self.cfg);
         for k in iters {
             // Expected microbatches never claimed (their node died before it
             // could claim and the data path did not recover them in time).
@@ -392,7 +420,10 @@ impl Node {
                 if ci.applied || ci.commit.is_some() {
                     Vec::new()
                 } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
-                    if ci.end_at + timeout <= now {
+                    let due = self
+                        .coordinating
+                        .missing_deadline(k, ci.end_at, grace, timeout);
+                    if due <= now {
                         missing
                             .iter()
                             .copied()
@@ -465,15 +496,20 @@ impl Node {
         if ci.applied {
             return;
         }
-        let Some((origin, holders)) = ci.end.clone() else {
-            return;
-        };
+        let origin = ci.end.as_ref().map(|e| e.0);
         if ci.commit.is_none() {
             if !ci.lost.is_empty() {
                 return;
             }
-            let _ = &holders;
-            if ci.missing.as_ref().is_some_and(|m| !m.is_empty()) {
+            let done = match &ci.missing {
+                // Ended: every microbatch of the holders done is granted.
+                Some(missing) => missing.is_empty(),
+                // Not ended yet: this stage's own work is done when every
+                // microbatch of every participant is granted here (a holder
+                // that leaves or dies makes the stage wait for the end).
+                None => self.own_work_done(iter),
+            };
+            if !done {
                 return;
             }
             let members: BTreeSet<NodeId> = self
@@ -531,7 +567,27 @@ impl Node {
         for m in self.group.members.clone() {
             self.send(m, Msg::Applied { iter, version: h });
         }
-        self.send(origin, Msg::StageDone { iter, stage: st });
+        // Applied before the end: the stage is reported done when the end
+        // comes (`on_end_iter`).
+        if let Some(origin) = origin {
+            self.send(origin, Msg::StageDone { iter, stage: st });
+        }
+    }
+
+    /// Whether every microbatch of the participants of `iter` is granted
+    /// (or given up) at this stage, before the iteration ended.
+    fn own_work_done(&self, iter: u32) -> bool {
+        let (Some(holders), Some(ci)) = (
+            self.iters.participants.get(&iter),
+            self.coordinating.coord_iters.get(&iter),
+        ) else {
+            return false;
+        };
+        !holders.is_empty()
+            && self
+                .expected(iter, holders)
+                .iter()
+                .all(|mb| ci.granted.contains_key(mb) || ci.dropped.contains(mb))
     }
 
     pub(super) fn on_applied(&mut self, iter: u32, version: u64) {
@@ -598,14 +654,23 @@ impl Node {
         self.coord_check(iter);
     }
 
-    /// This node became its stage's coordinator (`succeeded`: it replaces
-    /// one): the holders' barrier reopens from its own knowledge, its own
+    /// This node became its stage's coordinator in place of `old` (if any):
+    /// the holders' barrier reopens from its own knowledge, its own
     /// contributions go into the new coordinator state, and the members'
-    /// syncs that came before it knew are handled.
-    pub(super) fn take_over(&mut self, succeeded: bool) {
+    /// syncs that came before it knew are handled. When `old` is gone, what
+    /// it had granted to itself is lost: see `Coordinator::inherited`.
+    pub(super) fn take_over(&mut self, old: Option<NodeId>) {
         self.reopen_barrier();
-        if succeeded {
+        if let Some(old) = old {
+            if !self.alive(old) {
+                self.coordinating.inherited = Some((self.now, self.iters.next_hint()));
+            }
             self.sync_to(self.id);
+        }
+        // The ends this node heard of as a member: what is missing there is
+        // known now, not when the holders announce the end again.
+        for (k, (origin, holders)) in self.iters.ends_not_applied() {
+            self.on_end_iter(self.id, k, origin, holders);
         }
         let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
         let now = self.now;
@@ -648,6 +713,93 @@ mod tests {
         let ci = &n.coordinating.coord_iters[&0];
         assert_eq!(ci.granted[&a].0, 2);
         assert_eq!(ci.granted[&b].0, 3);
+    }
+
+    /// A stage commits as soon as every microbatch of the iteration's
+    /// participants is granted here, before the iteration ends (the end
+    /// waits for every stage's work; this stage's all-reduce need not).
+    #[test]
+    fn a_stage_commits_when_its_own_work_is_done() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+        let per = n.cfg.mb_per_iter;
+        let commits = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::Commit { iter: 0, .. }))
+                .count()
+        };
+        // The iteration opens with holder 0 (passed on from stage 1).
+        let open = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        assert_eq!(commits(&deliver(&mut n, 10, open)), 0);
+        for idx in 0..per {
+            let claim = Msg::Claim {
+                iter: 0,
+                mb: mb(0, 0, idx),
+                prev: 10,
+                next: 30,
+            };
+            let from = 2 + (idx % 2) as NodeId;
+            let c = commits(&deliver(&mut n, from, claim));
+            // The last grant commits (to the other two members, and to
+            // itself), with no EndIter.
+            assert_eq!(c, if idx + 1 == per { 2 } else { 0 }, "claim {idx}");
+        }
+        assert!(n.coordinating.coord_iters[&0].end.is_none());
+    }
+
+    /// A coordinator that took over from one that left or died re-runs what
+    /// is still missing at the end of the iteration (its predecessor's own
+    /// grants, which nobody can sync) after a heartbeat period, not after
+    /// `redo_timeout`.
+    #[test]
+    fn a_successor_recomputes_its_predecessors_grants_at_once() {
+        let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
+        assert_eq!(n.group.coord, Some(1));
+        deliver(&mut n, 1, Msg::Goodbye);
+        assert_eq!(n.group.coord, Some(2));
+        let per = n.cfg.mb_per_iter;
+        // Member 3 syncs its grants: all but microbatch 0 (granted to 1).
+        let granted: Vec<(MbId, NodeId, NodeId)> =
+            (1..per).map(|i| (mb(0, 0, i), 10, 30)).collect();
+        deliver(
+            &mut n,
+            3,
+            Msg::Sync {
+                iter: 0,
+                granted,
+                end: None,
+            },
+        );
+        let end = Msg::EndIter {
+            iter: 0,
+            origin: 0,
+            holders: Arc::new(vec![0]),
+        };
+        deliver(&mut n, 0, end);
+        let t0 = n.now;
+        let restarts = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(to, m)| *to == 0 && matches!(m, Msg::Restart { mb, .. } if mb.idx == 0))
+                .count()
+        };
+        let mut restarted_at = None;
+        let mut t = t0;
+        while t < t0 + n.cfg.redo_timeout && restarted_at.is_none() {
+            t += n.cfg.tick;
+            let acts = n.on_timeout(t);
+            if restarts(&acts) > 0 {
+                restarted_at = Some(t);
+            }
+        }
+        let at = restarted_at.expect("restarted before redo_timeout");
+        assert!(
+            at - t0 <= 2 * n.cfg.heartbeat_ticks as Time * n.cfg.tick,
+            "{at}"
+        );
     }
 
     /// Once an iteration is committed no grant moves: only the owner of a

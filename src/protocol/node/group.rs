@@ -161,6 +161,14 @@ impl Node {
                 };
                 x
             }
+            // A new coordinator refuses a grant we synced to it: it gave
+            // the microbatch to another member (a re-run, after it took our
+            // grant for lost with its predecessor) or gave it up. It is not
+            // ours in the aggregate any more.
+            None if !granted => match a.granted.remove(&mb) {
+                Some(x) => x,
+                None => return,
+            },
             None => return,
         };
         if granted {
@@ -218,10 +226,14 @@ mod tests {
             Some(&(1, 7, vec![11, 12]))
         );
         assert!(n.member.acc[&3].refused.is_empty());
-        // Answers to a duplicate claim change nothing.
+        // A repeated grant changes nothing; a refusal of a synced grant
+        // (a new coordinator gave the microbatch to someone else) takes it
+        // out of our contribution.
         n.on_claim_reply(mb, true);
-        n.on_claim_reply(mb, false);
         assert_eq!(n.member.acc[&3].granted.len(), 1);
+        n.on_claim_reply(mb, false);
+        assert!(n.member.acc[&3].granted.is_empty());
+        assert!(n.member.acc[&3].refused.contains_key(&mb));
         n.on_claim_reply(other, true);
         assert!(!n.member.acc[&3].granted.contains_key(&other));
     }

@@ -3,6 +3,9 @@
 //! iterations it knows of, and which are final.
 use super::*;
 
+/// The end of an iteration: who announced it, and the holders done.
+pub(super) type End = (NodeId, Arc<Vec<NodeId>>);
+
 #[derive(Debug, Default)]
 pub(super) struct Iterations {
     /// The weights version (iteration, hash) this node holds.
@@ -20,6 +23,13 @@ pub(super) struct Iterations {
     /// A relay told us which iteration comes next (`known_iter`): a holders'
     /// coordinator without a history of its own opens no iteration before.
     pub(super) iter_heard: bool,
+    /// The holders taking part in each iteration opened (the holders'
+    /// `StartIter`, passed along the pipeline): a stage knows the
+    /// microbatches it must aggregate before the iteration ends.
+    pub(super) participants: BTreeMap<u32, Arc<Vec<NodeId>>>,
+    /// The end of each iteration heard of (origin, holders done): a member
+    /// that becomes coordinator knows at once which iterations ended.
+    pub(super) ends: BTreeMap<u32, End>,
 }
 
 impl Iterations {
@@ -47,6 +57,32 @@ impl Iterations {
         if self.seen_iter.as_ref().is_none_or(|s| s.0 < iter) {
             self.seen_iter = Some((iter, holders.clone()));
         }
+    }
+
+    /// Iteration `iter` opened with these holders; false when already known
+    /// (the news is then not passed on again).
+    pub(super) fn opened(&mut self, iter: u32, holders: &Arc<Vec<NodeId>>) -> bool {
+        if iter < self.min_iter || self.participants.contains_key(&iter) {
+            return false;
+        }
+        self.participants.insert(iter, holders.clone());
+        true
+    }
+
+    /// Iteration `iter` ended for `holders` (announced by `origin`).
+    pub(super) fn ended(&mut self, iter: u32, origin: NodeId, holders: &Arc<Vec<NodeId>>) {
+        if iter >= self.min_iter {
+            self.ends.insert(iter, (origin, holders.clone()));
+        }
+    }
+
+    /// The ends heard of iterations not applied here.
+    pub(super) fn ends_not_applied(&self) -> Vec<(u32, End)> {
+        self.ends
+            .iter()
+            .filter(|(k, _)| self.last_applied.is_none_or(|a| **k > a))
+            .map(|(k, e)| (*k, e.clone()))
+            .collect()
     }
 
     /// Whether the end of `iter` is to be passed on now (once per `period`).
@@ -85,6 +121,8 @@ impl Iterations {
     /// The ends passed on of the iterations before `iter` are forgotten.
     pub(super) fn forget_ends_before(&mut self, iter: u32) {
         self.end_fwd.retain(|k, _| *k >= iter);
+        self.participants.retain(|k, _| *k >= iter);
+        self.ends.retain(|k, _| *k >= iter);
     }
 }
 
@@ -112,7 +150,10 @@ mod tests {
         assert!(k.iter_heard);
         assert!(k.finalize_before(12) && !k.finalize_before(11));
         assert_eq!(k.next_hint(), 12);
-        k.forget_ends_before(7);
-        assert!(k.end_fwd.is_empty());
+        let h = Arc::new(vec![1, 2]);
+        assert!(k.opened(12, &h) && !k.opened(12, &h) && !k.opened(11, &h));
+        assert_eq!(k.participants.get(&12), Some(&h));
+        k.forget_ends_before(13);
+        assert!(k.end_fwd.is_empty() && k.participants.is_empty());
     }
 }

@@ -219,7 +219,7 @@ impl Node {
                 for &m in &self.group.members {
                     self.group.member_heard.insert(m, now);
                 }
-                self.take_over(old.is_some());
+                self.take_over(old);
             } else if let Some(c) = c {
                 if old.is_some() {
                     self.sync_to(c);

@@ -511,7 +511,10 @@ impl Node {
             Msg::Restart { mb, attempt } => self.on_restart_request(from, mb, attempt),
             Msg::Restarting { mb } => self.on_restarting(from, mb),
             Msg::Redo { mb, dead, next } => self.on_redo(mb, dead, next),
-            Msg::StartIter { iter, holders } => self.on_start_iter(iter, holders),
+            Msg::StartIter { iter, holders } => {
+                self.on_iteration_opened(iter, &holders);
+                self.on_start_iter(iter, holders)
+            }
             Msg::HolderDone { iter } => self.on_holder_done(from, iter),
             Msg::EndIter {
                 iter,
