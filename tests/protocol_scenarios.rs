@@ -216,7 +216,9 @@ fn flat(_: NodeId, _: NodeId) -> Time {
 
 #[test]
 fn relay_crash_mid_backward_recomputes_only_its_stage() {
-    for policy in [Policy::Gwtf, Policy::Optimal] {
+    // SWARM too: its backward is stateless, so another peer of the stage
+    // recomputes the forward and runs the backward; nothing restarts.
+    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
         let cfg = config(policy, 3, 1, 1);
         let mut net = Net::new(flat);
         // Holder 0; stage 1: 1, 2; stage 2: 3, 4; stage 3: 5, 6.
@@ -288,8 +290,8 @@ fn relay_crash_mid_backward_recomputes_only_its_stage() {
 }
 
 #[test]
-fn swarm_restarts_the_whole_microbatch_after_a_backward_crash() {
-    let cfg = config(Policy::Swarm, 3, 1, 1);
+fn swarm_plus_restarts_the_whole_microbatch_after_a_backward_crash() {
+    let cfg = config(Policy::SwarmPlus, 3, 1, 1);
     let mut net = Net::new(flat);
     let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
     start(&mut net, &cfg, &layout);
