@@ -603,3 +603,53 @@ fn a_sync_that_overtakes_the_coordinators_goodbye_is_kept() {
         );
     }
 }
+
+/// The stage-2 relay that computed the microbatch's contribution dies
+/// right after it claimed it, before the stage commits: GWTF has
+/// the contribution recomputed; SWARM drops it (the stage aggregates what
+/// it has), reported as dropped at that stage, never committed twice.
+#[test]
+fn a_lost_contribution_is_recomputed_by_gwtf_and_dropped_by_swarm() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 3, 1, 1);
+        let mut net = Net::new(flat);
+        let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+        start(&mut net, &cfg, &layout);
+        // The stage-2 relay that ran the backward: it claimed its
+        // contribution and sent the gradient on at the same instant.
+        let claimant = |n: &Net| {
+            n.sent.iter().find_map(|(_, from, _, m)| {
+                ([3, 4].contains(from) && matches!(m, Msg::Backward { .. })).then_some(*from)
+            })
+        };
+        net.run(600 * SEC, |n| claimant(n).is_some());
+        let dead = claimant(&net).expect("stage 2 ran the backward");
+        net.kill(dead);
+        net.run(900 * SEC, |n| n.finalized(0).is_some());
+        assert!(net.finalized(0).is_some(), "{policy:?}");
+        let mb = MbId {
+            holder: 0,
+            iter: 0,
+            idx: 0,
+        };
+        let redos = net
+            .sent
+            .iter()
+            .filter(|(_, _, _, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+            .count();
+        let dropped_at_2 = net.events.iter().any(|(_, _, e)| {
+            matches!(e, Event::StageCommitted { stage: 2, iter: 0, dropped, .. } if dropped.contains(&mb))
+        });
+        let committed = net.committed(2, 0);
+        if policy == Policy::Swarm {
+            assert_eq!(redos, 0, "SWARM recomputes nothing");
+            assert!(dropped_at_2, "SWARM reports the contribution dropped");
+            assert!(committed.is_empty(), "{committed:?}");
+        } else {
+            assert!(redos >= 1, "GWTF has it recomputed");
+            assert!(!dropped_at_2);
+            assert_eq!(committed.len(), 1);
+            assert_ne!(committed[0].1, dead);
+        }
+    }
+}

@@ -151,6 +151,10 @@ pub struct SimReport {
     pub gpu_time_wasted_s: f64,
     pub lost_microbatches: u64,
     pub dropped_with_holder: u64,
+    /// Microbatches a relay stage's coordinator dropped (SWARM aggregates
+    /// what it has instead of recomputing a lost contribution): not
+    /// trained, not lost.
+    pub dropped_contributions: u64,
     pub recomputed_stages: u64,
     pub restarts: u64,
     pub reroutes: u64,
@@ -1195,8 +1199,15 @@ impl Sim {
                         ok = false;
                     }
                 }
+                let dropped_at_a_stage = (1..=s).any(|st| {
+                    self.dropped
+                        .get(&(iter, st))
+                        .is_some_and(|v| v.contains(&mb))
+                });
                 if ok {
                     trained += 1;
+                } else if dropped_at_a_stage && self.cfg.policy == Policy::Swarm {
+                    self.rep.dropped_contributions += 1;
                 } else if self.nodes[h as usize].alive {
                     if self.debug {
                         let per: Vec<usize> = counts

@@ -213,6 +213,9 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
                 r.joins, r.leaves, r.restarts, r.reroutes, r.dropped_with_holder
             ));
         }
+        if r.dropped_contributions > 0 {
+            notes.push(format!("dropped-contributions {}", r.dropped_contributions));
+        }
         if !notes.is_empty() {
             println!("{}: {}", r.policy, notes.join("; "));
         }

@@ -47,6 +47,13 @@ pub(super) trait RoutingPolicy: Sync {
     fn planned_path(&self, _plan: &[Arc<Vec<NodeId>>], _n: usize) -> Option<Arc<Vec<NodeId>>> {
         None
     }
+    /// A relay stage's coordinator drops a lost contribution (the stage
+    /// aggregates what it has) instead of having it recomputed (SWARM's
+    /// stages collect samples up to a target batch size,
+    /// `swarm/pipeline/src/optim/collaborative.py`).
+    fn drops_lost_contributions(&self) -> bool {
+        false
+    }
     /// How the next hop is chosen when no hint applies.
     fn next_hop_rule(&self) -> NextHopRule {
         NextHopRule::Cost
@@ -95,6 +102,9 @@ impl RoutingPolicy for Swarm {
     }
     fn reruns_before_the_gradient_is_due(&self) -> bool {
         false
+    }
+    fn drops_lost_contributions(&self) -> bool {
+        true
     }
     fn next_hop_rule(&self) -> NextHopRule {
         NextHopRule::CumulativeWork
@@ -284,6 +294,8 @@ mod tests {
             routing_policy(Policy::Swarm),
         );
         assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
+        assert!(w.drops_lost_contributions() && !s.drops_lost_contributions());
+        assert!(!g.drops_lost_contributions() && !p.drops_lost_contributions());
         assert!(w.fixed_timeouts() == Some((30 * SEC, 75 * SEC)) && s.fixed_timeouts().is_none());
         assert!(w.reruns_crashed_stage() && !w.reruns_before_the_gradient_is_due());
         assert!(g.reruns_before_the_gradient_is_due() && !w.reserves_flows());
