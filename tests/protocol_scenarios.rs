@@ -216,7 +216,9 @@ fn flat(_: NodeId, _: NodeId) -> Time {
 
 #[test]
 fn relay_crash_mid_backward_recomputes_only_its_stage() {
-    for policy in [Policy::Gwtf, Policy::Optimal] {
+    // SWARM too: its backward is stateless, so another peer of the stage
+    // recomputes the forward and runs the backward; nothing restarts.
+    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
         let cfg = config(policy, 3, 1, 1);
         let mut net = Net::new(flat);
         // Holder 0; stage 1: 1, 2; stage 2: 3, 4; stage 3: 5, 6.
@@ -288,8 +290,8 @@ fn relay_crash_mid_backward_recomputes_only_its_stage() {
 }
 
 #[test]
-fn swarm_restarts_the_whole_microbatch_after_a_backward_crash() {
-    let cfg = config(Policy::Swarm, 3, 1, 1);
+fn swarm_plus_restarts_the_whole_microbatch_after_a_backward_crash() {
+    let cfg = config(Policy::SwarmPlus, 3, 1, 1);
     let mut net = Net::new(flat);
     let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
     start(&mut net, &cfg, &layout);
@@ -674,5 +676,55 @@ fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
     assert!(stage2.iter().all(|(_, m)| *m == 4));
     for st in [0, 1, 3] {
         assert_eq!(net.committed(st, 0).len(), cfg.mb_per_iter as usize);
+    }
+}
+
+/// The stage-2 relay that computed the microbatch's contribution dies
+/// right after it claimed it, before the stage commits: GWTF has
+/// the contribution recomputed; SWARM drops it (the stage aggregates what
+/// it has), reported as dropped at that stage, never committed twice.
+#[test]
+fn a_lost_contribution_is_recomputed_by_gwtf_and_dropped_by_swarm() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 3, 1, 1);
+        let mut net = Net::new(flat);
+        let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+        start(&mut net, &cfg, &layout);
+        // The stage-2 relay that ran the backward: it claimed its
+        // contribution and sent the gradient on at the same instant.
+        let claimant = |n: &Net| {
+            n.sent.iter().find_map(|(_, from, _, m)| {
+                ([3, 4].contains(from) && matches!(m, Msg::Backward { .. })).then_some(*from)
+            })
+        };
+        net.run(600 * SEC, |n| claimant(n).is_some());
+        let dead = claimant(&net).expect("stage 2 ran the backward");
+        net.kill(dead);
+        net.run(900 * SEC, |n| n.finalized(0).is_some());
+        assert!(net.finalized(0).is_some(), "{policy:?}");
+        let mb = MbId {
+            holder: 0,
+            iter: 0,
+            idx: 0,
+        };
+        let redos = net
+            .sent
+            .iter()
+            .filter(|(_, _, _, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+            .count();
+        let dropped_at_2 = net.events.iter().any(|(_, _, e)| {
+            matches!(e, Event::StageCommitted { stage: 2, iter: 0, dropped, .. } if dropped.contains(&mb))
+        });
+        let committed = net.committed(2, 0);
+        if policy == Policy::Swarm {
+            assert_eq!(redos, 0, "SWARM recomputes nothing");
+            assert!(dropped_at_2, "SWARM reports the contribution dropped");
+            assert!(committed.is_empty(), "{committed:?}");
+        } else {
+            assert!(redos >= 1, "GWTF has it recomputed");
+            assert!(!dropped_at_2);
+            assert_eq!(committed.len(), 1);
+            assert_ne!(committed[0].1, dead);
+        }
     }
 }

@@ -44,13 +44,13 @@ fn sim_prints_a_table_and_writes_json_and_svg() {
         "--plot",
         svg.to_str().unwrap(),
     ])));
-    for p in ["gwtf", "swarm", "optimal"] {
+    for p in ["gwtf", "swarm", "swarm-plus", "optimal"] {
         assert!(out.lines().any(|l| l.starts_with(p)), "{out}");
     }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let arr = v.as_array().unwrap();
-    assert_eq!(arr.len(), 3);
+    assert_eq!(arr.len(), 4);
     for r in arr {
         for k in [
             "policy",

@@ -158,7 +158,8 @@ fn gwtf_seed_5_high_churn_commits_each_iteration_once() {
 /// --release --test sim_invariants -- --ignored --nocapture seed_sweep`.
 /// Runs GWTF and SWARM at 3 departures per node-hour with the long test's
 /// 40 iterations over the (inclusive) seed range and lists every failing run
-/// (`GWTF_SIM_POLICY=gwtf`, `swarm` or `optimal` runs that policy only).
+/// (`GWTF_SIM_POLICY=gwtf`, `swarm`, `swarm-plus` or `optimal` runs that
+/// policy only).
 #[test]
 #[ignore]
 fn seed_sweep() {
@@ -169,7 +170,12 @@ fn seed_sweep() {
     let mut failed = Vec::new();
     let mut runs = 0;
     for seed in a..=b {
-        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+        for policy in [
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmPlus,
+            Policy::Optimal,
+        ] {
             let run = match only.as_deref() {
                 Some(o) => policy.name().eq_ignore_ascii_case(o),
                 None => policy != Policy::Optimal,

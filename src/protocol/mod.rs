@@ -19,7 +19,7 @@
 //! | membership | `peers.rs`, `membership.rs` | the peer view (RTT, bandwidth, liveness, suspicion); the stage group: members, the coordinator (the live member with the smallest id), heartbeats |
 //! | join | `join.rs` | start; stage queries, the bottleneck choice, the state download |
 //! | flow protocol (GWTF) | `costs.rs`, `flow.rs`, `search.rs` | the cost model and CHANGE gossip; reservations (request, response, idle expiry, push-back, cancel, reroute); the local search (swaps, redirects) |
-//! | routing | `routing.rs` | the next hop, and what the GWTF, SWARM and planned policies decide differently ([`Policy`] behind one trait) |
+//! | routing | `routing.rs`, `balancer.rs` | the next hop, and what the GWTF, SWARM, SWARM-plus and planned policies decide differently ([`Policy`] behind one trait); SWARM's cumulative-work heap, its ban on failure and fixed timeouts |
 //! | microbatch lifecycle | `holder.rs`, `lifecycle.rs`, `acks.rs`, `recovery.rs` | iterations at a holder and its launches; forward and backward hops with their snapshots; acks, deadlines, queued notices; forward rerouting, stage-only re-runs, restarts (section 5) |
 //! | stage group | `group.rs`, `coordinator.rs`, `barrier.rs` | a member's claims and commits; the coordinator's exactly-once grants, commit (as soon as its stage's work is done), aggregation and recomputation of lost grants; the holders' iteration barrier and the opening of an iteration passed along the pipeline (section 6) |
 //!

@@ -49,8 +49,13 @@ pub struct MbId {
 pub enum Policy {
     /// The decentralized flow protocol of GWTF.
     Gwtf,
-    /// The SWARM baseline (docs/SPEC.md section 8).
+    /// The SWARM baseline as SWARM's public code behaves (docs/SPEC.md
+    /// section 8).
     Swarm,
+    /// A stronger SWARM-like baseline of this project's own, not SWARM: the
+    /// next hop with the least own outstanding work over its throughput
+    /// (latency-aware), a crash restarting the microbatch from its holder.
+    SwarmPlus,
     /// Source routing along paths computed centrally (min-cost flow with
     /// global knowledge) and handed to the data holders by the driver.
     Optimal,
@@ -61,6 +66,7 @@ impl Policy {
         match self {
             Policy::Gwtf => "gwtf",
             Policy::Swarm => "swarm",
+            Policy::SwarmPlus => "swarm-plus",
             Policy::Optimal => "optimal",
         }
     }

@@ -24,7 +24,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true,
           value_parser = checks::float_in(0.0, 1.0))]
     leave_fraction: f64,
-    /// gwtf, swarm, optimal or all.
+    /// gwtf, swarm, swarm-plus, optimal or all.
     #[arg(long, default_value = "all")]
     policy: String,
     /// Training iterations to simulate (>= 1).
@@ -63,11 +63,17 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
     Ok(match p {
         "gwtf" => vec![Policy::Gwtf],
         "swarm" => vec![Policy::Swarm],
+        "swarm-plus" => vec![Policy::SwarmPlus],
         "optimal" => vec![Policy::Optimal],
-        "all" => vec![Policy::Gwtf, Policy::Swarm, Policy::Optimal],
+        "all" => vec![
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmPlus,
+            Policy::Optimal,
+        ],
         other => {
             return Err(format!(
-                "--policy {other}: unknown policy (gwtf, swarm, optimal, all)"
+                "--policy {other}: unknown policy (gwtf, swarm, swarm-plus, optimal, all)"
             ))
         }
     })
@@ -147,7 +153,7 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
         a.seed
     );
     println!(
-        "{:<8} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>6} {:>7} {:>6} {:>12} {:>16}",
+        "{:<10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>6} {:>7} {:>6} {:>12} {:>16}",
         "policy",
         "train_s",
         "mb/hour",
@@ -163,7 +169,7 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
     );
     for r in reports {
         println!(
-            "{:<8} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>6} {:>7} {:>6} {:>12} {:>16}",
+            "{:<10} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>6} {:>7} {:>6} {:>12} {:>16}",
             r.policy,
             r.training_time_s,
             r.throughput_microbatches_per_hour,
@@ -206,6 +212,9 @@ fn print_table(a: &SimArgs, reports: &[SimReport]) {
                 "joins {} leaves {} restarts {} reroutes {} dropped-with-holder {}",
                 r.joins, r.leaves, r.restarts, r.reroutes, r.dropped_with_holder
             ));
+        }
+        if r.dropped_contributions > 0 {
+            notes.push(format!("dropped-contributions {}", r.dropped_contributions));
         }
         if !notes.is_empty() {
             println!("{}: {}", r.policy, notes.join("; "));

@@ -1,5 +1,6 @@
 //! Hop acknowledgements: every hop is acknowledged once its work is done;
-//! adaptive ack deadlines; QUEUED notices for work waiting in a GPU queue.
+//! adaptive ack deadlines (fixed ones for SWARM); QUEUED notices for work
+//! waiting in a GPU queue.
 use super::*;
 
 /// Hops sent and not yet acknowledged, with their deadlines.
@@ -101,7 +102,12 @@ impl Node {
         Some(o)
     }
 
-    pub(super) fn ack_timeout_for(&self, to: NodeId) -> Time {
+    /// How long the ack of a hop to `to` may take: fixed for SWARM's calls,
+    /// else a multiple of the link's measured ack delay.
+    pub(super) fn ack_timeout_for(&self, to: NodeId, backward: bool) -> Time {
+        if let Some((fwd, bwd)) = self.policy().fixed_timeouts() {
+            return if backward { bwd } else { fwd };
+        }
         match self.peers.get(&to).and_then(|p| p.ack) {
             Some(a) => secs(a * self.cfg.ack_timeout_mult).max(self.cfg.min_ack_timeout),
             None => self.cfg.initial_ack_timeout,
@@ -117,7 +123,7 @@ impl Node {
         attempt: u32,
     ) {
         let bytes = self.cfg.activation_bytes;
-        let deadline = self.now + self.ack_timeout_for(to);
+        let deadline = self.now + self.ack_timeout_for(to, backward);
         // Hops sent to one peer share the link: remember when what this
         // node queued on it is through, by the bandwidth estimate.
         let now = self.now;
@@ -194,7 +200,7 @@ impl Node {
         let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
-        if o.to != from || o.attempt != attempt {
+        if o.to != from || o.attempt != attempt || self.policy().fixed_timeouts().is_some() {
             return;
         }
         // The reported wait is the peer's word: capped at the holder's
@@ -204,7 +210,7 @@ impl Node {
         let deadline = self
             .now
             .saturating_add(2 * wait)
-            .saturating_add(self.ack_timeout_for(from));
+            .saturating_add(self.ack_timeout_for(from, backward));
         if deadline <= o.deadline {
             return;
         }
@@ -232,7 +238,12 @@ impl Node {
         let a = self.cfg.ema_alpha;
         let delay = to_secs(self.now - o.sent_at);
         let counts_queues = self.policy().counts_queues();
+        let balances = self.policy().balances_cumulative_work();
         if let Some(p) = self.peers.get_mut(&from) {
+            if !backward && balances {
+                // SWARM's throughput: the whole call, end to end.
+                p.balancer.observe(delay);
+            }
             p.ack = Self::ema(p.ack, delay, a);
             let lat = p.lat.unwrap_or(0.0);
             let net = (delay - to_secs(busy) - 2.0 * lat).max(1e-4);
@@ -258,11 +269,12 @@ impl Node {
         let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
-        if let Some(p) = self.peers.get(&o.to) {
+        let fixed = self.policy().fixed_timeouts().is_some();
+        if let Some(p) = self.peers.get(&o.to).filter(|_| !fixed) {
             // The usual timeout counts the hop's own transfer; what the
             // transfers queued with it add is the rest of the busy period.
             let xfer = secs(o.bytes as f64 / p.bw.unwrap_or(self.cfg.prior_bandwidth).max(1.0));
-            let due = p.link_free.saturating_sub(xfer) + self.ack_timeout_for(o.to);
+            let due = p.link_free.saturating_sub(xfer) + self.ack_timeout_for(o.to, backward);
             if !p.dead && o.sent_at >= p.link_busy_since && due > self.now {
                 let mut o = o.clone();
                 o.deadline = due;
@@ -278,7 +290,7 @@ impl Node {
             return;
         };
         let to = o.to;
-        self.peer_suspect(to);
+        self.peer_failed(to);
         if let Some(p) = self.peers.get_mut(&to) {
             p.queued = p.queued.saturating_sub(1);
         }

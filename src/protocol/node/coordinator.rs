@@ -326,6 +326,7 @@ impl Node {
         let timeout = self.cfg.redo_timeout;
         let stage = self.stage;
         let reruns_stage = self.policy().reruns_crashed_stage();
+        let drops = stage != 0 && self.policy().drops_lost_contributions();
         // The holders' stage: its live members (the holders still here).
         let live: BTreeSet<NodeId> = if stage == 0 {
             self.group
@@ -352,6 +353,11 @@ impl Node {
                 // holder is asked again (as at the relays' stages): it
                 // answers while it re-runs the microbatch, which keeps it
                 // from being dropped here while the other stages count it.
+                drop.push(*mb);
+                continue;
+            }
+            if drops {
+                // SWARM: the stage aggregates what it has.
                 drop.push(*mb);
                 continue;
             }
@@ -449,8 +455,10 @@ impl Node {
                     },
                 );
             }
-            for mb in missing {
-                // Level 1: restart from the holder now.
+            // Level 1: restart from the holder now (SWARM: `redo_lost`
+            // drops it).
+            let drops = self.stage != 0 && self.policy().drops_lost_contributions();
+            for mb in missing.into_iter().filter(|_| !drops) {
                 self.send(mb.holder, Msg::Restart { mb, attempt: None });
             }
             self.redo_lost(k);

@@ -14,6 +14,7 @@ use super::rng::{mix, Rng};
 use super::types::*;
 
 mod acks;
+mod balancer;
 mod barrier;
 mod coordinator;
 mod costs;

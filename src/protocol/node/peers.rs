@@ -22,10 +22,12 @@ pub(super) struct Peer {
     pub(super) banned_until: Time,
     pub(super) dead: bool,
     pub(super) last_heard: Time,
-    /// SWARM: microbatches sent to this peer and not yet acknowledged.
+    /// SWARM-plus: microbatches sent to this peer and not yet acknowledged.
     pub(super) queued: u32,
-    /// SWARM: EMA of microbatches per second through this peer.
+    /// SWARM-plus: EMA of microbatches per second through this peer.
     pub(super) thr: Option<f64>,
+    /// SWARM: this peer's entry in the cumulative-work heap.
+    pub(super) balancer: super::balancer::BalancerEntry,
     /// When the hops this node sent to the peer are through the link, by
     /// the bandwidth estimate (transfers on a link share it), and when that
     /// busy period of the link began.
@@ -50,6 +52,7 @@ impl Peer {
             last_heard: now,
             queued: 0,
             thr: None,
+            balancer: Default::default(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Crash recovery of a microbatch (docs/SPEC.md section 5): a forward hop
 //! rerouted around a dead node; a backward hop through a dead node re-run on
-//! a replacement of only that stage (GWTF, optimal) or restarted from the
-//! holder (SWARM).
+//! a replacement of only that stage (GWTF, optimal, SWARM) or restarted from
+//! the holder (SWARM-plus).
 use super::*;
 
 impl Node {
@@ -57,7 +57,7 @@ impl Node {
             return;
         }
         if !self.policy().reruns_crashed_stage() {
-            // SWARM restarts the whole microbatch from its data holder.
+            // SWARM-plus restarts the whole microbatch from its data holder.
             let attempt = Some(self.lifecycle.snaps[&mb].attempt);
             self.send(mb.holder, Msg::Restart { mb, attempt });
             return;
@@ -142,7 +142,7 @@ impl Node {
     /// The node after `dead` reports it dead: re-send our stored output to a
     /// replacement that passes it on to `after`.
     pub(super) fn on_crash_notice(&mut self, mb: MbId, attempt: u32, dead: NodeId, after: NodeId) {
-        self.peer_suspect(dead);
+        self.peer_failed(dead);
         let ok = self
             .lifecycle
             .snaps
@@ -194,7 +194,7 @@ impl Node {
     /// Microbatches whose output went to dead `p` and whose gradient has
     /// not come back: the forward or backward through it is broken.
     pub(super) fn recover_hops_through(&mut self, p: NodeId) {
-        if self.policy().reruns_crashed_stage() {
+        if self.policy().reruns_before_the_gradient_is_due() {
             let broken: Vec<MbId> = self
                 .lifecycle
                 .snaps
@@ -239,7 +239,12 @@ mod tests {
     /// policy sends the stored output to another node of its stage.
     #[test]
     fn a_next_hop_lost_before_its_ack_is_replaced() {
-        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+        for policy in [
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmPlus,
+            Policy::Optimal,
+        ] {
             let (mut n, m) = relay(policy);
             awaiting_ack(&mut n, m, false, 30);
             let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
@@ -249,21 +254,24 @@ mod tests {
     }
 
     /// The next node dies after its ack, while the gradient is awaited: GWTF
-    /// re-sends the stored activation to a replacement at once; SWARM leaves
+    /// re-sends the stored activation to a replacement at once; SWARM finds
+    /// the loss only when the backward through it fails, SWARM-plus leaves
     /// it to the holder's restart.
     #[test]
     fn a_next_hop_lost_after_its_ack_is_replaced_only_by_gwtf() {
         let (mut n, _) = relay(Policy::Gwtf);
         let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
         assert_eq!(forwards_to(&acts), [31]);
-        let (mut n, _) = relay(Policy::Swarm);
-        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
-        assert!(forwards_to(&acts).is_empty());
+        for policy in [Policy::Swarm, Policy::SwarmPlus] {
+            let (mut n, _) = relay(policy);
+            let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+            assert!(forwards_to(&acts).is_empty(), "{policy:?}");
+        }
     }
 
-    /// The previous node dies before it acknowledged the gradient: GWTF asks
-    /// the node before it (here the holder) to re-run only the dead stage;
-    /// SWARM restarts the microbatch from its holder.
+    /// The previous node dies before it acknowledged the gradient: GWTF and
+    /// SWARM ask the node before it (here the holder) to re-run only the
+    /// dead stage; SWARM-plus restarts the microbatch from its holder.
     #[test]
     fn a_previous_hop_lost_in_the_backward_reruns_its_stage_or_restarts() {
         let lose_prev = |policy| {
@@ -272,8 +280,6 @@ mod tests {
             awaiting_ack(&mut n, m, true, 20);
             n.handle(2 * SEC, Input::PeerLost { peer: 20 })
         };
-        let acts = lose_prev(Policy::Gwtf);
-        let s = sends(&acts);
         let rerun = |msg: &&Msg| {
             matches!(
                 msg,
@@ -284,8 +290,13 @@ mod tests {
                 }
             )
         };
-        assert!(s.iter().any(|(to, msg)| *to == 0 && rerun(msg)), "{s:?}");
-        let acts = lose_prev(Policy::Swarm);
+        for policy in [Policy::Gwtf, Policy::Swarm] {
+            let acts = lose_prev(policy);
+            let s = sends(&acts);
+            assert!(s.iter().any(|(to, msg)| *to == 0 && rerun(msg)), "{s:?}");
+            assert!(!s.iter().any(|(_, msg)| matches!(msg, Msg::Restart { .. })));
+        }
+        let acts = lose_prev(Policy::SwarmPlus);
         let s = sends(&acts);
         let restart = |msg: &&Msg| {
             matches!(

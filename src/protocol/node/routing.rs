@@ -1,7 +1,7 @@
 //! The next hop of one microbatch, and what else the routing policies
-//! (GWTF, SWARM, centrally planned; docs/SPEC.md sections 3, 4 and 8)
-//! decide differently, behind one small trait: the rest of the node is the
-//! same for all three.
+//! (GWTF, SWARM, SWARM-plus, centrally planned; docs/SPEC.md sections 3, 4
+//! and 8) decide differently, behind one small trait: the rest of the node
+//! is the same for all.
 use super::*;
 
 /// What a routing policy decides.
@@ -12,15 +12,32 @@ pub(super) trait RoutingPolicy: Sync {
         false
     }
     /// Counts the microbatches queued at each next hop and measures its
-    /// throughput (SWARM chooses the smallest expected finish time).
+    /// throughput (SWARM-plus chooses the smallest expected finish time).
     fn counts_queues(&self) -> bool {
         false
     }
+    /// Routes by SWARM's cumulative-work heap, measures each next hop's
+    /// end-to-end time per call, bans a failed peer for the lifetime of its
+    /// DHT record (`balancer.rs`).
+    fn balances_cumulative_work(&self) -> bool {
+        false
+    }
+    /// Fixed ack timeouts (forward, backward), as SWARM's calls have;
+    /// `None`: adaptive ones, postponed by `Queued` notices.
+    fn fixed_timeouts(&self) -> Option<(Time, Time)> {
+        None
+    }
     /// A crashed stage is re-run alone, from the activation stored before
-    /// it and the gradient stored after it; otherwise (SWARM) the
+    /// it and the gradient stored after it; otherwise (SWARM-plus) the
     /// microbatch restarts from its data holder.
     fn reruns_crashed_stage(&self) -> bool {
         true
+    }
+    /// A hop through a peer found dead is re-run at once, before the
+    /// gradient is due (GWTF). SWARM finds a dead peer only when it calls
+    /// it: the backward through it fails, then its stage is re-run.
+    fn reruns_before_the_gradient_is_due(&self) -> bool {
+        self.reruns_crashed_stage()
     }
     /// Microbatches a holder keeps in flight, given its planned paths.
     fn in_flight_limit(&self, max_in_flight: usize, _plan: &[Arc<Vec<NodeId>>]) -> usize {
@@ -30,19 +47,28 @@ pub(super) trait RoutingPolicy: Sync {
     fn planned_path(&self, _plan: &[Arc<Vec<NodeId>>], _n: usize) -> Option<Arc<Vec<NodeId>>> {
         None
     }
-    /// The next hop of `mb` (with its out label) when no hint applies: by
-    /// default the planned one, else the reserved flow's, else the cheapest
-    /// by the gossiped costs.
-    fn next_hop(
-        &self,
-        node: &mut Node,
-        mb: MbId,
-        label: Option<Label>,
-        plan: Option<&Arc<Vec<NodeId>>>,
-        exclude: &[NodeId],
-    ) -> Option<(NodeId, Option<Label>)> {
-        node.next_hop_by_cost(mb, label, plan, exclude)
+    /// A relay stage's coordinator drops a lost contribution (the stage
+    /// aggregates what it has) instead of having it recomputed (SWARM's
+    /// stages collect samples up to a target batch size,
+    /// `swarm/pipeline/src/optim/collaborative.py`).
+    fn drops_lost_contributions(&self) -> bool {
+        false
     }
+    /// How the next hop is chosen when no hint applies.
+    fn next_hop_rule(&self) -> NextHopRule {
+        NextHopRule::Cost
+    }
+}
+
+/// How a policy chooses the next hop of a microbatch when no hint applies.
+pub(super) enum NextHopRule {
+    /// The planned one, else the reserved flow's, else the cheapest by the
+    /// gossiped costs (GWTF, planned).
+    Cost,
+    /// The smallest expected finish time (SWARM-plus).
+    ShortestExpectedDelay,
+    /// The smallest cumulative expected work (SWARM, `balancer.rs`).
+    CumulativeWork,
 }
 
 /// GWTF: reserved flows, cost gossip, stage-only crash recovery.
@@ -54,26 +80,52 @@ impl RoutingPolicy for Gwtf {
     }
 }
 
-/// SWARM: the next hop with the smallest expected finish time; a crash
-/// restarts the microbatch from its holder.
+/// SWARM as its public code behaves (yandex-research/swarm; each rule's
+/// source is cited in `balancer.rs`): the cumulative-work heap, a ban on
+/// failure, fixed timeouts; a crash during the backward re-runs only that
+/// stage at another peer of it, which recomputes the forward (SWARM's
+/// backward is stateless: `swarm/pipeline/src/moe/client/balanced_expert.py`
+/// keeps the inputs at the trainer and calls any peer of the stage again;
+/// `swarm/pipeline/src/moe/server/expert_backend.py` recomputes the forward
+/// inside the backward).
 struct Swarm;
 
 impl RoutingPolicy for Swarm {
+    fn balances_cumulative_work(&self) -> bool {
+        true
+    }
+    fn fixed_timeouts(&self) -> Option<(Time, Time)> {
+        Some((
+            super::balancer::FORWARD_TIMEOUT,
+            super::balancer::BACKWARD_TIMEOUT,
+        ))
+    }
+    fn reruns_before_the_gradient_is_due(&self) -> bool {
+        false
+    }
+    fn drops_lost_contributions(&self) -> bool {
+        true
+    }
+    fn next_hop_rule(&self) -> NextHopRule {
+        NextHopRule::CumulativeWork
+    }
+}
+
+/// SWARM-plus, this project's own stronger baseline (not SWARM): the next
+/// hop with the smallest expected finish time, own outstanding work over
+/// measured throughput (latency-aware); a crash restarts the microbatch
+/// from its holder.
+struct SwarmPlus;
+
+impl RoutingPolicy for SwarmPlus {
     fn counts_queues(&self) -> bool {
         true
     }
     fn reruns_crashed_stage(&self) -> bool {
         false
     }
-    fn next_hop(
-        &self,
-        node: &mut Node,
-        _mb: MbId,
-        _label: Option<Label>,
-        _plan: Option<&Arc<Vec<NodeId>>>,
-        exclude: &[NodeId],
-    ) -> Option<(NodeId, Option<Label>)> {
-        node.next_hop_by_queue(exclude)
+    fn next_hop_rule(&self) -> NextHopRule {
+        NextHopRule::ShortestExpectedDelay
     }
 }
 
@@ -99,6 +151,7 @@ pub(super) fn routing_policy(p: Policy) -> &'static dyn RoutingPolicy {
     match p {
         Policy::Gwtf => &Gwtf,
         Policy::Swarm => &Swarm,
+        Policy::SwarmPlus => &SwarmPlus,
         Policy::Optimal => &Planned,
     }
 }
@@ -130,7 +183,11 @@ impl Node {
                 return Some((h, None));
             }
         }
-        self.policy().next_hop(self, mb, label, plan, exclude)
+        match self.policy().next_hop_rule() {
+            NextHopRule::Cost => self.next_hop_by_cost(mb, label, plan, exclude),
+            NextHopRule::ShortestExpectedDelay => self.next_hop_by_queue(exclude),
+            NextHopRule::CumulativeWork => self.next_hop_by_cumulative_work(exclude),
+        }
     }
 
     /// The routing policy this node runs.
@@ -148,7 +205,7 @@ impl Node {
                 .is_some_and(|p| self.is_next_candidate(c, p))
     }
 
-    /// SWARM: the candidate with the smallest expected finish time.
+    /// SWARM-plus: the candidate with the smallest expected finish time.
     fn next_hop_by_queue(&self, exclude: &[NodeId]) -> Option<(NodeId, Option<Label>)> {
         let cands: Vec<NodeId> = self
             .next_candidates()
@@ -230,11 +287,18 @@ mod tests {
 
     #[test]
     fn the_policies_differ_where_the_trait_says() {
-        let (g, s, p) = (
+        let (g, s, p, w) = (
             routing_policy(Policy::Gwtf),
-            routing_policy(Policy::Swarm),
+            routing_policy(Policy::SwarmPlus),
             routing_policy(Policy::Optimal),
+            routing_policy(Policy::Swarm),
         );
+        assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
+        assert!(w.drops_lost_contributions() && !s.drops_lost_contributions());
+        assert!(!g.drops_lost_contributions() && !p.drops_lost_contributions());
+        assert!(w.fixed_timeouts() == Some((30 * SEC, 75 * SEC)) && s.fixed_timeouts().is_none());
+        assert!(w.reruns_crashed_stage() && !w.reruns_before_the_gradient_is_due());
+        assert!(g.reruns_before_the_gradient_is_due() && !w.reserves_flows());
         assert!(g.reserves_flows() && !s.reserves_flows() && !p.reserves_flows());
         assert!(s.counts_queues() && !g.counts_queues() && !p.counts_queues());
         assert!(g.reruns_crashed_stage() && p.reruns_crashed_stage() && !s.reruns_crashed_stage());
@@ -246,13 +310,13 @@ mod tests {
         assert_eq!(g.planned_path(&plan, 3), None);
     }
 
-    /// SWARM sends to the next hop that finishes first (fewest queued at equal
-    /// throughput); GWTF follows the reserved flow, and another next hop when
+    /// SWARM-plus sends to the next hop that finishes first (fewest queued at
+    /// equal throughput); GWTF follows the reserved flow, and another next hop when
     /// the flow's is excluded; the last stage sends back to the holder.
     #[test]
     fn each_policy_picks_its_next_hop() {
         let m = mb(0, 0, 0);
-        let mut n = started(Policy::Swarm, 10, 2, &[], &[(30, 3), (31, 3)]);
+        let mut n = started(Policy::SwarmPlus, 10, 2, &[], &[(30, 3), (31, 3)]);
         n.peers.get_mut(&30).unwrap().queued = 3;
         assert_eq!(n.route(m, None, None, None, &[]), Some((31, None)));
         n.peers.get_mut(&31).unwrap().queued = 5;
