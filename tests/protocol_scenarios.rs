@@ -216,7 +216,9 @@ fn flat(_: NodeId, _: NodeId) -> Time {
 
 #[test]
 fn relay_crash_mid_backward_recomputes_only_its_stage() {
-    for policy in [Policy::Gwtf, Policy::Optimal] {
+    // SWARM too: its backward is stateless, so another peer of the stage
+    // recomputes the forward and runs the backward; nothing restarts.
+    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
         let cfg = config(policy, 3, 1, 1);
         let mut net = Net::new(flat);
         // Holder 0; stage 1: 1, 2; stage 2: 3, 4; stage 3: 5, 6.
@@ -288,8 +290,8 @@ fn relay_crash_mid_backward_recomputes_only_its_stage() {
 }
 
 #[test]
-fn swarm_restarts_the_whole_microbatch_after_a_backward_crash() {
-    let cfg = config(Policy::Swarm, 3, 1, 1);
+fn swarm_plus_restarts_the_whole_microbatch_after_a_backward_crash() {
+    let cfg = config(Policy::SwarmPlus, 3, 1, 1);
     let mut net = Net::new(flat);
     let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
     start(&mut net, &cfg, &layout);
@@ -599,5 +601,130 @@ fn a_sync_that_overtakes_the_coordinators_goodbye_is_kept() {
                 .any(|(_, _, _, m)| matches!(m, Msg::Restart { mb: x, .. } if *x == mb)),
             "{policy:?}: nobody asked to restart {mb:?}"
         );
+    }
+}
+
+/// When `stage`'s coordinator first sent a commit of iteration `iter`.
+fn first_commit(net: &Net, layout: &[(NodeId, Stage)], stage: Stage, iter: u32) -> Option<Time> {
+    net.sent
+        .iter()
+        .find(|(_, from, _, m)| {
+            layout.contains(&(*from, stage))
+                && matches!(m, Msg::Commit { iter: k, .. } if *k == iter)
+        })
+        .map(|x| x.0)
+}
+
+/// Each stage starts its all-reduce as soon as every microbatch of the
+/// iteration is granted there: the last stage (the first to see the
+/// backwards) commits before the holders' barrier ends the iteration and
+/// before stage 1; every stage still counts each microbatch once.
+#[test]
+fn a_stage_whose_work_is_done_commits_before_the_iteration_ends() {
+    let cfg = config(Policy::Gwtf, 3, 2, 2);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    net.run(600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let end = net
+        .sent
+        .iter()
+        .find(|(_, from, _, m)| *from == 0 && matches!(m, Msg::EndIter { iter: 0, .. }))
+        .map(|x| x.0)
+        .expect("the iteration ended");
+    let last = first_commit(&net, &layout, 3, 0).expect("stage 3 committed");
+    let first = first_commit(&net, &layout, 1, 0).expect("stage 1 committed");
+    assert!(last < end, "stage 3 committed at {last}, the end at {end}");
+    assert!(last < first, "stage 3 at {last}, stage 1 at {first}");
+    for st in 0..=3 {
+        assert_eq!(net.committed(st, 0).len(), 2, "stage {st}");
+    }
+}
+
+/// A stage's coordinator dies in the middle of its all-reduce and the
+/// transport reports it lost at once: a member takes over, the dead
+/// coordinator's own contribution is recomputed and the survivors run the
+/// all-reduce again, within a few ticks (not after `redo_timeout`).
+#[test]
+fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
+    let cfg = config(Policy::Gwtf, 3, 8, 4);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    // Node 3 (stage 2's coordinator: the smallest id) dies when it starts
+    // its part of the all-reduce, with contributions of its own granted.
+    net.kill_on = Some(Box::new(|id, t: &Task| {
+        id == 3 && matches!(t.kind, TaskKind::Aggregate { .. })
+    }));
+    net.run(600 * SEC, |n| !n.dead.is_empty());
+    assert_eq!(net.dead.iter().copied().collect::<Vec<_>>(), [3]);
+    let lost_at = net.now;
+    for id in [0, 1, 2, 4, 5, 6] {
+        net.input(id, Input::PeerLost { peer: 3 });
+    }
+    net.run(lost_at + 600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let done_at = net.now;
+    assert!(
+        done_at - lost_at < cfg.redo_timeout / 2,
+        "recovered {} s after the loss",
+        (done_at - lost_at) / SEC
+    );
+    let stage2 = net.committed(2, 0);
+    assert_eq!(stage2.len(), cfg.mb_per_iter as usize);
+    assert!(stage2.iter().all(|(_, m)| *m == 4));
+    for st in [0, 1, 3] {
+        assert_eq!(net.committed(st, 0).len(), cfg.mb_per_iter as usize);
+    }
+}
+
+/// The stage-2 relay that computed the microbatch's contribution dies
+/// right after it claimed it, before the stage commits: GWTF has
+/// the contribution recomputed; SWARM drops it (the stage aggregates what
+/// it has), reported as dropped at that stage, never committed twice.
+#[test]
+fn a_lost_contribution_is_recomputed_by_gwtf_and_dropped_by_swarm() {
+    for policy in [Policy::Gwtf, Policy::Swarm] {
+        let cfg = config(policy, 3, 1, 1);
+        let mut net = Net::new(flat);
+        let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+        start(&mut net, &cfg, &layout);
+        // The stage-2 relay that ran the backward: it claimed its
+        // contribution and sent the gradient on at the same instant.
+        let claimant = |n: &Net| {
+            n.sent.iter().find_map(|(_, from, _, m)| {
+                ([3, 4].contains(from) && matches!(m, Msg::Backward { .. })).then_some(*from)
+            })
+        };
+        net.run(600 * SEC, |n| claimant(n).is_some());
+        let dead = claimant(&net).expect("stage 2 ran the backward");
+        net.kill(dead);
+        net.run(900 * SEC, |n| n.finalized(0).is_some());
+        assert!(net.finalized(0).is_some(), "{policy:?}");
+        let mb = MbId {
+            holder: 0,
+            iter: 0,
+            idx: 0,
+        };
+        let redos = net
+            .sent
+            .iter()
+            .filter(|(_, _, _, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+            .count();
+        let dropped_at_2 = net.events.iter().any(|(_, _, e)| {
+            matches!(e, Event::StageCommitted { stage: 2, iter: 0, dropped, .. } if dropped.contains(&mb))
+        });
+        let committed = net.committed(2, 0);
+        if policy == Policy::Swarm {
+            assert_eq!(redos, 0, "SWARM recomputes nothing");
+            assert!(dropped_at_2, "SWARM reports the contribution dropped");
+            assert!(committed.is_empty(), "{committed:?}");
+        } else {
+            assert!(redos >= 1, "GWTF has it recomputed");
+            assert!(!dropped_at_2);
+            assert_eq!(committed.len(), 1);
+            assert_ne!(committed[0].1, dead);
+        }
     }
 }

@@ -44,23 +44,26 @@ fn sim_prints_a_table_and_writes_json_and_svg() {
         "--plot",
         svg.to_str().unwrap(),
     ])));
-    for p in ["bound", "gwtf", "swarm", "central-mcmf"] {
+    for p in ["bound", "gwtf", "swarm", "swarm-plus", "central-mcmf"] {
         assert!(out.lines().any(|l| l.starts_with(p)), "{out}");
     }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let arr = v.as_array().unwrap();
-    assert_eq!(arr.len(), 4);
+    assert_eq!(arr.len(), 5);
     let names: Vec<&str> = arr.iter().map(|r| r["policy"].as_str().unwrap()).collect();
-    assert_eq!(names, ["gwtf", "swarm", "central-mcmf", "bound"]);
-    let bound = &arr[3];
+    assert_eq!(
+        names,
+        ["gwtf", "swarm", "swarm-plus", "central-mcmf", "bound"]
+    );
+    let bound = &arr[4];
     let b = bound["iteration_time_s"].as_f64().unwrap();
     assert!(b > 0.0);
-    for r in &arr[..3] {
+    for r in &arr[..4] {
         assert!(r["time_over_bound"].as_f64().unwrap() >= 1.0 - 1e-6);
         assert!(r["bound_training_time_s"].as_f64().unwrap() > 0.0);
     }
-    for r in &arr[..3] {
+    for r in &arr[..4] {
         for k in [
             "policy",
             "training_time_s",

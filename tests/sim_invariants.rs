@@ -138,7 +138,12 @@ fn without_churn_gwtf_is_close_to_the_optimum_and_wastes_nothing() {
 fn no_policy_beats_the_bound() {
     for name in Scenario::BUILT_IN {
         for seed in 1..=2 {
-            for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+            for policy in [
+                Policy::Gwtf,
+                Policy::Swarm,
+                Policy::SwarmPlus,
+                Policy::Optimal,
+            ] {
                 let mut c = small(policy, seed, 0.0, 6);
                 c.scenario = Scenario::by_name(name).unwrap();
                 let r = Sim::new(c).run();
@@ -165,7 +170,12 @@ fn no_policy_beats_the_bound() {
 /// against its bound as the simulation runs (a violation otherwise).
 #[test]
 fn under_churn_the_bound_is_recomputed_and_kept() {
-    for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+    for policy in [
+        Policy::Gwtf,
+        Policy::Swarm,
+        Policy::SwarmPlus,
+        Policy::Optimal,
+    ] {
         let r = Sim::new(small(policy, 4, 2.0, 12)).run();
         check(&r, &format!("{policy:?}"));
         assert!(r.bound_series.len() > 1, "{policy:?}: {:?}", r.bound_series);
@@ -200,7 +210,8 @@ fn gwtf_seed_5_high_churn_commits_each_iteration_once() {
 /// --release --test sim_invariants -- --ignored --nocapture seed_sweep`.
 /// Runs GWTF and SWARM at 3 departures per node-hour with the long test's
 /// 40 iterations over the (inclusive) seed range and lists every failing run
-/// (`GWTF_SIM_POLICY=gwtf`, `swarm` or `optimal` runs that policy only).
+/// (`GWTF_SIM_POLICY=gwtf`, `swarm`, `swarm-plus` or `optimal` runs that
+/// policy only).
 #[test]
 #[ignore]
 fn seed_sweep() {
@@ -211,7 +222,12 @@ fn seed_sweep() {
     let mut failed = Vec::new();
     let mut runs = 0;
     for seed in a..=b {
-        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+        for policy in [
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmPlus,
+            Policy::Optimal,
+        ] {
             let run = match only.as_deref() {
                 Some(o) => policy.name().eq_ignore_ascii_case(o),
                 None => policy != Policy::Optimal,

@@ -228,6 +228,20 @@ pub enum Event {
     Control { peer: u64, msg: ControlEnvelope },
 }
 
+/// Events a node queues for its caller. Past `EVENT_QUEUE - EVENT_ROOM`
+/// queued events the poll thread stops reading control messages (TCP pushes
+/// back on the peers) instead of dropping them; the room left is for
+/// connection events.
+pub(crate) const EVENT_QUEUE: usize = 4096;
+pub(crate) const EVENT_ROOM: usize = 64;
+
+/// What [`Node::next_incoming`] hands over.
+#[derive(Debug)]
+pub enum Incoming {
+    Frame(Frame),
+    Event(Event),
+}
+
 /// Errors of the engine API.
 #[derive(Debug)]
 pub enum EngineError {
@@ -527,7 +541,7 @@ impl Node {
         };
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (frames_tx, frames_rx) = crossbeam_channel::unbounded();
-        let (events_tx, events_rx) = crossbeam_channel::bounded(4096);
+        let (events_tx, events_rx) = crossbeam_channel::bounded(EVENT_QUEUE);
         let shared = Arc::new(Shared {
             node_id: opts.node_id,
             opts,
@@ -786,6 +800,16 @@ impl Node {
     /// The next event, waiting up to `timeout`.
     pub fn poll_event(&self, timeout: Duration) -> Option<Event> {
         self.events_rx.recv_timeout(timeout).ok()
+    }
+
+    /// Whichever comes first, a received data frame or an event, waiting up
+    /// to `timeout` (a driver that handles both waits on both at once).
+    pub fn next_incoming(&self, timeout: Duration) -> Option<Incoming> {
+        crossbeam_channel::select! {
+            recv(self.frames_rx) -> f => f.ok().map(Incoming::Frame),
+            recv(self.events_rx) -> e => e.ok().map(Incoming::Event),
+            default(timeout) => None,
+        }
     }
 
     /// Closes the connection to `peer` after a goodbye.

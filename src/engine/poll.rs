@@ -702,6 +702,13 @@ impl Driver {
                     self.readable.insert(t);
                     break;
                 }
+                // The caller is behind on its events: stop reading (TCP
+                // pushes back on the peer) rather than drop a control
+                // message; retried like a wait for a pool slot.
+                if self.events_tx.len() + controls.len() >= super::EVENT_QUEUE - super::EVENT_ROOM {
+                    c.awaiting_slot = true;
+                    break;
+                }
                 let r = match c.machine.read_target() {
                     ReadTarget::Closed => break,
                     ReadTarget::Small(buf) => {
@@ -1058,7 +1065,8 @@ impl Driver {
                 min(cl, &mut next);
             }
             if c.awaiting_slot {
-                // Our own back-pressure: the peer is not at fault.
+                // Our own back-pressure (no pool slot, or no room for
+                // events): the peer is not at fault.
                 c.last_rx = now;
                 if let Some(d) = c.frame_deadline.as_mut() {
                     *d = (*d).max(now + opts.frame_timeout);

@@ -25,6 +25,11 @@ pub const MSG_VERSION: u16 = 1;
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
 pub const MSG_KINDS: u16 = 42;
 
+/// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
+pub const KIND_FORWARD: u16 = 19;
+/// `msg_type` of [`Msg::Backward`].
+pub const KIND_BACKWARD: u16 = 20;
+
 /// The `msg_type` of a message.
 pub fn msg_type(m: &Msg) -> u16 {
     match m {
@@ -47,8 +52,8 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::NotifyRedirect { .. } => 16,
         Msg::PushBack { .. } => 17,
         Msg::Cancel { .. } => 18,
-        Msg::Forward { .. } => 19,
-        Msg::Backward { .. } => 20,
+        Msg::Forward { .. } => KIND_FORWARD,
+        Msg::Backward { .. } => KIND_BACKWARD,
         Msg::Ack { .. } => 21,
         Msg::CrashNotice { .. } => 22,
         Msg::Restart { .. } => 23,

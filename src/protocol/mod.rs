@@ -1,53 +1,57 @@
-//! The GWTF protocol as a sans-I/O state machine.
+//! The GWTF protocol as a sans-I/O state machine (docs/SPEC.md sections 1-8).
 //!
 //! A [`Node`] takes inputs ([`Input`]: received messages, trainer
-//! completions, peer-lost notices, start/join/leave) with the current time
-//! and returns [`Action`]s: messages to send, tasks for the trainer, events.
-//! [`Node::timeout`] says when [`Node::on_timeout`] must run next. The
-//! simulator (`crate::sim`) and the real engine are two drivers of the same
-//! machine.
+//! completions, peer-lost notices, start/join/leave, a plan) with the
+//! current time and returns [`Action`]s: messages to send, tasks for the
+//! trainer, events. [`Node::timeout`] says when [`Node::on_timeout`] must run
+//! next. The simulator (`crate::sim`) and the real engine are two drivers of
+//! the same machine.
 //!
-//! What a node does (GWTF.md sections 2-6, 8):
-//! - **Membership**: a partial view of the previous, next and same stage,
-//!   introductions with an RTT probe and a bandwidth probe, heartbeats inside
-//!   a stage's group (members to the coordinator and back), suspicion after
-//!   `suspect_ticks` of silence, goodbye on graceful leave. The group
-//!   coordinator of a stage is its live member with the smallest id.
-//! - **Decentralized flow protocol** (policy [`Policy::Gwtf`]): holders
-//!   reserve up to `max_in_flight` units of flow; a FLOW_REQUEST travels
-//!   toward the sink and each hop reserves its downstream capacity before it
-//!   accepts upstream (the FLOW_RESPONSEs come back from the sink end, so a
-//!   unit is offered upstream only once reserved downstream); a stale
-//!   expected cost is rejected with the fresh one; CHANGE gossips spare
-//!   capacity and the best costs to the nearest sinks upstream every
-//!   `gossip_ticks`; same-stage relays run simulated annealing (QUERY_FLOWS,
-//!   PROPOSE_SWAP / PROPOSE_REDIRECT) minimising the larger of the affected
-//!   flow costs; costs are EMAs of measured compute times, RTTs and transfer
-//!   rates. **[decision]** CHECK_FLOW is replaced by idle expiry of
-//!   reservations plus PUSH_BACK when a microbatch arrives on an unknown
-//!   reservation; NOTIFY_COST is not sent (a reservation keeps the cost from
-//!   source it was made with).
-//! - **Microbatch lifecycle**: iterations opened by the holders' coordinator,
-//!   at most `max_in_flight` microbatches in flight per holder, every hop
-//!   acknowledged once its work is done, adaptive ack timeouts, snapshots of
-//!   each microbatch's input/output/path kept until the iteration is final,
-//!   forward-crash rerouting, backward-crash recovery of only the crashed
-//!   stage (the node before the dead one re-sends its stored activation to a
-//!   replacement which sends to the unchanged next node, which re-sends its
-//!   stored gradient), data-holder crash (its microbatches are dropped).
-//! - **Aggregation**: each backward result is *claimed* at the stage's
-//!   coordinator, which grants each microbatch to exactly one node; when the
-//!   iteration ended and every expected microbatch is granted to a live node
-//!   it commits, the members all-reduce (a trainer task) and the coordinator
-//!   applies a new weights version. A member lost before the apply loses its
-//!   grants: the coordinator has them recomputed (GWTF: re-run of only that
-//!   stage from the stored activation upstream and the stored gradient
-//!   downstream; SWARM: restart from the holder) and commits again.
-//! - **Join and leave**: a joining node asks each stage for a summary, picks
-//!   the stage with the smallest throughput (bottleneck first), downloads the
-//!   state from a member and joins its group; leaving nodes say goodbye.
-//! - **SWARM** ([`Policy::Swarm`]) and the centrally planned **optimal**
-//!   routing ([`Policy::Optimal`]) run in the same framework.
+//! # Map
+//!
+//! `Node` (node/mod.rs) holds the identity and the dispatcher's state; it
+//! hands each input, each tick and each peer's death to the parts, which own
+//! the rest. Shared by all: the peer view (`peers.rs`) and what the node
+//! knows of the iterations (`iterations.rs`, changed through its methods).
+//!
+//! | part | files | owns |
+//! | --- | --- | --- |
+//! | membership | `peers.rs`, `membership.rs` | the peer view (RTT, bandwidth, liveness, suspicion); the stage group: members, the coordinator (the live member with the smallest id), heartbeats |
+//! | join | `join.rs` | start; stage queries, the bottleneck choice, the state download |
+//! | flow protocol (GWTF) | `costs.rs`, `flow.rs`, `search.rs` | the cost model and CHANGE gossip; reservations (request, response, idle expiry, push-back, cancel, reroute); the local search (swaps, redirects) |
+//! | routing | `routing.rs`, `balancer.rs` | the next hop, and what the GWTF, SWARM, SWARM-plus and planned policies decide differently ([`Policy`] behind one trait); SWARM's cumulative-work heap, its ban on failure and fixed timeouts |
+//! | microbatch lifecycle | `holder.rs`, `lifecycle.rs`, `acks.rs`, `recovery.rs` | iterations at a holder and its launches; forward and backward hops with their snapshots; acks, deadlines, queued notices; forward rerouting, stage-only re-runs, restarts (section 5) |
+//! | stage group | `group.rs`, `coordinator.rs`, `barrier.rs` | a member's claims and commits; the coordinator's exactly-once grants, commit (as soon as its stage's work is done), aggregation and recomputation of lost grants; the holders' iteration barrier and the opening of an iteration passed along the pipeline (section 6) |
+//!
+//! A part changes only its own state and the shared peer view; it asks
+//! another part, or the iterations, through their methods.
+//! `node/testkit.rs` helps the parts' unit tests drive a single node.
+//!
+//! # Where each message kind is handled
+//!
+//! | message | part (handler) |
+//! | --- | --- |
+//! | `Introduce`, `Probe`, `ProbeAck` | membership (`on_introduce`, dispatcher, `on_probe_ack`) |
+//! | `Heartbeat`, `Goodbye`, `GroupJoin` | membership (`on_heartbeat`, `peer_dead`, `on_group_join`) |
+//! | `Change` | flow protocol, costs (`on_change`) |
+//! | `FlowRequest`, `FlowResponse` | flow protocol, reservations (`on_flow_request`, `on_flow_response`) |
+//! | `NotifySwitch`, `NotifyRedirect`, `PushBack`, `Cancel` | flow protocol, reservations (`on_notify_switch`, `on_notify_redirect`, `on_push_back`, `on_cancel`) |
+//! | `QueryFlows`, `FlowTable` | flow protocol, local search (`on_query_flows`, `on_flow_table`) |
+//! | `ProposeSwap`, `RespondSwap`, `ProposeRedirect`, `RespondRedirect` | flow protocol, local search (`on_propose_swap`, `on_respond_swap`, `on_propose_redirect`, `on_respond_redirect`) |
+//! | `Forward`, `Backward` | lifecycle (`on_forward`, `on_backward`) |
+//! | `Ack`, `Queued` | lifecycle, acks (`on_ack`, `on_queued`) |
+//! | `CrashNotice`, `Redo` | lifecycle, recovery (`on_crash_notice`, `on_redo`) |
+//! | `Restart`, `StartIter` | lifecycle, holder (`on_restart_request`, `on_start_iter`); `StartIter` also stage group, barrier (`on_iteration_opened`: passed along the pipeline) |
+//! | `Claim`, `Sync`, `EndIter`, `AggDone`, `Applied`, `Restarting` | stage group, coordinator (`on_claim`, `on_sync`, `on_end_iter`, `on_agg_done`, `on_applied`, `on_restarting`) |
+//! | `ClaimReply`, `Commit` | stage group, member (`on_claim_reply`, `on_commit`) |
+//! | `HolderDone`, `StageDone` | stage group, barrier (`on_holder_done`, `on_stage_done`) |
+//! | `Finalize` | nobody (ignored) |
+//! | `StageQuery`, `StageInfo`, `StateRequest`, `StateResponse` | join (`on_stage_query`, `on_stage_info`, `on_state_request`, `on_state_response`) |
+//!
+//! **\[decision\]** CHECK_FLOW is replaced by idle expiry of reservations plus
+//! PUSH_BACK when a microbatch arrives on an unknown reservation;
+//! NOTIFY_COST is not sent (a reservation keeps the cost from source it was
+//! made with).
 pub mod codec;
 mod node;
 pub mod rng;

@@ -49,8 +49,13 @@ pub struct MbId {
 pub enum Policy {
     /// The decentralized flow protocol of GWTF.
     Gwtf,
-    /// The SWARM baseline (GWTF.md section 8).
+    /// The SWARM baseline as SWARM's public code behaves (docs/SPEC.md
+    /// section 8).
     Swarm,
+    /// A stronger SWARM-like baseline of this project's own, not SWARM: the
+    /// next hop with the least own outstanding work over its throughput
+    /// (latency-aware), a crash restarting the microbatch from its holder.
+    SwarmPlus,
     /// Source routing along paths computed centrally (min-cost flow with
     /// global knowledge) and handed to the data holders by the driver.
     Optimal,
@@ -61,12 +66,13 @@ impl Policy {
         match self {
             Policy::Gwtf => "gwtf",
             Policy::Swarm => "swarm",
+            Policy::SwarmPlus => "swarm-plus",
             Policy::Optimal => "optimal",
         }
     }
 }
 
-/// Protocol configuration. Every constant of GWTF.md section 5 is here.
+/// Protocol configuration. Every constant of docs/SPEC.md section 4 is here.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub policy: Policy,
@@ -144,7 +150,7 @@ pub struct Config {
 }
 
 impl Config {
-    /// Defaults from GWTF.md (prototype constants where they exist).
+    /// Defaults from docs/SPEC.md (prototype constants where they exist).
     pub fn new(policy: Policy, relay_stages: Stage, activation_bytes: u64) -> Config {
         let tick = 2 * SEC;
         Config {

@@ -169,6 +169,10 @@ pub struct SimReport {
     pub gpu_time_wasted_s: f64,
     pub lost_microbatches: u64,
     pub dropped_with_holder: u64,
+    /// Microbatches a relay stage's coordinator dropped (SWARM aggregates
+    /// what it has instead of recomputing a lost contribution): not
+    /// trained, not lost.
+    pub dropped_contributions: u64,
     pub recomputed_stages: u64,
     pub restarts: u64,
     pub reroutes: u64,
@@ -213,20 +217,48 @@ pub struct SimReport {
 
 #[derive(Debug)]
 enum Ev {
-    Deliver { to: NodeId, from: NodeId, msg: Msg },
-    Timer { node: NodeId, at: Time },
-    GpuDone { node: NodeId, gen: u64 },
-    AggDone { node: NodeId, task: TaskId },
-    LinkDone { key: (NodeId, NodeId), gen: u64 },
+    Deliver {
+        to: NodeId,
+        from: NodeId,
+        msg: Msg,
+    },
+    /// A SWARM hop reached the data holder (the trainer), which sends it on.
+    Relay {
+        via: NodeId,
+        to: NodeId,
+        from: NodeId,
+        msg: Msg,
+    },
+    Timer {
+        node: NodeId,
+        at: Time,
+    },
+    GpuDone {
+        node: NodeId,
+        gen: u64,
+    },
+    AggDone {
+        node: NodeId,
+        task: TaskId,
+    },
+    LinkDone {
+        key: (NodeId, NodeId),
+        gen: u64,
+    },
     Depart,
     Join,
 }
 
 struct Xfer {
+    /// The message's sender, as its receiver sees it.
     from: NodeId,
     to: NodeId,
+    /// The link's source: `from`, or the data holder relaying the message.
+    src: NodeId,
     remaining: f64,
     msg: Msg,
+    /// The message goes on from `to` to this node (SWARM's trainer hop).
+    then: Option<NodeId>,
 }
 
 struct Link {
@@ -539,6 +571,12 @@ impl Sim {
                     self.input(to, Input::Message { from, msg });
                 }
             }
+            Ev::Relay { via, to, from, msg } => {
+                // A holder that is gone takes the microbatch with it.
+                if self.nodes[via as usize].alive {
+                    self.transfer(via, to, from, msg, None);
+                }
+            }
             Ev::Timer { node, at } => {
                 let n = &mut self.nodes[node as usize];
                 if !n.alive || n.timer_at != Some(at) {
@@ -643,14 +681,42 @@ impl Sim {
             .entry(std::mem::discriminant(&msg))
             .or_insert((msg.name(), 0))
             .1 += 1;
-        let bytes = msg.wire_bytes(&self.pcfg) as f64;
-        let (lat, bw) = self.link_params(from, to);
         if !msg.is_bulk() {
+            let bytes = msg.wire_bytes(&self.pcfg) as f64;
+            let (lat, bw) = self.link_params(from, to);
             let t = self.now + secs(lat + bytes / bw);
             self.push(t, Ev::Deliver { to, from, msg });
             return;
         }
-        let key = (from, to);
+        match self.trainer_hop(from, to, &msg) {
+            Some(h) => self.transfer(from, h, from, msg, Some(to)),
+            None => self.transfer(from, to, from, msg, None),
+        }
+    }
+
+    /// SWARM's data path: the trainer (the microbatch's data holder) calls
+    /// each stage and gets its output back, so an activation or gradient
+    /// between two relays goes through the holder (two link transfers;
+    /// swarm/pipeline/src/moe/client/balanced_expert.py in
+    /// yandex-research/swarm). The holder to relay through, if any.
+    fn trainer_hop(&self, from: NodeId, to: NodeId, msg: &Msg) -> Option<NodeId> {
+        if self.cfg.policy != Policy::Swarm {
+            return None;
+        }
+        let mb = match msg {
+            Msg::Forward { mb, .. } | Msg::Backward { mb, .. } => mb,
+            _ => return None,
+        };
+        let h = mb.holder;
+        (h != from && h != to && (h as usize) < self.nodes.len()).then_some(h)
+    }
+
+    /// A bulk transfer on link `src` -> `to` of a message sent by `from`,
+    /// going on to `then` once it arrived.
+    fn transfer(&mut self, src: NodeId, to: NodeId, from: NodeId, msg: Msg, then: Option<NodeId>) {
+        let bytes = msg.wire_bytes(&self.pcfg) as f64;
+        let (_, bw) = self.link_params(src, to);
+        let key = (src, to);
         self.link_advance(key, bw);
         let l = self.links.entry(key).or_insert(Link {
             active: Vec::new(),
@@ -660,8 +726,10 @@ impl Sim {
         l.active.push(Xfer {
             from,
             to,
+            src,
             remaining: bytes,
             msg,
+            then,
         });
         self.link_schedule(key, bw);
     }
@@ -681,7 +749,7 @@ impl Sim {
         l.last = now;
         let nodes = &self.nodes;
         l.active
-            .retain(|x| nodes[x.from as usize].alive && nodes[x.to as usize].alive);
+            .retain(|x| nodes[x.src as usize].alive && nodes[x.to as usize].alive);
     }
 
     fn link_schedule(&mut self, key: (NodeId, NodeId), bw: f64) {
@@ -722,14 +790,20 @@ impl Sim {
         }
         for x in done {
             let t = self.now + secs(lat);
-            self.push(
-                t,
-                Ev::Deliver {
+            let ev = match x.then {
+                Some(next) => Ev::Relay {
+                    via: x.to,
+                    to: next,
+                    from: x.from,
+                    msg: x.msg,
+                },
+                None => Ev::Deliver {
                     to: x.to,
                     from: x.from,
                     msg: x.msg,
                 },
-            );
+            };
+            self.push(t, ev);
         }
         self.link_schedule(key, bw);
     }
@@ -1243,8 +1317,15 @@ impl Sim {
                         ok = false;
                     }
                 }
+                let dropped_at_a_stage = (1..=s).any(|st| {
+                    self.dropped
+                        .get(&(iter, st))
+                        .is_some_and(|v| v.contains(&mb))
+                });
                 if ok {
                     trained += 1;
+                } else if dropped_at_a_stage && self.cfg.policy == Policy::Swarm {
+                    self.rep.dropped_contributions += 1;
                 } else if self.nodes[h as usize].alive {
                     if self.debug {
                         let per: Vec<usize> = counts
@@ -1286,7 +1367,9 @@ impl Sim {
         }
         // Flow value and critical path of this iteration, and the optimum.
         let flow: f64 = match self.cfg.policy {
-            Policy::Swarm => holders.len() as f64 * self.cfg.max_in_flight as f64,
+            Policy::Swarm | Policy::SwarmPlus => {
+                holders.len() as f64 * self.cfg.max_in_flight as f64
+            }
             Policy::Gwtf | Policy::Optimal => holders
                 .iter()
                 .map(|&h| {

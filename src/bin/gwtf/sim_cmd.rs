@@ -25,7 +25,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true,
           value_parser = checks::float_in(0.0, 1.0))]
     leave_fraction: f64,
-    /// gwtf, swarm, central-mcmf (alias: optimal) or all.
+    /// gwtf, swarm, swarm-plus, central-mcmf (alias: optimal) or all.
     #[arg(long, default_value = "all")]
     policy: String,
     /// Training iterations to simulate (>= 1).
@@ -66,11 +66,17 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
     Ok(match p {
         "gwtf" => vec![Policy::Gwtf],
         "swarm" => vec![Policy::Swarm],
+        "swarm-plus" => vec![Policy::SwarmPlus],
         "central-mcmf" | "optimal" => vec![Policy::Optimal],
-        "all" => vec![Policy::Gwtf, Policy::Swarm, Policy::Optimal],
+        "all" => vec![
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmPlus,
+            Policy::Optimal,
+        ],
         other => {
             return Err(format!(
-                "--policy {other}: unknown policy (gwtf, swarm, central-mcmf, all)"
+                "--policy {other}: unknown policy (gwtf, swarm, swarm-plus, central-mcmf, all)"
             ))
         }
     })
@@ -269,6 +275,9 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
                 r.joins, r.leaves, r.restarts, r.reroutes, r.dropped_with_holder
             ));
         }
+        if r.dropped_contributions > 0 {
+            notes.push(format!("dropped-contributions {}", r.dropped_contributions));
+        }
         if !notes.is_empty() {
             println!("{}: {}", r.policy, notes.join("; "));
         }
@@ -285,7 +294,7 @@ pub struct BenchSimArgs {
     #[arg(long, default_value_t = 20, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
     iterations: u32,
-    /// gwtf, swarm or central-mcmf (alias: optimal).
+    /// gwtf, swarm, swarm-plus or central-mcmf (alias: optimal).
     #[arg(long, default_value = "gwtf")]
     policy: String,
 }

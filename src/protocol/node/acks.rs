@@ -1,0 +1,379 @@
+//! Hop acknowledgements: every hop is acknowledged once its work is done;
+//! adaptive ack deadlines (fixed ones for SWARM); QUEUED notices for work
+//! waiting in a GPU queue.
+use super::*;
+
+/// Hops sent and not yet acknowledged, with their deadlines.
+#[derive(Debug, Default)]
+pub(super) struct AckTimers {
+    pub(super) deadlines: BTreeSet<(Time, Dl)>,
+    pub(super) outstanding: BTreeMap<(MbId, bool), Outstanding>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Dl {
+    /// Ack of a hop of `mb` (backward or forward) not received.
+    Ack(MbId, bool),
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Outstanding {
+    pub(super) to: NodeId,
+    pub(super) sent_at: Time,
+    pub(super) deadline: Time,
+    pub(super) bytes: u64,
+    pub(super) attempt: u32,
+}
+
+impl AckTimers {
+    /// The earliest deadline due at `now`, removed.
+    pub(super) fn pop_due(&mut self, now: Time) -> Option<Dl> {
+        let &(t, dl) = self.deadlines.iter().next()?;
+        if t > now {
+            return None;
+        }
+        self.deadlines.remove(&(t, dl));
+        Some(dl)
+    }
+}
+
+impl Node {
+    /// Acknowledges the hop of `mb` (`attempt`) that came from `to`, its
+    /// work done here: `busy` is how long it waited and ran here (the
+    /// sender's ack timeout and bandwidth estimate discount it).
+    pub(super) fn ack(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool, busy: Time) {
+        let bytes = self.cfg.activation_bytes;
+        self.send(
+            to,
+            Msg::Ack {
+                mb,
+                attempt,
+                backward,
+                busy,
+                bytes,
+            },
+        );
+    }
+
+    /// Sends the gradient of `mb` (`attempt`) back to `to`, tracked like
+    /// every hop.
+    pub(super) fn send_backward(
+        &mut self,
+        to: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+    ) {
+        let msg = Msg::Backward { mb, attempt, path };
+        self.send_tracked(to, msg, mb, true, attempt);
+    }
+
+    /// Acknowledges again a hop whose work was done before (a re-sent hop):
+    /// nothing to measure.
+    pub(super) fn ack_again(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
+        self.send(
+            to,
+            Msg::Ack {
+                mb,
+                attempt,
+                backward,
+                busy: 0,
+                bytes: 0,
+            },
+        );
+    }
+
+    pub(super) fn add_deadline(&mut self, key: (MbId, bool), o: Outstanding) {
+        if let Some(old) = self.acks.outstanding.insert(key, o.clone()) {
+            self.acks
+                .deadlines
+                .remove(&(old.deadline, Dl::Ack(key.0, key.1)));
+        }
+        self.acks
+            .deadlines
+            .insert((o.deadline, Dl::Ack(key.0, key.1)));
+    }
+
+    pub(super) fn clear_deadline(&mut self, key: (MbId, bool)) -> Option<Outstanding> {
+        let o = self.acks.outstanding.remove(&key)?;
+        self.acks
+            .deadlines
+            .remove(&(o.deadline, Dl::Ack(key.0, key.1)));
+        Some(o)
+    }
+
+    /// How long the ack of a hop to `to` may take: fixed for SWARM's calls,
+    /// else a multiple of the link's measured ack delay.
+    pub(super) fn ack_timeout_for(&self, to: NodeId, backward: bool) -> Time {
+        if let Some((fwd, bwd)) = self.policy().fixed_timeouts() {
+            return if backward { bwd } else { fwd };
+        }
+        match self.peers.get(&to).and_then(|p| p.ack) {
+            Some(a) => secs(a * self.cfg.ack_timeout_mult).max(self.cfg.min_ack_timeout),
+            None => self.cfg.initial_ack_timeout,
+        }
+    }
+
+    pub(super) fn send_tracked(
+        &mut self,
+        to: NodeId,
+        msg: Msg,
+        mb: MbId,
+        backward: bool,
+        attempt: u32,
+    ) {
+        let bytes = self.cfg.activation_bytes;
+        let deadline = self.now + self.ack_timeout_for(to, backward);
+        // Hops sent to one peer share the link: remember when what this
+        // node queued on it is through, by the bandwidth estimate.
+        let now = self.now;
+        let prior = self.cfg.prior_bandwidth;
+        if let Some(p) = self.peers.get_mut(&to) {
+            let xfer = secs(bytes as f64 / p.bw.unwrap_or(prior).max(1.0));
+            if p.link_free <= now {
+                p.link_busy_since = now;
+            }
+            p.link_free = p.link_free.max(now) + xfer;
+        }
+        self.add_deadline(
+            (mb, backward),
+            Outstanding {
+                to,
+                sent_at: self.now,
+                deadline,
+                bytes,
+                attempt,
+            },
+        );
+        if !backward && self.policy().counts_queues() {
+            if let Some(p) = self.peers.get_mut(&to) {
+                p.queued += 1;
+            }
+        }
+        self.send(to, msg);
+    }
+
+    /// A hop's work waits behind other work in this node's GPU queue: tell
+    /// the sender it arrived and is queued, with the expected time until it
+    /// is done (the compute queued here, by this node's own estimate of its
+    /// speed), so that queueing is not taken for a crash. Nothing is sent
+    /// when the GPU has nothing else to do first.
+    pub(super) fn notify_queued(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
+        let mut n = 0usize;
+        let mut wait = 0.0;
+        for (kind, _, _) in self.tasks.values() {
+            if !kind.is_compute() {
+                continue;
+            }
+            n += 1;
+            wait += match kind {
+                TaskKind::Backward | TaskKind::EmbedBackward => 2.0 * self.compute_s / 3.0,
+                _ => self.compute_s / 3.0,
+            };
+        }
+        if n < 2 {
+            return;
+        }
+        self.send(
+            to,
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait: secs(wait),
+            },
+        );
+    }
+
+    /// The receiver of a tracked hop has it queued: its ack is due after
+    /// the queue it reported (with a margin for the estimate) plus the
+    /// usual ack timeout. A crash of the receiver is still caught by the
+    /// liveness checks (`peer_dead`) or by this later deadline.
+    pub(super) fn on_queued(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        backward: bool,
+        wait: Time,
+    ) {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if o.to != from || o.attempt != attempt || self.policy().fixed_timeouts().is_some() {
+            return;
+        }
+        // The reported wait is the peer's word: capped at the holder's
+        // last-resort timeout (no hostile or broken peer postpones a hop
+        // further) and added without overflow.
+        let wait = wait.min(self.cfg.e2e_timeout);
+        let deadline = self
+            .now
+            .saturating_add(2 * wait)
+            .saturating_add(self.ack_timeout_for(from, backward));
+        if deadline <= o.deadline {
+            return;
+        }
+        let mut o = o.clone();
+        o.deadline = deadline;
+        self.add_deadline((mb, backward), o);
+    }
+
+    pub(super) fn on_ack(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        backward: bool,
+        busy: Time,
+        bytes: u64,
+    ) {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        if o.to != from || o.attempt != attempt {
+            return;
+        }
+        let o = self.clear_deadline((mb, backward)).unwrap();
+        let a = self.cfg.ema_alpha;
+        let delay = to_secs(self.now - o.sent_at);
+        let counts_queues = self.policy().counts_queues();
+        let balances = self.policy().balances_cumulative_work();
+        if let Some(p) = self.peers.get_mut(&from) {
+            if !backward && balances {
+                // SWARM's throughput: the whole call, end to end.
+                p.balancer.observe(delay);
+            }
+            p.ack = Self::ema(p.ack, delay, a);
+            let lat = p.lat.unwrap_or(0.0);
+            let net = (delay - to_secs(busy) - 2.0 * lat).max(1e-4);
+            if bytes > 0 && o.bytes > 0 {
+                p.bw = Self::ema(p.bw, o.bytes as f64 / net, a);
+            }
+            if !backward && counts_queues {
+                p.queued = p.queued.saturating_sub(1);
+                // Service time of one microbatch through this peer:
+                // transfer + its compute (queueing is what `queued` counts).
+                let service = (delay - to_secs(busy)).max(0.0) + p.compute_s / 3.0;
+                p.thr = Self::ema(p.thr, 1.0 / service.max(1e-6), a);
+            }
+        }
+    }
+
+    /// A hop's ack deadline passed. While the link to the peer is still
+    /// busy with transfers this node queued on it since the hop was sent
+    /// (a burst of hops to one peer shares its bandwidth, so each arrives
+    /// late), the ack is not due yet: the deadline moves to the usual
+    /// timeout after that busy period, by the bandwidth estimate.
+    pub(super) fn ack_deadline(&mut self, mb: MbId, backward: bool) {
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
+            return;
+        };
+        let fixed = self.policy().fixed_timeouts().is_some();
+        if let Some(p) = self.peers.get(&o.to).filter(|_| !fixed) {
+            // The usual timeout counts the hop's own transfer; what the
+            // transfers queued with it add is the rest of the busy period.
+            let xfer = secs(o.bytes as f64 / p.bw.unwrap_or(self.cfg.prior_bandwidth).max(1.0));
+            let due = p.link_free.saturating_sub(xfer) + self.ack_timeout_for(o.to, backward);
+            if !p.dead && o.sent_at >= p.link_busy_since && due > self.now {
+                let mut o = o.clone();
+                o.deadline = due;
+                self.add_deadline((mb, backward), o);
+                return;
+            }
+        }
+        self.ack_timeout(mb, backward);
+    }
+
+    pub(super) fn ack_timeout(&mut self, mb: MbId, backward: bool) {
+        let Some(o) = self.clear_deadline((mb, backward)) else {
+            return;
+        };
+        let to = o.to;
+        self.peer_failed(to);
+        if let Some(p) = self.peers.get_mut(&to) {
+            p.queued = p.queued.saturating_sub(1);
+        }
+        if self
+            .lifecycle
+            .snaps
+            .get(&mb)
+            .is_none_or(|s| s.attempt != o.attempt)
+        {
+            return;
+        }
+        if backward {
+            self.backward_failed(mb, to);
+        } else {
+            self.forward_failed(mb, to);
+        }
+    }
+
+    /// Hops waiting for dead `p`'s ack time out now.
+    pub(super) fn hops_lost_to(&mut self, p: NodeId) {
+        let waiting: Vec<(MbId, bool)> = self
+            .acks
+            .outstanding
+            .iter()
+            .filter(|(_, o)| o.to == p)
+            .map(|(k, _)| *k)
+            .collect();
+        for (mb, back) in waiting {
+            self.ack_timeout(mb, back);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A `Queued` notice postpones a hop's ack deadline by the reported
+    /// wait, but a hostile wait (u64::MAX) neither overflows nor postpones
+    /// it beyond the holder's last-resort timeout; a notice from another
+    /// peer than the hop's receiver changes nothing.
+    #[test]
+    fn a_queued_notice_postpones_a_hop_within_bounds() {
+        let cfg = Arc::new(Config::new(Policy::Gwtf, 4, 1 << 20));
+        let mut n = Node::new(cfg.clone(), 5, 2, 0.5, 4, 1);
+        n.now = 1_000 * SEC;
+        let mb = MbId {
+            holder: 0,
+            iter: 3,
+            idx: 1,
+        };
+        let o = Outstanding {
+            to: 9,
+            sent_at: n.now,
+            deadline: n.now + SEC,
+            bytes: 1 << 20,
+            attempt: 0,
+        };
+        n.acks.outstanding.insert((mb, false), o);
+        n.on_queued(8, mb, 0, false, 10 * SEC);
+        assert_eq!(n.acks.outstanding[&(mb, false)].deadline, n.now + SEC);
+        n.on_queued(9, mb, 0, false, 10 * SEC);
+        let d = n.acks.outstanding[&(mb, false)].deadline;
+        assert!(d >= n.now + 20 * SEC, "{d}");
+        for wait in [u64::MAX / 4, u64::MAX] {
+            n.on_queued(9, mb, 0, false, wait);
+            let d = n.acks.outstanding[&(mb, false)].deadline;
+            assert!(d > n.now + 20 * SEC && d <= n.now + 2 * cfg.e2e_timeout + 3600 * SEC);
+        }
+    }
+
+    /// Due deadlines come out earliest first, and none before it is due.
+    #[test]
+    fn due_deadlines_pop_in_time_order() {
+        let mut t = AckTimers::default();
+        let (a, b) = (mb(0, 1, 0), mb(0, 1, 1));
+        t.deadlines.insert((5 * SEC, Dl::Ack(b, true)));
+        t.deadlines.insert((3 * SEC, Dl::Ack(a, false)));
+        assert_eq!(t.pop_due(2 * SEC), None);
+        assert_eq!(t.pop_due(6 * SEC), Some(Dl::Ack(a, false)));
+        assert_eq!(t.pop_due(4 * SEC), None);
+        assert_eq!(t.pop_due(5 * SEC), Some(Dl::Ack(b, true)));
+        assert!(t.deadlines.is_empty());
+    }
+}

@@ -1,0 +1,854 @@
+//! The stage group's coordinator: exactly-once grants of claims, the end of
+//! an iteration, commits, aggregation done, recomputation of lost grants.
+use super::*;
+
+/// The coordinator's state (when this node coordinates its stage).
+#[derive(Debug, Default)]
+pub(super) struct Coordinator {
+    pub(super) coord_iters: BTreeMap<u32, CoordIter>,
+    /// Syncs that reached this node before it knew it coordinates (a
+    /// member saw the old coordinator leave or die first): (when, from,
+    /// message), replayed once it takes over.
+    pub(super) early_syncs: Vec<(Time, NodeId, Msg)>,
+    /// When this node took over from a coordinator that is gone, and the
+    /// iteration it believed came next then: the grants of that
+    /// coordinator's own contributions (to these iterations) are lost with it
+    /// and nobody can sync them, so what is still missing at their end is
+    /// recomputed after a short grace for the members' syncs, not after
+    /// `redo_timeout`.
+    pub(super) inherited: Option<(Time, u32)>,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Lost {
+    pub(super) prev: Option<NodeId>,
+    pub(super) next: Option<NodeId>,
+    pub(super) dead: NodeId,
+    pub(super) since: Time,
+    pub(super) level: u8,
+}
+
+/// Coordinator's state of one iteration of its stage.
+#[derive(Clone, Debug, Default)]
+pub(super) struct CoordIter {
+    pub(super) end: Option<(NodeId, Arc<Vec<NodeId>>)>,
+    pub(super) end_at: Time,
+    pub(super) granted: BTreeMap<MbId, (NodeId, NodeId, NodeId)>,
+    pub(super) lost: BTreeMap<MbId, Lost>,
+    pub(super) dropped: BTreeSet<MbId>,
+    pub(super) epoch: u64,
+    pub(super) commit: Option<BTreeSet<NodeId>>,
+    pub(super) agg_done: BTreeSet<NodeId>,
+    pub(super) applied: bool,
+    /// Expected microbatches not granted (nor dropped), once the iteration ended.
+    pub(super) missing: Option<BTreeSet<MbId>>,
+}
+
+impl Coordinator {
+    /// Forgets the iterations before `iter`.
+    pub(super) fn forget_before(&mut self, iter: u32) {
+        self.coord_iters.retain(|k, _| *k >= iter);
+    }
+
+    /// When the microbatches still missing at the end of `iter` (which ended
+    /// at `end_at`) are taken for lost: after `redo_timeout` (the last resort
+    /// for claims that never came), or a short `grace` after the end when the
+    /// previous coordinator is known gone with its grants to `iter`.
+    pub(super) fn missing_deadline(
+        &self,
+        iter: u32,
+        end_at: Time,
+        grace: Time,
+        redo_timeout: Time,
+    ) -> Time {
+        match self.inherited {
+            Some((at, upto)) if iter <= upto => end_at.max(at) + grace,
+            _ => end_at + redo_timeout,
+        }
+    }
+}
+
+/// The grace a new coordinator leaves the members' syncs before it takes
+/// the microbatches still missing for lost with its predecessor: a
+/// heartbeat period (members notice a coordinator gone within about one of
+/// each other; a sync later than that finds its microbatch re-run and
+/// refused, and the member leaves it out: see `on_claim_reply`).
+fn sync_grace(cfg: &Config) -> Time {
+    cfg.heartbeat_ticks as Time * cfg.tick
+}
+
+impl Node {
+    /// A one-line summary of the coordinator state (debugging aid).
+    pub fn debug_coord(&self) -> String {
+        let mut out = format!(
+            "node {} stage {} coord {:?} members {}",
+            self.id,
+            self.stage,
+            self.group.coord,
+            self.group.members.len()
+        );
+        for (k, ci) in &self.coordinating.coord_iters {
+            let exp = ci.end.as_ref().map(|e| self.expected(*k, &e.1));
+            let missing: Vec<MbId> = exp
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|m| !ci.granted.contains_key(m) && !ci.dropped.contains(m))
+                .collect();
+            out.push_str(&format!(
+                " | iter {k}: end {} granted {} lost {:?} dropped {} missing {:?} commit {:?} done {:?} applied {}",
+                ci.end.is_some(),
+                ci.granted.len(),
+                ci.lost.iter().map(|(m, l)| (m.holder, m.idx, l.prev, l.next, l.dead, l.level, l.since / SEC)).collect::<Vec<_>>(),
+                ci.dropped.len(),
+                missing,
+                ci.commit,
+                ci.agg_done,
+                ci.applied
+            ));
+        }
+        out
+    }
+
+    pub(super) fn on_claim(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        mb: MbId,
+        prev: NodeId,
+        next: NodeId,
+    ) {
+        if self.group.coord != Some(self.id) {
+            // Not the coordinator (any more): tell the member who is.
+            let members = self.group.members.list();
+            self.send(
+                from,
+                Msg::Heartbeat {
+                    members: Some(members),
+                },
+            );
+            return;
+        }
+        if iter + 1 < self.iters.min_iter {
+            self.send(from, Msg::ClaimReply { mb, granted: false });
+            return;
+        }
+        // A node that claims takes us for its coordinator: it is a member
+        // (its claim can overtake its GroupJoin). Every grant's owner must
+        // be in the group, or a commit would leave its gradient out of the
+        // all-reduce while counting its microbatch in.
+        if from != self.id {
+            self.group.admit(from);
+        }
+        let ci = self.coordinating.coord_iters.entry(iter).or_default();
+        let granted = if ci.applied || ci.commit.is_some() || ci.dropped.contains(&mb) {
+            ci.granted.get(&mb).is_some_and(|g| g.0 == from)
+        } else {
+            match ci.granted.get(&mb) {
+                Some(g) => g.0 == from,
+                None => {
+                    ci.granted.insert(mb, (from, prev, next));
+                    ci.lost.remove(&mb);
+                    if let Some(m) = ci.missing.as_mut() {
+                        m.remove(&mb);
+                    }
+                    true
+                }
+            }
+        };
+        self.send(from, Msg::ClaimReply { mb, granted });
+        self.coord_check(iter);
+    }
+
+    pub(super) fn on_end_iter(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        origin: NodeId,
+        holders: Arc<Vec<NodeId>>,
+    ) {
+        let _ = from;
+        if self.phase != Phase::Active {
+            return;
+        }
+        self.iters.ended(iter, origin, &holders);
+        // Pass it on along the pipeline (once per heartbeat period).
+        let period = self.cfg.heartbeat_ticks as Time * self.cfg.tick;
+        if self.iters.pass_on_end(iter, self.now, period) {
+            // Holders also tell a few peers of the last stage: both stages
+            // next to the holders then know the iteration is over before the
+            // holders' stage can commit it, so a holders' coordinator that
+            // starts over after every holder was gone opens a later one
+            // (see `iter_hint`), even when stage 1 is empty.
+            let mut stages = Vec::new();
+            if self.stage < self.s() {
+                stages.push(self.stage + 1);
+            }
+            if self.stage == 0 && self.s() > 1 {
+                stages.push(self.s());
+            }
+            for ns in stages {
+                for t in self.live_peers_of(ns, 3) {
+                    self.send(
+                        t,
+                        Msg::EndIter {
+                            iter,
+                            origin,
+                            holders: holders.clone(),
+                        },
+                    );
+                }
+            }
+            if let Some(c) = self.group.coord {
+                if c != self.id {
+                    self.send(
+                        c,
+                        Msg::EndIter {
+                            iter,
+                            origin,
+                            holders: holders.clone(),
+                        },
+                    );
+                }
+            }
+        }
+        if self.group.coord == Some(self.id) {
+            let now = self.now;
+            let ci = self.coordinating.coord_iters.entry(iter).or_default();
+            if ci.applied {
+                let st = self.stage;
+                self.send(origin, Msg::StageDone { iter, stage: st });
+                return;
+            }
+            if ci.end.is_none() {
+                ci.end_at = now;
+            }
+            if ci.missing.is_none() {
+                let mut m = BTreeSet::new();
+                for &h in holders.iter() {
+                    for idx in 0..self.cfg.mb_per_iter {
+                        let mb = MbId {
+                            holder: h,
+                            iter,
+                            idx,
+                        };
+                        if !ci.granted.contains_key(&mb) && !ci.dropped.contains(&mb) {
+                            m.insert(mb);
+                        }
+                    }
+                }
+                ci.missing = Some(m);
+            }
+            ci.end = Some((origin, holders));
+            self.coord_check(iter);
+        }
+    }
+
+    /// Coordinator: a member is gone; its contributions not yet applied are lost.
+    pub(super) fn coord_member_dead(&mut self, p: NodeId) {
+        let now = self.now;
+        let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
+        for k in iters {
+            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
+            if ci.applied {
+                continue;
+            }
+            let mine: Vec<(MbId, (NodeId, NodeId, NodeId))> = ci
+                .granted
+                .iter()
+                .filter(|(_, g)| g.0 == p)
+                .map(|(m, g)| (*m, *g))
+                .collect();
+            let ended: Option<BTreeSet<NodeId>> =
+                ci.end.as_ref().map(|e| e.1.iter().copied().collect());
+            for (mb, (_, prev, next)) in &mine {
+                ci.granted.remove(mb);
+                if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
+                    if h.contains(&mb.holder) {
+                        m.insert(*mb);
+                    }
+                }
+                ci.lost.insert(
+                    *mb,
+                    Lost {
+                        prev: Some(*prev),
+                        next: Some(*next),
+                        dead: p,
+                        since: now,
+                        level: 0,
+                    },
+                );
+            }
+            if let Some(c) = ci.commit.as_mut() {
+                if !mine.is_empty() {
+                    // The all-reduce lost a member's data: redo it without it.
+                    ci.commit = None;
+                    ci.agg_done.clear();
+                } else {
+                    c.remove(&p);
+                }
+            }
+            self.redo_lost(k);
+            self.coord_check(k);
+        }
+        if let Some(b) = self.barrier.as_mut() {
+            let _ = b;
+            self.barrier_check();
+        }
+    }
+
+    /// Coordinator: the holder of a lost microbatch answered a restart
+    /// request; it is alive and re-running it, so the microbatch is not
+    /// given up: the request is repeated after a full `redo_timeout` (a
+    /// holder that stops answering is taken for dead and its microbatch is
+    /// dropped after the usual escalation).
+    pub(super) fn on_restarting(&mut self, from: NodeId, mb: MbId) {
+        if self.group.coord != Some(self.id) || from != mb.holder {
+            return;
+        }
+        let now = self.now;
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&mb.iter) else {
+            return;
+        };
+        if ci.applied || ci.commit.is_some() {
+            return;
+        }
+        if let Some(l) = ci.lost.get_mut(&mb) {
+            if l.level > 0 {
+                l.level = l.level.min(3);
+                l.since = now;
+            }
+        }
+    }
+
+    /// Coordinator: asks for the lost contributions to be recomputed.
+    pub(super) fn redo_lost(&mut self, iter: u32) {
+        let now = self.now;
+        let timeout = self.cfg.redo_timeout;
+        let stage = self.stage;
+        let reruns_stage = self.policy().reruns_crashed_stage();
+        let drops = stage != 0 && self.policy().drops_lost_contributions();
+        // The holders' stage: its live members (the holders still here).
+        let live: BTreeSet<NodeId> = if stage == 0 {
+            self.group
+                .members
+                .iter()
+                .copied()
+                .filter(|&m| self.alive(m))
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let alive = |h: NodeId| live.contains(&h);
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
+            return;
+        };
+        let mut sends: Vec<(NodeId, Msg)> = Vec::new();
+        let mut drop: Vec<MbId> = Vec::new();
+        for (mb, l) in ci.lost.iter_mut() {
+            if l.level > 0 && l.since + timeout > now {
+                continue;
+            }
+            if stage == 0 && (l.level == 0 || l.level > 3 || !alive(mb.holder)) {
+                // A holder's own part cannot be redone without it. A live
+                // holder is asked again (as at the relays' stages): it
+                // answers while it re-runs the microbatch, which keeps it
+                // from being dropped here while the other stages count it.
+                drop.push(*mb);
+                continue;
+            }
+            if drops {
+                // SWARM: the stage aggregates what it has.
+                drop.push(*mb);
+                continue;
+            }
+            match l.level {
+                0 => {
+                    match (l.prev, l.next) {
+                        (Some(prev), Some(next)) if reruns_stage => {
+                            sends.push((
+                                prev,
+                                Msg::Redo {
+                                    mb: *mb,
+                                    dead: l.dead,
+                                    next,
+                                },
+                            ));
+                        }
+                        _ => {
+                            sends.push((
+                                mb.holder,
+                                Msg::Restart {
+                                    mb: *mb,
+                                    attempt: None,
+                                },
+                            ));
+                        }
+                    }
+                    l.level = 1;
+                    l.since = now;
+                }
+                1..=3 => {
+                    sends.push((
+                        mb.holder,
+                        Msg::Restart {
+                            mb: *mb,
+                            attempt: None,
+                        },
+                    ));
+                    l.level += 1;
+                    l.since = now;
+                }
+                _ => drop.push(*mb),
+            }
+        }
+        for mb in drop {
+            ci.lost.remove(&mb);
+            ci.dropped.insert(mb);
+            if let Some(m) = ci.missing.as_mut() {
+                m.remove(&mb);
+            }
+        }
+        for (to, m) in sends {
+            self.send(to, m);
+        }
+    }
+
+    pub(super) fn coord_tick(&mut self) {
+        let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
+        let now = self.now;
+        let timeout = self.cfg.redo_timeout;
+        let grace = sync_grace(&self.cfg);
+        for k in iters {
+            // Expected microbatches never claimed (their node died before it
+            // could claim and the data path did not recover them in time).
+            let missing: Vec<MbId> = {
+                let ci = &self.coordinating.coord_iters[&k];
+                if ci.applied || ci.commit.is_some() {
+                    Vec::new()
+                } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
+                    let due = self
+                        .coordinating
+                        .missing_deadline(k, ci.end_at, grace, timeout);
+                    if due <= now {
+                        missing
+                            .iter()
+                            .copied()
+                            .filter(|m| !ci.lost.contains_key(m))
+                            .collect()
+                    } else {
+                        Vec::new()
+                    }
+                } else {
+                    Vec::new()
+                }
+            };
+            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
+            for &mb in &missing {
+                ci.lost.insert(
+                    mb,
+                    Lost {
+                        prev: None,
+                        next: None,
+                        dead: NodeId::MAX,
+                        since: now,
+                        level: 1,
+                    },
+                );
+            }
+            // Level 1: restart from the holder now (SWARM: `redo_lost`
+            // drops it).
+            let drops = self.stage != 0 && self.policy().drops_lost_contributions();
+            for mb in missing.into_iter().filter(|_| !drops) {
+                self.send(mb.holder, Msg::Restart { mb, attempt: None });
+            }
+            self.redo_lost(k);
+            self.coord_check(k);
+        }
+        if self.stage == 0 {
+            self.barrier_tick();
+        }
+    }
+
+    pub(super) fn expected(&self, iter: u32, holders: &[NodeId]) -> Vec<MbId> {
+        let mut v = Vec::with_capacity(holders.len() * self.cfg.mb_per_iter as usize);
+        for &h in holders {
+            for idx in 0..self.cfg.mb_per_iter {
+                v.push(MbId {
+                    holder: h,
+                    iter,
+                    idx,
+                });
+            }
+        }
+        v
+    }
+
+    /// Coordinator: commit when complete, apply when every member aggregated.
+    pub(super) fn coord_check(&mut self, iter: u32) {
+        if self.group.coord != Some(self.id) {
+            return;
+        }
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+            // Applied under an earlier coordinator: only confirm.
+            let ci = self.coordinating.coord_iters.entry(iter).or_default();
+            ci.applied = true;
+            if let Some((origin, _)) = ci.end.clone() {
+                let st = self.stage;
+                self.send(origin, Msg::StageDone { iter, stage: st });
+            }
+            return;
+        }
+        let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
+            return;
+        };
+        if ci.applied {
+            return;
+        }
+        let origin = ci.end.as_ref().map(|e| e.0);
+        if ci.commit.is_none() {
+            if !ci.lost.is_empty() {
+                return;
+            }
+            let done = match &ci.missing {
+                // Ended: every microbatch of the holders done is granted.
+                Some(missing) => missing.is_empty(),
+                // Not ended yet: this stage's own work is done when every
+                // microbatch of every participant is granted here (a holder
+                // that leaves or dies makes the stage wait for the end).
+                None => self.own_work_done(iter),
+            };
+            if !done {
+                return;
+            }
+            let members: BTreeSet<NodeId> = self
+                .group
+                .members
+                .iter()
+                .copied()
+                .filter(|m| self.alive(*m))
+                .collect();
+            let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
+            // Epochs are unique across coordinators.
+            ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);
+            ci.agg_done.clear();
+            ci.commit = Some(members.clone());
+            let epoch = ci.epoch;
+            let list = Arc::new(members.iter().copied().collect::<Vec<_>>());
+            for m in members {
+                self.send(
+                    m,
+                    Msg::Commit {
+                        iter,
+                        epoch,
+                        members: list.clone(),
+                    },
+                );
+            }
+            return;
+        }
+        let ci = &self.coordinating.coord_iters[&iter];
+        let commit = ci.commit.as_ref().unwrap();
+        if !commit
+            .iter()
+            .all(|m| ci.agg_done.contains(m) || !self.alive(*m))
+        {
+            return;
+        }
+        // Apply: the new weights version follows from the previous one and
+        // exactly the contributions that are in the aggregate.
+        let mut h = mix(self.iters.version.1, iter as u64);
+        for (mb, g) in &ci.granted {
+            h = mix(h, ((mb.holder as u64) << 32) | mb.idx as u64);
+            h = mix(h, g.0 as u64);
+        }
+        let mbs: Vec<(MbId, NodeId)> = ci.granted.iter().map(|(m, g)| (*m, g.0)).collect();
+        let dropped: Vec<MbId> = ci.dropped.iter().copied().collect();
+        let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
+        ci.applied = true;
+        let st = self.stage;
+        self.event(Event::StageCommitted {
+            stage: st,
+            iter,
+            mbs: Arc::new(mbs),
+            dropped,
+        });
+        for m in self.group.members.clone() {
+            self.send(m, Msg::Applied { iter, version: h });
+        }
+        // Applied before the end: the stage is reported done when the end
+        // comes (`on_end_iter`).
+        if let Some(origin) = origin {
+            self.send(origin, Msg::StageDone { iter, stage: st });
+        }
+    }
+
+    /// Whether every microbatch of the participants of `iter` is granted
+    /// (or given up) at this stage, before the iteration ended.
+    fn own_work_done(&self, iter: u32) -> bool {
+        let (Some(holders), Some(ci)) = (
+            self.iters.participants.get(&iter),
+            self.coordinating.coord_iters.get(&iter),
+        ) else {
+            return false;
+        };
+        !holders.is_empty()
+            && self
+                .expected(iter, holders)
+                .iter()
+                .all(|mb| ci.granted.contains_key(mb) || ci.dropped.contains(mb))
+    }
+
+    pub(super) fn on_applied(&mut self, iter: u32, version: u64) {
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+            return;
+        }
+        self.iters.applied(iter, version);
+        if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
+            ci.applied = true;
+        }
+        let st = self.stage;
+        self.event(Event::Applied {
+            stage: st,
+            iter,
+            version,
+        });
+        self.member.acc.retain(|k, _| *k > iter);
+    }
+
+    /// A member's contributions, sent to a new coordinator.
+    pub(super) fn on_sync(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        granted: Vec<(MbId, NodeId, NodeId)>,
+        end: Option<(NodeId, Arc<Vec<NodeId>>)>,
+    ) {
+        if self.group.coord == Some(self.id) {
+            for (mb, prev, next) in granted {
+                self.on_claim(from, iter, mb, prev, next);
+            }
+            if let Some((origin, holders)) = end {
+                self.on_end_iter(from, iter, origin, holders);
+            }
+        } else if self.phase == Phase::Active && from != self.id {
+            // The member takes us for its coordinator: it saw ours
+            // leave or die before we did (a Goodbye or a suspicion
+            // can reach us later than its Sync). Dropping the Sync
+            // would lose its grants: the new coordinator would take
+            // its microbatches for missing and, at the holders'
+            // stage, drop them. Kept until we take over (or stale).
+            let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+            let now = self.now;
+            self.coordinating
+                .early_syncs
+                .retain(|(t, _, _)| t + keep >= now);
+            // Bounded: a flood of syncs is not kept (a real group
+            // sends one per member per coordinator change).
+            if self.coordinating.early_syncs.len() < MAX_EARLY_SYNCS {
+                self.coordinating
+                    .early_syncs
+                    .push((now, from, Msg::Sync { iter, granted, end }));
+            }
+        }
+    }
+
+    /// A member finished its part of the all-reduce of `iter`.
+    pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64) {
+        if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
+            if ci.epoch == epoch && ci.commit.is_some() {
+                ci.agg_done.insert(from);
+            }
+        }
+        self.coord_check(iter);
+    }
+
+    /// This node became its stage's coordinator in place of `old` (if any):
+    /// the holders' barrier reopens from its own knowledge, its own
+    /// contributions go into the new coordinator state, and the members'
+    /// syncs that came before it knew are handled. When `old` is gone, what
+    /// it had granted to itself is lost: see `Coordinator::inherited`.
+    pub(super) fn take_over(&mut self, old: Option<NodeId>) {
+        self.reopen_barrier();
+        if let Some(old) = old {
+            if !self.alive(old) {
+                self.coordinating.inherited = Some((self.now, self.iters.next_hint()));
+            }
+            self.sync_to(self.id);
+        }
+        // The ends this node heard of as a member: what is missing there is
+        // known now, not when the holders announce the end again.
+        for (k, (origin, holders)) in self.iters.ends_not_applied() {
+            self.on_end_iter(self.id, k, origin, holders);
+        }
+        let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        for (t, from, m) in std::mem::take(&mut self.coordinating.early_syncs) {
+            if t + keep >= now {
+                self.replay.push_back((from, m));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// Each microbatch is granted to exactly one claimant: the first; a later
+    /// claimant is refused, and the first one's re-sent claim is granted again
+    /// (claims are idempotent).
+    #[test]
+    fn a_microbatch_is_granted_to_exactly_one_claimant() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let (a, b) = (mb(0, 0, 0), mb(0, 0, 1));
+        let claim = |m: MbId| Msg::Claim {
+            iter: 0,
+            mb: m,
+            prev: 20,
+            next: 30,
+        };
+        let reply = |acts: Vec<Action>, to: NodeId| -> Option<bool> {
+            sends(&acts).into_iter().find_map(|(t, m)| match m {
+                Msg::ClaimReply { granted, .. } if t == to => Some(*granted),
+                _ => None,
+            })
+        };
+        assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+        assert_eq!(reply(deliver(&mut n, 3, claim(a)), 3), Some(false));
+        assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+        assert_eq!(reply(deliver(&mut n, 3, claim(b)), 3), Some(true));
+        let ci = &n.coordinating.coord_iters[&0];
+        assert_eq!(ci.granted[&a].0, 2);
+        assert_eq!(ci.granted[&b].0, 3);
+    }
+
+    /// A stage commits as soon as every microbatch of the iteration's
+    /// participants is granted here, before the iteration ends (the end
+    /// waits for every stage's work; this stage's all-reduce need not).
+    #[test]
+    fn a_stage_commits_when_its_own_work_is_done() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+        let per = n.cfg.mb_per_iter;
+        let commits = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::Commit { iter: 0, .. }))
+                .count()
+        };
+        // The iteration opens with holder 0 (passed on from stage 1).
+        let open = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        assert_eq!(commits(&deliver(&mut n, 10, open)), 0);
+        for idx in 0..per {
+            let claim = Msg::Claim {
+                iter: 0,
+                mb: mb(0, 0, idx),
+                prev: 10,
+                next: 30,
+            };
+            let from = 2 + (idx % 2) as NodeId;
+            let c = commits(&deliver(&mut n, from, claim));
+            // The last grant commits (to the other two members, and to
+            // itself), with no EndIter.
+            assert_eq!(c, if idx + 1 == per { 2 } else { 0 }, "claim {idx}");
+        }
+        assert!(n.coordinating.coord_iters[&0].end.is_none());
+    }
+
+    /// A coordinator that took over from one that left or died re-runs what
+    /// is still missing at the end of the iteration (its predecessor's own
+    /// grants, which nobody can sync) after a heartbeat period, not after
+    /// `redo_timeout`.
+    #[test]
+    fn a_successor_recomputes_its_predecessors_grants_at_once() {
+        let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
+        assert_eq!(n.group.coord, Some(1));
+        deliver(&mut n, 1, Msg::Goodbye);
+        assert_eq!(n.group.coord, Some(2));
+        let per = n.cfg.mb_per_iter;
+        // Member 3 syncs its grants: all but microbatch 0 (granted to 1).
+        let granted: Vec<(MbId, NodeId, NodeId)> =
+            (1..per).map(|i| (mb(0, 0, i), 10, 30)).collect();
+        deliver(
+            &mut n,
+            3,
+            Msg::Sync {
+                iter: 0,
+                granted,
+                end: None,
+            },
+        );
+        let end = Msg::EndIter {
+            iter: 0,
+            origin: 0,
+            holders: Arc::new(vec![0]),
+        };
+        deliver(&mut n, 0, end);
+        let t0 = n.now;
+        let restarts = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(to, m)| *to == 0 && matches!(m, Msg::Restart { mb, .. } if mb.idx == 0))
+                .count()
+        };
+        let mut restarted_at = None;
+        let mut t = t0;
+        while t < t0 + n.cfg.redo_timeout && restarted_at.is_none() {
+            t += n.cfg.tick;
+            let acts = n.on_timeout(t);
+            if restarts(&acts) > 0 {
+                restarted_at = Some(t);
+            }
+        }
+        let at = restarted_at.expect("restarted before redo_timeout");
+        assert!(
+            at - t0 <= 2 * n.cfg.heartbeat_ticks as Time * n.cfg.tick,
+            "{at}"
+        );
+    }
+
+    /// Once an iteration is committed no grant moves: only the owner of a
+    /// grant hears "granted"; a microbatch of an iteration already final is
+    /// refused outright; a node that does not coordinate answers with the
+    /// member list instead.
+    #[test]
+    fn a_committed_or_final_iteration_grants_nothing_new() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let a = mb(0, 0, 0);
+        let claim = |iter, m: MbId| Msg::Claim {
+            iter,
+            mb: m,
+            prev: 20,
+            next: 30,
+        };
+        deliver(&mut n, 2, claim(0, a));
+        n.coordinating.coord_iters.get_mut(&0).unwrap().commit = Some(BTreeSet::new());
+        let granted = |acts: &[Action]| {
+            sends(acts).iter().find_map(|(_, m)| match m {
+                Msg::ClaimReply { granted, .. } => Some(*granted),
+                _ => None,
+            })
+        };
+        assert_eq!(granted(&deliver(&mut n, 3, claim(0, a))), Some(false));
+        assert_eq!(
+            granted(&deliver(&mut n, 3, claim(0, mb(0, 0, 5)))),
+            Some(false)
+        );
+        assert_eq!(granted(&deliver(&mut n, 2, claim(0, a))), Some(true));
+        n.iters.finalize_before(5);
+        assert_eq!(
+            granted(&deliver(&mut n, 2, claim(3, mb(0, 3, 0)))),
+            Some(false)
+        );
+
+        let mut m = started(Policy::Gwtf, 2, 2, &[1, 3], &[]);
+        let acts = deliver(&mut m, 3, claim(0, a));
+        assert!(granted(&acts).is_none());
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 3 && matches!(m, Msg::Heartbeat { members: Some(_) })));
+    }
+}

@@ -1,0 +1,263 @@
+//! The member side of the stage group: claims of backward results, the
+//! granted contributions, syncs to a new coordinator.
+use super::*;
+
+/// This node as a member of its stage group.
+#[derive(Debug, Default)]
+pub(super) struct GroupMember {
+    /// Contributions claimed and granted, by iteration.
+    pub(super) acc: BTreeMap<u32, Acc>,
+    /// Last commit (coordinator, epoch) this member ran.
+    pub(super) last_commit: Option<(u32, u64)>,
+    /// Claims that were pending at the last heartbeat (re-sent at the next
+    /// one if still unanswered).
+    pub(super) stale_claims: BTreeSet<MbId>,
+}
+
+/// Syncs kept for a coordinator role not yet taken over, at most.
+pub(super) const MAX_EARLY_SYNCS: usize = 1024;
+
+/// A member's accumulated (granted) contributions of one iteration.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Acc {
+    pub(super) granted: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    pub(super) pending: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    /// Claims that were refused. A claim is re-sent when unanswered for a
+    /// heartbeat period, so a late grant can follow a refusal (the holder
+    /// of the first grant died in between): the grant is honoured, since
+    /// the coordinator counts the microbatch as ours from then on.
+    pub(super) refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    pub(super) agg_task: Option<(TaskId, u64)>,
+}
+
+impl Node {
+    /// A one-line summary of the member state (debugging aid).
+    pub fn debug_member(&self) -> String {
+        format!(
+            "node {} coord {:?} last_commit {:?} last_applied {:?} acc {:?} tasks {:?}",
+            self.id,
+            self.group.coord,
+            self.member.last_commit,
+            self.iters.last_applied,
+            self.member
+                .acc
+                .iter()
+                .map(|(k, a)| (*k, a.granted.len(), a.pending.len(), a.agg_task))
+                .collect::<Vec<_>>(),
+            self.tasks
+                .iter()
+                .filter(|t| matches!(t.1 .0, TaskKind::Aggregate { .. }))
+                .map(|t| *t.0)
+                .collect::<Vec<_>>()
+        )
+    }
+
+    pub(super) fn sync_to(&mut self, c: NodeId) {
+        let iters: Vec<u32> = self.member.acc.keys().copied().collect();
+        for k in iters {
+            let a = &self.member.acc[&k];
+            let granted: Vec<(MbId, NodeId, NodeId)> = a
+                .granted
+                .iter()
+                .map(|(m, (p, n, _))| (*m, *p, *n))
+                .collect();
+            let pend: Vec<(MbId, NodeId, NodeId)> = a
+                .pending
+                .iter()
+                .map(|(m, (p, n, _))| (*m, *p, *n))
+                .collect();
+            self.send(
+                c,
+                Msg::Sync {
+                    iter: k,
+                    granted,
+                    end: None,
+                },
+            );
+            for (mb, prev, next) in pend {
+                self.send(
+                    c,
+                    Msg::Claim {
+                        iter: k,
+                        mb,
+                        prev,
+                        next,
+                    },
+                );
+            }
+        }
+        if self.stage == 0 {
+            if let Some(k) = self.dh.iter {
+                if self.dh.reported {
+                    self.send(c, Msg::HolderDone { iter: k });
+                }
+            }
+        }
+        self.send(c, Msg::GroupJoin { stage: self.stage });
+    }
+
+    /// A claim still unanswered after a whole heartbeat period reached a node
+    /// that did not coordinate (yet): it came before that node heard that
+    /// its coordinator left or died, and was answered with a member list
+    /// only. It is sent again (a claim is idempotent at the coordinator: the
+    /// same claimant gets the same answer).
+    pub(super) fn resend_stale_claims(&mut self, c: NodeId) {
+        let pending: BTreeSet<MbId> = self
+            .member
+            .acc
+            .values()
+            .flat_map(|a| a.pending.keys().copied())
+            .collect();
+        let stale: Vec<MbId> = pending
+            .intersection(&self.member.stale_claims)
+            .copied()
+            .collect();
+        for mb in stale {
+            let (prev, next, _) = &self.member.acc[&mb.iter].pending[&mb];
+            let (prev, next) = (*prev, *next);
+            self.send(
+                c,
+                Msg::Claim {
+                    iter: mb.iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+        self.member.stale_claims = pending;
+    }
+
+    pub(super) fn claim(&mut self, mb: MbId, prev: NodeId, next: NodeId, tasks: Vec<TaskId>) {
+        let iter = mb.iter;
+        self.member
+            .acc
+            .entry(iter)
+            .or_default()
+            .pending
+            .insert(mb, (prev, next, tasks));
+        if let Some(c) = self.group.coord {
+            self.send(
+                c,
+                Msg::Claim {
+                    iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
+        }
+    }
+
+    pub(super) fn on_claim_reply(&mut self, mb: MbId, granted: bool) {
+        let Some(a) = self.member.acc.get_mut(&mb.iter) else {
+            return;
+        };
+        let x = match a.pending.remove(&mb) {
+            Some(x) => x,
+            None if granted && !a.granted.contains_key(&mb) => {
+                let Some(x) = a.refused.remove(&mb) else {
+                    return;
+                };
+                x
+            }
+            // A new coordinator refuses a grant we synced to it: it gave
+            // the microbatch to another member (a re-run, after it took our
+            // grant for lost with its predecessor) or gave it up. It is not
+            // ours in the aggregate any more.
+            None if !granted => match a.granted.remove(&mb) {
+                Some(x) => x,
+                None => return,
+            },
+            None => return,
+        };
+        if granted {
+            let tasks = x.2.clone();
+            a.granted.insert(mb, x);
+            self.event(Event::Claimed { mb, tasks });
+        } else {
+            a.refused.insert(mb, x);
+        }
+    }
+
+    /// The coordinator commits `iter`: run the all-reduce (once per epoch).
+    pub(super) fn on_commit(&mut self, iter: u32, epoch: u64, members: Arc<Vec<NodeId>>) {
+        if self.member.last_commit == Some((iter, epoch)) {
+            return;
+        }
+        self.member.last_commit = Some((iter, epoch));
+        self.member.acc.entry(iter).or_default();
+        let n = members.len() as u32;
+        let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
+        self.member.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A claim re-sent after a heartbeat period can be granted after its
+    /// first copy was refused (the first grant's owner died in between):
+    /// the coordinator then counts the microbatch as ours, so the late grant
+    /// must be honoured. A grant for a microbatch never claimed is ignored.
+    #[test]
+    fn a_grant_after_a_refusal_is_honoured() {
+        let cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+        let mut n = Node::new(Arc::new(cfg), 5, 2, 0.5, 4, 1);
+        let mb = MbId {
+            holder: 0,
+            iter: 3,
+            idx: 1,
+        };
+        let other = MbId { idx: 2, ..mb };
+        n.member
+            .acc
+            .entry(3)
+            .or_default()
+            .pending
+            .insert(mb, (1, 7, vec![11, 12]));
+        n.on_claim_reply(mb, false);
+        assert!(n.member.acc[&3].granted.is_empty());
+        n.on_claim_reply(mb, true);
+        assert_eq!(
+            n.member.acc[&3].granted.get(&mb),
+            Some(&(1, 7, vec![11, 12]))
+        );
+        assert!(n.member.acc[&3].refused.is_empty());
+        // A repeated grant changes nothing; a refusal of a synced grant
+        // (a new coordinator gave the microbatch to someone else) takes it
+        // out of our contribution.
+        n.on_claim_reply(mb, true);
+        assert_eq!(n.member.acc[&3].granted.len(), 1);
+        n.on_claim_reply(mb, false);
+        assert!(n.member.acc[&3].granted.is_empty());
+        assert!(n.member.acc[&3].refused.contains_key(&mb));
+        n.on_claim_reply(other, true);
+        assert!(!n.member.acc[&3].granted.contains_key(&other));
+    }
+
+    /// A commit runs the all-reduce once per (iteration, epoch): a repeated
+    /// commit is ignored, a new epoch (a member was lost) runs it again.
+    #[test]
+    fn a_commit_runs_the_all_reduce_once_per_epoch() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[3, 7], &[]);
+        let members = Arc::new(vec![3, 5, 7]);
+        let commit = |e| Msg::Commit {
+            iter: 4,
+            epoch: e,
+            members: members.clone(),
+        };
+        let aggregates = |a: &[Action]| {
+            runs(a)
+                .iter()
+                .filter(|t| t.kind == TaskKind::Aggregate { members: 3 })
+                .count()
+        };
+        assert_eq!(aggregates(&deliver(&mut n, 3, commit(1))), 1);
+        assert_eq!(aggregates(&deliver(&mut n, 3, commit(1))), 0);
+        assert_eq!(aggregates(&deliver(&mut n, 3, commit(2))), 1);
+        assert_eq!(n.member.last_commit, Some((4, 2)));
+    }
+}

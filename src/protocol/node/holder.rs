@@ -1,0 +1,302 @@
+//! The data holder's side of the microbatch lifecycle: iterations opened,
+//! microbatches launched (at most `max_in_flight` at once) and restarted.
+use super::*;
+
+/// Holder's iteration state.
+#[derive(Clone, Debug, Default)]
+pub(super) struct HolderState {
+    pub(super) iter: Option<u32>,
+    pub(super) next_idx: u32,
+    pub(super) done: BTreeSet<u32>,
+    pub(super) in_flight: BTreeMap<MbId, Option<Label>>,
+    pub(super) restarts: VecDeque<MbId>,
+    pub(super) reported: bool,
+}
+
+impl Node {
+    pub(super) fn on_start_iter(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
+        if self.stage != 0 || self.phase != Phase::Active {
+            return;
+        }
+        self.iters.announced(iter, &holders);
+        if self.dh.iter.is_some_and(|k| k >= iter) {
+            // The barrier announces the iteration again to holders it has
+            // not heard are done: our HolderDone went to a node that did not
+            // coordinate yet (it had not heard the old coordinator leave).
+            if self.dh.iter == Some(iter) && self.dh.reported {
+                if let Some(c) = self.group.coord {
+                    self.send(c, Msg::HolderDone { iter });
+                }
+            }
+            return;
+        }
+        self.forget_before(iter);
+        if !holders.contains(&self.id) {
+            // Joined during the iteration: takes part from the next one.
+            return;
+        }
+        self.dh = HolderState {
+            iter: Some(iter),
+            ..Default::default()
+        };
+        self.event(Event::IterStarted { iter });
+        self.launch();
+    }
+
+    /// Drops snapshots and state of iterations before `iter` (they are final).
+    pub(super) fn forget_before(&mut self, iter: u32) {
+        if !self.iters.finalize_before(iter) {
+            return;
+        }
+        self.lifecycle.snaps.retain(|m, _| m.iter >= iter);
+        let old: Vec<(MbId, bool)> = self
+            .acks
+            .outstanding
+            .keys()
+            .filter(|k| k.0.iter < iter)
+            .copied()
+            .collect();
+        for k in old {
+            self.clear_deadline(k);
+        }
+        self.reservations.forget_ghosts();
+        self.iters.forget_ends_before(iter);
+        let keep = iter.saturating_sub(1);
+        self.coordinating.forget_before(keep);
+    }
+
+    pub(super) fn launch(&mut self) {
+        if self.stage != 0 || self.phase != Phase::Active {
+            return;
+        }
+        let Some(k) = self.dh.iter else { return };
+        loop {
+            // GWTF: microbatches ride on reserved flows when there are
+            // enough; the others (flows being rebuilt after a crash) are
+            // routed hop by hop by the gossiped costs.
+            let limit = self
+                .policy()
+                .in_flight_limit(self.cfg.max_in_flight as usize, &self.plan);
+            if self.dh.in_flight.len() >= limit {
+                break;
+            }
+            let mb = if let Some(mb) = self.dh.restarts.pop_front() {
+                mb
+            } else if self.dh.next_idx < self.cfg.mb_per_iter {
+                let mb = MbId {
+                    holder: self.id,
+                    iter: k,
+                    idx: self.dh.next_idx,
+                };
+                self.dh.next_idx += 1;
+                mb
+            } else {
+                break;
+            };
+            // A free reserved flow (GWTF), or a planned path (optimal).
+            let label = if self.policy().reserves_flows() {
+                let busy: BTreeSet<Label> = self.dh.in_flight.values().flatten().copied().collect();
+                self.reservations
+                    .flows
+                    .keys()
+                    .copied()
+                    .find(|l| !busy.contains(l))
+            } else {
+                None
+            };
+            if let Some(l) = label {
+                if self.better_wait(l) {
+                    // Put the microbatch back: a busy flow finishes it sooner.
+                    if mb.idx + 1 == self.dh.next_idx && !self.dh.restarts.contains(&mb) {
+                        self.dh.next_idx -= 1;
+                    } else {
+                        self.dh.restarts.push_front(mb);
+                    }
+                    break;
+                }
+            }
+            let plan = self
+                .policy()
+                .planned_path(&self.plan, self.dh.in_flight.len());
+            self.dh.in_flight.insert(mb, label);
+            let attempt = self.lifecycle.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
+            let t = self.run(TaskKind::Embed, Some(mb), attempt);
+            self.lifecycle.snaps.insert(
+                mb,
+                Snap {
+                    label_in: label,
+                    plan,
+                    ..Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now)
+                },
+            );
+        }
+    }
+
+    /// Holder (GWTF): whether the remaining microbatches of the iteration
+    /// finish sooner without using the free flow `free` now. The flows of a
+    /// holder have unequal costs (a flow rebuilt after a crash, a distant
+    /// relay), and the iteration waits for the holder's last microbatch:
+    /// list scheduling by earliest expected completion (each flow free at
+    /// its current microbatch's start + its observed round trip) assigns
+    /// the remaining microbatches one by one to the flow that would finish
+    /// each first; when the free flow gets none, the holder waits for a
+    /// faster one. Only the holder's own observations are used; with any
+    /// round trip unknown it does not wait.
+    pub(super) fn better_wait(&self, free: Label) -> bool {
+        let Some(&r_free) = self.reservations.flow_rtt.get(&free) else {
+            return false;
+        };
+        let now = to_secs(self.now);
+        // (time the flow is free, its round trip) of the busy flows.
+        let mut flows: Vec<(f64, f64)> = Vec::new();
+        for (m, l) in &self.dh.in_flight {
+            let Some(l) = l else { continue };
+            let (Some(&r), Some(s)) = (
+                self.reservations.flow_rtt.get(l),
+                self.lifecycle.snaps.get(m),
+            ) else {
+                return false;
+            };
+            flows.push(((to_secs(s.started) + r).max(now), r));
+        }
+        if flows.is_empty() {
+            return false;
+        }
+        // The microbatch at hand and those not started yet.
+        let remaining = 1
+            + self.dh.restarts.len()
+            + self.cfg.mb_per_iter.saturating_sub(self.dh.next_idx) as usize;
+        flows.push((now, r_free));
+        let free_at = flows.len() - 1;
+        for _ in 0..remaining {
+            let (i, _) = flows
+                .iter()
+                .enumerate()
+                .map(|(i, f)| (i, f.0 + f.1))
+                .min_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                .unwrap();
+            if i == free_at {
+                return false;
+            }
+            flows[i].0 += flows[i].1;
+        }
+        true
+    }
+
+    pub(super) fn restart(&mut self, mb: MbId, failed: Option<u32>) {
+        if self.stage != 0 || mb.holder != self.id || self.dh.iter != Some(mb.iter) {
+            return;
+        }
+        if self.dh.restarts.contains(&mb) {
+            return;
+        }
+        if self.dh.in_flight.contains_key(&mb) {
+            let s = self.lifecycle.snaps.get(&mb);
+            let stale = match failed {
+                // The data path reports a failed attempt: only that one.
+                Some(a) => s.is_some_and(|s| s.attempt != a),
+                // An aggregate lost it: an attempt started recently is
+                // already recomputing it.
+                None => s.is_some_and(|s| s.started + self.cfg.redo_timeout > self.now),
+            };
+            if stale {
+                return;
+            }
+            self.dh.in_flight.remove(&mb);
+        } else if let (Some(a), Some(s)) = (failed, self.lifecycle.snaps.get(&mb)) {
+            if s.attempt != a || s.done {
+                return;
+            }
+        }
+        for back in [false, true] {
+            self.clear_deadline((mb, back));
+        }
+        self.event(Event::Restarted { mb });
+        self.dh.restarts.push_back(mb);
+        self.launch();
+    }
+
+    pub(super) fn holder_progress(&mut self) {
+        if self.dh.reported {
+            return;
+        }
+        let Some(k) = self.dh.iter else { return };
+        if self.dh.done.len() as u32 >= self.cfg.mb_per_iter {
+            self.dh.reported = true;
+            if let Some(c) = self.group.coord {
+                self.send(c, Msg::HolderDone { iter: k });
+            }
+        }
+    }
+
+    /// A microbatch of ours must start again (its path or its aggregate lost it).
+    pub(super) fn on_restart_request(&mut self, from: NodeId, mb: MbId, attempt: Option<u32>) {
+        self.restart(mb, attempt);
+        // An aggregate lost its contribution: tell that stage's
+        // coordinator we are alive and on it (queued restarts wait
+        // for a free in-flight slot, which can take long).
+        if attempt.is_none()
+            && from != self.id
+            && self.stage == 0
+            && mb.holder == self.id
+            && self.dh.iter == Some(mb.iter)
+            && (self.dh.restarts.contains(&mb) || self.dh.in_flight.contains_key(&mb))
+        {
+            self.send(from, Msg::Restarting { mb });
+        }
+    }
+
+    /// The holder's periodic work: the last resort (every policy), a
+    /// microbatch with no news for `e2e_timeout` is started again from
+    /// here; then launches what the in-flight bound allows.
+    pub(super) fn holder_tick(&mut self) {
+        let e2e = self.cfg.e2e_timeout;
+        let now = self.now;
+        let late: Vec<(MbId, u32)> = self
+            .dh
+            .in_flight
+            .keys()
+            .filter_map(|mb| self.lifecycle.snaps.get(mb).map(|s| (*mb, s)))
+            .filter(|(_, s)| s.started + e2e <= now)
+            .map(|(mb, s)| (mb, s.attempt))
+            .collect();
+        for (mb, attempt) in late {
+            self.restart(mb, Some(attempt));
+        }
+        self.launch();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A holder keeps `max_in_flight` microbatches in flight, or one per
+    /// planned path when fewer paths are planned (optimal routing).
+    #[test]
+    fn a_holder_launches_up_to_its_in_flight_bound() {
+        let start_iter = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        let embeds = |acts: &[Action]| {
+            runs(acts)
+                .iter()
+                .filter(|t| t.kind == TaskKind::Embed)
+                .count()
+        };
+        let mut n = started(Policy::Gwtf, 0, 0, &[], &[(10, 1)]);
+        assert_eq!(embeds(&deliver(&mut n, 0, start_iter.clone())), 4);
+        assert_eq!(n.dh.in_flight.len(), 4);
+        let mut n = started(Policy::Optimal, 0, 0, &[], &[(10, 1)]);
+        let path = Arc::new(vec![0, 10, 11, 12, 13]);
+        n.handle(
+            SEC,
+            Input::SetPlan {
+                paths: vec![path.clone(), path],
+            },
+        );
+        assert_eq!(embeds(&deliver(&mut n, 0, start_iter)), 2);
+    }
+}

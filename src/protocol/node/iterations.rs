@@ -1,0 +1,159 @@
+//! What a node knows of the iterations (shared by the parts: read by all,
+//! changed only through these methods): the weights it holds, the
+//! iterations it knows of, and which are final.
+use super::*;
+
+/// The end of an iteration: who announced it, and the holders done.
+pub(super) type End = (NodeId, Arc<Vec<NodeId>>);
+
+#[derive(Debug, Default)]
+pub(super) struct Iterations {
+    /// The weights version (iteration, hash) this node holds.
+    pub(super) version: (u32, u64),
+    /// Last iteration whose aggregate this node applied.
+    pub(super) last_applied: Option<u32>,
+    /// Iterations before this one are final (their state is forgotten).
+    pub(super) min_iter: u32,
+    /// When the end of each iteration was last passed on.
+    pub(super) end_fwd: BTreeMap<u32, Time>,
+    /// Holders: the latest iteration announced and its participants.
+    pub(super) seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
+    /// Largest next iteration peers told us about.
+    pub(super) known_iter: u32,
+    /// A relay told us which iteration comes next (`known_iter`): a holders'
+    /// coordinator without a history of its own opens no iteration before.
+    pub(super) iter_heard: bool,
+    /// The holders taking part in each iteration opened (the holders'
+    /// `StartIter`, passed along the pipeline): a stage knows the
+    /// microbatches it must aggregate before the iteration ends.
+    pub(super) participants: BTreeMap<u32, Arc<Vec<NodeId>>>,
+    /// The end of each iteration heard of (origin, holders done): a member
+    /// that becomes coordinator knows at once which iterations ended.
+    pub(super) ends: BTreeMap<u32, End>,
+}
+
+impl Iterations {
+    /// The iteration this node believes comes next (told to new holders):
+    /// past the last one applied here, and past the last one whose end was
+    /// announced (an ended iteration takes no new microbatches; the holders'
+    /// stage may already have applied it).
+    pub(super) fn next_hint(&self) -> u32 {
+        let a = self.last_applied.map_or(0, |a| a + 1);
+        let s = self.seen_iter.as_ref().map_or(0, |s| s.0);
+        let e = self.end_fwd.keys().next_back().map_or(0, |k| k + 1);
+        a.max(s).max(e).max(self.min_iter).max(self.known_iter)
+    }
+
+    /// A peer (a relay unless `from_holder`) says `iter` comes next.
+    pub(super) fn hear_next(&mut self, iter: u32, from_holder: bool) {
+        self.known_iter = self.known_iter.max(iter);
+        if !from_holder {
+            self.iter_heard = true;
+        }
+    }
+
+    /// Holders: iteration `iter` was announced with these participants.
+    pub(super) fn announced(&mut self, iter: u32, holders: &Arc<Vec<NodeId>>) {
+        if self.seen_iter.as_ref().is_none_or(|s| s.0 < iter) {
+            self.seen_iter = Some((iter, holders.clone()));
+        }
+    }
+
+    /// Iteration `iter` opened with these holders; false when already known
+    /// (the news is then not passed on again).
+    pub(super) fn opened(&mut self, iter: u32, holders: &Arc<Vec<NodeId>>) -> bool {
+        if iter < self.min_iter || self.participants.contains_key(&iter) {
+            return false;
+        }
+        self.participants.insert(iter, holders.clone());
+        true
+    }
+
+    /// Iteration `iter` ended for `holders` (announced by `origin`).
+    pub(super) fn ended(&mut self, iter: u32, origin: NodeId, holders: &Arc<Vec<NodeId>>) {
+        if iter >= self.min_iter {
+            self.ends.insert(iter, (origin, holders.clone()));
+        }
+    }
+
+    /// The ends heard of iterations not applied here.
+    pub(super) fn ends_not_applied(&self) -> Vec<(u32, End)> {
+        self.ends
+            .iter()
+            .filter(|(k, _)| self.last_applied.is_none_or(|a| **k > a))
+            .map(|(k, e)| (*k, e.clone()))
+            .collect()
+    }
+
+    /// Whether the end of `iter` is to be passed on now (once per `period`).
+    pub(super) fn pass_on_end(&mut self, iter: u32, now: Time, period: Time) -> bool {
+        let last = self.end_fwd.get(&iter).copied();
+        if last.is_none_or(|t| t + period <= now) {
+            self.end_fwd.insert(iter, now);
+            return true;
+        }
+        false
+    }
+
+    /// The aggregate of `iter` was applied: weights `version`.
+    pub(super) fn applied(&mut self, iter: u32, version: u64) {
+        self.version = (iter, version);
+        self.last_applied = Some(self.last_applied.map_or(iter, |a| a.max(iter)));
+    }
+
+    /// A joining node downloaded weights `version`.
+    pub(super) fn downloaded(&mut self, version: (u32, u64)) {
+        self.version = version;
+        if version != (0, 0) {
+            self.last_applied = Some(version.0);
+        }
+    }
+
+    /// Iterations before `iter` are final; false when they were already.
+    pub(super) fn finalize_before(&mut self, iter: u32) -> bool {
+        if iter <= self.min_iter {
+            return false;
+        }
+        self.min_iter = iter;
+        true
+    }
+
+    /// The ends passed on of the iterations before `iter` are forgotten.
+    pub(super) fn forget_ends_before(&mut self, iter: u32) {
+        self.end_fwd.retain(|k, _| *k >= iter);
+        self.participants.retain(|k, _| *k >= iter);
+        self.ends.retain(|k, _| *k >= iter);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The next iteration is past everything known: applied, announced,
+    /// ended, final, or heard of.
+    #[test]
+    fn the_next_iteration_is_past_all_that_is_known() {
+        let mut k = Iterations::default();
+        assert_eq!(k.next_hint(), 0);
+        k.applied(4, 77);
+        assert_eq!((k.next_hint(), k.version), (5, (4, 77)));
+        k.applied(2, 9);
+        assert_eq!(k.last_applied, Some(4));
+        assert!(k.pass_on_end(6, 10 * SEC, SEC));
+        assert!(!k.pass_on_end(6, 10 * SEC + SEC / 2, SEC));
+        assert!(k.pass_on_end(6, 11 * SEC, SEC));
+        assert_eq!(k.next_hint(), 7);
+        k.hear_next(9, true);
+        assert_eq!((k.next_hint(), k.iter_heard), (9, false));
+        k.hear_next(3, false);
+        assert!(k.iter_heard);
+        assert!(k.finalize_before(12) && !k.finalize_before(11));
+        assert_eq!(k.next_hint(), 12);
+        let h = Arc::new(vec![1, 2]);
+        assert!(k.opened(12, &h) && !k.opened(12, &h) && !k.opened(11, &h));
+        assert_eq!(k.participants.get(&12), Some(&h));
+        k.forget_ends_before(13);
+        assert!(k.end_fwd.is_empty() && k.participants.is_empty());
+    }
+}

@@ -1,0 +1,242 @@
+//! Start and join: a starting node becomes active at once; a joining node
+//! asks each stage for a summary, picks the bottleneck stage, downloads its
+//! state from a member and joins its group.
+use super::*;
+
+/// Join: what a joining node learns, and whom a member served.
+#[derive(Debug, Default)]
+pub(super) struct JoinState {
+    /// The stages' summaries (a joining node chooses from them).
+    pub(super) stage_infos: BTreeMap<Stage, StageSummary>,
+    /// Nodes this node sent its stage state to (when), not yet seen as
+    /// members: told to later joiners with the member list, so that two
+    /// joiners whose only live contact dies meanwhile still find each other.
+    pub(super) joiners: BTreeMap<NodeId, Time>,
+}
+
+impl Node {
+    pub(super) fn start(&mut self, peers: Vec<(NodeId, Stage)>) {
+        let mut group = Vec::new();
+        for (p, s) in peers {
+            if s == self.stage {
+                group.push(p);
+            } else if p != self.id {
+                self.learn(p, s);
+            }
+        }
+        self.group.adopt(group, self.id);
+        self.become_active();
+        if self.stage == 0 {
+            // The holders' coordinator opens the first iteration after the
+            // start delay (flows are being built meanwhile).
+            self.next_tick = self.now + self.cfg.tick;
+        }
+    }
+
+    pub(super) fn become_active(&mut self) {
+        self.phase = Phase::Active;
+        self.next_tick = self.now + self.cfg.tick;
+        self.recompute_coord();
+        self.introduce_all(None);
+        if let Some(c) = self.group.coord {
+            if c != self.id {
+                let st = self.stage;
+                self.send(c, Msg::GroupJoin { stage: st });
+            }
+        }
+        let st = self.stage;
+        self.event(Event::Active { stage: st });
+    }
+
+    pub(super) fn join(&mut self, peers: Vec<(NodeId, Stage)>) {
+        for (p, s) in peers {
+            if p != self.id {
+                self.learn(p, s);
+            }
+        }
+        self.phase = Phase::Querying { since: self.now };
+        self.next_tick = self.now + self.cfg.tick;
+        let targets: Vec<NodeId> = {
+            // Up to two peers of every relay stage.
+            let mut per: BTreeMap<Stage, Vec<NodeId>> = BTreeMap::new();
+            for (id, p) in &self.peers {
+                if p.stage > 0 {
+                    let v = per.entry(p.stage).or_default();
+                    if v.len() < 2 {
+                        v.push(*id);
+                    }
+                }
+            }
+            per.into_values().flatten().collect()
+        };
+        for t in targets {
+            self.send(t, Msg::StageQuery);
+        }
+    }
+
+    pub(super) fn choose_stage(&mut self) {
+        // Bottleneck first: the stage with the smallest aggregate throughput
+        // (largest predicted time per microbatch) gains the most from us.
+        let mut best: Option<(f64, Stage)> = None;
+        for (s, info) in &self.joining.stage_infos {
+            if info.members == 0 {
+                continue;
+            }
+            let t = 1.0 / info.throughput.max(1e-9);
+            if best.is_none_or(|b| t > b.0) {
+                best = Some((t, *s));
+            }
+        }
+        let Some((_, stage)) = best else {
+            // Nobody answered: ask again next tick.
+            self.phase = Phase::Querying { since: self.now };
+            return;
+        };
+        let src = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.stage == stage && !p.dead)
+            .map(|(id, _)| *id)
+            .next();
+        match src {
+            Some(src) => {
+                self.stage = stage;
+                self.phase = Phase::Downloading { stage };
+                self.send(src, Msg::StateRequest);
+            }
+            None => self.phase = Phase::Querying { since: self.now },
+        }
+    }
+
+    /// A joiner asks for this stage's summary.
+    pub(super) fn on_stage_query(&mut self, from: NodeId) {
+        if self.phase == Phase::Active && self.stage > 0 {
+            let members = self.group.members.len() as u32;
+            let summary = StageSummary {
+                stage: self.stage,
+                members,
+                throughput: members as f64 / self.compute_s.max(1e-9),
+            };
+            self.send(from, Msg::StageInfo { summary });
+        }
+    }
+
+    /// A stage's summary, for a joining node choosing its stage.
+    pub(super) fn on_stage_info(&mut self, from: NodeId, summary: StageSummary) {
+        self.learn(from, summary.stage);
+        self.joining.stage_infos.insert(summary.stage, summary);
+    }
+
+    /// A joiner downloads this stage's state (with the member list).
+    pub(super) fn on_state_request(&mut self, from: NodeId) {
+        // The joiners served before (still downloading, or whose
+        // GroupJoin may have reached nobody alive) go with the member
+        // list: if every member this joiner hears of dies before it
+        // is done, it still knows them and does not coordinate a
+        // group of its own beside theirs (two groups of one stage
+        // committing the same iterations). A download longer than
+        // `e2e_timeout` is as good as gone.
+        let now = self.now;
+        let expiry = self.cfg.e2e_timeout;
+        let joiners = std::mem::take(&mut self.joining.joiners);
+        self.joining.joiners = joiners
+            .into_iter()
+            .filter(|&(j, t)| t + expiry > now && !self.group.members.contains(&j) && self.alive(j))
+            .collect();
+        let members = if self.joining.joiners.is_empty() {
+            self.group.members.list()
+        } else {
+            let mut all: BTreeSet<NodeId> = self.group.members.iter().copied().collect();
+            all.extend(self.joining.joiners.keys().copied());
+            Arc::new(all.into_iter().collect())
+        };
+        self.joining.joiners.insert(from, now);
+        let bytes = self
+            .cfg
+            .stage_state_bytes
+            .get(self.stage as usize)
+            .copied()
+            .unwrap_or(0);
+        let version = self.iters.version;
+        self.send(
+            from,
+            Msg::StateResponse {
+                version,
+                members,
+                bytes,
+            },
+        );
+    }
+
+    /// The state download is done: join the group.
+    pub(super) fn on_state_response(&mut self, version: (u32, u64), members: Arc<Vec<NodeId>>) {
+        if let Phase::Downloading { stage } = self.phase {
+            self.iters.downloaded(version);
+            // Members that joined us while we downloaded (a later
+            // joiner that took us for its coordinator) stay.
+            self.group.adopt(members.iter().copied(), self.id);
+            // Keep only the views that matter to this stage.
+            let (ps, ns) = (self.prev_stage(), self.next_stage());
+            self.peers
+                .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
+            self.become_active();
+            if let Some(c) = self.group.coord {
+                if c != self.id {
+                    self.send(c, Msg::GroupJoin { stage });
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A joiner asks the stages, then joins the bottleneck (the smallest
+    /// throughput) and downloads its state from one of its members.
+    #[test]
+    fn a_joiner_picks_the_bottleneck_stage() {
+        let mut n = Node::new(config(Policy::Gwtf), 50, 0, 0.5, 4, 1);
+        let peers = vec![(11, 1), (21, 2), (31, 3), (41, 4)];
+        let acts = n.handle(SEC, Input::Join { peers });
+        assert_eq!(sends(&acts).len(), 4);
+        for (from, stage, thr) in [(11, 1, 8.0), (21, 2, 2.0), (31, 3, 5.0), (41, 4, 3.0)] {
+            let summary = StageSummary {
+                stage,
+                members: 2,
+                throughput: thr,
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        assert_eq!(n.stage(), 2);
+        assert!(matches!(sends(&acts)[..], [(21, Msg::StateRequest)]));
+        assert!(!n.is_active());
+        let members = Arc::new(vec![21, 22]);
+        let done = Msg::StateResponse {
+            version: (3, 9),
+            members,
+            bytes: 0,
+        };
+        deliver(&mut n, 21, done);
+        assert!(n.is_active());
+        assert_eq!(n.version(), (3, 9));
+        assert_eq!(n.coordinator(), Some(21));
+    }
+
+    /// A member serving its state names the joiners it served before, so that
+    /// joiners whose contact dies still know each other.
+    #[test]
+    fn a_state_download_names_the_earlier_joiners() {
+        let mut n = started(Policy::Gwtf, 21, 2, &[22], &[]);
+        deliver(&mut n, 50, Msg::StateRequest);
+        let acts = deliver(&mut n, 51, Msg::StateRequest);
+        let s = sends(&acts);
+        let Some((51, Msg::StateResponse { members, .. })) = s.first() else {
+            panic!("{s:?}")
+        };
+        assert_eq!(members[..], [21, 22, 50]);
+    }
+}

@@ -1,0 +1,431 @@
+//! The microbatch lifecycle at one node: forward and backward hops in,
+//! trainer tasks done, outputs sent on, with a snapshot of each microbatch
+//! kept until its iteration is final.
+use super::*;
+
+/// The microbatches this node holds.
+#[derive(Debug, Default)]
+pub(super) struct Microbatches {
+    pub(super) snaps: BTreeMap<MbId, Snap>,
+    /// When the input of a hop arrived (for the busy time reported in acks).
+    pub(super) arrivals: BTreeMap<(MbId, bool), Time>,
+    /// A snapshot was marked stuck since the tick last looked for them.
+    pub(super) maybe_stuck: bool,
+}
+
+/// Lightweight snapshot of one microbatch at this node.
+#[derive(Clone, Debug)]
+pub(super) struct Snap {
+    pub(super) attempt: u32,
+    /// Path up to and including this node (index = stage), then the full
+    /// path once the backward came through.
+    pub(super) path: Arc<Vec<NodeId>>,
+    pub(super) prev: NodeId,
+    pub(super) next: Option<NodeId>,
+    pub(super) label_in: Option<Label>,
+    pub(super) hint: Option<NodeId>,
+    pub(super) plan: Option<Arc<Vec<NodeId>>>,
+    pub(super) need_grad: bool,
+    pub(super) fwd_task: Option<TaskId>,
+    pub(super) fwd_done: bool,
+    pub(super) bwd_task: Option<TaskId>,
+    /// Holder: loss task (head fwd+bwd).
+    pub(super) loss_task: Option<TaskId>,
+    /// Gradient for `prev` is computed and stored (re-sent on recovery).
+    pub(super) grad_ready: bool,
+    /// The gradient from `next` arrived.
+    pub(super) grad_in: bool,
+    pub(super) done: bool,
+    /// Waiting for a replacement to appear (recovery found no candidate).
+    pub(super) stuck: bool,
+    /// When this node took the microbatch (attempt) in.
+    pub(super) started: Time,
+}
+
+/// `newer` (a path up to some stage) followed by what `older` knows beyond it.
+pub(super) fn merge_path(newer: &Arc<Vec<NodeId>>, older: &Arc<Vec<NodeId>>) -> Arc<Vec<NodeId>> {
+    if older.len() <= newer.len() {
+        return newer.clone();
+    }
+    let mut v = (**newer).clone();
+    v.extend_from_slice(&older[newer.len()..]);
+    Arc::new(v)
+}
+
+impl Snap {
+    /// A microbatch (attempt) taken in at `started` from `prev`, along
+    /// `path`, its forward task `fwd_task` queued; nothing else known yet.
+    pub(super) fn new(
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+        prev: NodeId,
+        fwd_task: Option<TaskId>,
+        started: Time,
+    ) -> Snap {
+        Snap {
+            attempt,
+            path,
+            prev,
+            next: None,
+            label_in: None,
+            hint: None,
+            plan: None,
+            need_grad: false,
+            fwd_task,
+            fwd_done: false,
+            bwd_task: None,
+            loss_task: None,
+            grad_ready: false,
+            grad_in: false,
+            done: false,
+            stuck: false,
+            started,
+        }
+    }
+}
+
+impl Node {
+    /// How long the hop of `mb` waited and ran here since its input
+    /// arrived (reported in its ack); the arrival is forgotten.
+    fn busy_since_arrival(&mut self, mb: MbId, backward: bool) -> Time {
+        let now = self.now;
+        self.lifecycle
+            .arrivals
+            .remove(&(mb, backward))
+            .map_or(0, |t| now - t)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_forward(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+        label: Option<Label>,
+        hint: Option<NodeId>,
+        need_grad: bool,
+        plan: Option<Arc<Vec<NodeId>>>,
+    ) {
+        if self.phase != Phase::Active || mb.iter < self.iters.min_iter {
+            return;
+        }
+        if mb.iter > self.iters.min_iter && self.stage != 0 {
+            self.forget_before(mb.iter);
+        }
+        let ps = self.prev_stage();
+        if !self.peers.contains_key(&from) {
+            self.learn(from, ps);
+        }
+        if self.stage == 0 {
+            // Sink: the output of the last stage came back.
+            if mb.holder != self.id {
+                return;
+            }
+            let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
+                return;
+            };
+            if s.attempt != attempt {
+                return;
+            }
+            s.prev = from;
+            s.path = merge_path(&path, &s.path);
+            if s.grad_ready {
+                // Recovery: re-send the stored loss gradient.
+                let p = s.path.clone();
+                self.ack_again(from, mb, attempt, false);
+                self.send_backward(from, mb, attempt, p);
+                return;
+            }
+            if s.loss_task.is_none() {
+                let t = self.run(TaskKind::Loss, Some(mb), attempt);
+                self.lifecycle.snaps.get_mut(&mb).unwrap().loss_task = Some(t);
+                self.lifecycle.arrivals.insert((mb, false), self.now);
+            }
+            self.notify_queued(from, mb, attempt, false);
+            return;
+        }
+        if let Some(label) = label {
+            if !self.reservations.flows.contains_key(&label)
+                && !self.reservations.ghosts.contains_key(&label)
+                && self.policy().reserves_flows()
+            {
+                // Unknown reservation: tell the sender to drop it.
+                self.send(from, Msg::PushBack { label });
+            }
+        }
+        if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
+            if s.attempt == attempt {
+                s.prev = from;
+                s.need_grad = need_grad;
+                s.path = merge_path(&path, &s.path);
+                if s.grad_ready {
+                    // We already hold this microbatch's gradient for our
+                    // predecessor: re-send it, no recompute.
+                    self.ack_again(from, mb, attempt, false);
+                    if need_grad {
+                        let p = self.lifecycle.snaps[&mb].path.clone();
+                        self.send_backward(from, mb, attempt, p);
+                    }
+                } else if s.fwd_done {
+                    self.ack_again(from, mb, attempt, false);
+                } else {
+                    // A re-sent hop whose work is still queued here.
+                    self.notify_queued(from, mb, attempt, false);
+                }
+                return;
+            }
+            if s.attempt > attempt {
+                return;
+            }
+        }
+        let t = self.run(TaskKind::Forward, Some(mb), attempt);
+        self.lifecycle.snaps.insert(
+            mb,
+            Snap {
+                label_in: label,
+                hint,
+                plan,
+                need_grad,
+                ..Snap::new(attempt, path, from, Some(t), self.now)
+            },
+        );
+        // Queue wait starts now; remember when the input arrived.
+        self.lifecycle.arrivals.insert((mb, false), self.now);
+        self.notify_queued(from, mb, attempt, false);
+    }
+
+    pub(super) fn task_done(&mut self, id: TaskId) {
+        let Some((kind, mb, attempt)) = self.tasks.remove(&id) else {
+            return;
+        };
+        if self.phase != Phase::Active {
+            return;
+        }
+        match kind {
+            TaskKind::Aggregate { .. } => {
+                let found = self
+                    .member
+                    .acc
+                    .iter()
+                    .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
+                    .map(|(k, a)| (*k, a.agg_task.unwrap().1));
+                if let Some((iter, epoch)) = found {
+                    if let Some(c) = self.group.coord {
+                        self.send(c, Msg::AggDone { iter, epoch });
+                    }
+                }
+            }
+            TaskKind::Embed | TaskKind::Forward => {
+                let mb = mb.unwrap();
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.fwd_task != Some(id) {
+                    return;
+                }
+                s.fwd_done = true;
+                let mut path = (*s.path).clone();
+                path.truncate(self.stage as usize);
+                path.push(self.id);
+                let path = Arc::new(path);
+                s.path = path.clone();
+                let (label, hint, plan, prev) = (s.label_in, s.hint, s.plan.clone(), s.prev);
+                if kind == TaskKind::Forward {
+                    let busy = self.busy_since_arrival(mb, false);
+                    self.ack(prev, mb, attempt, false, busy);
+                }
+                self.forward_out(mb, label, hint, plan, &[]);
+            }
+            TaskKind::Loss => {
+                let mb = mb.unwrap();
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.loss_task != Some(id) {
+                    return;
+                }
+                s.grad_ready = true;
+                let (prev, path) = (s.prev, s.path.clone());
+                let busy = self.busy_since_arrival(mb, false);
+                self.ack(prev, mb, attempt, false, busy);
+                self.send_backward(prev, mb, attempt, path);
+            }
+            TaskKind::Backward | TaskKind::EmbedBackward => {
+                let mb = mb.unwrap();
+                let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
+                    return;
+                };
+                if s.attempt != attempt || s.bwd_task != Some(id) {
+                    return;
+                }
+                s.grad_ready = true;
+                s.done = true;
+                let (prev, next, path, need) = (
+                    s.prev,
+                    s.next.unwrap_or(self.id),
+                    s.path.clone(),
+                    s.need_grad,
+                );
+                let busy = self.busy_since_arrival(mb, true);
+                self.ack(next, mb, attempt, true, busy);
+                let mut used = vec![id];
+                if let Some(f) = self.lifecycle.snaps[&mb].fwd_task {
+                    used.push(f);
+                }
+                if let Some(l) = self.lifecycle.snaps[&mb].loss_task {
+                    used.push(l);
+                }
+                if self.stage == 0 {
+                    // The microbatch is complete.
+                    if let Some(label) = self.dh.in_flight.remove(&mb) {
+                        if let (Some(l), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
+                            let rtt = to_secs(self.now.saturating_sub(s.started));
+                            let a = self.cfg.ema_alpha;
+                            self.reservations.observe_round_trip(l, rtt, a);
+                        }
+                        let first = self.dh.done.insert(mb.idx);
+                        if first {
+                            self.event(Event::MbDone {
+                                mb,
+                                path: path.clone(),
+                            });
+                        }
+                    }
+                    self.claim(mb, self.id, next, used);
+                    self.holder_progress();
+                    self.launch();
+                } else {
+                    self.claim(mb, prev, next, used);
+                    if need {
+                        if !self.alive(prev) {
+                            self.backward_failed(mb, prev);
+                        } else {
+                            self.send_backward(prev, mb, attempt, path);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends this node's stored output for `mb` to the next hop.
+    pub(super) fn forward_out(
+        &mut self,
+        mb: MbId,
+        label: Option<Label>,
+        hint: Option<NodeId>,
+        plan: Option<Arc<Vec<NodeId>>>,
+        exclude: &[NodeId],
+    ) {
+        let Some(s) = self.lifecycle.snaps.get(&mb) else {
+            return;
+        };
+        let (attempt, path) = (s.attempt, s.path.clone());
+        match self.route(mb, label, hint, plan.as_ref(), exclude) {
+            None => {
+                let s = self.lifecycle.snaps.get_mut(&mb).unwrap();
+                s.stuck = true;
+                self.lifecycle.maybe_stuck = true;
+            }
+            Some((n, out_label)) => {
+                let s = self.lifecycle.snaps.get_mut(&mb).unwrap();
+                s.next = Some(n);
+                s.stuck = false;
+                let msg = Msg::Forward {
+                    mb,
+                    attempt,
+                    path,
+                    label: out_label,
+                    hint: None,
+                    need_grad: true,
+                    plan,
+                };
+                self.send_tracked(n, msg, mb, false, attempt);
+            }
+        }
+    }
+
+    pub(super) fn on_backward(
+        &mut self,
+        from: NodeId,
+        mb: MbId,
+        attempt: u32,
+        path: Arc<Vec<NodeId>>,
+    ) {
+        if self.phase != Phase::Active {
+            return;
+        }
+        let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
+            return;
+        };
+        if s.attempt != attempt || !s.fwd_done {
+            return;
+        }
+        if s.grad_in {
+            // Duplicate: already have it.
+            if s.done {
+                self.ack_again(from, mb, attempt, true);
+            } else {
+                self.notify_queued(from, mb, attempt, true);
+            }
+            return;
+        }
+        s.grad_in = true;
+        s.next = Some(from);
+        s.path = path;
+        self.clear_deadline((mb, false));
+        let kind = if self.stage == 0 {
+            TaskKind::EmbedBackward
+        } else {
+            TaskKind::Backward
+        };
+        let t = self.run(kind, Some(mb), attempt);
+        self.lifecycle.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
+        self.lifecycle.arrivals.insert((mb, true), self.now);
+        self.notify_queued(from, mb, attempt, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A forward hop runs one task however often it is re-sent; once done, it
+    /// is acknowledged to the sender and passed on to the next stage.
+    #[test]
+    fn a_forward_hop_runs_once_and_is_acked_when_done() {
+        let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3)]);
+        let m = mb(0, 0, 0);
+        let fwd = || Msg::Forward {
+            mb: m,
+            attempt: 0,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        let acts = deliver(&mut n, 20, fwd());
+        let tasks = runs(&acts);
+        assert_eq!(tasks.len(), 1);
+        assert_eq!(tasks[0].kind, TaskKind::Forward);
+        let id = tasks[0].id;
+        assert!(runs(&deliver(&mut n, 20, fwd())).is_empty());
+        let acts = n.handle(2 * SEC, Input::TaskDone { id });
+        let s = sends(&acts);
+        assert!(s.iter().any(|(to, msg)| *to == 20
+            && matches!(
+                msg,
+                Msg::Ack {
+                    backward: false,
+                    ..
+                }
+            )));
+        assert!(s
+            .iter()
+            .any(|(to, msg)| *to == 30 && matches!(msg, Msg::Forward { .. })));
+        assert_eq!(n.lifecycle.snaps[&m].path[..], [0, 20, 10]);
+    }
+}

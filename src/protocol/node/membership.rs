@@ -1,0 +1,566 @@
+//! Membership: the partial view of the neighbouring stages (introductions,
+//! RTT and bandwidth probes, suspicion, goodbyes) and the stage group
+//! (members, coordinator election, heartbeats).
+use super::*;
+
+/// The stage group as this node sees it.
+#[derive(Debug)]
+pub(super) struct Group {
+    pub(super) members: MemberSet,
+    /// The member list changed since the coordinator last sent it.
+    pub(super) members_changed: bool,
+    /// The coordinator: the live member with the smallest id.
+    pub(super) coord: Option<NodeId>,
+    pub(super) last_coord_heard: Time,
+    /// Coordinator: when each member was last heard from.
+    pub(super) member_heard: BTreeMap<NodeId, Time>,
+}
+
+impl Default for Group {
+    fn default() -> Group {
+        Group {
+            members_changed: true,
+            members: Default::default(),
+            coord: Default::default(),
+            last_coord_heard: Default::default(),
+            member_heard: Default::default(),
+        }
+    }
+}
+
+impl Group {
+    /// Adds `m` to the group; whether it is new (the coordinator then sends
+    /// the list again).
+    pub(super) fn admit(&mut self, m: NodeId) -> bool {
+        let new = self.members.insert(m);
+        if new {
+            self.members_changed = true;
+        }
+        new
+    }
+
+    /// The group a starting or joining node finds: `members` and itself.
+    pub(super) fn adopt(&mut self, members: impl IntoIterator<Item = NodeId>, me: NodeId) {
+        for m in members {
+            self.members.insert(m);
+        }
+        self.members.insert(me);
+    }
+}
+
+/// The members of this node's stage group: an ordered set, with its list
+/// (what heartbeats, claims answers and state downloads carry) built once
+/// per change and shared, not once per message.
+#[derive(Clone, Debug, Default)]
+pub(super) struct MemberSet {
+    pub(super) set: BTreeSet<NodeId>,
+    pub(super) list: Option<Arc<Vec<NodeId>>>,
+}
+
+impl MemberSet {
+    pub(super) fn insert(&mut self, m: NodeId) -> bool {
+        let new = self.set.insert(m);
+        if new {
+            self.list = None;
+        }
+        new
+    }
+    pub(super) fn remove(&mut self, m: &NodeId) -> bool {
+        let had = self.set.remove(m);
+        if had {
+            self.list = None;
+        }
+        had
+    }
+    pub(super) fn contains(&self, m: &NodeId) -> bool {
+        self.set.contains(m)
+    }
+    pub(super) fn len(&self) -> usize {
+        self.set.len()
+    }
+    pub(super) fn iter(&self) -> std::collections::btree_set::Iter<'_, NodeId> {
+        self.set.iter()
+    }
+    /// The members in increasing order.
+    pub(super) fn list(&mut self) -> Arc<Vec<NodeId>> {
+        let set = &self.set;
+        self.list
+            .get_or_insert_with(|| Arc::new(set.iter().copied().collect()))
+            .clone()
+    }
+    /// Becomes `list` plus `me`; a list equal to the current group (the
+    /// periodic announcement of an unchanged group) costs one comparison.
+    pub(super) fn assign(&mut self, list: &Arc<Vec<NodeId>>, me: NodeId) {
+        if list.windows(2).all(|w| w[0] < w[1]) {
+            let has_me = list.binary_search(&me).is_ok();
+            let same = if has_me {
+                self.set.len() == list.len() && self.set.iter().eq(list.iter())
+            } else {
+                self.set.len() == list.len() + 1
+                    && self.set.contains(&me)
+                    && self.set.iter().filter(|&&m| m != me).eq(list.iter())
+            };
+            if same {
+                return;
+            }
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = has_me.then(|| list.clone());
+        } else {
+            self.set = list.iter().copied().collect();
+            self.set.insert(me);
+            self.list = None;
+        }
+    }
+}
+
+impl FromIterator<NodeId> for MemberSet {
+    fn from_iter<I: IntoIterator<Item = NodeId>>(it: I) -> MemberSet {
+        MemberSet {
+            set: it.into_iter().collect(),
+            list: None,
+        }
+    }
+}
+
+impl IntoIterator for MemberSet {
+    type Item = NodeId;
+    type IntoIter = std::collections::btree_set::IntoIter<NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a MemberSet {
+    type Item = &'a NodeId;
+    type IntoIter = std::collections::btree_set::Iter<'a, NodeId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.set.iter()
+    }
+}
+
+impl Node {
+    /// Not known to be dead (members of the group need not be in `peers`).
+    pub(super) fn alive(&self, p: NodeId) -> bool {
+        p == self.id || !self.peers.get(&p).is_some_and(|x| x.dead)
+    }
+
+    pub(super) fn learn(&mut self, p: NodeId, stage: Stage) -> &mut Peer {
+        let now = self.now;
+        let e = self.peers.get_or_insert_with(p, || Peer::new(stage, now));
+        e.stage = stage;
+        e
+    }
+
+    pub(super) fn ema(old: Option<f64>, x: f64, a: f64) -> Option<f64> {
+        Some(match old {
+            None => x,
+            Some(o) => o * (1.0 - a) + x * a,
+        })
+    }
+
+    /// Introductions to the previous and next stage; periodic ones go only
+    /// to peers not heard from for `stale` (liveness and RTT refresh).
+    pub(super) fn introduce_all(&mut self, stale: Option<Time>) {
+        let (ps, ns) = (self.prev_stage(), self.next_stage());
+        let now = self.now;
+        let targets: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.dead && (p.stage == ps || p.stage == ns))
+            .filter(|(_, p)| stale.is_none_or(|d| p.last_heard + d < now))
+            .map(|(id, _)| *id)
+            .collect();
+        for t in targets {
+            let m = self.intro_msg(None);
+            self.send(t, m);
+        }
+    }
+
+    pub(super) fn intro_msg(&self, echo: Option<Time>) -> Msg {
+        Msg::Introduce {
+            iter: self.iters.next_hint(),
+            stage: self.stage,
+            spare: self.spare(),
+            compute_s: self.compute_s,
+            sent_at: self.now,
+            echo,
+        }
+    }
+
+    pub(super) fn leave(&mut self) {
+        let all: BTreeSet<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.dead)
+            .map(|(id, _)| *id)
+            .chain(self.group.members.iter().copied())
+            .filter(|&p| p != self.id)
+            .collect();
+        for p in all {
+            self.send(p, Msg::Goodbye);
+        }
+        self.phase = Phase::Left;
+        self.event(Event::Left);
+    }
+
+    pub(super) fn recompute_coord(&mut self) {
+        let old = self.group.coord;
+        let c = self.group.members.iter().copied().find(|&m| self.alive(m));
+        self.group.coord = c;
+        if old != c {
+            self.group.last_coord_heard = self.now;
+            if c == Some(self.id) {
+                self.group.members_changed = true;
+                // Members heartbeated the old coordinator, not us: each gets
+                // a full suspicion period from now (what we heard while not
+                // coordinating is stale).
+                let now = self.now;
+                for &m in &self.group.members {
+                    self.group.member_heard.insert(m, now);
+                }
+                self.take_over(old);
+            } else if let Some(c) = c {
+                if old.is_some() {
+                    self.sync_to(c);
+                }
+            }
+        }
+    }
+
+    pub(super) fn member_gone(&mut self, p: NodeId) {
+        self.group.members_changed = true;
+        if self.group.coord == Some(self.id) {
+            self.event(Event::MemberRemoved { peer: p });
+        }
+        let was_coord = self.group.coord == Some(p);
+        if self.group.coord == Some(self.id) {
+            self.coord_member_dead(p);
+        }
+        if was_coord {
+            self.recompute_coord();
+        }
+    }
+
+    pub(super) fn heartbeat(&mut self) {
+        let Some(c) = self.group.coord else { return };
+        let limit = self.cfg.suspect_ticks as Time * self.cfg.tick;
+        if c == self.id {
+            let members: Vec<NodeId> = self.group.members.iter().copied().collect();
+            let list = if self.group.members_changed
+                || self.tick_no % (8 * self.cfg.heartbeat_ticks as u64) == 0
+            {
+                self.group.members_changed = false;
+                Some(Arc::new(members.clone()))
+            } else {
+                None
+            };
+            // Suspect silent members.
+            let now = self.now;
+            for &m in &members {
+                self.group.member_heard.entry(m).or_insert(now);
+            }
+            let silent: Vec<NodeId> = members
+                .iter()
+                .copied()
+                .filter(|&m| m != self.id && self.group.member_heard[&m] + limit < now)
+                .collect();
+            for m in silent {
+                self.peer_dead(m);
+            }
+            for m in self.group.members.clone() {
+                if m != self.id {
+                    self.send(
+                        m,
+                        Msg::Heartbeat {
+                            members: list.clone(),
+                        },
+                    );
+                }
+            }
+        } else {
+            if self.group.last_coord_heard + limit < self.now {
+                self.peer_dead(c);
+                if let Some(nc) = self.group.coord {
+                    if nc != self.id {
+                        self.send(nc, Msg::Heartbeat { members: None });
+                    }
+                }
+                return;
+            }
+            self.send(c, Msg::Heartbeat { members: None });
+            self.resend_stale_claims(c);
+        }
+    }
+
+    pub(super) fn peer_suspect(&mut self, p: NodeId) {
+        let ban = self.cfg.ban_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        if let Some(x) = self.peers.get_mut(&p) {
+            x.banned_until = now + ban;
+        }
+    }
+
+    /// The members of this node's group not known to be dead, in id order.
+    pub(super) fn live_members(&self) -> Arc<Vec<NodeId>> {
+        Arc::new(
+            self.group
+                .members
+                .iter()
+                .copied()
+                .filter(|m| self.alive(*m))
+                .collect(),
+        )
+    }
+
+    /// Any message is a sign of life: a member heard by its coordinator, a
+    /// peer heard (a suspected one was alive after all, unless it says
+    /// goodbye), the coordinator heard by a member.
+    pub(super) fn heard_from(&mut self, from: NodeId, goodbye: bool) {
+        if self.group.coord == Some(self.id) {
+            self.group.member_heard.insert(from, self.now);
+        }
+        if let Some(p) = self.peers.get_mut(&from) {
+            p.last_heard = self.now;
+            if p.dead && !goodbye {
+                // False suspicion: it is alive after all.
+                p.dead = false;
+            }
+        }
+        if Some(from) == self.group.coord {
+            self.group.last_coord_heard = self.now;
+        }
+    }
+
+    /// INTRODUCE: learns the peer, measures the RTT (an echo answers ours; a
+    /// first introduction is echoed) and probes the bandwidth on first contact.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_introduce(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        stage: Stage,
+        spare: u32,
+        compute_s: f64,
+        sent_at: Time,
+        echo: Option<Time>,
+    ) {
+        self.iters.hear_next(iter, stage == 0);
+        let now = self.now;
+        let a = self.cfg.ema_alpha;
+        let bytes = self.cfg.probe_bytes;
+        let p = self.learn(from, stage);
+        p.spare = spare;
+        p.compute_s = compute_s;
+        p.last_heard = now;
+        match echo {
+            Some(t0) => {
+                let rtt = to_secs(now.saturating_sub(t0));
+                p.lat = Self::ema(p.lat, rtt / 2.0, a);
+                // Bandwidth probe on first contact only; data hops
+                // keep the estimate fresh afterwards.
+                if p.bw.is_none() {
+                    self.send(
+                        from,
+                        Msg::Probe {
+                            bytes,
+                            sent_at: now,
+                        },
+                    );
+                }
+            }
+            None => {
+                let m = Msg::Introduce {
+                    iter: self.iters.next_hint(),
+                    stage: self.stage,
+                    spare: self.spare(),
+                    compute_s: self.compute_s,
+                    sent_at: now,
+                    echo: Some(sent_at),
+                };
+                self.send(from, m);
+            }
+        }
+        if stage == self.stage && self.group.coord == Some(self.id) && self.phase == Phase::Active {
+            self.group.admit(from);
+        }
+    }
+
+    /// The bandwidth probe came back: the transfer time beyond the RTT gives
+    /// the bandwidth.
+    pub(super) fn on_probe_ack(&mut self, from: NodeId, bytes: u64, sent_at: Time) {
+        let a = self.cfg.ema_alpha;
+        let now = self.now;
+        if let Some(p) = self.peers.get_mut(&from) {
+            let rtt = to_secs(now.saturating_sub(sent_at));
+            let lat = p.lat.unwrap_or(0.0);
+            let xfer = (rtt - 2.0 * lat).max(1e-4);
+            p.bw = Self::ema(p.bw, bytes as f64 / xfer, a);
+        }
+    }
+
+    /// A heartbeat: from the coordinator (with the member list when it
+    /// changed) or from a member.
+    pub(super) fn on_heartbeat(&mut self, from: NodeId, members: Option<Arc<Vec<NodeId>>>) {
+        if let Some(ms) = members {
+            if Some(from) == self.group.coord || from < self.group.coord.unwrap_or(NodeId::MAX) {
+                self.group.members.assign(&ms, self.id);
+                self.recompute_coord();
+            }
+        } else if self.group.coord != Some(self.id)
+            && self.phase == Phase::Active
+            && self.group.members.contains(&from)
+        {
+            // A member takes us for its coordinator (a joiner that
+            // reached us while our own coordinator was failing): tell
+            // it who is, so it does not suspect a live member and
+            // coordinate a group of its own.
+            let members = self.group.members.list();
+            self.send(
+                from,
+                Msg::Heartbeat {
+                    members: Some(members),
+                },
+            );
+        }
+    }
+
+    /// A node joins (or rejoins) this stage's group.
+    pub(super) fn on_group_join(&mut self, from: NodeId, stage: Stage) {
+        let st = self.stage;
+        if stage == st {
+            if let Some(p) = self.peers.get_mut(&from) {
+                p.dead = false;
+            }
+            self.group.member_heard.insert(from, self.now);
+            self.group.admit(from);
+            if self.group.coord == Some(self.id) && self.iters.version.0 > 0 {
+                let (iter, version) = self.iters.version;
+                self.send(from, Msg::Applied { iter, version });
+            }
+            self.recompute_coord();
+        }
+    }
+
+    /// Next-stage peers publish themselves (CHANGE) every gossip period;
+    /// one silent for three periods has left the view (like an expired DHT
+    /// record).
+    pub(super) fn expire_silent_next_stage(&mut self) {
+        let ns = self.next_stage();
+        // With a bounded fanout a peer reaches each of its upstream peers
+        // every ceil(view / fanout) rounds; three of those is the expiry.
+        let view = self
+            .peers
+            .values()
+            .filter(|p| p.stage == ns && !p.dead)
+            .count()
+            .max(1);
+        let rounds = view.div_ceil(self.cfg.gossip_fanout.max(1)).max(1) as Time;
+        let expiry = 3 * rounds * self.cfg.gossip_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        let expired: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.stage == ns && !p.dead && p.last_heard + expiry < now)
+            .map(|(id, _)| *id)
+            .collect();
+        for p in expired {
+            self.peer_dead(p);
+        }
+    }
+
+    /// Marks `p` dead (it leaves the group, and a coordinator is elected
+    /// again if it was ours); false when it is this node or already dead.
+    pub(super) fn mark_dead(&mut self, p: NodeId) -> bool {
+        if p == self.id {
+            return false;
+        }
+        if !self.peers.contains_key(&p) {
+            let st = self.stage;
+            self.learn(p, st);
+        }
+        let peer = self.peers.get_mut(&p).unwrap();
+        if peer.dead {
+            return false;
+        }
+        peer.dead = true;
+        peer.queued = 0;
+        if self.group.members.remove(&p) {
+            self.member_gone(p);
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    #[test]
+    fn member_list_follows_the_set() {
+        let mut m = MemberSet::default();
+        for x in [5, 1, 9] {
+            m.insert(x);
+        }
+        assert_eq!(*m.list(), vec![1, 5, 9]);
+        m.remove(&5);
+        assert_eq!(*m.list(), vec![1, 9]);
+        let announced = Arc::new(vec![1, 2, 9]);
+        m.assign(&announced, 9);
+        assert!(Arc::ptr_eq(&m.list(), &announced));
+        m.assign(&Arc::new(vec![1, 2]), 9);
+        assert_eq!(*m.list(), vec![1, 2, 9]);
+        m.assign(&Arc::new(vec![7, 3]), 9);
+        assert_eq!(m.iter().copied().collect::<Vec<_>>(), vec![3, 7, 9]);
+        assert_eq!(*m.list(), vec![3, 7, 9]);
+    }
+
+    /// The coordinator is the live member with the smallest id; when it dies
+    /// the next one takes over, and only a coordinator reports members removed.
+    #[test]
+    fn the_coordinator_is_the_smallest_live_member() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[3, 7], &[]);
+        assert_eq!(n.coordinator(), Some(3));
+        let a = n.handle(2 * SEC, Input::PeerLost { peer: 3 });
+        assert_eq!(n.coordinator(), Some(5));
+        assert!(!a
+            .iter()
+            .any(|x| matches!(x, Action::Event(Event::MemberRemoved { .. }))));
+        let a = n.handle(3 * SEC, Input::PeerLost { peer: 7 });
+        assert!(a
+            .iter()
+            .any(|x| matches!(x, Action::Event(Event::MemberRemoved { peer: 7 }))));
+        assert_eq!(n.group.members.iter().copied().collect::<Vec<_>>(), [5]);
+    }
+
+    /// A coordinator declares a member that stays silent for `suspect_ticks`
+    /// dead; a member heard from in time stays.
+    #[test]
+    fn a_silent_member_is_suspected_by_its_coordinator() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+        let cfg = n.cfg.clone();
+        let mut t = SEC;
+        for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
+            t += cfg.tick;
+            deliver(&mut n, 3, Msg::Heartbeat { members: None });
+            n.on_timeout(t);
+        }
+        assert!(!n.group.members.contains(&2));
+        assert!(n.group.members.contains(&3));
+        assert!(!n.alive(2) && n.alive(3));
+    }
+
+    /// A message from a peer taken for dead lifts the suspicion, except a
+    /// goodbye.
+    #[test]
+    fn any_message_lifts_a_false_suspicion() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[], &[(30, 3)]);
+        n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+        assert!(!n.alive(30));
+        deliver(&mut n, 30, Msg::QueryFlows);
+        assert!(n.alive(30));
+        deliver(&mut n, 30, Msg::Goodbye);
+        assert!(!n.alive(30));
+    }
+}

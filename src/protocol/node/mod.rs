@@ -1,0 +1,553 @@
+//! The GWTF node: a sans-I/O state machine.
+//!
+//! `handle(now, input)` and `on_timeout(now)` return the actions to carry
+//! out; `timeout()` is the next instant `on_timeout` wants to run. The node
+//! never reads a clock, never touches a socket and never sleeps.
+//!
+//! This file is the dispatcher: it hands each input, each tick and each
+//! peer's death to the part that owns it (the map is in the documentation
+//! of `crate::protocol`); each part lives in a file of its own.
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use super::rng::{mix, Rng};
+use super::types::*;
+
+mod acks;
+mod balancer;
+mod barrier;
+mod coordinator;
+mod costs;
+mod flow;
+mod group;
+mod holder;
+mod iterations;
+mod join;
+mod lifecycle;
+mod membership;
+mod peers;
+mod recovery;
+mod routing;
+mod search;
+
+use acks::*;
+use barrier::*;
+use coordinator::*;
+use costs::*;
+use flow::*;
+use group::*;
+use holder::*;
+use iterations::*;
+use join::*;
+use lifecycle::*;
+use membership::*;
+use peers::*;
+use search::*;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    Querying { since: Time },
+    Downloading { stage: Stage },
+    Active,
+    Left,
+}
+
+/// A GWTF node (data holder or relay). The fields past the identity are
+/// grouped by the part that owns them; the peer view and what the node
+/// knows of the iterations are shared.
+pub struct Node {
+    cfg: Arc<Config>,
+    id: NodeId,
+    stage: Stage,
+    phase: Phase,
+    rng: Rng,
+    now: Time,
+    /// Own estimate of one microbatch's fwd+bwd time on this stage.
+    compute_s: f64,
+    /// Microbatches its memory holds at once.
+    capacity: u32,
+    // ---- the dispatcher: actions out, messages to itself, timers, tasks
+    out: Vec<Action>,
+    selfq: VecDeque<Msg>,
+    /// Early syncs to handle now (this node took over).
+    replay: VecDeque<(NodeId, Msg)>,
+    next_tick: Time,
+    tick_no: u64,
+    /// Trainer tasks running: (kind, microbatch, attempt).
+    tasks: BTreeMap<TaskId, (TaskKind, Option<MbId>, u32)>,
+    next_task: TaskId,
+    // ---- shared: the peer view and what this node knows of the iterations
+    peers: PeerMap,
+    iters: Iterations,
+    // ---- the parts' own state
+    group: Group,
+    joining: JoinState,
+    cost_gossip: CostGossip,
+    reservations: Reservations,
+    search: LocalSearch,
+    /// The centrally planned paths (optimal routing), from `Input::SetPlan`.
+    plan: Vec<Arc<Vec<NodeId>>>,
+    dh: HolderState,
+    lifecycle: Microbatches,
+    acks: AckTimers,
+    member: GroupMember,
+    coordinating: Coordinator,
+    barrier: Option<Barrier>,
+}
+
+const INF: f64 = 1e12;
+
+impl Node {
+    /// A node with identity `id` serving `stage` (0 = data holder; a joining
+    /// relay passes 0 and `joining = true`: its stage is chosen on join).
+    /// `compute_s` is the node's own estimate of one microbatch's fwd+bwd
+    /// time on its stage (from a local benchmark), `capacity` the number of
+    /// microbatches its memory holds at once.
+    pub fn new(
+        cfg: Arc<Config>,
+        id: NodeId,
+        stage: Stage,
+        compute_s: f64,
+        capacity: u32,
+        seed: u64,
+    ) -> Node {
+        let t0 = if stage == 0 {
+            cfg.sa_t0_holder
+        } else {
+            cfg.sa_t0_relay
+        };
+        Node {
+            id,
+            stage,
+            phase: Phase::Idle,
+            rng: Rng::derive(seed, id as u64 + 1),
+            now: 0,
+            compute_s,
+            capacity: capacity.max(1),
+            peers: PeerMap::default(),
+            out: Vec::new(),
+            selfq: VecDeque::new(),
+            replay: VecDeque::new(),
+            next_tick: 0,
+            tick_no: 0,
+            tasks: BTreeMap::new(),
+            next_task: 1,
+            dh: HolderState::default(),
+            barrier: None,
+            plan: Vec::new(),
+            cfg,
+            reservations: Reservations::default(),
+            search: LocalSearch {
+                sa_temp: t0,
+                ..Default::default()
+            },
+            cost_gossip: CostGossip::default(),
+            acks: AckTimers::default(),
+            lifecycle: Microbatches::default(),
+            member: GroupMember::default(),
+            coordinating: Coordinator::default(),
+            joining: JoinState::default(),
+            iters: Iterations::default(),
+            group: Group::default(),
+        }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    pub fn is_holder(&self) -> bool {
+        self.stage == 0 && self.phase == Phase::Active
+    }
+
+    /// Active: serving its stage (not joining, not gone).
+    pub fn is_active(&self) -> bool {
+        self.phase == Phase::Active
+    }
+
+    /// The weights version (iteration, hash) this node holds.
+    pub fn version(&self) -> (u32, u64) {
+        self.iters.version
+    }
+
+    /// The coordinator this node believes in.
+    pub fn coordinator(&self) -> Option<NodeId> {
+        self.group.coord
+    }
+
+    /// Reserved flows through this node (GWTF), for reporting.
+    pub fn flow_count(&self) -> usize {
+        self.reservations.flows.len()
+    }
+
+    /// Microbatches this node's memory holds at once (the flows it can carry).
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Reserved flows through this node: (in label, prev, next, out label).
+    pub fn flows(&self) -> Vec<(Label, NodeId, NodeId, Label)> {
+        self.reservations
+            .flows
+            .values()
+            .map(|f| (f.in_label, f.prev, f.next, f.out_label))
+            .collect()
+    }
+
+    /// Test support: installs a reserved flow as if the flow protocol had
+    /// made it (to set up a given routing in protocol tests).
+    #[doc(hidden)]
+    pub fn test_add_flow(
+        &mut self,
+        in_label: Label,
+        sink: NodeId,
+        prev: NodeId,
+        next: NodeId,
+        out_label: Label,
+    ) {
+        self.insert_flow(FlowEntry {
+            in_label,
+            sink,
+            prev,
+            next,
+            out_label,
+            cost_from_source: 0.0,
+            last_used: self.now,
+        });
+    }
+
+    /// Next instant at which `on_timeout` must run.
+    pub fn timeout(&self) -> Option<Time> {
+        if self.phase == Phase::Left || self.phase == Phase::Idle {
+            return None;
+        }
+        let d = self.acks.deadlines.iter().next().map(|x| x.0);
+        Some(match d {
+            Some(d) => d.min(self.next_tick),
+            None => self.next_tick,
+        })
+    }
+
+    /// Runs timers that are due.
+    pub fn on_timeout(&mut self, now: Time) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.on_timeout_into(now, &mut out);
+        out
+    }
+
+    /// [`Node::on_timeout`] appending its actions to `out` (a driver reuses
+    /// one buffer instead of allocating one per call).
+    pub fn on_timeout_into(&mut self, now: Time, out: &mut Vec<Action>) {
+        self.now = self.now.max(now);
+        if self.phase == Phase::Left || self.phase == Phase::Idle {
+            return;
+        }
+        while let Some(dl) = self.acks.pop_due(self.now) {
+            match dl {
+                Dl::Ack(mb, back) => self.ack_deadline(mb, back),
+            }
+        }
+        if self.now >= self.next_tick {
+            self.next_tick = self.now + self.cfg.tick;
+            self.tick_no += 1;
+            self.tick();
+        }
+        self.drain_into(out)
+    }
+
+    /// Handles one input.
+    pub fn handle(&mut self, now: Time, input: Input) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.handle_into(now, input, &mut out);
+        out
+    }
+
+    /// [`Node::handle`] appending its actions to `out`.
+    pub fn handle_into(&mut self, now: Time, input: Input, out: &mut Vec<Action>) {
+        self.now = self.now.max(now);
+        if self.phase == Phase::Left {
+            return;
+        }
+        match input {
+            Input::Start { peers } => self.start(peers),
+            Input::Join { peers } => self.join(peers),
+            Input::Message { from, msg } => self.on_msg(from, msg),
+            Input::TaskDone { id } => self.task_done(id),
+            Input::PeerLost { peer } => self.peer_dead(peer),
+            Input::Leave => self.leave(),
+            Input::SetPlan { paths } => {
+                self.plan = paths;
+                if self.stage == 0 {
+                    self.launch();
+                }
+            }
+        }
+        self.drain_into(out)
+    }
+
+    fn drain_into(&mut self, out: &mut Vec<Action>) {
+        let mut guard = 0;
+        loop {
+            guard += 1;
+            if guard > 100_000 {
+                break;
+            }
+            if let Some(m) = self.selfq.pop_front() {
+                self.on_msg(self.id, m);
+            } else if let Some((from, m)) = self.replay.pop_front() {
+                // A member that died since is not made a member again (its
+                // grants were not in the aggregate).
+                if self.alive(from) {
+                    self.on_msg(from, m);
+                }
+            } else {
+                break;
+            }
+        }
+        out.append(&mut self.out);
+    }
+
+    fn send(&mut self, to: NodeId, msg: Msg) {
+        if to == self.id {
+            self.selfq.push_back(msg);
+        } else {
+            self.out.push(Action::Send { to, msg });
+        }
+    }
+
+    fn event(&mut self, e: Event) {
+        self.out.push(Action::Event(e));
+    }
+
+    fn run(&mut self, kind: TaskKind, mb: Option<MbId>, attempt: u32) -> TaskId {
+        let id = self.next_task;
+        self.next_task += 1;
+        self.tasks.insert(id, (kind, mb, attempt));
+        self.out.push(Action::Run(Task {
+            id,
+            kind,
+            stage: self.stage,
+            mb,
+        }));
+        id
+    }
+
+    fn s(&self) -> u16 {
+        self.cfg.relay_stages
+    }
+
+    fn next_stage(&self) -> Stage {
+        if self.stage == self.s() {
+            0
+        } else {
+            self.stage + 1
+        }
+    }
+
+    fn prev_stage(&self) -> Stage {
+        if self.stage == 0 {
+            self.s()
+        } else {
+            self.stage - 1
+        }
+    }
+
+    fn new_label(&mut self) -> Label {
+        self.reservations.new_label(self.id)
+    }
+
+    /// A peer is dead (suspected, expired, gone with a goodbye, or lost by
+    /// the transport): each part lets go of what went through it.
+    fn peer_dead(&mut self, p: NodeId) {
+        if !self.mark_dead(p) {
+            return;
+        }
+        self.release_flows_through(p);
+        self.hops_lost_to(p);
+        self.recover_hops_through(p);
+    }
+
+    /// The periodic work of an active node, part by part.
+    fn tick(&mut self) {
+        match self.phase.clone() {
+            Phase::Querying { since } => {
+                if self.now >= since + self.cfg.tick {
+                    self.choose_stage();
+                }
+                return;
+            }
+            Phase::Downloading { .. } | Phase::Idle | Phase::Left => return,
+            Phase::Active => {}
+        }
+        let hb = self.cfg.heartbeat_ticks as u64;
+        if self.tick_no % hb == 0 {
+            self.heartbeat();
+        }
+        let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
+        if self.policy().reserves_flows() && !gossip_tick && self.tick_no % 3 == 0 {
+            self.triggered_gossip();
+        }
+        if gossip_tick {
+            // Every policy keeps its upstream informed of liveness, compute
+            // speed and capacity (SWARM peers publish their throughput);
+            // GWTF adds its costs to the sinks.
+            self.gossip();
+            if self.policy().reserves_flows() {
+                self.local_search();
+                self.reroute_flows();
+            }
+        }
+        if self.tick_no % (4 * hb) == 0 {
+            let cycle = 4 * hb * self.cfg.tick;
+            self.introduce_all(Some(cycle));
+        }
+        self.expire_silent_next_stage();
+        if self.policy().reserves_flows() {
+            self.flow_maintenance();
+        }
+        self.retry_stuck();
+        if self.group.coord == Some(self.id) {
+            self.coord_tick();
+        }
+        if self.stage == 0 {
+            self.holder_tick();
+        }
+    }
+
+    fn on_msg(&mut self, from: NodeId, msg: Msg) {
+        if from != self.id {
+            self.heard_from(from, matches!(msg, Msg::Goodbye));
+        }
+        if self.phase == Phase::Left {
+            return;
+        }
+        match msg {
+            Msg::Introduce {
+                iter,
+                stage,
+                spare,
+                compute_s,
+                sent_at,
+                echo,
+            } => self.on_introduce(from, iter, stage, spare, compute_s, sent_at, echo),
+            Msg::Probe { bytes, sent_at } => self.send(from, Msg::ProbeAck { bytes, sent_at }),
+            Msg::ProbeAck { bytes, sent_at } => self.on_probe_ack(from, bytes, sent_at),
+            Msg::Heartbeat { members } => self.on_heartbeat(from, members),
+            Msg::Goodbye => self.peer_dead(from),
+            Msg::GroupJoin { stage } => self.on_group_join(from, stage),
+            Msg::Change {
+                spare,
+                compute_s,
+                costs,
+            } => self.on_change(from, spare, compute_s, costs),
+            Msg::FlowRequest {
+                label,
+                sink,
+                cost_from_source,
+                expected_cost,
+            } => self.on_flow_request(from, label, sink, cost_from_source, expected_cost),
+            Msg::FlowResponse {
+                label,
+                accept,
+                cost,
+                spare,
+            } => self.on_flow_response(from, label, accept, cost, spare),
+            Msg::QueryFlows => self.on_query_flows(from),
+            Msg::FlowTable { spare, flows } => self.on_flow_table(from, spare, flows),
+            Msg::ProposeSwap {
+                mine,
+                yours,
+                mine_new_cost,
+                temperature,
+            } => self.on_propose_swap(from, mine, yours, mine_new_cost, temperature),
+            Msg::RespondSwap {
+                accept,
+                mine,
+                yours,
+            } => self.on_respond_swap(from, accept, mine, yours),
+            Msg::ProposeRedirect {
+                yours,
+                new_cost,
+                temperature,
+            } => self.on_propose_redirect(from, yours, new_cost, temperature),
+            Msg::RespondRedirect { accept, flow } => self.on_respond_redirect(from, accept, flow),
+            Msg::NotifySwitch { label, new_prev } => self.on_notify_switch(label, new_prev),
+            Msg::NotifyRedirect { label, new_next } => self.on_notify_redirect(label, new_next),
+            Msg::PushBack { label } => self.on_push_back(from, label),
+            Msg::Cancel { label } => self.on_cancel(from, label),
+            Msg::Forward {
+                mb,
+                attempt,
+                path,
+                label,
+                hint,
+                need_grad,
+                plan,
+            } => self.on_forward(from, mb, attempt, path, label, hint, need_grad, plan),
+            Msg::Backward { mb, attempt, path } => self.on_backward(from, mb, attempt, path),
+            Msg::Ack {
+                mb,
+                attempt,
+                backward,
+                busy,
+                bytes,
+            } => self.on_ack(from, mb, attempt, backward, busy, bytes),
+            Msg::Queued {
+                mb,
+                attempt,
+                backward,
+                wait,
+            } => self.on_queued(from, mb, attempt, backward, wait),
+            Msg::CrashNotice {
+                mb,
+                attempt,
+                dead,
+                after,
+            } => self.on_crash_notice(mb, attempt, dead, after),
+            Msg::Restart { mb, attempt } => self.on_restart_request(from, mb, attempt),
+            Msg::Restarting { mb } => self.on_restarting(from, mb),
+            Msg::Redo { mb, dead, next } => self.on_redo(mb, dead, next),
+            Msg::StartIter { iter, holders } => {
+                self.on_iteration_opened(iter, &holders);
+                self.on_start_iter(iter, holders)
+            }
+            Msg::HolderDone { iter } => self.on_holder_done(from, iter),
+            Msg::EndIter {
+                iter,
+                origin,
+                holders,
+            } => self.on_end_iter(from, iter, origin, holders),
+            Msg::Claim {
+                iter,
+                mb,
+                prev,
+                next,
+            } => self.on_claim(from, iter, mb, prev, next),
+            Msg::ClaimReply { mb, granted } => self.on_claim_reply(mb, granted),
+            Msg::Sync { iter, granted, end } => self.on_sync(from, iter, granted, end),
+            Msg::Commit {
+                iter,
+                epoch,
+                members,
+            } => self.on_commit(iter, epoch, members),
+            Msg::AggDone { iter, epoch } => self.on_agg_done(from, iter, epoch),
+            Msg::Applied { iter, version } => self.on_applied(iter, version),
+            Msg::StageDone { iter, stage } => self.on_stage_done(iter, stage),
+            Msg::Finalize { .. } => {}
+            Msg::StageQuery => self.on_stage_query(from),
+            Msg::StageInfo { summary } => self.on_stage_info(from, summary),
+            Msg::StateRequest => self.on_state_request(from),
+            Msg::StateResponse {
+                version, members, ..
+            } => self.on_state_response(version, members),
+        }
+    }
+}
+
+#[cfg(test)]
+mod testkit;
