@@ -23,15 +23,15 @@ pub enum FlowCmd {
         #[arg(long)]
         arc_flows: bool,
     },
-    /// Route microbatches over a scenario's regions: `geo10`, `homogeneous` or a
-    /// scenario file (the format `gwtf sim --scenario` reads: README, section
+    /// Route microbatches over a scenario's regions: a built-in scenario (`geo10`,
+    /// `geo10-gib`, `geo10-sparse`, `homogeneous`) or a scenario file (the format `gwtf sim --scenario` reads: README, section
     /// "Scenario files"; example: scenarios/example.scenario).
     Route(RouteArgs),
 }
 
 #[derive(Args)]
 pub struct RouteArgs {
-    /// `geo10`, `homogeneous` or the path of a scenario file.
+    /// `geo10`, `geo10-gib`, `geo10-sparse`, `homogeneous` or the path of a scenario file.
     scenario: String,
     /// Members per region, named REGION-0, REGION-1, ... (>= 1).
     #[arg(long, default_value_t = 4, allow_negative_numbers = true,
