@@ -1,0 +1,159 @@
+//! Unit tests of the stage group's coordinator, on one node fed its own inputs.
+use super::super::testkit::*;
+use super::*;
+
+/// Each microbatch is granted to exactly one claimant: the first; a later
+/// claimant is refused, and the first one's re-sent claim is granted again
+/// (claims are idempotent).
+#[test]
+fn a_microbatch_is_granted_to_exactly_one_claimant() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+    let (a, b) = (mb(0, 0, 0), mb(0, 0, 1));
+    let claim = |m: MbId| Msg::Claim {
+        iter: 0,
+        mb: m,
+        prev: 20,
+        next: 30,
+    };
+    let reply = |acts: Vec<Action>, to: NodeId| -> Option<bool> {
+        sends(&acts).into_iter().find_map(|(t, m)| match m {
+            Msg::ClaimReply { granted, .. } if t == to => Some(*granted),
+            _ => None,
+        })
+    };
+    assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+    assert_eq!(reply(deliver(&mut n, 3, claim(a)), 3), Some(false));
+    assert_eq!(reply(deliver(&mut n, 2, claim(a)), 2), Some(true));
+    assert_eq!(reply(deliver(&mut n, 3, claim(b)), 3), Some(true));
+    let ci = &n.coordinating.coord_iters[&0];
+    assert_eq!(ci.granted[&a].0, 2);
+    assert_eq!(ci.granted[&b].0, 3);
+}
+
+/// A stage commits as soon as every microbatch of the iteration's
+/// participants is granted here, before the iteration ends (the end
+/// waits for every stage's work; this stage's all-reduce need not).
+#[test]
+fn a_stage_commits_when_its_own_work_is_done() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+    let per = n.cfg.mb_per_iter;
+    let commits = |acts: &[Action]| {
+        sends(acts)
+            .iter()
+            .filter(|(_, m)| matches!(m, Msg::Commit { iter: 0, .. }))
+            .count()
+    };
+    // The iteration opens with holder 0 (passed on from stage 1).
+    let open = Msg::StartIter {
+        iter: 0,
+        holders: Arc::new(vec![0]),
+    };
+    assert_eq!(commits(&deliver(&mut n, 10, open)), 0);
+    for idx in 0..per {
+        let claim = Msg::Claim {
+            iter: 0,
+            mb: mb(0, 0, idx),
+            prev: 10,
+            next: 30,
+        };
+        let from = 2 + (idx % 2) as NodeId;
+        let c = commits(&deliver(&mut n, from, claim));
+        // The last grant commits (to the other two members, and to
+        // itself), with no EndIter.
+        assert_eq!(c, if idx + 1 == per { 2 } else { 0 }, "claim {idx}");
+    }
+    assert!(n.coordinating.coord_iters[&0].end.is_none());
+}
+
+/// A coordinator that took over from one that left or died re-runs what
+/// is still missing at the end of the iteration (its predecessor's own
+/// grants, which nobody can sync) after a heartbeat period, not after
+/// `redo_timeout`.
+#[test]
+fn a_successor_recomputes_its_predecessors_grants_at_once() {
+    let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
+    assert_eq!(n.group.coord, Some(1));
+    deliver(&mut n, 1, Msg::Goodbye);
+    assert_eq!(n.group.coord, Some(2));
+    let per = n.cfg.mb_per_iter;
+    // Member 3 syncs its grants: all but microbatch 0 (granted to 1).
+    let granted: Vec<(MbId, NodeId, NodeId)> = (1..per).map(|i| (mb(0, 0, i), 10, 30)).collect();
+    deliver(
+        &mut n,
+        3,
+        Msg::Sync {
+            iter: 0,
+            granted,
+            end: None,
+        },
+    );
+    let end = Msg::EndIter {
+        iter: 0,
+        origin: 0,
+        holders: Arc::new(vec![0]),
+    };
+    deliver(&mut n, 0, end);
+    let t0 = n.now;
+    let restarts = |acts: &[Action]| {
+        sends(acts)
+            .iter()
+            .filter(|(to, m)| *to == 0 && matches!(m, Msg::Restart { mb, .. } if mb.idx == 0))
+            .count()
+    };
+    let mut restarted_at = None;
+    let mut t = t0;
+    while t < t0 + n.cfg.redo_timeout && restarted_at.is_none() {
+        t += n.cfg.tick;
+        let acts = n.on_timeout(t);
+        if restarts(&acts) > 0 {
+            restarted_at = Some(t);
+        }
+    }
+    let at = restarted_at.expect("restarted before redo_timeout");
+    assert!(
+        at - t0 <= 2 * n.cfg.heartbeat_ticks as Time * n.cfg.tick,
+        "{at}"
+    );
+}
+
+/// Once an iteration is committed no grant moves: only the owner of a
+/// grant hears "granted"; a microbatch of an iteration already final is
+/// refused outright; a node that does not coordinate answers with the
+/// member list instead.
+#[test]
+fn a_committed_or_final_iteration_grants_nothing_new() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[]);
+    let a = mb(0, 0, 0);
+    let claim = |iter, m: MbId| Msg::Claim {
+        iter,
+        mb: m,
+        prev: 20,
+        next: 30,
+    };
+    deliver(&mut n, 2, claim(0, a));
+    n.coordinating.coord_iters.get_mut(&0).unwrap().commit = Some(BTreeSet::new());
+    let granted = |acts: &[Action]| {
+        sends(acts).iter().find_map(|(_, m)| match m {
+            Msg::ClaimReply { granted, .. } => Some(*granted),
+            _ => None,
+        })
+    };
+    assert_eq!(granted(&deliver(&mut n, 3, claim(0, a))), Some(false));
+    assert_eq!(
+        granted(&deliver(&mut n, 3, claim(0, mb(0, 0, 5)))),
+        Some(false)
+    );
+    assert_eq!(granted(&deliver(&mut n, 2, claim(0, a))), Some(true));
+    n.iters.finalize_before(5);
+    assert_eq!(
+        granted(&deliver(&mut n, 2, claim(3, mb(0, 3, 0)))),
+        Some(false)
+    );
+
+    let mut m = started(Policy::Gwtf, 2, 2, &[1, 3], &[]);
+    let acts = deliver(&mut m, 3, claim(0, a));
+    assert!(granted(&acts).is_none());
+    assert!(sends(&acts)
+        .iter()
+        .any(|(to, m)| *to == 3 && matches!(m, Msg::Heartbeat { members: Some(_) })));
+}
