@@ -218,7 +218,7 @@ fn flat(_: NodeId, _: NodeId) -> Time {
 fn relay_crash_mid_backward_recomputes_only_its_stage() {
     // SWARM too: its backward is stateless, so another peer of the stage
     // recomputes the forward and runs the backward; nothing restarts.
-    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
+    for policy in [Policy::Gwtf, Policy::CentralMcmf, Policy::Swarm] {
         let cfg = config(policy, 3, 1, 1);
         let mut net = Net::new(flat);
         // Holder 0; stage 1: 1, 2; stage 2: 3, 4; stage 3: 5, 6.

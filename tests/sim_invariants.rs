@@ -71,7 +71,7 @@ fn randomized_churn_keeps_every_invariant() {
     let seeds: u64 = if long() { 40 } else { 3 };
     let iterations = if long() { 40 } else { 8 };
     for seed in 1..=seeds {
-        for policy in [Policy::Gwtf, Policy::Swarm, Policy::Optimal] {
+        for policy in [Policy::Gwtf, Policy::Swarm, Policy::CentralMcmf] {
             // High churn (1 to 3 departures per node-hour) to get crashes in
             // the middle of forwards, backwards and aggregations.
             let churn = 1.0 + (seed % 3) as f64;
@@ -110,7 +110,7 @@ fn a_stage_left_empty_pauses_training_and_says_so() {
 #[test]
 fn without_churn_gwtf_is_close_to_the_optimum_and_wastes_nothing() {
     let mut reports = Vec::new();
-    for policy in [Policy::Gwtf, Policy::Optimal, Policy::Swarm] {
+    for policy in [Policy::Gwtf, Policy::CentralMcmf, Policy::Swarm] {
         let r = Sim::new(small(policy, 5, 0.0, 5)).run();
         check(&r, &format!("{policy:?}"));
         assert!(r.completed);
@@ -142,7 +142,7 @@ fn no_policy_beats_the_bound() {
                 Policy::Gwtf,
                 Policy::Swarm,
                 Policy::SwarmPlus,
-                Policy::Optimal,
+                Policy::CentralMcmf,
             ] {
                 let mut c = small(policy, seed, 0.0, 6);
                 c.scenario = Scenario::by_name(name).unwrap();
@@ -174,7 +174,7 @@ fn under_churn_the_bound_is_recomputed_and_kept() {
         Policy::Gwtf,
         Policy::Swarm,
         Policy::SwarmPlus,
-        Policy::Optimal,
+        Policy::CentralMcmf,
     ] {
         let r = Sim::new(small(policy, 4, 2.0, 12)).run();
         check(&r, &format!("{policy:?}"));
@@ -210,7 +210,7 @@ fn gwtf_seed_5_high_churn_commits_each_iteration_once() {
 /// --release --test sim_invariants -- --ignored --nocapture seed_sweep`.
 /// Runs GWTF and SWARM at 3 departures per node-hour with the long test's
 /// 40 iterations over the (inclusive) seed range and lists every failing run
-/// (`GWTF_SIM_POLICY=gwtf`, `swarm`, `swarm-plus` or `optimal` runs that
+/// (`GWTF_SIM_POLICY=gwtf`, `swarm`, `swarm-plus` or `central-mcmf` (alias `optimal`) runs that
 /// policy only).
 #[test]
 #[ignore]
@@ -226,11 +226,14 @@ fn seed_sweep() {
             Policy::Gwtf,
             Policy::Swarm,
             Policy::SwarmPlus,
-            Policy::Optimal,
+            Policy::CentralMcmf,
         ] {
             let run = match only.as_deref() {
-                Some(o) => policy.name().eq_ignore_ascii_case(o),
-                None => policy != Policy::Optimal,
+                Some(o) => {
+                    policy.name().eq_ignore_ascii_case(o)
+                        || (o == "optimal" && policy == Policy::CentralMcmf)
+                }
+                None => policy != Policy::CentralMcmf,
             };
             if !run {
                 continue;

@@ -56,9 +56,10 @@ pub enum Policy {
     /// next hop with the least own outstanding work over its throughput
     /// (latency-aware), a crash restarting the microbatch from its holder.
     SwarmPlus,
-    /// Source routing along paths computed centrally (min-cost flow with
-    /// global knowledge) and handed to the data holders by the driver.
-    Optimal,
+    /// Source routing along paths computed centrally (a min-cost max-flow
+    /// with global knowledge and load-dependent costs) and handed to the
+    /// data holders by the driver: a plan, not an optimum.
+    CentralMcmf,
 }
 
 impl Policy {
@@ -67,7 +68,7 @@ impl Policy {
             Policy::Gwtf => "gwtf",
             Policy::Swarm => "swarm",
             Policy::SwarmPlus => "swarm-plus",
-            Policy::Optimal => "optimal",
+            Policy::CentralMcmf => "central-mcmf",
         }
     }
 }
@@ -332,7 +333,7 @@ pub enum Msg {
         hint: Option<NodeId>,
         /// False when re-running a stage whose upstream already has the gradient.
         need_grad: bool,
-        /// Planned full path (optimal policy).
+        /// Planned full path (central-mcmf policy).
         plan: Option<Arc<Vec<NodeId>>>,
     },
     Backward {
@@ -574,7 +575,7 @@ pub enum Input {
     PeerLost { peer: NodeId },
     /// Leave gracefully.
     Leave,
-    /// Optimal policy: the routes of this data holder (full paths, stage
+    /// Central-mcmf policy: the routes of this data holder (full paths, stage
     /// 1..=S), from the central solver.
     SetPlan { paths: Vec<Arc<Vec<NodeId>>> },
 }

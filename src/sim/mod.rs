@@ -45,16 +45,6 @@ use optimal::{CentralRouter, FlowRouter, RouteInstance, RoutePlan};
 use queue::EventQueue;
 use scenario::Scenario;
 
-/// The name a policy has in the simulator's output: the centrally planned
-/// policy is a min-cost max-flow plan, not an optimum (it minimises the sum of
-/// path costs, not the iteration time), so it is called `central-mcmf`.
-pub fn policy_name(p: Policy) -> &'static str {
-    match p {
-        Policy::Optimal => "central-mcmf",
-        other => other.name(),
-    }
-}
-
 /// (microbatch, member whose result is in the aggregate) of one stage's commit.
 type Committed = Arc<Vec<(MbId, NodeId)>>;
 
@@ -388,7 +378,7 @@ impl Sim {
             trace: std::env::var_os("GWTF_SIM_TRACE").is_some(),
             cfg,
         };
-        sim.rep.policy = policy_name(sim.cfg.policy).into();
+        sim.rep.policy = sim.cfg.policy.name().into();
         sim.rep.global_batch = sim.cfg.holders * sim.cfg.mb_per_iter;
         sim.rep.scenario = sim.cfg.scenario.name.clone();
         sim.rep.model = sim.cfg.model.name.clone();
@@ -410,7 +400,7 @@ impl Sim {
         })
     }
 
-    /// Replaces the centralized router (the optimal policy and the reference).
+    /// Replaces the centralized router (the central-mcmf policy and the reference).
     pub fn set_router(&mut self, r: Box<dyn CentralRouter>) {
         self.router = r;
     }
@@ -540,7 +530,7 @@ impl Sim {
             let t = self.next_churn_delay();
             self.push(t, Ev::Join);
         }
-        if self.cfg.policy == Policy::Optimal {
+        if self.cfg.policy == Policy::CentralMcmf {
             self.replan();
         }
         let limit = if self.cfg.max_sim_time_s > 0.0 {
@@ -1002,7 +992,7 @@ impl Sim {
         }
         self.kill(v);
         self.check_empty();
-        if self.cfg.policy == Policy::Optimal {
+        if self.cfg.policy == Policy::CentralMcmf {
             self.replan();
         }
     }
@@ -1125,7 +1115,7 @@ impl Sim {
         plan
     }
 
-    /// Optimal policy: recompute the central plan with global knowledge and
+    /// Central-mcmf policy: recompute the central plan with global knowledge and
     /// hand each holder its paths.
     fn replan(&mut self) {
         let plan = self.optimum();
@@ -1161,7 +1151,7 @@ impl Sim {
                 if self.now > 0 {
                     self.check_empty();
                 }
-                if self.cfg.policy == Policy::Optimal && self.now > 0 {
+                if self.cfg.policy == Policy::CentralMcmf && self.now > 0 {
                     self.replan();
                 }
             }
@@ -1370,7 +1360,7 @@ impl Sim {
             Policy::Swarm | Policy::SwarmPlus => {
                 holders.len() as f64 * self.cfg.max_in_flight as f64
             }
-            Policy::Gwtf | Policy::Optimal => holders
+            Policy::Gwtf | Policy::CentralMcmf => holders
                 .iter()
                 .map(|&h| {
                     let n = &self.nodes[h as usize].node;

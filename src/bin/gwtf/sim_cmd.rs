@@ -67,12 +67,12 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
         "gwtf" => vec![Policy::Gwtf],
         "swarm" => vec![Policy::Swarm],
         "swarm-plus" => vec![Policy::SwarmPlus],
-        "central-mcmf" | "optimal" => vec![Policy::Optimal],
+        "central-mcmf" | "optimal" => vec![Policy::CentralMcmf],
         "all" => vec![
             Policy::Gwtf,
             Policy::Swarm,
             Policy::SwarmPlus,
-            Policy::Optimal,
+            Policy::CentralMcmf,
         ],
         other => {
             return Err(format!(

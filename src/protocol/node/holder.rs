@@ -93,7 +93,7 @@ impl Node {
             } else {
                 break;
             };
-            // A free reserved flow (GWTF), or a planned path (optimal).
+            // A free reserved flow (GWTF), or a planned path (central-mcmf).
             let label = if self.policy().reserves_flows() {
                 let busy: BTreeSet<Label> = self.dh.in_flight.values().flatten().copied().collect();
                 self.reservations
@@ -273,7 +273,7 @@ mod tests {
     use super::*;
 
     /// A holder keeps `max_in_flight` microbatches in flight, or one per
-    /// planned path when fewer paths are planned (optimal routing).
+    /// planned path when fewer paths are planned (central-mcmf routing).
     #[test]
     fn a_holder_launches_up_to_its_in_flight_bound() {
         let start_iter = Msg::StartIter {
@@ -289,7 +289,7 @@ mod tests {
         let mut n = started(Policy::Gwtf, 0, 0, &[], &[(10, 1)]);
         assert_eq!(embeds(&deliver(&mut n, 0, start_iter.clone())), 4);
         assert_eq!(n.dh.in_flight.len(), 4);
-        let mut n = started(Policy::Optimal, 0, 0, &[], &[(10, 1)]);
+        let mut n = started(Policy::CentralMcmf, 0, 0, &[], &[(10, 1)]);
         let path = Arc::new(vec![0, 10, 11, 12, 13]);
         n.handle(
             SEC,

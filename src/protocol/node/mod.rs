@@ -86,7 +86,7 @@ pub struct Node {
     cost_gossip: CostGossip,
     reservations: Reservations,
     search: LocalSearch,
-    /// The centrally planned paths (optimal routing), from `Input::SetPlan`.
+    /// The centrally planned paths (central-mcmf routing), from `Input::SetPlan`.
     plan: Vec<Arc<Vec<NodeId>>>,
     dh: HolderState,
     lifecycle: Microbatches,

@@ -1,6 +1,6 @@
 //! Crash recovery of a microbatch (docs/SPEC.md section 5): a forward hop
 //! rerouted around a dead node; a backward hop through a dead node re-run on
-//! a replacement of only that stage (GWTF, optimal, SWARM) or restarted from
+//! a replacement of only that stage (GWTF, central-mcmf, SWARM) or restarted from
 //! the holder (SWARM-plus).
 use super::*;
 
@@ -243,7 +243,7 @@ mod tests {
             Policy::Gwtf,
             Policy::Swarm,
             Policy::SwarmPlus,
-            Policy::Optimal,
+            Policy::CentralMcmf,
         ] {
             let (mut n, m) = relay(policy);
             awaiting_ack(&mut n, m, false, 30);

@@ -129,7 +129,7 @@ impl RoutingPolicy for SwarmPlus {
     }
 }
 
-/// Centrally planned (the optimal routing): the holders follow the paths
+/// Centrally planned (central-mcmf): the holders follow the paths
 /// of `Input::SetPlan`, at most one microbatch in flight per path.
 struct Planned;
 
@@ -152,7 +152,7 @@ pub(super) fn routing_policy(p: Policy) -> &'static dyn RoutingPolicy {
         Policy::Gwtf => &Gwtf,
         Policy::Swarm => &Swarm,
         Policy::SwarmPlus => &SwarmPlus,
-        Policy::Optimal => &Planned,
+        Policy::CentralMcmf => &Planned,
     }
 }
 
@@ -290,7 +290,7 @@ mod tests {
         let (g, s, p, w) = (
             routing_policy(Policy::Gwtf),
             routing_policy(Policy::SwarmPlus),
-            routing_policy(Policy::Optimal),
+            routing_policy(Policy::CentralMcmf),
             routing_policy(Policy::Swarm),
         );
         assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
