@@ -94,6 +94,33 @@ fn watch(
     panic!("the swarm stalled (last iteration finalized: {last})");
 }
 
+/// Watches until the second microbatch of iteration 3 came back; returns
+/// the paths of the microbatches done so far.
+fn until_mid_iteration_3(holder: &Runtime, deadline: Instant) -> Vec<Vec<NodeId>> {
+    watch(
+        holder,
+        deadline,
+        |ev| matches!(ev, Event::MbDone { mb, .. } if mb.iter == 3 && mb.idx == 1),
+    )
+    .1
+}
+
+/// Iterations go on to 7 after `victim` is gone, and from the fifth
+/// iteration on (past the iteration it was lost in) no microbatch passes
+/// through it. Returns the paths seen.
+fn trains_on_without(holder: &Runtime, deadline: Instant, victim: NodeId) -> Vec<Vec<NodeId>> {
+    let (reached, after) = watch(
+        holder,
+        deadline,
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 7),
+    );
+    assert!(reached >= 7);
+    let late: Vec<&Vec<NodeId>> = after.iter().skip(8).collect();
+    assert!(!late.is_empty());
+    assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
+    after
+}
+
 #[test]
 fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     let cfg = protocol_config();
@@ -109,24 +136,11 @@ fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     let deadline = Instant::now() + Duration::from_secs(120);
     // Mid-iteration 3, after its second microbatch came back, the stage-1
     // relay that carried it goes away without a word from its protocol.
-    let (_, paths) = watch(
-        &holder,
-        deadline,
-        |ev| matches!(ev, Event::MbDone { mb, .. } if mb.iter == 3 && mb.idx == 1),
-    );
+    let paths = until_mid_iteration_3(&holder, deadline);
     let victim = paths.last().unwrap()[1];
     let k = layout.iter().position(|&(id, _)| id == victim).unwrap();
     drop(nodes[k].take());
-    let (reached, after) = watch(
-        &holder,
-        deadline,
-        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 7),
-    );
-    assert!(reached >= 7);
-    // Iterations 4.. were trained without the victim.
-    let late: Vec<&Vec<NodeId>> = after.iter().skip(8).collect();
-    assert!(!late.is_empty());
-    assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
+    let after = trains_on_without(&holder, deadline, victim);
     // Activations and gradients crossed the wire as data frames: the holder
     // received the last stage's output and stage 1's gradient of every
     // microbatch it finished.
@@ -288,26 +302,14 @@ fn a_node_process_killed_with_sigkill_is_survived() {
         .collect();
     let holder = start(1, 0, peers[0].addr, &peers, &cfg);
     let deadline = Instant::now() + Duration::from_secs(120);
-    let (_, paths) = watch(
-        &holder,
-        deadline,
-        |ev| matches!(ev, Event::MbDone { mb, .. } if mb.iter == 3 && mb.idx == 1),
-    );
+    let paths = until_mid_iteration_3(&holder, deadline);
     // SIGKILL the stage-2 relay that carried the last microbatch.
     let victim = paths.last().unwrap()[2];
     let k = children.iter().position(|(id, _)| *id == victim).unwrap();
     let (_, mut child) = children.remove(k);
     child.kill().unwrap();
     child.wait().unwrap();
-    let (reached, after) = watch(
-        &holder,
-        deadline,
-        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 7),
-    );
-    assert!(reached >= 7);
-    let late: Vec<&Vec<NodeId>> = after.iter().skip(8).collect();
-    assert!(!late.is_empty());
-    assert!(late.iter().all(|p| !p.contains(&victim)), "{late:?}");
+    trains_on_without(&holder, deadline, victim);
     holder.leave();
     for (_, mut c) in children {
         let _ = c.kill();

@@ -91,10 +91,12 @@ pub fn message_of(stage: u32, f: &Frame) -> Option<Result<Message, String>> {
             lost,
         }));
     }
-    if h.dtype != Dtype::F32 as u16 || h.iteration > u32::MAX as u64 {
+    if h.dtype != Dtype::F32 as u16 || h.iteration > u32::MAX as u64 || f.payload().len() % 4 != 0 {
         return Some(Err(format!(
-            "chunk frame with dtype {} and step {}",
-            h.dtype, h.iteration
+            "chunk frame with dtype {}, step {} and {} bytes",
+            h.dtype,
+            h.iteration,
+            f.payload().len()
         )));
     }
     let data = f
