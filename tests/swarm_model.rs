@@ -117,6 +117,7 @@ impl Seen {
                 stage,
                 iteration,
                 weights,
+                ..
             } => {
                 self.digests
                     .entry((stage, iteration))

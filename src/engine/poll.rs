@@ -2,7 +2,7 @@
 //! sans-I/O [`Connection`] machines over nonblocking sockets.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Read};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -548,7 +548,7 @@ impl Driver {
         let mut failure = None;
         // Handshake bytes first.
         while c.hs_off < c.hs_out.len() {
-            match c.stream.write(&c.hs_out[c.hs_off..]) {
+            match send_vectored(&c.stream, &[IoSlice::new(&c.hs_out[c.hs_off..])]) {
                 Ok(n) => {
                     c.hs_off += n;
                     add(&shared.counters.wire_bytes_sent, n as u64);
@@ -623,7 +623,7 @@ impl Driver {
                 break;
             }
             add(&shared.counters.write_calls, 1);
-            let r = c.stream.write_vectored(&iov);
+            let r = send_vectored(&c.stream, &iov);
             drop(iov);
             match r {
                 Ok(0) => {
@@ -876,7 +876,7 @@ impl Driver {
                 // Best effort: let the peer see our proof too, so that both
                 // sides report the failed authentication.
                 if let Some(c) = self.conns.get_mut(&t) {
-                    let _ = c.stream.write(&c.hs_out[c.hs_off..]);
+                    let _ = send_vectored(&c.stream, &[IoSlice::new(&c.hs_out[c.hs_off..])]);
                 }
             }
             self.close(t, reason);
@@ -1135,5 +1135,24 @@ impl Driver {
             self.flush(t);
         }
         next
+    }
+}
+
+/// `writev` without SIGPIPE: a peer that reset the connection must be a
+/// closed connection, not the death of the process that embeds the library
+/// (C programs keep SIGPIPE's default action).
+fn send_vectored(stream: &mio::net::TcpStream, iov: &[IoSlice<'_>]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero msghdr is valid; it points at `iov` (IoSlice is
+    // ABI-compatible with iovec), which outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: a valid socket descriptor and message.
+    let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
 }

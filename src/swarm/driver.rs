@@ -28,6 +28,10 @@ pub(super) const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
 const DIGEST_LEN: usize = 32;
 /// How long a node waits for a state it asked for again before asking anew.
 const RESYNC_RETRY: Duration = Duration::from_secs(3);
+/// A broken connection that comes back within this is not a lost peer.
+const LOST_GRACE: Duration = Duration::from_millis(200);
+/// How long the node with the larger id waits for the other to dial.
+const DIAL_DEFER: Duration = Duration::from_millis(250);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
 
@@ -36,6 +40,8 @@ pub(super) struct Resync {
     /// Work held until the state is in.
     held: VecDeque<Work>,
     retry_at: Instant,
+    /// The update missed: a state of this iteration or later ends it.
+    need: u32,
 }
 
 /// Something to send once the connection is up.
@@ -54,6 +60,7 @@ pub(super) enum Pending {
     },
     Apply {
         iter: u32,
+        microbatches: u64,
     },
     Export {
         to: NodeId,
@@ -63,6 +70,8 @@ pub(super) enum Pending {
         from: NodeId,
         bytes: usize,
         since: Instant,
+        /// The iteration whose update the state includes last.
+        iteration: u32,
     },
     Forget,
 }
@@ -102,6 +111,14 @@ pub(super) struct Driver {
     pub(super) claimed_time: BTreeMap<u32, Duration>,
     pub(super) failed: bool,
     pub(super) resync: Option<Resync>,
+    /// Peers whose connection broke, lost at the given time unless back.
+    pub(super) suspects: HashMap<NodeId, Instant>,
+    /// Deferred dials (see `connect`).
+    pub(super) dials: HashMap<NodeId, Instant>,
+    /// The last update given to the trainer (applied or imported).
+    pub(super) applied_through: Option<u32>,
+    /// Microbatch work waiting for the update before its iteration.
+    pub(super) gated: VecDeque<Work>,
 }
 
 /// The first 8 bytes of a digest, as the protocol compares them.
@@ -157,10 +174,43 @@ impl Driver {
             mb,
             input,
         };
-        match self.resync.as_mut() {
-            // Nothing runs on weights that are about to be replaced.
-            Some(r) if !matches!(w.kind, WorkKind::ImportState { .. }) => r.held.push_back(w),
+        self.dispatch(w);
+    }
+
+    /// Hands `w` to the trainer, unless it must wait: nothing runs on
+    /// weights that are about to be replaced (a state download again), and
+    /// the microbatches of iteration `j` run on the weights of update
+    /// `j - 1` (its `Applied` and a forward of iteration `j` come from
+    /// different nodes, in either order).
+    fn dispatch(&mut self, w: Work) {
+        if let Some(r) = self.resync.as_mut() {
+            if !matches!(w.kind, WorkKind::ImportState { .. }) {
+                r.held.push_back(w);
+                return;
+            }
+        }
+        match &w.kind {
+            WorkKind::Apply { iteration, .. } | WorkKind::ImportState { iteration } => {
+                let it = *iteration;
+                self.port.push(w);
+                if self.applied_through.is_none_or(|a| a < it) {
+                    self.applied_through = Some(it);
+                }
+                let gated = std::mem::take(&mut self.gated);
+                for g in gated {
+                    self.dispatch(g);
+                }
+            }
+            k if k.is_microbatch_compute() && !self.may_run(w.mb) => self.gated.push_back(w),
             _ => self.port.push(w),
+        }
+    }
+
+    /// Whether a microbatch's work has the weights it needs.
+    fn may_run(&self, mb: Option<MbId>) -> bool {
+        match mb {
+            Some(mb) if mb.iter > 0 => self.applied_through.is_some_and(|a| a + 1 >= mb.iter),
+            _ => true,
         }
     }
 
@@ -170,8 +220,11 @@ impl Driver {
     fn start_resync(&mut self, iter: u32) {
         let now = Instant::now();
         match self.resync.as_mut() {
-            Some(r) if now < r.retry_at => return,
-            Some(r) => r.retry_at = now + RESYNC_RETRY,
+            Some(r) if now < r.retry_at && r.need >= iter => return,
+            Some(r) => {
+                r.retry_at = now + RESYNC_RETRY;
+                r.need = r.need.max(iter);
+            }
             None => {
                 self.log(format!(
                     "missed the update of iteration {iter}: downloading the state again"
@@ -179,10 +232,17 @@ impl Driver {
                 self.resync = Some(Resync {
                     held: VecDeque::new(),
                     retry_at: now + RESYNC_RETRY,
+                    need: iter,
                 });
             }
         }
-        match self.node.coordinator().filter(|&c| c != self.me.id) {
+        let me = self.me.id;
+        let src = self
+            .node
+            .coordinator()
+            .filter(|&c| c != me)
+            .or_else(|| self.node.stage_members().into_iter().find(|&m| m != me));
+        match src {
             Some(c) => self.send(c, Msg::StateRequest),
             None => self.error(format!(
                 "missed the update of iteration {iter} and no other member can serve the state"
@@ -194,7 +254,7 @@ impl Driver {
     fn end_resync(&mut self) {
         if let Some(r) = self.resync.take() {
             for w in r.held {
-                self.port.push(w);
+                self.dispatch(w);
             }
         }
     }
@@ -299,6 +359,11 @@ impl Driver {
 
     /// The coordinator's word: apply the aggregate of `iter`.
     fn apply(&mut self, iter: u32) {
+        if self.applied_through.is_some_and(|a| a >= iter) {
+            // The state imported already has it.
+            self.means.remove(&iter);
+            return;
+        }
         match self.means.remove(&iter) {
             Some((mean, microbatches)) => {
                 self.means.retain(|k, _| *k > iter);
@@ -307,7 +372,7 @@ impl Driver {
                     mean,
                     microbatches,
                 };
-                self.give(kind, None, None, Pending::Apply { iter });
+                self.give(kind, None, None, Pending::Apply { iter, microbatches });
             }
             // A node that joined while the aggregate ran (it was not in
             // the commit): its weights are one update behind.
@@ -374,13 +439,14 @@ impl Driver {
                     self.drive_aggregation();
                 }
             }
-            Pending::Apply { iter } => {
+            Pending::Apply { iter, microbatches } => {
                 if let Output::Weights(w) = out {
                     self.node.set_weights_digest(digest_u64(&w));
                     self.emit(NodeEvent::Applied {
                         stage: self.me.stage,
                         iteration: iter,
                         weights: w,
+                        microbatches,
                     });
                 }
             }
@@ -389,7 +455,12 @@ impl Driver {
                     self.send_state(to, msg, f);
                 }
             }
-            Pending::Import { from, bytes, since } => {
+            Pending::Import {
+                from,
+                bytes,
+                since,
+                iteration,
+            } => {
                 if let Output::Weights(w) = out {
                     self.node.set_weights_digest(digest_u64(&w));
                     self.emit(NodeEvent::StateDownloaded {
@@ -398,7 +469,11 @@ impl Driver {
                         ms: since.elapsed().as_secs_f64() * 1e3,
                     });
                 }
-                self.end_resync();
+                // A state older than the update that was missed does not
+                // end a download again (the one asked for is on its way).
+                if self.resync.as_ref().is_some_and(|r| iteration >= r.need) {
+                    self.end_resync();
+                }
             }
             Pending::Forget => {}
         }
@@ -616,6 +691,15 @@ impl Driver {
     /// Opens a connection to `to` and keeps `first` until it is up.
     fn connect(&mut self, to: NodeId, first: Out) {
         match self.dir.get(&to) {
+            // Two nodes dialling each other at once make two connections,
+            // and the engine closes one of them (the one whose connector has
+            // the larger id): what was queued on it is lost, and its peer
+            // may take the close for a crash. So the node with the larger
+            // id gives the other a moment to dial first.
+            Some(_) if to < self.me.id && !self.dials.contains_key(&to) => {
+                self.dials.insert(to, Instant::now() + DIAL_DEFER);
+                self.pending.entry(to).or_default().push_back(first);
+            }
             Some(p) => {
                 if self.net.connect(p.addr).is_ok() {
                     self.pending.entry(to).or_default().push_back(first);
@@ -651,6 +735,7 @@ impl Driver {
     /// Joins through every peer the directory knows.
     pub(super) fn join_now(&mut self) {
         self.joining = None;
+        self.log(format!("joining through {} known peers", self.dir.len()));
         let peers = self.dir.values().map(|p| (p.id, p.stage)).collect();
         self.input(Input::Join { peers });
     }
@@ -658,6 +743,10 @@ impl Driver {
     fn on_net(&mut self, ev: NetEvent) {
         match ev {
             NetEvent::PeerConnected { peer, .. } => {
+                if let Ok(id) = NodeId::try_from(peer) {
+                    self.suspects.remove(&id);
+                    self.dials.remove(&id);
+                }
                 let env = directory::message(&self.me, self.dir.values());
                 let _ = self.net.send_control(peer, &env, SEND_WAIT);
                 let Ok(id) = NodeId::try_from(peer) else {
@@ -674,13 +763,12 @@ impl Driver {
                 }
             }
             NetEvent::PeerLost { peer, .. } => {
-                self.agg.on_peer_lost(peer);
-                self.drive_aggregation();
+                // Lost, unless it connects again at once (the engine closed
+                // a duplicate connection the peer made).
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.pending.remove(&id);
                     self.pairing.forget(id);
-                    self.emit(NodeEvent::PeerLost { peer: id });
-                    self.input(Input::PeerLost { peer: id });
+                    self.suspects.insert(id, Instant::now() + LOST_GRACE);
                 }
             }
             NetEvent::ConnectFailed { addr, .. } => {
@@ -768,11 +856,16 @@ impl Driver {
                             from,
                             bytes,
                             since: Instant::now(),
+                            iteration: version.0,
                         };
                         let kind = WorkKind::ImportState {
                             iteration: version.0,
                         };
                         self.give(kind, None, Some(state), p);
+                        // Version (0, 0): nothing applied yet in this swarm.
+                        if *version == (0, 0) {
+                            self.applied_through = None;
+                        }
                     }
                     Err(e) => {
                         // A cut or corrupted download: ask again.
@@ -785,6 +878,66 @@ impl Driver {
             _ => {}
         }
         self.input(Input::Message { from, msg });
+    }
+
+    /// Peers whose connection broke and did not come back in time are lost;
+    /// deferred dials whose peer did not dial us are made.
+    fn connections_due(&mut self) {
+        let now = Instant::now();
+        let lost: Vec<NodeId> = self
+            .suspects
+            .iter()
+            .filter(|(_, t)| **t <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in lost {
+            self.suspects.remove(&id);
+            // Not passed on to joiners in directory messages any more.
+            self.dir.remove(&id);
+            self.agg.on_peer_lost(id as u64);
+            self.drive_aggregation();
+            self.emit(NodeEvent::PeerLost { peer: id });
+            self.input(Input::PeerLost { peer: id });
+        }
+        // What waits for a connection that is up (it came up before the
+        // wait began, or as a duplicate the engine merged) goes now.
+        if !self.pending.is_empty() {
+            let connected = self.net.peers();
+            let ready: Vec<NodeId> = self
+                .pending
+                .keys()
+                .copied()
+                .filter(|id| connected.contains(&(*id as u64)))
+                .collect();
+            for id in ready {
+                self.dials.remove(&id);
+                for o in self.pending.remove(&id).unwrap_or_default() {
+                    match o {
+                        Out::Msg(m) => self.send(id, m),
+                        Out::Frame(f) => self.send_frame(id, f),
+                    }
+                }
+            }
+        }
+        let due: Vec<NodeId> = self
+            .dials
+            .iter()
+            .filter(|(_, t)| **t <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            self.dials.remove(&id);
+            if self.pending.contains_key(&id) && !self.net.peers().contains(&(id as u64)) {
+                let ok = self
+                    .dir
+                    .get(&id)
+                    .is_some_and(|p| self.net.connect(p.addr).is_ok());
+                if !ok {
+                    self.pending.remove(&id);
+                    self.lost.push_back(id);
+                }
+            }
+        }
     }
 
     /// A tensor must be as long as the activations this swarm exchanges.
@@ -824,6 +977,7 @@ impl Driver {
             if self.joining.is_some_and(|t| Instant::now() >= t) {
                 self.join_now();
             }
+            self.connections_due();
             while let Some(id) = self.lost.pop_front() {
                 self.input(Input::PeerLost { peer: id });
             }

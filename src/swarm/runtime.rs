@@ -127,6 +127,8 @@ pub enum NodeEvent {
         stage: Stage,
         iteration: u32,
         weights: [u8; 32],
+        /// Microbatches the applied mean averages.
+        microbatches: u64,
     },
     /// Data holder: iteration `iteration` is final; the mean loss of this
     /// holder's microbatches.
@@ -303,6 +305,10 @@ impl Runtime {
             claimed_time: BTreeMap::new(),
             failed: false,
             resync: None,
+            suspects: HashMap::new(),
+            dials: HashMap::new(),
+            applied_through: None,
+            gated: VecDeque::new(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap

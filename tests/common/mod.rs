@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod skip;
+pub mod swarm_procs;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

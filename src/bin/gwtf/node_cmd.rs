@@ -9,7 +9,9 @@ use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
 use gwtf::protocol::{Event, NodeId, Stage};
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
-use gwtf::swarm::runtime::{realtime_config, NodeEvent, Peer, Runtime, RuntimeOptions};
+use gwtf::swarm::runtime::{
+    realtime_config, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work, WorkPort,
+};
 use serde_json::json;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -96,6 +98,70 @@ pub struct NodeArgs {
     /// Log connections and refusals to stderr.
     #[arg(long)]
     log: bool,
+    /// Test aid: also print `{"event":"work","kind":K,"phase":"start"|"end"}`
+    /// around every piece of the trainer's work (with --json).
+    #[arg(long)]
+    trace_work: bool,
+    /// Test aid: make every work of kind KIND (forward, backward, loss,
+    /// embed, embed_backward, gradient, apply, export_state, import_state)
+    /// take MS milliseconds longer, so that a test can kill the node in the
+    /// middle of it.
+    #[arg(long, value_name = "KIND=MS", value_parser = parse_slow)]
+    slow_work: Vec<(String, u64)>,
+}
+
+const WORK_KINDS: [&str; 9] = [
+    "embed",
+    "forward",
+    "loss",
+    "backward",
+    "embed_backward",
+    "gradient",
+    "apply",
+    "export_state",
+    "import_state",
+];
+
+fn parse_slow(s: &str) -> Result<(String, u64), String> {
+    let (k, ms) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected KIND=MS"))?;
+    if !WORK_KINDS.contains(&k) {
+        return Err(format!("{s:?}: KIND is one of {}", WORK_KINDS.join(", ")));
+    }
+    let ms = ms.parse().map_err(|_| format!("{s:?}: MS is a number"))?;
+    Ok((k.to_string(), ms))
+}
+
+/// The built-in trainer, with the test aids around it.
+struct Traced {
+    inner: ModelTrainer,
+    id: NodeId,
+    trace: bool,
+    slow: Vec<(String, u64)>,
+}
+
+impl Trainer for Traced {
+    fn run(&mut self, w: Work, port: &WorkPort) -> Result<Output, String> {
+        let kind = w.kind.name();
+        let line = |phase: &str| {
+            let v = json!({"event": "work", "node": self.id, "kind": kind, "phase": phase});
+            let mut o = std::io::stdout().lock();
+            let _ = writeln!(o, "{v}");
+            let _ = o.flush();
+        };
+        if self.trace {
+            line("start");
+        }
+        if let Some((_, ms)) = self.slow.iter().find(|(k, _)| k == kind) {
+            std::thread::sleep(Duration::from_millis(*ms));
+        }
+        let r = self.inner.run(w, port);
+        if self.trace {
+            line("end");
+        }
+        r
+    }
 }
 
 fn parse_peer(s: &str) -> Result<Peer, String> {
@@ -314,6 +380,12 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             ..NodeOptions::default()
         },
     };
+    let trainer = Traced {
+        inner: trainer,
+        id: r.id,
+        trace: a.trace_work && a.json,
+        slow: a.slow_work.clone(),
+    };
     let rt = Runtime::start(opts, trainer)?;
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
@@ -457,9 +529,10 @@ impl Printer {
                 stage,
                 iteration,
                 weights,
+                microbatches,
             } => self.emit(json!({
                 "event": "applied", "stage": stage, "iteration": iteration,
-                "weights_sha256": hex(&weights),
+                "weights_sha256": hex(&weights), "microbatches": microbatches,
             })),
             NodeEvent::Iteration {
                 iteration,

@@ -618,7 +618,14 @@ impl Node {
             return;
         }
         self.iters.applied(iter, version);
+        let mut adopted = None;
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
+            if !ci.applied && self.group.coord == Some(self.id) {
+                // A member tells this coordinator that `iter` was applied
+                // under its predecessor: the members that missed it learn
+                // it too, and the holders that the stage is done.
+                adopted = Some(ci.end.as_ref().map(|e| e.0));
+            }
             ci.applied = true;
         }
         let st = self.stage;
@@ -628,6 +635,16 @@ impl Node {
             version,
         });
         self.member.acc.retain(|k, _| *k > iter);
+        if let Some(origin) = adopted {
+            for m in self.group.members.clone() {
+                if m != self.id {
+                    self.send(m, Msg::Applied { iter, version });
+                }
+            }
+            if let Some(origin) = origin {
+                self.send(origin, Msg::StageDone { iter, stage: st });
+            }
+        }
     }
 
     /// A member's contributions, sent to a new coordinator.

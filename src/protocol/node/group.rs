@@ -219,8 +219,22 @@ impl Node {
     }
 
     /// The coordinator commits `iter`: run the all-reduce (once per epoch).
-    pub(super) fn on_commit(&mut self, iter: u32, epoch: u64, members: Arc<Vec<NodeId>>) {
+    pub(super) fn on_commit(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        epoch: u64,
+        members: Arc<Vec<NodeId>>,
+    ) {
         if self.member.last_commit == Some((iter, epoch)) {
+            return;
+        }
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+            // A new coordinator commits what its predecessor had applied
+            // here before it died (its Applied did not reach the new one):
+            // applying it twice would fork the stage. Tell it instead.
+            let (iter, version) = self.iters.version;
+            self.send(from, Msg::Applied { iter, version });
             return;
         }
         self.member.last_commit = Some((iter, epoch));

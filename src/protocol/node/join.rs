@@ -56,11 +56,15 @@ impl Node {
         }
         self.phase = Phase::Querying { since: self.now };
         self.next_tick = self.now + self.cfg.tick;
+        self.query_stages();
+    }
+
+    /// Asks up to two live peers of every relay stage for its summary.
+    fn query_stages(&mut self) {
         let targets: Vec<NodeId> = {
-            // Up to two peers of every relay stage.
             let mut per: BTreeMap<Stage, Vec<NodeId>> = BTreeMap::new();
             for (id, p) in &self.peers {
-                if p.stage > 0 {
+                if p.stage > 0 && !p.dead {
                     let v = per.entry(p.stage).or_default();
                     if v.len() < 2 {
                         v.push(*id);
@@ -88,8 +92,10 @@ impl Node {
             }
         }
         let Some((_, stage)) = best else {
-            // Nobody answered: ask again next tick.
+            // Nobody answered (the peers asked may have died): ask the live
+            // ones again, and choose at the next tick.
             self.phase = Phase::Querying { since: self.now };
+            self.query_stages();
             return;
         };
         let src = self
@@ -101,10 +107,45 @@ impl Node {
         match src {
             Some(src) => {
                 self.stage = stage;
-                self.phase = Phase::Downloading { stage };
-                self.send(src, Msg::StateRequest);
+                self.download(stage, src);
             }
-            None => self.phase = Phase::Querying { since: self.now },
+            None => {
+                self.phase = Phase::Querying { since: self.now };
+                self.query_stages();
+            }
+        }
+    }
+
+    fn download(&mut self, stage: Stage, src: NodeId) {
+        self.phase = Phase::Downloading {
+            stage,
+            src,
+            since: self.now,
+        };
+        self.send(src, Msg::StateRequest);
+    }
+
+    /// The download's source died or did not answer: another live member of
+    /// the stage serves it (or the stages are asked again).
+    pub(super) fn download_from_another(&mut self) {
+        let Phase::Downloading { stage, src, .. } = self.phase else {
+            return;
+        };
+        let next = self
+            .peers
+            .iter()
+            .filter(|(id, p)| p.stage == stage && !p.dead && **id != src)
+            .map(|(id, _)| *id)
+            .next();
+        match next {
+            Some(n) => self.download(stage, n),
+            None => {
+                // Nobody of that stage is left: choose again from fresh
+                // summaries.
+                self.joining.stage_infos.remove(&stage);
+                self.phase = Phase::Querying { since: self.now };
+                self.query_stages();
+            }
         }
     }
 
@@ -170,7 +211,7 @@ impl Node {
 
     /// The state download is done: join the group.
     pub(super) fn on_state_response(&mut self, version: (u32, u64), members: Arc<Vec<NodeId>>) {
-        if let Phase::Downloading { stage } = self.phase {
+        if let Phase::Downloading { stage, .. } = self.phase {
             self.iters.downloaded(version);
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
@@ -224,6 +265,43 @@ mod tests {
         assert!(n.is_active());
         assert_eq!(n.version(), (3, 9));
         assert_eq!(n.coordinator(), Some(21));
+    }
+
+    /// The member serving a download dies: the joiner asks another member of
+    /// the stage at once (its broken connection says so), and when none is
+    /// left it asks the stages again.
+    #[test]
+    fn a_joiner_whose_state_server_dies_asks_another_member() {
+        let mut n = Node::new(config(Policy::Gwtf), 50, 0, 0.5, 4, 1);
+        let peers = vec![(11, 1), (21, 2), (22, 2)];
+        n.handle(SEC, Input::Join { peers });
+        for (from, stage, thr) in [(11, 1, 8.0), (21, 2, 2.0)] {
+            let summary = StageSummary {
+                stage,
+                members: 2,
+                throughput: thr,
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        let first = match sends(&acts)[..] {
+            [(to, Msg::StateRequest)] => to,
+            ref s => panic!("{s:?}"),
+        };
+        let other = if first == 21 { 22 } else { 21 };
+        let acts = n.handle(4 * SEC, Input::PeerLost { peer: first });
+        assert!(
+            matches!(sends(&acts)[..], [(to, Msg::StateRequest)] if to == other),
+            "{:?}",
+            sends(&acts)
+        );
+        n.handle(5 * SEC, Input::PeerLost { peer: other });
+        assert!(!n.is_active());
+        assert_eq!(
+            n.stage(),
+            2,
+            "still joining stage 2 until the stages answer again"
+        );
     }
 
     /// A member serving its state names the joiners it served before, so that

@@ -48,8 +48,15 @@ use search::*;
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Phase {
     Idle,
-    Querying { since: Time },
-    Downloading { stage: Stage },
+    Querying {
+        since: Time,
+    },
+    /// Downloading the state of `stage` from `src`, asked at `since`.
+    Downloading {
+        stage: Stage,
+        src: NodeId,
+        since: Time,
+    },
     Active,
     Left,
 }
@@ -185,6 +192,16 @@ impl Node {
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
         self.group.coord
+    }
+
+    /// The live members of this node's stage group as it knows them.
+    pub fn stage_members(&self) -> Vec<NodeId> {
+        self.group
+            .members
+            .iter()
+            .copied()
+            .filter(|m| self.alive(*m))
+            .collect()
     }
 
     /// Reserved flows through this node (GWTF), for reporting.
@@ -378,6 +395,10 @@ impl Node {
         self.release_flows_through(p);
         self.hops_lost_to(p);
         self.recover_hops_through(p);
+        if matches!(self.phase, Phase::Downloading { src, .. } if src == p) {
+            // The member serving our download is gone: ask another one.
+            self.download_from_another();
+        }
     }
 
     /// The periodic work of an active node, part by part.
@@ -389,7 +410,14 @@ impl Node {
                 }
                 return;
             }
-            Phase::Downloading { .. } | Phase::Idle | Phase::Left => return,
+            Phase::Downloading { since, .. } => {
+                // A download that never comes is asked of another member.
+                if self.now >= since + self.cfg.e2e_timeout {
+                    self.download_from_another();
+                }
+                return;
+            }
+            Phase::Idle | Phase::Left => return,
             Phase::Active => {}
         }
         let hb = self.cfg.heartbeat_ticks as u64;
@@ -542,7 +570,7 @@ impl Node {
                 iter,
                 epoch,
                 members,
-            } => self.on_commit(iter, epoch, members),
+            } => self.on_commit(from, iter, epoch, members),
             Msg::AggDone {
                 iter,
                 epoch,

@@ -1,0 +1,351 @@
+//! A swarm of `gwtf node` processes on loopback for tests: starts them,
+//! reads their JSON events on threads, kills them (SIGKILL or SIGTERM), and
+//! checks the invariants of a run. Every child is killed when the swarm is
+//! dropped, whatever happened.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const KEY: &str = "0123456789abcdef-process-swarm-key";
+
+/// One event line of one node.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub at: Instant,
+    pub node: u32,
+    pub v: Value,
+}
+
+impl Seen {
+    pub fn event(&self) -> &str {
+        self.v["event"].as_str().unwrap_or("")
+    }
+    pub fn u(&self, k: &str) -> u64 {
+        self.v[k].as_u64().unwrap_or(u64::MAX)
+    }
+}
+
+pub struct Node {
+    pub id: u32,
+    pub stage: u16,
+    pub addr: SocketAddr,
+    child: Option<Child>,
+}
+
+/// One process swarm at a time per test binary: eight processes per swarm
+/// on two cores are enough load.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+pub struct Swarm {
+    _turn: std::sync::MutexGuard<'static, ()>,
+    pub dir: tempfile::TempDir,
+    pub nodes: Vec<Node>,
+    pub events: Arc<Mutex<Vec<Seen>>>,
+    founders: String,
+    common: Vec<String>,
+    pub deadline: Instant,
+}
+
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+impl Swarm {
+    /// Founding members `layout` (id, stage; stage 0 = holder), started with
+    /// `common` arguments (model, stages, iterations, ...).
+    pub fn start(layout: &[(u32, u16)], common: &[&str], extra: &[(u32, &[&str])]) -> Swarm {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("key"), KEY).unwrap();
+        let peers: Vec<(u32, u16, SocketAddr)> =
+            layout.iter().map(|&(id, s)| (id, s, free_addr())).collect();
+        let founders = peers
+            .iter()
+            .map(|(id, s, a)| format!("{id}/{s}/{a}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut swarm = Swarm {
+            _turn: turn,
+            dir,
+            nodes: Vec::new(),
+            events: Arc::new(Mutex::new(Vec::new())),
+            founders,
+            common: common.iter().map(|s| s.to_string()).collect(),
+            deadline: Instant::now() + Duration::from_secs(150),
+        };
+        for (id, stage, addr) in peers {
+            let mut args: Vec<String> = Vec::new();
+            for f in swarm.founders.split(' ') {
+                args.push("--peer".into());
+                args.push(f.into());
+            }
+            if stage == 0 {
+                args.push("--holder".into());
+            } else {
+                args.push("--stage".into());
+                args.push(stage.to_string());
+            }
+            if let Some((_, e)) = extra.iter().find(|(i, _)| *i == id) {
+                args.extend(e.iter().map(|s| s.to_string()));
+            }
+            swarm.spawn(id, stage, addr, args);
+        }
+        swarm
+    }
+
+    fn spawn(&mut self, id: u32, stage: u16, addr: SocketAddr, args: Vec<String>) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gwtf"));
+        cmd.arg("node")
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--swarm-key-file")
+            .arg(self.dir.path().join("key"))
+            .arg("--id")
+            .arg(id.to_string())
+            .arg("--json")
+            .arg("--trace-work")
+            .args(&self.common)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::File::create(self.dir.path().join(format!("node-{id}.err"))).unwrap(),
+            ));
+        let mut child = cmd.spawn().expect("gwtf node starts");
+        let out = child.stdout.take().unwrap();
+        let events = self.events.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if std::env::var_os("GWTF_TEST_TRACE").is_some() {
+                    eprintln!("{line}");
+                }
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    events.lock().unwrap().push(Seen {
+                        at: Instant::now(),
+                        node: id,
+                        v,
+                    });
+                }
+            }
+        });
+        self.nodes.push(Node {
+            id,
+            stage,
+            addr,
+            child: Some(child),
+        });
+    }
+
+    /// Starts a node that joins through `via`'s address.
+    pub fn join(&mut self, id: u32, via: u32, extra: &[&str]) {
+        let addr = self.nodes.iter().find(|n| n.id == via).unwrap().addr;
+        let mut args = vec!["--join".to_string(), addr.to_string()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn(id, 0, free_addr(), args);
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill(&mut self, id: u32) -> Instant {
+        let n = self.nodes.iter_mut().find(|n| n.id == id).unwrap();
+        let mut c = n.child.take().expect("alive");
+        let t = Instant::now();
+        c.kill().unwrap();
+        c.wait().unwrap();
+        t
+    }
+
+    /// SIGTERM: a graceful leave; waits for the process to end.
+    pub fn terminate(&mut self, id: u32) {
+        let n = self.nodes.iter_mut().find(|n| n.id == id).unwrap();
+        let mut c = n.child.take().expect("alive");
+        // SAFETY: plain kill(2) on our own child.
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until {
+            if c.try_wait().unwrap().is_some() {
+                let _ = c.wait();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        panic!("node {id} did not leave within 30 s of SIGTERM");
+    }
+
+    pub fn snapshot(&self) -> Vec<Seen> {
+        self.events.lock().unwrap().clone()
+    }
+
+    /// Waits until `pred` holds over the events so far; fails at the
+    /// deadline with the last events of every node.
+    pub fn until(&self, what: &str, mut pred: impl FnMut(&[Seen]) -> bool) -> Vec<Seen> {
+        loop {
+            let ev = self.snapshot();
+            if pred(&ev) {
+                return ev;
+            }
+            if Instant::now() > self.deadline {
+                panic!("timed out waiting for {what}\n{}", self.tail(&ev));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn tail(&self, ev: &[Seen]) -> String {
+        let mut s = String::new();
+        for n in &self.nodes {
+            let last: Vec<String> = ev
+                .iter()
+                .filter(|e| e.node == n.id && e.event() != "work" && e.event() != "stats")
+                .rev()
+                .take(4)
+                .map(|e| e.v.to_string())
+                .collect();
+            let err = std::fs::read_to_string(self.dir.path().join(format!("node-{}.err", n.id)))
+                .unwrap_or_default();
+            let err: Vec<&str> = err.lines().rev().take(12).collect();
+            s += &format!("node {}: {last:?} stderr {err:?}\n", n.id);
+        }
+        s
+    }
+
+    /// Waits for a work of `kind` to start at `node` (it is then in the
+    /// middle of it when slowed with --slow-work).
+    pub fn until_work(&self, node: u32, kind: &str, after: usize) -> Instant {
+        let ev = self.until(&format!("node {node} starting {kind}"), |ev| {
+            ev.iter().skip(after).any(|e| {
+                e.node == node
+                    && e.event() == "work"
+                    && e.v["kind"] == kind
+                    && e.v["phase"] == "start"
+            })
+        });
+        ev.iter()
+            .skip(after)
+            .find(|e| e.node == node && e.event() == "work" && e.v["kind"] == kind)
+            .unwrap()
+            .at
+    }
+
+    /// Waits until every holder of `holders` printed `done`.
+    pub fn until_done(&self, holders: &[u32]) -> Vec<Seen> {
+        self.until("the holders' done", |ev| {
+            holders
+                .iter()
+                .all(|h| ev.iter().any(|e| e.node == *h && e.event() == "done"))
+        })
+    }
+
+    pub fn count(&self) -> usize {
+        self.events.lock().unwrap().len()
+    }
+}
+
+impl Drop for Swarm {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(mut c) = n.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// The invariants of a finished run over `iterations` with `mb` microbatches
+/// per holder: no node reported an error; in every committed
+/// stage-iteration each microbatch appears once and none was given up
+/// (`lost` 0), and every microbatch of every holder that finished the
+/// iteration is in it; the replicas of a stage that applied an iteration
+/// printed the same weights digest. Returns the mean loss per iteration.
+pub fn check_run(ev: &[Seen], iterations: u32, mb: u32, stages: u16) -> Vec<f64> {
+    let errors: Vec<String> = ev
+        .iter()
+        .filter(|e| e.event() == "error")
+        .map(|e| e.v.to_string())
+        .collect();
+    assert!(errors.is_empty(), "errors: {errors:?}");
+    let mut losses: BTreeMap<u64, Vec<(u32, f64)>> = BTreeMap::new();
+    for e in ev.iter().filter(|e| e.event() == "iteration") {
+        losses
+            .entry(e.u("iteration"))
+            .or_default()
+            .push((e.node, e.v["loss"].as_f64().unwrap()));
+    }
+    let mut committed: BTreeMap<(u64, u64), BTreeSet<(u64, u64)>> = BTreeMap::new();
+    for e in ev.iter().filter(|e| e.event() == "committed") {
+        assert_eq!(e.u("dropped"), 0, "a microbatch was given up: {}", e.v);
+        let key = (e.u("stage"), e.u("iteration"));
+        let mbs = e.v["mbs"].as_array().unwrap();
+        let set: BTreeSet<(u64, u64)> = mbs
+            .iter()
+            .map(|m| (m[0].as_u64().unwrap(), m[1].as_u64().unwrap()))
+            .collect();
+        assert_eq!(set.len(), mbs.len(), "counted twice: {}", e.v);
+        // A coordinator change can commit the same iteration again: the
+        // same set, never another one.
+        if let Some(old) = committed.insert(key, set.clone()) {
+            assert_eq!(old, set, "stage-iteration {key:?} committed two ways");
+        }
+    }
+    for k in 0..iterations as u64 {
+        let holders = losses.get(&k).cloned().unwrap_or_default();
+        assert!(!holders.is_empty(), "iteration {k} never final");
+        for s in 0..=stages as u64 {
+            let set = committed
+                .get(&(s, k))
+                .unwrap_or_else(|| panic!("stage {s} never committed iteration {k}"));
+            for (h, _) in &holders {
+                for i in 0..mb as u64 {
+                    assert!(
+                        set.contains(&(*h as u64, i)),
+                        "stage {s} iteration {k}: holder {h}'s microbatch {i} missing"
+                    );
+                }
+            }
+        }
+    }
+    let mut digests: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
+    for e in ev.iter().filter(|e| e.event() == "applied") {
+        // The update averages exactly the committed microbatches.
+        let key = (e.u("stage"), e.u("iteration"));
+        if let Some(set) = committed.get(&key) {
+            assert_eq!(
+                e.u("microbatches"),
+                set.len() as u64,
+                "node {} applied a mean of another set than committed: {}",
+                e.node,
+                e.v
+            );
+        }
+        digests
+            .entry((e.u("stage"), e.u("iteration")))
+            .or_default()
+            .insert(e.v["weights_sha256"].as_str().unwrap().to_string());
+    }
+    for (k, d) in &digests {
+        assert_eq!(
+            d.len(),
+            1,
+            "replicas of stage-iteration {k:?} disagree: {d:?}"
+        );
+    }
+    (0..iterations as u64)
+        .map(|k| {
+            let l = &losses[&k];
+            l.iter().map(|x| x.1).sum::<f64>() / l.len() as f64
+        })
+        .collect()
+}
