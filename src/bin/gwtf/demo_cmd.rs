@@ -1,0 +1,1338 @@
+//! `gwtf demo`: a local swarm of `gwtf node` processes on loopback, with
+//! crashes (SIGKILL) and joins while it trains, and what came of it.
+//!
+//! The orchestrator starts the data holders and the relays (spread evenly over
+//! the relay stages) as separate processes of this same executable, reads each
+//! one's `--json` event lines on a thread of its own, and keeps the run's
+//! facts (`demo_events`). Every `--crash-every` seconds it kills a relay,
+//! timed to hit a phase in turn: right after the node applied an aggregate
+//! (forward of the next iteration), in the middle of an iteration (backward),
+//! right after its stage committed (the aggregation), while a joiner of its
+//! stage downloads the stage's state, or at random; never the last member of
+//! a stage unless `--allow-empty-stage`. Every `--join-every` seconds it starts
+//! a node with `--join`. It stops when the holders print `done` (or at the
+//! deadline), then trains the single-process reference, prints the facts,
+//! writes `--json` and `--report`, and fails when a microbatch was lost or
+//! counted twice, replicas disagreed or the run did not finish.
+//!
+//! No child outlives the demo: each runs in its own process group (a Ctrl-C
+//! reaches the demo only, which stops them), is killed by the kernel if the
+//! demo dies (`PR_SET_PDEATHSIG`), and is killed by a drop guard on every way
+//! out of [`run`], panics included.
+use super::checks;
+use super::demo_events::{parse_line, Entry, Facts, NodeId, Plan, Summary, What};
+use super::demo_report;
+use super::train_cmd::Device;
+use clap::{Args, ValueEnum};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Link emulation between the nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Links {
+    /// Plain loopback.
+    None,
+    /// Each node in one of geo10's ten regions (in turn): its frames leave
+    /// after the mean one-way latency from its region to the others, divided
+    /// by 10 so the demo stays short, at the mean bandwidth of its region's
+    /// links.
+    Geo10,
+}
+
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Relays at the start, spread evenly over the relay stages.
+    #[arg(long, default_value_t = 6, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    nodes: u32,
+    /// Data holders (they run the embedding and the loss: the first and last stage).
+    #[arg(long, default_value_t = 2, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    holders: u32,
+    /// Pipeline stages of the model's cut (holders run the first and last, relays
+    /// stages 1..S-2).
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(3),
+          allow_negative_numbers = true)]
+    stages: u32,
+    /// Model preset: gpt-tiny, llama-tiny or llama-small.
+    #[arg(long, default_value = "llama-tiny")]
+    model: String,
+    /// Iterations (aggregations) to train.
+    #[arg(long, default_value_t = 30, value_parser = checks::int_at_least::<u64>(1),
+          allow_negative_numbers = true)]
+    iterations: u64,
+    /// Microbatches per holder per iteration.
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u64>(1),
+          allow_negative_numbers = true)]
+    microbatches: u64,
+    /// Kill (SIGKILL) a relay every SEC seconds (0: never).
+    #[arg(long, default_value_t = 4.0, value_name = "SEC",
+          value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
+    crash_every: f64,
+    /// Start a joining relay every SEC seconds (0: never).
+    #[arg(long, default_value_t = 8.0, value_name = "SEC",
+          value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
+    join_every: f64,
+    /// Let a crash take the last live member of a stage.
+    #[arg(long)]
+    allow_empty_stage: bool,
+    /// Seed of the model, the data order, and the choice of victims.
+    #[arg(long, default_value_t = 1, value_parser = checks::int_at_least::<u64>(0),
+          allow_negative_numbers = true)]
+    seed: u64,
+    /// Link emulation.
+    #[arg(long, value_enum, default_value_t = Links::None)]
+    links: Links,
+    /// UTF-8 text files the holders train on [default: the generated corpus].
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    data: Vec<PathBuf>,
+    /// Device of every node.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Write the run's facts as one JSON object.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write a self-contained HTML page with plots of the run.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+    /// Keep each node's stdout and stderr (node-ID.stdout, node-ID.stderr) and
+    /// the demo's own actions (demo.log) in this directory.
+    #[arg(long, value_name = "DIR")]
+    keep_logs: Option<PathBuf>,
+    /// Give up after this many seconds (every node is killed, the run fails).
+    #[arg(long, default_value_t = 600.0, value_name = "SEC",
+          value_parser = checks::positive_float, allow_negative_numbers = true)]
+    deadline: f64,
+    /// Skip the single-process reference run.
+    #[arg(long)]
+    no_reference: bool,
+}
+
+/// Checks every argument and output path; nothing is started before this.
+fn check(a: &DemoArgs) -> Res<()> {
+    let mut cfg = gwtf::model::preset(&a.model).map_err(|e| format!("--model {}: {e}", a.model))?;
+    if !super::train_cmd::TRAINABLE.contains(&a.model.as_str()) {
+        return Err(format!(
+            "--model {}: only gpt-tiny, llama-tiny and llama-small are trained here",
+            a.model
+        )
+        .into());
+    }
+    cfg.n_stages = a.stages as usize;
+    cfg.validate()
+        .map_err(|e| format!("--stages {} does not cut {}: {e}", a.stages, a.model))?;
+    let relay_stages = a.stages - 2;
+    if a.nodes < relay_stages {
+        return Err(format!(
+            "--nodes {} is fewer than the {relay_stages} relay stages of --stages {}: every \
+             relay stage needs a relay",
+            a.nodes, a.stages
+        )
+        .into());
+    }
+    if !a.data.is_empty() {
+        use gwtf::model::dataset::{DataSource, Dataset};
+        Dataset::load(&DataSource::Files(a.data.clone()), cfg.seq)
+            .map_err(|e| format!("--data: {e}"))?;
+    }
+    if let Some(p) = &a.json {
+        checks::writable_output("--json", p)?;
+    }
+    if let Some(p) = &a.report {
+        checks::writable_output("--report", p)?;
+    }
+    if let (Some(j), Some(r)) = (&a.json, &a.report) {
+        if j == r {
+            return Err(format!("--json and --report are the same file {}", j.display()).into());
+        }
+    }
+    if let Some(d) = &a.keep_logs {
+        if d.exists() && !d.is_dir() {
+            return Err(format!("--keep-logs {}: not a directory", d.display()).into());
+        }
+        std::fs::create_dir_all(d)
+            .map_err(|e| format!("--keep-logs {}: cannot create it: {e}", d.display()))?;
+        checks::writable_output("--keep-logs", &d.join("demo.log"))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Processes
+
+/// Set by SIGINT / SIGTERM: the demo stops its nodes and reports.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn catch_interrupts() {
+    let handler: extern "C" fn(libc::c_int) = on_signal;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, handler as libc::sighandler_t);
+    }
+}
+
+/// A line of one node's stdout with the time it was read, or its end (every
+/// line of the node has been sent before).
+enum Msg {
+    Line(NodeId, f64, String),
+    Eof(NodeId),
+}
+
+struct Proc {
+    id: NodeId,
+    child: Child,
+    exited: bool,
+    /// Every line of its stdout has been taken in.
+    stdout_closed: bool,
+    /// The last lines of its stderr.
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// Every node process; kills those still running when dropped.
+#[derive(Default)]
+struct Procs(Vec<Proc>);
+
+impl Procs {
+    fn get(&mut self, id: NodeId) -> Option<&mut Proc> {
+        self.0.iter_mut().find(|p| p.id == id)
+    }
+    fn signal(&mut self, id: NodeId, sig: libc::c_int) {
+        if let Some(p) = self.get(id).filter(|p| !p.exited) {
+            // SAFETY: kill(2) on a child we have not reaped yet (its pid is ours).
+            unsafe {
+                libc::kill(p.child.id() as libc::pid_t, sig);
+            }
+        }
+    }
+    /// Children that ended since the last call and whose every line was taken
+    /// in: (id, exit code).
+    fn reap(&mut self) -> Vec<(NodeId, Option<i32>)> {
+        let mut out = Vec::new();
+        for p in self.0.iter_mut().filter(|p| !p.exited && p.stdout_closed) {
+            if let Ok(Some(st)) = p.child.try_wait() {
+                p.exited = true;
+                out.push((p.id, st.code()));
+            }
+        }
+        out
+    }
+    fn running(&self) -> usize {
+        self.0.iter().filter(|p| !p.exited).count()
+    }
+    /// Kills and reaps every child still running: (id, exit code).
+    fn kill_all(&mut self) -> Vec<(NodeId, Option<i32>)> {
+        let mut out = Vec::new();
+        for p in self.0.iter_mut().filter(|p| !p.exited) {
+            let _ = p.child.kill();
+            let code = p.child.wait().ok().and_then(|s| s.code());
+            p.exited = true;
+            out.push((p.id, code));
+        }
+        out
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        let _ = self.kill_all();
+    }
+}
+
+/// A free loopback port (bound and released; a node binds it right after).
+fn free_port() -> Res<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// What a node is started with.
+struct Launch {
+    id: NodeId,
+    port: u16,
+    holder: bool,
+    /// Founding members' list (ID/STAGE/ADDR), or the addresses to join through.
+    peers: Vec<String>,
+    join: Vec<String>,
+    stage: Option<u32>,
+    link: Option<(u64, u64)>,
+}
+
+/// Everything the run's loop needs.
+struct Swarm<'a> {
+    a: &'a DemoArgs,
+    exe: PathBuf,
+    key_file: PathBuf,
+    start: Instant,
+    tx: Sender<Msg>,
+    procs: Procs,
+    facts: Facts,
+    log: Option<std::fs::File>,
+    rng: Rng,
+    next_id: NodeId,
+    next_region: usize,
+    out: Out,
+}
+
+impl Swarm<'_> {
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    fn record(&mut self, what: What) {
+        let e = Entry {
+            t: self.now(),
+            what,
+        };
+        if let Some(f) = &mut self.log {
+            let _ = writeln!(f, "{:.3} {:?}", e.t, e.what);
+        }
+        self.facts.push(&e);
+    }
+
+    fn node_args(&mut self, l: &Launch) -> Vec<String> {
+        let a = self.a;
+        let mut v: Vec<String> = vec![
+            "node".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", l.port),
+            "--swarm-key-file".into(),
+            self.key_file.display().to_string(),
+            "--id".into(),
+            l.id.to_string(),
+            "--model".into(),
+            a.model.clone(),
+            "--stages".into(),
+            a.stages.to_string(),
+            "--iterations".into(),
+            a.iterations.to_string(),
+            "--microbatches".into(),
+            a.microbatches.to_string(),
+            "--seed".into(),
+            a.seed.to_string(),
+            "--device".into(),
+            device_name(a.device).into(),
+            "--json".into(),
+        ];
+        for p in &l.peers {
+            v.extend(["--peer".into(), p.clone()]);
+        }
+        for j in &l.join {
+            v.extend(["--join".into(), j.clone()]);
+        }
+        if l.holder {
+            v.push("--holder".into());
+            for d in &a.data {
+                v.extend(["--data".into(), d.display().to_string()]);
+            }
+        } else if let Some(s) = l.stage {
+            v.extend(["--stage".into(), s.to_string()]);
+        }
+        if let Some((delay, mbps)) = l.link {
+            v.extend([
+                "--link-delay-ms".into(),
+                delay.to_string(),
+                "--link-mbps".into(),
+                mbps.to_string(),
+            ]);
+        }
+        v
+    }
+
+    fn launch(&mut self, l: Launch, joiner: bool) -> Res<()> {
+        let args = self.node_args(&l);
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe; it runs in the child between fork and exec.
+        // Spawned from the main thread, which lives as long as the demo.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {} node: {e}", self.exe.display()))?;
+        let (stdout_log, stderr_log) = match &self.a.keep_logs {
+            Some(d) => (
+                Some(std::fs::File::create(
+                    d.join(format!("node-{}.stdout", l.id)),
+                )?),
+                Some(std::fs::File::create(
+                    d.join(format!("node-{}.stderr", l.id)),
+                )?),
+            ),
+            None => (None, None),
+        };
+        let now = self.now();
+        if let Some(f) = &mut self.log {
+            let _ = writeln!(f, "{now:.3} start node {}", args.join(" "));
+        }
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, id, start) = (self.tx.clone(), l.id, self.start);
+        std::thread::spawn(move || read_stdout(stdout, stdout_log, tx, id, start));
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let t2 = tail.clone();
+        std::thread::spawn(move || read_stderr(stderr, stderr_log, t2));
+        self.procs.0.push(Proc {
+            id: l.id,
+            child,
+            exited: false,
+            stdout_closed: false,
+            stderr_tail: tail,
+        });
+        self.record(What::Launched {
+            node: l.id,
+            holder: l.holder,
+            joiner,
+            stage: if l.holder { Some(0) } else { l.stage },
+        });
+        Ok(())
+    }
+
+    /// The link emulation of the next node.
+    fn next_link(&mut self) -> Option<(u64, u64)> {
+        match self.a.links {
+            Links::None => None,
+            Links::Geo10 => {
+                let r = self.next_region;
+                self.next_region += 1;
+                Some(geo10_link(r))
+            }
+        }
+    }
+
+    /// Holders, then relays spread evenly over the relay stages; every founding
+    /// member gets the full list.
+    fn launch_founders(&mut self) -> Res<()> {
+        let a = self.a;
+        let mut members: Vec<(NodeId, u32, u16)> = Vec::new();
+        for h in 0..a.holders {
+            members.push((h as NodeId, 0, free_port()?));
+        }
+        for r in 0..a.nodes {
+            let stage = 1 + r % (a.stages - 2);
+            members.push(((a.holders + r) as NodeId, stage, free_port()?));
+        }
+        let peers: Vec<String> = members
+            .iter()
+            .map(|(id, s, port)| format!("{id}/{s}/127.0.0.1:{port}"))
+            .collect();
+        for &(id, stage, port) in &members {
+            let link = self.next_link();
+            self.launch(
+                Launch {
+                    id,
+                    port,
+                    holder: stage == 0,
+                    peers: peers.clone(),
+                    join: Vec::new(),
+                    stage: Some(stage),
+                    link,
+                },
+                false,
+            )?;
+        }
+        self.next_id = (a.holders + a.nodes) as NodeId;
+        Ok(())
+    }
+
+    /// Starts a joiner (through up to three live members), in `stage` or where
+    /// the protocol puts it.
+    fn join(&mut self, stage: Option<u32>) -> Res<NodeId> {
+        let mut addrs: Vec<String> = self
+            .facts
+            .nodes
+            .values()
+            .filter(|n| n.member())
+            .filter_map(|n| n.addr.clone())
+            .collect();
+        self.rng.shuffle(&mut addrs);
+        addrs.truncate(3);
+        if addrs.is_empty() {
+            return Err("no live member has printed its address yet".into());
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let link = self.next_link();
+        let port = free_port()?;
+        self.launch(
+            Launch {
+                id,
+                port,
+                holder: false,
+                peers: Vec::new(),
+                join: addrs,
+                stage,
+                link,
+            },
+            true,
+        )?;
+        Ok(id)
+    }
+
+    /// Relays that may be killed now, optionally only of `stage`.
+    fn victims(&self, stage: Option<u32>) -> Vec<NodeId> {
+        let members = self.facts.members_per_stage();
+        self.facts
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.holder && n.member())
+            .filter(|(_, n)| stage.is_none() || n.stage == stage)
+            .filter(|(_, n)| {
+                let s = n.stage.unwrap_or(0) as usize;
+                self.a.allow_empty_stage || members.get(s).copied().unwrap_or(0) >= 2
+            })
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn kill(&mut self, id: NodeId, aim: &str) {
+        self.procs.signal(id, libc::SIGKILL);
+        let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
+        self.record(What::Killed {
+            node: id,
+            aim: aim.to_string(),
+        });
+        self.out.note(&format!(
+            "{:>7.1}s  crash: SIGKILL node {id} (stage {}), timed to hit {aim}",
+            self.now(),
+            stage.map_or("?".into(), |s| s.to_string())
+        ));
+    }
+}
+
+fn device_name(d: Device) -> &'static str {
+    match d {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+    }
+}
+
+/// Latency divisor of `--links geo10`.
+const GEO10_LATENCY_SCALE: f64 = 10.0;
+
+/// (delay ms, Mbit/s) of a node in geo10 region `r % 10`.
+fn geo10_link(r: usize) -> (u64, u64) {
+    let s = gwtf::sim::scenario::Scenario::geo10();
+    let n = s.regions.len();
+    let r = r % n;
+    let others: Vec<usize> = (0..n).filter(|&b| b != r).collect();
+    let lat = others.iter().map(|&b| s.latency[r][b]).sum::<f64>() / others.len() as f64;
+    let bw = others.iter().map(|&b| s.bandwidth[r][b]).sum::<f64>() / others.len() as f64;
+    (
+        (lat * 1000.0 / GEO10_LATENCY_SCALE).round().max(1.0) as u64,
+        (bw * 8.0 / 1e6).round().max(1.0) as u64,
+    )
+}
+
+fn read_stdout(
+    out: impl Read,
+    mut log: Option<std::fs::File>,
+    tx: Sender<Msg>,
+    id: NodeId,
+    start: Instant,
+) {
+    let mut r = BufReader::new(out);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                let t = start.elapsed().as_secs_f64();
+                if let Some(f) = &mut log {
+                    let _ = f.write_all(&buf);
+                }
+                let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                if tx.send(Msg::Line(id, t, line)).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = tx.send(Msg::Eof(id));
+}
+
+fn read_stderr(err: impl Read, mut log: Option<std::fs::File>, tail: Arc<Mutex<VecDeque<String>>>) {
+    let mut r = BufReader::new(err);
+    let mut buf = Vec::new();
+    while matches!(r.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
+        if let Some(f) = &mut log {
+            let _ = f.write_all(&buf);
+        }
+        if let Ok(mut t) = tail.lock() {
+            t.push_back(String::from_utf8_lossy(&buf).trim_end().to_string());
+            if t.len() > 20 {
+                t.pop_front();
+            }
+        }
+        buf.clear();
+    }
+}
+
+/// A small deterministic generator (splitmix64) for the choice of victims.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn pick<T: Copy>(&mut self, v: &[T]) -> Option<T> {
+        (!v.is_empty()).then(|| v[self.below(v.len())])
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Progress
+
+/// Live progress: an indicatif bar on a terminal, else one plain line per
+/// iteration (and per crash or join) on stdout.
+struct Out {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Out {
+    fn new(iterations: u64) -> Out {
+        if !std::io::stderr().is_terminal() {
+            return Out { bar: None };
+        }
+        let bar = indicatif::ProgressBar::new(iterations);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:28.cyan/blue}] {pos}/{len} {msg}",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Out { bar: Some(bar) }
+    }
+    fn note(&self, s: &str) {
+        match &self.bar {
+            Some(b) => b.println(s),
+            None => println!("{s}"),
+        }
+    }
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// The progress line: loss, tokens/s of the last iterations, members per
+/// stage, crashes, recovered hops, joins.
+fn status(f: &Facts) -> String {
+    let rows = f.completed_iterations();
+    let loss = rows.last().map_or("-".into(), |r| format!("{:.3}", r.loss));
+    let recent = &rows[rows.len().saturating_sub(5)..];
+    let tps = match (recent.first(), recent.last()) {
+        (Some(a), Some(b)) if b.t_s > a.t_s => {
+            let tok: u64 = recent[1..].iter().map(|r| r.tokens).sum();
+            format!("{:.0}", tok as f64 / (b.t_s - a.t_s))
+        }
+        _ => "-".into(),
+    };
+    let members: Vec<String> = f
+        .members_per_stage()
+        .iter()
+        .map(|m| m.to_string())
+        .collect();
+    format!(
+        "loss {loss}  {tps} tok/s  members [{}]  crashes {}  recovered {}  joins {}",
+        members.join(" "),
+        f.crashes(),
+        f.recovered_count(),
+        f.joins()
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Chaos: when and whom to kill
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Aim {
+    /// Right after a relay printed `applied`: the next iteration's forward.
+    Forward,
+    /// Halfway through an iteration (by the last iterations' pace): backward.
+    Backward,
+    /// Right after a stage's `committed`: its all-reduce.
+    Aggregation,
+    /// Right after a joiner of the victim's stage started: the state download.
+    StateDownload,
+    Random,
+}
+
+impl Aim {
+    fn name(self) -> &'static str {
+        match self {
+            Aim::Forward => "forward (right after applied)",
+            Aim::Backward => "backward (mid-iteration)",
+            Aim::Aggregation => "aggregation (right after committed)",
+            Aim::StateDownload => "state download (joiner starting)",
+            Aim::Random => "random",
+        }
+    }
+}
+
+/// A kill that is due and waits for its moment.
+struct Armed {
+    aim: Aim,
+    since: f64,
+    /// Backward: the time to strike.
+    at: Option<f64>,
+    /// State download: the joiner started for it, and its stage.
+    joiner: Option<(NodeId, u32)>,
+}
+
+struct Chaos {
+    every: f64,
+    next_at: f64,
+    turn: usize,
+    armed: Option<Armed>,
+    aims: Vec<Aim>,
+}
+
+impl Chaos {
+    fn new(a: &DemoArgs) -> Chaos {
+        let mut aims = vec![Aim::Forward, Aim::Backward, Aim::Aggregation];
+        if a.join_every > 0.0 {
+            aims.push(Aim::StateDownload);
+        }
+        aims.push(Aim::Random);
+        Chaos {
+            every: a.crash_every,
+            next_at: a.crash_every,
+            turn: 0,
+            armed: None,
+            aims,
+        }
+    }
+}
+
+/// How long an armed kill waits for its moment before striking at random.
+fn patience(every: f64) -> f64 {
+    (every * 1.5).clamp(2.0, 15.0)
+}
+
+/// The mean duration of the last few iterations.
+fn iteration_pace(f: &Facts) -> Option<(f64, f64)> {
+    let rows = f.completed_iterations();
+    let recent = &rows[rows.len().saturating_sub(4)..];
+    match (recent.first(), recent.last()) {
+        (Some(a), Some(b)) if recent.len() >= 2 && b.t_s > a.t_s => {
+            Some((b.t_s, (b.t_s - a.t_s) / (recent.len() - 1) as f64))
+        }
+        _ => None,
+    }
+}
+
+fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
+    if ch.every <= 0.0 {
+        return Ok(());
+    }
+    if ch.armed.is_none() && now >= ch.next_at {
+        let aim = ch.aims[ch.turn % ch.aims.len()];
+        ch.turn += 1;
+        ch.next_at = now + ch.every;
+        let mut armed = Armed {
+            aim,
+            since: now,
+            at: None,
+            joiner: None,
+        };
+        match aim {
+            Aim::Backward => {
+                armed.at = Some(match iteration_pace(&sw.facts) {
+                    Some((last, pace)) => {
+                        let mut at = last + pace * 0.5;
+                        while at < now {
+                            at += pace;
+                        }
+                        at
+                    }
+                    None => now,
+                })
+            }
+            Aim::StateDownload => {
+                // The stage with the most members (so one may go), joined now.
+                let members = sw.facts.members_per_stage();
+                let stage = (1..members.len())
+                    .max_by_key(|&s| (members[s], usize::MAX - s))
+                    .filter(|&s| members[s] >= 2 || sw.a.allow_empty_stage);
+                if let Some(s) = stage {
+                    let j = sw.join(Some(s as u32))?;
+                    sw.out.note(&format!(
+                        "{:>7.1}s  join: node {j} into stage {s} (to crash a member while it \
+                         downloads the stage's state)",
+                        sw.now()
+                    ));
+                    armed.joiner = Some((j, s as u32));
+                }
+            }
+            _ => {}
+        }
+        ch.armed = Some(armed);
+    }
+    // Time-based strikes (backward, random, and any that waited too long).
+    if let Some(armed) = &ch.armed {
+        let late = now - armed.since > patience(ch.every);
+        let strike = match armed.aim {
+            Aim::Random => true,
+            Aim::Backward => armed.at.is_some_and(|at| now >= at),
+            Aim::StateDownload => armed.joiner.is_none(),
+            _ => false,
+        };
+        if strike || late {
+            let aim = if late && !strike {
+                format!("random ({} did not come in time)", armed.aim.name())
+            } else {
+                armed.aim.name().to_string()
+            };
+            let v = sw.victims(None);
+            if let Some(id) = sw.rng.pick(&v) {
+                sw.kill(id, &aim);
+            }
+            ch.armed = None;
+        }
+    }
+    Ok(())
+}
+
+/// Event-triggered strikes: `node` just printed `ev`.
+fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &super::demo_events::Event) {
+    use super::demo_events::Event;
+    let Some(armed) = &ch.armed else {
+        return;
+    };
+    let target = match (armed.aim, ev) {
+        (Aim::Forward, Event::Applied { stage, .. }) if *stage > 0 => {
+            sw.victims(Some(*stage)).contains(&node).then_some(node)
+        }
+        (Aim::Aggregation, Event::Committed { stage, .. }) if *stage > 0 => {
+            let v = sw.victims(Some(*stage));
+            sw.rng.pick(&v)
+        }
+        (Aim::StateDownload, Event::Listening { .. })
+            if armed.joiner.is_some_and(|(j, _)| j == node) =>
+        {
+            let stage = armed.joiner.map(|j| j.1);
+            let v: Vec<NodeId> = sw
+                .victims(stage)
+                .into_iter()
+                .filter(|&v| v != node)
+                .collect();
+            sw.rng.pick(&v)
+        }
+        _ => None,
+    };
+    if let Some(id) = target {
+        let aim = armed.aim.name();
+        sw.kill(id, aim);
+        ch.armed = None;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The reference
+
+/// What the single-process reference trains.
+pub struct ReferenceSpec<'a> {
+    pub model: &'a str,
+    pub stages: u32,
+    pub seed: u64,
+    pub iterations: u64,
+    /// Microbatches per iteration, all holders together.
+    pub microbatches: u64,
+    pub data: &'a [PathBuf],
+}
+
+/// The loss per iteration of the same model trained in one process on the
+/// same global batch: for now `gwtf train` with the demo's model, seed,
+/// stages and data, one optimizer step per iteration accumulating every
+/// holder's microbatches.
+pub fn reference_losses(exe: &Path, r: &ReferenceSpec) -> Res<Vec<f64>> {
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "train",
+        "--model",
+        r.model,
+        "--stages",
+        &r.stages.to_string(),
+        "--seed",
+        &r.seed.to_string(),
+        "--steps",
+        &r.iterations.to_string(),
+        "--accum",
+        &r.microbatches.to_string(),
+        "--json",
+    ]);
+    if !r.data.is_empty() {
+        cmd.arg("--data").args(r.data);
+    }
+    let out = cmd.stdin(Stdio::null()).output()?;
+    if !out.status.success() {
+        return Err(format!(
+            "gwtf train failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    parse_reference(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The `loss` of every `gwtf train --json` line.
+fn parse_reference(stdout: &str) -> Res<Vec<f64>> {
+    let mut v = Vec::new();
+    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
+        let j: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("gwtf train printed `{line}`: {e}"))?;
+        v.push(
+            j["loss"]
+                .as_f64()
+                .ok_or_else(|| format!("gwtf train printed no loss in `{line}`"))?,
+        );
+    }
+    Ok(v)
+}
+
+// ---------------------------------------------------------------------------
+// The run
+
+pub fn run(a: DemoArgs) -> super::CliResult {
+    check(&a)?;
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
+    let tmp = tempfile::Builder::new().prefix("gwtf-demo-").tempdir()?;
+    let key_file = tmp.path().join("swarm.key");
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key).map_err(|e| format!("no random swarm key: {e}"))?;
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&key_file, hex + "\n")?;
+    let log = match &a.keep_logs {
+        Some(d) => Some(std::fs::File::create(d.join("demo.log"))?),
+        None => None,
+    };
+    catch_interrupts();
+
+    println!(
+        "gwtf demo: {}, {} stages, {} holders + {} relays, {} iterations of {} microbatches per \
+         holder; crash every {}, join every {}, links {}",
+        a.model,
+        a.stages,
+        a.holders,
+        a.nodes,
+        a.iterations,
+        a.microbatches,
+        every(a.crash_every),
+        every(a.join_every),
+        links_name(a.links)
+    );
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let mut sw = Swarm {
+        a: &a,
+        exe: exe.clone(),
+        key_file,
+        start: Instant::now(),
+        tx,
+        procs: Procs::default(),
+        facts: Facts::new(a.stages),
+        log,
+        rng: Rng(a.seed ^ 0x6777_7466_6465_6d6f),
+        next_id: 0,
+        next_region: 0,
+        out: Out::new(a.iterations),
+    };
+    let outcome = drive(&mut sw, &rx);
+    sw.out.finish();
+    // Every node is stopped before anything else happens (the guard would too).
+    let ended = sw.procs.kill_all();
+    drain(&mut sw, &rx, Duration::from_millis(200));
+    for (id, code) in ended {
+        sw.record(What::Exited { node: id, code });
+    }
+    let wall = sw.now();
+    let stopped_why = outcome?;
+
+    let reference = if a.no_reference {
+        None
+    } else {
+        let spec = ReferenceSpec {
+            model: &a.model,
+            stages: a.stages,
+            seed: a.seed,
+            iterations: a.iterations,
+            microbatches: a.microbatches * a.holders as u64,
+            data: &a.data,
+        };
+        match reference_losses(&exe, &spec) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                eprintln!("gwtf demo: warning: no single-process reference: {e}");
+                None
+            }
+        }
+    };
+    let plan = Plan {
+        model: a.model.clone(),
+        stages: a.stages,
+        iterations: a.iterations,
+        microbatches: a.microbatches,
+    };
+    let mut summary = sw.facts.summary(&plan, reference.as_deref(), wall);
+    if let Some(why) = &stopped_why {
+        summary.failures.insert(0, why.clone());
+        summary.ok = false;
+    }
+    print_summary(&summary);
+    show_troubled_nodes(&sw, a.keep_logs.is_some());
+    if let Some(p) = &a.json {
+        let mut v = serde_json::to_value(&summary)?;
+        v["command"] = serde_json::json!(command);
+        v["seed"] = serde_json::json!(a.seed);
+        v["links"] = serde_json::json!(links_name(a.links));
+        v["crash_every_s"] = serde_json::json!(a.crash_every);
+        v["join_every_s"] = serde_json::json!(a.join_every);
+        std::fs::write(p, serde_json::to_string_pretty(&v)? + "\n")
+            .map_err(|e| format!("cannot write --json {}: {e}", p.display()))?;
+    }
+    if let Some(p) = &a.report {
+        std::fs::write(p, demo_report::render_html(&summary, &command)?)
+            .map_err(|e| format!("cannot write --report {}: {e}", p.display()))?;
+    }
+    if !summary.ok {
+        return Err(format!("the demo failed: {}", summary.failures.join("; ")).into());
+    }
+    Ok(())
+}
+
+fn links_name(l: Links) -> &'static str {
+    match l {
+        Links::None => "none",
+        Links::Geo10 => "geo10",
+    }
+}
+
+fn every(s: f64) -> String {
+    if s > 0.0 {
+        format!("{s} s")
+    } else {
+        "never".into()
+    }
+}
+
+/// The last stderr lines of the first nodes that failed on their own (exited
+/// with an error status without being killed, or printed an error event).
+fn show_troubled_nodes(sw: &Swarm, logs_kept: bool) {
+    const SHOWN: usize = 2;
+    let troubled: Vec<&Proc> = sw
+        .procs
+        .0
+        .iter()
+        .filter(|p| {
+            sw.facts.nodes.get(&p.id).is_some_and(|n| {
+                (n.killed_s.is_none() && n.exit_code.is_some_and(|c| c != 0))
+                    || !n.errors.is_empty()
+            })
+        })
+        .collect();
+    for p in troubled.iter().take(SHOWN) {
+        let Ok(t) = p.stderr_tail.lock() else {
+            continue;
+        };
+        if !t.is_empty() {
+            eprintln!("node {} stderr, last lines:", p.id);
+            for l in t.iter().filter(|l| !l.trim().is_empty()) {
+                eprintln!("  {l}");
+            }
+        }
+    }
+    if troubled.len() > SHOWN {
+        eprintln!(
+            "{} more nodes failed{}",
+            troubled.len() - SHOWN,
+            if logs_kept {
+                ": their output is in --keep-logs"
+            } else {
+                " (--keep-logs DIR keeps every node's output)"
+            }
+        );
+    }
+}
+
+fn print_summary(s: &Summary) {
+    println!();
+    for (k, v) in demo_report::fact_rows(s) {
+        println!("  {:<44} {v}", format!("{k}:"));
+    }
+    for f in &s.failures {
+        println!("FAILED: {f}");
+    }
+    for u in &s.unverified {
+        println!("not checked: {u}");
+    }
+}
+
+/// Reads lines that are already there (or come within `wait`).
+fn drain(sw: &mut Swarm, rx: &Receiver<Msg>, wait: Duration) {
+    let until = Instant::now() + wait;
+    while let Ok(m) = rx.recv_deadline(until) {
+        match m {
+            Msg::Line(id, t, line) => sw.facts.push(&Entry {
+                t,
+                what: What::Line {
+                    node: id,
+                    event: parse_line(&line),
+                },
+            }),
+            Msg::Eof(id) => {
+                if let Some(p) = sw.procs.get(id) {
+                    p.stdout_closed = true;
+                }
+            }
+        }
+    }
+}
+
+/// Takes in one line of node `id`, read at `t`: the facts, the progress, the
+/// notes worth a line of their own, and the kills waiting for an event.
+fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: f64, line: &str) {
+    use super::demo_events::Event;
+    let ev = parse_line(line);
+    sw.facts.push(&Entry {
+        t,
+        what: What::Line {
+            node: id,
+            event: ev.clone(),
+        },
+    });
+    let Some(ev) = ev else {
+        return;
+    };
+    match &ev {
+        Event::Iteration { .. } => {
+            let rows = sw.facts.completed_iterations();
+            while *shown < rows.len() {
+                let r = &rows[*shown];
+                *shown += 1;
+                match &sw.out.bar {
+                    Some(b) => b.set_position(rows.len() as u64),
+                    None => println!(
+                        "{:>7.1}s  iteration {:>4}/{}  {}",
+                        r.t_s,
+                        *shown,
+                        sw.a.iterations,
+                        status(&sw.facts)
+                    ),
+                }
+            }
+        }
+        Event::Error { message, .. } => {
+            sw.out
+                .note(&format!("{t:>7.1}s  node {id} error: {message}"));
+        }
+        Event::StageEmpty { stage, .. } => {
+            sw.out
+                .note(&format!("{t:>7.1}s  node {id}: stage {stage} is empty"));
+        }
+        Event::StateDownload {
+            from, bytes, ms, ..
+        } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id} downloaded its stage's state from node {from} \
+                 ({bytes} bytes, {ms:.0} ms)"
+            ));
+        }
+        _ => {}
+    }
+    chaos_on_event(sw, chaos, id, &ev);
+}
+
+/// Runs the swarm until the holders are done; `Ok(Some(why))` when it was
+/// stopped early (deadline, interrupt, holders gone).
+fn drive(sw: &mut Swarm, rx: &Receiver<Msg>) -> Res<Option<String>> {
+    let a = sw.a;
+    if a.crash_every > 0.0 && !a.allow_empty_stage && a.nodes < 2 * (a.stages - 2) {
+        sw.out.note(&format!(
+            "note: with {} relays over {} relay stages some stage has a single relay, which is \
+             never killed (--allow-empty-stage kills it too)",
+            a.nodes,
+            a.stages - 2
+        ));
+    }
+    sw.launch_founders()?;
+    let mut chaos = Chaos::new(a);
+    let mut next_join = if a.join_every > 0.0 {
+        a.join_every
+    } else {
+        f64::INFINITY
+    };
+    let mut shown_iterations = 0usize;
+    let mut last_status = Instant::now();
+    loop {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            return Ok(Some("interrupted (Ctrl-C): every node was stopped".into()));
+        }
+        let now = sw.now();
+        if now > a.deadline {
+            return Ok(Some(format!(
+                "the deadline of {} s passed after {} of {} iterations: every node was killed",
+                a.deadline,
+                sw.facts.completed_iterations().len(),
+                a.iterations
+            )));
+        }
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Msg::Line(id, t, line)) => {
+                on_line(sw, &mut chaos, &mut shown_iterations, id, t, &line)
+            }
+            Ok(Msg::Eof(id)) => {
+                if let Some(p) = sw.procs.get(id) {
+                    p.stdout_closed = true;
+                }
+            }
+            Err(_) => {}
+        }
+        for (id, code) in sw.procs.reap() {
+            let killed = sw
+                .facts
+                .nodes
+                .get(&id)
+                .is_some_and(|n| n.killed_s.is_some());
+            let holder = sw.facts.nodes.get(&id).is_some_and(|n| n.holder);
+            sw.record(What::Exited { node: id, code });
+            if !(killed || holder && code == Some(0)) {
+                sw.out.note(&format!(
+                    "{:>7.1}s  node {id} exited on its own ({})",
+                    sw.now(),
+                    code.map_or("by a signal".into(), |c| format!("status {c}"))
+                ));
+            }
+        }
+        if sw.facts.holders_done() {
+            break;
+        }
+        if sw
+            .facts
+            .holders()
+            .any(|(_, n)| n.exited_s.is_some() && !n.done)
+        {
+            return Ok(Some("a holder ended before it was done".into()));
+        }
+        if sw.procs.running() == 0 {
+            return Ok(Some("every node has ended".into()));
+        }
+        let now = sw.now();
+        chaos_tick(sw, &mut chaos, now)?;
+        if now >= next_join {
+            next_join = now + a.join_every;
+            match sw.join(None) {
+                Ok(j) => sw.out.note(&format!(
+                    "{:>7.1}s  join: node {j} (stage: the protocol's choice)",
+                    now
+                )),
+                Err(e) => sw.out.note(&format!("{now:>7.1}s  no join: {e}")),
+            }
+        }
+        if last_status.elapsed() > Duration::from_millis(250) {
+            last_status = Instant::now();
+            if let Some(b) = &sw.out.bar {
+                b.set_message(status(&sw.facts));
+            }
+        }
+    }
+    // The holders are done: the relays leave gracefully, then the stragglers die.
+    let ids: Vec<NodeId> = sw
+        .procs
+        .0
+        .iter()
+        .filter(|p| !p.exited)
+        .map(|p| p.id)
+        .collect();
+    for id in ids {
+        sw.procs.signal(id, libc::SIGTERM);
+        sw.record(What::Stopped { node: id });
+    }
+    let until = Instant::now() + Duration::from_secs(3);
+    while sw.procs.running() > 0 && Instant::now() < until {
+        drain(sw, rx, Duration::from_millis(50));
+        for (id, code) in sw.procs.reap() {
+            sw.record(What::Exited { node: id, code });
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_lines_give_their_losses() {
+        let out = "{\"step\":1,\"loss\":5.5,\"lr\":0.01}\n{\"step\":2,\"loss\":5.25}\n\n";
+        assert_eq!(parse_reference(out).unwrap(), vec![5.5, 5.25]);
+        assert!(parse_reference("step 1 loss 5\n").is_err());
+        assert!(parse_reference("{\"step\":1}\n").is_err());
+    }
+
+    #[test]
+    fn geo10_links_are_short_but_ordered_by_distance() {
+        let all: Vec<(u64, u64)> = (0..10).map(geo10_link).collect();
+        for &(delay, mbps) in &all {
+            assert!((1..=30).contains(&delay), "{all:?}");
+            assert!(mbps >= 1, "{all:?}");
+        }
+        assert_eq!(geo10_link(3), geo10_link(13));
+        // Sydney (index 6) is farther from everyone than Ohio (index 2).
+        assert!(all[6].0 > all[2].0, "{all:?}");
+    }
+
+    #[test]
+    fn the_rng_is_deterministic_and_in_range() {
+        let mut a = Rng(7);
+        let mut b = Rng(7);
+        for _ in 0..100 {
+            let x = a.below(5);
+            assert_eq!(x, b.below(5));
+            assert!(x < 5);
+        }
+        assert_eq!(a.pick::<u8>(&[]), None);
+        let mut v: Vec<u32> = (0..10).collect();
+        a.shuffle(&mut v);
+        v.sort();
+        assert_eq!(v, (0..10).collect::<Vec<_>>());
+    }
+}
