@@ -3,10 +3,14 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/checks.rs"]
 mod checks;
+#[path = "gwtf/demo_chaos.rs"]
+mod demo_chaos;
 #[path = "gwtf/demo_cmd.rs"]
 mod demo_cmd;
 #[path = "gwtf/demo_events.rs"]
 mod demo_events;
+#[path = "gwtf/demo_procs.rs"]
+mod demo_procs;
 #[path = "gwtf/demo_report.rs"]
 mod demo_report;
 #[path = "gwtf/flow_cmd.rs"]

@@ -20,17 +20,21 @@
 //! demo dies (`PR_SET_PDEATHSIG`), and is killed by a drop guard on every way
 //! out of [`run`], panics included.
 use super::checks;
+use super::demo_chaos::{chaos_on_event, chaos_tick, Chaos};
 use super::demo_events::{parse_line, Entry, Facts, NodeId, Plan, Summary, What};
+use super::demo_procs::{
+    catch_interrupts, free_port, read_stderr, read_stdout, Msg, Proc, Procs, Rng, INTERRUPTED,
+};
 use super::demo_report;
 use super::train_cmd::Device;
 use clap::{Args, ValueEnum};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,68 +57,68 @@ pub struct DemoArgs {
     /// Relays at the start, spread evenly over the relay stages.
     #[arg(long, default_value_t = 6, value_parser = checks::int_at_least::<u32>(1),
           allow_negative_numbers = true)]
-    nodes: u32,
+    pub nodes: u32,
     /// Data holders (they run the embedding and the loss: the first and last stage).
     #[arg(long, default_value_t = 2, value_parser = checks::int_at_least::<u32>(1),
           allow_negative_numbers = true)]
-    holders: u32,
+    pub holders: u32,
     /// Pipeline stages of the model's cut (holders run the first and last, relays
     /// stages 1..S-2).
     #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(3),
           allow_negative_numbers = true)]
-    stages: u32,
+    pub stages: u32,
     /// Model preset: gpt-tiny, llama-tiny or llama-small.
     #[arg(long, default_value = "llama-tiny")]
-    model: String,
+    pub model: String,
     /// Iterations (aggregations) to train.
     #[arg(long, default_value_t = 30, value_parser = checks::int_at_least::<u64>(1),
           allow_negative_numbers = true)]
-    iterations: u64,
+    pub iterations: u64,
     /// Microbatches per holder per iteration.
     #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u64>(1),
           allow_negative_numbers = true)]
-    microbatches: u64,
+    pub microbatches: u64,
     /// Kill (SIGKILL) a relay every SEC seconds (0: never).
     #[arg(long, default_value_t = 4.0, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
-    crash_every: f64,
+    pub crash_every: f64,
     /// Start a joining relay every SEC seconds (0: never).
     #[arg(long, default_value_t = 8.0, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
-    join_every: f64,
+    pub join_every: f64,
     /// Let a crash take the last live member of a stage.
     #[arg(long)]
-    allow_empty_stage: bool,
+    pub allow_empty_stage: bool,
     /// Seed of the model, the data order, and the choice of victims.
     #[arg(long, default_value_t = 1, value_parser = checks::int_at_least::<u64>(0),
           allow_negative_numbers = true)]
-    seed: u64,
+    pub seed: u64,
     /// Link emulation.
     #[arg(long, value_enum, default_value_t = Links::None)]
-    links: Links,
+    pub links: Links,
     /// UTF-8 text files the holders train on [default: the generated corpus].
     #[arg(long, num_args = 1.., value_name = "FILE")]
-    data: Vec<PathBuf>,
+    pub data: Vec<PathBuf>,
     /// Device of every node.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
+    pub device: Device,
     /// Write the run's facts as one JSON object.
     #[arg(long, value_name = "FILE")]
-    json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
     /// Write a self-contained HTML page with plots of the run.
     #[arg(long, value_name = "FILE")]
-    report: Option<PathBuf>,
+    pub report: Option<PathBuf>,
     /// Keep each node's stdout and stderr (node-ID.stdout, node-ID.stderr) and
     /// the demo's own actions (demo.log) in this directory.
     #[arg(long, value_name = "DIR")]
-    keep_logs: Option<PathBuf>,
+    pub keep_logs: Option<PathBuf>,
     /// Give up after this many seconds (every node is killed, the run fails).
     #[arg(long, default_value_t = 600.0, value_name = "SEC",
           value_parser = checks::positive_float, allow_negative_numbers = true)]
-    deadline: f64,
+    pub deadline: f64,
     /// Skip the single-process reference run.
     #[arg(long)]
-    no_reference: bool,
+    pub no_reference: bool,
 }
 
 /// Checks every argument and output path; nothing is started before this.
@@ -169,96 +173,6 @@ fn check(a: &DemoArgs) -> Res<()> {
 // ---------------------------------------------------------------------------
 // Processes
 
-/// Set by SIGINT / SIGTERM: the demo stops its nodes and reports.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-fn catch_interrupts() {
-    let handler: extern "C" fn(libc::c_int) = on_signal;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, handler as libc::sighandler_t);
-    }
-}
-
-/// A line of one node's stdout with the time it was read, or its end (every
-/// line of the node has been sent before).
-enum Msg {
-    Line(NodeId, f64, String),
-    Eof(NodeId),
-}
-
-struct Proc {
-    id: NodeId,
-    child: Child,
-    exited: bool,
-    /// Every line of its stdout has been taken in.
-    stdout_closed: bool,
-    /// The last lines of its stderr.
-    stderr_tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-/// Every node process; kills those still running when dropped.
-#[derive(Default)]
-struct Procs(Vec<Proc>);
-
-impl Procs {
-    fn get(&mut self, id: NodeId) -> Option<&mut Proc> {
-        self.0.iter_mut().find(|p| p.id == id)
-    }
-    fn signal(&mut self, id: NodeId, sig: libc::c_int) {
-        if let Some(p) = self.get(id).filter(|p| !p.exited) {
-            // SAFETY: kill(2) on a child we have not reaped yet (its pid is ours).
-            unsafe {
-                libc::kill(p.child.id() as libc::pid_t, sig);
-            }
-        }
-    }
-    /// Children that ended since the last call and whose every line was taken
-    /// in: (id, exit code).
-    fn reap(&mut self) -> Vec<(NodeId, Option<i32>)> {
-        let mut out = Vec::new();
-        for p in self.0.iter_mut().filter(|p| !p.exited && p.stdout_closed) {
-            if let Ok(Some(st)) = p.child.try_wait() {
-                p.exited = true;
-                out.push((p.id, st.code()));
-            }
-        }
-        out
-    }
-    fn running(&self) -> usize {
-        self.0.iter().filter(|p| !p.exited).count()
-    }
-    /// Kills and reaps every child still running: (id, exit code).
-    fn kill_all(&mut self) -> Vec<(NodeId, Option<i32>)> {
-        let mut out = Vec::new();
-        for p in self.0.iter_mut().filter(|p| !p.exited) {
-            let _ = p.child.kill();
-            let code = p.child.wait().ok().and_then(|s| s.code());
-            p.exited = true;
-            out.push((p.id, code));
-        }
-        out
-    }
-}
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        let _ = self.kill_all();
-    }
-}
-
-/// A free loopback port (bound and released; a node binds it right after).
-fn free_port() -> Res<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// What a node is started with.
 struct Launch {
     id: NodeId,
@@ -272,23 +186,23 @@ struct Launch {
 }
 
 /// Everything the run's loop needs.
-struct Swarm<'a> {
-    a: &'a DemoArgs,
-    exe: PathBuf,
-    key_file: PathBuf,
-    start: Instant,
-    tx: Sender<Msg>,
-    procs: Procs,
-    facts: Facts,
-    log: Option<std::fs::File>,
-    rng: Rng,
-    next_id: NodeId,
-    next_region: usize,
-    out: Out,
+pub struct Swarm<'a> {
+    pub a: &'a DemoArgs,
+    pub exe: PathBuf,
+    pub key_file: PathBuf,
+    pub start: Instant,
+    pub tx: Sender<Msg>,
+    pub procs: Procs,
+    pub facts: Facts,
+    pub log: Option<std::fs::File>,
+    pub rng: Rng,
+    pub next_id: NodeId,
+    pub next_region: usize,
+    pub out: Out,
 }
 
 impl Swarm<'_> {
-    fn now(&self) -> f64 {
+    pub fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
     }
 
@@ -384,7 +298,14 @@ impl Swarm<'_> {
         };
         let now = self.now();
         if let Some(f) = &mut self.log {
-            let _ = writeln!(f, "{now:.3} start node {}", args.join(" "));
+            // One line per node with its pid: the tests check none outlives the demo.
+            let _ = writeln!(
+                f,
+                "{now:.3} pid {} node {}: {}",
+                child.id(),
+                l.id,
+                args.join(" ")
+            );
         }
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");
@@ -458,7 +379,7 @@ impl Swarm<'_> {
 
     /// Starts a joiner (through up to three live members), in `stage` or where
     /// the protocol puts it.
-    fn join(&mut self, stage: Option<u32>) -> Res<NodeId> {
+    pub fn join(&mut self, stage: Option<u32>) -> Res<NodeId> {
         let mut addrs: Vec<String> = self
             .facts
             .nodes
@@ -491,7 +412,7 @@ impl Swarm<'_> {
     }
 
     /// Relays that may be killed now, optionally only of `stage`.
-    fn victims(&self, stage: Option<u32>) -> Vec<NodeId> {
+    pub fn victims(&self, stage: Option<u32>) -> Vec<NodeId> {
         let members = self.facts.members_per_stage();
         self.facts
             .nodes
@@ -506,7 +427,7 @@ impl Swarm<'_> {
             .collect()
     }
 
-    fn kill(&mut self, id: NodeId, aim: &str) {
+    pub fn kill(&mut self, id: NodeId, aim: &str) {
         self.procs.signal(id, libc::SIGKILL);
         let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
         self.record(What::Killed {
@@ -545,82 +466,12 @@ fn geo10_link(r: usize) -> (u64, u64) {
     )
 }
 
-fn read_stdout(
-    out: impl Read,
-    mut log: Option<std::fs::File>,
-    tx: Sender<Msg>,
-    id: NodeId,
-    start: Instant,
-) {
-    let mut r = BufReader::new(out);
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        match r.read_until(b'\n', &mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {
-                let t = start.elapsed().as_secs_f64();
-                if let Some(f) = &mut log {
-                    let _ = f.write_all(&buf);
-                }
-                let line = String::from_utf8_lossy(&buf).trim_end().to_string();
-                if tx.send(Msg::Line(id, t, line)).is_err() {
-                    break;
-                }
-            }
-        }
-    }
-    let _ = tx.send(Msg::Eof(id));
-}
-
-fn read_stderr(err: impl Read, mut log: Option<std::fs::File>, tail: Arc<Mutex<VecDeque<String>>>) {
-    let mut r = BufReader::new(err);
-    let mut buf = Vec::new();
-    while matches!(r.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
-        if let Some(f) = &mut log {
-            let _ = f.write_all(&buf);
-        }
-        if let Ok(mut t) = tail.lock() {
-            t.push_back(String::from_utf8_lossy(&buf).trim_end().to_string());
-            if t.len() > 20 {
-                t.pop_front();
-            }
-        }
-        buf.clear();
-    }
-}
-
-/// A small deterministic generator (splitmix64) for the choice of victims.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> Option<T> {
-        (!v.is_empty()).then(|| v[self.below(v.len())])
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i + 1);
-            v.swap(i, j);
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Progress
 
 /// Live progress: an indicatif bar on a terminal, else one plain line per
 /// iteration (and per crash or join) on stdout.
-struct Out {
+pub struct Out {
     bar: Option<indicatif::ProgressBar>,
 }
 
@@ -640,7 +491,7 @@ impl Out {
         bar.enable_steady_tick(Duration::from_millis(200));
         Out { bar: Some(bar) }
     }
-    fn note(&self, s: &str) {
+    pub fn note(&self, s: &str) {
         match &self.bar {
             Some(b) => b.println(s),
             None => println!("{s}"),
@@ -681,192 +532,6 @@ fn status(f: &Facts) -> String {
 }
 
 // ---------------------------------------------------------------------------
-// Chaos: when and whom to kill
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Aim {
-    /// Right after a relay printed `applied`: the next iteration's forward.
-    Forward,
-    /// Halfway through an iteration (by the last iterations' pace): backward.
-    Backward,
-    /// Right after a stage's `committed`: its all-reduce.
-    Aggregation,
-    /// Right after a joiner of the victim's stage started: the state download.
-    StateDownload,
-    Random,
-}
-
-impl Aim {
-    fn name(self) -> &'static str {
-        match self {
-            Aim::Forward => "forward (right after applied)",
-            Aim::Backward => "backward (mid-iteration)",
-            Aim::Aggregation => "aggregation (right after committed)",
-            Aim::StateDownload => "state download (joiner starting)",
-            Aim::Random => "random",
-        }
-    }
-}
-
-/// A kill that is due and waits for its moment.
-struct Armed {
-    aim: Aim,
-    since: f64,
-    /// Backward: the time to strike.
-    at: Option<f64>,
-    /// State download: the joiner started for it, and its stage.
-    joiner: Option<(NodeId, u32)>,
-}
-
-struct Chaos {
-    every: f64,
-    next_at: f64,
-    turn: usize,
-    armed: Option<Armed>,
-    aims: Vec<Aim>,
-}
-
-impl Chaos {
-    fn new(a: &DemoArgs) -> Chaos {
-        let mut aims = vec![Aim::Forward, Aim::Backward, Aim::Aggregation];
-        if a.join_every > 0.0 {
-            aims.push(Aim::StateDownload);
-        }
-        aims.push(Aim::Random);
-        Chaos {
-            every: a.crash_every,
-            next_at: a.crash_every,
-            turn: 0,
-            armed: None,
-            aims,
-        }
-    }
-}
-
-/// How long an armed kill waits for its moment before striking at random.
-fn patience(every: f64) -> f64 {
-    (every * 1.5).clamp(2.0, 15.0)
-}
-
-/// The mean duration of the last few iterations.
-fn iteration_pace(f: &Facts) -> Option<(f64, f64)> {
-    let rows = f.completed_iterations();
-    let recent = &rows[rows.len().saturating_sub(4)..];
-    match (recent.first(), recent.last()) {
-        (Some(a), Some(b)) if recent.len() >= 2 && b.t_s > a.t_s => {
-            Some((b.t_s, (b.t_s - a.t_s) / (recent.len() - 1) as f64))
-        }
-        _ => None,
-    }
-}
-
-fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
-    if ch.every <= 0.0 {
-        return Ok(());
-    }
-    if ch.armed.is_none() && now >= ch.next_at {
-        let aim = ch.aims[ch.turn % ch.aims.len()];
-        ch.turn += 1;
-        ch.next_at = now + ch.every;
-        let mut armed = Armed {
-            aim,
-            since: now,
-            at: None,
-            joiner: None,
-        };
-        match aim {
-            Aim::Backward => {
-                armed.at = Some(match iteration_pace(&sw.facts) {
-                    Some((last, pace)) => {
-                        let mut at = last + pace * 0.5;
-                        while at < now {
-                            at += pace;
-                        }
-                        at
-                    }
-                    None => now,
-                })
-            }
-            Aim::StateDownload => {
-                // The stage with the most members (so one may go), joined now.
-                let members = sw.facts.members_per_stage();
-                let stage = (1..members.len())
-                    .max_by_key(|&s| (members[s], usize::MAX - s))
-                    .filter(|&s| members[s] >= 2 || sw.a.allow_empty_stage);
-                if let Some(s) = stage {
-                    let j = sw.join(Some(s as u32))?;
-                    sw.out.note(&format!(
-                        "{:>7.1}s  join: node {j} into stage {s} (to crash a member while it \
-                         downloads the stage's state)",
-                        sw.now()
-                    ));
-                    armed.joiner = Some((j, s as u32));
-                }
-            }
-            _ => {}
-        }
-        ch.armed = Some(armed);
-    }
-    // Time-based strikes (backward, random, and any that waited too long).
-    if let Some(armed) = &ch.armed {
-        let late = now - armed.since > patience(ch.every);
-        let strike = match armed.aim {
-            Aim::Random => true,
-            Aim::Backward => armed.at.is_some_and(|at| now >= at),
-            Aim::StateDownload => armed.joiner.is_none(),
-            _ => false,
-        };
-        if strike || late {
-            let aim = if late && !strike {
-                format!("random ({} did not come in time)", armed.aim.name())
-            } else {
-                armed.aim.name().to_string()
-            };
-            let v = sw.victims(None);
-            if let Some(id) = sw.rng.pick(&v) {
-                sw.kill(id, &aim);
-            }
-            ch.armed = None;
-        }
-    }
-    Ok(())
-}
-
-/// Event-triggered strikes: `node` just printed `ev`.
-fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &super::demo_events::Event) {
-    use super::demo_events::Event;
-    let Some(armed) = &ch.armed else {
-        return;
-    };
-    let target = match (armed.aim, ev) {
-        (Aim::Forward, Event::Applied { stage, .. }) if *stage > 0 => {
-            sw.victims(Some(*stage)).contains(&node).then_some(node)
-        }
-        (Aim::Aggregation, Event::Committed { stage, .. }) if *stage > 0 => {
-            let v = sw.victims(Some(*stage));
-            sw.rng.pick(&v)
-        }
-        (Aim::StateDownload, Event::Listening { .. })
-            if armed.joiner.is_some_and(|(j, _)| j == node) =>
-        {
-            let stage = armed.joiner.map(|j| j.1);
-            let v: Vec<NodeId> = sw
-                .victims(stage)
-                .into_iter()
-                .filter(|&v| v != node)
-                .collect();
-            sw.rng.pick(&v)
-        }
-        _ => None,
-    };
-    if let Some(id) = target {
-        let aim = armed.aim.name();
-        sw.kill(id, aim);
-        ch.armed = None;
-    }
-}
-
-// ---------------------------------------------------------------------------
 // The reference
 
 /// What the single-process reference trains.
@@ -874,7 +539,10 @@ pub struct ReferenceSpec<'a> {
     pub model: &'a str,
     pub stages: u32,
     pub seed: u64,
+    /// Iterations to train, of a run planned for `schedule` (the learning rate
+    /// follows the planned run's schedule when the swarm stopped early).
     pub iterations: u64,
+    pub schedule: u64,
     /// Microbatches per iteration, all holders together.
     pub microbatches: u64,
     pub data: &'a [PathBuf],
@@ -896,6 +564,8 @@ pub fn reference_losses(exe: &Path, r: &ReferenceSpec) -> Res<Vec<f64>> {
         &r.seed.to_string(),
         "--steps",
         &r.iterations.to_string(),
+        "--schedule-steps",
+        &r.schedule.to_string(),
         "--accum",
         &r.microbatches.to_string(),
         "--json",
@@ -987,14 +657,19 @@ pub fn run(a: DemoArgs) -> super::CliResult {
     let wall = sw.now();
     let stopped_why = outcome?;
 
-    let reference = if a.no_reference {
+    // The reference covers the iterations the swarm completed (none after a
+    // Ctrl-C: whoever pressed it wants to stop).
+    let completed = sw.facts.completed_iterations().len() as u64;
+    let interrupted = INTERRUPTED.load(Ordering::SeqCst);
+    let reference = if a.no_reference || interrupted || completed == 0 {
         None
     } else {
         let spec = ReferenceSpec {
             model: &a.model,
             stages: a.stages,
             seed: a.seed,
-            iterations: a.iterations,
+            iterations: completed.min(a.iterations),
+            schedule: a.iterations,
             microbatches: a.microbatches * a.holders as u64,
             data: &a.data,
         };
