@@ -6,9 +6,10 @@
 //! - backward: halfway through an iteration by the last iterations' pace;
 //! - aggregation: right after a stage's coordinator printed `committed` (its
 //!   all-reduce runs), a member of that stage;
-//! - state download: a joiner is started into the stage with the most members
-//!   and, as soon as it listens, a member of that stage (maybe the one serving
-//!   the stage's state) is killed;
+//! - state download: a joiner is started into the stage with the most
+//!   members, through a member of that stage, and [`JOIN_STRIKE_S`] after it
+//!   listens that member (or another of the stage) is killed: the one that
+//!   introduced it and may be serving the stage's state;
 //! - random.
 //!
 //! An aim whose moment does not come within [`patience`] becomes a random
@@ -27,7 +28,7 @@ pub enum Aim {
     Backward,
     /// Right after a stage's `committed`: its all-reduce.
     Aggregation,
-    /// Right after a joiner of the victim's stage started: the state download.
+    /// Shortly after a joiner of the victim's stage started: the state download.
     StateDownload,
     Random,
 }
@@ -38,7 +39,7 @@ impl Aim {
             Aim::Forward => "forward (right after applied)",
             Aim::Backward => "backward (mid-iteration)",
             Aim::Aggregation => "aggregation (right after committed)",
-            Aim::StateDownload => "state download (joiner starting)",
+            Aim::StateDownload => "state download (a joiner of its stage starting)",
             Aim::Random => "random",
         }
     }
@@ -48,11 +49,16 @@ impl Aim {
 pub struct Armed {
     aim: Aim,
     since: f64,
-    /// Backward: the time to strike.
+    /// Backward, state download: the time to strike.
     at: Option<f64>,
-    /// State download: the joiner started for it, and its stage.
-    joiner: Option<(NodeId, u32)>,
+    /// State download: the joiner started for it, its stage, its first contact.
+    joiner: Option<(NodeId, u32, NodeId)>,
 }
+
+/// How long after a joiner listens its stage loses a member (time to reach
+/// its contact and ask for the state; llama-tiny's state moves in
+/// milliseconds on loopback).
+pub const JOIN_STRIKE_S: f64 = 0.1;
 
 pub struct Chaos {
     every: f64,
@@ -130,13 +136,17 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
                     .max_by_key(|&s| (members[s], usize::MAX - s))
                     .filter(|&s| members[s] >= 2 || sw.a.allow_empty_stage);
                 if let Some(s) = stage {
-                    let j = sw.join(Some(s as u32))?;
-                    sw.out.note(&format!(
-                        "{:>7.1}s  join: node {j} into stage {s} (to crash a member while it \
-                         downloads the stage's state)",
-                        sw.now()
-                    ));
-                    armed.joiner = Some((j, s as u32));
+                    match sw.join(Some(s as u32)) {
+                        Ok((j, contact)) => {
+                            sw.out.note(&format!(
+                                "{:>7.1}s  join: node {j} into stage {s} through node {contact} \
+                                 (to crash a member while it downloads the stage's state)",
+                                sw.now()
+                            ));
+                            armed.joiner = Some((j, s as u32, contact));
+                        }
+                        Err(e) => sw.out.note(&format!("{now:>7.1}s  no join: {e}")),
+                    }
                 }
             }
             _ => {}
@@ -149,18 +159,51 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
         let strike = match armed.aim {
             Aim::Random => true,
             Aim::Backward => armed.at.is_some_and(|at| now >= at),
-            Aim::StateDownload => armed.joiner.is_none(),
+            Aim::StateDownload => armed.joiner.is_none() || armed.at.is_some_and(|at| now >= at),
             _ => false,
         };
         if strike || late {
             let aim = if late && !strike {
                 format!("random ({} did not come in time)", armed.aim.name())
+            } else if armed.aim == Aim::StateDownload && armed.joiner.is_none() {
+                "random (no stage could spare a member for a state download)".to_string()
             } else {
                 armed.aim.name().to_string()
             };
-            let v = sw.victims(None);
-            if let Some(id) = sw.rng.pick(&v) {
-                sw.kill(id, &aim);
+            let victim = match (armed.aim, armed.joiner) {
+                (Aim::StateDownload, Some((joiner, stage, contact))) if !late => {
+                    let v: Vec<NodeId> = sw
+                        .victims(Some(stage))
+                        .into_iter()
+                        .filter(|&v| v != joiner)
+                        .collect();
+                    let when = if sw
+                        .facts
+                        .nodes
+                        .get(&joiner)
+                        .is_some_and(|n| n.active_s.is_some())
+                    {
+                        "already a member: too late"
+                    } else {
+                        "not yet a member"
+                    };
+                    let pick = if v.contains(&contact) {
+                        Some(contact)
+                    } else {
+                        sw.rng.pick(&v)
+                    };
+                    pick.map(|id| (id, format!("{aim}; joiner {joiner} {when}")))
+                }
+                _ => {
+                    let v = sw.victims(None);
+                    sw.rng.pick(&v).map(|id| (id, aim))
+                }
+            };
+            match victim {
+                Some((id, aim)) => sw.kill(id, &aim),
+                None => sw.out.note(&format!(
+                    "{now:>7.1}s  no crash: every stage is down to its last member"
+                )),
             }
             ch.armed = None;
         }
@@ -170,7 +213,7 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
 
 /// Event-triggered strikes: `node` just printed `ev`.
 pub fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &Event) {
-    let Some(armed) = &ch.armed else {
+    let Some(armed) = &mut ch.armed else {
         return;
     };
     let target = match (armed.aim, ev) {
@@ -182,15 +225,10 @@ pub fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &Event) 
             sw.rng.pick(&v)
         }
         (Aim::StateDownload, Event::Listening { .. })
-            if armed.joiner.is_some_and(|(j, _)| j == node) =>
+            if armed.joiner.is_some_and(|j| j.0 == node) =>
         {
-            let stage = armed.joiner.map(|j| j.1);
-            let v: Vec<NodeId> = sw
-                .victims(stage)
-                .into_iter()
-                .filter(|&v| v != node)
-                .collect();
-            sw.rng.pick(&v)
+            armed.at = Some(sw.now() + JOIN_STRIKE_S);
+            None
         }
         _ => None,
     };

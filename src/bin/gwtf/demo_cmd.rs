@@ -379,19 +379,21 @@ impl Swarm<'_> {
 
     /// Starts a joiner (through up to three live members), in `stage` or where
     /// the protocol puts it.
-    pub fn join(&mut self, stage: Option<u32>) -> Res<NodeId> {
-        let mut addrs: Vec<String> = self
+    pub fn join(&mut self, stage: Option<u32>) -> Res<(NodeId, NodeId)> {
+        let mut contacts: Vec<(NodeId, String, Option<u32>)> = self
             .facts
             .nodes
-            .values()
-            .filter(|n| n.member())
-            .filter_map(|n| n.addr.clone())
+            .iter()
+            .filter(|(_, n)| n.member())
+            .filter_map(|(&id, n)| Some((id, n.addr.clone()?, n.stage)))
             .collect();
-        self.rng.shuffle(&mut addrs);
-        addrs.truncate(3);
-        if addrs.is_empty() {
+        self.rng.shuffle(&mut contacts);
+        // Into a given stage: a member of that stage is the first contact.
+        contacts.sort_by_key(|c| stage.is_some() && c.2 != stage);
+        contacts.truncate(3);
+        let Some(first) = contacts.first().map(|c| c.0) else {
             return Err("no live member has printed its address yet".into());
-        }
+        };
         let id = self.next_id;
         self.next_id += 1;
         let link = self.next_link();
@@ -402,13 +404,13 @@ impl Swarm<'_> {
                 port,
                 holder: false,
                 peers: Vec::new(),
-                join: addrs,
+                join: contacts.into_iter().map(|c| c.1).collect(),
                 stage,
                 link,
             },
             true,
         )?;
-        Ok(id)
+        Ok((id, first))
     }
 
     /// Relays that may be killed now, optionally only of `stage`.
@@ -935,7 +937,7 @@ fn drive(sw: &mut Swarm, rx: &Receiver<Msg>) -> Res<Option<String>> {
         if now >= next_join {
             next_join = now + a.join_every;
             match sw.join(None) {
-                Ok(j) => sw.out.note(&format!(
+                Ok((j, _)) => sw.out.note(&format!(
                     "{:>7.1}s  join: node {j} (stage: the protocol's choice)",
                     now
                 )),
