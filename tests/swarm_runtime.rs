@@ -4,7 +4,9 @@
 //! on. The trainer here only takes time (no model): this tests the runtime.
 use gwtf::engine::NodeOptions;
 use gwtf::protocol::{Config, Event, NodeId, Policy, Stage, SEC};
-use gwtf::swarm::runtime::{parse_directory, Peer, Runtime, RuntimeOptions, TimedTrainer};
+use gwtf::swarm::runtime::{
+    parse_directory, NodeEvent, Peer, Runtime, RuntimeOptions, TimedTrainer,
+};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,9 +62,7 @@ fn start_as(
                 ..NodeOptions::default()
             },
         },
-        TimedTrainer {
-            per_task: Duration::from_millis(5),
-        },
+        TimedTrainer::new(Duration::from_millis(5)),
     )
     .unwrap()
 }
@@ -82,6 +82,11 @@ fn watch(
         if std::env::var_os("GWTF_TEST_TRACE").is_some() {
             eprintln!("{:?} {ev:?}", Instant::now());
         }
+        let ev = match ev {
+            NodeEvent::Protocol(ev) => ev,
+            NodeEvent::Error(e) => panic!("the holder reported an error: {e}"),
+            _ => continue,
+        };
         match &ev {
             Event::IterFinalized { iter, .. } => last = last.max(*iter),
             Event::MbDone { path, .. } => paths.push(path.to_vec()),
@@ -191,7 +196,7 @@ fn a_joiner_takes_over_flows_and_a_relay_leaves_gracefully() {
     let joiner = start_as(31, 2, joiner_addr, &peers[..1], &cfg, true);
     let mut active = None;
     while Instant::now() < deadline && active.is_none() {
-        if let Ok(Event::Active { stage }) =
+        if let Ok(NodeEvent::Protocol(Event::Active { stage })) =
             joiner.events().recv_timeout(Duration::from_millis(100))
         {
             active = Some(stage);

@@ -315,6 +315,12 @@ impl Frame {
     pub fn payload_mut(&mut self) -> &mut [u8] {
         self.lease.as_mut().map_or(&mut [], Lease::as_mut_slice)
     }
+    /// Shortens the payload to `len` bytes (no effect if it is not longer).
+    pub fn truncate(&mut self, len: usize) {
+        if let Some(l) = self.lease.as_mut() {
+            l.truncate(len);
+        }
+    }
     /// Pointer to the payload (NULL for an empty one).
     pub fn payload_ptr(&self) -> *mut u8 {
         self.lease

@@ -522,9 +522,14 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u64(*epoch);
             w.ids(members);
         }
-        Msg::AggDone { iter, epoch } => {
+        Msg::AggDone {
+            iter,
+            epoch,
+            weights,
+        } => {
             w.u32(*iter);
             w.u64(*epoch);
+            w.u64(*weights);
         }
         Msg::Applied { iter, version } => {
             w.u32(*iter);
@@ -722,6 +727,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         32 => Msg::AggDone {
             iter: r.u32()?,
             epoch: r.u64()?,
+            weights: r.u64()?,
         },
         33 => Msg::Applied {
             iter: r.u32()?,
@@ -927,7 +933,11 @@ pub fn samples() -> Vec<Msg> {
             epoch: 77,
             members: ids.clone(),
         },
-        Msg::AggDone { iter: 4, epoch: 77 },
+        Msg::AggDone {
+            iter: 4,
+            epoch: 77,
+            weights: 0x5eed,
+        },
         Msg::Applied {
             iter: 4,
             version: 78,

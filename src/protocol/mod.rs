@@ -57,5 +57,5 @@ mod node;
 pub mod rng;
 mod types;
 
-pub use node::Node;
+pub use node::{AggregatePlan, Node};
 pub use types::*;

@@ -424,9 +424,13 @@ pub enum Msg {
         epoch: u64,
         members: Arc<Vec<NodeId>>,
     },
+    /// A member finished its part of the all-reduce of `iter` (commit
+    /// `epoch`); `weights` digests the weights it aggregated on (0: not
+    /// known), so the coordinator can tell replicas that drifted apart.
     AggDone {
         iter: u32,
         epoch: u64,
+        weights: u64,
     },
     Applied {
         iter: u32,
@@ -558,6 +562,8 @@ pub struct Task {
     pub kind: TaskKind,
     pub stage: Stage,
     pub mb: Option<MbId>,
+    /// The microbatch's attempt (0 for tasks without a microbatch).
+    pub attempt: u32,
 }
 
 /// What the driver feeds into a node.
@@ -630,4 +636,12 @@ pub enum Event {
     Left,
     /// A coordinator removed `peer` from its stage's group.
     MemberRemoved { peer: NodeId },
+    /// The coordinator of `stage` found that the members of the aggregate of
+    /// `iter` did not hold the same weights (digest per member): an error,
+    /// replicas must be bit-identical after every apply.
+    ReplicasDiverged {
+        stage: Stage,
+        iter: u32,
+        digests: Vec<(NodeId, u64)>,
+    },
 }

@@ -1248,6 +1248,8 @@ impl Sim {
                 self.rep.stalls.push((to_secs(self.now), iter, stage))
             }
             Event::Left => {}
+            // The simulator's nodes hold no weights (digest 0): never raised.
+            Event::ReplicasDiverged { .. } => {}
             Event::MemberRemoved { peer } => {
                 if self.nodes[peer as usize].alive {
                     self.rep.false_suspicions += 1;

@@ -76,6 +76,15 @@ pub fn key_of_frame(peer: NodeId, microbatch: u64, iteration: u64) -> Key {
     }
 }
 
+/// Whether a data frame with this header is an all-reduce chunk or abort
+/// (`super::allreduce_net`: `iteration` is a step below 2^32, or the abort
+/// marker) rather than the second half of a bulk message (whose
+/// `iteration` names its message kind in the high 32 bits, never 0).
+pub fn is_allreduce_frame(h: &crate::wire::FrameHeader) -> bool {
+    let kind = h.iteration >> 32;
+    kind == 0 || kind > u16::MAX as u64
+}
+
 /// One side's waiting halves, and how many each peer has.
 #[derive(Debug)]
 struct Waiting<T> {

@@ -1,9 +1,16 @@
 //! The runtime that makes real swarm nodes (docs/ARCHITECTURE.md): a
 //! `protocol::Node` driven on real time over the engine, with a trainer
-//! behind one task interface ([`runtime`]), and the stage's crash-tolerant
-//! all-reduce: the ring algorithm as a sans-I/O machine ([`allreduce`]) and
-//! its driver over the engine's connections ([`allreduce_net`]).
+//! behind one work interface ([`runtime`], [`work`]), the tensors kept for
+//! recovery ([`store`]), and the stage's crash-tolerant all-reduce: the
+//! ring algorithm as a sans-I/O machine ([`allreduce`]), its frames
+//! ([`allreduce_net`]) and the operation a node runs for its stage
+//! ([`aggregate`]).
+pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
 pub mod bulk;
+pub mod directory;
+mod driver;
 pub mod runtime;
+pub mod store;
+pub mod work;

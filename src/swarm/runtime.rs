@@ -1,77 +1,162 @@
 //! A swarm node for real: the protocol state machine (`protocol::Node`, the
 //! same code the simulator drives) run on real time over the engine's
-//! authenticated TCP connections, with a trainer on a thread of its own.
+//! authenticated TCP connections, with a trainer behind one work interface.
 //!
-//! Threads: the *driver* owns the protocol node, turns engine events into
-//! protocol inputs (a control frame becomes `Input::Message`, a broken
-//! connection `Input::PeerLost` at once), performs the protocol's actions
-//! (messages go out through `protocol::codec` as control frames; tasks go to
-//! the trainer; events go to the caller) and runs its timers. The *trainer*
-//! thread runs one task at a time and reports it done.
+//! Threads: the *driver* ([`super::driver`]) owns the protocol node, turns
+//! engine events into protocol inputs (a control frame becomes
+//! `Input::Message`, a broken connection `Input::PeerLost` at once),
+//! performs the protocol's actions (messages go out through
+//! `protocol::codec` as control frames, tensors as data frames; tasks
+//! become [`Work`] for the trainer; events go to the caller) and runs its
+//! timers. The trainer pulls work through a [`WorkPort`]: the built-in
+//! trainers run on a thread of their own ([`Runtime::start`]); a trainer
+//! behind the C API pulls from its own threads ([`Runtime::start_pulled`]).
+//!
+//! Tensors: an activation or gradient arrives as a data frame right after
+//! its protocol message ([`super::bulk`] pairs them) and is handed to the
+//! trainer as the same pool lease; what the trainer produces is kept
+//! ([`super::store`]) for as long as the protocol's recovery may send it
+//! again, and each send is a copy of it.
+//!
+//! Aggregation: the protocol's aggregate task becomes a sum of the
+//! granted microbatches' gradients by the trainer, a ring all-reduce among
+//! the commit's members ([`super::aggregate`]), and, on the coordinator's
+//! word (`Applied`), the optimizer step; every member reports the digest
+//! of its weights with its part, so replicas that drift apart are an
+//! error, never silent. A joiner's state is exported by a member's
+//! trainer, sent with its SHA-256 and imported before any other work.
 //!
 //! Addresses: the protocol names peers by `NodeId`; the engine's node id is
 //! that same number. Each connection starts with a directory message
-//! ([`DIRECTORY_MSG`], outside the protocol's message kinds) carrying the
-//! sender's stage and listening address and the peers it knows, so a node
-//! can reach any peer the protocol names. A message to a peer not yet
-//! connected waits (bounded) until the connection is up; a peer that cannot
-//! be reached is lost to the protocol.
-//!
-//! Bulk messages (activations, gradients, bandwidth probes, state) are
-//! followed by their data frame ([`super::bulk`]), so transfers take their
-//! real time and the protocol measures real bandwidths. What this runtime
-//! does not do yet (the real-swarm work builds on it): the frames carry no
-//! tensor yet (their payload is as long as the tensor would be), the stage
-//! all-reduce inside the aggregate task (`super::allreduce` exists), a real
-//! state download. Its trainer interface therefore only runs tasks;
-//! [`TimedTrainer`] takes the time a task would take, for tests of the
-//! runtime itself.
-use super::bulk::{self, Pairing};
-use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, NodeOptions};
-use crate::protocol::{codec, Action, Config, Event, Input, Msg, Node, NodeId, Stage, Task, Time};
-use crate::wire::ControlEnvelope;
-use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
+//! ([`super::directory`]).
+pub use super::directory::{parse as parse_directory, Peer, DIRECTORY_MSG};
+use super::driver::{Driver, JOIN_DIRECTORY_WAIT};
+pub use super::work::{CompleteError, Output, Work, WorkId, WorkKind, WorkPort};
+use crate::engine::{EngineError, Node as Net, NodeOptions};
+use crate::protocol::{Config, Event, Input, NodeId, Stage};
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// `msg_type` of the runtime's directory message.
-pub const DIRECTORY_MSG: u16 = 0x8000;
-/// Peers one directory message carries at most.
-const DIRECTORY_MAX: usize = 512;
-/// Messages kept for a peer whose connection is being set up.
-const PENDING_MAX: usize = 4096;
-/// How long a joiner waits for its bootstrap peers' directories.
-const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
-
-/// Runs the protocol's tasks: forward, backward, loss, aggregate.
+/// Runs the work of one node, one piece at a time.
 pub trait Trainer: Send + 'static {
-    fn run(&mut self, task: &Task) -> Result<(), String>;
+    /// Does `work`; output frames come from `port.alloc`.
+    fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String>;
 }
 
-/// A trainer that only takes time: `per_task` for each compute task.
+/// A trainer without a model, for tests of the runtime itself: each
+/// compute work takes `per_task` and yields zeros of the right size; its
+/// "weights" are a digest of every update it applied, so replicas agree
+/// exactly when they applied the same updates.
 pub struct TimedTrainer {
     pub per_task: Duration,
+    /// Elements of its gradient.
+    pub params: usize,
+    weights: [u8; 32],
 }
 
-impl Trainer for TimedTrainer {
-    fn run(&mut self, task: &Task) -> Result<(), String> {
-        if task.kind.is_compute() {
-            std::thread::sleep(self.per_task);
+impl TimedTrainer {
+    pub fn new(per_task: Duration) -> TimedTrainer {
+        TimedTrainer {
+            per_task,
+            params: 16,
+            weights: [0; 32],
         }
-        Ok(())
     }
 }
 
-/// A swarm member as the directory knows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Peer {
-    pub id: NodeId,
-    pub stage: Stage,
-    pub addr: SocketAddr,
+impl Trainer for TimedTrainer {
+    fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String> {
+        let tensor = || {
+            port.alloc(port.activation_bytes())
+                .map_err(|e| e.to_string())
+        };
+        if work.kind.is_microbatch_compute() {
+            std::thread::sleep(self.per_task);
+        }
+        Ok(match work.kind {
+            WorkKind::Embed | WorkKind::Forward | WorkKind::Backward => Output::Tensor(tensor()?),
+            WorkKind::Loss => Output::Loss {
+                loss: 1.0,
+                grad: tensor()?,
+            },
+            WorkKind::EmbedBackward | WorkKind::Forget { .. } => Output::None,
+            WorkKind::Gradient { granted, .. } => Output::Gradient {
+                sum: vec![granted.len() as f32; self.params],
+                weights: self.weights,
+            },
+            WorkKind::Apply { mean, .. } => {
+                let mut h = Sha256::new();
+                h.update(self.weights);
+                for x in mean.iter() {
+                    h.update(x.to_le_bytes());
+                }
+                self.weights = h.finalize().into();
+                Output::Weights(self.weights)
+            }
+            WorkKind::ExportState => {
+                let mut f = port.alloc(32).map_err(|e| e.to_string())?;
+                f.payload_mut().copy_from_slice(&self.weights);
+                Output::State(f)
+            }
+            WorkKind::ImportState { .. } => {
+                let input = work.input.ok_or("no state")?;
+                self.weights = input
+                    .payload()
+                    .try_into()
+                    .map_err(|_| format!("a state of {} bytes", input.len()))?;
+                Output::Weights(self.weights)
+            }
+        })
+    }
+}
+
+/// What a node reports, in order.
+#[derive(Clone, Debug)]
+pub enum NodeEvent {
+    /// The protocol's own events.
+    Protocol(Event),
+    /// The node applied iteration `iteration`'s update: the SHA-256 its
+    /// trainer reports for the stage's weights (replicas agree).
+    Applied {
+        stage: Stage,
+        iteration: u32,
+        weights: [u8; 32],
+    },
+    /// Data holder: iteration `iteration` is final; the mean loss of this
+    /// holder's microbatches.
+    Iteration {
+        iteration: u32,
+        loss: f32,
+        microbatches: u32,
+    },
+    /// A joiner imported the stage's state from `from`.
+    StateDownloaded { from: NodeId, bytes: u64, ms: f64 },
+    /// Something went wrong (a refused tensor, a failed work, replicas
+    /// that disagree); the node goes on where it can.
+    Error(String),
+}
+
+/// State the driver shares with the handle.
+#[derive(Default)]
+pub struct Shared {
+    pub(super) stop: AtomicBool,
+    /// Time the trainer spent on microbatch compute.
+    pub(super) compute_ns: AtomicU64,
+    /// The part of it that went into an applied update.
+    pub(super) useful_ns: AtomicU64,
+}
+
+/// Compute time of a node so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ComputeStats {
+    pub compute: Duration,
+    pub useful: Duration,
 }
 
 /// How to start a node.
@@ -101,15 +186,42 @@ pub struct RuntimeOptions {
 /// for the engine's goodbye); [`Runtime::leave`] leaves gracefully.
 pub struct Runtime {
     net: Arc<Net>,
-    stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
     leave: Sender<()>,
-    events: Receiver<Event>,
+    events: Receiver<NodeEvent>,
+    port: WorkPort,
     driver: Option<JoinHandle<()>>,
     trainer: Option<JoinHandle<()>>,
 }
 
 impl Runtime {
+    /// Starts a node whose work `trainer` runs on a thread of its own.
     pub fn start(opts: RuntimeOptions, mut trainer: impl Trainer) -> Result<Runtime, EngineError> {
+        let mut rt = Runtime::start_pulled(opts)?;
+        let port = rt.port.clone();
+        let t = std::thread::Builder::new()
+            .name("gwtf-trainer".into())
+            .spawn(move || {
+                while !port.is_stopped() {
+                    let Some(w) = port.next_work(Duration::from_millis(100)) else {
+                        continue;
+                    };
+                    let id = w.id;
+                    let r = trainer.run(w, &port);
+                    if let Err(super::work::CompleteError::BadOutput { reason, .. }) =
+                        port.complete(id, r)
+                    {
+                        let _ = port.complete(id, Err(reason));
+                    }
+                }
+            })
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start a thread: {e}")))?;
+        rt.trainer = Some(t);
+        Ok(rt)
+    }
+
+    /// Starts a node whose work the caller pulls from [`Runtime::port`].
+    pub fn start_pulled(opts: RuntimeOptions) -> Result<Runtime, EngineError> {
         let net = Arc::new(Net::new(NodeOptions {
             listen: Some(opts.listen),
             swarm_key: opts.swarm_key.clone(),
@@ -119,22 +231,10 @@ impl Runtime {
         let addr = net
             .local_addr()
             .ok_or_else(|| EngineError::InvalidArgument("the node does not listen".into()))?;
-        let (tasks_tx, tasks_rx) = unbounded::<Task>();
-        let (done_tx, done_rx) = unbounded::<(Task, Result<(), String>)>();
+        let port = WorkPort::new(net.clone(), opts.protocol.activation_bytes as usize);
         let (events_tx, events) = unbounded();
         let (leave, leave_rx) = unbounded();
-        let stop = Arc::new(AtomicBool::new(false));
-        let trainer_thread = std::thread::Builder::new()
-            .name(format!("gwtf-trainer-{:x}", opts.id))
-            .spawn(move || {
-                for task in tasks_rx {
-                    let r = trainer.run(&task);
-                    if done_tx.send((task, r)).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start a thread: {e}")))?;
+        let shared = Arc::new(Shared::default());
         let me = Peer {
             id: opts.id,
             stage: opts.stage,
@@ -142,8 +242,8 @@ impl Runtime {
         };
         let mut driver = Driver {
             cfg: opts.protocol.clone(),
-            pairing: Pairing::default(),
-            node: Node::new(
+            pairing: Default::default(),
+            node: crate::protocol::Node::new(
                 opts.protocol.clone(),
                 opts.id,
                 opts.stage,
@@ -157,13 +257,21 @@ impl Runtime {
             me,
             pending: HashMap::new(),
             lost: VecDeque::new(),
-            tasks_tx,
-            done_rx,
+            port: port.clone(),
             events_tx,
             leave_rx,
-            stop: stop.clone(),
-            busy: 0,
+            shared: shared.clone(),
             joining: None,
+            store: Default::default(),
+            works: HashMap::new(),
+            next_work: 1,
+            agg: Default::default(),
+            means: BTreeMap::new(),
+            forgot_before: 0,
+            losses: BTreeMap::new(),
+            task_time: HashMap::new(),
+            claimed_time: BTreeMap::new(),
+            failed: false,
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap
@@ -182,22 +290,32 @@ impl Runtime {
         } else {
             Some(Input::Start { peers: bootstrap })
         };
+        let driver_port = port.clone();
         let driver_thread = std::thread::Builder::new()
             .name(format!("gwtf-driver-{:x}", opts.id))
-            .spawn(move || driver.run(first))
+            .spawn(move || {
+                driver.run(first);
+                driver_port.stop();
+            })
             .map_err(|e| EngineError::InvalidArgument(format!("cannot start a thread: {e}")))?;
         Ok(Runtime {
             net,
-            stop,
+            shared,
             leave,
             events,
+            port,
             driver: Some(driver_thread),
-            trainer: Some(trainer_thread),
+            trainer: None,
         })
     }
 
-    /// The protocol's events, in order.
-    pub fn events(&self) -> &Receiver<Event> {
+    /// Where the trainer pulls its work from.
+    pub fn port(&self) -> &WorkPort {
+        &self.port
+    }
+
+    /// The node's events, in order.
+    pub fn events(&self) -> &Receiver<NodeEvent> {
         &self.events
     }
 
@@ -206,9 +324,22 @@ impl Runtime {
         self.net.stats()
     }
 
+    /// Compute time so far, and the part of it that went into an update.
+    pub fn compute_stats(&self) -> ComputeStats {
+        ComputeStats {
+            compute: Duration::from_nanos(self.shared.compute_ns.load(Ordering::Relaxed)),
+            useful: Duration::from_nanos(self.shared.useful_ns.load(Ordering::Relaxed)),
+        }
+    }
+
     /// Where this node listens.
     pub fn addr(&self) -> Option<SocketAddr> {
         self.net.local_addr()
+    }
+
+    /// Whether the node has stopped (left, or failed).
+    pub fn is_stopped(&self) -> bool {
+        self.port.is_stopped()
     }
 
     /// Leaves gracefully (the protocol says goodbye) and waits until done.
@@ -221,6 +352,7 @@ impl Runtime {
         if let Some(d) = self.driver.take() {
             let _ = d.join();
         }
+        self.port.stop();
         self.net.shutdown();
         if let Some(t) = self.trainer.take() {
             let _ = t.join();
@@ -230,335 +362,7 @@ impl Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
+        self.shared.stop.store(true, Ordering::SeqCst);
         self.join_threads();
     }
-}
-
-struct Driver {
-    cfg: Arc<Config>,
-    /// Bulk messages and data frames waiting for each other.
-    pairing: Pairing<Frame>,
-    node: Node,
-    net: Arc<Net>,
-    start: Instant,
-    me: Peer,
-    dir: BTreeMap<NodeId, Peer>,
-    /// Messages for peers whose connection is being set up.
-    pending: HashMap<NodeId, VecDeque<Msg>>,
-    /// Peers found unreachable, to tell the protocol.
-    lost: VecDeque<NodeId>,
-    tasks_tx: Sender<Task>,
-    done_rx: Receiver<(Task, Result<(), String>)>,
-    events_tx: Sender<Event>,
-    leave_rx: Receiver<()>,
-    stop: Arc<AtomicBool>,
-    /// Tasks handed to the trainer and not yet done.
-    busy: usize,
-    /// A joiner waiting for a directory, until this time.
-    joining: Option<Instant>,
-}
-
-impl Driver {
-    fn now(&self) -> Time {
-        self.start.elapsed().as_micros() as Time
-    }
-
-    fn input(&mut self, input: Input) {
-        let now = self.now();
-        let actions = self.node.handle(now, input);
-        self.perform(actions);
-    }
-
-    fn perform(&mut self, actions: Vec<Action>) {
-        for a in actions {
-            match a {
-                Action::Send { to, msg } => self.send(to, msg),
-                Action::Run(task) => {
-                    self.busy += 1;
-                    let _ = self.tasks_tx.send(task);
-                }
-                Action::Event(e) => {
-                    let _ = self.events_tx.send(e);
-                }
-            }
-        }
-    }
-
-    fn send(&mut self, to: NodeId, msg: Msg) {
-        if let Some(q) = self.pending.get_mut(&to) {
-            if q.len() < PENDING_MAX {
-                q.push_back(msg);
-            }
-            return;
-        }
-        let env = match codec::encode(&msg) {
-            Ok(env) => env,
-            Err(e) => {
-                self.log(format!("cannot encode {} for {to:x}: {e}", msg.name()));
-                return;
-            }
-        };
-        match self
-            .net
-            .send_control(to as u64, &env, Duration::from_secs(5))
-        {
-            Ok(()) if msg.is_bulk() => self.send_data(to, &msg),
-            Ok(()) => {}
-            Err(EngineError::NotFound(_)) => self.connect(to, msg),
-            Err(e) => {
-                self.log(format!("send to {to:x}: {e}"));
-                self.lost.push_back(to);
-            }
-        }
-    }
-
-    /// The data frame after a bulk message (as long as its tensor would be).
-    fn send_data(&mut self, to: NodeId, msg: &Msg) {
-        let max = self.net.options().max_payload;
-        let len = bulk::payload_len(msg, &self.cfg).min(max) as usize;
-        let (microbatch, iteration) = bulk::header_fields(msg);
-        let sent = self
-            .net
-            .alloc(len, Duration::from_secs(5))
-            .and_then(|mut f| {
-                f.header.stage = self.me.stage as u32;
-                f.header.microbatch = microbatch;
-                f.header.iteration = iteration;
-                self.net.send(to as u64, f, Duration::from_secs(5))
-            });
-        if let Err(e) = sent {
-            self.log(format!("data for {} to {to:x}: {e}", msg.name()));
-        }
-    }
-
-    /// Opens a connection to `to` and keeps `first` until it is up.
-    fn connect(&mut self, to: NodeId, first: Msg) {
-        match self.dir.get(&to) {
-            Some(p) => {
-                if self.net.connect(p.addr).is_ok() {
-                    self.pending.entry(to).or_default().push_back(first);
-                } else {
-                    self.lost.push_back(to);
-                }
-            }
-            None => {
-                self.log(format!("no address for {to:x}"));
-                self.lost.push_back(to);
-            }
-        }
-    }
-
-    fn log(&self, line: String) {
-        if self.net.options().log {
-            eprintln!("gwtf node {:x}: {line}", self.me.id);
-        }
-    }
-
-    fn directory_msg(&self) -> ControlEnvelope {
-        let mut body = Vec::new();
-        let entries: Vec<&Peer> = std::iter::once(&self.me)
-            .chain(self.dir.values())
-            .take(DIRECTORY_MAX)
-            .collect();
-        body.extend_from_slice(&(entries.len() as u16).to_le_bytes());
-        for p in entries {
-            body.extend_from_slice(&p.id.to_le_bytes());
-            body.extend_from_slice(&p.stage.to_le_bytes());
-            let a = p.addr.to_string();
-            body.push(a.len() as u8);
-            body.extend_from_slice(a.as_bytes());
-        }
-        ControlEnvelope {
-            msg_type: DIRECTORY_MSG,
-            msg_version: 1,
-            body,
-        }
-    }
-
-    fn on_directory(&mut self, from: NodeId, body: &[u8]) {
-        match parse_directory(body) {
-            Ok(peers) => {
-                for p in peers {
-                    if p.id != self.me.id {
-                        self.dir.insert(p.id, p);
-                    }
-                }
-                if self.joining.is_some() {
-                    self.join_now();
-                }
-            }
-            Err(e) => self.log(format!("bad directory from {from:x}: {e}")),
-        }
-    }
-
-    /// Joins through every peer the directory knows.
-    fn join_now(&mut self) {
-        self.joining = None;
-        let peers = self.dir.values().map(|p| (p.id, p.stage)).collect();
-        self.input(Input::Join { peers });
-    }
-
-    fn on_net(&mut self, ev: NetEvent) {
-        match ev {
-            NetEvent::PeerConnected { peer, .. } => {
-                let env = self.directory_msg();
-                let _ = self.net.send_control(peer, &env, Duration::from_secs(5));
-                let Ok(id) = NodeId::try_from(peer) else {
-                    let _ = self.net.disconnect(peer);
-                    return;
-                };
-                if let Some(q) = self.pending.remove(&id) {
-                    for m in q {
-                        self.send(id, m);
-                    }
-                }
-            }
-            NetEvent::PeerLost { peer, .. } => {
-                if let Ok(id) = NodeId::try_from(peer) {
-                    self.pending.remove(&id);
-                    self.pairing.forget(id);
-                    self.input(Input::PeerLost { peer: id });
-                }
-            }
-            NetEvent::ConnectFailed { addr, .. } => {
-                let ids: Vec<NodeId> = self
-                    .dir
-                    .values()
-                    .filter(|p| p.addr == addr)
-                    .map(|p| p.id)
-                    .collect();
-                for id in ids {
-                    if self.pending.remove(&id).is_some() {
-                        self.input(Input::PeerLost { peer: id });
-                    }
-                }
-            }
-            NetEvent::Control { peer, msg } => {
-                let Ok(from) = NodeId::try_from(peer) else {
-                    return;
-                };
-                if msg.msg_type == DIRECTORY_MSG {
-                    self.on_directory(from, &msg.body);
-                    return;
-                }
-                match codec::decode(&msg) {
-                    Ok(m) if m.is_bulk() => {
-                        let key = bulk::key_of_msg(from, &m);
-                        if let Some((m, _data)) = self.pairing.on_msg(key, m) {
-                            self.input(Input::Message { from, msg: m });
-                        }
-                    }
-                    Ok(m) => self.input(Input::Message { from, msg: m }),
-                    Err(e) => {
-                        self.log(format!("refused a message from {from:x}: {e}"));
-                        let _ = self.net.disconnect(peer);
-                    }
-                }
-            }
-            NetEvent::Refused { addr, reason, .. } => {
-                self.log(format!("refused {addr}: {reason}"));
-            }
-        }
-    }
-
-    /// A data frame: the second half of a bulk message.
-    fn on_frame(&mut self, f: Frame) {
-        let Ok(from) = NodeId::try_from(f.peer()) else {
-            return;
-        };
-        let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
-        if let Some((msg, _data)) = self.pairing.on_data(key, f) {
-            self.input(Input::Message { from, msg });
-        }
-    }
-
-    fn run(&mut self, first: Option<Input>) {
-        if let Some(first) = first {
-            self.input(first);
-        }
-        let mut leaving = false;
-        while !self.stop.load(Ordering::SeqCst) {
-            if self.joining.is_some_and(|t| Instant::now() >= t) {
-                self.join_now();
-            }
-            while let Some(id) = self.lost.pop_front() {
-                self.input(Input::PeerLost { peer: id });
-            }
-            if !leaving && self.leave_rx.try_recv().is_ok() {
-                leaving = true;
-                self.input(Input::Leave);
-            }
-            loop {
-                match self.done_rx.try_recv() {
-                    Ok((task, r)) => {
-                        self.busy -= 1;
-                        if let Err(e) = r {
-                            self.log(format!("task {:?} failed: {e}", task.kind));
-                        }
-                        self.input(Input::TaskDone { id: task.id });
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return,
-                }
-            }
-            let now = self.now();
-            if let Some(t) = self.node.timeout() {
-                if t <= now {
-                    let actions = self.node.on_timeout(now);
-                    self.perform(actions);
-                    continue;
-                }
-            }
-            if leaving && !self.node.is_active() && self.busy == 0 {
-                // Goodbyes are queued; the engine sends them at shutdown.
-                return;
-            }
-            // Wait for the network, but not past the next timer, and look
-            // at the trainer's completions often while it works.
-            let until_timer = self.node.timeout().map_or(Duration::from_millis(20), |t| {
-                Duration::from_micros(t.saturating_sub(now))
-            });
-            let cap = if self.busy > 0 { 1 } else { 20 };
-            let wait = until_timer.min(Duration::from_millis(cap));
-            let mut next = self.net.next_incoming(wait);
-            while let Some(incoming) = next {
-                match incoming {
-                    Incoming::Event(ev) => self.on_net(ev),
-                    Incoming::Frame(f) => self.on_frame(f),
-                }
-                next = self.net.next_incoming(Duration::ZERO);
-            }
-        }
-    }
-}
-
-/// Parses a directory message: `count u16`, then per peer `id u32`,
-/// `stage u16`, `addr_len u8`, `addr` (text).
-pub fn parse_directory(mut body: &[u8]) -> Result<Vec<Peer>, String> {
-    fn take<'a>(b: &mut &'a [u8], n: usize) -> Result<&'a [u8], String> {
-        if b.len() < n {
-            return Err("truncated".into());
-        }
-        let (head, rest) = b.split_at(n);
-        *b = rest;
-        Ok(head)
-    }
-    let count = u16::from_le_bytes(take(&mut body, 2)?.try_into().expect("2 bytes")) as usize;
-    if count > DIRECTORY_MAX || count * 7 > body.len() {
-        return Err(format!("{count} entries in {} bytes", body.len()));
-    }
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        let id = u32::from_le_bytes(take(&mut body, 4)?.try_into().expect("4 bytes"));
-        let stage = u16::from_le_bytes(take(&mut body, 2)?.try_into().expect("2 bytes"));
-        let len = take(&mut body, 1)?[0] as usize;
-        let text = std::str::from_utf8(take(&mut body, len)?).map_err(|_| "address is not text")?;
-        let addr = text.parse().map_err(|_| format!("bad address {text:?}"))?;
-        out.push(Peer { id, stage, addr });
-    }
-    if !body.is_empty() {
-        return Err(format!("{} trailing bytes", body.len()));
-    }
-    Ok(out)
 }

@@ -38,7 +38,8 @@ pub(super) struct CoordIter {
     pub(super) dropped: BTreeSet<MbId>,
     pub(super) epoch: u64,
     pub(super) commit: Option<BTreeSet<NodeId>>,
-    pub(super) agg_done: BTreeSet<NodeId>,
+    /// Members done with the commit's all-reduce, with their weights digest.
+    pub(super) agg_done: BTreeMap<NodeId, u64>,
     pub(super) applied: bool,
     /// Expected microbatches not granted (nor dropped), once the iteration ended.
     pub(super) missing: Option<BTreeSet<MbId>>,
@@ -278,14 +279,12 @@ impl Node {
                     },
                 );
             }
-            if let Some(c) = ci.commit.as_mut() {
-                if !mine.is_empty() {
-                    // The all-reduce lost a member's data: redo it without it.
-                    ci.commit = None;
-                    ci.agg_done.clear();
-                } else {
-                    c.remove(&p);
-                }
+            if ci.commit.as_ref().is_some_and(|c| c.contains(&p)) {
+                // The all-reduce lost a member (its ring is broken, and with
+                // it its data if it had granted microbatches): redo it
+                // without it, under a new epoch.
+                ci.commit = None;
+                ci.agg_done.clear();
             }
             self.redo_lost(k);
             self.coord_check(k);
@@ -550,7 +549,7 @@ impl Node {
         let commit = ci.commit.as_ref().unwrap();
         if !commit
             .iter()
-            .all(|m| ci.agg_done.contains(m) || !self.alive(*m))
+            .all(|m| ci.agg_done.contains_key(m) || !self.alive(*m))
         {
             return;
         }
@@ -562,10 +561,26 @@ impl Node {
             h = mix(h, g.0 as u64);
         }
         let mbs: Vec<(MbId, NodeId)> = ci.granted.iter().map(|(m, g)| (*m, g.0)).collect();
+        // Replicas aggregate on the same weights, or something is wrong:
+        // every member reports the digest of what it holds (0: unknown).
+        let digests: Vec<(NodeId, u64)> = ci
+            .agg_done
+            .iter()
+            .filter(|(_, d)| **d != 0)
+            .map(|(m, d)| (*m, *d))
+            .collect();
+        let diverged = digests.windows(2).any(|w| w[0].1 != w[1].1);
         let dropped: Vec<MbId> = ci.dropped.iter().copied().collect();
         let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
         ci.applied = true;
         let st = self.stage;
+        if diverged {
+            self.event(Event::ReplicasDiverged {
+                stage: st,
+                iter,
+                digests,
+            });
+        }
         self.event(Event::StageCommitted {
             stage: st,
             iter,
@@ -653,10 +668,10 @@ impl Node {
     }
 
     /// A member finished its part of the all-reduce of `iter`.
-    pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64) {
+    pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64, weights: u64) {
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             if ci.epoch == epoch && ci.commit.is_some() {
-                ci.agg_done.insert(from);
+                ci.agg_done.insert(from, weights);
             }
         }
         self.coord_check(iter);

@@ -12,6 +12,23 @@ pub(super) struct GroupMember {
     /// Claims that were pending at the last heartbeat (re-sent at the next
     /// one if still unanswered).
     pub(super) stale_claims: BTreeSet<MbId>,
+    /// Digest of the weights this member holds (set by its runtime after
+    /// every apply or state import; 0: not known, as in the simulator).
+    pub(super) weights: u64,
+}
+
+/// What one aggregate task must reduce: the commit it belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AggregatePlan {
+    pub iter: u32,
+    /// The commit's epoch (a new commit of the same iteration has a new one).
+    pub epoch: u64,
+    /// The members that reduce together, in the commit's order (every
+    /// member is given the same list).
+    pub members: Arc<Vec<NodeId>>,
+    /// This member's granted microbatches of `iter`: exactly what its
+    /// contribution must sum, each once.
+    pub granted: Vec<MbId>,
 }
 
 /// Syncs kept for a coordinator role not yet taken over, at most.
@@ -28,9 +45,30 @@ pub(super) struct Acc {
     /// the coordinator counts the microbatch as ours from then on.
     pub(super) refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     pub(super) agg_task: Option<(TaskId, u64)>,
+    /// The members of the commit `agg_task` runs.
+    pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
 }
 
 impl Node {
+    /// The commit an aggregate task `id` runs, with this member's granted
+    /// microbatches (None: not a live aggregate task).
+    pub fn aggregate_plan(&self, id: TaskId) -> Option<AggregatePlan> {
+        self.member.acc.iter().find_map(|(iter, a)| {
+            let (t, epoch) = a.agg_task?;
+            (t == id).then(|| AggregatePlan {
+                iter: *iter,
+                epoch,
+                members: a.agg_members.clone().unwrap_or_default(),
+                granted: a.granted.keys().copied().collect(),
+            })
+        })
+    }
+
+    /// Sets the digest of the weights this member holds (see `Msg::AggDone`).
+    pub fn set_weights_digest(&mut self, digest: u64) {
+        self.member.weights = digest;
+    }
+
     /// A one-line summary of the member state (debugging aid).
     pub fn debug_member(&self) -> String {
         format!(
@@ -189,7 +227,9 @@ impl Node {
         self.member.acc.entry(iter).or_default();
         let n = members.len() as u32;
         let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
-        self.member.acc.get_mut(&iter).unwrap().agg_task = Some((t, epoch));
+        let a = self.member.acc.get_mut(&iter).unwrap();
+        a.agg_task = Some((t, epoch));
+        a.agg_members = Some(members);
     }
 }
 

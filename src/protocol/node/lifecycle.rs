@@ -212,7 +212,15 @@ impl Node {
                     .map(|(k, a)| (*k, a.agg_task.unwrap().1));
                 if let Some((iter, epoch)) = found {
                     if let Some(c) = self.group.coord {
-                        self.send(c, Msg::AggDone { iter, epoch });
+                        let weights = self.member.weights;
+                        self.send(
+                            c,
+                            Msg::AggDone {
+                                iter,
+                                epoch,
+                                weights,
+                            },
+                        );
                     }
                 }
             }

@@ -20,6 +20,7 @@ mod coordinator;
 mod costs;
 mod flow;
 mod group;
+pub use group::AggregatePlan;
 mod holder;
 mod iterations;
 mod join;
@@ -155,6 +156,12 @@ impl Node {
 
     pub fn id(&self) -> NodeId {
         self.id
+    }
+
+    /// The oldest iteration whose microbatches this node still keeps (its
+    /// runtime may free the tensors of older ones).
+    pub fn oldest_kept_iteration(&self) -> u32 {
+        self.iters.min_iter
     }
 
     pub fn stage(&self) -> Stage {
@@ -333,6 +340,7 @@ impl Node {
             kind,
             stage: self.stage,
             mb,
+            attempt,
         }));
         id
     }
@@ -535,7 +543,11 @@ impl Node {
                 epoch,
                 members,
             } => self.on_commit(iter, epoch, members),
-            Msg::AggDone { iter, epoch } => self.on_agg_done(from, iter, epoch),
+            Msg::AggDone {
+                iter,
+                epoch,
+                weights,
+            } => self.on_agg_done(from, iter, epoch, weights),
             Msg::Applied { iter, version } => self.on_applied(iter, version),
             Msg::StageDone { iter, stage } => self.on_stage_done(iter, stage),
             Msg::Finalize { .. } => {}

@@ -1,0 +1,804 @@
+//! The driver thread of a runtime node: owns the protocol state machine,
+//! the kept tensors and the stage all-reduce in progress; turns engine
+//! events and trainer completions into protocol inputs and the protocol's
+//! actions into frames and work.
+use super::aggregate::Aggregation;
+use super::bulk::{self, Pairing};
+use super::directory::{self, Peer, DIRECTORY_MSG};
+use super::runtime::{NodeEvent, Shared};
+use super::store::{Slot, TensorStore};
+use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
+use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net};
+use crate::protocol::{
+    codec, Action, AggregatePlan, Config, Event, Input, MbId, Msg, Node, NodeId, Task, TaskId,
+    TaskKind, Time,
+};
+use crossbeam_channel::{Receiver, Sender};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Messages kept for a peer whose connection is being set up.
+const PENDING_MAX: usize = 4096;
+/// How long a joiner waits for its bootstrap peers' directories.
+pub(super) const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
+/// Bytes of the digest that ends a state transfer.
+const DIGEST_LEN: usize = 32;
+/// Time allowed to enqueue one frame.
+const SEND_WAIT: Duration = Duration::from_secs(5);
+
+/// Something to send once the connection is up.
+pub(super) enum Out {
+    Msg(Msg),
+    /// A data frame of its own (an all-reduce chunk).
+    Frame(Frame),
+}
+
+/// What a work given to the trainer is for.
+pub(super) enum Pending {
+    Task(Task),
+    Gradient {
+        task: TaskId,
+        plan: AggregatePlan,
+    },
+    Apply {
+        iter: u32,
+    },
+    Export {
+        to: NodeId,
+        msg: Msg,
+    },
+    Import {
+        from: NodeId,
+        bytes: usize,
+        since: Instant,
+    },
+    Forget,
+}
+
+pub(super) struct Driver {
+    pub(super) cfg: Arc<Config>,
+    /// Bulk messages and data frames waiting for each other.
+    pub(super) pairing: Pairing<Frame>,
+    pub(super) node: Node,
+    pub(super) net: Arc<Net>,
+    pub(super) start: Instant,
+    pub(super) me: Peer,
+    pub(super) dir: BTreeMap<NodeId, Peer>,
+    /// What waits for a connection being set up.
+    pub(super) pending: HashMap<NodeId, VecDeque<Out>>,
+    /// Peers found unreachable, to tell the protocol.
+    pub(super) lost: VecDeque<NodeId>,
+    pub(super) port: WorkPort,
+    pub(super) events_tx: Sender<NodeEvent>,
+    pub(super) leave_rx: Receiver<()>,
+    pub(super) shared: Arc<Shared>,
+    /// A joiner waiting for a directory, until this time.
+    pub(super) joining: Option<Instant>,
+    pub(super) store: TensorStore,
+    pub(super) works: HashMap<WorkId, Pending>,
+    pub(super) next_work: WorkId,
+    pub(super) agg: Aggregation,
+    /// All-reduced mean gradients waiting for the coordinator's word.
+    pub(super) means: BTreeMap<u32, (Arc<Vec<f32>>, u64)>,
+    /// Iterations before this one are forgotten (tensors and trainer state).
+    pub(super) forgot_before: u32,
+    /// Holder: the loss of each of its microbatches (latest attempt).
+    pub(super) losses: BTreeMap<MbId, f32>,
+    /// Compute time of each task, until claimed or forgotten.
+    pub(super) task_time: HashMap<TaskId, (u32, Duration)>,
+    /// Claimed compute time by iteration, useful once the stage applies it.
+    pub(super) claimed_time: BTreeMap<u32, Duration>,
+    pub(super) failed: bool,
+}
+
+/// The first 8 bytes of a digest, as the protocol compares them.
+pub fn digest_u64(d: &[u8; 32]) -> u64 {
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes")).max(1)
+}
+
+impl Driver {
+    fn now(&self) -> Time {
+        self.start.elapsed().as_micros() as Time
+    }
+
+    pub(super) fn input(&mut self, input: Input) {
+        let now = self.now();
+        let actions = self.node.handle(now, input);
+        self.perform(actions);
+    }
+
+    fn emit(&self, e: NodeEvent) {
+        let _ = self.events_tx.send(e);
+    }
+
+    fn error(&mut self, message: String) {
+        self.log(message.clone());
+        self.emit(NodeEvent::Error(message));
+    }
+
+    fn log(&self, line: String) {
+        if self.net.options().log {
+            eprintln!("gwtf node {:x}: {line}", self.me.id);
+        }
+    }
+
+    fn perform(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Send { to, msg } => self.send(to, msg),
+                Action::Run(task) => self.run_task(task),
+                Action::Event(e) => self.on_protocol_event(e),
+            }
+        }
+        self.forget_old();
+    }
+
+    fn give(&mut self, kind: WorkKind, mb: Option<MbId>, input: Option<Frame>, p: Pending) {
+        let id = self.next_work;
+        self.next_work += 1;
+        self.works.insert(id, p);
+        self.port.push(Work {
+            id,
+            kind,
+            stage: self.me.stage,
+            mb,
+            input,
+        });
+    }
+
+    fn run_task(&mut self, task: Task) {
+        let (kind, input) = match (task.kind, task.mb) {
+            (TaskKind::Aggregate { .. }, _) => {
+                match self.node.aggregate_plan(task.id) {
+                    Some(plan) => {
+                        self.connect_all(&plan.members);
+                        let kind = WorkKind::Gradient {
+                            iteration: plan.iter,
+                            granted: plan.granted.clone(),
+                        };
+                        let p = Pending::Gradient {
+                            task: task.id,
+                            plan,
+                        };
+                        self.give(kind, None, None, p);
+                    }
+                    None => self.error(format!("aggregate task {} has no commit", task.id)),
+                }
+                return;
+            }
+            (TaskKind::Embed, _) => (WorkKind::Embed, None),
+            (TaskKind::Forward, Some(mb)) => (WorkKind::Forward, self.store.take(mb, Slot::Input)),
+            (TaskKind::Loss, Some(mb)) => (WorkKind::Loss, self.store.take(mb, Slot::Input)),
+            (TaskKind::Backward, Some(mb)) => {
+                (WorkKind::Backward, self.store.take(mb, Slot::GradIn))
+            }
+            (TaskKind::EmbedBackward, Some(mb)) => {
+                (WorkKind::EmbedBackward, self.store.take(mb, Slot::GradIn))
+            }
+            (k, None) => {
+                self.error(format!("{k:?} task without a microbatch"));
+                return;
+            }
+        };
+        if kind != WorkKind::Embed && input.is_none() {
+            self.error(format!(
+                "no input tensor for the {} of {:?}",
+                kind.name(),
+                task.mb
+            ));
+            return;
+        }
+        self.give(kind, task.mb, input, Pending::Task(task));
+    }
+
+    fn on_protocol_event(&mut self, e: Event) {
+        match &e {
+            Event::Applied { iter, .. } => self.apply(*iter),
+            Event::Claimed { mb, tasks } => {
+                let t: Duration = tasks
+                    .iter()
+                    .filter_map(|t| self.task_time.remove(t))
+                    .map(|(_, d)| d)
+                    .sum();
+                *self.claimed_time.entry(mb.iter).or_default() += t;
+            }
+            Event::IterFinalized { iter, .. } if self.me.stage == 0 => {
+                let mine: Vec<f32> = self
+                    .losses
+                    .range(..)
+                    .filter(|(mb, _)| mb.iter == *iter && mb.holder == self.me.id)
+                    .map(|(_, l)| *l)
+                    .collect();
+                if !mine.is_empty() {
+                    let loss = mine.iter().map(|&l| l as f64).sum::<f64>() / mine.len() as f64;
+                    self.emit(NodeEvent::Iteration {
+                        iteration: *iter,
+                        loss: loss as f32,
+                        microbatches: mine.len() as u32,
+                    });
+                }
+                self.losses.retain(|mb, _| mb.iter > *iter);
+            }
+            Event::ReplicasDiverged {
+                stage,
+                iter,
+                digests,
+            } => {
+                let m = format!(
+                    "the replicas of stage {stage} held different weights at iteration {iter}: {digests:x?}"
+                );
+                self.error(m);
+            }
+            _ => {}
+        }
+        self.emit(NodeEvent::Protocol(e));
+    }
+
+    /// The coordinator's word: apply the aggregate of `iter`.
+    fn apply(&mut self, iter: u32) {
+        match self.means.remove(&iter) {
+            Some((mean, microbatches)) => {
+                self.means.retain(|k, _| *k > iter);
+                let kind = WorkKind::Apply {
+                    iteration: iter,
+                    mean,
+                    microbatches,
+                };
+                self.give(kind, None, None, Pending::Apply { iter });
+            }
+            None => {
+                // A node that joined while the aggregate ran (it was not in
+                // the commit): its weights are one update behind.
+                self.error(format!(
+                    "asked to apply iteration {iter} without its aggregate (joined during it)"
+                ));
+            }
+        }
+        if let Some(t) = self.claimed_time.remove(&iter) {
+            self.shared
+                .useful_ns
+                .fetch_add(t.as_nanos() as u64, Ordering::Relaxed);
+        }
+        self.claimed_time.retain(|k, _| *k > iter);
+    }
+
+    /// Frees what the protocol no longer keeps.
+    fn forget_old(&mut self) {
+        let m = self.node.oldest_kept_iteration();
+        if m > self.forgot_before {
+            self.forgot_before = m;
+            self.store.forget_before(m);
+            self.task_time.retain(|_, (k, _)| *k >= m);
+            self.give(WorkKind::Forget { before: m }, None, None, Pending::Forget);
+        }
+    }
+
+    // ---- trainer completions
+
+    pub(super) fn on_completions(&mut self) {
+        for c in self.port.take_done() {
+            self.on_completion(c);
+        }
+    }
+
+    fn on_completion(&mut self, c: Completion) {
+        let Some(p) = self.works.remove(&c.id) else {
+            return;
+        };
+        if c.kind.is_microbatch_compute() {
+            self.shared
+                .compute_ns
+                .fetch_add(c.took.as_nanos() as u64, Ordering::Relaxed);
+        }
+        let out = match c.result {
+            Ok(out) => out,
+            Err(reason) => {
+                // The work is lost here; the protocol's timeouts send the
+                // microbatch's hop elsewhere.
+                self.error(format!("the trainer failed {}: {reason}", c.kind.name()));
+                if matches!(p, Pending::Import { .. }) {
+                    self.failed = true;
+                }
+                return;
+            }
+        };
+        match p {
+            Pending::Task(task) => self.task_done(task, out, c.took),
+            Pending::Gradient { task, plan } => {
+                if let Output::Gradient { sum, weights } = out {
+                    self.node.set_weights_digest(digest_u64(&weights));
+                    let (me, stage) = (self.me.id, self.me.stage as u32);
+                    let outcome = self.agg.start(stage, me, task, plan, &sum);
+                    if let Err(e) = outcome {
+                        self.error(format!("cannot start the all-reduce: {e}"));
+                    }
+                    self.drive_aggregation();
+                }
+            }
+            Pending::Apply { iter } => {
+                if let Output::Weights(w) = out {
+                    self.node.set_weights_digest(digest_u64(&w));
+                    self.emit(NodeEvent::Applied {
+                        stage: self.me.stage,
+                        iteration: iter,
+                        weights: w,
+                    });
+                }
+            }
+            Pending::Export { to, msg } => {
+                if let Output::State(f) = out {
+                    self.send_state(to, msg, f);
+                }
+            }
+            Pending::Import { from, bytes, since } => {
+                if let Output::Weights(w) = out {
+                    self.node.set_weights_digest(digest_u64(&w));
+                    self.emit(NodeEvent::StateDownloaded {
+                        from,
+                        bytes: bytes as u64,
+                        ms: since.elapsed().as_secs_f64() * 1e3,
+                    });
+                }
+            }
+            Pending::Forget => {}
+        }
+    }
+
+    fn task_done(&mut self, task: Task, out: Output, took: Duration) {
+        let mb = task.mb;
+        match (mb, out) {
+            (Some(mb), Output::Tensor(f)) => {
+                let slot = if task.kind == TaskKind::Backward {
+                    Slot::GradOut
+                } else {
+                    Slot::Output
+                };
+                self.store.put(mb, task.attempt, slot, f);
+            }
+            (Some(mb), Output::Loss { loss, grad }) => {
+                self.store.put(mb, task.attempt, Slot::GradOut, grad);
+                self.losses.insert(mb, loss);
+            }
+            _ => {}
+        }
+        if let Some(mb) = mb {
+            self.task_time.insert(task.id, (mb.iter, took));
+        }
+        self.input(Input::TaskDone { id: task.id });
+    }
+
+    // ---- the all-reduce
+
+    fn drive_aggregation(&mut self) {
+        // Sending can find a peer gone, which aborts the operation and
+        // queues aborts to send in turn.
+        for _ in 0..4 {
+            let out = self.agg.outgoing(&self.net);
+            if out.is_empty() {
+                break;
+            }
+            for (to, f) in out {
+                match NodeId::try_from(to) {
+                    Ok(id) => self.send_frame(id, f),
+                    Err(_) => self.agg.on_peer_lost(to),
+                }
+            }
+        }
+        if let Some((task, iter, result)) = self.agg.finished() {
+            match result {
+                Ok((mean, microbatches)) => {
+                    self.means.insert(iter, (Arc::new(mean), microbatches));
+                    self.input(Input::TaskDone { id: task });
+                }
+                // The coordinator commits again without the lost member.
+                Err(reason) => self.log(format!("all-reduce of iteration {iter}: {reason}")),
+            }
+        }
+    }
+
+    // ---- sending
+
+    fn send(&mut self, to: NodeId, msg: Msg) {
+        if matches!(msg, Msg::StateResponse { .. }) {
+            // The state goes out once the trainer has exported it (after
+            // every update queued before this request).
+            self.give(
+                WorkKind::ExportState,
+                None,
+                None,
+                Pending::Export { to, msg },
+            );
+            return;
+        }
+        if let Some(q) = self.pending.get_mut(&to) {
+            if q.len() < PENDING_MAX {
+                q.push_back(Out::Msg(msg));
+            }
+            return;
+        }
+        let data = if msg.is_bulk() {
+            match self.bulk_data(&msg) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    self.error(format!("no data for {} to {to:x}: {e}", msg.name()));
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        self.send_now(to, msg, data);
+    }
+
+    fn send_now(&mut self, to: NodeId, msg: Msg, data: Option<Frame>) {
+        let env = match codec::encode(&msg) {
+            Ok(env) => env,
+            Err(e) => {
+                self.error(format!("cannot encode {} for {to:x}: {e}", msg.name()));
+                return;
+            }
+        };
+        match self.net.send_control(to as u64, &env, SEND_WAIT) {
+            Ok(()) => {
+                if let Some(f) = data {
+                    if let Err(e) = self.net.send(to as u64, f, SEND_WAIT) {
+                        self.log(format!("data of {} to {to:x}: {e}", msg.name()));
+                    }
+                }
+            }
+            Err(EngineError::NotFound(_)) => self.connect(to, Out::Msg(msg)),
+            Err(e) => {
+                self.log(format!("send to {to:x}: {e}"));
+                self.lost.push_back(to);
+            }
+        }
+    }
+
+    /// Sends a data frame of its own, connecting first if need be.
+    fn send_frame(&mut self, to: NodeId, f: Frame) {
+        if let Some(q) = self.pending.get_mut(&to) {
+            if q.len() < PENDING_MAX {
+                q.push_back(Out::Frame(f));
+            }
+            return;
+        }
+        if !self.net.peers().contains(&(to as u64)) {
+            self.connect(to, Out::Frame(f));
+            return;
+        }
+        if let Err(e) = self.net.send(to as u64, f, SEND_WAIT) {
+            self.log(format!("all-reduce frame to {to:x}: {e}"));
+            self.agg.on_peer_lost(to as u64);
+        }
+    }
+
+    /// Opens the connections an all-reduce among `members` will use.
+    fn connect_all(&mut self, members: &[NodeId]) {
+        let connected = self.net.peers();
+        for &m in members {
+            if m != self.me.id && !connected.contains(&(m as u64)) && !self.pending.contains_key(&m)
+            {
+                if let Some(p) = self.dir.get(&m) {
+                    if self.net.connect(p.addr).is_ok() {
+                        self.pending.entry(m).or_default();
+                    }
+                }
+            }
+        }
+    }
+
+    /// The data frame that follows a bulk message: a copy of the kept
+    /// tensor (the protocol may send it again, so it stays kept).
+    fn bulk_data(&self, msg: &Msg) -> Result<Frame, String> {
+        let (microbatch, iteration) = bulk::header_fields(msg);
+        let mut f = match msg {
+            Msg::Forward { mb, .. } | Msg::Backward { mb, .. } => {
+                let slot = if matches!(msg, Msg::Forward { .. }) {
+                    Slot::Output
+                } else {
+                    Slot::GradOut
+                };
+                let kept = self
+                    .store
+                    .get(*mb, slot)
+                    .ok_or_else(|| format!("no {slot:?} tensor kept for {mb:?}"))?;
+                self.net
+                    .alloc_copy(kept.payload(), SEND_WAIT)
+                    .map_err(|e| e.to_string())?
+            }
+            _ => {
+                let len = bulk::payload_len(msg, &self.cfg).min(self.net.options().max_payload);
+                self.net
+                    .alloc(len as usize, SEND_WAIT)
+                    .map_err(|e| e.to_string())?
+            }
+        };
+        f.header.stage = self.me.stage as u32;
+        f.header.microbatch = microbatch;
+        f.header.iteration = iteration;
+        Ok(f)
+    }
+
+    /// Sends the exported state, followed by its SHA-256.
+    fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame) {
+        let n = state.len();
+        let f = self.net.alloc(n + DIGEST_LEN, SEND_WAIT).map(|mut f| {
+            let p = f.payload_mut();
+            p[..n].copy_from_slice(state.payload());
+            let d = Sha256::digest(state.payload());
+            p[n..].copy_from_slice(&d);
+            f
+        });
+        let mut f = match f {
+            Ok(f) => f,
+            Err(e) => {
+                self.error(format!("cannot send the state ({n} bytes) to {to:x}: {e}"));
+                return;
+            }
+        };
+        let msg = match msg {
+            Msg::StateResponse {
+                version, members, ..
+            } => Msg::StateResponse {
+                version,
+                members,
+                bytes: (n + DIGEST_LEN) as u64,
+            },
+            m => m,
+        };
+        let (microbatch, iteration) = bulk::header_fields(&msg);
+        f.header.stage = self.me.stage as u32;
+        f.header.microbatch = microbatch;
+        f.header.iteration = iteration;
+        self.send_now(to, msg, Some(f));
+    }
+
+    /// Opens a connection to `to` and keeps `first` until it is up.
+    fn connect(&mut self, to: NodeId, first: Out) {
+        match self.dir.get(&to) {
+            Some(p) => {
+                if self.net.connect(p.addr).is_ok() {
+                    self.pending.entry(to).or_default().push_back(first);
+                } else {
+                    self.lost.push_back(to);
+                }
+            }
+            None => {
+                self.log(format!("no address for {to:x}"));
+                self.lost.push_back(to);
+            }
+        }
+    }
+
+    // ---- receiving
+
+    fn on_directory(&mut self, from: NodeId, body: &[u8]) {
+        match directory::parse(body) {
+            Ok(peers) => {
+                for p in peers {
+                    if p.id != self.me.id {
+                        self.dir.insert(p.id, p);
+                    }
+                }
+                if self.joining.is_some() {
+                    self.join_now();
+                }
+            }
+            Err(e) => self.log(format!("bad directory from {from:x}: {e}")),
+        }
+    }
+
+    /// Joins through every peer the directory knows.
+    pub(super) fn join_now(&mut self) {
+        self.joining = None;
+        let peers = self.dir.values().map(|p| (p.id, p.stage)).collect();
+        self.input(Input::Join { peers });
+    }
+
+    fn on_net(&mut self, ev: NetEvent) {
+        match ev {
+            NetEvent::PeerConnected { peer, .. } => {
+                let env = directory::message(&self.me, self.dir.values());
+                let _ = self.net.send_control(peer, &env, SEND_WAIT);
+                let Ok(id) = NodeId::try_from(peer) else {
+                    let _ = self.net.disconnect(peer);
+                    return;
+                };
+                if let Some(q) = self.pending.remove(&id) {
+                    for o in q {
+                        match o {
+                            Out::Msg(m) => self.send(id, m),
+                            Out::Frame(f) => self.send_frame(id, f),
+                        }
+                    }
+                }
+            }
+            NetEvent::PeerLost { peer, .. } => {
+                self.agg.on_peer_lost(peer);
+                self.drive_aggregation();
+                if let Ok(id) = NodeId::try_from(peer) {
+                    self.pending.remove(&id);
+                    self.pairing.forget(id);
+                    self.input(Input::PeerLost { peer: id });
+                }
+            }
+            NetEvent::ConnectFailed { addr, .. } => {
+                let ids: Vec<NodeId> = self
+                    .dir
+                    .values()
+                    .filter(|p| p.addr == addr)
+                    .map(|p| p.id)
+                    .collect();
+                for id in ids {
+                    if self.pending.remove(&id).is_some() {
+                        self.agg.on_peer_lost(id as u64);
+                        self.drive_aggregation();
+                        self.input(Input::PeerLost { peer: id });
+                    }
+                }
+            }
+            NetEvent::Control { peer, msg } => {
+                let Ok(from) = NodeId::try_from(peer) else {
+                    return;
+                };
+                if msg.msg_type == DIRECTORY_MSG {
+                    self.on_directory(from, &msg.body);
+                    return;
+                }
+                match codec::decode(&msg) {
+                    Ok(m) if m.is_bulk() => {
+                        let key = bulk::key_of_msg(from, &m);
+                        if let Some((m, data)) = self.pairing.on_msg(key, m) {
+                            self.on_bulk(from, m, data);
+                        }
+                    }
+                    Ok(m) => self.input(Input::Message { from, msg: m }),
+                    Err(e) => {
+                        self.log(format!("refused a message from {from:x}: {e}"));
+                        let _ = self.net.disconnect(peer);
+                    }
+                }
+            }
+            NetEvent::Refused { addr, reason, .. } => {
+                self.log(format!("refused {addr}: {reason}"));
+            }
+        }
+    }
+
+    /// A data frame: an all-reduce chunk, or the second half of a bulk
+    /// message.
+    fn on_frame(&mut self, f: Frame) {
+        let Ok(from) = NodeId::try_from(f.peer()) else {
+            return;
+        };
+        if bulk::is_allreduce_frame(&f.header) {
+            self.agg.on_frame(f);
+            self.drive_aggregation();
+            return;
+        }
+        let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
+        if let Some((msg, data)) = self.pairing.on_data(key, f) {
+            self.on_bulk(from, msg, data);
+        }
+    }
+
+    /// A bulk message with its data: keep the tensor, then tell the protocol.
+    fn on_bulk(&mut self, from: NodeId, msg: Msg, data: Frame) {
+        match &msg {
+            Msg::Forward { mb, attempt, .. } => {
+                if !self.check_tensor(from, &msg, &data) {
+                    return;
+                }
+                self.store.put(*mb, *attempt, Slot::Input, data);
+            }
+            Msg::Backward { mb, attempt, .. } => {
+                if !self.check_tensor(from, &msg, &data) {
+                    return;
+                }
+                self.store.put(*mb, *attempt, Slot::GradIn, data);
+            }
+            Msg::StateResponse { version, .. } if !self.node.is_active() => {
+                match self.verify_state(data) {
+                    Ok(state) => {
+                        let bytes = state.len();
+                        let p = Pending::Import {
+                            from,
+                            bytes,
+                            since: Instant::now(),
+                        };
+                        let kind = WorkKind::ImportState {
+                            iteration: version.0,
+                        };
+                        self.give(kind, None, Some(state), p);
+                    }
+                    Err(e) => {
+                        // A cut or corrupted download: ask again.
+                        self.error(format!("state from {from:x} refused: {e}"));
+                        self.send(from, Msg::StateRequest);
+                        return;
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.input(Input::Message { from, msg });
+    }
+
+    /// A tensor must be as long as the activations this swarm exchanges.
+    fn check_tensor(&mut self, from: NodeId, msg: &Msg, data: &Frame) -> bool {
+        let want = self.cfg.activation_bytes as usize;
+        if data.len() == want {
+            return true;
+        }
+        self.error(format!(
+            "refused {} from {from:x}: {} bytes, expected {want}",
+            msg.name(),
+            data.len()
+        ));
+        false
+    }
+
+    /// Checks the digest at the end of a state transfer and strips it.
+    fn verify_state(&self, mut f: Frame) -> Result<Frame, String> {
+        let n = f.len();
+        if n <= DIGEST_LEN {
+            return Err(format!("{n} bytes"));
+        }
+        let (state, digest) = f.payload().split_at(n - DIGEST_LEN);
+        if Sha256::digest(state).as_slice() != digest {
+            return Err("its SHA-256 does not match (cut or corrupted)".into());
+        }
+        f.truncate(n - DIGEST_LEN);
+        Ok(f)
+    }
+
+    pub(super) fn run(&mut self, first: Option<Input>) {
+        if let Some(first) = first {
+            self.input(first);
+        }
+        let mut leaving = false;
+        while !self.shared.stop.load(Ordering::SeqCst) && !self.failed {
+            if self.joining.is_some_and(|t| Instant::now() >= t) {
+                self.join_now();
+            }
+            while let Some(id) = self.lost.pop_front() {
+                self.input(Input::PeerLost { peer: id });
+            }
+            if !leaving && self.leave_rx.try_recv().is_ok() {
+                leaving = true;
+                self.input(Input::Leave);
+            }
+            self.on_completions();
+            let now = self.now();
+            if let Some(t) = self.node.timeout() {
+                if t <= now {
+                    let actions = self.node.on_timeout(now);
+                    self.perform(actions);
+                    continue;
+                }
+            }
+            if leaving && !self.node.is_active() {
+                // Goodbyes are queued; the engine sends them at shutdown.
+                return;
+            }
+            // Wait for the network, but not past the next timer, and look
+            // at the trainer's completions often while it works.
+            let until_timer = self.node.timeout().map_or(Duration::from_millis(20), |t| {
+                Duration::from_micros(t.saturating_sub(now))
+            });
+            let cap = if self.port.in_progress() > 0 { 1 } else { 20 };
+            let wait = until_timer.min(Duration::from_millis(cap));
+            let mut next = self.net.next_incoming(wait);
+            while let Some(incoming) = next {
+                match incoming {
+                    Incoming::Event(ev) => self.on_net(ev),
+                    Incoming::Frame(f) => self.on_frame(f),
+                }
+                next = self.net.next_incoming(Duration::ZERO);
+            }
+        }
+    }
+}

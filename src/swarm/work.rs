@@ -1,0 +1,359 @@
+//! The trainer's side of a node: the work the runtime asks of it, pulled in
+//! order, and what the trainer hands back.
+//!
+//! One runtime, any trainer: the built-in model trainer and a C or Go
+//! trainer behind the C API pull the same [`Work`] through the same
+//! [`WorkPort`]. Inputs are frame leases straight from the socket (no
+//! copy); outputs are frames the trainer allocates from the node's pool
+//! ([`WorkPort::alloc`]) and fills in place.
+//!
+//! Order: works come out in the order the protocol asked for them. A
+//! *barrier* work (summing the gradients, applying the update, exporting or
+//! importing the state) is handed out only when no other work is
+//! outstanding, and nothing is handed out while it is, so a trainer with
+//! several threads still applies updates between the microbatches they
+//! belong between. A trainer with one thread just runs works as they come.
+use crate::engine::{EngineError, Frame, Node as Net};
+use crate::protocol::{MbId, Stage};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Identifies one work until it is completed.
+pub type WorkId = u64;
+
+/// What the trainer must do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkKind {
+    /// Data holder: embed microbatch `mb` (the trainer picks its tokens from
+    /// its data: the microbatch is named by holder, iteration and index).
+    /// Output: [`Output::Tensor`], the activation for stage 1.
+    Embed,
+    /// Relay: the stage's forward on `input`. Output: the activation.
+    Forward,
+    /// Data holder: head forward, loss and head backward on `input` (the
+    /// last stage's activation). Output: [`Output::Loss`].
+    Loss,
+    /// Relay: the stage's backward with `input`, the gradient of its output.
+    /// Output: the gradient of its input.
+    Backward,
+    /// Data holder: the embedding's backward with `input`. Output: none.
+    EmbedBackward,
+    /// Barrier. The sum of the parameter gradients of exactly the
+    /// microbatches `granted` (each once, whatever was computed twice).
+    /// Output: [`Output::Gradient`].
+    Gradient { iteration: u32, granted: Vec<MbId> },
+    /// Barrier. Apply `mean` (the stage's all-reduced, microbatch-weighted
+    /// mean gradient of iteration `iteration`) with the optimizer.
+    /// Output: [`Output::Weights`].
+    Apply {
+        iteration: u32,
+        mean: Arc<Vec<f32>>,
+        microbatches: u64,
+    },
+    /// Barrier. The stage's state (parameters, optimizer) as bytes, for a
+    /// joiner. Output: [`Output::State`].
+    ExportState,
+    /// Barrier. Replace the stage's state with `input` (as exported by a
+    /// member), the weights of iteration `iteration`. Output:
+    /// [`Output::Weights`].
+    ImportState { iteration: u32 },
+    /// Forget what is kept for microbatches of iterations before `before`
+    /// (activations whose backward never came, per-microbatch gradients).
+    /// Output: none.
+    Forget { before: u32 },
+}
+
+impl WorkKind {
+    /// Runs alone, between the works before and after it.
+    pub fn is_barrier(&self) -> bool {
+        matches!(
+            self,
+            WorkKind::Gradient { .. }
+                | WorkKind::Apply { .. }
+                | WorkKind::ExportState
+                | WorkKind::ImportState { .. }
+        )
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            WorkKind::Embed => "embed",
+            WorkKind::Forward => "forward",
+            WorkKind::Loss => "loss",
+            WorkKind::Backward => "backward",
+            WorkKind::EmbedBackward => "embed_backward",
+            WorkKind::Gradient { .. } => "gradient",
+            WorkKind::Apply { .. } => "apply",
+            WorkKind::ExportState => "export_state",
+            WorkKind::ImportState { .. } => "import_state",
+            WorkKind::Forget { .. } => "forget",
+        }
+    }
+
+    /// Compute on a microbatch (what the wasted-compute figures count).
+    pub fn is_microbatch_compute(&self) -> bool {
+        matches!(
+            self,
+            WorkKind::Embed
+                | WorkKind::Forward
+                | WorkKind::Loss
+                | WorkKind::Backward
+                | WorkKind::EmbedBackward
+        )
+    }
+}
+
+/// One piece of work.
+#[derive(Debug)]
+pub struct Work {
+    pub id: WorkId,
+    pub kind: WorkKind,
+    /// The node's stage (0: data holder).
+    pub stage: Stage,
+    /// The microbatch of a compute work.
+    pub mb: Option<MbId>,
+    /// The input tensor (or state), a lease on the frame it arrived in.
+    pub input: Option<Frame>,
+}
+
+/// What the trainer hands back.
+#[derive(Debug)]
+pub enum Output {
+    None,
+    /// An activation or a gradient, `activation_bytes` long.
+    Tensor(Frame),
+    /// The microbatch's mean loss and the gradient for the last stage.
+    Loss {
+        loss: f32,
+        grad: Frame,
+    },
+    /// The summed gradient and the digest of the weights it was computed on.
+    Gradient {
+        sum: Vec<f32>,
+        weights: [u8; 32],
+    },
+    /// The digest of the weights after an apply or an import.
+    Weights([u8; 32]),
+    /// The exported state.
+    State(Frame),
+}
+
+/// Why a completion was refused (nothing changed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CompleteError {
+    /// No such work is outstanding (never given, or completed already).
+    UnknownWork(WorkId),
+    /// The output does not fit the work (kind or size).
+    BadOutput { work: WorkId, reason: String },
+    /// The node has stopped.
+    Stopped,
+}
+
+impl std::fmt::Display for CompleteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompleteError::UnknownWork(id) => {
+                write!(f, "work {id} is not outstanding (never given or done)")
+            }
+            CompleteError::BadOutput { work, reason } => write!(f, "work {work}: {reason}"),
+            CompleteError::Stopped => write!(f, "the node has stopped"),
+        }
+    }
+}
+
+impl std::error::Error for CompleteError {}
+
+/// What a trainer returned for one work, for the driver.
+pub struct Completion {
+    pub id: WorkId,
+    pub kind: WorkKind,
+    pub mb: Option<MbId>,
+    pub result: Result<Output, String>,
+    /// Time the trainer spent on it.
+    pub took: Duration,
+}
+
+#[derive(Default)]
+struct QueueState {
+    ready: VecDeque<Work>,
+    /// Outstanding works: kind, microbatch, when handed out.
+    outstanding: HashMap<WorkId, (WorkKind, Option<MbId>, Instant)>,
+    barrier_out: bool,
+    stopped: bool,
+    done: Vec<Completion>,
+}
+
+/// The queue between the driver and the trainer(s), and the trainer's
+/// handle on its node. Cheap to clone.
+#[derive(Clone)]
+pub struct WorkPort {
+    state: Arc<(Mutex<QueueState>, Condvar)>,
+    net: Arc<Net>,
+    /// Bytes of an activation (and of its gradient).
+    activation_bytes: usize,
+}
+
+impl WorkPort {
+    pub(crate) fn new(net: Arc<Net>, activation_bytes: usize) -> WorkPort {
+        WorkPort {
+            state: Arc::new((Mutex::new(QueueState::default()), Condvar::new())),
+            net,
+            activation_bytes,
+        }
+    }
+
+    /// Bytes of the activations (and gradients) this node exchanges.
+    pub fn activation_bytes(&self) -> usize {
+        self.activation_bytes
+    }
+
+    /// A frame of `len` bytes from the node's pool, for an output.
+    pub fn alloc(&self, len: usize) -> Result<Frame, EngineError> {
+        self.net.alloc(len, Duration::from_secs(30))
+    }
+
+    /// The next work, in order, waiting up to `timeout`. None: nothing yet,
+    /// or the node stopped ([`WorkPort::is_stopped`]).
+    pub fn next_work(&self, timeout: Duration) -> Option<Work> {
+        let (lock, cv) = &*self.state;
+        let deadline = Instant::now() + timeout;
+        let mut q = lock.lock();
+        loop {
+            if q.stopped {
+                return None;
+            }
+            let can = match q.ready.front() {
+                None => false,
+                Some(_) if q.barrier_out => false,
+                Some(w) if w.kind.is_barrier() => q.outstanding.is_empty(),
+                Some(_) => true,
+            };
+            if can {
+                let w = q.ready.pop_front().expect("front exists");
+                q.barrier_out = w.kind.is_barrier();
+                q.outstanding
+                    .insert(w.id, (w.kind.clone(), w.mb, Instant::now()));
+                return Some(w);
+            }
+            if cv.wait_until(&mut q, deadline).timed_out() {
+                return None;
+            }
+        }
+    }
+
+    /// Hands back work `id`'s result (or why it failed). A second answer,
+    /// an answer to a work never given, or an output that does not fit is
+    /// refused with the reason and changes nothing (the work stays
+    /// outstanding when the output did not fit, so a corrected answer can
+    /// follow).
+    pub fn complete(
+        &self,
+        id: WorkId,
+        result: Result<Output, String>,
+    ) -> Result<(), CompleteError> {
+        let (lock, cv) = &*self.state;
+        let mut q = lock.lock();
+        if q.stopped {
+            return Err(CompleteError::Stopped);
+        }
+        let Some((kind, mb, since)) = q.outstanding.get(&id).cloned() else {
+            return Err(CompleteError::UnknownWork(id));
+        };
+        if let Ok(out) = &result {
+            check_output(&kind, out, self.activation_bytes)
+                .map_err(|reason| CompleteError::BadOutput { work: id, reason })?;
+        }
+        q.outstanding.remove(&id);
+        if kind.is_barrier() {
+            q.barrier_out = false;
+        }
+        q.done.push(Completion {
+            id,
+            kind,
+            mb,
+            result,
+            took: since.elapsed(),
+        });
+        cv.notify_all();
+        Ok(())
+    }
+
+    /// Whether the node stopped (no more work will come).
+    pub fn is_stopped(&self) -> bool {
+        self.state.0.lock().stopped
+    }
+
+    // ---- the driver's side
+
+    pub(crate) fn push(&self, w: Work) {
+        let (lock, cv) = &*self.state;
+        lock.lock().ready.push_back(w);
+        cv.notify_all();
+    }
+
+    pub(crate) fn take_done(&self) -> Vec<Completion> {
+        std::mem::take(&mut self.state.0.lock().done)
+    }
+
+    /// Works given out or waiting.
+    pub(crate) fn in_progress(&self) -> usize {
+        let q = self.state.0.lock();
+        q.ready.len() + q.outstanding.len() + q.done.len()
+    }
+
+    pub(crate) fn stop(&self) {
+        let (lock, cv) = &*self.state;
+        let mut q = lock.lock();
+        q.stopped = true;
+        q.ready.clear();
+        cv.notify_all();
+    }
+}
+
+/// Whether `out` is an answer to `kind`.
+fn check_output(kind: &WorkKind, out: &Output, act: usize) -> Result<(), String> {
+    let tensor = |f: &Frame, what: &str| {
+        if f.len() == act {
+            Ok(())
+        } else {
+            Err(format!("{what} of {} bytes, expected {act}", f.len()))
+        }
+    };
+    match (kind, out) {
+        (WorkKind::Embed | WorkKind::Forward, Output::Tensor(f)) => tensor(f, "activation"),
+        (WorkKind::Backward, Output::Tensor(f)) => tensor(f, "gradient"),
+        (WorkKind::Loss, Output::Loss { loss, grad }) => {
+            if !loss.is_finite() {
+                return Err(format!("loss {loss} is not finite"));
+            }
+            tensor(grad, "gradient")
+        }
+        (WorkKind::EmbedBackward | WorkKind::Forget { .. }, Output::None) => Ok(()),
+        (WorkKind::Gradient { .. }, Output::Gradient { sum, .. }) => {
+            match sum.iter().position(|x| !x.is_finite()) {
+                Some(i) => Err(format!("gradient element {i} is not finite")),
+                None => Ok(()),
+            }
+        }
+        (WorkKind::Apply { .. } | WorkKind::ImportState { .. }, Output::Weights(_)) => Ok(()),
+        (WorkKind::ExportState, Output::State(f)) if !f.is_empty() => Ok(()),
+        (k, o) => Err(format!(
+            "{} cannot be answered with {}",
+            k.name(),
+            output_name(o)
+        )),
+    }
+}
+
+fn output_name(o: &Output) -> &'static str {
+    match o {
+        Output::None => "nothing",
+        Output::Tensor(_) => "a tensor",
+        Output::Loss { .. } => "a loss",
+        Output::Gradient { .. } => "a gradient",
+        Output::Weights(_) => "a weights digest",
+        Output::State(_) => "a state",
+    }
+}
