@@ -348,8 +348,11 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         (
             "microbatches lost / counted twice / dropped",
             format!(
-                "{} / {} / {}",
-                s.lost_microbatches, s.double_counted_microbatches, s.dropped_microbatches
+                "{} / {} / {} ({} commits made again after losing a member)",
+                s.lost_microbatches,
+                s.double_counted_microbatches,
+                s.dropped_microbatches,
+                s.recommits
             ),
         ),
         (
