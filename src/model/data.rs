@@ -199,24 +199,36 @@ impl Batcher {
                 d.len()
             )));
         }
-        let total: usize = self.docs.iter().map(|d| d.len() - seq).sum();
-        let mut x = Vec::with_capacity(batch * seq);
-        let mut y = Vec::with_capacity(batch * seq);
-        for _ in 0..batch {
-            let mut s = self.rng.below(total);
-            let mut doc = &self.docs[0];
-            for d in &self.docs {
-                doc = d;
-                if s < d.len() - seq {
-                    break;
-                }
-                s -= d.len() - seq;
-            }
-            x.extend_from_slice(&doc[s..s + seq]);
-            y.extend_from_slice(&doc[s + 1..s + seq + 1]);
-        }
-        Ok((x, y))
+        Ok(sample_windows(&self.docs, &mut self.rng, batch, seq))
     }
+}
+
+/// `batch` windows of `seq` tokens drawn with `rng` from `docs` (every start position of
+/// every document equally likely; each document must be longer than `seq`): inputs and
+/// next-token targets, each `[batch * seq]`.
+pub fn sample_windows(
+    docs: &[Vec<u32>],
+    rng: &mut Rng,
+    batch: usize,
+    seq: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let total: usize = docs.iter().map(|d| d.len() - seq).sum();
+    let mut x = Vec::with_capacity(batch * seq);
+    let mut y = Vec::with_capacity(batch * seq);
+    for _ in 0..batch {
+        let mut s = rng.below(total);
+        let mut doc = &docs[0];
+        for d in docs {
+            doc = d;
+            if s < d.len() - seq {
+                break;
+            }
+            s -= d.len() - seq;
+        }
+        x.extend_from_slice(&doc[s..s + seq]);
+        y.extend_from_slice(&doc[s + 1..s + seq + 1]);
+    }
+    (x, y)
 }
 
 #[cfg(test)]

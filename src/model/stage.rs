@@ -531,6 +531,14 @@ impl Stage {
         self.saved.remove(&mb).is_some()
     }
 
+    /// Takes the accumulated gradient out (the accumulator starts again from
+    /// zero): a swarm node keeps each microbatch's gradient apart until it
+    /// knows the microbatch is counted in its stage's aggregate.
+    pub fn take_grads(&mut self) -> Vec<f32> {
+        self.accumulated = 0;
+        std::mem::replace(&mut self.grads, vec![0.0; self.params.len()])
+    }
+
     /// Sets the accumulated gradient to zero.
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);

@@ -205,22 +205,11 @@ impl Driver {
                     .sum();
                 *self.claimed_time.entry(mb.iter).or_default() += t;
             }
-            Event::IterFinalized { iter, .. } if self.me.stage == 0 => {
-                let mine: Vec<f32> = self
-                    .losses
-                    .range(..)
-                    .filter(|(mb, _)| mb.iter == *iter && mb.holder == self.me.id)
-                    .map(|(_, l)| *l)
-                    .collect();
-                if !mine.is_empty() {
-                    let loss = mine.iter().map(|&l| l as f64).sum::<f64>() / mine.len() as f64;
-                    self.emit(NodeEvent::Iteration {
-                        iteration: *iter,
-                        loss: loss as f32,
-                        microbatches: mine.len() as u32,
-                    });
-                }
-                self.losses.retain(|mb, _| mb.iter > *iter);
+            // A holder knows an iteration is final when its barrier
+            // coordinator finalizes it or starts the next one.
+            Event::IterFinalized { iter, .. } if self.me.stage == 0 => self.iteration_final(*iter),
+            Event::IterStarted { iter } if self.me.stage == 0 && *iter > 0 => {
+                self.iteration_final(*iter - 1)
             }
             Event::ReplicasDiverged {
                 stage,
@@ -235,6 +224,25 @@ impl Driver {
             _ => {}
         }
         self.emit(NodeEvent::Protocol(e));
+    }
+
+    /// Holder: iterations up to `iter` are final: report their losses.
+    fn iteration_final(&mut self, iter: u32) {
+        let mut by_iter: BTreeMap<u32, Vec<f32>> = BTreeMap::new();
+        for (mb, l) in self.losses.range(..) {
+            if mb.iter <= iter && mb.holder == self.me.id {
+                by_iter.entry(mb.iter).or_default().push(*l);
+            }
+        }
+        self.losses.retain(|mb, _| mb.iter > iter);
+        for (k, ls) in by_iter {
+            let loss = ls.iter().map(|&l| l as f64).sum::<f64>() / ls.len() as f64;
+            self.emit(NodeEvent::Iteration {
+                iteration: k,
+                loss: loss as f32,
+                microbatches: ls.len() as u32,
+            });
+        }
     }
 
     /// The coordinator's word: apply the aggregate of `iter`.

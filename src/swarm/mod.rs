@@ -11,6 +11,7 @@ pub mod allreduce_net;
 pub mod bulk;
 pub mod directory;
 mod driver;
+pub mod model_trainer;
 pub mod runtime;
 pub mod store;
 pub mod work;

@@ -1,0 +1,475 @@
+//! The built-in trainer of `gwtf node`: libgwtf's own model (`model`)
+//! behind the same work interface a C or Go trainer pulls from.
+//!
+//! The model is cut into `S` stages ([`StagePlan`] with `S >= 3`): data
+//! holders run the first (embedding) and the last (final norm, head, loss),
+//! relays of protocol stage `k` run model stage `k` (`1..=S-2`).
+//!
+//! Exactly once: a backward's parameter gradient is kept apart, per
+//! microbatch, until the stage aggregates; the gradient handed to the
+//! all-reduce sums exactly the granted microbatches, in microbatch order,
+//! so a microbatch computed twice after a recovery is never counted twice,
+//! and every replica sums the same way.
+//!
+//! Data: the microbatch `(holder, iteration, index)` is drawn from the
+//! holder's documents by a generator seeded from the run's seed and those
+//! three numbers ([`microbatch`]), so a restarted microbatch is the same
+//! one, and the single-process reference ([`reference_losses`]) trains on
+//! exactly the swarm's microbatches.
+use super::runtime::Trainer;
+use super::work::{Output, Work, WorkKind, WorkPort};
+use crate::engine::Frame;
+use crate::model::data::sample_windows;
+use crate::model::rng::Rng;
+use crate::model::{
+    AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput, StagePlan,
+    TrainOptions,
+};
+use crate::protocol::{MbId, NodeId};
+use sha2::{Digest, Sha256};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+
+/// What every node of one swarm agrees on about the model.
+#[derive(Clone, Debug)]
+pub struct ModelRun {
+    pub cfg: ModelConfig,
+    /// Stages of the model cut (>= 3; relays serve `1..=stages-2`).
+    pub stages: usize,
+    /// Seed of the initial weights and of the microbatches.
+    pub seed: u64,
+    /// Learning-rate schedule and AdamW settings (`steps`: the iterations).
+    pub opts: TrainOptions,
+}
+
+impl ModelRun {
+    /// `cfg` cut into `stages`, trained for `iterations` with the defaults
+    /// of `gwtf train`.
+    pub fn new(
+        cfg: ModelConfig,
+        stages: usize,
+        seed: u64,
+        iterations: usize,
+    ) -> Result<ModelRun, ModelError> {
+        if stages < 3 {
+            return Err(ModelError::InvalidConfig(format!(
+                "{stages} stages: a swarm needs at least 3 (embedding, blocks, head)"
+            )));
+        }
+        StagePlan::new(&cfg, stages)?;
+        let mut opts = TrainOptions::for_config(&cfg);
+        opts.steps = iterations.max(1);
+        opts.seed = seed;
+        opts.stages = stages;
+        Ok(ModelRun {
+            cfg,
+            stages,
+            seed,
+            opts,
+        })
+    }
+
+    /// Bytes of an activation between two stages (and of its gradient).
+    pub fn activation_bytes(&self) -> usize {
+        4 * self.opts.batch * self.opts.seq * self.cfg.d_model
+    }
+
+    /// The pieces protocol stage `stage` runs (0: a data holder's two).
+    pub fn pieces(&self, stage: u16) -> Result<Vec<Stage>, ModelError> {
+        let plan = StagePlan::new(&self.cfg, self.stages)?;
+        let idx: Vec<usize> = if stage == 0 {
+            vec![0, self.stages - 1]
+        } else if (stage as usize) < self.stages - 1 {
+            vec![stage as usize]
+        } else {
+            return Err(ModelError::InvalidConfig(format!(
+                "stage {stage} of a swarm with {} relay stages",
+                self.stages - 2
+            )));
+        };
+        idx.into_iter()
+            .map(|i| Stage::new(&self.cfg, &plan, i, self.seed))
+            .collect()
+    }
+
+    /// Bytes of the state protocol stage `stage` transfers to a joiner.
+    pub fn state_bytes(&self, stage: u16) -> Result<u64, ModelError> {
+        let pieces = self.pieces(stage)?;
+        Ok(pieces
+            .iter()
+            .map(|p| 8 + p.export_state().len() as u64)
+            .sum())
+    }
+
+    /// Memory one microbatch in flight takes at protocol stage `stage`:
+    /// the activations its backward keeps, its gradient kept apart, and
+    /// the tensors kept for recovery (a rough upper bound).
+    pub fn bytes_per_microbatch(&self, stage: u16) -> Result<u64, ModelError> {
+        let pieces = self.pieces(stage)?;
+        let params: usize = pieces.iter().map(|p| p.num_params()).sum();
+        let blocks: usize = pieces.iter().map(|p| p.spec().blocks.len()).sum();
+        let act = self.activation_bytes();
+        // A block keeps about 12 activations of its width, and the FFN's.
+        let per_block = act * (12 + 2 * self.cfg.ffn_hidden / self.cfg.d_model.max(1));
+        let head = if stage == 0 {
+            4 * self.opts.batch * self.opts.seq * self.cfg.vocab_size + 3 * act
+        } else {
+            0
+        };
+        Ok((4 * params + blocks * per_block + head + 4 * act) as u64)
+    }
+}
+
+/// The tokens and targets of microbatch `mb` drawn from `docs`.
+pub fn microbatch(
+    docs: &[Vec<u32>],
+    seed: u64,
+    mb: MbId,
+    batch: usize,
+    seq: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let ids = [0x5357_524d, mb.holder as u64, mb.iter as u64, mb.idx as u64];
+    let mut rng = Rng::derived(seed, &ids);
+    sample_windows(docs, &mut rng, batch, seq)
+}
+
+/// The single-process reference: the same model trained in one process on
+/// exactly the swarm's microbatches (every holder's `mb_per_iter` per
+/// iteration, one optimizer step per iteration). Returns the mean loss of
+/// each iteration.
+pub fn reference_losses(
+    run: &ModelRun,
+    holders: &[(NodeId, &[Vec<u32>])],
+    mb_per_iter: u32,
+    iterations: u32,
+    mut on_iteration: impl FnMut(u32, f32),
+) -> Result<Vec<f32>, ModelError> {
+    let mut p = Pipeline::new(&run.cfg, run.stages, run.seed)?;
+    let (b, t) = (run.opts.batch, run.opts.seq);
+    let mut out = Vec::with_capacity(iterations as usize);
+    for iter in 0..iterations {
+        let mut sum = 0.0f64;
+        let mut n = 0;
+        for &(holder, docs) in holders {
+            for idx in 0..mb_per_iter {
+                let mb = MbId { holder, iter, idx };
+                let (x, y) = microbatch(docs, run.seed, mb, b, t);
+                let id = ((iter as u64) << 32) | n as u64;
+                sum += p.forward_backward(id, b, t, &x, &y)? as f64;
+                n += 1;
+            }
+        }
+        p.step(&adamw(&run.opts, iter))?;
+        let loss = (sum / n.max(1) as f64) as f32;
+        on_iteration(iter, loss);
+        out.push(loss);
+    }
+    Ok(out)
+}
+
+/// The optimizer settings of iteration `iter`.
+fn adamw(o: &TrainOptions, iter: u32) -> AdamW {
+    AdamW {
+        lr: o.lr_at(iter as usize),
+        weight_decay: o.weight_decay,
+        ..AdamW::default()
+    }
+}
+
+/// The built-in trainer.
+pub struct ModelTrainer {
+    run: ModelRun,
+    /// Holder: `[embedding, head]`; relay: `[its stage]`.
+    pieces: Vec<Stage>,
+    /// Holder: its documents.
+    docs: Vec<Vec<u32>>,
+    /// Holder: the targets of each microbatch embedded.
+    targets: HashMap<MbId, Vec<u32>>,
+    /// The model's id of each microbatch whose activations are kept.
+    ids: HashMap<MbId, u64>,
+    next_id: u64,
+    /// Each microbatch's parameter gradient, per piece, until aggregated.
+    grads: BTreeMap<MbId, Vec<Option<Vec<f32>>>>,
+}
+
+impl ModelTrainer {
+    /// A relay of protocol stage `stage`, or (stage 0) a data holder
+    /// training on `docs`.
+    pub fn new(run: ModelRun, stage: u16, docs: Vec<Vec<u32>>) -> Result<Self, ModelError> {
+        let holder = stage == 0;
+        if holder && (docs.is_empty() || docs.iter().any(|d| d.len() <= run.opts.seq)) {
+            return Err(ModelError::Data(format!(
+                "a data holder needs documents longer than {} tokens",
+                run.opts.seq
+            )));
+        }
+        Ok(ModelTrainer {
+            pieces: run.pieces(stage)?,
+            run,
+            docs,
+            targets: HashMap::new(),
+            ids: HashMap::new(),
+            next_id: 0,
+            grads: BTreeMap::new(),
+        })
+    }
+
+    /// The pieces (for tests: their parameters).
+    pub fn pieces(&self) -> &[Stage] {
+        &self.pieces
+    }
+
+    /// The model id for a new forward of `mb` (an older attempt's kept
+    /// activations are dropped).
+    fn fresh_id(&mut self, piece: usize, mb: MbId) -> u64 {
+        if let Some(old) = self.ids.remove(&mb) {
+            self.pieces[piece].discard(old);
+        }
+        self.next_id += 1;
+        self.ids.insert(mb, self.next_id);
+        self.next_id
+    }
+
+    fn keep_grad(&mut self, mb: MbId, piece: usize) {
+        let n = self.pieces.len();
+        let g = self.pieces[piece].take_grads();
+        self.grads.entry(mb).or_insert_with(|| vec![None; n])[piece] = Some(g);
+    }
+
+    /// The weights digest: SHA-256 over every piece's parameters, AdamW
+    /// moments and step count.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        for p in &self.pieces {
+            h.update(p.export_state());
+        }
+        h.finalize().into()
+    }
+
+    fn compute(&mut self, w: &Work, port: &WorkPort) -> Result<Output, String> {
+        let (b, t) = (self.run.opts.batch, self.run.opts.seq);
+        let mb = w.mb.ok_or("compute work without a microbatch")?;
+        let input = w.input.as_ref().map(f32s_of);
+        let err = |e: ModelError| e.to_string();
+        match w.kind {
+            WorkKind::Embed => {
+                let (x, y) = microbatch(&self.docs, self.run.seed, mb, b, t);
+                self.targets.insert(mb, y);
+                let id = self.fresh_id(0, mb);
+                let out = self.pieces[0]
+                    .forward(id, b, t, StageInput::Tokens(&x), None)
+                    .map_err(err)?;
+                tensor_out(port, out)
+            }
+            WorkKind::Forward => {
+                let h = input.ok_or("forward without its input")?;
+                let id = self.fresh_id(0, mb);
+                let out = self.pieces[0]
+                    .forward(id, b, t, StageInput::Hidden(&h), None)
+                    .map_err(err)?;
+                tensor_out(port, out)
+            }
+            WorkKind::Loss => {
+                let h = input.ok_or("loss without its input")?;
+                let y = self
+                    .targets
+                    .get(&mb)
+                    .ok_or("loss of a microbatch this holder did not embed")?
+                    .clone();
+                let id = ((mb.iter as u64) << 32 | mb.idx as u64) | 1 << 63;
+                self.pieces[1].discard(id);
+                let out = self.pieces[1]
+                    .forward(id, b, t, StageInput::Hidden(&h), Some(&y))
+                    .map_err(err)?;
+                let StageOutput::Loss(loss) = out else {
+                    return Err("the head gave no loss".into());
+                };
+                let g = self.pieces[1].backward(id, None).map_err(err)?;
+                self.keep_grad(mb, 1);
+                let g = g.ok_or("the head gave no input gradient")?;
+                Ok(Output::Loss {
+                    loss,
+                    grad: frame_of(port, &g)?,
+                })
+            }
+            WorkKind::Backward | WorkKind::EmbedBackward => {
+                let g = input.ok_or("backward without its gradient")?;
+                let id = *self
+                    .ids
+                    .get(&mb)
+                    .ok_or("backward of a microbatch whose forward is not kept")?;
+                let dx = self.pieces[0].backward(id, Some(&g)).map_err(err)?;
+                self.ids.remove(&mb);
+                self.keep_grad(mb, 0);
+                match dx {
+                    Some(dx) => Ok(Output::Tensor(frame_of(port, &dx)?)),
+                    None => Ok(Output::None),
+                }
+            }
+            _ => Err("not a compute work".into()),
+        }
+    }
+
+    /// The sum of exactly the granted microbatches' gradients, in order.
+    fn gradient(&self, granted: &[MbId]) -> Result<Vec<f32>, String> {
+        let sizes: Vec<usize> = self.pieces.iter().map(|p| p.num_params()).collect();
+        let mut sum = vec![0.0f32; sizes.iter().sum()];
+        let mut sorted = granted.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        for mb in sorted {
+            let g = self
+                .grads
+                .get(&mb)
+                .ok_or_else(|| format!("no gradient kept for granted {mb:?}"))?;
+            let mut off = 0;
+            for (piece, n) in sizes.iter().enumerate() {
+                let gp = g[piece]
+                    .as_ref()
+                    .ok_or_else(|| format!("granted {mb:?} misses piece {piece}'s gradient"))?;
+                for (s, x) in sum[off..off + n].iter_mut().zip(gp) {
+                    *s += x;
+                }
+                off += n;
+            }
+        }
+        Ok(sum)
+    }
+
+    fn apply(&mut self, iteration: u32, mean: &[f32]) -> Result<(), String> {
+        let total: usize = self.pieces.iter().map(|p| p.num_params()).sum();
+        if mean.len() != total {
+            return Err(format!("a mean of {} for {total} parameters", mean.len()));
+        }
+        let opt = adamw(&self.run.opts, iteration);
+        let mut off = 0;
+        for p in &mut self.pieces {
+            let n = p.num_params();
+            p.set_mean_grads(&mean[off..off + n])
+                .map_err(|e| e.to_string())?;
+            p.step(&opt).map_err(|e| e.to_string())?;
+            off += n;
+        }
+        self.grads.retain(|mb, _| mb.iter > iteration);
+        Ok(())
+    }
+
+    fn export(&self, port: &WorkPort) -> Result<Frame, String> {
+        let mut b = Vec::new();
+        for p in &self.pieces {
+            let s = p.export_state();
+            b.extend_from_slice(&(s.len() as u64).to_le_bytes());
+            b.extend_from_slice(&s);
+        }
+        let mut f = port.alloc(b.len()).map_err(|e| e.to_string())?;
+        f.payload_mut().copy_from_slice(&b);
+        Ok(f)
+    }
+
+    fn import(&mut self, mut b: &[u8]) -> Result<(), String> {
+        // Checked whole before anything changes.
+        let mut parts = Vec::new();
+        for _ in &self.pieces {
+            if b.len() < 8 {
+                return Err("state cut short".into());
+            }
+            let n = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as usize;
+            let rest = &b[8..];
+            if rest.len() < n {
+                return Err("state cut short".into());
+            }
+            parts.push(&rest[..n]);
+            b = &rest[n..];
+        }
+        if !b.is_empty() {
+            return Err(format!("{} bytes after the state", b.len()));
+        }
+        let backup: Vec<_> = self.pieces.iter().map(|p| p.state()).collect();
+        for (i, part) in parts.iter().enumerate() {
+            if let Err(e) = self.pieces[i].import_state(part) {
+                for (p, st) in self.pieces.iter_mut().zip(&backup) {
+                    let _ = p.set_state(st);
+                }
+                return Err(e.to_string());
+            }
+        }
+        self.ids.clear();
+        self.grads.clear();
+        Ok(())
+    }
+}
+
+impl Trainer for ModelTrainer {
+    fn run(&mut self, w: Work, port: &WorkPort) -> Result<Output, String> {
+        match &w.kind {
+            k if k.is_microbatch_compute() => self.compute(&w, port),
+            WorkKind::Gradient { granted, .. } => Ok(Output::Gradient {
+                sum: self.gradient(granted)?,
+                weights: self.digest(),
+            }),
+            WorkKind::Apply {
+                iteration, mean, ..
+            } => {
+                self.apply(*iteration, mean)?;
+                Ok(Output::Weights(self.digest()))
+            }
+            WorkKind::ExportState => Ok(Output::State(self.export(port)?)),
+            WorkKind::ImportState { .. } => {
+                let f = w.input.as_ref().ok_or("import without a state")?;
+                self.import(f.payload())?;
+                Ok(Output::Weights(self.digest()))
+            }
+            WorkKind::Forget { before } => {
+                let before = *before;
+                let old: Vec<MbId> = self
+                    .ids
+                    .keys()
+                    .copied()
+                    .filter(|mb| mb.iter < before)
+                    .collect();
+                for mb in old {
+                    if let Some(id) = self.ids.remove(&mb) {
+                        for p in &mut self.pieces {
+                            p.discard(id);
+                        }
+                    }
+                }
+                self.targets.retain(|mb, _| mb.iter >= before);
+                self.grads.retain(|mb, _| mb.iter >= before);
+                Ok(Output::None)
+            }
+            _ => Err(format!("unexpected work {}", w.kind.name())),
+        }
+    }
+}
+
+/// A frame's f32 values, without a copy when the payload is aligned.
+fn f32s_of(f: &Frame) -> Cow<'_, [f32]> {
+    let p = f.payload();
+    // SAFETY: any bit pattern is a valid f32; align_to only splits.
+    let (pre, mid, post) = unsafe { p.align_to::<f32>() };
+    if cfg!(target_endian = "little") && pre.is_empty() && post.is_empty() {
+        Cow::Borrowed(mid)
+    } else {
+        Cow::Owned(
+            p.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect(),
+        )
+    }
+}
+
+fn frame_of(port: &WorkPort, v: &[f32]) -> Result<Frame, String> {
+    let mut f = port.alloc(4 * v.len()).map_err(|e| e.to_string())?;
+    for (dst, x) in f.payload_mut().chunks_exact_mut(4).zip(v) {
+        dst.copy_from_slice(&x.to_le_bytes());
+    }
+    Ok(f)
+}
+
+fn tensor_out(port: &WorkPort, out: StageOutput) -> Result<Output, String> {
+    match out {
+        StageOutput::Hidden(h) => Ok(Output::Tensor(frame_of(port, &h)?)),
+        StageOutput::Loss(_) => Err("a middle stage gave a loss".into()),
+    }
+}
