@@ -20,6 +20,8 @@ mod kernels_cmd;
 #[cfg(feature = "cuda")]
 #[path = "gwtf/kernels_gpu.rs"]
 mod kernels_gpu;
+#[path = "gwtf/node_cmd.rs"]
+mod node_cmd;
 #[path = "gwtf/sample_cmd.rs"]
 mod sample_cmd;
 #[path = "gwtf/sim_cmd.rs"]
@@ -69,6 +71,10 @@ enum Cmd {
     },
     /// Train the reference model in one process (stages run one after another).
     Train(train_cmd::TrainArgs),
+    /// One swarm node (a data holder or a relay) in its own process: trains
+    /// the model with the other nodes over TCP; SIGTERM/Ctrl-C leaves
+    /// gracefully, SIGKILL is a crash the others survive.
+    Node(node_cmd::NodeArgs),
     /// Generate text from a checkpoint saved by `gwtf train --save`.
     Sample(sample_cmd::SampleArgs),
     /// A diagnostic peer: accepts authenticated peers and sends every frame
@@ -152,6 +158,7 @@ fn main() {
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Sample(args) => sample_cmd::run(args),
+        Cmd::Node(args) => node_cmd::node(args),
         Cmd::Echo(args) => transport_cmd::echo(args),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Bench { what } => match what {

@@ -266,6 +266,20 @@ impl TrainOptions {
         }
     }
 
+    /// The defaults of a run of `steps` optimizer steps (what `gwtf train` and the swarm
+    /// use): linear warmup over a tenth of it (1 to 20 steps), peak learning rate 1e-2
+    /// for models up to 64 wide and 1e-3 above, a 512 KiB generated corpus above 64 wide.
+    pub fn for_run(cfg: &ModelConfig, steps: usize) -> Self {
+        let mut o = Self::for_config(cfg);
+        o.steps = steps;
+        o.warmup = (steps / 10).clamp(1, 20);
+        o.lr = if cfg.d_model <= 64 { 1e-2 } else { 1e-3 };
+        if cfg.d_model > 64 {
+            o.corpus_bytes = 512 * 1024;
+        }
+        o
+    }
+
     /// Learning rate at step `s` (0-based).
     pub fn lr_at(&self, s: usize) -> f32 {
         if s < self.warmup {

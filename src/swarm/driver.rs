@@ -143,7 +143,7 @@ impl Driver {
         self.port.push(Work {
             id,
             kind,
-            stage: self.me.stage,
+            stage: self.node.stage(),
             mb,
             input,
         });
@@ -196,6 +196,8 @@ impl Driver {
 
     fn on_protocol_event(&mut self, e: Event) {
         match &e {
+            // A joiner's stage is chosen on join: the directory says it.
+            Event::Active { stage } => self.me.stage = *stage,
             Event::Applied { iter, .. } => self.apply(*iter),
             Event::Claimed { mb, tasks } => {
                 let t: Duration = tasks
@@ -630,6 +632,7 @@ impl Driver {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.pending.remove(&id);
                     self.pairing.forget(id);
+                    self.emit(NodeEvent::PeerLost { peer: id });
                     self.input(Input::PeerLost { peer: id });
                 }
             }

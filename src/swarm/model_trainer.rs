@@ -57,8 +57,7 @@ impl ModelRun {
             )));
         }
         StagePlan::new(&cfg, stages)?;
-        let mut opts = TrainOptions::for_config(&cfg);
-        opts.steps = iterations.max(1);
+        let mut opts = TrainOptions::for_run(&cfg, iterations.max(1));
         opts.seed = seed;
         opts.stages = stages;
         Ok(ModelRun {
@@ -181,6 +180,9 @@ pub struct ModelTrainer {
     run: ModelRun,
     /// Holder: `[embedding, head]`; relay: `[its stage]`.
     pieces: Vec<Stage>,
+    /// The protocol stage the pieces are for (None: a joiner before the
+    /// swarm chose its stage).
+    stage: Option<u16>,
     /// Holder: its documents.
     docs: Vec<Vec<u32>>,
     /// Holder: the targets of each microbatch embedded.
@@ -205,6 +207,7 @@ impl ModelTrainer {
         }
         Ok(ModelTrainer {
             pieces: run.pieces(stage)?,
+            stage: Some(stage),
             run,
             docs,
             targets: HashMap::new(),
@@ -212,6 +215,35 @@ impl ModelTrainer {
             next_id: 0,
             grads: BTreeMap::new(),
         })
+    }
+
+    /// A relay joining a running swarm: its stage (and so its pieces) comes
+    /// with its first work, the state download.
+    pub fn joiner(run: ModelRun) -> ModelTrainer {
+        ModelTrainer {
+            pieces: Vec::new(),
+            stage: None,
+            run,
+            docs: Vec::new(),
+            targets: HashMap::new(),
+            ids: HashMap::new(),
+            next_id: 0,
+            grads: BTreeMap::new(),
+        }
+    }
+
+    /// Builds the pieces of `stage` if they are not those held.
+    fn serve(&mut self, stage: u16) -> Result<(), String> {
+        if self.stage != Some(stage) {
+            if stage == 0 {
+                return Err("a joiner cannot become a data holder".into());
+            }
+            self.pieces = self.run.pieces(stage).map_err(|e| e.to_string())?;
+            self.stage = Some(stage);
+            self.ids.clear();
+            self.grads.clear();
+        }
+        Ok(())
     }
 
     /// The pieces (for tests: their parameters).
@@ -401,6 +433,7 @@ impl ModelTrainer {
 
 impl Trainer for ModelTrainer {
     fn run(&mut self, w: Work, port: &WorkPort) -> Result<Output, String> {
+        self.serve(w.stage)?;
         match &w.kind {
             k if k.is_microbatch_compute() => self.compute(&w, port),
             WorkKind::Gradient { granted, .. } => Ok(Output::Gradient {

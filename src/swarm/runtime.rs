@@ -135,11 +135,34 @@ pub enum NodeEvent {
         loss: f32,
         microbatches: u32,
     },
+    /// The connection to `peer` broke (it crashed, left, or is unreachable).
+    PeerLost { peer: NodeId },
     /// A joiner imported the stage's state from `from`.
     StateDownloaded { from: NodeId, bytes: u64, ms: f64 },
     /// Something went wrong (a refused tensor, a failed work, replicas
     /// that disagree); the node goes on where it can.
     Error(String),
+}
+
+/// The protocol's settings for nodes on real time, scaled for hosts a
+/// few milliseconds apart (the simulator's defaults are for a planet):
+/// a 100 ms tick, and timeouts of seconds rather than tens of seconds.
+/// Broken connections are still what detects most crashes.
+pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
+    let mut c = Config::new(
+        crate::protocol::Policy::Gwtf,
+        relay_stages,
+        activation_bytes,
+    );
+    c.tick = crate::protocol::SEC / 10;
+    c.start_delay = crate::protocol::SEC / 2;
+    c.min_ack_timeout = crate::protocol::SEC;
+    c.initial_ack_timeout = 2 * crate::protocol::SEC;
+    c.redo_timeout = 5 * crate::protocol::SEC;
+    c.stall_report = 10 * crate::protocol::SEC;
+    c.e2e_timeout = 30 * crate::protocol::SEC;
+    c.probe_bytes = 64 << 10;
+    c
 }
 
 /// State the driver shares with the handle.
@@ -253,7 +276,14 @@ impl Runtime {
             ),
             net: net.clone(),
             start: Instant::now(),
-            dir: opts.bootstrap.iter().map(|p| (p.id, p.clone())).collect(),
+            // Bootstrap entries with id 0 are addresses only (a joiner's
+            // contacts); the directory messages say who they are.
+            dir: opts
+                .bootstrap
+                .iter()
+                .filter(|p| p.id != 0)
+                .map(|p| (p.id, p.clone()))
+                .collect(),
             me,
             pending: HashMap::new(),
             lost: VecDeque::new(),
@@ -276,7 +306,7 @@ impl Runtime {
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap
             .iter()
-            .filter(|p| p.id != opts.id)
+            .filter(|p| p.id != opts.id && p.id != 0)
             .map(|p| (p.id, p.stage))
             .collect();
         // A joiner first learns the swarm's directory from its bootstrap

@@ -91,18 +91,15 @@ fn fresh(a: &TrainArgs) -> Res<(ModelConfig, TrainOptions)> {
         )
         .into());
     }
-    let mut o = TrainOptions::for_config(&cfg);
-    o.steps = a.schedule_steps.unwrap_or(a.steps);
+    let mut o = TrainOptions::for_run(&cfg, a.schedule_steps.unwrap_or(a.steps));
     o.seed = a.seed.unwrap_or(1);
     o.accum = a.accum.unwrap_or(1);
-    o.warmup = (o.steps / 10).clamp(1, 20);
-    o.lr = a.lr.unwrap_or(if cfg.d_model <= 64 { 1e-2 } else { 1e-3 });
+    if let Some(lr) = a.lr {
+        o.lr = lr;
+    }
     o.stages = a.stages.unwrap_or(o.stages);
     o.batch = a.batch.unwrap_or(o.batch);
     o.seq = a.seq.unwrap_or(o.seq);
-    if cfg.d_model > 64 {
-        o.corpus_bytes = 512 * 1024;
-    }
     Ok((cfg, o))
 }
 

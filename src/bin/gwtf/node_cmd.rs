@@ -1,0 +1,490 @@
+//! `gwtf node`: one process = one swarm node (a data holder or a relay)
+//! that trains libgwtf's model with the others over TCP. SIGTERM or Ctrl-C
+//! leaves gracefully; SIGKILL is a crash the others survive.
+use super::checks;
+use super::transport_cmd::read_key;
+use clap::{Args, ValueEnum};
+use gwtf::engine::{LinkEmulation, NodeOptions};
+use gwtf::model::dataset::{DataSource, Dataset};
+use gwtf::model::preset;
+use gwtf::protocol::{Event, NodeId, Stage};
+use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
+use gwtf::swarm::runtime::{realtime_config, NodeEvent, Peer, Runtime, RuntimeOptions};
+use serde_json::json;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args)]
+pub struct NodeArgs {
+    /// Address to listen on (e.g. 127.0.0.1:7001).
+    #[arg(long)]
+    listen: SocketAddr,
+    /// File holding the swarm key every member shares (at least 16 bytes).
+    #[arg(long)]
+    swarm_key_file: PathBuf,
+    /// This node's id (1..2^32-1) [default: random].
+    #[arg(long, value_parser = checks::int_at_least::<u32>(1), allow_negative_numbers = true)]
+    id: Option<u32>,
+    /// A founding member, as ID/STAGE/ADDR (stage 0: a data holder). Every
+    /// founding member is given the same list.
+    #[arg(long = "peer", value_name = "ID/STAGE/ADDR", value_parser = parse_peer)]
+    peers: Vec<Peer>,
+    /// Join a running swarm through this member's address (the swarm
+    /// chooses the stage).
+    #[arg(long, value_name = "ADDR")]
+    join: Vec<SocketAddr>,
+    /// Model preset (gpt-tiny, llama-tiny or llama-small).
+    #[arg(long, default_value = "llama-tiny")]
+    model: String,
+    /// Stages of the model cut (>= 3): data holders run the first and the
+    /// last, relays the stages in between.
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<usize>(3),
+          allow_negative_numbers = true)]
+    stages: usize,
+    /// Be a data holder (embedding, loss and data).
+    #[arg(long)]
+    holder: bool,
+    /// A founding relay's stage (1..stages-2), or auto for a joiner.
+    #[arg(long, default_value = "auto")]
+    stage: String,
+    /// UTF-8 text files this data holder trains on [default: the generated
+    /// English-like corpus of `gwtf train`, the same for every holder; each
+    /// holder draws its own microbatches from it].
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    data: Vec<PathBuf>,
+    /// Iterations to train; data holders print `done` and exit once they
+    /// are committed.
+    #[arg(long, default_value_t = 30, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    iterations: u32,
+    /// Microbatches per data holder per iteration.
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    microbatches: u32,
+    /// Seed of the initial weights and of the microbatches (the same on
+    /// every node).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Device.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Memory this node may use for microbatches in flight (MiB): its
+    /// capacity in the flows.
+    #[arg(long, default_value_t = 256, value_parser = checks::int_at_least::<u64>(1),
+          allow_negative_numbers = true)]
+    memory_mb: u64,
+    /// Emulated one-way delay on every link (ms).
+    #[arg(long, default_value_t = 0, value_parser = checks::int_at_least::<u64>(0),
+          allow_negative_numbers = true)]
+    link_delay_ms: u64,
+    /// Emulated bandwidth cap on every link (Mbit/s, 0: none).
+    #[arg(long, default_value_t = 0.0, value_parser = checks::float_in(0.0, 1e6))]
+    link_mbps: f64,
+    /// One JSON object per line per event on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Log connections and refusals to stderr.
+    #[arg(long)]
+    log: bool,
+}
+
+fn parse_peer(s: &str) -> Result<Peer, String> {
+    let f: Vec<&str> = s.splitn(3, '/').collect();
+    let [id, stage, addr] = f[..] else {
+        return Err(format!("{s:?}: expected ID/STAGE/ADDR"));
+    };
+    Ok(Peer {
+        id: id
+            .parse()
+            .map_err(|_| format!("{s:?}: bad id {id:?}"))
+            .and_then(|i: NodeId| {
+                if i == 0 {
+                    Err(format!("{s:?}: ids start at 1"))
+                } else {
+                    Ok(i)
+                }
+            })?,
+        stage: stage
+            .parse()
+            .map_err(|_| format!("{s:?}: bad stage {stage:?}"))?,
+        addr: addr
+            .parse()
+            .map_err(|_| format!("{s:?}: bad address {addr:?}"))?,
+    })
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The checked role of this node.
+struct Role {
+    id: NodeId,
+    stage: Stage,
+    join: bool,
+}
+
+fn role(a: &NodeArgs, run: &ModelRun) -> Res<Role> {
+    let relay_stages = (run.stages - 2) as Stage;
+    let id = a.id.unwrap_or_else(|| loop {
+        let mut b = [0u8; 4];
+        if getrandom::fill(&mut b).is_ok() {
+            let v = u32::from_le_bytes(b);
+            if v != 0 {
+                break v;
+            }
+        }
+    });
+    let join = !a.join.is_empty();
+    if join && !a.peers.is_empty() {
+        return Err(
+            "--join and --peer exclude each other: a founding member is given \
+                    --peer, a joiner --join"
+                .into(),
+        );
+    }
+    if !join && a.peers.is_empty() {
+        return Err("give the founding members (--peer ID/STAGE/ADDR ...) or --join ADDR".into());
+    }
+    let stage = if a.holder {
+        if join {
+            return Err("data holders are founding members (--peer), they do not --join".into());
+        }
+        if a.stage != "auto" && a.stage != "0" {
+            return Err(format!(
+                "--holder with --stage {}: a data holder is stage 0",
+                a.stage
+            )
+            .into());
+        }
+        0
+    } else if a.stage == "auto" {
+        if !join {
+            return Err("a founding relay needs --stage K (1..=relay stages)".into());
+        }
+        0
+    } else {
+        if join {
+            return Err("a joiner's stage is chosen by the swarm: leave --stage at auto".into());
+        }
+        let k: Stage = a
+            .stage
+            .parse()
+            .map_err(|_| format!("--stage {}: a number or auto", a.stage))?;
+        if k == 0 || k > relay_stages {
+            return Err(format!(
+                "--stage {k}: relays serve stages 1..={relay_stages} of a {}-stage cut \
+                 (stage 0 is --holder)",
+                run.stages
+            )
+            .into());
+        }
+        k
+    };
+    if !join {
+        match a.peers.iter().find(|p| p.id == id) {
+            Some(p) if p.stage != stage || p.addr != a.listen => {
+                return Err(format!(
+                    "--peer {}/{}/{} names this node (--id {id}) with another stage or address",
+                    p.id, p.stage, p.addr
+                )
+                .into())
+            }
+            _ => {}
+        }
+        if let Some(p) = a.peers.iter().find(|p| p.stage > relay_stages) {
+            return Err(format!(
+                "--peer {}/{}/{}: stage {} does not exist (relay stages 1..={relay_stages})",
+                p.id, p.stage, p.addr, p.stage
+            )
+            .into());
+        }
+    }
+    if !a.data.is_empty() && !a.holder {
+        return Err("--data is for data holders (--holder)".into());
+    }
+    Ok(Role { id, stage, join })
+}
+
+pub fn node(a: NodeArgs) -> super::CliResult {
+    if a.device == Device::Cuda {
+        return Err(
+            "--device cuda: the swarm's built-in trainer runs on the CPU for now \
+                    (gwtf train --device cuda trains on a GPU in one process)"
+                .into(),
+        );
+    }
+    let key = read_key(&a.swarm_key_file)?;
+    let cfg = preset(&a.model)?;
+    let run = ModelRun::new(cfg.clone(), a.stages, a.seed, a.iterations as usize)?;
+    let r = role(&a, &run)?;
+    let trainer = if r.join {
+        ModelTrainer::joiner(run.clone())
+    } else {
+        let docs = if r.stage == 0 {
+            let src = if a.data.is_empty() {
+                DataSource::Synthetic {
+                    seed: a.seed,
+                    bytes: run.opts.corpus_bytes,
+                }
+            } else {
+                DataSource::Files(a.data.clone())
+            };
+            Dataset::load(&src, run.opts.seq)?.train
+        } else {
+            Vec::new()
+        };
+        ModelTrainer::new(run.clone(), r.stage, docs)?
+    };
+    let relay_stages = (run.stages - 2) as Stage;
+    let mut proto = realtime_config(relay_stages, run.activation_bytes() as u64);
+    proto.mb_per_iter = a.microbatches;
+    proto.stage_state_bytes = (0..=relay_stages)
+        .map(|s| run.state_bytes(s))
+        .collect::<Result<_, _>>()?;
+    let per_mb = (1..=relay_stages)
+        .chain([0])
+        .map(|s| run.bytes_per_microbatch(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mine = if r.join {
+        *per_mb.iter().max().unwrap_or(&1)
+    } else {
+        per_mb[if r.stage == 0 {
+            per_mb.len() - 1
+        } else {
+            r.stage as usize - 1
+        }]
+    };
+    let budget = a.memory_mb << 20;
+    let capacity = (budget / mine.max(1)).clamp(1, 64) as u32;
+    let state_max = proto.stage_state_bytes.iter().copied().max().unwrap_or(0);
+    let act = run.activation_bytes() as u64;
+    let max_payload = (state_max + 64)
+        .max(act)
+        .max(proto.probe_bytes)
+        .max(1 << 20);
+    let link = (a.link_delay_ms > 0 || a.link_mbps > 0.0).then(|| LinkEmulation {
+        delay: Duration::from_millis(a.link_delay_ms),
+        bandwidth_bytes_per_s: (a.link_mbps * 1e6 / 8.0) as u64,
+    });
+    let bootstrap = if r.join {
+        a.join
+            .iter()
+            .map(|&addr| Peer {
+                id: 0,
+                stage: 0,
+                addr,
+            })
+            .collect()
+    } else {
+        a.peers.clone()
+    };
+    let opts = RuntimeOptions {
+        id: r.id,
+        stage: r.stage,
+        listen: a.listen,
+        swarm_key: key,
+        bootstrap,
+        join: r.join,
+        protocol: std::sync::Arc::new(proto),
+        compute_s: 0.01,
+        capacity,
+        seed: a.seed ^ r.id as u64,
+        net: NodeOptions {
+            max_payload,
+            pool_bytes: (budget as usize).max(4 * max_payload as usize),
+            heartbeat_interval: Duration::from_millis(300),
+            peer_timeout: Duration::from_secs(5),
+            link,
+            log: a.log,
+            ..NodeOptions::default()
+        },
+    };
+    let rt = Runtime::start(opts, trainer)?;
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut out = Printer {
+        json: a.json,
+        id: r.id,
+        stage: r.stage,
+        last_status: Instant::now(),
+        iteration: None,
+        loss: None,
+        tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
+    };
+    out.emit(json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string())}));
+    let mut last_stats = Instant::now();
+    loop {
+        if STOP.load(Ordering::SeqCst) {
+            rt.leave();
+            out.emit(json!({"event": "left"}));
+            return Ok(());
+        }
+        if rt.is_stopped() {
+            out.emit(json!({"event": "error", "message": "the node stopped"}));
+            return Err("the node stopped (see the errors above)".into());
+        }
+        if last_stats.elapsed() >= Duration::from_secs(1) {
+            last_stats = Instant::now();
+            let s = rt.compute_stats();
+            out.emit(json!({
+                "event": "stats",
+                "compute_ms": s.compute.as_secs_f64() * 1e3,
+                "useful_ms": s.useful.as_secs_f64() * 1e3,
+            }));
+        }
+        let Ok(ev) = rt.events().recv_timeout(Duration::from_millis(100)) else {
+            continue;
+        };
+        if let Some(done) = out.event(ev, a.iterations) {
+            if done {
+                let s = rt.compute_stats();
+                out.emit(json!({
+                    "event": "stats",
+                    "compute_ms": s.compute.as_secs_f64() * 1e3,
+                    "useful_ms": s.useful.as_secs_f64() * 1e3,
+                }));
+                out.emit(json!({"event": "done"}));
+                rt.leave();
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Writes the node's events: JSON lines, or a short status for a person.
+struct Printer {
+    json: bool,
+    id: NodeId,
+    stage: Stage,
+    last_status: Instant,
+    iteration: Option<u32>,
+    loss: Option<f32>,
+    tokens_per_mb: u64,
+}
+
+impl Printer {
+    fn emit(&mut self, mut v: serde_json::Value) {
+        v["node"] = json!(self.id);
+        let mut o = std::io::stdout().lock();
+        if self.json {
+            let _ = writeln!(o, "{v}");
+        } else {
+            let what = v["event"].as_str().unwrap_or("");
+            match what {
+                "stats" => {
+                    if self.last_status.elapsed() < Duration::from_secs(2) {
+                        return;
+                    }
+                    self.last_status = Instant::now();
+                    let _ = writeln!(
+                        o,
+                        "node {:x} stage {} | iteration {} | loss {} | compute {:.1} s, useful {:.1} s",
+                        self.id,
+                        self.stage,
+                        self.iteration.map_or("-".into(), |i| i.to_string()),
+                        self.loss.map_or("-".into(), |l| format!("{l:.3}")),
+                        v["compute_ms"].as_f64().unwrap_or(0.0) / 1e3,
+                        v["useful_ms"].as_f64().unwrap_or(0.0) / 1e3,
+                    );
+                }
+                "applied" | "committed" => {}
+                _ => {
+                    let mut v = v.clone();
+                    if let Some(m) = v.as_object_mut() {
+                        m.remove("event");
+                        m.remove("node");
+                    }
+                    let _ = writeln!(o, "node {:x}: {what} {v}", self.id);
+                }
+            }
+        }
+        let _ = o.flush();
+    }
+
+    /// Prints `ev`; Some(true) once the holder's last iteration is final.
+    fn event(&mut self, ev: NodeEvent, iterations: u32) -> Option<bool> {
+        match ev {
+            NodeEvent::Protocol(e) => match e {
+                Event::Active { stage } => {
+                    self.stage = stage;
+                    self.emit(json!({"event": "active", "stage": stage}));
+                }
+                Event::Rerouted { mb, stage } => self.emit(json!({
+                    "event": "recovered", "kind": "rerouted", "stage": stage,
+                    "iteration": mb.iter, "holder": mb.holder, "index": mb.idx,
+                })),
+                Event::Restarted { mb } => self.emit(json!({
+                    "event": "recovered", "kind": "restarted", "stage": 1,
+                    "iteration": mb.iter, "holder": mb.holder, "index": mb.idx,
+                })),
+                Event::StageCommitted {
+                    stage,
+                    iter,
+                    mbs,
+                    dropped,
+                } => self.emit(json!({
+                    "event": "committed", "stage": stage, "iteration": iter,
+                    "microbatches": mbs.len(), "dropped": dropped.len(),
+                    "mbs": mbs.iter().map(|(m, by)| [m.holder, m.idx, *by]).collect::<Vec<_>>(),
+                })),
+                Event::Stalled { iter, stage } => {
+                    self.emit(json!({"event": "stalled", "iteration": iter, "stage": stage}))
+                }
+                Event::MemberRemoved { peer } => {
+                    self.emit(json!({"event": "peer_lost", "peer": peer}))
+                }
+                _ => {}
+            },
+            NodeEvent::Applied {
+                stage,
+                iteration,
+                weights,
+            } => self.emit(json!({
+                "event": "applied", "stage": stage, "iteration": iteration,
+                "weights_sha256": hex(&weights),
+            })),
+            NodeEvent::Iteration {
+                iteration,
+                loss,
+                microbatches,
+            } => {
+                self.iteration = Some(iteration);
+                self.loss = Some(loss);
+                self.emit(json!({
+                    "event": "iteration", "iteration": iteration, "loss": loss,
+                    "microbatches": microbatches,
+                    "tokens": microbatches as u64 * self.tokens_per_mb,
+                }));
+                return Some(iteration + 1 >= iterations);
+            }
+            NodeEvent::StateDownloaded { from, bytes, ms } => self.emit(json!({
+                "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
+            })),
+            NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
+            NodeEvent::Error(m) => self.emit(json!({"event": "error", "message": m})),
+        }
+        None
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
