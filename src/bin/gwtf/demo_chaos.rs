@@ -6,10 +6,12 @@
 //! - backward: halfway through an iteration by the last iterations' pace;
 //! - aggregation: right after a stage's coordinator printed `committed` (its
 //!   all-reduce runs), a member of that stage;
-//! - state download: a joiner is started into the stage with the most
-//!   members, through a member of that stage, and [`JOIN_STRIKE_S`] after it
-//!   listens that member (or another of the stage) is killed: the one that
-//!   introduced it and may be serving the stage's state;
+//! - state download: a joiner is started and, [`JOIN_STRIKE_S`] after it
+//!   listens, the member it will most likely download its stage's state from
+//!   is killed: the swarm puts a joiner in its bottleneck stage (with llama-tiny's
+//!   even stages, the one with the fewest members, the lowest on a tie) and it
+//!   asks the first member of that stage it knows (the lowest id) for the
+//!   state ([`predict_join`]). Whether the kill came in time is in the report;
 //! - random.
 //!
 //! An aim whose moment does not come within [`patience`] becomes a random
@@ -51,14 +53,16 @@ pub struct Armed {
     since: f64,
     /// Backward, state download: the time to strike.
     at: Option<f64>,
-    /// State download: the joiner started for it, its stage, its first contact.
-    joiner: Option<(NodeId, u32, NodeId)>,
+    /// State download: the joiner started for it and the member predicted to
+    /// serve its state.
+    joiner: Option<(NodeId, NodeId)>,
 }
 
-/// How long after a joiner listens its stage loses a member (time to reach
-/// its contact and ask for the state; llama-tiny's state moves in
-/// milliseconds on loopback).
-pub const JOIN_STRIKE_S: f64 = 0.1;
+/// How long after a joiner listens its predicted state server is killed:
+/// it asks the stages at once, chooses on its next protocol tick (100 ms),
+/// then asks the member for the state (llama-tiny's moves in milliseconds on
+/// loopback).
+pub const JOIN_STRIKE_S: f64 = 0.12;
 
 pub struct Chaos {
     every: f64,
@@ -102,6 +106,22 @@ pub fn iteration_pace(f: &Facts) -> Option<(f64, f64)> {
     }
 }
 
+/// The stage a joiner would be put in now and the member it would ask for
+/// the state: the relay stage with the fewest live members (the lowest on a
+/// tie; every relay of the demo computes as fast), and its lowest id.
+pub fn predict_join(f: &Facts) -> Option<(u32, NodeId)> {
+    let members = f.members_per_stage();
+    let stage = (1..members.len())
+        .filter(|&s| members[s] > 0)
+        .min_by_key(|&s| (members[s], s))? as u32;
+    let server = f
+        .nodes
+        .iter()
+        .find(|(_, n)| n.member() && n.stage == Some(stage))
+        .map(|(&id, _)| id)?;
+    Some((stage, server))
+}
+
 pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
     if ch.every <= 0.0 {
         return Ok(());
@@ -130,20 +150,18 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
                 })
             }
             Aim::StateDownload => {
-                // The stage with the most members (so one may go), joined now.
-                let members = sw.facts.members_per_stage();
-                let stage = (1..members.len())
-                    .max_by_key(|&s| (members[s], usize::MAX - s))
-                    .filter(|&s| members[s] >= 2 || sw.a.allow_empty_stage);
-                if let Some(s) = stage {
-                    match sw.join(Some(s as u32)) {
-                        Ok((j, contact)) => {
+                // Only when the predicted server may go.
+                let target = predict_join(&sw.facts)
+                    .filter(|&(stage, server)| sw.victims(Some(stage)).contains(&server));
+                if let Some((stage, server)) = target {
+                    match sw.join() {
+                        Ok(j) => {
                             sw.out.note(&format!(
-                                "{:>7.1}s  join: node {j} into stage {s} through node {contact} \
-                                 (to crash a member while it downloads the stage's state)",
+                                "{:>7.1}s  join: node {j}, expected in stage {stage} with its \
+                                 state from node {server} (which will crash)",
                                 sw.now()
                             ));
-                            armed.joiner = Some((j, s as u32, contact));
+                            armed.joiner = Some((j, server));
                         }
                         Err(e) => sw.out.note(&format!("{now:>7.1}s  no join: {e}")),
                     }
@@ -153,7 +171,8 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
         }
         ch.armed = Some(armed);
     }
-    // Time-based strikes (backward, random, and any that waited too long).
+    // Time-based strikes (backward, state download, random, and any that
+    // waited too long).
     if let Some(armed) = &ch.armed {
         let late = now - armed.since > patience(ch.every);
         let strike = match armed.aim {
@@ -163,44 +182,42 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
             _ => false,
         };
         if strike || late {
-            let aim = if late && !strike {
-                format!("random ({} did not come in time)", armed.aim.name())
-            } else if armed.aim == Aim::StateDownload && armed.joiner.is_none() {
-                "random (no stage could spare a member for a state download)".to_string()
-            } else {
-                armed.aim.name().to_string()
-            };
             let victim = match (armed.aim, armed.joiner) {
-                (Aim::StateDownload, Some((joiner, stage, contact))) if !late => {
-                    let v: Vec<NodeId> = sw
-                        .victims(Some(stage))
-                        .into_iter()
-                        .filter(|&v| v != joiner)
-                        .collect();
+                (Aim::StateDownload, Some((joiner, server)))
+                    if !late && sw.victims(None).contains(&server) =>
+                {
                     let when = if sw
                         .facts
                         .nodes
                         .get(&joiner)
                         .is_some_and(|n| n.active_s.is_some())
                     {
-                        "already a member: too late"
+                        "already a member"
                     } else {
                         "not yet a member"
                     };
-                    let pick = if v.contains(&contact) {
-                        Some(contact)
-                    } else {
-                        sw.rng.pick(&v)
-                    };
-                    pick.map(|id| (id, format!("{aim}; joiner {joiner} {when}")))
+                    Some((
+                        server,
+                        format!("{} of joiner {joiner} ({when})", armed.aim.name()),
+                        Some(joiner),
+                    ))
                 }
                 _ => {
+                    let aim = if armed.aim == Aim::Random {
+                        armed.aim.name().to_string()
+                    } else if armed.aim == Aim::StateDownload && armed.joiner.is_none() {
+                        "random (no joiner's state server could be spared)".to_string()
+                    } else if late || armed.aim == Aim::StateDownload {
+                        format!("random ({} did not come in time)", armed.aim.name())
+                    } else {
+                        armed.aim.name().to_string()
+                    };
                     let v = sw.victims(None);
-                    sw.rng.pick(&v).map(|id| (id, aim))
+                    sw.rng.pick(&v).map(|id| (id, aim, None))
                 }
             };
             match victim {
-                Some((id, aim)) => sw.kill(id, &aim),
+                Some((id, aim, joiner)) => sw.kill(id, &aim, joiner),
                 None => sw.out.note(&format!(
                     "{now:>7.1}s  no crash: every stage is down to its last member"
                 )),
@@ -234,7 +251,64 @@ pub fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &Event) 
     };
     if let Some(id) = target {
         let aim = armed.aim.name();
-        sw.kill(id, aim);
+        sw.kill(id, aim, None);
         ch.armed = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::demo_events::{parse_line, Entry, What};
+    use super::*;
+
+    #[test]
+    fn a_joiner_is_predicted_into_the_smallest_stage_served_by_its_lowest_id() {
+        let mut f = Facts::new(5); // relay stages 1, 2, 3
+        let mut t = 0.0;
+        let mut push = |f: &mut Facts, what: What| {
+            t += 0.1;
+            f.push(&Entry { t, what });
+        };
+        for (id, stage) in [(1, 0), (4, 1), (5, 1), (7, 2), (6, 2), (8, 3), (9, 3)] {
+            push(
+                &mut f,
+                What::Launched {
+                    node: id,
+                    holder: stage == 0,
+                    joiner: false,
+                    stage: Some(stage),
+                },
+            );
+            push(
+                &mut f,
+                What::Line {
+                    node: id,
+                    event: parse_line(&format!(
+                        r#"{{"event":"active","node":{id},"stage":{stage}}}"#
+                    )),
+                },
+            );
+        }
+        // 2 members everywhere: the lowest stage, its lowest id.
+        assert_eq!(predict_join(&f), Some((1, 4)));
+        push(
+            &mut f,
+            What::Killed {
+                node: 7,
+                aim: "x".into(),
+                joiner: None,
+            },
+        );
+        assert_eq!(predict_join(&f), Some((2, 6)));
+        push(
+            &mut f,
+            What::Killed {
+                node: 6,
+                aim: "x".into(),
+                joiner: None,
+            },
+        );
+        // An empty stage takes no joiner by this rule (nobody answers for it).
+        assert_eq!(predict_join(&f), Some((1, 4)));
     }
 }

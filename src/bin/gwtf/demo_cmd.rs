@@ -26,13 +26,12 @@ use super::demo_procs::{
     catch_interrupts, free_port, read_stderr, read_stdout, Msg, Proc, Procs, Rng, INTERRUPTED,
 };
 use super::demo_report;
-use super::train_cmd::Device;
 use clap::{Args, ValueEnum};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::VecDeque;
 use std::io::{IsTerminal, Write};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -79,11 +78,11 @@ pub struct DemoArgs {
           allow_negative_numbers = true)]
     pub microbatches: u64,
     /// Kill (SIGKILL) a relay every SEC seconds (0: never).
-    #[arg(long, default_value_t = 4.0, value_name = "SEC",
+    #[arg(long, default_value_t = 2.0, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
     pub crash_every: f64,
     /// Start a joining relay every SEC seconds (0: never).
-    #[arg(long, default_value_t = 8.0, value_name = "SEC",
+    #[arg(long, default_value_t = 4.0, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
     pub join_every: f64,
     /// Let a crash take the last live member of a stage.
@@ -93,15 +92,13 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 1, value_parser = checks::int_at_least::<u64>(0),
           allow_negative_numbers = true)]
     pub seed: u64,
-    /// Link emulation.
-    #[arg(long, value_enum, default_value_t = Links::None)]
+    /// Link emulation (geo10 also makes an iteration of llama-tiny last long
+    /// enough, about 0.3 s, for crashes to land mid-run).
+    #[arg(long, value_enum, default_value_t = Links::Geo10)]
     pub links: Links,
     /// UTF-8 text files the holders train on [default: the generated corpus].
     #[arg(long, num_args = 1.., value_name = "FILE")]
     pub data: Vec<PathBuf>,
-    /// Device of every node.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
     /// Write the run's facts as one JSON object.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -237,8 +234,6 @@ impl Swarm<'_> {
             a.microbatches.to_string(),
             "--seed".into(),
             a.seed.to_string(),
-            "--device".into(),
-            device_name(a.device).into(),
             "--json".into(),
         ];
         for p in &l.peers {
@@ -347,12 +342,13 @@ impl Swarm<'_> {
     fn launch_founders(&mut self) -> Res<()> {
         let a = self.a;
         let mut members: Vec<(NodeId, u32, u16)> = Vec::new();
+        // Node ids start at 1: holders first, then the relays.
         for h in 0..a.holders {
-            members.push((h as NodeId, 0, free_port()?));
+            members.push((1 + h as NodeId, 0, free_port()?));
         }
         for r in 0..a.nodes {
             let stage = 1 + r % (a.stages - 2);
-            members.push(((a.holders + r) as NodeId, stage, free_port()?));
+            members.push((1 + (a.holders + r) as NodeId, stage, free_port()?));
         }
         let peers: Vec<String> = members
             .iter()
@@ -373,27 +369,25 @@ impl Swarm<'_> {
                 false,
             )?;
         }
-        self.next_id = (a.holders + a.nodes) as NodeId;
+        self.next_id = 1 + (a.holders + a.nodes) as NodeId;
         Ok(())
     }
 
-    /// Starts a joiner (through up to three live members), in `stage` or where
-    /// the protocol puts it.
-    pub fn join(&mut self, stage: Option<u32>) -> Res<(NodeId, NodeId)> {
-        let mut contacts: Vec<(NodeId, String, Option<u32>)> = self
+    /// Starts a joiner through up to three live members (the swarm picks its
+    /// stage).
+    pub fn join(&mut self) -> Res<NodeId> {
+        let mut contacts: Vec<String> = self
             .facts
             .nodes
-            .iter()
-            .filter(|(_, n)| n.member())
-            .filter_map(|(&id, n)| Some((id, n.addr.clone()?, n.stage)))
+            .values()
+            .filter(|n| n.member())
+            .filter_map(|n| n.addr.clone())
             .collect();
         self.rng.shuffle(&mut contacts);
-        // Into a given stage: a member of that stage is the first contact.
-        contacts.sort_by_key(|c| stage.is_some() && c.2 != stage);
         contacts.truncate(3);
-        let Some(first) = contacts.first().map(|c| c.0) else {
+        if contacts.is_empty() {
             return Err("no live member has printed its address yet".into());
-        };
+        }
         let id = self.next_id;
         self.next_id += 1;
         let link = self.next_link();
@@ -404,13 +398,13 @@ impl Swarm<'_> {
                 port,
                 holder: false,
                 peers: Vec::new(),
-                join: contacts.into_iter().map(|c| c.1).collect(),
-                stage,
+                join: contacts,
+                stage: None,
                 link,
             },
             true,
         )?;
-        Ok((id, first))
+        Ok(id)
     }
 
     /// Relays that may be killed now, optionally only of `stage`.
@@ -429,25 +423,19 @@ impl Swarm<'_> {
             .collect()
     }
 
-    pub fn kill(&mut self, id: NodeId, aim: &str) {
+    pub fn kill(&mut self, id: NodeId, aim: &str, joiner: Option<NodeId>) {
         self.procs.signal(id, libc::SIGKILL);
         let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
         self.record(What::Killed {
             node: id,
             aim: aim.to_string(),
+            joiner,
         });
         self.out.note(&format!(
             "{:>7.1}s  crash: SIGKILL node {id} (stage {}), timed to hit {aim}",
             self.now(),
             stage.map_or("?".into(), |s| s.to_string())
         ));
-    }
-}
-
-fn device_name(d: Device) -> &'static str {
-    match d {
-        Device::Cpu => "cpu",
-        Device::Cuda => "cuda",
     }
 }
 
@@ -545,60 +533,45 @@ pub struct ReferenceSpec<'a> {
     /// follows the planned run's schedule when the swarm stopped early).
     pub iterations: u64,
     pub schedule: u64,
-    /// Microbatches per iteration, all holders together.
+    /// Microbatches per holder per iteration.
     pub microbatches: u64,
+    /// The holders' node ids (each draws its own microbatches).
+    pub holders: Vec<NodeId>,
     pub data: &'a [PathBuf],
 }
 
-/// The loss per iteration of the same model trained in one process on the
-/// same global batch: for now `gwtf train` with the demo's model, seed,
-/// stages and data, one optimizer step per iteration accumulating every
-/// holder's microbatches.
-pub fn reference_losses(exe: &Path, r: &ReferenceSpec) -> Res<Vec<f64>> {
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "train",
-        "--model",
-        r.model,
-        "--stages",
-        &r.stages.to_string(),
-        "--seed",
-        &r.seed.to_string(),
-        "--steps",
-        &r.iterations.to_string(),
-        "--schedule-steps",
-        &r.schedule.to_string(),
-        "--accum",
-        &r.microbatches.to_string(),
-        "--json",
-    ]);
-    if !r.data.is_empty() {
-        cmd.arg("--data").args(r.data);
-    }
-    let out = cmd.stdin(Stdio::null()).output()?;
-    if !out.status.success() {
-        return Err(format!(
-            "gwtf train failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    parse_reference(&String::from_utf8_lossy(&out.stdout))
-}
-
-/// The `loss` of every `gwtf train --json` line.
-fn parse_reference(stdout: &str) -> Res<Vec<f64>> {
-    let mut v = Vec::new();
-    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
-        let j: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| format!("gwtf train printed `{line}`: {e}"))?;
-        v.push(
-            j["loss"]
-                .as_f64()
-                .ok_or_else(|| format!("gwtf train printed no loss in `{line}`"))?,
-        );
-    }
-    Ok(v)
+/// The loss per iteration of the same model trained in one process on
+/// exactly the swarm's microbatches (each holder's, drawn as its node draws
+/// them from the same documents), one optimizer step per iteration:
+/// `swarm::model_trainer::reference_losses` on the data a holder loads.
+pub fn reference_losses(r: &ReferenceSpec) -> Res<Vec<f64>> {
+    use gwtf::model::dataset::{DataSource, Dataset};
+    use gwtf::swarm::model_trainer::{self, ModelRun};
+    let cfg = gwtf::model::preset(r.model)?;
+    let run = ModelRun::new(cfg, r.stages as usize, r.seed, r.schedule as usize)?;
+    // What `gwtf node --holder` trains on: the files, or the generated corpus.
+    let src = if r.data.is_empty() {
+        DataSource::Synthetic {
+            seed: r.seed,
+            bytes: run.opts.corpus_bytes,
+        }
+    } else {
+        DataSource::Files(r.data.to_vec())
+    };
+    let docs = Dataset::load(&src, run.opts.seq)?.train;
+    let holders: Vec<(gwtf::protocol::NodeId, &[Vec<u32>])> = r
+        .holders
+        .iter()
+        .map(|&h| Ok((u32::try_from(h)?, docs.as_slice())))
+        .collect::<Res<_>>()?;
+    let losses = model_trainer::reference_losses(
+        &run,
+        &holders,
+        u32::try_from(r.microbatches)?,
+        u32::try_from(r.iterations)?,
+        |_, _| {},
+    )?;
+    Ok(losses.into_iter().map(f64::from).collect())
 }
 
 // ---------------------------------------------------------------------------
@@ -672,10 +645,11 @@ pub fn run(a: DemoArgs) -> super::CliResult {
             seed: a.seed,
             iterations: completed.min(a.iterations),
             schedule: a.iterations,
-            microbatches: a.microbatches * a.holders as u64,
+            microbatches: a.microbatches,
+            holders: sw.facts.holders().map(|(&id, _)| id).collect(),
             data: &a.data,
         };
-        match reference_losses(&exe, &spec) {
+        match reference_losses(&spec) {
             Ok(r) => Some(r),
             Err(e) => {
                 eprintln!("gwtf demo: warning: no single-process reference: {e}");
@@ -778,6 +752,9 @@ fn print_summary(s: &Summary) {
     for f in &s.failures {
         println!("FAILED: {f}");
     }
+    for w in &s.warnings {
+        println!("warning: {w}");
+    }
     for u in &s.unverified {
         println!("not checked: {u}");
     }
@@ -840,6 +817,13 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
         Event::Error { message, .. } => {
             sw.out
                 .note(&format!("{t:>7.1}s  node {id} error: {message}"));
+        }
+        Event::Stalled {
+            stage, iteration, ..
+        } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id}: stage {stage} stalled in iteration {iteration}"
+            ));
         }
         Event::StageEmpty { stage, .. } => {
             sw.out
@@ -936,8 +920,8 @@ fn drive(sw: &mut Swarm, rx: &Receiver<Msg>) -> Res<Option<String>> {
         chaos_tick(sw, &mut chaos, now)?;
         if now >= next_join {
             next_join = now + a.join_every;
-            match sw.join(None) {
-                Ok((j, _)) => sw.out.note(&format!(
+            match sw.join() {
+                Ok(j) => sw.out.note(&format!(
                     "{:>7.1}s  join: node {j} (stage: the protocol's choice)",
                     now
                 )),
@@ -976,14 +960,6 @@ fn drive(sw: &mut Swarm, rx: &Receiver<Msg>) -> Res<Option<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reference_lines_give_their_losses() {
-        let out = "{\"step\":1,\"loss\":5.5,\"lr\":0.01}\n{\"step\":2,\"loss\":5.25}\n\n";
-        assert_eq!(parse_reference(out).unwrap(), vec![5.5, 5.25]);
-        assert!(parse_reference("step 1 loss 5\n").is_err());
-        assert!(parse_reference("{\"step\":1}\n").is_err());
-    }
 
     #[test]
     fn geo10_links_are_short_but_ordered_by_distance() {

@@ -72,6 +72,15 @@ pub enum Event {
         iteration: u64,
         microbatches: u64,
         dropped: u64,
+        /// The microbatches counted, as [holder, index, member that computed
+        /// it] (optional: the count alone is checked without it).
+        #[serde(default)]
+        mbs: Option<Vec<Vec<u64>>>,
+    },
+    Stalled {
+        node: NodeId,
+        stage: u32,
+        iteration: u64,
     },
     Done {
         node: NodeId,
@@ -102,6 +111,7 @@ impl Event {
             Event::StateDownload { .. } => "state_download",
             Event::Stats { .. } => "stats",
             Event::Committed { .. } => "committed",
+            Event::Stalled { .. } => "stalled",
             Event::Done { .. } => "done",
             Event::Left { .. } => "left",
             Event::Error { .. } => "error",
@@ -136,8 +146,13 @@ pub enum What {
     },
     /// A line on the node's stdout (`None`: garbage).
     Line { node: NodeId, event: Option<Event> },
-    /// The orchestrator sent SIGKILL; `aim` says what the kill was timed to hit.
-    Killed { node: NodeId, aim: String },
+    /// The orchestrator sent SIGKILL; `aim` says what the kill was timed to
+    /// hit; `joiner`: the joiner whose state download it was timed to hit.
+    Killed {
+        node: NodeId,
+        aim: String,
+        joiner: Option<NodeId>,
+    },
     /// The orchestrator sent SIGTERM (a graceful leave, at the end of the run).
     Stopped { node: NodeId },
     /// The process ended (`code` None: by a signal).
@@ -203,6 +218,18 @@ struct Commit {
     node: NodeId,
     microbatches: u64,
     dropped: u64,
+    /// (holder, index) of each microbatch counted, when the line lists them.
+    mbs: Option<Vec<(u64, u64)>>,
+}
+
+/// One kill.
+#[derive(Clone, Debug)]
+struct Kill {
+    t: f64,
+    node: NodeId,
+    stage: Option<u32>,
+    aim: String,
+    joiner: Option<NodeId>,
 }
 
 /// The run's record, updated line by line.
@@ -216,8 +243,9 @@ pub struct Facts {
     commits: BTreeMap<(u32, u64), Vec<Commit>>,
     /// (t, reporting node, kind, stage, iteration)
     recovered: Vec<(f64, NodeId, String, u32, u64)>,
-    /// (t, node, stage at the kill, aim)
-    kills: Vec<(f64, NodeId, Option<u32>, String)>,
+    kills: Vec<Kill>,
+    /// (t, reporting node, stage, iteration)
+    stalls: Vec<(f64, NodeId, u32, u64)>,
     /// (t, joiner)
     joins: Vec<(f64, NodeId)>,
     /// (t, joiner, from, bytes, ms)
@@ -263,13 +291,19 @@ impl Facts {
                     self.joins.push((t, *node));
                 }
             }
-            What::Killed { node, aim } => {
+            What::Killed { node, aim, joiner } => {
                 let was_member = self.nodes.get(node).is_some_and(|n| n.member());
                 let stage = self.nodes.get(node).and_then(|n| n.stage);
                 if let Some(n) = self.nodes.get_mut(node) {
                     n.killed_s.get_or_insert(t);
                 }
-                self.kills.push((t, *node, stage, aim.clone()));
+                self.kills.push(Kill {
+                    t,
+                    node: *node,
+                    stage,
+                    aim: aim.clone(),
+                    joiner: *joiner,
+                });
                 if was_member {
                     self.record_membership(t);
                 }
@@ -363,6 +397,7 @@ impl Facts {
                 iteration,
                 microbatches,
                 dropped,
+                mbs,
                 ..
             } => self
                 .commits
@@ -372,7 +407,20 @@ impl Facts {
                     node,
                     microbatches: *microbatches,
                     dropped: *dropped,
+                    mbs: mbs.as_ref().map(|v| {
+                        v.iter()
+                            .map(|m| {
+                                (
+                                    m.first().copied().unwrap_or(0),
+                                    m.get(1).copied().unwrap_or(0),
+                                )
+                            })
+                            .collect()
+                    }),
                 }),
+            Event::Stalled {
+                stage, iteration, ..
+            } => self.stalls.push((t, node, *stage, *iteration)),
             Event::Done { .. } => n.done = true,
             Event::Left { .. } => {
                 let was = n.member();
@@ -453,6 +501,26 @@ impl Facts {
         self.joins.len()
     }
 
+    /// What became of joiner `j`'s state download, for a kill timed to hit it.
+    fn join_outcome(&self, k: &Kill, j: NodeId) -> String {
+        let dl = self.downloads.iter().find(|d| d.1 == j);
+        match dl {
+            Some(d) if d.2 == k.node && d.0 <= k.t => {
+                "missed: the joiner had its state from the victim before the kill".into()
+            }
+            Some(d) if d.0 <= k.t => format!(
+                "missed: the joiner had its state (from node {}) before the kill",
+                d.2
+            ),
+            Some(d) => format!(
+                "the joiner downloaded its state from node {} {:.0} ms after the kill",
+                d.2,
+                (d.0 - k.t) * 1000.0
+            ),
+            None => "the joiner never downloaded a state".into(),
+        }
+    }
+
     /// The run's numbers. `plan`: what was asked for; `reference`: the
     /// single-process loss per iteration, when it ran; `wall_s`: the demo's
     /// whole duration.
@@ -528,10 +596,9 @@ impl Facts {
             }
             for &stage in &checked {
                 let Some(cs) = self.commits.get(&(stage, r.iteration)) else {
-                    let killed_here = self
-                        .kills
-                        .iter()
-                        .any(|k| k.2 == Some(stage) && k.0 > prev_t && k.0 <= r.t_s + KILL_GRACE_S);
+                    let killed_here = self.kills.iter().any(|k| {
+                        k.stage == Some(stage) && k.t > prev_t && k.t <= r.t_s + KILL_GRACE_S
+                    });
                     if killed_here {
                         unverified.push(format!(
                             "stage {stage} iteration {}: no committed line (a member was \
@@ -551,8 +618,34 @@ impl Facts {
                 let last = cs.last().expect("non-empty");
                 recommits += cs.len() as u64 - 1;
                 let n = last.microbatches;
-                let l = r.microbatches.saturating_sub(n).max(last.dropped);
-                let d = n.saturating_sub(r.microbatches);
+                let (l, d) = match &last.mbs {
+                    // The list names them: each planned (holder, index) once.
+                    Some(mbs) => {
+                        let mut seen: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+                        for &m in mbs {
+                            *seen.entry(m).or_default() += 1;
+                        }
+                        let planned: BTreeSet<(u64, u64)> = self
+                            .holders()
+                            .flat_map(|(&h, _)| (0..plan.microbatches).map(move |i| (h, i)))
+                            .collect();
+                        let missing = planned.iter().filter(|m| !seen.contains_key(m)).count();
+                        let twice: u64 = seen.values().map(|&c| c - 1).sum();
+                        let foreign = seen.keys().filter(|m| !planned.contains(m)).count();
+                        if foreign > 0 {
+                            failures.push(format!(
+                                "stage {stage} iteration {}: {foreign} committed microbatch(es) \
+                                 no holder planned",
+                                r.iteration
+                            ));
+                        }
+                        ((missing as u64).max(last.dropped), twice)
+                    }
+                    None => (
+                        r.microbatches.saturating_sub(n).max(last.dropped),
+                        n.saturating_sub(r.microbatches),
+                    ),
+                };
                 dropped += last.dropped;
                 if l > 0 {
                     failures.push(format!(
@@ -592,25 +685,29 @@ impl Facts {
         };
 
         // Recovery: from a kill to the first `recovered` line for the killed
-        // node's stage before the next kill of a node of that stage.
+        // node's stage (a hop rerouted in that stage, or a microbatch
+        // restarted from the start) before the next kill of a node of that
+        // stage.
         let mut kills = Vec::new();
-        for (i, (t, node, stage, aim)) in self.kills.iter().enumerate() {
+        for (i, k) in self.kills.iter().enumerate() {
             let next_same = self.kills[i + 1..]
                 .iter()
-                .find(|k| k.2 == *stage)
-                .map_or(f64::INFINITY, |k| k.0);
-            let rec = stage.and_then(|s| {
+                .find(|n| n.stage == k.stage)
+                .map_or(f64::INFINITY, |n| n.t);
+            let rec = k.stage.and_then(|s| {
                 self.recovered
                     .iter()
-                    .find(|r| r.3 == s && r.0 >= *t && r.0 < next_same)
-                    .map(|r| (r.0 - t) * 1000.0)
+                    .find(|r| (r.3 == s || r.2 == "restarted") && r.0 >= k.t && r.0 < next_same)
+                    .map(|r| (r.0 - k.t) * 1000.0)
             });
             kills.push(KillRow {
-                t_s: *t,
-                node: *node,
-                stage: *stage,
-                aim: aim.clone(),
+                t_s: k.t,
+                node: k.node,
+                stage: k.stage,
+                aim: k.aim.clone(),
                 recovery_ms: rec,
+                joiner: k.joiner,
+                join_outcome: k.joiner.map(|j| self.join_outcome(k, j)),
             });
         }
         let mut rec: Vec<f64> = kills.iter().filter_map(|k| k.recovery_ms).collect();
@@ -640,9 +737,34 @@ impl Facts {
         }
 
         let loss: Vec<f64> = rows.iter().map(|r| r.loss).collect();
+        // The swarm trains exactly the reference's microbatches: its loss
+        // should be the reference's, crashes or not.
+        let mut warnings = Vec::new();
+        let gap = reference.and_then(|r| {
+            loss.iter()
+                .zip(r)
+                .enumerate()
+                .map(|(i, (a, b))| (i, (a - b).abs()))
+                .max_by(|x, y| x.1.total_cmp(&y.1))
+        });
+        if let Some((i, g)) = gap.filter(|g| g.1 > LOSS_TOLERANCE) {
+            warnings.push(format!(
+                "the swarm's loss departs from the single-process reference by up to {g:.4} \
+                 (iteration {}: {:.4} against {:.4})",
+                rows[i].iteration,
+                loss[i],
+                reference.map_or(f64::NAN, |r| r[i])
+            ));
+        }
+        for (t, node, stage, it) in &self.stalls {
+            warnings.push(format!(
+                "{t:.1} s: node {node} says stage {stage} stalled in iteration {it}"
+            ));
+        }
         Summary {
             ok: failures.is_empty(),
             failures,
+            warnings,
             unverified,
             finished,
             model: plan.model.clone(),
@@ -663,6 +785,16 @@ impl Facts {
             replicas_agree,
             replica_checks,
             crashes: self.kills.len() as u64,
+            stalls: self
+                .stalls
+                .iter()
+                .map(|&(t_s, node, stage, iteration)| StallRow {
+                    t_s,
+                    node,
+                    stage,
+                    iteration,
+                })
+                .collect(),
             joins: self.joins.len() as u64,
             joins_active: self
                 .joins
@@ -695,6 +827,7 @@ impl Facts {
             reference_loss_first: reference.and_then(|r| r.first().copied()),
             reference_loss_last: reference.and_then(|r| r.last().copied()),
             reference_loss: reference.map(|r| r.to_vec()),
+            loss_max_diff_vs_reference: gap.map(|g| g.1),
             wasted_compute_pct,
             compute_ms: compute,
             useful_ms: useful,
@@ -722,6 +855,10 @@ impl Facts {
         }
     }
 }
+
+/// Loss differences below this are float noise (the swarm sums the same
+/// gradients in the same order as the reference).
+pub const LOSS_TOLERANCE: f64 = 1e-3;
 
 /// A kill this soon after an iteration's last report may still have cost that
 /// iteration's commit line (the coordinator prints it after the holders).
@@ -772,6 +909,18 @@ pub struct KillRow {
     pub stage: Option<u32>,
     pub aim: String,
     pub recovery_ms: Option<f64>,
+    /// The joiner whose state download the kill was timed to hit, and what
+    /// became of that download.
+    pub joiner: Option<NodeId>,
+    pub join_outcome: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StallRow {
+    pub t_s: f64,
+    pub node: NodeId,
+    pub stage: u32,
+    pub iteration: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -805,6 +954,9 @@ pub struct Summary {
     /// Why the run failed, one line each (lost or double-counted microbatches,
     /// replicas that disagree, a missing commit, the run unfinished).
     pub failures: Vec<String>,
+    /// Not failures, but worth a look: the loss departing from the
+    /// reference, stalls.
+    pub warnings: Vec<String>,
     /// Commits that could not be checked because their stage lost a member
     /// during the iteration (the coordinator may die before printing).
     pub unverified: Vec<String>,
@@ -825,6 +977,8 @@ pub struct Summary {
     /// (stage, iteration) pairs that two or more nodes applied, so compared.
     pub replica_checks: u64,
     pub crashes: u64,
+    /// `stalled` lines: an iteration that could not go on in a stage.
+    pub stalls: Vec<StallRow>,
     pub joins: u64,
     /// Joiners that became members of a stage.
     pub joins_active: u64,
@@ -839,6 +993,8 @@ pub struct Summary {
     pub reference_loss_first: Option<f64>,
     pub reference_loss_last: Option<f64>,
     pub reference_loss: Option<Vec<f64>>,
+    /// The largest |swarm loss - reference loss| over the iterations.
+    pub loss_max_diff_vs_reference: Option<f64>,
     /// (compute - useful) / compute over every node's last stats, in percent.
     pub wasted_compute_pct: Option<f64>,
     pub compute_ms: f64,
@@ -1142,6 +1298,7 @@ mod tests {
             What::Killed {
                 node: 5,
                 aim: "aggregation".into(),
+                joiner: None,
             },
         ));
         let s = f.summary(&plan, None, 4.0);
@@ -1189,6 +1346,7 @@ mod tests {
             What::Killed {
                 node: 3,
                 aim: "random".into(),
+                joiner: None,
             },
         ));
         f.push(&at(
@@ -1216,6 +1374,7 @@ mod tests {
                 What::Killed {
                     node,
                     aim: "forward".into(),
+                    joiner: None,
                 },
             )
         };
@@ -1274,6 +1433,7 @@ mod tests {
             What::Killed {
                 node: 1,
                 aim: "x".into(),
+                joiner: None,
             },
         ));
         f.push(&at(

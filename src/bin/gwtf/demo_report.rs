@@ -346,6 +346,10 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
             ),
         ),
         (
+            "largest loss difference from the reference",
+            opt(s.loss_max_diff_vs_reference, 4),
+        ),
+        (
             "microbatches lost / counted twice / dropped",
             format!(
                 "{} / {} / {} ({} commits made again after losing a member)",
@@ -431,6 +435,13 @@ pub fn render_html(s: &Summary, command: &str) -> Res<String> {
         let _ = writeln!(h, "<tr><th>{}</th><td>{}</td></tr>", esc(k), esc(&v));
     }
     h.push_str("</table>\n");
+    if !s.warnings.is_empty() {
+        h.push_str("<p>Warnings:</p>\n<ul>\n");
+        for w in &s.warnings {
+            let _ = writeln!(h, "<li>{}</li>", esc(w));
+        }
+        h.push_str("</ul>\n");
+    }
     if !s.unverified.is_empty() {
         h.push_str("<p>Not checked:</p>\n<ul>\n");
         for u in &s.unverified {
@@ -531,6 +542,7 @@ mod tests {
             What::Killed {
                 node: 3,
                 aim: "backward <&>".into(),
+                joiner: None,
             },
         );
         line(
