@@ -51,6 +51,16 @@ fn docs() -> Vec<Vec<u32>> {
 
 fn start(p: &Peer, all: &[Peer], cfg: &Arc<Config>, run: &ModelRun, join: bool) -> Runtime {
     let trainer = ModelTrainer::new(run.clone(), p.stage, docs()).unwrap();
+    runtime(p, all, cfg, trainer, join)
+}
+
+fn runtime(
+    p: &Peer,
+    all: &[Peer],
+    cfg: &Arc<Config>,
+    trainer: ModelTrainer,
+    join: bool,
+) -> Runtime {
     Runtime::start(
         RuntimeOptions {
             id: p.id,
@@ -86,6 +96,12 @@ struct Seen {
     /// (stage, iteration) -> microbatches committed.
     committed: BTreeMap<(Stage, u32), Vec<gwtf::protocol::MbId>>,
     errors: Vec<String>,
+    /// Nodes that downloaded a state.
+    downloads: BTreeSet<NodeId>,
+    /// (node, iteration) -> digest.
+    digests_by: BTreeMap<(NodeId, u32), [u8; 32]>,
+    /// Stage each node became active in.
+    active: BTreeMap<NodeId, Stage>,
 }
 
 impl Seen {
@@ -106,6 +122,13 @@ impl Seen {
                     .entry((stage, iteration))
                     .or_default()
                     .insert(weights);
+                self.digests_by.insert((id, iteration), weights);
+            }
+            NodeEvent::StateDownloaded { .. } => {
+                self.downloads.insert(id);
+            }
+            NodeEvent::Protocol(Event::Active { stage }) => {
+                self.active.insert(id, stage);
             }
             NodeEvent::Protocol(Event::StageCommitted {
                 stage, iter, mbs, ..
@@ -125,78 +148,149 @@ fn layout() -> Vec<(NodeId, Stage)> {
     vec![(1, 0), (2, 0), (11, 1), (12, 1), (21, 2), (22, 2)]
 }
 
-#[test]
-fn a_swarm_without_crashes_trains_exactly_the_reference() {
-    let run = model_run();
-    let cfg = protocol_config(&run);
-    let peers: Vec<Peer> = layout()
-        .into_iter()
-        .map(|(id, stage)| Peer {
-            id,
-            stage,
-            addr: free_addr(),
-        })
-        .collect();
-    let nodes: Vec<(NodeId, Runtime)> = peers
-        .iter()
-        .map(|p| (p.id, start(p, &peers, &cfg, &run, false)))
-        .collect();
-    let mut seen = Seen::default();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while Instant::now() < deadline && seen.losses.len() < ITERATIONS as usize {
-        for (id, n) in &nodes {
+/// A swarm in this process and what its nodes reported.
+struct Swarm {
+    run: ModelRun,
+    cfg: Arc<Config>,
+    peers: Vec<Peer>,
+    nodes: Vec<(NodeId, Runtime)>,
+    seen: Seen,
+    deadline: Instant,
+}
+
+impl Swarm {
+    fn start() -> Swarm {
+        let run = model_run();
+        let cfg = protocol_config(&run);
+        let peers: Vec<Peer> = layout()
+            .into_iter()
+            .map(|(id, stage)| Peer {
+                id,
+                stage,
+                addr: free_addr(),
+            })
+            .collect();
+        let nodes = peers
+            .iter()
+            .map(|p| (p.id, start(p, &peers, &cfg, &run, false)))
+            .collect();
+        Swarm {
+            run,
+            cfg,
+            peers,
+            nodes,
+            seen: Seen::default(),
+            deadline: Instant::now() + Duration::from_secs(120),
+        }
+    }
+
+    fn pump(&mut self) {
+        for (id, n) in &self.nodes {
             while let Ok(ev) = n.events().try_recv() {
-                seen.take(*id, ev);
+                self.seen.take(*id, ev);
             }
         }
-        std::thread::sleep(Duration::from_millis(20));
     }
-    // Let the last updates land at every node.
-    std::thread::sleep(Duration::from_millis(300));
-    for (id, n) in &nodes {
-        while let Ok(ev) = n.events().try_recv() {
-            seen.take(*id, ev);
+
+    /// Pumps events until `done`, or fails at the deadline.
+    fn until(&mut self, what: &str, mut done: impl FnMut(&Seen) -> bool) {
+        while !done(&self.seen) {
+            assert!(
+                Instant::now() < self.deadline,
+                "timed out waiting for {what}"
+            );
+            assert!(self.seen.errors.is_empty(), "{:?}", self.seen.errors);
+            self.pump();
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
-    for (_, n) in nodes {
-        n.leave();
+
+    fn iterations_done(&mut self, n: u32) {
+        self.until(&format!("{n} iterations"), |s| {
+            (0..n).all(|k| s.losses.get(&k).is_some_and(|l| l.len() == 2))
+        });
     }
-    assert!(seen.errors.is_empty(), "{:?}", seen.errors);
-    assert!(
-        seen.losses.len() >= ITERATIONS as usize,
-        "only {} iterations in time",
-        seen.losses.len()
-    );
-    // Exactly once: every stage commits each microbatch of each holder once.
-    for s in 0..=2u16 {
-        for k in 0..ITERATIONS {
-            let mut got = seen.committed.get(&(s, k)).cloned().unwrap_or_default();
-            let n = got.len();
-            got.sort_unstable();
-            got.dedup();
-            assert_eq!(
-                (n, got.len()),
-                (2 * MB_PER_ITER as usize, 2 * MB_PER_ITER as usize),
-                "stage {s} iteration {k}"
+
+    /// Starts a node that joins through the first holder.
+    fn join(&mut self, id: NodeId) {
+        let p = Peer {
+            id,
+            stage: 0,
+            addr: free_addr(),
+        };
+        let trainer = ModelTrainer::joiner(self.run.clone());
+        let rt = runtime(&p, &self.peers[..1], &self.cfg, trainer, true);
+        self.nodes.push((id, rt));
+    }
+
+    /// Every node leaves; the checks of a run: no errors, each microbatch
+    /// committed once per stage, replicas agree, losses are the reference's.
+    fn finish_and_check(mut self, iterations: u32) {
+        std::thread::sleep(Duration::from_millis(300));
+        self.pump();
+        for (_, n) in self.nodes.drain(..) {
+            n.leave();
+        }
+        let seen = &self.seen;
+        assert!(seen.errors.is_empty(), "{:?}", seen.errors);
+        for s in 0..=2u16 {
+            for k in 0..iterations {
+                let mut got = seen.committed.get(&(s, k)).cloned().unwrap_or_default();
+                let n = got.len();
+                got.sort_unstable();
+                got.dedup();
+                let want = 2 * MB_PER_ITER as usize;
+                assert_eq!((n, got.len()), (want, want), "stage {s} iteration {k}");
+            }
+        }
+        for ((s, k), d) in &seen.digests {
+            assert_eq!(d.len(), 1, "stage {s} iteration {k}: {} digests", d.len());
+        }
+        let docs = docs();
+        let holders: Vec<(NodeId, &[Vec<u32>])> = vec![(1, &docs[..]), (2, &docs[..])];
+        let want =
+            reference_losses(&self.run, &holders, MB_PER_ITER, iterations, |_, _| {}).unwrap();
+        for (k, w) in want.iter().enumerate() {
+            let l = &seen.losses[&(k as u32)];
+            let got = (l[0] + l[1]) / 2.0;
+            assert!(
+                (got - w).abs() <= 1e-4 * w.abs(),
+                "iteration {k}: swarm {got} reference {w}"
             );
         }
+        assert!(want[iterations as usize - 1] < want[0]);
     }
-    // Replicas agree after every update.
-    for ((s, k), d) in &seen.digests {
-        assert_eq!(d.len(), 1, "stage {s} iteration {k}: {} digests", d.len());
-    }
-    // The loss of each iteration is the reference's.
-    let docs = docs();
-    let holders: Vec<(NodeId, &[Vec<u32>])> = vec![(1, &docs[..]), (2, &docs[..])];
-    let want = reference_losses(&run, &holders, MB_PER_ITER, ITERATIONS, |_, _| {}).unwrap();
-    for (k, w) in want.iter().enumerate() {
-        let l = &seen.losses[&(k as u32)];
-        assert_eq!(l.len(), 2, "iteration {k}: {l:?}");
-        let got = (l[0] + l[1]) / 2.0;
-        assert!(
-            (got - w).abs() <= 1e-4 * w.abs(),
-            "iteration {k}: swarm {got} reference {w}"
-        );
-    }
-    assert!(want[ITERATIONS as usize - 1] < want[0]);
+}
+
+#[test]
+fn a_swarm_without_crashes_trains_exactly_the_reference() {
+    let mut swarm = Swarm::start();
+    swarm.iterations_done(ITERATIONS);
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// A node joins the bottleneck stage, downloads the stage's state (weights
+/// and optimizer, verified by hash) and trains on with bit-identical
+/// weights; a relay then leaves gracefully. Neither changes the arithmetic:
+/// the losses are still the reference's.
+#[test]
+fn a_joiner_downloads_the_state_and_a_leaver_changes_nothing() {
+    let mut swarm = Swarm::start();
+    // Stage 2 loses a relay: it becomes the bottleneck the joiner fills.
+    swarm.iterations_done(1);
+    let (_, old) = swarm.nodes.remove(5);
+    old.leave();
+    swarm.iterations_done(2);
+    swarm.join(31);
+    swarm.until("the joiner's state download", |s| s.downloads.contains(&31));
+    swarm.until("the joiner's first update", |s| {
+        s.digests_by.keys().any(|(id, _)| *id == 31)
+    });
+    swarm.iterations_done(ITERATIONS);
+    assert!(
+        swarm.seen.active.get(&31) == Some(&2),
+        "{:?}",
+        swarm.seen.active
+    );
+    swarm.finish_and_check(ITERATIONS);
 }

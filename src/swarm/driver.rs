@@ -26,8 +26,17 @@ const PENDING_MAX: usize = 4096;
 pub(super) const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
 /// Bytes of the digest that ends a state transfer.
 const DIGEST_LEN: usize = 32;
+/// How long a node waits for a state it asked for again before asking anew.
+const RESYNC_RETRY: Duration = Duration::from_secs(3);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
+
+/// A state download again after a missed update.
+pub(super) struct Resync {
+    /// Work held until the state is in.
+    held: VecDeque<Work>,
+    retry_at: Instant,
+}
 
 /// Something to send once the connection is up.
 pub(super) enum Out {
@@ -92,6 +101,7 @@ pub(super) struct Driver {
     /// Claimed compute time by iteration, useful once the stage applies it.
     pub(super) claimed_time: BTreeMap<u32, Duration>,
     pub(super) failed: bool,
+    pub(super) resync: Option<Resync>,
 }
 
 /// The first 8 bytes of a digest, as the protocol compares them.
@@ -140,13 +150,53 @@ impl Driver {
         let id = self.next_work;
         self.next_work += 1;
         self.works.insert(id, p);
-        self.port.push(Work {
+        let w = Work {
             id,
             kind,
             stage: self.node.stage(),
             mb,
             input,
-        });
+        };
+        match self.resync.as_mut() {
+            // Nothing runs on weights that are about to be replaced.
+            Some(r) if !matches!(w.kind, WorkKind::ImportState { .. }) => r.held.push_back(w),
+            _ => self.port.push(w),
+        }
+    }
+
+    /// This node missed an update (it joined while the aggregate ran, so
+    /// it was not in the commit): it downloads the stage's state again from
+    /// its coordinator, and holds all work until the state is in.
+    fn start_resync(&mut self, iter: u32) {
+        let now = Instant::now();
+        match self.resync.as_mut() {
+            Some(r) if now < r.retry_at => return,
+            Some(r) => r.retry_at = now + RESYNC_RETRY,
+            None => {
+                self.log(format!(
+                    "missed the update of iteration {iter}: downloading the state again"
+                ));
+                self.resync = Some(Resync {
+                    held: VecDeque::new(),
+                    retry_at: now + RESYNC_RETRY,
+                });
+            }
+        }
+        match self.node.coordinator().filter(|&c| c != self.me.id) {
+            Some(c) => self.send(c, Msg::StateRequest),
+            None => self.error(format!(
+                "missed the update of iteration {iter} and no other member can serve the state"
+            )),
+        }
+    }
+
+    /// The state is in again: the held work goes to the trainer.
+    fn end_resync(&mut self) {
+        if let Some(r) = self.resync.take() {
+            for w in r.held {
+                self.port.push(w);
+            }
+        }
     }
 
     fn run_task(&mut self, task: Task) {
@@ -259,13 +309,9 @@ impl Driver {
                 };
                 self.give(kind, None, None, Pending::Apply { iter });
             }
-            None => {
-                // A node that joined while the aggregate ran (it was not in
-                // the commit): its weights are one update behind.
-                self.error(format!(
-                    "asked to apply iteration {iter} without its aggregate (joined during it)"
-                ));
-            }
+            // A node that joined while the aggregate ran (it was not in
+            // the commit): its weights are one update behind.
+            None => self.start_resync(iter),
         }
         if let Some(t) = self.claimed_time.remove(&iter) {
             self.shared
@@ -352,6 +398,7 @@ impl Driver {
                         ms: since.elapsed().as_secs_f64() * 1e3,
                     });
                 }
+                self.end_resync();
             }
             Pending::Forget => {}
         }
@@ -711,7 +758,9 @@ impl Driver {
                 }
                 self.store.put(*mb, *attempt, Slot::GradIn, data);
             }
-            Msg::StateResponse { version, .. } if !self.node.is_active() => {
+            Msg::StateResponse { version, .. }
+                if !self.node.is_active() || self.resync.is_some() =>
+            {
                 match self.verify_state(data) {
                     Ok(state) => {
                         let bytes = state.len();
@@ -783,6 +832,14 @@ impl Driver {
                 self.input(Input::Leave);
             }
             self.on_completions();
+            if self
+                .resync
+                .as_ref()
+                .is_some_and(|r| Instant::now() >= r.retry_at)
+            {
+                let v = self.node.version().0;
+                self.start_resync(v);
+            }
             let now = self.now();
             if let Some(t) = self.node.timeout() {
                 if t <= now {

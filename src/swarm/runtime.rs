@@ -302,6 +302,7 @@ impl Runtime {
             task_time: HashMap::new(),
             claimed_time: BTreeMap::new(),
             failed: false,
+            resync: None,
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap
