@@ -122,13 +122,13 @@ fn the_swarm_trains_through_crashes_and_joins() {
             "--holders",
             "2",
             "--iterations",
-            "8",
+            "12",
             "--microbatches",
             "2",
             "--crash-every",
-            "1.5",
+            "1",
             "--join-every",
-            "2",
+            "1.5",
             "--seed",
             "3",
             "--deadline",
@@ -151,7 +151,7 @@ fn the_swarm_trains_through_crashes_and_joins() {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["ok"], true, "{v}");
-    assert_eq!(v["iterations"], 8);
+    assert_eq!(v["iterations"], 12);
     assert_eq!(v["lost_microbatches"], 0);
     assert_eq!(v["double_counted_microbatches"], 0);
     assert_eq!(v["replicas_agree"], true);

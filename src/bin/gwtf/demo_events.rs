@@ -563,10 +563,26 @@ impl Facts {
                 replica_checks += 1;
             }
             if distinct.len() > 1 {
+                // Who printed what (the first 8 hex digits), and who was
+                // killed afterwards: a member that applied an aggregate its
+                // stage later replaced forked the stage's state.
+                let who: Vec<String> = by_node
+                    .iter()
+                    .map(|(id, h)| {
+                        let fate = self
+                            .nodes
+                            .get(id)
+                            .and_then(|n| n.killed_s)
+                            .map_or(String::new(), |t| format!(", killed at {t:.2} s"));
+                        format!("node {id} {}{fate}", &h[..h.len().min(8)])
+                    })
+                    .collect();
                 disagreements.push(format!(
-                    "stage {stage} iteration {it}: {} nodes printed {} different weights_sha256",
+                    "stage {stage} iteration {it}: {} nodes printed {} different weights_sha256 \
+                     ({})",
                     by_node.len(),
-                    distinct.len()
+                    distinct.len(),
+                    who.join("; ")
                 ));
             }
         }
@@ -1224,10 +1240,22 @@ mod tests {
             4,
             r#"{"event":"applied","node":4,"stage":1,"iteration":1,"weights_sha256":"other"}"#,
         ));
+        f.push(&at(
+            2.5,
+            What::Killed {
+                node: 4,
+                aim: "forward".into(),
+                joiner: None,
+            },
+        ));
         let s = f.summary(&plan, None, 4.0);
         assert!(!s.replicas_agree && !s.ok);
         assert!(
-            s.failures.iter().any(|x| x.contains("stage 1 iteration 1")),
+            s.failures.contains(
+                &"stage 1 iteration 1: 2 nodes printed 2 different weights_sha256 (node 2 s1i1; \
+                  node 4 other, killed at 2.50 s)"
+                    .to_string()
+            ),
             "{:?}",
             s.failures
         );
