@@ -803,7 +803,10 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
                 let r = &rows[*shown];
                 *shown += 1;
                 match &sw.out.bar {
-                    Some(b) => b.set_position(rows.len() as u64),
+                    Some(b) => {
+                        b.set_position(rows.len() as u64);
+                        b.set_message(status(&sw.facts));
+                    }
                     None => println!(
                         "{:>7.1}s  iteration {:>4}/{}  {}",
                         r.t_s,
