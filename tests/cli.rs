@@ -300,7 +300,6 @@ fn demo_refuses_bad_arguments_before_starting_a_node() {
         (vec!["--join-every", "soon"], vec!["--join-every", "`soon`"]),
         (vec!["--deadline", "0"], vec!["--deadline", "must be > 0"]),
         (vec!["--links", "mars"], vec!["--links", "mars"]),
-        (vec!["--device", "tpu"], vec!["--device", "tpu"]),
         (
             vec!["--json", "/nonexistent/out.json"],
             vec!["cannot write --json /nonexistent/out.json"],
