@@ -507,14 +507,13 @@ fn status(f: &Facts) -> String {
         }
         _ => "-".into(),
     };
-    let members: Vec<String> = f
-        .members_per_stage()
-        .iter()
-        .map(|m| m.to_string())
-        .collect();
+    let members = f.members_per_stage();
+    let relays: Vec<String> = members.iter().skip(1).map(|m| m.to_string()).collect();
     format!(
-        "loss {loss}  {tps} tok/s  members [{}]  crashes {}  recovered {}  joins {}",
-        members.join(" "),
+        "loss {loss}  {tps} tok/s  holders {}  relays per stage [{}]  crashes {}  \
+         recovered {}  joins {}",
+        members.first().copied().unwrap_or(0),
+        relays.join(" "),
         f.crashes(),
         f.recovered_count(),
         f.joins()
