@@ -256,3 +256,76 @@ fn bench_kernels_reports_training_on_cpu_and_cuda() {
     assert_eq!(bad.status.code(), Some(1));
     assert!(stderr_of(&bad).contains("--train-model llama-124m"));
 }
+
+#[test]
+fn demo_refuses_bad_arguments_before_starting_a_node() {
+    let dir = scratch("cli-demo-refuses");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let file = file.to_str().unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "too short").unwrap();
+    let short = short.to_str().unwrap();
+    let same = dir.join("same.out");
+    let same = same.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (vec!["--nodes", "0"], vec!["--nodes", "got 0"]),
+        (vec!["--holders", "-1"], vec!["--holders", "got -1"]),
+        (
+            vec!["--stages", "2"],
+            vec!["--stages", "must be >= 3, got 2"],
+        ),
+        (
+            vec!["--stages", "4", "--nodes", "1"],
+            vec!["--nodes 1 is fewer than the 2 relay stages of --stages 4"],
+        ),
+        (
+            vec!["--stages", "9"],
+            vec!["--stages 9 does not cut llama-tiny"],
+        ),
+        (vec!["--model", "nope"], vec!["--model nope"]),
+        (
+            vec!["--model", "llama-500m"],
+            vec![
+                "--model llama-500m",
+                "only gpt-tiny, llama-tiny and llama-small",
+            ],
+        ),
+        (vec!["--iterations", "0"], vec!["--iterations", "got 0"]),
+        (vec!["--microbatches", "0"], vec!["--microbatches", "got 0"]),
+        (
+            vec!["--crash-every", "-1"],
+            vec!["--crash-every", "must be >= 0, got -1"],
+        ),
+        (vec!["--join-every", "soon"], vec!["--join-every", "`soon`"]),
+        (vec!["--deadline", "0"], vec!["--deadline", "must be > 0"]),
+        (vec!["--links", "mars"], vec!["--links", "mars"]),
+        (
+            vec!["--json", "/nonexistent/out.json"],
+            vec!["cannot write --json /nonexistent/out.json"],
+        ),
+        (
+            vec!["--report", "/nonexistent/out.html"],
+            vec!["cannot write --report /nonexistent/out.html"],
+        ),
+        (
+            vec!["--json", same, "--report", same],
+            vec!["--json and --report are the same file"],
+        ),
+        (
+            vec!["--keep-logs", file],
+            vec!["--keep-logs", file, "not a directory"],
+        ),
+        (
+            vec!["--data", "/nonexistent/corpus.txt"],
+            vec!["--data", "/nonexistent/corpus.txt"],
+        ),
+        (vec!["--data", short], vec!["--data", short]),
+    ];
+    for (extra, names) in cases {
+        let args: Vec<&str> = std::iter::once("demo").chain(extra).collect();
+        gwtf_refuses(&args, &names);
+    }
+    // Nothing was written.
+    assert!(!std::path::Path::new(same).exists());
+}

@@ -3,6 +3,16 @@ use clap::{Parser, Subcommand};
 
 #[path = "gwtf/checks.rs"]
 mod checks;
+#[path = "gwtf/demo_chaos.rs"]
+mod demo_chaos;
+#[path = "gwtf/demo_cmd.rs"]
+mod demo_cmd;
+#[path = "gwtf/demo_events.rs"]
+mod demo_events;
+#[path = "gwtf/demo_procs.rs"]
+mod demo_procs;
+#[path = "gwtf/demo_report.rs"]
+mod demo_report;
 #[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
 #[path = "gwtf/kernels_cmd.rs"]
@@ -38,6 +48,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// A local swarm of `gwtf node` processes trains while nodes crash (SIGKILL)
+    /// and join; shows the progress, checks every microbatch was counted once and
+    /// every stage's replicas agree, and compares the loss with one process.
+    Demo(demo_cmd::DemoArgs),
     /// Print the library version and ABI version.
     Version,
     /// Is CUDA usable here? Reports no driver, no device / init error (with the
@@ -139,6 +153,7 @@ fn main() {
             );
             Ok(())
         }
+        Cmd::Demo(args) => demo_cmd::run(args),
         Cmd::Probe { json, require_gpu } => probe(json, require_gpu),
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),

@@ -1,0 +1,284 @@
+//! `gwtf demo` end to end: a local swarm of `gwtf node` processes trains
+//! while relays are killed and others join; the demo checks what came of it.
+//! And no node outlives the demo: not when it finishes, not at its deadline,
+//! not on Ctrl-C, not when the demo itself is killed.
+//!
+//! Bounded: a few iterations of llama-tiny, deadlines far above what a run
+//! takes on a loaded two-core machine.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn gwtf() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+}
+
+/// Whether this build has `gwtf node` (the demo's nodes); skips visibly if not.
+fn node_command_exists() -> bool {
+    let ok = gwtf()
+        .args(["node", "--help"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        common::skip::skipped("this build has no `gwtf node` to run the demo's nodes with");
+    }
+    ok
+}
+
+/// The pids of the nodes the demo started, from its demo.log.
+fn node_pids(logs: &Path) -> Vec<i32> {
+    std::fs::read_to_string(logs.join("demo.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            w.next()?;
+            (w.next()? == "pid").then_some(())?;
+            w.next()?.parse().ok()
+        })
+        .collect()
+}
+
+/// A process that runs (exists and is not a zombie).
+fn running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // pid (comm) state ...: the state follows the last ')'.
+            let state = stat
+                .rsplit_once(')')
+                .map(|x| x.1.trim_start().chars().next());
+            !matches!(state, Some(Some('Z')) | Some(Some('X')))
+        }
+        Err(_) => false,
+    }
+}
+
+/// Every node the demo started has ended (within `within`).
+fn assert_no_node_left(logs: &Path, within: Duration) {
+    let pids = node_pids(logs);
+    assert!(!pids.is_empty(), "demo.log names no node");
+    let until = Instant::now() + within;
+    loop {
+        let left: Vec<i32> = pids.iter().copied().filter(|&p| running(p)).collect();
+        if left.is_empty() {
+            return;
+        }
+        if Instant::now() > until {
+            for &p in &left {
+                // SAFETY: cleaning up after a failed test; p was our grandchild.
+                unsafe {
+                    libc::kill(p, libc::SIGKILL);
+                }
+            }
+            panic!("nodes {left:?} outlived the demo");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until the demo has started `n` nodes and `settle` has passed.
+fn wait_for_nodes(demo: &mut Child, logs: &Path, n: usize, settle: Duration) {
+    let until = Instant::now() + Duration::from_secs(60);
+    while node_pids(logs).len() < n {
+        assert!(demo.try_wait().unwrap().is_none(), "the demo ended early");
+        assert!(Instant::now() < until, "the demo started no nodes");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(settle);
+}
+
+fn wait_with_timeout(demo: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(st) = demo.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > until {
+            let _ = demo.kill();
+            panic!("the demo did not end within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `gwtf demo` with a crash a second and a join every 1.5 s over 12
+/// iterations in `scratch(name)`: its output, its --json and its --report.
+fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, String) {
+    let dir = scratch(name);
+    let (json, report, logs) = (dir.join("run.json"), dir.join("run.html"), dir.join("logs"));
+    let out = gwtf()
+        .args([
+            "demo",
+            "--nodes",
+            "4",
+            "--holders",
+            "2",
+            "--iterations",
+            "12",
+            "--microbatches",
+            "2",
+            "--crash-every",
+            "1",
+            "--join-every",
+            "1.5",
+            "--seed",
+            "3",
+            "--deadline",
+            "400",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--report")
+        .arg(&report)
+        .arg("--keep-logs")
+        .arg(&logs)
+        .output()
+        .unwrap();
+    assert_no_node_left(&logs, Duration::from_secs(5));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap_or_else(|e| {
+            panic!("no --json: {e}\n{}", String::from_utf8_lossy(&out.stderr))
+        }))
+        .unwrap();
+    let html = std::fs::read_to_string(&report).unwrap();
+    (out, v, html)
+}
+
+/// The demo's own job, whatever the swarm does: it runs the swarm to the end
+/// through crashes and joins, reports every fact, exits 0 exactly when the
+/// checks pass, and leaves no node behind.
+#[test]
+fn the_demo_runs_a_swarm_through_crashes_and_joins_and_reports() {
+    if !node_command_exists() {
+        return;
+    }
+    let (out, v, html) = demo_with_churn("demo-e2e-report");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.success(), v["ok"] == true, "{stdout}\n{v}");
+    assert_eq!(v["finished"], true, "{stdout}");
+    assert_eq!(v["iterations"], 12);
+    assert!(v["crashes"].as_u64().unwrap() >= 1, "{v}");
+    assert!(v["joins"].as_u64().unwrap() >= 1, "{v}");
+    assert!(v["replica_checks"].as_u64().unwrap() > 0, "{v}");
+    for key in [
+        "lost_microbatches",
+        "replicas_agree",
+        "loss_first",
+        "loss_last",
+        "reference_loss_last",
+        "wasted_compute_pct",
+        "recovery_ms_median",
+        "tokens_per_s",
+    ] {
+        assert!(v.get(key).is_some(), "--json lacks {key}: {v}");
+    }
+    assert_eq!(v["per_iteration"].as_array().unwrap().len(), 12);
+    assert_eq!(v["reference_loss"].as_array().unwrap().len(), 12);
+    assert!(v["loss_last"].as_f64().unwrap() < v["loss_first"].as_f64().unwrap());
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(html.matches("</svg>").count(), 3);
+    assert!(stdout.contains("crash: SIGKILL node"), "{stdout}");
+}
+
+/// The swarm's job: through the same crashes and joins every microbatch is
+/// counted exactly once at every stage, every stage's replicas hold the same
+/// weights, and the loss is the single-process reference's.
+#[test]
+fn the_swarm_trains_exactly_through_crashes_and_joins() {
+    if !node_command_exists() {
+        return;
+    }
+    let (out, v, _) = demo_with_churn("demo-e2e-exact");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["lost_microbatches"], 0);
+    assert_eq!(v["double_counted_microbatches"], 0);
+    assert_eq!(v["replicas_agree"], true);
+    let gap = v["loss_max_diff_vs_reference"].as_f64().unwrap();
+    assert!(
+        gap < 1e-3,
+        "the loss departs from the reference by {gap}: {stdout}"
+    );
+}
+
+#[test]
+fn no_node_outlives_the_deadline() {
+    if !node_command_exists() {
+        return;
+    }
+    let dir = scratch("demo-deadline");
+    let (json, logs) = (dir.join("run.json"), dir.join("logs"));
+    let t = Instant::now();
+    let out = gwtf()
+        .args(["demo", "--iterations", "100000", "--deadline", "4"])
+        .arg("--json")
+        .arg(&json)
+        .arg("--keep-logs")
+        .arg(&logs)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the deadline of 4 s passed"), "{stderr}");
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert_no_node_left(&logs, Duration::from_secs(5));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["finished"], false);
+}
+
+#[test]
+fn ctrl_c_stops_every_node() {
+    if !node_command_exists() {
+        return;
+    }
+    let logs = scratch("demo-interrupt").join("logs");
+    let mut demo = gwtf()
+        .args(["demo", "--iterations", "100000", "--keep-logs"])
+        .arg(&logs)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_nodes(&mut demo, &logs, 8, Duration::from_secs(2));
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(demo.id() as i32, libc::SIGINT);
+    }
+    let st = wait_with_timeout(&mut demo, Duration::from_secs(60));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut demo.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(st.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert_no_node_left(&logs, Duration::from_secs(5));
+}
+
+#[test]
+fn a_killed_demo_takes_its_nodes_along() {
+    if !node_command_exists() {
+        return;
+    }
+    let logs = scratch("demo-killed").join("logs");
+    let mut demo = gwtf()
+        .args(["demo", "--iterations", "100000", "--keep-logs"])
+        .arg(&logs)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_nodes(&mut demo, &logs, 8, Duration::from_secs(1));
+    demo.kill().unwrap();
+    demo.wait().unwrap();
+    assert_no_node_left(&logs, Duration::from_secs(10));
+}
