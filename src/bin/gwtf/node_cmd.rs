@@ -314,6 +314,16 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             ..NodeOptions::default()
         },
     };
+    // The engine writes frames with writev, which raises SIGPIPE on a
+    // connection the peer has reset (a crashed or departed peer); `gwtf`
+    // restores SIGPIPE's default (die) for `gwtf ... | head`, which would
+    // make one peer's crash kill this node too. Ignored, the write fails
+    // with EPIPE and the engine reports the peer lost.
+    // SAFETY: setting one signal's disposition before any thread of ours
+    // writes to a socket.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
     let rt = Runtime::start(opts, trainer)?;
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
