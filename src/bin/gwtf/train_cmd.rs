@@ -9,7 +9,7 @@ use gwtf::model::{preset, ModelConfig, Pipeline, StepLog};
 use std::path::PathBuf;
 
 /// The presets small enough to train here.
-const TRAINABLE: [&str; 3] = ["gpt-tiny", "llama-tiny", "llama-small"];
+pub const TRAINABLE: [&str; 3] = ["gpt-tiny", "llama-tiny", "llama-small"];
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
