@@ -1,6 +1,8 @@
 //! `gwtf`: the libgwtf command-line tool.
 use clap::{Parser, Subcommand};
 
+#[path = "gwtf/bench_swarm.rs"]
+mod bench_swarm;
 #[path = "gwtf/checks.rs"]
 mod checks;
 #[path = "gwtf/demo_chaos.rs"]
@@ -100,6 +102,31 @@ enum BenchCmd {
     /// Transport: framed zero-copy path against raw TCP (interleaved), GB/s,
     /// ratio, copies per frame, round-trip latency.
     Transport(transport_cmd::BenchTransportArgs),
+    /// A local swarm of `gwtf node` processes against `gwtf train` on the
+    /// same cores: throughput ratio, recovery time after SIGKILL, wasted
+    /// compute.
+    ///
+    /// Throughput: tokens/s of the swarm without crashes (holders'
+    /// `iteration` events, from the first iteration final to the last)
+    /// against `gwtf train --accum HOLDERS*MICROBATCHES` (from its first
+    /// step to its last); below 0.8 it says where the time goes (compute of
+    /// all nodes from their `stats` against wall time and cores).
+    ///
+    /// Recovery: a relay (of each relay stage in turn, the one that carried
+    /// a microbatch most recently) is SIGKILLed --kills times; a replacement
+    /// then joins (`gwtf node --join`), and when it does not become active
+    /// within --join-timeout-s the swarm is started afresh. Measured from
+    /// the moment just before kill(2) to: the first survivor's `peer_lost`
+    /// (detected); the first `recovered` event (a hop of a microbatch in
+    /// flight through the victim sent elsewhere, or the microbatch
+    /// restarted); the holder's `mb_done` of the last such microbatch (its
+    /// backward is back, so the hop was redone elsewhere: an upper bound on
+    /// the hop itself); the next iteration final. Median and max of each.
+    ///
+    /// Wasted compute: 1 - useful/compute summed over every node's last
+    /// `stats` (a killed node's last report before the kill), without
+    /// crashes and with a relay killed (and replaced) every --crash-every-s.
+    Swarm(bench_swarm::BenchSwarmArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -166,6 +193,7 @@ fn main() {
             BenchCmd::Sim(args) => sim_cmd::bench(args),
             BenchCmd::Kernels(args) => kernels_cmd::run(args),
             BenchCmd::Transport(args) => transport_cmd::bench(args),
+            BenchCmd::Swarm(args) => bench_swarm::run(args),
         },
     };
     if let Err(e) = result {

@@ -386,6 +386,13 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         trace: a.trace_work && a.json,
         slow: a.slow_work.clone(),
     };
+    // The engine's socket writes do not raise SIGPIPE; a node whose stdout
+    // reader went away (the demo died) must not die of it either, before it
+    // has left: writes to stdout then fail quietly.
+    // SAFETY: setting one signal's disposition before our threads start.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
     let rt = Runtime::start(opts, trainer)?;
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
@@ -405,6 +412,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     let mut last_stats = Instant::now();
     loop {
         if STOP.load(Ordering::SeqCst) {
+            out.stats(&rt);
             rt.leave();
             out.emit(json!({"event": "left"}));
             return Ok(());
@@ -415,24 +423,14 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         }
         if last_stats.elapsed() >= Duration::from_secs(1) {
             last_stats = Instant::now();
-            let s = rt.compute_stats();
-            out.emit(json!({
-                "event": "stats",
-                "compute_ms": s.compute.as_secs_f64() * 1e3,
-                "useful_ms": s.useful.as_secs_f64() * 1e3,
-            }));
+            out.stats(&rt);
         }
         let Ok(ev) = rt.events().recv_timeout(Duration::from_millis(100)) else {
             continue;
         };
         if let Some(done) = out.event(ev, a.iterations) {
             if done {
-                let s = rt.compute_stats();
-                out.emit(json!({
-                    "event": "stats",
-                    "compute_ms": s.compute.as_secs_f64() * 1e3,
-                    "useful_ms": s.useful.as_secs_f64() * 1e3,
-                }));
+                out.stats(&rt);
                 out.emit(json!({"event": "done"}));
                 rt.leave();
                 return Ok(());
@@ -453,6 +451,17 @@ struct Printer {
 }
 
 impl Printer {
+    /// The node's compute time so far, and the part that went into an
+    /// applied update.
+    fn stats(&mut self, rt: &Runtime) {
+        let s = rt.compute_stats();
+        self.emit(json!({
+            "event": "stats",
+            "compute_ms": s.compute.as_secs_f64() * 1e3,
+            "useful_ms": s.useful.as_secs_f64() * 1e3,
+        }));
+    }
+
     fn emit(&mut self, mut v: serde_json::Value) {
         v["node"] = json!(self.id);
         let mut o = std::io::stdout().lock();
@@ -477,7 +486,7 @@ impl Printer {
                         v["useful_ms"].as_f64().unwrap_or(0.0) / 1e3,
                     );
                 }
-                "applied" | "committed" => {}
+                "applied" | "committed" | "mb_done" => {}
                 _ => {
                     let mut v = v.clone();
                     if let Some(m) = v.as_object_mut() {
@@ -516,6 +525,10 @@ impl Printer {
                     "event": "committed", "stage": stage, "iteration": iter,
                     "microbatches": mbs.len(), "dropped": dropped.len(),
                     "mbs": mbs.iter().map(|(m, by)| [m.holder, m.idx, *by]).collect::<Vec<_>>(),
+                })),
+                Event::MbDone { mb, path } => self.emit(json!({
+                    "event": "mb_done", "iteration": mb.iter, "holder": mb.holder,
+                    "index": mb.idx, "path": *path,
                 })),
                 Event::Stalled { iter, stage } => {
                     self.emit(json!({"event": "stalled", "iteration": iter, "stage": stage}))

@@ -1,0 +1,903 @@
+//! `gwtf bench swarm`: a local swarm of `gwtf node` processes measured
+//! against `gwtf train` in one process, on the same cores, in one run.
+//!
+//! 1. Throughput: tokens/s of the swarm without crashes (from the holders'
+//!    `iteration` events) against `gwtf train` doing the same work per step
+//!    (`--accum` = microbatches of the whole swarm per iteration), both in
+//!    steady state (from the first step/iteration to the last).
+//! 2. Recovery after a SIGKILL of a relay, repeated (a replacement joins
+//!    after each kill). For each kill, from the kill (just before kill(2)):
+//!    `detect` until the first survivor reports the victim lost
+//!    (`peer_lost`); `reroute` until the first `recovered` event (a hop of a
+//!    microbatch in flight through the victim is sent elsewhere, or the
+//!    microbatch restarted); `recovered` until the holder reports the last
+//!    of those microbatches done (`mb_done`: its backward is back, so the
+//!    hop was redone elsewhere; an upper bound on the hop itself); `next
+//!    iteration` until the holders next report an iteration final.
+//! 3. Wasted compute: 1 - useful / compute over every node's last `stats`
+//!    (killed nodes: their last report before the kill), without crashes and
+//!    with a relay killed every `--crash-every-s`.
+use super::checks;
+use super::train_cmd::TRAINABLE;
+use clap::Args;
+use gwtf::model::preset;
+use gwtf::swarm::model_trainer::ModelRun;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct BenchSwarmArgs {
+    /// Data holders.
+    #[arg(long, default_value_t = 2, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    holders: u32,
+    /// Relay stages (the model is cut into relay stages + 2).
+    #[arg(long, default_value_t = 2, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    relay_stages: u32,
+    /// Relays per relay stage (at least 2: a killed relay needs a survivor).
+    #[arg(long, default_value_t = 2, value_parser = checks::int_at_least::<u32>(2),
+          allow_negative_numbers = true)]
+    relays: u32,
+    /// Model preset (gpt-tiny, llama-tiny or llama-small).
+    #[arg(long, default_value = "llama-tiny")]
+    model: String,
+    /// Iterations of the throughput run (and steps of `gwtf train`).
+    #[arg(long, default_value_t = 200, value_parser = checks::int_at_least::<u32>(3),
+          allow_negative_numbers = true)]
+    iterations: u32,
+    /// Microbatches per data holder per iteration.
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    microbatches: u32,
+    /// SIGKILLs of a relay for the recovery time (0: skip).
+    #[arg(long, default_value_t = 20, value_parser = checks::int_at_least::<u32>(0),
+          allow_negative_numbers = true)]
+    kills: u32,
+    /// Seconds the wasted-compute run under crashes lasts, about (0: skip).
+    #[arg(long, default_value_t = 40.0, value_parser = checks::float_in(0.0, 86400.0))]
+    crash_run_s: f64,
+    /// A relay is killed this often in the wasted-compute run (seconds).
+    #[arg(long, default_value_t = 10.0, value_parser = checks::float_in(0.5, 86400.0))]
+    crash_every_s: f64,
+    /// How long a replacement may take to become active (seconds).
+    #[arg(long, default_value_t = 5.0, value_parser = checks::float_in(0.1, 3600.0))]
+    join_timeout_s: f64,
+    /// How long the swarm may go without an iteration before the bench
+    /// gives up (seconds).
+    #[arg(long, default_value_t = 60.0, value_parser = checks::float_in(1.0, 86400.0))]
+    stall_timeout_s: f64,
+    /// Also write the results as one JSON object to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn check_interrupted() -> Res<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        return Err("interrupted".into());
+    }
+    Ok(())
+}
+
+/// A line a node printed, when it was read.
+struct Line {
+    id: u32,
+    at: Instant,
+    v: Value,
+}
+
+fn ev(v: &Value) -> &str {
+    v["event"].as_str().unwrap_or("")
+}
+
+fn num(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
+}
+
+/// One `gwtf node` process.
+struct Proc {
+    child: Child,
+    /// 0: holder; a relay's stage (a joiner's once active; None before).
+    stage: Option<u32>,
+    alive: bool,
+    /// Last `stats`: (compute ms, useful ms).
+    stats: (f64, f64),
+}
+
+/// A swarm of `gwtf node` processes; dropping it kills them all.
+struct Swarm {
+    exe: PathBuf,
+    dir: PathBuf,
+    key: PathBuf,
+    /// What every node is started with (model, stages, iterations, ...).
+    common: Vec<String>,
+    procs: BTreeMap<u32, Proc>,
+    holders: Vec<(u32, SocketAddr)>,
+    tx: Sender<Line>,
+    rx: Receiver<Line>,
+    next_id: u32,
+    /// Holder iteration reports: iteration -> (holders reported, tokens, last report).
+    iterations: BTreeMap<u64, (u32, u64, Instant)>,
+    done: BTreeSet<u32>,
+    /// Relay stage -> relays seen on recent microbatch paths, latest last.
+    recent: HashMap<u32, VecDeque<u32>>,
+    last_iteration: Instant,
+    stall: Duration,
+    /// `error` events: (node, message).
+    errors: Vec<(u32, String)>,
+}
+
+fn free_port() -> Res<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+impl Swarm {
+    fn start(a: &BenchSwarmArgs, dir: &std::path::Path, iterations: u32) -> Res<Swarm> {
+        let key = dir.join("key");
+        let (tx, rx) = channel();
+        let mut s = Swarm {
+            exe: std::env::current_exe()?,
+            dir: dir.to_path_buf(),
+            key,
+            common: vec![
+                "--model".into(),
+                a.model.clone(),
+                "--stages".into(),
+                (a.relay_stages + 2).to_string(),
+                "--iterations".into(),
+                iterations.to_string(),
+                "--microbatches".into(),
+                a.microbatches.to_string(),
+                "--json".into(),
+            ],
+            procs: BTreeMap::new(),
+            holders: Vec::new(),
+            tx,
+            rx,
+            next_id: 1,
+            iterations: BTreeMap::new(),
+            done: BTreeSet::new(),
+            recent: HashMap::new(),
+            last_iteration: Instant::now(),
+            stall: Duration::from_secs_f64(a.stall_timeout_s),
+            errors: Vec::new(),
+        };
+        let mut founders = Vec::new();
+        for _ in 0..a.holders {
+            founders.push((s.fresh_id(), 0, free_port()?));
+        }
+        for st in 1..=a.relay_stages {
+            for _ in 0..a.relays {
+                founders.push((s.fresh_id(), st, free_port()?));
+            }
+        }
+        let peers: Vec<String> = founders
+            .iter()
+            .flat_map(|(id, st, addr)| ["--peer".to_string(), format!("{id}/{st}/{addr}")])
+            .collect();
+        for &(id, st, addr) in &founders {
+            let mut args = vec!["--listen".to_string(), addr.to_string()];
+            args.extend(peers.iter().cloned());
+            if st == 0 {
+                args.push("--holder".into());
+                s.holders.push((id, addr));
+            } else {
+                args.extend(["--stage".to_string(), st.to_string()]);
+            }
+            s.spawn(id, Some(st), &args)?;
+        }
+        s.last_iteration = Instant::now();
+        Ok(s)
+    }
+
+    fn fresh_id(&mut self) -> u32 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn spawn(&mut self, id: u32, stage: Option<u32>, args: &[String]) -> Res<()> {
+        let stderr = std::fs::File::create(self.dir.join(format!("node-{id}.stderr")))?;
+        let mut cmd = Command::new(&self.exe);
+        cmd.arg("node")
+            .args(["--id", &id.to_string()])
+            .arg("--swarm-key-file")
+            .arg(&self.key)
+            .args(&self.common)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr));
+        // SAFETY: prctl is async-signal-safe; the child dies with the
+        // bench even when the bench is killed outright.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", self.exe.display()))?;
+        let out = child.stdout.take().expect("piped");
+        let tx = self.tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let at = Instant::now();
+                let v = serde_json::from_str(&line)
+                    .unwrap_or_else(|_| json!({"event": "unparsed", "line": line}));
+                if tx.send(Line { id, at, v }).is_err() {
+                    break;
+                }
+            }
+        });
+        self.procs.insert(
+            id,
+            Proc {
+                child,
+                stage,
+                alive: true,
+                stats: (0.0, 0.0),
+            },
+        );
+        Ok(())
+    }
+
+    /// Starts a replacement that joins through a holder; returns its id.
+    fn join(&mut self) -> Res<u32> {
+        let id = self.fresh_id();
+        let via = self.holders[0].1;
+        let args = vec![
+            "--listen".to_string(),
+            "127.0.0.1:0".into(),
+            "--join".into(),
+            via.to_string(),
+        ];
+        self.spawn(id, None, &args)?;
+        Ok(id)
+    }
+
+    fn kill(&mut self, id: u32) {
+        if let Some(p) = self.procs.get_mut(&id) {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+            p.alive = false;
+        }
+    }
+
+    /// The next line (bookkept), waiting at most `within`; an error when
+    /// the swarm has made no progress for the stall timeout.
+    fn next(&mut self, within: Duration) -> Res<Option<Line>> {
+        check_interrupted()?;
+        let within = within.min(Duration::from_millis(200));
+        let l = match self.rx.recv_timeout(within) {
+            Ok(l) => l,
+            Err(RecvTimeoutError::Timeout) => {
+                if self.last_iteration.elapsed() > self.stall {
+                    return Err(format!(
+                        "the swarm made no progress for {:?} (node logs: {})",
+                        self.stall,
+                        self.dir.display()
+                    )
+                    .into());
+                }
+                return Ok(None);
+            }
+            Err(RecvTimeoutError::Disconnected) => return Err("every node's output ended".into()),
+        };
+        let v = &l.v;
+        match ev(v) {
+            "stats" => {
+                if let Some(p) = self.procs.get_mut(&l.id) {
+                    p.stats = (
+                        v["compute_ms"].as_f64().unwrap_or(0.0),
+                        v["useful_ms"].as_f64().unwrap_or(0.0),
+                    );
+                }
+            }
+            "active" => {
+                if let Some(p) = self.procs.get_mut(&l.id) {
+                    p.stage = Some(num(v, "stage") as u32);
+                }
+            }
+            "done" => {
+                self.done.insert(l.id);
+            }
+            "iteration" => {
+                self.last_iteration = l.at;
+                let e = self
+                    .iterations
+                    .entry(num(v, "iteration"))
+                    .or_insert((0, 0, l.at));
+                e.0 += 1;
+                e.1 += num(v, "tokens");
+                e.2 = l.at;
+            }
+            "mb_done" => {
+                if let Some(path) = v["path"].as_array() {
+                    for (st, n) in path.iter().enumerate().skip(1) {
+                        let q = self.recent.entry(st as u32).or_default();
+                        q.push_back(n.as_u64().unwrap_or(0) as u32);
+                        if q.len() > 16 {
+                            q.pop_front();
+                        }
+                    }
+                }
+            }
+            "error" => {
+                let m = v["message"].as_str().unwrap_or("").to_string();
+                self.errors.push((l.id, m));
+            }
+            _ => {}
+        }
+        Ok(Some(l))
+    }
+
+    /// Live relays of `stage` that are active.
+    fn relays_of(&self, stage: u32) -> Vec<u32> {
+        self.procs
+            .iter()
+            .filter(|(_, p)| p.alive && p.stage == Some(stage))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The relay of `stage` to kill: the one that carried a microbatch
+    /// most recently (so that the kill hits work in flight), else the first.
+    fn victim(&self, stage: u32) -> Option<u32> {
+        let live = self.relays_of(stage);
+        if live.len() < 2 {
+            return None;
+        }
+        let recent = self.recent.get(&stage);
+        recent
+            .and_then(|q| q.iter().rev().find(|id| live.contains(id)).copied())
+            .or(live.first().copied())
+    }
+
+    /// Waits for the next holder iteration report.
+    fn wait_iteration(&mut self) -> Res<Instant> {
+        loop {
+            if let Some(l) = self.next(Duration::from_millis(200))? {
+                if ev(&l.v) == "iteration" {
+                    return Ok(l.at);
+                }
+            }
+        }
+    }
+
+    /// Waits until every holder printed `done`.
+    fn wait_done(&mut self) -> Res<()> {
+        let holders = self.holders.len();
+        while self.done.len() < holders {
+            self.next(Duration::from_millis(200))?;
+        }
+        Ok(())
+    }
+
+    /// Lets the last updates land, asks every live node to leave, and reads
+    /// what they print until they exit (their final `stats`).
+    fn finish(&mut self) -> Res<()> {
+        let settle = Instant::now() + Duration::from_millis(1500);
+        while Instant::now() < settle {
+            self.next(Duration::from_millis(100))?;
+        }
+        for p in self.procs.values_mut().filter(|p| p.alive) {
+            if p.child.try_wait().ok().flatten().is_none() {
+                // SAFETY: kill(2) on our own child, not yet reaped.
+                unsafe {
+                    libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM);
+                }
+            }
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            let mut running = 0;
+            for p in self.procs.values_mut().filter(|p| p.alive) {
+                if p.child.try_wait().ok().flatten().is_none() {
+                    running += 1;
+                }
+            }
+            if running == 0 {
+                break;
+            }
+            self.next(Duration::from_millis(50))?;
+        }
+        // Drain what the readers still hold.
+        while let Ok(Some(_)) = self.next(Duration::from_millis(50)) {}
+        Ok(())
+    }
+
+    /// 1 - useful / compute over every node, and the compute (ms).
+    fn wasted(&self) -> (f64, f64) {
+        let (c, u) = self
+            .procs
+            .values()
+            .fold((0.0, 0.0), |(c, u), p| (c + p.stats.0, u + p.stats.1));
+        (if c > 0.0 { 1.0 - u / c } else { 0.0 }, c)
+    }
+
+    /// Steady tokens/s: from the first iteration final to the last.
+    fn tokens_per_s(&self) -> Option<(f64, f64)> {
+        let first = self.iterations.values().next()?;
+        let last = self.iterations.values().next_back()?;
+        let tokens: u64 = self.iterations.values().skip(1).map(|x| x.1).sum();
+        let s = last.2.duration_since(first.2).as_secs_f64();
+        (s > 0.0).then(|| (tokens as f64 / s, s))
+    }
+}
+
+impl Drop for Swarm {
+    fn drop(&mut self) {
+        for p in self.procs.values_mut() {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+    }
+}
+
+/// A scratch directory removed at the end.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `gwtf train` on the same work: steady tokens/s and its seconds.
+fn reference(a: &BenchSwarmArgs) -> Res<(f64, f64, Vec<Value>)> {
+    let accum = a.holders * a.microbatches;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["train", "--model", &a.model, "--json"])
+        .args(["--steps", &a.iterations.to_string()])
+        .args(["--accum", &accum.to_string()])
+        .args(["--stages", &(a.relay_stages + 2).to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: as for the nodes.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let out = cmd.output()?;
+    check_interrupted()?;
+    if !out.status.success() {
+        return Err(format!(
+            "gwtf train failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let steps: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let (Some(f), Some(l)) = (steps.first(), steps.last()) else {
+        return Err("gwtf train printed no steps".into());
+    };
+    let cfg = preset(&a.model)?;
+    let run = ModelRun::new(cfg, a.relay_stages as usize + 2, 1, a.iterations as usize)?;
+    let per_step = (run.opts.batch * run.opts.seq) as f64 * accum as f64;
+    let (s0, s1) = (num(f, "step"), num(l, "step"));
+    let (e0, e1) = (
+        f["elapsed_s"].as_f64().unwrap_or(0.0),
+        l["elapsed_s"].as_f64().unwrap_or(0.0),
+    );
+    if s1 <= s0 || e1 <= e0 {
+        return Err("gwtf train: too few steps to time".into());
+    }
+    Ok((per_step * (s1 - s0) as f64 / (e1 - e0), e1, steps))
+}
+
+/// Node errors of one phase, for the report.
+#[derive(Default)]
+struct Errors {
+    count: usize,
+    /// The first few, as "phase: node N: message".
+    first: Vec<String>,
+}
+
+impl Errors {
+    fn take(&mut self, phase: &str, s: &mut Swarm) {
+        for (id, m) in s.errors.drain(..) {
+            self.count += 1;
+            if self.first.len() < 4 {
+                self.first.push(format!("{phase}: node {id}: {m}"));
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// One kill of the recovery run.
+#[derive(Default)]
+struct Kill {
+    victim: u32,
+    stage: u32,
+    detect_ms: Option<f64>,
+    reroute_ms: Option<f64>,
+    recovered_ms: Option<f64>,
+    next_iteration_ms: Option<f64>,
+    affected: usize,
+    replacement_active_ms: Option<f64>,
+}
+
+fn stats(xs: &[f64]) -> Value {
+    if xs.is_empty() {
+        return json!(null);
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    json!({"n": v.len(), "median_ms": v[v.len() / 2], "max_ms": v[v.len() - 1]})
+}
+
+fn show(v: &Value) -> String {
+    if v.is_null() {
+        return "-".into();
+    }
+    format!(
+        "median {:.0} ms, max {:.0} ms (n={})",
+        v["median_ms"].as_f64().unwrap_or(0.0),
+        v["max_ms"].as_f64().unwrap_or(0.0),
+        v["n"]
+    )
+}
+
+/// Kills a relay, measures, starts a replacement. Returns the measurement
+/// and whether the swarm kept its size (the replacement became active).
+fn one_kill(s: &mut Swarm, stage: u32, a: &BenchSwarmArgs) -> Res<Option<(Kill, bool)>> {
+    let Some(victim) = s.victim(stage) else {
+        return Ok(None);
+    };
+    let mut k = Kill {
+        victim,
+        stage,
+        ..Kill::default()
+    };
+    let t0 = Instant::now();
+    s.kill(victim);
+    // Microbatches a recovery touched: first `recovered`, then `mb_done`.
+    let mut affected: HashMap<(u64, u64, u64), Option<Instant>> = HashMap::new();
+    let mut last_recovered = t0;
+    let deadline = t0 + Duration::from_secs_f64(a.stall_timeout_s);
+    loop {
+        let all_done = affected.values().all(|d| d.is_some());
+        let quiet = last_recovered.elapsed() > Duration::from_secs(1);
+        if k.detect_ms.is_some() && k.next_iteration_ms.is_some() && all_done && quiet {
+            break;
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+        let Some(l) = s.next(Duration::from_millis(100))? else {
+            continue;
+        };
+        let since = ms(l.at.saturating_duration_since(t0));
+        let key = (
+            num(&l.v, "holder"),
+            num(&l.v, "iteration"),
+            num(&l.v, "index"),
+        );
+        match ev(&l.v) {
+            "peer_lost" if num(&l.v, "peer") == victim as u64 => {
+                k.detect_ms.get_or_insert(since);
+            }
+            "recovered" => {
+                k.reroute_ms.get_or_insert(since);
+                last_recovered = l.at;
+                affected.entry(key).or_insert(None);
+            }
+            "mb_done" => {
+                if let Some(d) = affected.get_mut(&key) {
+                    d.get_or_insert(l.at);
+                }
+            }
+            "iteration" => {
+                k.next_iteration_ms.get_or_insert(since);
+            }
+            _ => {}
+        }
+    }
+    k.affected = affected.len();
+    if !affected.is_empty() && affected.values().all(|d| d.is_some()) {
+        k.recovered_ms = affected
+            .values()
+            .flatten()
+            .map(|t| ms(t.saturating_duration_since(t0)))
+            .reduce(f64::max);
+    }
+    let j = s.join()?;
+    let t1 = Instant::now();
+    let until = t1 + Duration::from_secs_f64(a.join_timeout_s);
+    while Instant::now() < until {
+        if let Some(l) = s.next(Duration::from_millis(100))? {
+            if l.id == j && ev(&l.v) == "active" {
+                k.replacement_active_ms = Some(ms(l.at.saturating_duration_since(t1)));
+                break;
+            }
+        }
+    }
+    let kept = k.replacement_active_ms.is_some();
+    if kept {
+        s.wait_iteration()?;
+    } else {
+        s.kill(j);
+    }
+    Ok(Some((k, kept)))
+}
+
+pub fn run(a: BenchSwarmArgs) -> super::CliResult {
+    if !TRAINABLE.contains(&a.model.as_str()) {
+        return Err(format!(
+            "--model {}: the swarm trains gpt-tiny, llama-tiny or llama-small",
+            a.model
+        )
+        .into());
+    }
+    ModelRun::new(
+        preset(&a.model)?,
+        a.relay_stages as usize + 2,
+        1,
+        a.iterations as usize,
+    )?;
+    if let Some(p) = &a.json {
+        checks::writable_output("--json", p)?;
+    }
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let dir = std::env::temp_dir().join(format!("gwtf-bench-swarm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let scratch = Scratch(dir.clone());
+    std::fs::write(dir.join("key"), "gwtf-bench-swarm-key-0123456789\n")?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let nodes = a.holders + a.relay_stages * a.relays;
+    println!(
+        "gwtf bench swarm: {} cut into {} stages; {} holders x {} microbatches, {} relay \
+         stages x {} relays ({nodes} processes) on {cores} cores",
+        a.model,
+        a.relay_stages + 2,
+        a.holders,
+        a.microbatches,
+        a.relay_stages,
+        a.relays
+    );
+
+    // 1. Throughput, and the wasted compute without crashes.
+    let (ref_tps, ref_s, _) = reference(&a)?;
+    let t = Instant::now();
+    let mut s = Swarm::start(&a, &dir, a.iterations)?;
+    s.wait_done()?;
+    let wall = t.elapsed().as_secs_f64();
+    s.finish()?;
+    let (tps, steady_s) = s
+        .tokens_per_s()
+        .ok_or("the swarm reported too few iterations")?;
+    let (waste0, compute_ms) = s.wasted();
+    let mut errors = Errors::default();
+    errors.take("throughput", &mut s);
+    drop(s);
+    let ratio = tps / ref_tps;
+    let iter_s = steady_s / (a.iterations - 1) as f64;
+    println!(
+        "throughput  swarm {tps:.0} tokens/s, gwtf train {ref_tps:.0} tokens/s: ratio {ratio:.2} \
+         ({:.1} ms per iteration)",
+        iter_s * 1e3
+    );
+    let busy = compute_ms / 1e3 / (wall * cores.min(nodes as usize) as f64);
+    let where_time = json!({
+        "swarm_wall_s": wall,
+        "swarm_compute_s": compute_ms / 1e3,
+        "train_wall_s": ref_s,
+        "compute_over_train": compute_ms / 1e3 / ref_s,
+        "busy_fraction": busy,
+    });
+    if ratio < 0.8 {
+        println!(
+            "  where the time goes: the nodes computed {:.1} s in all (gwtf train: {ref_s:.1} s \
+             for the same work, x{:.2}) in {wall:.1} s of wall time on {} cores: busy {:.0} %, \
+             the rest is waiting (messages, the iteration barrier, the all-reduce, startup)",
+            compute_ms / 1e3,
+            compute_ms / 1e3 / ref_s,
+            cores.min(nodes as usize),
+            busy * 100.0
+        );
+    }
+
+    // 2. Recovery after SIGKILL.
+    let mut kills: Vec<Kill> = Vec::new();
+    let mut restarts = 0;
+    if a.kills > 0 {
+        let big = 1_000_000;
+        let mut s = Swarm::start(&a, &dir, big)?;
+        s.wait_iteration()?;
+        while kills.len() < a.kills as usize {
+            let stage = kills.len() as u32 % a.relay_stages + 1;
+            let r = one_kill(&mut s, stage, &a)?;
+            let kept = match r {
+                Some((k, kept)) => {
+                    kills.push(k);
+                    kept
+                }
+                None => false,
+            };
+            if !kept {
+                // The stage is short of a relay: start over with a full swarm.
+                errors.take("recovery", &mut s);
+                drop(s);
+                restarts += 1;
+                s = Swarm::start(&a, &dir, big)?;
+                s.wait_iteration()?;
+            }
+        }
+        errors.take("recovery", &mut s);
+    }
+    let pick = |f: fn(&Kill) -> Option<f64>| -> Value {
+        stats(&kills.iter().filter_map(f).collect::<Vec<_>>())
+    };
+    let detect = pick(|k| k.detect_ms);
+    let reroute = pick(|k| k.reroute_ms);
+    let recovered = pick(|k| k.recovered_ms);
+    let next_iter = pick(|k| k.next_iteration_ms);
+    let joined = pick(|k| k.replacement_active_ms);
+    let hit = kills.iter().filter(|k| k.affected > 0).count();
+    if !kills.is_empty() {
+        println!(
+            "recovery    {} kills ({hit} hit microbatches in flight), from the SIGKILL:",
+            kills.len()
+        );
+        println!("  detected (peer_lost)                   {}", show(&detect));
+        println!(
+            "  hop sent elsewhere (first recovered)   {}",
+            show(&reroute)
+        );
+        println!(
+            "  affected microbatches done (mb_done)   {}",
+            show(&recovered)
+        );
+        println!(
+            "  next iteration final                   {}",
+            show(&next_iter)
+        );
+        println!(
+            "  replacement active (from its start)    {} ; {} of {} became active{}",
+            show(&joined),
+            kills
+                .iter()
+                .filter(|k| k.replacement_active_ms.is_some())
+                .count(),
+            kills.len(),
+            if restarts > 0 {
+                format!(" (swarm restarted {restarts} times to keep its size)")
+            } else {
+                String::new()
+            }
+        );
+    }
+
+    // 3. Wasted compute under a crash every crash_every_s.
+    let mut crash = json!(null);
+    if a.crash_run_s > 0.0 {
+        let n = ((a.crash_run_s / iter_s.max(1e-3)) as u32).max(3);
+        let mut s = Swarm::start(&a, &dir, n)?;
+        s.wait_iteration()?;
+        let every = Duration::from_secs_f64(a.crash_every_s);
+        let mut next = Instant::now() + every;
+        let (mut crashes, mut skipped, mut turn) = (0u32, 0u32, 0u32);
+        while s.done.len() < s.holders.len() {
+            if Instant::now() >= next {
+                next += every;
+                let victim = (0..a.relay_stages)
+                    .map(|i| (turn + i) % a.relay_stages + 1)
+                    .find_map(|st| s.victim(st));
+                turn += 1;
+                match victim {
+                    Some(v) => {
+                        s.kill(v);
+                        s.join()?;
+                        crashes += 1;
+                    }
+                    None => skipped += 1,
+                }
+            }
+            s.next(Duration::from_millis(100))?;
+        }
+        s.finish()?;
+        errors.take("crashes", &mut s);
+        let (w, c) = s.wasted();
+        let joined = s
+            .procs
+            .iter()
+            .filter(|(id, p)| **id > a.holders + a.relay_stages * a.relays && p.stage.is_some())
+            .count();
+        crash = json!({
+            "iterations": n, "crashes": crashes, "crashes_skipped": skipped,
+            "replacements_active": joined, "wasted": w, "compute_s": c / 1e3,
+        });
+        println!(
+            "wasted      no crashes {:.2} %; a crash every {:.0} s: {:.2} % ({crashes} crashes \
+             over {n} iterations, {joined} of {crashes} replacements became active{})",
+            waste0 * 100.0,
+            a.crash_every_s,
+            w * 100.0,
+            if skipped > 0 {
+                format!(", {skipped} crashes skipped: no stage had a relay to spare")
+            } else {
+                String::new()
+            }
+        );
+    } else {
+        println!("wasted      no crashes {:.2} %", waste0 * 100.0);
+    }
+
+    if errors.count > 0 {
+        println!(
+            "node errors {} (the runtime's; first {}):",
+            errors.count,
+            errors.first.len()
+        );
+        for e in &errors.first {
+            println!("  {e}");
+        }
+    }
+
+    if let Some(p) = &a.json {
+        let per_kill: Vec<Value> = kills
+            .iter()
+            .map(|k| {
+                json!({
+                    "victim": k.victim, "stage": k.stage, "detect_ms": k.detect_ms,
+                    "reroute_ms": k.reroute_ms, "recovered_ms": k.recovered_ms,
+                    "next_iteration_ms": k.next_iteration_ms, "affected": k.affected,
+                    "replacement_active_ms": k.replacement_active_ms,
+                })
+            })
+            .collect();
+        let v = json!({
+            "model": a.model, "holders": a.holders, "relay_stages": a.relay_stages,
+            "relays": a.relays, "microbatches": a.microbatches, "cores": cores,
+            "throughput": {
+                "iterations": a.iterations, "swarm_tokens_per_s": tps,
+                "train_tokens_per_s": ref_tps, "ratio": ratio, "where": where_time,
+            },
+            "recovery": {
+                "kills": kills.len(), "hit_in_flight": hit, "swarm_restarts": restarts,
+                "detect": detect, "reroute": reroute, "recovered": recovered,
+                "next_iteration": next_iter, "replacement_active": joined,
+                "per_kill": per_kill,
+            },
+            "wasted": {"no_crashes": waste0, "crashes": crash},
+            "node_errors": {"count": errors.count, "first": errors.first},
+        });
+        std::fs::write(p, format!("{v:#}\n"))?;
+    }
+    drop(scratch);
+    Ok(())
+}
