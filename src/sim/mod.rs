@@ -17,13 +17,12 @@
 //!   `churn_per_hour` x the initial population per hour; a crash can hit a
 //!   node at any moment, in the middle of a forward, a backward or an
 //!   aggregation.
-//! - Connections: two nodes have one once they exchanged a message, taken
-//!   to be when one of them knows the other ([`Node::knows`]: heard from it,
-//!   introduced itself to it, or shares its stage group). When a node is
-//!   gone, every node it had a connection with gets `Input::PeerLost` one
-//!   link latency later, and a message to a node that is gone gets its
-//!   sender `Input::PeerLost` one round trip later: what the runtime does
-//!   with a broken connection or a failed connect.
+//! - Connections: two nodes have one once they exchanged a message (either
+//!   way; a SWARM hop through its data holder connects each end with the
+//!   holder). When a node is gone, every node it had a connection with gets
+//!   `Input::PeerLost` one link latency later, and a message to a node that
+//!   is gone gets its sender `Input::PeerLost` one round trip later: what
+//!   the runtime does with a broken connection or a failed connect.
 //! - Aggregation (all-reduce) time of a stage: the runtime's ring all-reduce
 //!   in f32 around the ring `flow::ring::order` picks ([`allreduce`]).
 //! - Yardstick: a lower bound on the iteration time of the current
@@ -280,6 +279,9 @@ struct SimNode {
     running: Option<(Task, Time)>,
     gpu_gen: u64,
     timer_at: Option<Time>,
+    /// The nodes this one has a connection with (it exchanged a message
+    /// with them, either way), in id order.
+    contacts: Vec<NodeId>,
 }
 
 /// The simulator.
@@ -457,6 +459,7 @@ impl Sim {
             running: None,
             gpu_gen: 0,
             timer_at: None,
+            contacts: Vec::new(),
         });
         id
     }
@@ -720,16 +723,28 @@ impl Sim {
         (h != from && h != to && (h as usize) < self.nodes.len()).then_some(h)
     }
 
-    /// A message from `a` to `b`, a node that is gone, opens no
-    /// connection: the attempt fails (`PeerLost`, as the runtime's failed
-    /// connect) one round trip later.
+    /// `a` and `b` have a connection (as the runtime's: opened by the first
+    /// message either way, kept until one of them is gone).
+    /// A message to a node that is gone opens no connection: the attempt
+    /// fails (`PeerLost`, as the runtime's failed connect) one round trip later.
     fn connect(&mut self, a: NodeId, b: NodeId) {
-        if a == b || self.nodes[b as usize].alive || !self.nodes[a as usize].alive {
+        if a == b {
             return;
         }
-        let (lat, _) = self.link_params(a, b);
-        let t = self.now + secs(2.0 * lat).max(1);
-        self.push(t, Ev::PeerLost { to: a, peer: b });
+        if !self.nodes[b as usize].alive {
+            if self.nodes[a as usize].alive {
+                let (lat, _) = self.link_params(a, b);
+                let t = self.now + secs(2.0 * lat).max(1);
+                self.push(t, Ev::PeerLost { to: a, peer: b });
+            }
+            return;
+        }
+        for (x, y) in [(a, b), (b, a)] {
+            let c = &mut self.nodes[x as usize].contacts;
+            if let Err(i) = c.binary_search(&y) {
+                c.insert(i, y);
+            }
+        }
     }
 
     /// A bulk transfer on link `src` -> `to` of a message sent by `from`,
@@ -1047,23 +1062,19 @@ impl Sim {
         n.hi.clear();
         n.lo.clear();
         n.gpu_gen += 1;
-        // Its connections break: each node it had one with gets
+        // Its connections break: each peer it had one with gets
         // `Input::PeerLost` once the broken connection shows at its end, one
         // link latency later (the runtime turns a broken connection into
-        // `PeerLost` at once). Two nodes have a connection when they
-        // exchanged a message, which is when one knows the other (its peer
-        // view holds the nodes it heard from and those it was started with
-        // and introduced itself to); a crash is rare, so they are found by a
-        // look at every node, nothing is tracked per message.
-        let lost: Vec<NodeId> = (0..self.nodes.len() as NodeId)
-            .filter(|&c| {
-                c != v && self.nodes[c as usize].alive && {
-                    let (a, b) = (&self.nodes[v as usize].node, &self.nodes[c as usize].node);
-                    a.knows(c) || b.knows(v)
-                }
-            })
-            .collect();
-        for c in lost {
+        // `PeerLost` at once).
+        let contacts = std::mem::take(&mut n.contacts);
+        for c in contacts {
+            let other = &mut self.nodes[c as usize];
+            if let Ok(i) = other.contacts.binary_search(&v) {
+                other.contacts.remove(i);
+            }
+            if !other.alive {
+                continue;
+            }
             let (lat, _) = self.link_params(v, c);
             let t = self.now + secs(lat).max(1);
             self.push(t, Ev::PeerLost { to: c, peer: v });
@@ -1553,20 +1564,17 @@ mod tests {
         v
     }
 
-    /// A crash breaks the connections of the crashed node: each node that
-    /// knows it or that it knows (they exchanged messages) hears of it one
-    /// link latency later, the others do not; a message sent to it
-    /// afterwards fails one round trip later.
+    /// A crash breaks the connections of the crashed node: each node it
+    /// exchanged a message with (either way) hears of it one link latency
+    /// later, the others do not; a message sent to it afterwards fails one
+    /// round trip later.
     #[test]
     fn a_crash_is_peer_lost_one_latency_later_at_each_connected_node() {
         let mut s = sim();
         // Regions 0 (Oregon), 1 (Virginia), 2 (Ohio), 3 (Tokyo).
         let ids: Vec<NodeId> = (0..4).map(|r| s.new_node(1, r)).collect();
-        // 1 was started with 0 (it introduced itself), 0 with 2, 3 alone.
-        for (a, peers) in [(1, vec![(ids[0], 1)]), (0, vec![(ids[2], 1)]), (3, vec![])] {
-            s.input(ids[a], Input::Start { peers });
-        }
-        lost(&mut s);
+        s.connect(ids[1], ids[0]);
+        s.connect(ids[0], ids[2]);
         let lat = |s: &Sim, a: NodeId, b: NodeId| secs(s.link_params(a, b).0);
         let (l01, l02, l30) = (
             lat(&s, ids[0], ids[1]),
@@ -1584,7 +1592,7 @@ mod tests {
         ];
         want.sort();
         assert_eq!(got, want);
-        s.send(ids[3], ids[0], Msg::Heartbeat { members: None });
+        s.connect(ids[3], ids[0]);
         assert_eq!(lost(&mut s), [(10 * SEC + 2 * l30, ids[3], ids[0])]);
     }
 }

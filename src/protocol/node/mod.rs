@@ -175,14 +175,6 @@ impl Node {
         self.iters.version
     }
 
-    /// Whether this node knows node `p`: it heard from it, or was started
-    /// with it and introduced itself, or it is a member of its stage group
-    /// (a driver without connections of its own, the simulator, takes this
-    /// for an open connection).
-    pub fn knows(&self, p: NodeId) -> bool {
-        p != self.id && (self.peers.contains_key(&p) || self.group.members.contains(&p))
-    }
-
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
         self.group.coord
