@@ -130,6 +130,14 @@ pub struct Config {
     /// lowers its cost to the sink by more than this fraction (hysteresis
     /// against flapping on measurement noise).
     pub reroute_min_gain: f64,
+    /// GWTF cost of a hop for one more flow: the link's transfer term is
+    /// counted once more, times this weight, for each flow already on the
+    /// link (0: costs ignore the load of links).
+    pub link_load_weight: f64,
+    /// GWTF cost of a relay for one more flow: its compute time, times this
+    /// weight, for each flow it already carries (0: costs ignore the load of
+    /// GPUs).
+    pub gpu_load_weight: f64,
     /// SWARM: a peer that failed is banned for this many ticks.
     pub ban_ticks: u32,
     /// Bandwidth assumed for a link before it is measured (bytes/s).
@@ -180,6 +188,8 @@ impl Config {
             gossip_fanout: 12,
             stale_cost_tolerance: 0.25,
             reroute_min_gain: 0.10,
+            link_load_weight: 0.1,
+            gpu_load_weight: 0.1,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
             probe_bytes: 1 << 20,

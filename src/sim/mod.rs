@@ -17,6 +17,12 @@
 //!   `churn_per_hour` x the initial population per hour; a crash can hit a
 //!   node at any moment, in the middle of a forward, a backward or an
 //!   aggregation.
+//! - Connections: two nodes have one once they exchanged a message (either
+//!   way; a SWARM hop through its data holder connects each end with the
+//!   holder). When a node is gone, every node it had a connection with gets
+//!   `Input::PeerLost` one link latency later, and a message to a node that
+//!   is gone gets its sender `Input::PeerLost` one round trip later: what
+//!   the runtime does with a broken connection or a failed connect.
 //! - Aggregation (all-reduce) time of a stage: the runtime's ring all-reduce
 //!   in f32 around the ring `flow::ring::order` picks ([`allreduce`]).
 //! - Yardstick: a lower bound on the iteration time of the current
@@ -235,6 +241,12 @@ enum Ev {
         key: (NodeId, NodeId),
         gen: u64,
     },
+    /// `to`'s connection with crashed `peer` broke (the runtime's
+    /// `Input::PeerLost`).
+    PeerLost {
+        to: NodeId,
+        peer: NodeId,
+    },
     Depart,
     Join,
 }
@@ -267,6 +279,9 @@ struct SimNode {
     running: Option<(Task, Time)>,
     gpu_gen: u64,
     timer_at: Option<Time>,
+    /// The nodes this one has a connection with (it exchanged a message
+    /// with them, either way), in id order.
+    contacts: Vec<NodeId>,
 }
 
 /// The simulator.
@@ -444,6 +459,7 @@ impl Sim {
             running: None,
             gpu_gen: 0,
             timer_at: None,
+            contacts: Vec::new(),
         });
         id
     }
@@ -604,6 +620,11 @@ impl Sim {
                 }
             }
             Ev::LinkDone { key, gen } => self.link_done(key, gen),
+            Ev::PeerLost { to, peer } => {
+                if self.nodes[to as usize].alive {
+                    self.input(to, Input::PeerLost { peer });
+                }
+            }
             Ev::Depart => {
                 self.depart();
                 let t = self.next_churn_delay();
@@ -672,6 +693,7 @@ impl Sim {
             .or_insert((msg.name(), 0))
             .1 += 1;
         if !msg.is_bulk() {
+            self.connect(from, to);
             let bytes = msg.wire_bytes(&self.pcfg) as f64;
             let (lat, bw) = self.link_params(from, to);
             let t = self.now + secs(lat + bytes / bw);
@@ -701,9 +723,34 @@ impl Sim {
         (h != from && h != to && (h as usize) < self.nodes.len()).then_some(h)
     }
 
+    /// `a` and `b` have a connection (as the runtime's: opened by the first
+    /// message either way, kept until one of them is gone).
+    /// A message to a node that is gone opens no connection: the attempt
+    /// fails (`PeerLost`, as the runtime's failed connect) one round trip later.
+    fn connect(&mut self, a: NodeId, b: NodeId) {
+        if a == b {
+            return;
+        }
+        if !self.nodes[b as usize].alive {
+            if self.nodes[a as usize].alive {
+                let (lat, _) = self.link_params(a, b);
+                let t = self.now + secs(2.0 * lat).max(1);
+                self.push(t, Ev::PeerLost { to: a, peer: b });
+            }
+            return;
+        }
+        for (x, y) in [(a, b), (b, a)] {
+            let c = &mut self.nodes[x as usize].contacts;
+            if let Err(i) = c.binary_search(&y) {
+                c.insert(i, y);
+            }
+        }
+    }
+
     /// A bulk transfer on link `src` -> `to` of a message sent by `from`,
     /// going on to `then` once it arrived.
     fn transfer(&mut self, src: NodeId, to: NodeId, from: NodeId, msg: Msg, then: Option<NodeId>) {
+        self.connect(src, to);
         let bytes = msg.wire_bytes(&self.pcfg) as f64;
         let (_, bw) = self.link_params(src, to);
         let key = (src, to);
@@ -1015,6 +1062,23 @@ impl Sim {
         n.hi.clear();
         n.lo.clear();
         n.gpu_gen += 1;
+        // Its connections break: each peer it had one with gets
+        // `Input::PeerLost` once the broken connection shows at its end, one
+        // link latency later (the runtime turns a broken connection into
+        // `PeerLost` at once).
+        let contacts = std::mem::take(&mut n.contacts);
+        for c in contacts {
+            let other = &mut self.nodes[c as usize];
+            if let Ok(i) = other.contacts.binary_search(&v) {
+                other.contacts.remove(i);
+            }
+            if !other.alive {
+                continue;
+            }
+            let (lat, _) = self.link_params(v, c);
+            let t = self.now + secs(lat).max(1);
+            self.push(t, Ev::PeerLost { to: c, peer: v });
+        }
     }
 
     fn join(&mut self) {
@@ -1473,5 +1537,64 @@ impl Sim {
             }
         }
         self.rep
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sim() -> Sim {
+        let mut c = SimConfig::new(
+            Scenario::geo10(),
+            ModelPreset::by_name("llama-124m").unwrap(),
+            Policy::Gwtf,
+        );
+        c.holders = 1;
+        c.relays = 3;
+        Sim::new(c)
+    }
+
+    /// The peer-lost notices in the queue: (time, to, peer).
+    fn lost(s: &mut Sim) -> Vec<(Time, NodeId, NodeId)> {
+        let mut v = Vec::new();
+        while let Some((t, ev)) = s.queue.pop() {
+            if let Ev::PeerLost { to, peer } = ev {
+                v.push((t, to, peer));
+            }
+        }
+        v
+    }
+
+    /// A crash breaks the connections of the crashed node: each node it
+    /// exchanged a message with (either way) hears of it one link latency
+    /// later, the others do not; a message sent to it afterwards fails one
+    /// round trip later.
+    #[test]
+    fn a_crash_is_peer_lost_one_latency_later_at_each_connected_node() {
+        let mut s = sim();
+        // Regions 0 (Oregon), 1 (Virginia), 2 (Ohio), 3 (Tokyo).
+        let ids: Vec<NodeId> = (0..4).map(|r| s.new_node(1, r)).collect();
+        s.connect(ids[1], ids[0]);
+        s.connect(ids[0], ids[2]);
+        let lat = |s: &Sim, a: NodeId, b: NodeId| secs(s.link_params(a, b).0);
+        let (l01, l02, l30) = (
+            lat(&s, ids[0], ids[1]),
+            lat(&s, ids[0], ids[2]),
+            lat(&s, ids[3], ids[0]),
+        );
+        assert!(l01 > 0 && l01 < SEC);
+        s.now = 10 * SEC;
+        s.kill(ids[0]);
+        let mut got = lost(&mut s);
+        got.sort();
+        let mut want = vec![
+            (10 * SEC + l02, ids[2], ids[0]),
+            (10 * SEC + l01, ids[1], ids[0]),
+        ];
+        want.sort();
+        assert_eq!(got, want);
+        s.connect(ids[3], ids[0]);
+        assert_eq!(lost(&mut s), [(10 * SEC + 2 * l30, ids[3], ids[0])]);
     }
 }

@@ -344,10 +344,16 @@ impl Node {
         let mut sends: Vec<(NodeId, Msg)> = Vec::new();
         let mut drop: Vec<MbId> = Vec::new();
         for (mb, l) in ci.lost.iter_mut() {
+            if stage == 0 && !alive(mb.holder) {
+                // A holder's own part cannot be redone without it, and a
+                // holder that is gone answers no restart: given up at once.
+                drop.push(*mb);
+                continue;
+            }
             if l.level > 0 && l.since + timeout > now {
                 continue;
             }
-            if stage == 0 && (l.level == 0 || l.level > 3 || !alive(mb.holder)) {
+            if stage == 0 && (l.level == 0 || l.level > 3) {
                 // A holder's own part cannot be redone without it. A live
                 // holder is asked again (as at the relays' stages): it
                 // answers while it re-runs the microbatch, which keeps it

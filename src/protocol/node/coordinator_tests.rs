@@ -116,6 +116,58 @@ fn a_successor_recomputes_its_predecessors_grants_at_once() {
     );
 }
 
+/// At the holders' stage, a coordinator that took over from a holder that
+/// finished the iteration and then left (or died, during the all-reduce)
+/// gives that holder's own microbatches up once the syncs' grace is over
+/// and commits without them, instead of asking the gone holder to restart
+/// them and waiting `redo_timeout` for an answer that cannot come.
+#[test]
+fn the_holders_stage_gives_a_gone_holders_part_up_at_once() {
+    let mut n = started(Policy::Gwtf, 2, 0, &[1, 3], &[(10, 1)]);
+    assert_eq!(n.group.coord, Some(1));
+    deliver(&mut n, 1, Msg::Goodbye);
+    assert_eq!(n.group.coord, Some(2));
+    let per = n.cfg.mb_per_iter;
+    for h in [2, 3] {
+        let granted: Vec<(MbId, NodeId, NodeId)> =
+            (0..per).map(|i| (mb(h, 0, i), 10, 60)).collect();
+        deliver(
+            &mut n,
+            3,
+            Msg::Sync {
+                iter: 0,
+                granted,
+                end: None,
+            },
+        );
+    }
+    let end = Msg::EndIter {
+        iter: 0,
+        origin: 1,
+        holders: Arc::new(vec![1, 2, 3]),
+    };
+    deliver(&mut n, 3, end);
+    let t0 = n.now;
+    let mut committed_at = None;
+    let mut t = t0;
+    while t < t0 + n.cfg.redo_timeout && committed_at.is_none() {
+        t += n.cfg.tick;
+        let acts = n.on_timeout(t);
+        if sends(&acts)
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::Commit { iter: 0, .. }))
+        {
+            committed_at = Some(t);
+        }
+    }
+    let at = committed_at.expect("committed before redo_timeout");
+    assert!(
+        at - t0 <= 2 * n.cfg.heartbeat_ticks as Time * n.cfg.tick,
+        "{at}"
+    );
+    assert_eq!(n.coordinating.coord_iters[&0].dropped.len(), per as usize);
+}
+
 /// Once an iteration is committed no grant moves: only the owner of a
 /// grant hears "granted"; a microbatch of an iteration already final is
 /// refused outright; a node that does not coordinate answers with the

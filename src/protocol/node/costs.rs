@@ -23,6 +23,19 @@ impl Default for CostGossip {
     }
 }
 
+/// The next hops of this node's flows and pending reservations, sorted
+/// (one entry per flow): the load of each of its links downstream.
+pub(super) struct LinkFlows(Vec<NodeId>);
+
+impl LinkFlows {
+    /// Flows on the link to `j`.
+    pub(super) fn on(&self, j: NodeId) -> u32 {
+        let lo = self.0.partition_point(|&x| x < j);
+        let hi = self.0.partition_point(|&x| x <= j);
+        (hi - lo) as u32
+    }
+}
+
 /// The next entry of one candidate's cost list in `my_costs`' merge
 /// (ordered for a min-heap on (cost through the candidate, sink, list)).
 pub(super) struct MergeHead {
@@ -55,23 +68,89 @@ impl Ord for MergeHead {
 }
 
 impl Node {
-    /// d_ij of docs/SPEC.md section 2 from this node's measurements.
-    pub(super) fn link_cost(&self, j: NodeId) -> f64 {
-        if j == self.id {
-            return self.compute_s;
-        }
+    /// d_ij of docs/SPEC.md section 2 to peer `p`, from this node's
+    /// measurements (the link unloaded).
+    pub(super) fn link_cost_to(&self, p: &Peer) -> f64 {
+        let lat = p.lat.unwrap_or(0.05);
+        let c = if p.stage == 0 { 0.0 } else { p.compute_s };
+        (self.compute_s + c) / 2.0 + lat + self.transfer_to(p)
+    }
+
+    /// Seconds to move one activation to peer `p` (the transfer term of
+    /// d_ij), from this node's bandwidth estimate.
+    pub(super) fn transfer_to(&self, p: &Peer) -> f64 {
+        let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
+        self.cfg.activation_bytes as f64 / bw
+    }
+
+    /// This node's flows on its link with `j` (docs/SPEC.md section 2, the
+    /// load of a link): reserved flows whose previous or next hop is `j`,
+    /// and reservations asked of `j` that wait for its answer (a reroute's
+    /// new segment included: it holds a unit there until answered).
+    pub(super) fn link_flows(&self, j: NodeId) -> u32 {
+        let r = &self.reservations;
+        let flows = r
+            .flows
+            .values()
+            .filter(|f| f.next == j || (f.prev == j && f.prev != self.id))
+            .count();
+        let pending = r.pending.values().filter(|r| r.next == j).count();
+        (flows + pending) as u32
+    }
+
+    /// [`Node::link_flows`] of every next-stage peer at once, by id (one
+    /// pass over the reservations where all candidates are compared).
+    fn next_link_flows(&self) -> LinkFlows {
+        let r = &self.reservations;
+        let mut v: Vec<NodeId> = r.flows.values().map(|f| f.next).collect();
+        v.extend(r.pending.values().map(|r| r.next));
+        v.sort_unstable();
+        LinkFlows(v)
+    }
+
+    /// The cost of the hop to peer `p` for a flow that shares the link with
+    /// `others` flows of this node: d_ij, its transfer term counted once more
+    /// for each of them (their microbatches move on the same link at the
+    /// same time and share it), times `link_load_weight`.
+    pub(super) fn loaded_link_cost_to(&self, p: &Peer, others: u32) -> f64 {
+        self.link_cost_to(p) + self.cfg.link_load_weight * others as f64 * self.transfer_to(p)
+    }
+
+    /// [`Node::loaded_link_cost_to`] to `j` for one more flow (`existing`:
+    /// for one of the flows already on the link).
+    pub(super) fn loaded_link_cost(&self, j: NodeId, existing: bool) -> f64 {
         match self.peers.get(&j) {
             None => INF,
-            Some(p) => self.link_cost_to(p),
+            Some(p) => {
+                let n = self.link_flows(j);
+                self.loaded_link_cost_to(p, if existing { n.saturating_sub(1) } else { n })
+            }
         }
     }
 
-    /// [`Node::link_cost`] to a peer other than this node, from its entry.
-    pub(super) fn link_cost_to(&self, p: &Peer) -> f64 {
-        let lat = p.lat.unwrap_or(0.05);
-        let bw = p.bw.unwrap_or(self.cfg.prior_bandwidth);
-        let c = if p.stage == 0 { 0.0 } else { p.compute_s };
-        (self.compute_s + c) / 2.0 + lat + self.cfg.activation_bytes as f64 / bw
+    /// The wait of one more flow's microbatch behind the flows this relay
+    /// already carries on its GPU (docs/SPEC.md section 2, the load of a
+    /// node): `gpu_load_weight` x its compute time x those flows (reserved
+    /// or being reserved). Included in the costs this node offers upstream;
+    /// a holder offers none.
+    pub(super) fn gpu_queue_s(&self, existing: bool) -> f64 {
+        if self.stage == 0 {
+            return 0.0;
+        }
+        let n = self.reservations.in_use();
+        let n = if existing { n.saturating_sub(1) } else { n };
+        self.cfg.gpu_load_weight * self.compute_s * n as f64
+    }
+
+    /// The part of next-stage peer `p`'s gossiped costs that is its GPU
+    /// queue for one more flow on top of a flow it already carries: an
+    /// existing flow through `p` does not wait behind itself.
+    fn own_share_of_queue(&self, p: &Peer) -> f64 {
+        if p.stage == 0 {
+            0.0
+        } else {
+            self.cfg.gpu_load_weight * p.compute_s
+        }
     }
 
     /// Whether peer `j` (entry `p`) is a next hop candidate: next stage,
@@ -80,15 +159,63 @@ impl Node {
         p.stage == self.next_stage() && !p.dead && p.banned_until <= self.now && j != self.id
     }
 
-    /// Cost from this node's output to `sink` through next-stage peer `j`.
+    /// Cost from this node's output to `sink` of a flow it already has
+    /// through next-stage peer `j`: the hop loaded with the other flows on
+    /// the link, and `j`'s gossiped cost less the wait behind itself.
     pub(super) fn cost_via(&self, j: NodeId, sink: NodeId) -> f64 {
         if self.stage == self.s() {
-            return if j == sink { self.link_cost(sink) } else { INF };
+            return if j == sink {
+                self.loaded_link_cost(sink, true)
+            } else {
+                INF
+            };
         }
-        match self.peers.get(&j).and_then(|p| p.costs.get(sink)) {
-            Some(c) => self.link_cost(j) + c,
+        match self.peers.get(&j) {
+            Some(p) => match p.costs.get(sink) {
+                Some(c) => {
+                    let others = self.link_flows(j).saturating_sub(1);
+                    self.loaded_link_cost_to(p, others) + (c - self.own_share_of_queue(p)).max(0.0)
+                }
+                None => INF,
+            },
             None => INF,
         }
+    }
+
+    /// Cost from this node's output to `sink` of one more flow through
+    /// next-stage peer `j` (the hop loaded with the flows on the link).
+    pub(super) fn cost_via_new(&self, j: NodeId, sink: NodeId) -> f64 {
+        if self.stage == self.s() {
+            return if j == sink {
+                self.loaded_link_cost(sink, false)
+            } else {
+                INF
+            };
+        }
+        match self.peers.get(&j) {
+            Some(p) => match p.costs.get(sink) {
+                Some(c) => self.loaded_link_cost_to(p, self.link_flows(j)) + c,
+                None => INF,
+            },
+            None => INF,
+        }
+    }
+
+    /// What next-stage peer `j` asked for on a reservation toward `sink`
+    /// that costs `c` through it from here: its gossiped cost (the rest).
+    pub(super) fn expected_of(&self, j: NodeId, sink: NodeId, c: f64) -> f64 {
+        match self.peers.get(&j).and_then(|p| p.costs.get(sink)) {
+            Some(x) => x,
+            None => c - self.loaded_link_cost(j, false),
+        }
+    }
+
+    /// The cost this node offers upstream for one more flow to `sink`: the
+    /// best through a next hop ([`Node::best_to_sink`]) plus its own GPU
+    /// queue (what its CHANGE gossip says).
+    pub(super) fn offer(&self, sink: NodeId, need_spare: bool) -> Option<(NodeId, f64)> {
+        self.best_to_sink(sink, need_spare, &[])
+            .map(|(j, c)| (j, c + self.gpu_queue_s(false)))
     }
 
     pub(super) fn next_candidates(&self) -> Vec<NodeId> {
@@ -99,7 +226,9 @@ impl Node {
             .collect()
     }
 
-    /// Best cost to `sink` (GWTF routing), with the next hop.
+    /// Best cost to `sink` (GWTF routing) of one more flow from this node's
+    /// output, with the next hop: each hop loaded with the flows already on
+    /// its link ([`Node::loaded_link_cost_to`]).
     pub(super) fn best_to_sink(
         &self,
         sink: NodeId,
@@ -108,11 +237,12 @@ impl Node {
     ) -> Option<(NodeId, f64)> {
         if self.stage == self.s() {
             if self.alive(sink) && self.peers.contains_key(&sink) {
-                return Some((sink, self.link_cost(sink)));
+                return Some((sink, self.loaded_link_cost(sink, false)));
             }
             return None;
         }
         let mut best: Option<(NodeId, f64)> = None;
+        let load = self.next_link_flows();
         for (&j, p) in &self.peers {
             if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
@@ -120,9 +250,8 @@ impl Node {
             if need_spare && p.spare == 0 {
                 continue;
             }
-            // cost_via(j, sink) from the entry at hand.
             let c = match p.costs.get(sink) {
-                Some(c) => self.link_cost_to(p) + c,
+                Some(c) => self.loaded_link_cost_to(p, load.on(j)) + c,
                 None => INF,
             };
             if c >= INF {
@@ -147,12 +276,14 @@ impl Node {
         if k == 0 {
             return Vec::new();
         }
+        let queue = self.gpu_queue_s(false);
+        let load = self.next_link_flows();
         if self.stage == self.s() {
             let mut v: Vec<(NodeId, f64)> = self
                 .peers
                 .iter()
                 .filter(|(_, p)| p.stage == 0 && !p.dead)
-                .map(|(id, _)| (*id, self.link_cost(*id)))
+                .map(|(id, p)| (*id, self.loaded_link_cost_to(p, load.on(*id)) + queue))
                 .filter(|x| x.1 < INF)
                 .collect();
             if v.len() > k {
@@ -168,7 +299,7 @@ impl Node {
             if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
                 continue;
             }
-            lists.push((self.link_cost_to(p), &p.costs.0));
+            lists.push((self.loaded_link_cost_to(p, load.on(j)) + queue, &p.costs.0));
         }
         // The heads, read in a pass of their own: the lists live in their
         // senders' memory, and independent loads overlap their misses.
@@ -272,11 +403,6 @@ impl Node {
         }
     }
 
-    /// Cost of the hop from `p` into this node, from this node's view.
-    pub(super) fn link_cost_from(&self, p: NodeId) -> f64 {
-        self.link_cost(p)
-    }
-
     /// CHANGE from a next-stage peer: its capacity, speed and costs to the sinks.
     pub(super) fn on_change(
         &mut self,
@@ -318,7 +444,7 @@ impl Node {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::protocol::rng::Rng;
 
@@ -327,7 +453,7 @@ mod tests {
     fn my_costs_reference(n: &Node) -> Vec<(NodeId, f64)> {
         let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
         for j in n.next_candidates() {
-            let lc = n.link_cost(j);
+            let lc = n.loaded_link_cost(j, false) + n.gpu_queue_s(false);
             for &(sink, c) in n.peers[&j].costs.0.iter() {
                 let v = lc + c;
                 let e = m.entry(sink).or_insert(INF);
@@ -340,6 +466,75 @@ mod tests {
         v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         v.truncate(n.cfg.gossip_sinks);
         v
+    }
+
+    /// Relay 10 of stage 2 (compute 0.5 s) with the load weights given; next
+    /// stage peers 30 and 31 (compute 0.5 s, 10 ms away, 1 MiB/s: one 1 MiB
+    /// activation takes 1 s) with spare room and cost 1.0 to sink 0, and
+    /// `flows` flows of sink 0 through 30.
+    pub(in crate::protocol::node) fn loaded_relay(link_w: f64, gpu_w: f64, flows: u64) -> Node {
+        let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+        cfg.link_load_weight = link_w;
+        cfg.gpu_load_weight = gpu_w;
+        let mut n = Node::new(Arc::new(cfg), 10, 2, 0.5, 8, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(20, 1), (30, 3), (31, 3)],
+            },
+        );
+        for j in [30, 31] {
+            let p = n.peers.get_mut(&j).unwrap();
+            p.lat = Some(0.01);
+            p.bw = Some((1 << 20) as f64);
+            p.compute_s = 0.5;
+            p.spare = 4;
+            p.costs = SinkCosts::from_gossip(Arc::new([(0, 1.0)]));
+        }
+        for l in 0..flows {
+            n.test_add_flow(l + 1, 0, 20, 30, 100 + l);
+        }
+        n
+    }
+
+    /// The hop to a next hop costs d_ij (here 0.25 + 0.25 + 0.01 + 1) plus
+    /// the link's transfer (1 s) x `link_load_weight` for each flow already
+    /// on it: with one flow through 30, one more costs 3.51 through 30 and
+    /// 2.51 through the idle 31 (3.41 when 31 is 0.9 s farther from the
+    /// sink), so the next flow goes to 31; with the weight 0 the load does
+    /// not count and the nearer 30 wins.
+    #[test]
+    fn the_next_flow_avoids_a_loaded_link() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let n = loaded_relay(1.0, 0.0, 1);
+        let (j, c) = n.best_to_sink(0, true, &[]).unwrap();
+        assert!(j == 31 && close(c, 2.51), "{j} {c}");
+        assert!(close(n.cost_via_new(30, 0), 3.51));
+        // The flow already on the link does not wait behind itself.
+        assert!(close(n.cost_via(30, 0), 2.51));
+        let mut n = loaded_relay(1.0, 0.0, 1);
+        n.peers.get_mut(&31).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 1.9)]));
+        let (j, c) = n.best_to_sink(0, true, &[]).unwrap();
+        assert!(j == 31 && close(c, 3.41), "{j} {c}");
+        let mut n = loaded_relay(0.0, 0.0, 1);
+        n.peers.get_mut(&31).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 1.9)]));
+        assert_eq!(n.best_to_sink(0, true, &[]).map(|b| b.0), Some(30));
+    }
+
+    /// A relay offers upstream its cost to each sink plus its GPU queue:
+    /// `gpu_load_weight` (0.5) x its compute (0.5 s) x the flows it carries
+    /// (2): 2.51 + 0.5; an existing flow through a next hop is costed
+    /// without its own share of that hop's queue (0.5 x 0.5).
+    #[test]
+    fn a_relay_offers_its_gpu_queue_upstream() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let n = loaded_relay(0.0, 0.5, 0);
+        assert!(close(n.my_costs()[0].1, 2.51), "{:?}", n.my_costs());
+        let n = loaded_relay(0.0, 0.5, 2);
+        let c = n.my_costs();
+        assert!(c.len() == 1 && close(c[0].1, 3.01), "{c:?}");
+        assert!(close(n.offer(0, true).unwrap().1, 3.01));
+        assert!(close(n.cost_via(30, 0), 2.51 - 0.25));
     }
 
     #[test]

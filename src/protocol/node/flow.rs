@@ -222,7 +222,7 @@ impl Node {
             .filter(|f| {
                 f.sink == r.sink
                     && f.next != next
-                    && self.cost_via(next, f.sink) < self.cost_via(f.next, f.sink)
+                    && self.cost_via_new(next, f.sink) < self.cost_via(f.next, f.sink)
             });
         let Some(f) = keep.cloned() else {
             self.send(next, Msg::Cancel { label: out });
@@ -281,16 +281,19 @@ impl Node {
             );
         };
         if self.spare() == 0 {
-            let c = self.best_to_sink(sink, false, &[]).map_or(INF, |b| b.1);
+            let c = self.offer(sink, false).map_or(INF, |b| b.1);
             return reject(self, c);
         }
         let Some((j, c)) = self.best_to_sink(sink, true, &[]) else {
             return reject(self, INF);
         };
-        if c > expected * (1.0 + self.cfg.stale_cost_tolerance) + 1e-6 {
-            return reject(self, c);
+        // What this node offers now (with its GPU queue), against what the
+        // requester assumed.
+        let offered = c + self.gpu_queue_s(false);
+        if offered > expected * (1.0 + self.cfg.stale_cost_tolerance) + 1e-6 {
+            return reject(self, offered);
         }
-        let cfs_here = cfs + self.link_cost(from);
+        let cfs_here = cfs + self.loaded_link_cost(from, false);
         if self.stage == self.s() {
             self.insert_flow(FlowEntry {
                 in_label: label,
@@ -330,7 +333,7 @@ impl Node {
         reroute: bool,
     ) {
         let out = self.new_label();
-        let expected = c - self.link_cost(next);
+        let expected = self.expected_of(next, sink, c);
         self.reservations.pending.insert(
             out,
             PendingReq {
@@ -390,7 +393,9 @@ impl Node {
         if accept && r.reroute {
             self.finish_reroute(r, label, from);
         } else if accept {
-            let total = self.link_cost(from) + cost;
+            // This node's cost to the sink through `from` for the flow now
+            // reserved (the request no longer counts as pending).
+            let total = self.loaded_link_cost(from, false) + cost + self.gpu_queue_s(false);
             match r.in_label {
                 None => self.insert_flow(FlowEntry {
                     in_label: label,
@@ -445,7 +450,7 @@ impl Node {
             if let Some((j, c)) = self.best_to_sink(r.sink, true, &r.tried) {
                 r.tried.push(j);
                 r.next = j;
-                let expected = c - self.link_cost(j);
+                let expected = self.expected_of(j, r.sink, c);
                 let (sink, cfs) = (r.sink, r.cost_from_source);
                 self.reservations.pending.insert(label, r);
                 self.send(
@@ -461,7 +466,7 @@ impl Node {
             }
         }
         if let Some(inl) = r.in_label {
-            let c = self.best_to_sink(r.sink, false, &[]).map_or(INF, |b| b.1);
+            let c = self.offer(r.sink, false).map_or(INF, |b| b.1);
             let spare = self.spare();
             self.send(
                 r.prev,
@@ -612,6 +617,40 @@ mod tests {
                 }
             )));
         assert_eq!(n.flows(), [(5, 20, 30, out)]);
+    }
+
+    /// Rerouting counts the load: of two flows through next hop 30, one
+    /// moves to the idle 31 (its cost there, 1.51 + 1.0, is below its cost
+    /// through 30 by the other flow's transfer, 1 s, more than 10 %); the
+    /// new segment is reserved first, and only once accepted is the old one
+    /// cancelled. With the load not counted, nothing moves.
+    #[test]
+    fn a_flow_moves_off_a_loaded_next_hop_to_an_idle_one() {
+        let mut n = super::super::costs::tests::loaded_relay(0.0, 0.0, 2);
+        n.reroute_flows();
+        assert!(n.out.is_empty(), "{:?}", n.out);
+        let mut n = super::super::costs::tests::loaded_relay(1.0, 0.0, 2);
+        n.reroute_flows();
+        let acts = std::mem::take(&mut n.out);
+        let s = sends(&acts);
+        let out = match s[..] {
+            [(31, Msg::FlowRequest { label, .. })] => *label,
+            _ => panic!("{s:?}"),
+        };
+        assert_eq!(n.flow_count(), 2);
+        let reply = Msg::FlowResponse {
+            label: out,
+            accept: true,
+            cost: 1.0,
+            spare: 3,
+        };
+        let acts = deliver(&mut n, 31, reply);
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 30 && matches!(m, Msg::Cancel { .. })));
+        let mut next: Vec<NodeId> = n.flows().iter().map(|f| f.2).collect();
+        next.sort();
+        assert_eq!(next, [30, 31]);
     }
 
     /// A relay with no spare capacity refuses, and tells its cost.

@@ -157,7 +157,9 @@ impl Node {
         if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
             if s.attempt == attempt {
                 s.prev = from;
-                s.need_grad = need_grad;
+                // A hop re-sent for the aggregate alone (need_grad false)
+                // does not cancel the gradient a recovery asked for.
+                s.need_grad |= need_grad;
                 s.path = merge_path(&path, &s.path);
                 if s.grad_ready {
                     // We already hold this microbatch's gradient for our
@@ -435,5 +437,46 @@ mod tests {
             .iter()
             .any(|(to, msg)| *to == 30 && matches!(msg, Msg::Forward { .. })));
         assert_eq!(n.lifecycle.snaps[&m].path[..], [0, 20, 10]);
+    }
+
+    /// A replacement that gets the same hop twice, first from a recovery
+    /// (the sender needs the gradient back) then from its stage
+    /// coordinator's re-run for the aggregate (need_grad false), still sends
+    /// the gradient back: the sender waits for it (it used to wait until its
+    /// holder's last-resort restart, minutes later).
+    #[test]
+    fn a_rerun_for_the_aggregate_does_not_cancel_a_recoverys_gradient() {
+        let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3)]);
+        let m = mb(0, 0, 0);
+        let fwd = |need_grad: bool| Msg::Forward {
+            mb: m,
+            attempt: 0,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad,
+            plan: None,
+        };
+        let id = runs(&deliver(&mut n, 20, fwd(true)))[0].id;
+        assert!(runs(&deliver(&mut n, 20, fwd(false))).is_empty());
+        n.handle(2 * SEC, Input::TaskDone { id });
+        let back = Msg::Backward {
+            mb: m,
+            attempt: 0,
+            path: Arc::new(vec![0, 20, 10, 30]),
+        };
+        let acts = deliver(&mut n, 30, back);
+        let bwd = runs(&acts)
+            .iter()
+            .find(|t| t.kind == TaskKind::Backward)
+            .map(|t| t.id)
+            .expect("backward task");
+        let acts = n.handle(3 * SEC, Input::TaskDone { id: bwd });
+        assert!(
+            sends(&acts)
+                .iter()
+                .any(|(to, msg)| *to == 20 && matches!(msg, Msg::Backward { .. })),
+            "{acts:?}"
+        );
     }
 }

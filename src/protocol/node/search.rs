@@ -140,7 +140,11 @@ impl Node {
                 if g.prev == self.id {
                     continue;
                 }
-                let mine = self.link_cost_from(g.prev) + self.link_cost(g.next) - self.compute_s;
+                // The segment prev -> me -> next for one more flow here.
+                let mine = self.loaded_link_cost(g.prev, false)
+                    + self.loaded_link_cost(g.next, false)
+                    - self.compute_s
+                    + self.gpu_queue_s(false);
                 let via_next = if self.stage == self.s() {
                     0.0
                 } else {
@@ -275,7 +279,10 @@ impl Node {
         else {
             return reject(self);
         };
-        let old = self.link_cost_from(g.prev) + self.link_cost(g.next) - self.compute_s;
+        // The segment prev -> me -> next of a flow already here.
+        let old = self.loaded_link_cost(g.prev, true) + self.loaded_link_cost(g.next, true)
+            - self.compute_s
+            + self.gpu_queue_s(true);
         if !self.accept_move(old, new_cost, temperature) {
             return reject(self);
         }
