@@ -553,11 +553,31 @@ impl Facts {
             prev = r.t_s;
         }
 
-        // Replicas: every (stage, iteration) whose live nodes printed more
-        // than one distinct hash.
+        // Replicas: every (stage, iteration) whose nodes printed more than
+        // one distinct hash. The last update a killed node applied does not
+        // count: it may be one its stage then committed again without it
+        // (its coordinator died after telling only it); it died with it.
+        // Every earlier update of that node was confirmed by the next
+        // aggregate, where members compare their weights.
+        let mut last_applied: BTreeMap<u64, u64> = BTreeMap::new();
+        for ((_, it), by_node) in &self.applied {
+            for id in by_node.keys() {
+                let e = last_applied.entry(*id).or_insert(*it);
+                *e = (*e).max(*it);
+            }
+        }
         let mut disagreements = Vec::new();
         let mut replica_checks = 0u64;
         for ((stage, it), by_node) in &self.applied {
+            let by_node: BTreeMap<u64, String> = by_node
+                .iter()
+                .filter(|(id, _)| {
+                    let killed = self.nodes.get(id).is_some_and(|n| n.killed_s.is_some());
+                    !(killed && last_applied.get(*id) == Some(it))
+                })
+                .map(|(id, h)| (*id, h.clone()))
+                .collect();
+            let by_node = &by_node;
             let distinct: BTreeSet<&String> = by_node.values().collect();
             if by_node.len() >= 2 {
                 replica_checks += 1;
@@ -1234,11 +1254,33 @@ mod tests {
 
     #[test]
     fn replicas_that_disagree_fail_the_run() {
+        // The last update of a node killed after it is not compared.
         let (mut f, plan) = healthy(2);
         f.push(&line(
             2.0,
             4,
             r#"{"event":"applied","node":4,"stage":1,"iteration":1,"weights_sha256":"other"}"#,
+        ));
+        f.push(&at(
+            2.5,
+            What::Killed {
+                node: 4,
+                aim: "forward".into(),
+                joiner: None,
+            },
+        ));
+        assert!(f.summary(&plan, None, 4.0).replicas_agree);
+        // An earlier one is.
+        let (mut f, plan) = healthy(2);
+        f.push(&line(
+            2.0,
+            4,
+            r#"{"event":"applied","node":4,"stage":1,"iteration":1,"weights_sha256":"other"}"#,
+        ));
+        f.push(&line(
+            2.1,
+            4,
+            r#"{"event":"applied","node":4,"stage":1,"iteration":2,"weights_sha256":"s1i2"}"#,
         ));
         f.push(&at(
             2.5,
