@@ -595,6 +595,15 @@ impl Stage {
         Ok(())
     }
 
+    /// Exchanges the parameters with `other` (same length): a swarm node runs
+    /// a microbatch recomputed after its stage's update on the weights from
+    /// before it, and swaps them back.
+    pub fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError> {
+        self.check_len("parameters", other.len())?;
+        std::mem::swap(&mut self.params, other);
+        Ok(())
+    }
+
     /// Replaces the parameters (e.g. with a weighted average of the replicas').
     pub fn import_params(&mut self, p: &[f32]) -> Result<(), ModelError> {
         self.check_len("parameters", p.len())?;

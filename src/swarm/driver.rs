@@ -189,12 +189,21 @@ impl Driver {
                 return;
             }
         }
+        let update = match &w.kind {
+            WorkKind::Apply { iteration, .. } => Some(Some(*iteration)),
+            WorkKind::ImportState { applied } => Some(*applied),
+            _ => None,
+        };
         match &w.kind {
-            WorkKind::Apply { iteration, .. } | WorkKind::ImportState { iteration } => {
-                let it = *iteration;
+            _ if update.is_some() => {
                 self.port.push(w);
-                if self.applied_through.is_none_or(|a| a < it) {
-                    self.applied_through = Some(it);
+                match update.flatten() {
+                    Some(it) if self.applied_through.is_none_or(|a| a < it) => {
+                        self.applied_through = Some(it)
+                    }
+                    // An import before any update: nothing applied yet.
+                    None => self.applied_through = None,
+                    _ => {}
                 }
                 let gated = std::mem::take(&mut self.gated);
                 for g in gated {
@@ -858,14 +867,11 @@ impl Driver {
                             since: Instant::now(),
                             iteration: version.0,
                         };
+                        // Version (0, 0): nothing applied yet in this swarm.
                         let kind = WorkKind::ImportState {
-                            iteration: version.0,
+                            applied: (*version != (0, 0)).then_some(version.0),
                         };
                         self.give(kind, None, Some(state), p);
-                        // Version (0, 0): nothing applied yet in this swarm.
-                        if *version == (0, 0) {
-                            self.applied_through = None;
-                        }
                     }
                     Err(e) => {
                         // A cut or corrupted download: ask again.

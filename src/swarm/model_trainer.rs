@@ -192,6 +192,11 @@ pub struct ModelTrainer {
     next_id: u64,
     /// Each microbatch's parameter gradient, per piece, until aggregated.
     grads: BTreeMap<MbId, Vec<Option<Vec<f32>>>>,
+    /// The last update applied (or imported), and the parameters from
+    /// before it: a microbatch of that iteration recomputed after the update
+    /// (a holder restarted it) must see the weights its iteration saw.
+    applied: Option<u32>,
+    before: Option<Vec<Vec<f32>>>,
 }
 
 impl ModelTrainer {
@@ -214,6 +219,8 @@ impl ModelTrainer {
             ids: HashMap::new(),
             next_id: 0,
             grads: BTreeMap::new(),
+            applied: None,
+            before: None,
         })
     }
 
@@ -229,6 +236,8 @@ impl ModelTrainer {
             ids: HashMap::new(),
             next_id: 0,
             grads: BTreeMap::new(),
+            applied: None,
+            before: None,
         }
     }
 
@@ -276,6 +285,35 @@ impl ModelTrainer {
             h.update(p.export_state());
         }
         h.finalize().into()
+    }
+
+    /// Runs a microbatch's work on the weights of its iteration: the
+    /// current ones, or those from before the last update when the
+    /// microbatch belongs to the iteration of that update.
+    fn compute_at_its_weights(&mut self, w: &Work, port: &WorkPort) -> Result<Output, String> {
+        let iter = w.mb.map_or(0, |m| m.iter);
+        let Some(applied) = self.applied.filter(|&a| iter <= a) else {
+            return self.compute(w, port);
+        };
+        if iter < applied || self.before.is_none() {
+            return Err(format!(
+                "a microbatch of iteration {iter} after the update of iteration {applied}: \
+                 its weights are gone"
+            ));
+        }
+        let mut before = self.before.take().expect("checked");
+        self.swap_all(&mut before)?;
+        let r = self.compute(w, port);
+        self.swap_all(&mut before)?;
+        self.before = Some(before);
+        r
+    }
+
+    fn swap_all(&mut self, other: &mut [Vec<f32>]) -> Result<(), String> {
+        for (p, o) in self.pieces.iter_mut().zip(other) {
+            p.swap_params(o).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     fn compute(&mut self, w: &Work, port: &WorkPort) -> Result<Output, String> {
@@ -374,6 +412,8 @@ impl ModelTrainer {
             return Err(format!("a mean of {} for {total} parameters", mean.len()));
         }
         let opt = adamw(&self.run.opts, iteration);
+        self.before = Some(self.pieces.iter().map(|p| p.params().to_vec()).collect());
+        self.applied = Some(iteration);
         let mut off = 0;
         for p in &mut self.pieces {
             let n = p.num_params();
@@ -435,7 +475,7 @@ impl Trainer for ModelTrainer {
     fn run(&mut self, w: Work, port: &WorkPort) -> Result<Output, String> {
         self.serve(w.stage)?;
         match &w.kind {
-            k if k.is_microbatch_compute() => self.compute(&w, port),
+            k if k.is_microbatch_compute() => self.compute_at_its_weights(&w, port),
             WorkKind::Gradient { granted, .. } => Ok(Output::Gradient {
                 sum: self.gradient(granted)?,
                 weights: self.digest(),
@@ -447,9 +487,12 @@ impl Trainer for ModelTrainer {
                 Ok(Output::Weights(self.digest()))
             }
             WorkKind::ExportState => Ok(Output::State(self.export(port)?)),
-            WorkKind::ImportState { .. } => {
+            WorkKind::ImportState { applied } => {
                 let f = w.input.as_ref().ok_or("import without a state")?;
                 self.import(f.payload())?;
+                // The weights from before the imported update are not here.
+                self.applied = *applied;
+                self.before = None;
                 Ok(Output::Weights(self.digest()))
             }
             WorkKind::Forget { before } => {

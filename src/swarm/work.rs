@@ -56,9 +56,9 @@ pub enum WorkKind {
     /// joiner. Output: [`Output::State`].
     ExportState,
     /// Barrier. Replace the stage's state with `input` (as exported by a
-    /// member), the weights of iteration `iteration`. Output:
-    /// [`Output::Weights`].
-    ImportState { iteration: u32 },
+    /// member): the weights after the update of iteration `applied` (None:
+    /// before any update). Output: [`Output::Weights`].
+    ImportState { applied: Option<u32> },
     /// Forget what is kept for microbatches of iterations before `before`
     /// (activations whose backward never came, per-microbatch gradients).
     /// Output: none.

@@ -95,7 +95,8 @@ pub struct NodeArgs {
     /// One JSON object per line per event on stdout.
     #[arg(long)]
     json: bool,
-    /// Log connections and refusals to stderr.
+    /// Log connections, refusals and recoveries to stderr (also when the
+    /// environment has GWTF_LOG set, for the nodes a demo starts).
     #[arg(long)]
     log: bool,
     /// Test aid: also print `{"event":"work","kind":K,"phase":"start"|"end"}`
@@ -376,7 +377,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             heartbeat_interval: Duration::from_millis(300),
             peer_timeout: Duration::from_secs(5),
             link,
-            log: a.log,
+            log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             ..NodeOptions::default()
         },
     };
