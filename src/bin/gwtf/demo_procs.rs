@@ -19,6 +19,22 @@ pub extern "C" fn on_signal(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
 }
 
+/// Makes the child started by `cmd` die with this process (SIGKILL when
+/// the parent goes), so that no node outlives the demo or the bench, even
+/// when they are killed outright. The thread that spawns must live as long
+/// as the parent (the main thread).
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; it runs in the child between fork
+    // and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
 pub fn catch_interrupts() {
     let handler: extern "C" fn(libc::c_int) = on_signal;
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
