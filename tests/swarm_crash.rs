@@ -153,3 +153,50 @@ fn a_data_holder_killed_is_survived() {
     let losses = check_run(&ev, ITERATIONS, MB, 2);
     assert!(losses[ITERATIONS as usize - 1] < losses[0], "{losses:?}");
 }
+/// A node joins; the member serving its state download is killed in the
+/// middle of exporting it; the joiner gets the state elsewhere and trains
+/// with bit-identical weights. Then a relay leaves gracefully.
+#[test]
+fn a_killed_state_server_and_a_graceful_leave_are_survived() {
+    let slow: &[&str] = &["--slow-work", "export_state=500"];
+    let extra: Vec<(u32, &[&str])> = [11, 12, 13, 21, 22, 23]
+        .iter()
+        .map(|&i| (i, slow))
+        .collect();
+    // Long enough for the joiner to take part in many updates.
+    const LONG: u32 = 40;
+    let mut swarm = start_for(LONG, &extra);
+    swarm.until("iteration 0", |ev| {
+        ev.iter().any(|e| e.event() == "iteration")
+    });
+    let after = swarm.count();
+    swarm.join(31, 1, &[]);
+    let ev = swarm.until("a member exporting its state", |ev| {
+        ev.iter()
+            .skip(after)
+            .any(|e| e.event() == "work" && e.v["kind"] == "export_state")
+    });
+    let server = ev
+        .iter()
+        .skip(after)
+        .find(|e| e.event() == "work" && e.v["kind"] == "export_state")
+        .unwrap()
+        .node;
+    swarm.kill(server);
+    swarm.until("the joiner's download", |ev| {
+        ev.iter()
+            .any(|e| e.node == 31 && e.event() == "state_download")
+    });
+    swarm.until("the joiner's first update", |ev| {
+        ev.iter().any(|e| e.node == 31 && e.event() == "applied")
+    });
+    let leaver = [11, 12, 13, 21, 22, 23]
+        .into_iter()
+        .find(|&i| i != server)
+        .unwrap();
+    swarm.terminate(leaver);
+    let ev = swarm.until_done(&[1, 2]);
+    let losses = check_run(&ev, LONG, MB, 2);
+    assert!(ev.iter().any(|e| e.node == leaver && e.event() == "left"));
+    assert_reference(&losses);
+}

@@ -249,3 +249,101 @@ fn a_burst_of_control_messages_larger_than_the_event_queue_is_delivered_whole() 
     assert_eq!(sender, N);
     assert_eq!(b.stats().events_dropped, 0);
 }
+
+/// Two nodes that dial each other at the same moment get two connections;
+/// the engine keeps one. Whatever either side sent before it learned which
+/// one is kept must still arrive, exactly once, and neither side may see the
+/// other as lost.
+#[test]
+fn two_nodes_dialling_each_other_at_once_lose_nothing() {
+    use gwtf::engine::EngineError;
+    use gwtf::wire::ControlEnvelope;
+    const ROUNDS: u64 = 30;
+    const N: u64 = 200;
+    // One side sends: frames (data) and control messages, alternating, as
+    // fast as the connection takes them, starting the moment one is up.
+    fn send_all(me: &Node, to: u64) {
+        let deadline = Instant::now() + T;
+        let mut i = 0u64;
+        let mut ever_connected = false;
+        while i < N {
+            assert!(
+                Instant::now() < deadline,
+                "could not send {N} messages in {T:?}"
+            );
+            let r = if i % 2 == 0 {
+                let mut f = me.alloc(1024, T).unwrap();
+                f.header.microbatch = i;
+                me.send(to, f, T)
+            } else {
+                let msg = ControlEnvelope {
+                    msg_type: 7,
+                    msg_version: 1,
+                    body: i.to_le_bytes().to_vec(),
+                };
+                me.send_control(to, &msg, T)
+            };
+            match r {
+                Ok(()) => {
+                    ever_connected = true;
+                    i += 1;
+                }
+                Err(EngineError::NotFound(_)) if !ever_connected => {
+                    std::thread::sleep(Duration::from_micros(200))
+                }
+                Err(e) => panic!("send {i} failed after the peer was connected: {e}"),
+            }
+        }
+    }
+    // The other side takes everything until it has all, or the deadline.
+    fn receive_all(me: &Node, from: u64) -> (Vec<u64>, Vec<String>) {
+        let mut got = Vec::new();
+        let mut lost = Vec::new();
+        let deadline = Instant::now() + T;
+        while (got.len() as u64) < N && Instant::now() < deadline {
+            while let Ok(f) = me.recv(Duration::ZERO) {
+                assert_eq!(f.peer(), from);
+                got.push(f.header.microbatch);
+            }
+            match me.poll_event(Duration::from_millis(1)) {
+                Some(Event::Control { msg, .. }) => {
+                    got.push(u64::from_le_bytes(msg.body[..8].try_into().unwrap()))
+                }
+                Some(Event::PeerLost { reason, .. }) => lost.push(reason.to_string()),
+                _ => {}
+            }
+        }
+        got.sort_unstable();
+        (got, lost)
+    }
+    let mut duplicates = 0;
+    for round in 0..ROUNDS {
+        let a = Node::new(opts()).unwrap();
+        let b = Node::new(opts()).unwrap();
+        let (ida, idb) = (a.node_id(), b.node_id());
+        a.connect(b.local_addr().unwrap()).unwrap();
+        b.connect(a.local_addr().unwrap()).unwrap();
+        let ((ga, la), (gb, lb)) = std::thread::scope(|s| {
+            s.spawn(|| send_all(&a, idb));
+            s.spawn(|| send_all(&b, ida));
+            let ra = s.spawn(|| receive_all(&a, idb));
+            let rb = s.spawn(|| receive_all(&b, ida));
+            (ra.join().unwrap(), rb.join().unwrap())
+        });
+        let want: Vec<u64> = (0..N).collect();
+        assert_eq!(ga, want, "round {round}: what b sent is not what a got");
+        assert_eq!(gb, want, "round {round}: what a sent is not what b got");
+        assert!(
+            la.is_empty() && lb.is_empty(),
+            "round {round}: peer lost: {la:?} {lb:?}"
+        );
+        assert_eq!(a.stats().peers_connected, 1);
+        assert_eq!(b.stats().peers_connected, 1);
+        duplicates += a.stats().duplicates_retired;
+    }
+    // The case this test is about happened (most rounds make two connections).
+    assert!(
+        duplicates >= ROUNDS / 3,
+        "only {duplicates} duplicate connections in {ROUNDS} rounds"
+    );
+}

@@ -353,6 +353,9 @@ pub struct NodeStats {
     pub peers_lost: u64,
     pub connections_refused: u64,
     pub events_dropped: u64,
+    /// Duplicate connections (both sides dialled at once) wound down
+    /// without losing what travelled on them.
+    pub duplicates_retired: u64,
     pub pool: PoolStats,
 }
 
@@ -374,6 +377,7 @@ pub(crate) struct Counters {
     peers_lost: AtomicU64,
     connections_refused: AtomicU64,
     events_dropped: AtomicU64,
+    duplicates_retired: AtomicU64,
 }
 
 fn add(c: &AtomicU64, v: u64) {
@@ -853,6 +857,7 @@ impl Node {
             peers_lost: l(&c.peers_lost),
             connections_refused: l(&c.connections_refused),
             events_dropped: l(&c.events_dropped),
+            duplicates_retired: l(&c.duplicates_retired),
             pool: self.shared.pool.stats(),
         }
     }

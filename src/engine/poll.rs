@@ -105,6 +105,17 @@ struct Conn {
     shut: bool,
     /// The socket's current SO_RCVLOWAT (1 = the kernel default).
     rcvlowat: usize,
+    /// A duplicate connection to a peer that has another one: it takes no
+    /// new frames, sends what it had started, and is read until the peer's
+    /// end of stream (see [`Driver::retire`]).
+    retired: bool,
+    /// The peer ended its side (a retired connection that still sends).
+    peer_eof: bool,
+    /// A frame arrived after the handshake: the peer has this connection
+    /// up too (a retired duplicate ends its side only once the kept
+    /// connection has heard from the peer, so the peer never sees the end
+    /// of its only connection).
+    heard: bool,
 }
 
 pub(crate) struct Driver {
@@ -356,6 +367,9 @@ impl Driver {
             got_bytes: false,
             shut: false,
             rcvlowat: 1,
+            retired: false,
+            peer_eof: false,
+            heard: false,
         };
         self.conns.insert(token, conn);
         if !connecting {
@@ -539,6 +553,7 @@ impl Driver {
     /// Writes handshake bytes and queued frames until the socket would block.
     fn flush(&mut self, t: Token) {
         let shared = self.shared.clone();
+        let may_shut = self.may_shut(t);
         let Some(c) = self.conns.get_mut(&t) else {
             return;
         };
@@ -666,17 +681,69 @@ impl Driver {
                 Err(e) => failure = Some(CloseReason::Io(e.to_string())),
             }
         }
-        if let Some(s) = &c.slot {
+        if let Some(s) = c.slot.as_ref().filter(|_| !c.retired) {
             s.set_write_blocked(blocked && !c.sendq.is_empty());
         }
-        if failure.is_none() && c.closing.is_some() && c.sendq.is_empty() && !c.shut {
+        if failure.is_none() && c.closing.is_some() && c.sendq.is_empty() && !c.shut && may_shut {
             // Half-close after the goodbye and wait for the peer's EOF, so
             // that closing never turns into a reset that loses the goodbye.
             c.shut = true;
             let _ = c.stream.shutdown(std::net::Shutdown::Write);
         }
+        if failure.is_none() && c.shut && c.peer_eof {
+            failure = Some(CloseReason::Duplicate);
+        }
         if let Some(r) = failure {
             self.close(t, r);
+        }
+    }
+
+    /// A retired duplicate may end its side once the kept connection has
+    /// heard from the peer (or is gone); any other closing connection may.
+    fn may_shut(&self, t: Token) -> bool {
+        match self.conns.get(&t) {
+            Some(c) if c.retired => c
+                .peer
+                .and_then(|p| self.by_peer.get(&p))
+                .and_then(|k| self.conns.get(k))
+                .is_none_or(|k| k.heard),
+            _ => true,
+        }
+    }
+
+    /// The peer has `t` up: duplicates of it that wait for that may end
+    /// their side now.
+    fn heard_on(&mut self, t: Token) {
+        let Some(peer) = self.conns.get(&t).and_then(|c| c.peer) else {
+            return;
+        };
+        if self.by_peer.get(&peer) != Some(&t) {
+            return;
+        }
+        let retired: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.retired && c.peer == Some(peer))
+            .map(|(k, _)| *k)
+            .collect();
+        for r in retired {
+            self.flush(r);
+        }
+    }
+
+    /// Queues a heartbeat on `t` (not flushed).
+    fn queue_heartbeat(&mut self, t: Token, now: Instant) {
+        let id = self.shared.node_id;
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.hb_seq += 1;
+            let hb = Heartbeat {
+                seq: c.hb_seq,
+                sent_at_us: now.duration_since(c.started).as_micros() as u64,
+            };
+            c.sendq
+                .push_back(OutItem::control(FrameKind::Heartbeat, id, &hb.encode()));
+            c.last_tx = now;
+            add(&self.shared.counters.heartbeats_sent, 1);
         }
     }
 
@@ -689,6 +756,7 @@ impl Driver {
         let mut controls = Vec::new();
         let mut handshake_out = false;
         let mut drained = false;
+        let mut newly_heard = false;
         {
             let Some(c) = self.conns.get_mut(&t) else {
                 return;
@@ -714,6 +782,12 @@ impl Driver {
                     ReadTarget::Small(buf) => {
                         add(&shared.counters.read_calls, 1);
                         match c.stream.read(buf) {
+                            Ok(0) if c.retired && !c.shut && !c.machine.in_frame() => {
+                                // The peer is done with this duplicate; what
+                                // we still hold for it goes out first.
+                                c.peer_eof = true;
+                                break;
+                            }
                             Ok(0) => {
                                 outcome = Err(if c.shut {
                                     CloseReason::Local
@@ -809,6 +883,7 @@ impl Driver {
                             c.frame_deadline = None;
                         }
                         ConnEvent::DataHeader(h) => {
+                            newly_heard |= !std::mem::replace(&mut c.heard, true);
                             let allowance = Duration::from_secs_f64(
                                 h.payload_len as f64 / shared.opts.min_frame_rate.max(1) as f64,
                             );
@@ -816,6 +891,7 @@ impl Driver {
                                 Some(Instant::now() + shared.opts.frame_timeout + allowance);
                         }
                         ConnEvent::Data(h) => {
+                            newly_heard |= !std::mem::replace(&mut c.heard, true);
                             c.frame_deadline = None;
                             let lease = c.rx_lease.take();
                             c.rx_filled = 0;
@@ -828,6 +904,7 @@ impl Driver {
                             });
                         }
                         ConnEvent::Heartbeat(_) => {
+                            newly_heard |= !std::mem::replace(&mut c.heard, true);
                             c.frame_deadline = None;
                             add(&shared.counters.heartbeats_received, 1);
                         }
@@ -839,6 +916,7 @@ impl Driver {
                             break;
                         }
                         ConnEvent::Control(msg) => {
+                            newly_heard |= !std::mem::replace(&mut c.heard, true);
                             c.frame_deadline = None;
                             controls.push(msg);
                         }
@@ -861,10 +939,11 @@ impl Driver {
         for f in delivered {
             let _ = self.frames_tx.send(f);
         }
+        if newly_heard {
+            self.heard_on(t);
+        }
         if let Some(peer) = established {
-            if !self.on_established(t, peer) {
-                return;
-            }
+            self.on_established(t, peer);
         }
         if let Some(&peer) = self.conns.get(&t).and_then(|c| c.peer.as_ref()) {
             for msg in controls {
@@ -887,52 +966,100 @@ impl Driver {
         }
     }
 
-    /// Returns false when the connection was closed (duplicate).
-    fn on_established(&mut self, t: Token, peer: u64) -> bool {
-        let outbound = self.conns[&t].outbound.is_some();
-        if let Some(&other) = self.by_peer.get(&peer) {
-            // Keep the connection whose connector has the smaller id (both
-            // sides decide the same); the same side twice: keep the older.
-            let me = self.shared.node_id;
-            let other_outbound = self.conns[&other].outbound.is_some();
-            let connector = |ob: bool| if ob { me } else { peer };
-            let keep_new =
-                outbound != other_outbound && connector(outbound) < connector(other_outbound);
-            if !keep_new {
-                if let Some(r) = self
-                    .conns
-                    .get_mut(&t)
-                    .and_then(|c| c.outbound.as_mut())
-                    .and_then(|o| o.reply.take())
-                {
-                    let _ = r.send(Ok(peer));
-                }
-                self.close(t, CloseReason::Duplicate);
-                return false;
-            }
-            self.close(other, CloseReason::Duplicate);
-        }
-        let slot = Arc::new(PeerSlot::new(self.shared.opts.send_queue_depth));
-        self.shared.peers.write().insert(peer, slot.clone());
-        self.by_peer.insert(peer, t);
-        add(&self.shared.counters.peers_connected, 1);
-        let c = self.conns.get_mut(&t).expect("present");
-        c.peer = Some(peer);
-        c.slot = Some(slot);
-        let addr = c.addr;
-        if let Some(r) = c.outbound.as_mut().and_then(|o| o.reply.take()) {
+    /// A connection to `peer` is authenticated.
+    fn on_established(&mut self, t: Token, peer: u64) {
+        self.connected(t, peer);
+        self.reply_connected(t, peer);
+    }
+
+    /// Tells a caller waiting in `connect_wait` (after the peer can take frames).
+    fn reply_connected(&mut self, t: Token, peer: u64) {
+        if let Some(r) = self
+            .conns
+            .get_mut(&t)
+            .and_then(|c| c.outbound.as_mut())
+            .and_then(|o| o.reply.take())
+        {
             let _ = r.send(Ok(peer));
         }
+    }
+
+    /// Takes `t` into use for `peer`. When the peer has another connection
+    /// (both dialled at once), both sides keep the one whose connector has
+    /// the smaller id and retire the other.
+    fn connected(&mut self, t: Token, peer: u64) {
+        let outbound = self.conns[&t].outbound.is_some();
+        let Some(&other) = self.by_peer.get(&peer) else {
+            let slot = Arc::new(PeerSlot::new(self.shared.opts.send_queue_depth));
+            self.shared.peers.write().insert(peer, slot.clone());
+            self.by_peer.insert(peer, t);
+            add(&self.shared.counters.peers_connected, 1);
+            let c = self.conns.get_mut(&t).expect("present");
+            c.peer = Some(peer);
+            c.slot = Some(slot);
+            let addr = c.addr;
+            self.shared.log(format!(
+                "peer {peer:x} connected ({addr}, {})",
+                if outbound { "outbound" } else { "inbound" }
+            ));
+            self.emit(Event::PeerConnected {
+                peer,
+                addr,
+                outbound,
+            });
+            return;
+        };
+        // The same side twice: keep the older.
+        let me = self.shared.node_id;
+        let other_outbound = self.conns[&other].outbound.is_some();
+        let connector = |ob: bool| if ob { me } else { peer };
+        let keep_new =
+            outbound != other_outbound && connector(outbound) < connector(other_outbound);
+        // One peer, one send-queue account: the kept connection takes over
+        // the slot (senders waiting for room keep waiting, nothing fails).
+        let slot = self.conns[&other].slot.clone();
+        let c = self.conns.get_mut(&t).expect("present");
+        c.peer = Some(peer);
+        c.slot = slot;
+        if !keep_new {
+            // Tell the peer at once that the kept connection is up here
+            // (see `Conn::heard`).
+            self.queue_heartbeat(other, Instant::now());
+            self.flush(other);
+            self.retire(t);
+            return;
+        }
+        // Frames the old connection has not started writing move, in order,
+        // to the kept one; it finishes the one it is in the middle of.
+        let moved: Vec<OutItem> = {
+            let o = self.conns.get_mut(&other).expect("present");
+            let keep = usize::from(o.head_off > 0).min(o.sendq.len());
+            o.sendq.drain(keep..).collect()
+        };
+        self.by_peer.insert(peer, t);
+        let c = self.conns.get_mut(&t).expect("present");
+        c.sendq.extend(moved);
+        self.queue_heartbeat(t, Instant::now());
         self.shared.log(format!(
-            "peer {peer:x} connected ({addr}, {})",
+            "peer {peer:x}: duplicate connection, now using the {} one",
             if outbound { "outbound" } else { "inbound" }
         ));
-        self.emit(Event::PeerConnected {
-            peer,
-            addr,
-            outbound,
-        });
-        true
+        self.retire(other);
+        self.flush(t);
+    }
+
+    /// Winds down a duplicate connection without losing what travels on
+    /// it: it sends what it holds, then ends its side; the peer does the
+    /// same, and it closes at the peer's end of stream (or after a bounded
+    /// wait without progress). Its close is not a lost peer.
+    fn retire(&mut self, t: Token) {
+        let Some(c) = self.conns.get_mut(&t) else {
+            return;
+        };
+        c.retired = true;
+        c.closing = Some(Instant::now() + GOODBYE_FLUSH);
+        add(&self.shared.counters.duplicates_retired, 1);
+        self.flush(t);
     }
 
     fn close(&mut self, t: Token, reason: CloseReason) {
@@ -948,6 +1075,16 @@ impl Driver {
             }
         }
         drop(c.rx_lease.take());
+        if c.retired {
+            // The peer stays connected through its other connection.
+            if let Some(peer) = c.peer {
+                self.shared.log(format!(
+                    "peer {peer:x}: duplicate connection ({}) closed: {reason}",
+                    c.addr
+                ));
+            }
+            return;
+        }
         match c.peer {
             Some(peer) => {
                 if self.by_peer.get(&peer) == Some(&t) {
@@ -1057,6 +1194,11 @@ impl Driver {
                 }
                 continue;
             }
+            if c.retired {
+                // A duplicate drains as long as it makes progress.
+                let busy_until = c.last_tx.max(c.last_rx) + GOODBYE_FLUSH;
+                c.closing = c.closing.map(|cl| cl.max(busy_until));
+            }
             if let Some(cl) = c.closing {
                 if now >= cl {
                     to_close.push((t, CloseReason::Local));
@@ -1115,21 +1257,9 @@ impl Driver {
         for (t, r) in to_close {
             self.close(t, r);
         }
-        let id = self.shared.node_id;
-        let epoch = now;
         for t in heartbeats {
-            if let Some(c) = self.conns.get_mut(&t) {
-                c.hb_seq += 1;
-                let hb = Heartbeat {
-                    seq: c.hb_seq,
-                    sent_at_us: epoch.duration_since(c.started).as_micros() as u64,
-                };
-                c.sendq
-                    .push_back(OutItem::control(FrameKind::Heartbeat, id, &hb.encode()));
-                c.last_tx = now;
-                add(&self.shared.counters.heartbeats_sent, 1);
-                flushes.push(t);
-            }
+            self.queue_heartbeat(t, now);
+            flushes.push(t);
         }
         for t in flushes {
             self.flush(t);

@@ -30,8 +30,6 @@ const DIGEST_LEN: usize = 32;
 const RESYNC_RETRY: Duration = Duration::from_secs(3);
 /// A broken connection that comes back within this is not a lost peer.
 const LOST_GRACE: Duration = Duration::from_millis(200);
-/// How long the node with the larger id waits for the other to dial.
-const DIAL_DEFER: Duration = Duration::from_millis(250);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
 
@@ -113,8 +111,6 @@ pub(super) struct Driver {
     pub(super) resync: Option<Resync>,
     /// Peers whose connection broke, lost at the given time unless back.
     pub(super) suspects: HashMap<NodeId, Instant>,
-    /// Deferred dials (see `connect`).
-    pub(super) dials: HashMap<NodeId, Instant>,
     /// The last update given to the trainer (applied or imported).
     pub(super) applied_through: Option<u32>,
     /// Microbatch work waiting for the update before its iteration.
@@ -699,16 +695,10 @@ impl Driver {
 
     /// Opens a connection to `to` and keeps `first` until it is up.
     fn connect(&mut self, to: NodeId, first: Out) {
+        // Two nodes dialling each other at once make two connections; the
+        // engine keeps one and winds the other down without losing what
+        // travelled on it.
         match self.dir.get(&to) {
-            // Two nodes dialling each other at once make two connections,
-            // and the engine closes one of them (the one whose connector has
-            // the larger id): what was queued on it is lost, and its peer
-            // may take the close for a crash. So the node with the larger
-            // id gives the other a moment to dial first.
-            Some(_) if to < self.me.id && !self.dials.contains_key(&to) => {
-                self.dials.insert(to, Instant::now() + DIAL_DEFER);
-                self.pending.entry(to).or_default().push_back(first);
-            }
             Some(p) => {
                 if self.net.connect(p.addr).is_ok() {
                     self.pending.entry(to).or_default().push_back(first);
@@ -754,7 +744,6 @@ impl Driver {
             NetEvent::PeerConnected { peer, .. } => {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.suspects.remove(&id);
-                    self.dials.remove(&id);
                 }
                 let env = directory::message(&self.me, self.dir.values());
                 let _ = self.net.send_control(peer, &env, SEND_WAIT);
@@ -772,8 +761,8 @@ impl Driver {
                 }
             }
             NetEvent::PeerLost { peer, .. } => {
-                // Lost, unless it connects again at once (the engine closed
-                // a duplicate connection the peer made).
+                // Lost, unless it connects again at once (a connection that
+                // broke while both ends live, e.g. on a frame timeout).
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.pending.remove(&id);
                     self.pairing.forget(id);
@@ -886,8 +875,7 @@ impl Driver {
         self.input(Input::Message { from, msg });
     }
 
-    /// Peers whose connection broke and did not come back in time are lost;
-    /// deferred dials whose peer did not dial us are made.
+    /// Peers whose connection broke and did not come back in time are lost.
     fn connections_due(&mut self) {
         let now = Instant::now();
         let lost: Vec<NodeId> = self
@@ -916,31 +904,11 @@ impl Driver {
                 .filter(|id| connected.contains(&(*id as u64)))
                 .collect();
             for id in ready {
-                self.dials.remove(&id);
                 for o in self.pending.remove(&id).unwrap_or_default() {
                     match o {
                         Out::Msg(m) => self.send(id, m),
                         Out::Frame(f) => self.send_frame(id, f),
                     }
-                }
-            }
-        }
-        let due: Vec<NodeId> = self
-            .dials
-            .iter()
-            .filter(|(_, t)| **t <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in due {
-            self.dials.remove(&id);
-            if self.pending.contains_key(&id) && !self.net.peers().contains(&(id as u64)) {
-                let ok = self
-                    .dir
-                    .get(&id)
-                    .is_some_and(|p| self.net.connect(p.addr).is_ok());
-                if !ok {
-                    self.pending.remove(&id);
-                    self.lost.push_back(id);
                 }
             }
         }

@@ -306,7 +306,6 @@ impl Runtime {
             failed: false,
             resync: None,
             suspects: HashMap::new(),
-            dials: HashMap::new(),
             applied_through: None,
             gated: VecDeque::new(),
         };

@@ -300,13 +300,26 @@ pub fn check_run(ev: &[Seen], iterations: u32, mb: u32, stages: u16) -> Vec<f64>
             assert_eq!(old, set, "stage-iteration {key:?} committed two ways");
         }
     }
+    let applied: BTreeSet<(u64, u64)> = ev
+        .iter()
+        .filter(|e| e.event() == "applied")
+        .map(|e| (e.u("stage"), e.u("iteration")))
+        .collect();
     for k in 0..iterations as u64 {
         let holders = losses.get(&k).cloned().unwrap_or_default();
         assert!(!holders.is_empty(), "iteration {k} never final");
         for s in 0..=stages as u64 {
-            let set = committed
-                .get(&(s, k))
-                .unwrap_or_else(|| panic!("stage {s} never committed iteration {k}"));
+            let Some(set) = committed.get(&(s, k)) else {
+                // A coordinator killed between sending `Applied` and printing
+                // its `committed` line: its stage applied the update (the
+                // digests below are still compared), the set is not known.
+                assert!(
+                    applied.contains(&(s, k)),
+                    "stage {s} never committed iteration {k}"
+                );
+                eprintln!("note: stage {s} iteration {k} applied; its committed line was not printed (coordinator killed)");
+                continue;
+            };
             for (h, _) in &holders {
                 for i in 0..mb as u64 {
                     assert!(
