@@ -200,3 +200,75 @@ fn a_killed_state_server_and_a_graceful_leave_are_survived() {
     assert!(ev.iter().any(|e| e.node == leaver && e.event() == "left"));
     assert_reference(&losses);
 }
+
+/// The last node of a stage is killed: its neighbours say the stage is
+/// empty and training pauses (no iteration is final without it); a node
+/// that joins restarts the stage (nobody can serve its state: it begins
+/// from the initial weights, and says so), the neighbours say it resumed,
+/// and the run finishes with every invariant.
+#[test]
+fn a_stages_last_node_killed_pauses_training_until_a_node_joins_it() {
+    const LONG: u32 = 20;
+    let args = common_args(LONG);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let layout = vec![(1, 0), (2, 0), (11, 1), (12, 1), (21, 2)];
+    let mut swarm = Swarm::start(&layout, &args, &[]);
+    swarm.until("iteration 1", |ev| {
+        ev.iter()
+            .any(|e| e.event() == "iteration" && e.u("iteration") >= 1)
+    });
+    let after = swarm.count();
+    swarm.kill(21);
+    // Every neighbour of stage 2 (both holders, both stage-1 relays) says so.
+    let ev = swarm.until("stage 2 reported empty by its neighbours", |ev| {
+        [1, 2, 11, 12].iter().all(|n| {
+            ev.iter()
+                .skip(after)
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    let last_final = ev
+        .iter()
+        .filter(|e| e.event() == "iteration")
+        .map(|e| e.u("iteration"))
+        .max()
+        .unwrap();
+    // Paused: nothing becomes final while the stage is empty.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let paused = swarm.snapshot();
+    let during: Vec<u64> = paused
+        .iter()
+        .skip(ev.len())
+        .filter(|e| e.event() == "iteration")
+        .map(|e| e.u("iteration"))
+        .collect();
+    assert!(
+        during.iter().all(|k| *k <= last_final),
+        "iterations {during:?} became final while stage 2 was empty"
+    );
+    let joined = swarm.count();
+    swarm.join(31, 1, &[]);
+    let ev = swarm.until_done(&[1, 2]);
+    assert!(
+        ev.iter()
+            .skip(joined)
+            .any(|e| e.node == 31 && e.event() == "stage_restarted" && e.u("stage") == 2),
+        "the joiner did not say it restarted stage 2"
+    );
+    for n in [1, 2, 11, 12] {
+        assert!(
+            ev.iter()
+                .skip(joined)
+                .any(|e| e.node == n && e.event() == "stage_resumed" && e.u("stage") == 2),
+            "node {n} did not say stage 2 resumed"
+        );
+    }
+    let losses = check_run(&ev, LONG, MB, 2);
+    assert!(
+        ev.iter()
+            .any(|e| e.node == 31 && e.event() == "applied" && e.u("stage") == 2),
+        "the joiner never applied an update of stage 2"
+    );
+    eprintln!("losses per iteration: {losses:?}");
+    assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
+}

@@ -543,6 +543,11 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u16(summary.stage);
             w.u32(summary.members);
             w.f64(summary.throughput);
+            w.u32(summary.open_iter);
+            w.len(summary.empty_neighbors.len());
+            for &s in &summary.empty_neighbors {
+                w.u16(s);
+            }
         }
         Msg::StateResponse {
             version,
@@ -747,6 +752,11 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
                 stage: r.u16()?,
                 members: r.u32()?,
                 throughput: r.f64("stage_info.throughput")?,
+                open_iter: r.u32()?,
+                empty_neighbors: {
+                    let n = r.len(2)?;
+                    (0..n).map(|_| r.u16()).collect::<Result<_, _>>()?
+                },
             },
         },
         38 => Msg::StateRequest,
@@ -953,6 +963,8 @@ pub fn samples() -> Vec<Msg> {
                 stage: 1,
                 members: 10,
                 throughput: 3.5,
+                open_iter: 7,
+                empty_neighbors: vec![2, 4],
             },
         },
         Msg::StateRequest,

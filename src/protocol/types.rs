@@ -138,6 +138,11 @@ pub struct Config {
     /// weight, for each flow it already carries (0: costs ignore the load of
     /// GPUs).
     pub gpu_load_weight: f64,
+    /// A joiner that finds a stage without any live node restarts it from
+    /// the initial weights (the real swarm: training goes on). Off in the
+    /// simulator, whose yardsticks assume a live node per stage and report
+    /// a pause instead.
+    pub restart_empty_stages: bool,
     /// SWARM: a peer that failed is banned for this many ticks.
     pub ban_ticks: u32,
     /// Bandwidth assumed for a link before it is measured (bytes/s).
@@ -190,6 +195,7 @@ impl Config {
             reroute_min_gain: 0.10,
             link_load_weight: 0.1,
             gpu_load_weight: 0.1,
+            restart_empty_stages: false,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
             probe_bytes: 1 << 20,
@@ -228,6 +234,12 @@ pub struct StageSummary {
     pub members: u32,
     /// Sum over members of microbatches per second (1 / compute time).
     pub throughput: f64,
+    /// The oldest iteration the member still keeps (not final as far as it
+    /// knows): where a restarted stage begins.
+    pub open_iter: u32,
+    /// Stages next to the member's with no live node it knows of: a joiner
+    /// restarts such a stage (nobody can serve its state).
+    pub empty_neighbors: Vec<Stage>,
 }
 
 /// Messages between nodes.
@@ -642,6 +654,16 @@ pub enum Event {
     Rerouted { mb: MbId, stage: Stage },
     /// The iteration barrier has waited long for `stage`.
     Stalled { iter: u32, stage: Stage },
+    /// No live node of `stage`, next to this node's, is known any more:
+    /// its microbatches wait (training pauses) until a node joins it.
+    StageEmpty { stage: Stage },
+    /// A node of `stage` is known again after [`Event::StageEmpty`].
+    StageResumed { stage: Stage },
+    /// This joiner serves `stage`, which no live node held: from the
+    /// model's initial weights, standing for the weights after the update
+    /// of iteration `applied` (None: before any). The stage's trained
+    /// weights were lost with its last node.
+    StageRestarted { stage: Stage, applied: Option<u32> },
     /// The node has left (goodbye sent).
     Left,
     /// A coordinator removed `peer` from its stage's group.

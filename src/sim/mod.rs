@@ -1312,6 +1312,10 @@ impl Sim {
                 self.rep.stalls.push((to_secs(self.now), iter, stage))
             }
             Event::Left => {}
+            // The simulator finds empty stages from its global view.
+            Event::StageEmpty { .. }
+            | Event::StageResumed { .. }
+            | Event::StageRestarted { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}
             Event::MemberRemoved { peer } => {

@@ -71,6 +71,8 @@ pub(super) enum Pending {
         /// The iteration whose update the state includes last.
         iteration: u32,
     },
+    /// The stage's state started afresh (`WorkKind::InitState`).
+    Init,
     Forget,
 }
 
@@ -180,14 +182,17 @@ impl Driver {
     /// different nodes, in either order).
     fn dispatch(&mut self, w: Work) {
         if let Some(r) = self.resync.as_mut() {
-            if !matches!(w.kind, WorkKind::ImportState { .. }) {
+            if !matches!(
+                w.kind,
+                WorkKind::ImportState { .. } | WorkKind::InitState { .. }
+            ) {
                 r.held.push_back(w);
                 return;
             }
         }
         let update = match &w.kind {
             WorkKind::Apply { iteration, .. } => Some(Some(*iteration)),
-            WorkKind::ImportState { applied } => Some(*applied),
+            WorkKind::ImportState { applied } | WorkKind::InitState { applied } => Some(*applied),
             _ => None,
         };
         match &w.kind {
@@ -313,6 +318,16 @@ impl Driver {
         match &e {
             // A joiner's stage is chosen on join: the directory says it.
             Event::Active { stage } => self.me.stage = *stage,
+            // Nobody holds the stage's state: the trainer starts it afresh
+            // (before any work of the stage reaches it).
+            Event::StageRestarted { stage, applied } => {
+                self.me.stage = *stage;
+                self.log(format!(
+                    "stage {stage} had no live node: restarting it from the initial weights"
+                ));
+                let kind = WorkKind::InitState { applied: *applied };
+                self.give(kind, None, None, Pending::Init);
+            }
             Event::Applied { iter, .. } => self.apply(*iter),
             Event::Claimed { mb, tasks } => {
                 let t: Duration = tasks
@@ -478,6 +493,11 @@ impl Driver {
                 // end a download again (the one asked for is on its way).
                 if self.resync.as_ref().is_some_and(|r| iteration >= r.need) {
                     self.end_resync();
+                }
+            }
+            Pending::Init => {
+                if let Output::Weights(w) = out {
+                    self.node.set_weights_digest(digest_u64(&w));
                 }
             }
             Pending::Forget => {}

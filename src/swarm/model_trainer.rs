@@ -495,6 +495,15 @@ impl Trainer for ModelTrainer {
                 self.before = None;
                 Ok(Output::Weights(self.digest()))
             }
+            WorkKind::InitState { applied } => {
+                self.pieces = self.run.pieces(w.stage).map_err(|e| e.to_string())?;
+                self.ids.clear();
+                self.grads.clear();
+                self.targets.clear();
+                self.applied = *applied;
+                self.before = None;
+                Ok(Output::Weights(self.digest()))
+            }
             WorkKind::Forget { before } => {
                 let before = *before;
                 let old: Vec<MbId> = self

@@ -104,6 +104,10 @@ impl Trainer for TimedTrainer {
                 f.payload_mut().copy_from_slice(&self.weights);
                 Output::State(f)
             }
+            WorkKind::InitState { .. } => {
+                self.weights = [0; 32];
+                Output::Weights(self.weights)
+            }
             WorkKind::ImportState { .. } => {
                 let input = work.input.ok_or("no state")?;
                 self.weights = input
@@ -164,6 +168,7 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     c.stall_report = 10 * crate::protocol::SEC;
     c.e2e_timeout = 30 * crate::protocol::SEC;
     c.probe_bytes = 64 << 10;
+    c.restart_empty_stages = true;
     c
 }
 

@@ -59,6 +59,11 @@ pub enum WorkKind {
     /// member): the weights after the update of iteration `applied` (None:
     /// before any update). Output: [`Output::Weights`].
     ImportState { applied: Option<u32> },
+    /// Barrier. No live node holds the stage's state (its last node died):
+    /// start it afresh from the model's initial weights, standing for the
+    /// weights after the update of iteration `applied` (None: before any).
+    /// Output: [`Output::Weights`].
+    InitState { applied: Option<u32> },
     /// Forget what is kept for microbatches of iterations before `before`
     /// (activations whose backward never came, per-microbatch gradients).
     /// Output: none.
@@ -74,6 +79,7 @@ impl WorkKind {
                 | WorkKind::Apply { .. }
                 | WorkKind::ExportState
                 | WorkKind::ImportState { .. }
+                | WorkKind::InitState { .. }
         )
     }
 
@@ -88,6 +94,7 @@ impl WorkKind {
             WorkKind::Apply { .. } => "apply",
             WorkKind::ExportState => "export_state",
             WorkKind::ImportState { .. } => "import_state",
+            WorkKind::InitState { .. } => "init_state",
             WorkKind::Forget { .. } => "forget",
         }
     }
@@ -337,7 +344,10 @@ fn check_output(kind: &WorkKind, out: &Output, act: usize) -> Result<(), String>
                 None => Ok(()),
             }
         }
-        (WorkKind::Apply { .. } | WorkKind::ImportState { .. }, Output::Weights(_)) => Ok(()),
+        (
+            WorkKind::Apply { .. } | WorkKind::ImportState { .. } | WorkKind::InitState { .. },
+            Output::Weights(_),
+        ) => Ok(()),
         (WorkKind::ExportState, Output::State(f)) if !f.is_empty() => Ok(()),
         (k, o) => Err(format!(
             "{} cannot be answered with {}",

@@ -537,6 +537,17 @@ impl Printer {
                 Event::MemberRemoved { peer } => {
                     self.emit(json!({"event": "peer_lost", "peer": peer}))
                 }
+                Event::StageEmpty { stage } => self.emit(json!({
+                    "event": "stage_empty", "stage": stage,
+                    "why": "no live node of this stage is known: its microbatches wait until a node joins it",
+                })),
+                Event::StageResumed { stage } => {
+                    self.emit(json!({"event": "stage_resumed", "stage": stage}))
+                }
+                Event::StageRestarted { stage, applied } => self.emit(json!({
+                    "event": "stage_restarted", "stage": stage, "applied": applied,
+                    "why": "no live node held this stage: it starts again from the initial weights",
+                })),
                 _ => {}
             },
             NodeEvent::Applied {

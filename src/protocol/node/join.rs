@@ -79,6 +79,21 @@ impl Node {
     }
 
     pub(super) fn choose_stage(&mut self) {
+        // A stage its neighbours know empty first: training waits for it.
+        let infos = &self.joining.stage_infos;
+        let empty = infos
+            .values()
+            .flat_map(|i| i.empty_neighbors.iter().copied())
+            .filter(|s| (1..=self.s()).contains(s) && !infos.contains_key(s))
+            .filter(|s| !self.peers.values().any(|p| p.stage == *s && !p.dead))
+            .min();
+        if let Some(stage) = empty.filter(|_| self.cfg.restart_empty_stages) {
+            // The iteration in progress: none is final while a stage is
+            // empty, and a member's oldest kept iteration only lags it.
+            let next = infos.values().map(|i| i.open_iter).max().unwrap_or(0);
+            self.restart_stage(stage, next);
+            return;
+        }
         // Bottleneck first: the stage with the smallest aggregate throughput
         // (largest predicted time per microbatch) gains the most from us.
         let mut best: Option<(f64, Stage)> = None;
@@ -114,6 +129,30 @@ impl Node {
                 self.query_stages();
             }
         }
+    }
+
+    /// No live node holds `stage`'s state: this node serves it from the
+    /// model's initial weights (its trainer is told so through
+    /// [`Event::StageRestarted`]), as of iteration `next`. What the stage had
+    /// of unfinished iterations is gone with its nodes: as a coordinator
+    /// that took over from a dead one, it has what is missing at an
+    /// iteration's end recomputed after a short grace.
+    fn restart_stage(&mut self, stage: Stage, next: u32) {
+        self.stage = stage;
+        let applied = next.checked_sub(1);
+        if let Some(a) = applied {
+            // A version of its own: these weights descend from no update.
+            self.iters.downloaded((a, mix(u64::MAX, stage as u64)));
+        }
+        self.iters.hear_next(next, false);
+        self.coordinating.inherited = Some((self.now, next));
+        self.group.adopt([], self.id);
+        // Only the views that matter to this stage.
+        let (ps, ns) = (self.prev_stage(), self.next_stage());
+        self.peers
+            .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
+        self.event(Event::StageRestarted { stage, applied });
+        self.become_active();
     }
 
     fn download(&mut self, stage: Stage, src: NodeId) {
@@ -157,6 +196,8 @@ impl Node {
                 stage: self.stage,
                 members,
                 throughput: members as f64 / self.compute_s.max(1e-9),
+                open_iter: self.iters.min_iter,
+                empty_neighbors: self.adjacent.empty.iter().copied().collect(),
             };
             self.send(from, Msg::StageInfo { summary });
         }
@@ -248,6 +289,8 @@ mod tests {
                 stage,
                 members: 2,
                 throughput: thr,
+                open_iter: 0,
+                empty_neighbors: Vec::new(),
             };
             deliver(&mut n, from, Msg::StageInfo { summary });
         }
@@ -267,6 +310,55 @@ mod tests {
         assert_eq!(n.coordinator(), Some(21));
     }
 
+    /// Stage 2's neighbours say it has no live node: a joiner of the real
+    /// swarm restarts it from the initial weights at the iteration in
+    /// progress (no download: nobody holds its state) and says so; with
+    /// restarts off (the simulator) it joins the bottleneck as usual.
+    #[test]
+    fn a_joiner_restarts_a_stage_its_neighbours_know_empty() {
+        for restart in [true, false] {
+            let mut cfg = (*config(Policy::Gwtf)).clone();
+            cfg.restart_empty_stages = restart;
+            let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
+            let peers = vec![(11, 1), (31, 3), (41, 4)];
+            n.handle(SEC, Input::Join { peers });
+            for (from, stage, thr, open, empty) in [
+                (11, 1, 8.0, 6, vec![2]),
+                (31, 3, 2.0, 7, vec![2]),
+                (41, 4, 5.0, 6, vec![]),
+            ] {
+                let summary = StageSummary {
+                    stage,
+                    members: 2,
+                    throughput: thr,
+                    open_iter: open,
+                    empty_neighbors: empty,
+                };
+                deliver(&mut n, from, Msg::StageInfo { summary });
+            }
+            let acts = n.on_timeout(3 * SEC);
+            if restart {
+                assert_eq!(n.stage(), 2);
+                assert!(n.is_active());
+                assert_eq!(n.version().0, 6);
+                assert_eq!(n.coordinator(), Some(50));
+                assert!(acts.iter().any(|a| matches!(
+                    a,
+                    Action::Event(Event::StageRestarted {
+                        stage: 2,
+                        applied: Some(6)
+                    })
+                )));
+                assert!(!sends(&acts)
+                    .iter()
+                    .any(|(_, m)| matches!(m, Msg::StateRequest)));
+            } else {
+                assert_eq!(n.stage(), 3);
+                assert!(matches!(sends(&acts)[..], [(31, Msg::StateRequest)]));
+            }
+        }
+    }
+
     /// The member serving a download dies: the joiner asks another member of
     /// the stage at once (its broken connection says so), and when none is
     /// left it asks the stages again.
@@ -280,6 +372,8 @@ mod tests {
                 stage,
                 members: 2,
                 throughput: thr,
+                open_iter: 0,
+                empty_neighbors: Vec::new(),
             };
             deliver(&mut n, from, Msg::StageInfo { summary });
         }

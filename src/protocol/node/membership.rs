@@ -141,6 +141,32 @@ impl<'a> IntoIterator for &'a MemberSet {
 
 impl Node {
     /// Not known to be dead (members of the group need not be in `peers`).
+    /// Says when a stage next to this node's loses its last live node
+    /// known here, and when one is known again: a pause with a reason
+    /// instead of a silent stall.
+    pub(super) fn watch_adjacent_stages(&mut self) {
+        let s = self.s();
+        let watched: Vec<Stage> = if self.stage == 0 {
+            vec![1, s]
+        } else {
+            vec![self.stage - 1, self.stage + 1]
+        };
+        for st in watched {
+            if st == 0 || st > s || st == self.stage {
+                continue;
+            }
+            let live = self.peers.values().any(|p| p.stage == st && !p.dead);
+            if live {
+                self.adjacent.seen.insert(st);
+                if self.adjacent.empty.remove(&st) {
+                    self.event(Event::StageResumed { stage: st });
+                }
+            } else if self.adjacent.seen.contains(&st) && self.adjacent.empty.insert(st) {
+                self.event(Event::StageEmpty { stage: st });
+            }
+        }
+    }
+
     pub(super) fn alive(&self, p: NodeId) -> bool {
         p == self.id || !self.peers.get(&p).is_some_and(|x| x.dead)
     }
@@ -563,4 +589,11 @@ mod tests {
         deliver(&mut n, 30, Msg::Goodbye);
         assert!(!n.alive(30));
     }
+}
+
+/// Stages next to a node's: which had a live node, which have none now.
+#[derive(Debug, Default)]
+pub(super) struct AdjacentStages {
+    pub(super) seen: BTreeSet<Stage>,
+    pub(super) empty: BTreeSet<Stage>,
 }

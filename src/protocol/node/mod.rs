@@ -91,6 +91,9 @@ pub struct Node {
     // ---- the parts' own state
     group: Group,
     joining: JoinState,
+    /// Stages next to this node's that had a live node (and which of
+    /// them have none now): see `watch_adjacent_stages`.
+    adjacent: AdjacentStages,
     cost_gossip: CostGossip,
     reservations: Reservations,
     search: LocalSearch,
@@ -156,6 +159,7 @@ impl Node {
             member: GroupMember::default(),
             coordinating: Coordinator::default(),
             joining: JoinState::default(),
+            adjacent: AdjacentStages::default(),
             iters: Iterations::default(),
             group: Group::default(),
         }
@@ -422,6 +426,7 @@ impl Node {
         }
         let hb = self.cfg.heartbeat_ticks as u64;
         if self.tick_no % hb == 0 {
+            self.watch_adjacent_stages();
             self.heartbeat();
         }
         let gossip_tick = self.tick_no % self.cfg.gossip_ticks as u64 == 1;
