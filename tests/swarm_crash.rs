@@ -272,3 +272,42 @@ fn a_stages_last_node_killed_pauses_training_until_a_node_joins_it() {
     eprintln!("losses per iteration: {losses:?}");
     assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
 }
+
+/// A node that joins goes to the bottleneck: the stage with the fewest
+/// members (the least throughput) gets it, downloads its state from the
+/// member there, and its replicas agree from then on.
+#[test]
+fn a_joiner_goes_to_the_bottleneck_stage() {
+    const LONG: u32 = 12;
+    let args = common_args(LONG);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let layout = vec![(1, 0), (2, 0), (11, 1), (12, 1), (13, 1), (21, 2)];
+    let mut swarm = Swarm::start(&layout, &args, &[]);
+    swarm.until("iteration 0", |ev| {
+        ev.iter().any(|e| e.event() == "iteration")
+    });
+    swarm.join(31, 1, &[]);
+    let ev = swarm.until_done(&[1, 2]);
+    let active: Vec<u64> = ev
+        .iter()
+        .filter(|e| e.node == 31 && e.event() == "active")
+        .map(|e| e.u("stage"))
+        .collect();
+    assert_eq!(
+        active,
+        [2],
+        "the joiner did not join the bottleneck stage 2"
+    );
+    assert!(
+        ev.iter()
+            .any(|e| e.node == 31 && e.event() == "state_download" && e.u("from") == 21),
+        "the joiner did not download stage 2's state from its member"
+    );
+    let losses = check_run(&ev, LONG, MB, 2);
+    assert!(
+        ev.iter()
+            .any(|e| e.node == 31 && e.event() == "applied" && e.u("stage") == 2),
+        "the joiner never applied an update"
+    );
+    assert_reference(&losses);
+}
