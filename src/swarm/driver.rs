@@ -738,16 +738,36 @@ impl Driver {
     fn on_directory(&mut self, from: NodeId, body: &[u8]) {
         match directory::parse(body) {
             Ok(peers) => {
+                let mut news = Vec::new();
                 for p in peers {
-                    if p.id != self.me.id {
-                        self.dir.insert(p.id, p);
+                    if p.id != self.me.id && self.dir.get(&p.id) != Some(&p) {
+                        self.dir.insert(p.id, p.clone());
+                        news.push(p);
                     }
                 }
+                self.pass_on_directory(from, &news);
                 if self.joining.is_some() {
                     self.join_now();
                 }
             }
             Err(e) => self.log(format!("bad directory from {from:x}: {e}")),
+        }
+    }
+
+    /// Tells the connected peers (but `from` and the news themselves) of
+    /// peers new to this node: a member that has never talked to a joiner
+    /// can still reach it when the protocol names it (an all-reduce ring,
+    /// a recovery). Each node passes an entry on once, so it spreads once.
+    fn pass_on_directory(&mut self, from: NodeId, news: &[Peer]) {
+        if news.is_empty() {
+            return;
+        }
+        let env = directory::message(&self.me, news.iter());
+        for peer in self.net.peers() {
+            let skip = peer == from as u64 || news.iter().any(|p| p.id as u64 == peer);
+            if !skip {
+                let _ = self.net.send_control(peer, &env, SEND_WAIT);
+            }
         }
     }
 

@@ -215,7 +215,7 @@ impl Swarm {
                 .collect();
             let err = std::fs::read_to_string(self.dir.path().join(format!("node-{}.err", n.id)))
                 .unwrap_or_default();
-            let err: Vec<&str> = err.lines().rev().take(12).collect();
+            let err: Vec<&str> = err.lines().rev().take(40).collect();
             s += &format!("node {}: {last:?} stderr {err:?}\n", n.id);
         }
         s
