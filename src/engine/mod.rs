@@ -831,6 +831,11 @@ impl Node {
     }
 
     /// Ids of the connected peers.
+    /// Whether `peer` is connected now (cheaper than [`Node::peers`]).
+    pub fn is_connected(&self, peer: u64) -> bool {
+        self.shared.peers.read().contains_key(&peer)
+    }
+
     pub fn peers(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self.shared.peers.read().keys().copied().collect();
         v.sort_unstable();

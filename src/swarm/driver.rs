@@ -622,7 +622,7 @@ impl Driver {
             }
             return;
         }
-        if !self.net.peers().contains(&(to as u64)) {
+        if !self.net.is_connected(to as u64) {
             self.connect(to, Out::Frame(f));
             return;
         }
