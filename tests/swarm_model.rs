@@ -267,6 +267,17 @@ impl Swarm {
 fn a_swarm_without_crashes_trains_exactly_the_reference() {
     let mut swarm = Swarm::start();
     swarm.iterations_done(ITERATIONS);
+    // Tensors go from the socket to the trainer and from the trainer to the
+    // socket in their pool slots: no node copied one.
+    for (id, rt) in &swarm.nodes {
+        let s = rt.net_stats();
+        assert!(s.frames_sent > 0, "node {id} sent no tensor");
+        assert_eq!(
+            s.user_copies, 0,
+            "node {id} copied {} bytes",
+            s.user_copy_bytes
+        );
+    }
     swarm.finish_and_check(ITERATIONS);
 }
 

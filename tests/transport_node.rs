@@ -347,3 +347,37 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
         "only {duplicates} duplicate connections in {ROUNDS} rounds"
     );
 }
+
+/// A shared frame is sent as often as needed without a copy; its pool slot
+/// comes back when the last share (the caller's, the queued sends') is gone.
+#[test]
+fn a_shared_frame_is_sent_several_times_without_a_copy() {
+    use gwtf::engine::SharedFrame;
+    let a = Node::new(opts()).unwrap();
+    let b = Node::new(opts()).unwrap();
+    let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+    let mut f = a.alloc(100_000, T).unwrap();
+    for (i, x) in f.payload_mut().iter_mut().enumerate() {
+        *x = (i % 251) as u8;
+    }
+    let kept: SharedFrame = f.into();
+    for i in 0..3u64 {
+        let mut h = kept.header;
+        h.microbatch = i;
+        a.send_shared(peer, h, &kept, T).unwrap();
+    }
+    for i in 0..3u64 {
+        let r = b.recv(T).unwrap();
+        assert_eq!(r.header.microbatch, i);
+        assert!(r.payload() == kept.payload(), "payload {i} differs");
+    }
+    let s = a.stats();
+    assert_eq!((s.user_copies, s.frames_sent), (0, 3));
+    assert!(s.pool.in_use_bytes > 0, "the kept share holds its slot");
+    drop(kept);
+    let deadline = Instant::now() + T;
+    while a.stats().pool.in_use_bytes > 0 {
+        assert!(Instant::now() < deadline, "the slot never came back");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

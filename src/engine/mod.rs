@@ -329,6 +329,45 @@ impl Frame {
     }
 }
 
+/// A frame whose payload is shared and read-only: kept by its owner while
+/// [`Node::send_shared`] sends it (no copy), as often as needed. The lease
+/// returns to the pool when the last holder lets go.
+#[derive(Clone)]
+pub struct SharedFrame {
+    pub header: FrameHeader,
+    lease: Option<Arc<Lease>>,
+}
+
+impl fmt::Debug for SharedFrame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedFrame")
+            .field("len", &self.len())
+            .field("header", &self.header)
+            .finish()
+    }
+}
+
+impl SharedFrame {
+    pub fn len(&self) -> usize {
+        self.lease.as_ref().map_or(0, |l| l.len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn payload(&self) -> &[u8] {
+        self.lease.as_ref().map_or(&[], |l| l.as_slice())
+    }
+}
+
+impl From<Frame> for SharedFrame {
+    fn from(f: Frame) -> SharedFrame {
+        SharedFrame {
+            header: f.header,
+            lease: f.lease.map(Arc::new),
+        }
+    }
+}
+
 /// Counters of a node (monotonic unless noted).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -464,6 +503,7 @@ impl Shared {
 pub(crate) enum OutPayload {
     None,
     Lease(Lease),
+    Shared(Arc<Lease>),
     Bytes(Vec<u8>),
 }
 
@@ -719,10 +759,41 @@ impl Node {
     /// up to `timeout` for room in the peer's send queue (zero: would-block
     /// returns `Timeout` at once).
     pub fn send(&self, peer: u64, frame: Frame, timeout: Duration) -> Result<(), EngineError> {
-        let Frame {
-            mut header, lease, ..
-        } = frame;
-        let len = lease.as_ref().map_or(0, Lease::len) as u64;
+        let Frame { header, lease, .. } = frame;
+        let payload = lease.map_or(OutPayload::None, OutPayload::Lease);
+        self.send_payload(peer, header, payload, timeout)
+    }
+
+    /// Sends `frame`'s payload under `header` without copying it: the
+    /// caller keeps its share (to send it again later, e.g. after a crash
+    /// downstream). As [`Node::send`] otherwise.
+    pub fn send_shared(
+        &self,
+        peer: u64,
+        header: FrameHeader,
+        frame: &SharedFrame,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let payload = frame
+            .lease
+            .clone()
+            .map_or(OutPayload::None, OutPayload::Shared);
+        self.send_payload(peer, header, payload, timeout)
+    }
+
+    fn send_payload(
+        &self,
+        peer: u64,
+        mut header: FrameHeader,
+        payload: OutPayload,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let bytes: &[u8] = match &payload {
+            OutPayload::Lease(l) => l.as_slice(),
+            OutPayload::Shared(l) => l.as_slice(),
+            OutPayload::None | OutPayload::Bytes(_) => &[],
+        };
+        let len = bytes.len() as u64;
         if header.kind != FrameKind::Data as u16 {
             return Err(EngineError::InvalidArgument(format!(
                 "frame kind {} cannot be sent as data (use GWTF_FRAME_KIND_DATA)",
@@ -738,7 +809,7 @@ impl Node {
             header.flags |= FLAG_PAYLOAD_CRC;
         }
         if header.flags & FLAG_PAYLOAD_CRC != 0 {
-            header.payload_crc = crc32c(lease.as_ref().map_or(&[], Lease::as_slice));
+            header.payload_crc = crc32c(bytes);
         }
         header
             .validate(self.shared.opts.max_payload)
@@ -747,7 +818,7 @@ impl Node {
         let cmd = Cmd::Send {
             peer,
             head: Box::new(header.encode()),
-            payload: lease.map_or(OutPayload::None, OutPayload::Lease),
+            payload,
             data_len: len,
         };
         if self.stopped.load(Ordering::SeqCst) || self.cmd_tx.send(cmd).is_err() {

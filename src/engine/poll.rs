@@ -45,6 +45,7 @@ impl OutItem {
         match &self.payload {
             OutPayload::None => &[],
             OutPayload::Lease(l) => l.as_slice(),
+            OutPayload::Shared(l) => l.as_slice(),
             OutPayload::Bytes(b) => b,
         }
     }

@@ -8,7 +8,7 @@ use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::runtime::{NodeEvent, Shared};
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
-use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net};
+use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
 use crate::protocol::{
     codec, Action, AggregatePlan, Config, Event, Input, MbId, Msg, Node, NodeId, Task, TaskId,
     TaskKind, Time,
@@ -590,7 +590,7 @@ impl Driver {
         self.send_now(to, msg, data);
     }
 
-    fn send_now(&mut self, to: NodeId, msg: Msg, data: Option<Frame>) {
+    fn send_now(&mut self, to: NodeId, msg: Msg, data: Option<SharedFrame>) {
         let env = match codec::encode(&msg) {
             Ok(env) => env,
             Err(e) => {
@@ -601,7 +601,7 @@ impl Driver {
         match self.net.send_control(to as u64, &env, SEND_WAIT) {
             Ok(()) => {
                 if let Some(f) = data {
-                    if let Err(e) = self.net.send(to as u64, f, SEND_WAIT) {
+                    if let Err(e) = self.net.send_shared(to as u64, f.header, &f, SEND_WAIT) {
                         self.log(format!("data of {} to {to:x}: {e}", msg.name()));
                     }
                 }
@@ -647,30 +647,29 @@ impl Driver {
         }
     }
 
-    /// The data frame that follows a bulk message: a copy of the kept
-    /// tensor (the protocol may send it again, so it stays kept).
-    fn bulk_data(&self, msg: &Msg) -> Result<Frame, String> {
+    /// The data frame that follows a bulk message: the kept tensor itself
+    /// (shared, not copied: the protocol may send it again, so it stays
+    /// kept).
+    fn bulk_data(&self, msg: &Msg) -> Result<SharedFrame, String> {
         let (microbatch, iteration) = bulk::header_fields(msg);
-        let mut f = match msg {
+        let mut f: SharedFrame = match msg {
             Msg::Forward { mb, .. } | Msg::Backward { mb, .. } => {
                 let slot = if matches!(msg, Msg::Forward { .. }) {
                     Slot::Output
                 } else {
                     Slot::GradOut
                 };
-                let kept = self
-                    .store
-                    .get(*mb, slot)
-                    .ok_or_else(|| format!("no {slot:?} tensor kept for {mb:?}"))?;
-                self.net
-                    .alloc_copy(kept.payload(), SEND_WAIT)
-                    .map_err(|e| e.to_string())?
+                self.store
+                    .kept(*mb, slot)
+                    .cloned()
+                    .ok_or_else(|| format!("no {slot:?} tensor kept for {mb:?}"))?
             }
             _ => {
                 let len = bulk::payload_len(msg, &self.cfg).min(self.net.options().max_payload);
                 self.net
                     .alloc(len as usize, SEND_WAIT)
                     .map_err(|e| e.to_string())?
+                    .into()
             }
         };
         f.header.stage = self.me.stage as u32;
@@ -710,7 +709,7 @@ impl Driver {
         f.header.stage = self.me.stage as u32;
         f.header.microbatch = microbatch;
         f.header.iteration = iteration;
-        self.send_now(to, msg, Some(f));
+        self.send_now(to, msg, Some(f.into()));
     }
 
     /// Opens a connection to `to` and keeps `first` until it is up.

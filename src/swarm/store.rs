@@ -10,7 +10,9 @@
 //! upstream is answered with the kept gradient, without recomputing.
 //! Each kept tensor holds one pool slot; the pool is sized from the node's
 //! memory budget, and so is the capacity the node offers in the flows.
-use crate::engine::Frame;
+//! What this node produced is kept shared ([`SharedFrame`]): each send is
+//! the same slot, not a copy of it.
+use crate::engine::{Frame, SharedFrame};
 use crate::protocol::MbId;
 use std::collections::HashMap;
 
@@ -21,8 +23,8 @@ struct Entry {
     attempt: u32,
     input: Option<Frame>,
     grad_in: Option<Frame>,
-    output: Option<Frame>,
-    grad_out: Option<Frame>,
+    output: Option<SharedFrame>,
+    grad_out: Option<SharedFrame>,
 }
 
 /// The kept tensors, by microbatch.
@@ -59,23 +61,33 @@ impl TensorStore {
                 ..Entry::default()
             };
         }
-        *e.slot(slot) = Some(f);
+        match slot {
+            Slot::Input => e.input = Some(f),
+            Slot::GradIn => e.grad_in = Some(f),
+            Slot::Output => e.output = Some(f.into()),
+            Slot::GradOut => e.grad_out = Some(f.into()),
+        }
         true
     }
 
-    /// Takes `slot` of `mb` out (the trainer's input).
+    /// Takes the input `slot` (`Input` or `GradIn`) of `mb` out, for the
+    /// trainer; None for what this node produced (it stays kept).
     pub fn take(&mut self, mb: MbId, slot: Slot) -> Option<Frame> {
-        self.entries.get_mut(&mb)?.slot(slot).take()
+        let e = self.entries.get_mut(&mb)?;
+        match slot {
+            Slot::Input => e.input.take(),
+            Slot::GradIn => e.grad_in.take(),
+            Slot::Output | Slot::GradOut => None,
+        }
     }
 
-    /// The kept `slot` of `mb`.
-    pub fn get(&self, mb: MbId, slot: Slot) -> Option<&Frame> {
+    /// What this node produced for `mb` (`Output` or `GradOut`), to send.
+    pub fn kept(&self, mb: MbId, slot: Slot) -> Option<&SharedFrame> {
         let e = self.entries.get(&mb)?;
         match slot {
-            Slot::Input => e.input.as_ref(),
-            Slot::GradIn => e.grad_in.as_ref(),
             Slot::Output => e.output.as_ref(),
             Slot::GradOut => e.grad_out.as_ref(),
+            Slot::Input | Slot::GradIn => None,
         }
     }
 
@@ -97,9 +109,10 @@ impl TensorStore {
         self.entries
             .values()
             .map(|e| {
-                [&e.input, &e.grad_in, &e.output, &e.grad_out]
-                    .iter()
-                    .filter(|f| f.is_some())
+                [e.input.is_some(), e.grad_in.is_some()]
+                    .into_iter()
+                    .chain([e.output.is_some(), e.grad_out.is_some()])
+                    .filter(|x| *x)
                     .count()
             })
             .sum()
@@ -112,16 +125,5 @@ impl TensorStore {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
-    }
-}
-
-impl Entry {
-    fn slot(&mut self, s: Slot) -> &mut Option<Frame> {
-        match s {
-            Slot::Input => &mut self.input,
-            Slot::GradIn => &mut self.grad_in,
-            Slot::Output => &mut self.output,
-            Slot::GradOut => &mut self.grad_out,
-        }
     }
 }
