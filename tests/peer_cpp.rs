@@ -1,0 +1,312 @@
+//! A swarm of C++ trainers with their own model (c-examples/cpp/swarm_mlp.cpp,
+//! built with AddressSanitizer through the examples' Makefile) joined
+//! through `gwtf_peer`: two data holders and two relays on each of two
+//! stages. One relay is SIGKILLed mid-training; the holders still finish
+//! every iteration, the loss falls, and the replicas of each stage report
+//! the same weights after every update.
+
+mod common;
+
+use common::skip::skipped;
+use common::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const KEY: &str = "0123456789abcdef-cpp-swarm-key";
+const ITERATIONS: u32 = 16;
+
+fn tool_missing() -> Option<&'static str> {
+    for (tool, arg) in [
+        ("c++", "--version"),
+        ("make", "--version"),
+        ("pkg-config", "--version"),
+    ] {
+        if Command::new(tool).arg(arg).output().is_err() {
+            return Some(tool);
+        }
+    }
+    None
+}
+
+/// Builds swarm_mlp with the examples' Makefile (ASan included).
+fn build_trainer() -> PathBuf {
+    let build = scratch("peer-cpp");
+    let exe = build.join("swarm_mlp");
+    run_ok(
+        Command::new("make")
+            .arg("-C")
+            .arg(repo_root().join("c-examples"))
+            .arg(format!("LIBDIR={}", lib_dir().display()))
+            .arg(format!("BUILD={}", build.display()))
+            .arg(&exe),
+    );
+    exe
+}
+
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+struct Proc {
+    id: u32,
+    child: Child,
+}
+
+/// Every child is killed when the test ends, whatever happened.
+struct Procs(Vec<Proc>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for p in &mut self.0 {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+    }
+}
+
+fn spawn(
+    exe: &Path,
+    dir: &Path,
+    id: u32,
+    args: &[String],
+    seen: &Arc<Mutex<Vec<(u32, Value)>>>,
+) -> Proc {
+    let mut child = asan_env(&mut Command::new(exe))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join(format!("node-{id}.err"))).unwrap(),
+        ))
+        .spawn()
+        .expect("swarm_mlp starts");
+    let out = child.stdout.take().unwrap();
+    let seen = seen.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            println!("{line}");
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                seen.lock().unwrap().push((id, v));
+            }
+        }
+    });
+    Proc { id, child }
+}
+
+#[test]
+fn cpp_trainers_train_through_a_relay_kill_under_asan() {
+    if let Some(tool) = tool_missing() {
+        skipped(&format!("{tool} is not installed"));
+        return;
+    }
+    let exe = build_trainer();
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, KEY).unwrap();
+    // id, stage (0: holder)
+    let layout: [(u32, u16); 6] = [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 2)];
+    let addrs: Vec<SocketAddr> = layout.iter().map(|_| free_addr()).collect();
+    let mut common: Vec<String> = vec![
+        "--key-file".into(),
+        key.display().to_string(),
+        "--relay-stages".into(),
+        "2".into(),
+        "--iterations".into(),
+        ITERATIONS.to_string(),
+        "--microbatches".into(),
+        "4".into(),
+    ];
+    for ((id, stage), a) in layout.iter().zip(&addrs) {
+        common.push("--peer".into());
+        common.push(format!("{id}/{stage}/{a}"));
+    }
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut procs = Procs(Vec::new());
+    for ((id, stage), a) in layout.iter().zip(&addrs) {
+        let mut args = vec![
+            "--listen".to_string(),
+            a.to_string(),
+            "--id".into(),
+            id.to_string(),
+        ];
+        if *stage == 0 {
+            args.push("--holder".into());
+        } else {
+            args.push("--stage".into());
+            args.push(stage.to_string());
+        }
+        args.extend(common.iter().cloned());
+        procs.0.push(spawn(&exe, dir.path(), *id, &args, &seen));
+    }
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let count = |f: &dyn Fn(u32, &Value) -> bool| {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|(id, v)| f(*id, v))
+            .count()
+    };
+    // Mid-training: SIGKILL relay 4 (stage 1) once holder 1 saw iteration 4.
+    const VICTIM: u32 = 4;
+    while count(&|id, v| id == 1 && v["event"] == "iteration" && v["iteration"] == 4) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the swarm never reached iteration 4"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let victim = procs.0.iter_mut().find(|p| p.id == VICTIM).unwrap();
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    println!("test: SIGKILLed relay {VICTIM} after iteration 4");
+    // Both holders finish every iteration, and exit cleanly (ASan included).
+    for holder in [1, 2] {
+        let p = procs.0.iter_mut().find(|p| p.id == holder).unwrap();
+        loop {
+            if let Some(st) = p.child.try_wait().unwrap() {
+                let err = std::fs::read_to_string(dir.path().join(format!("node-{holder}.err")))
+                    .unwrap_or_default();
+                assert!(st.success(), "holder {holder} exited with {st}:\n{err}");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "holder {holder} did not finish in time"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // The surviving relays leave gracefully on SIGTERM and exit cleanly.
+    for p in procs
+        .0
+        .iter_mut()
+        .filter(|p| ![1, 2, VICTIM].contains(&p.id))
+    {
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    }
+    for p in procs
+        .0
+        .iter_mut()
+        .filter(|p| ![1, 2, VICTIM].contains(&p.id))
+    {
+        let t = Instant::now();
+        loop {
+            if let Some(st) = p.child.try_wait().unwrap() {
+                let err = std::fs::read_to_string(dir.path().join(format!("node-{}.err", p.id)))
+                    .unwrap_or_default();
+                assert!(st.success(), "relay {} exited with {st}:\n{err}", p.id);
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "relay {} did not leave",
+                p.id
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let seen = seen.lock().unwrap().clone();
+    // Every holder: every iteration's loss, then done.
+    let mut losses: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for holder in [1, 2] {
+        let its: Vec<(u32, f64)> = seen
+            .iter()
+            .filter(|(id, v)| *id == holder && v["event"] == "iteration")
+            .map(|(_, v)| {
+                (
+                    v["iteration"].as_u64().unwrap() as u32,
+                    v["loss"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        let got: Vec<u32> = its.iter().map(|x| x.0).collect();
+        assert_eq!(
+            got,
+            (0..ITERATIONS).collect::<Vec<_>>(),
+            "holder {holder}'s iterations"
+        );
+        for (i, l) in its {
+            losses.entry(i).or_default().push(l);
+        }
+        assert!(
+            seen.iter()
+                .any(|(id, v)| *id == holder && v["event"] == "done"),
+            "holder {holder} printed no done"
+        );
+    }
+    let mean = |i: u32| losses[&i].iter().sum::<f64>() / losses[&i].len() as f64;
+    let first = mean(0);
+    let last = (ITERATIONS - 3..ITERATIONS).map(mean).sum::<f64>() / 3.0;
+    println!("test: mean loss of iteration 0 {first:.3}, of the last three {last:.3}");
+    assert!(
+        last < 0.6 * first,
+        "the loss did not fall: {first:.3} -> {last:.3}"
+    );
+    // Replicas agree: per stage and iteration, one digest among the
+    // members that applied it (the killed relay's are left out).
+    let mut digests: BTreeMap<(u64, u64), BTreeMap<String, Vec<u32>>> = BTreeMap::new();
+    for (id, v) in &seen {
+        if v["event"] == "applied" && *id != VICTIM {
+            let k = (
+                v["stage"].as_u64().unwrap(),
+                v["iteration"].as_u64().unwrap(),
+            );
+            digests
+                .entry(k)
+                .or_default()
+                .entry(v["weights"].as_str().unwrap().to_string())
+                .or_default()
+                .push(*id);
+        }
+    }
+    for ((stage, it), d) in &digests {
+        assert_eq!(
+            d.len(),
+            1,
+            "stage {stage} iteration {it}: replicas disagree: {d:?}"
+        );
+    }
+    for stage in 0..=2u64 {
+        assert!(
+            digests.keys().filter(|(s, _)| *s == stage).count() >= ITERATIONS as usize - 1,
+            "stage {stage} applied too few updates"
+        );
+    }
+    // The kill mattered: the victim served its stage, the others noticed
+    // it gone, and its stage went on with the other relay alone.
+    assert!(
+        seen.iter()
+            .any(|(id, v)| *id == VICTIM && v["event"] == "applied"),
+        "the victim never applied an update before the kill"
+    );
+    assert!(
+        seen.iter()
+            .any(|(_, v)| v["event"] == "peer_lost" && v["peer"] == VICTIM),
+        "nobody noticed the victim gone"
+    );
+    let late: Vec<u64> = seen
+        .iter()
+        .filter(|(id, v)| *id == 3 && v["event"] == "applied")
+        .map(|(_, v)| v["iteration"].as_u64().unwrap())
+        .filter(|&i| i > 6)
+        .collect();
+    assert!(!late.is_empty(), "stage 1 stopped applying after the kill");
+    assert!(
+        !seen
+            .iter()
+            .any(|(_, v)| v["event"] == "error"
+                && !v["message"].as_str().unwrap_or("").contains("peer")),
+        "an error other than a lost peer"
+    );
+}
