@@ -125,6 +125,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
         "--microbatches".into(),
         "4".into(),
     ];
+    let shared = common.clone();
     for ((id, stage), a) in layout.iter().zip(&addrs) {
         common.push("--peer".into());
         common.push(format!("{id}/{stage}/{a}"));
@@ -168,6 +169,19 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     victim.child.kill().unwrap();
     victim.child.wait().unwrap();
     println!("test: SIGKILLed relay {VICTIM} after iteration 4");
+    // A relay joins (the swarm chooses its stage; it downloads the state
+    // from a member's trainer).
+    const JOINER: u32 = 7;
+    let mut args = vec![
+        "--listen".to_string(),
+        free_addr().to_string(),
+        "--id".into(),
+        JOINER.to_string(),
+        "--join".into(),
+        addrs[2].to_string(),
+    ];
+    args.extend(shared.iter().cloned());
+    procs.0.push(spawn(&exe, dir.path(), JOINER, &args, &seen));
     // Both holders finish every iteration, and exit cleanly (ASan included).
     for holder in [1, 2] {
         let p = procs.0.iter_mut().find(|p| p.id == holder).unwrap();
@@ -294,6 +308,16 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
         seen.iter()
             .any(|(_, v)| v["event"] == "peer_lost" && v["peer"] == VICTIM),
         "nobody noticed the victim gone"
+    );
+    assert!(
+        seen.iter()
+            .any(|(id, v)| *id == JOINER && v["event"] == "state_download"),
+        "the joiner downloaded no state"
+    );
+    assert!(
+        seen.iter()
+            .any(|(id, v)| *id == JOINER && v["event"] == "applied"),
+        "the joiner applied no update"
     );
     let late: Vec<u64> = seen
         .iter()
