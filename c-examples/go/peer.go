@@ -326,6 +326,14 @@ func (p *Peer) Alloc(n int, timeout time.Duration) (*OutFrame, error) {
 	return o, nil
 }
 
+// raw is the frame handle (nil for none).
+func (o *OutFrame) raw() *C.gwtf_frame {
+	if o == nil {
+		return nil
+	}
+	return o.f
+}
+
 // taken marks out as passed to the library after an accepted answer.
 func taken(out *OutFrame, err error) error {
 	if err == nil && out != nil {
@@ -340,24 +348,16 @@ func taken(out *OutFrame, err error) error {
 func (p *Peer) TaskDone(id uint64, out *OutFrame) error {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
-	var f *C.gwtf_frame
-	if out != nil {
-		f = out.f
-	}
 	var cerr *C.gwtf_error
-	return taken(out, check(C.gwtf_peer_task_done(p.ptr, C.uint64_t(id), f, &cerr), &cerr))
+	return taken(out, check(C.gwtf_peer_task_done(p.ptr, C.uint64_t(id), out.raw(), &cerr), &cerr))
 }
 
 // TaskDoneLoss answers a loss task: the loss and the input's gradient.
 func (p *Peer) TaskDoneLoss(id uint64, loss float32, grad *OutFrame) error {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
-	var f *C.gwtf_frame
-	if grad != nil {
-		f = grad.f
-	}
 	var cerr *C.gwtf_error
-	return taken(grad, check(C.gwtf_peer_task_done_loss(p.ptr, C.uint64_t(id), C.float(loss), f, &cerr), &cerr))
+	return taken(grad, check(C.gwtf_peer_task_done_loss(p.ptr, C.uint64_t(id), C.float(loss), grad.raw(), &cerr), &cerr))
 }
 
 // TaskDoneGradient answers a gradient task: the sum of the granted
