@@ -116,6 +116,11 @@
 #define GWTF_ADAMW_OPTIONS_VERSION 1
 
 /**
+ * Current version of `gwtf_model_run_info`.
+ */
+#define GWTF_MODEL_RUN_INFO_VERSION 1
+
+/**
  * Major version of libgwtf (equals Cargo.toml's; checked by tests).
  */
 #define GWTF_VERSION_MAJOR 0
@@ -1244,6 +1249,33 @@ typedef struct gwtf_adamw_options {
   float eps;
   float weight_decay;
 } gwtf_adamw_options;
+
+/**
+ * What `gwtf node` trains with `--model preset --stages S --iterations N`
+ * (see `gwtf_model_run_info_get`): a C trainer serving a stage of the same
+ * swarm with `gwtf_stage` must use exactly these.
+ */
+typedef struct gwtf_model_run_info {
+  /**
+   * `GWTF_MODEL_RUN_INFO_VERSION` of the library that wrote it.
+   */
+  uint32_t version;
+  /**
+   * Relay stages (`S - 2`).
+   */
+  uint32_t relay_stages;
+  /**
+   * Sequences per microbatch, and tokens per sequence.
+   */
+  uint32_t batch;
+  uint32_t seq;
+  uint32_t d_model;
+  uint32_t reserved0;
+  /**
+   * Bytes of an activation between stages (and of its gradient).
+   */
+  uint64_t activation_bytes;
+} gwtf_model_run_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2679,6 +2711,148 @@ gwtf_status gwtf_stage_import_params(struct gwtf_stage *stage,
  * Errors: none.
  */
 void gwtf_stage_free(struct gwtf_stage *stage);
+
+/**
+ * Copies the parameter gradient accumulated since the last take (or step)
+ * into `buf` and zeroes the accumulator: with one backward between two
+ * takes, the gradient of one microbatch (a swarm trainer keeps each
+ * microbatch's apart until its stage aggregates). `*out_len` (may be NULL)
+ * receives the count, also on `GWTF_STATUS_BUFFER_TOO_SMALL` (reported
+ * before anything changes).
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_take_grads(struct gwtf_stage *stage,
+                                  float *buf,
+                                  size_t buf_len,
+                                  size_t *out_len,
+                                  struct gwtf_error **out_err);
+
+/**
+ * One optimizer step with `mean` (`len` floats, one per parameter) as the
+ * gradient, whatever was accumulated (which is dropped): a swarm member
+ * applies its stage's all-reduced mean this way. `opts` NULL: the defaults.
+ *
+ * Ownership: `mean` and `opts` are read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length, bad options),
+ * `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_apply_mean(struct gwtf_stage *stage,
+                                  const float *mean,
+                                  size_t len,
+                                  const struct gwtf_adamw_options *opts,
+                                  struct gwtf_error **out_err);
+
+/**
+ * The stage's whole state as bytes (parameters, AdamW moments, step
+ * count: what a joining replica downloads) into `buf`; `*out_len` (may be
+ * NULL) receives the length, also on `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_export_state(const struct gwtf_stage *stage,
+                                    uint8_t *buf,
+                                    size_t buf_len,
+                                    size_t *out_len,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Replaces the stage's whole state with `len` bytes from `state` (a
+ * same-stage replica's `gwtf_stage_export_state`); checked before anything
+ * changes. Drops the activations kept and the accumulated gradient.
+ *
+ * Ownership: `state` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (not a state of this stage),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_import_state(struct gwtf_stage *stage,
+                                    const uint8_t *state,
+                                    size_t len,
+                                    struct gwtf_error **out_err);
+
+/**
+ * The SHA-256 of the stage's state (`gwtf_stage_export_state`'s bytes)
+ * into `out` (32 bytes): replicas that applied the same updates agree, and
+ * `gwtf node` reports its weights this way.
+ *
+ * Ownership: `out` is caller memory of 32 bytes.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_state_digest(const struct gwtf_stage *stage,
+                                    uint8_t *out,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Describes the run `gwtf node --model preset --stages stages --iterations
+ * iterations` trains (microbatch shape, activation size).
+ *
+ * Ownership: `preset` is read during the call; `out` is caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (unknown
+ * preset, fewer than 3 stages, impossible cut).
+ */
+gwtf_status gwtf_model_run_info_get(const char *preset_name,
+                                    uint32_t stages,
+                                    uint32_t iterations,
+                                    struct gwtf_model_run_info *out,
+                                    struct gwtf_error **out_err);
+
+/**
+ * The bytes protocol stage `stage` (0: the data holders) of that run
+ * transfers to a joiner, and the memory one microbatch in flight takes
+ * there (what `gwtf node` gives the swarm as its sizes).
+ *
+ * Ownership: `preset` is read during the call; outputs are caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_model_run_stage_bytes(const char *preset_name,
+                                       uint32_t stages,
+                                       uint32_t stage,
+                                       uint64_t *out_state_bytes,
+                                       uint64_t *out_microbatch_bytes,
+                                       struct gwtf_error **out_err);
+
+/**
+ * The optimizer settings `gwtf node` applies iteration `iteration`'s
+ * update with (the run's learning-rate schedule and weight decay).
+ *
+ * Ownership: `preset` is read during the call; `out` is caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_model_run_adamw(const char *preset_name,
+                                 uint32_t stages,
+                                 uint32_t iterations,
+                                 uint32_t iteration,
+                                 struct gwtf_adamw_options *out,
+                                 struct gwtf_error **out_err);
 
 /**
  * A static, NUL-terminated English description of a status code.

@@ -14,7 +14,7 @@
 // Prints one JSON object per line (listening, iteration, applied, state,
 // error, done, left). SIGTERM or SIGINT leaves gracefully; SIGKILL is a
 // crash the others survive. Data holders exit after --iterations.
-#include "gwtf.hpp"
+#include "swarm_common.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -40,9 +40,6 @@ constexpr float LR = 0.02f; // Adam
 
 // Width of stage boundary b: the activation stage b sends to stage b + 1.
 int width(int b) { return b % 2 == 0 ? 32 : 48; }
-
-std::atomic<bool> stop_requested{false};
-extern "C" void on_signal(int) { stop_requested = true; }
 
 // ---- deterministic randomness
 
@@ -233,86 +230,6 @@ struct Stage {
 
 // ---- one process
 
-struct Args {
-    std::string listen, key_file, stage = "auto";
-    uint32_t id = 0, iterations = 30, microbatches = 4;
-    int relay_stages = 2;
-    bool holder = false, log = false;
-    uint64_t seed = 1;
-    std::vector<std::tuple<uint32_t, uint32_t, std::string>> peers;
-    std::vector<std::string> join;
-};
-
-[[noreturn]] void usage(const std::string &why) {
-    std::fprintf(stderr,
-                 "swarm_mlp: %s\nusage: swarm_mlp --listen ADDR --key-file FILE [--id N] "
-                 "(--peer ID/STAGE/ADDR ... | --join ADDR) [--holder | --stage K|auto] "
-                 "[--relay-stages N] [--iterations N] [--microbatches N] [--seed N] [--log]\n",
-                 why.c_str());
-    std::exit(2);
-}
-
-Args parse(int argc, char **argv) {
-    Args a;
-    for (int i = 1; i < argc; i++) {
-        std::string k = argv[i];
-        auto val = [&]() -> std::string {
-            if (i + 1 >= argc) usage(k + " needs a value");
-            return argv[++i];
-        };
-        auto num = [&]() -> uint64_t {
-            std::string v = val();
-            char *end = nullptr;
-            unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-            if (v.empty() || *end) usage(k + " " + v + ": not a number");
-            return x;
-        };
-        if (k == "--listen") a.listen = val();
-        else if (k == "--key-file") a.key_file = val();
-        else if (k == "--id") a.id = (uint32_t)num();
-        else if (k == "--holder") a.holder = true;
-        else if (k == "--stage") a.stage = val();
-        else if (k == "--relay-stages") a.relay_stages = (int)num();
-        else if (k == "--iterations") a.iterations = (uint32_t)num();
-        else if (k == "--microbatches") a.microbatches = (uint32_t)num();
-        else if (k == "--seed") a.seed = num();
-        else if (k == "--log") a.log = true;
-        else if (k == "--join") a.join.push_back(val());
-        else if (k == "--peer") {
-            std::string v = val();
-            size_t s1 = v.find('/'), s2 = v.find('/', s1 + 1);
-            if (s1 == std::string::npos || s2 == std::string::npos) usage(v + ": not ID/STAGE/ADDR");
-            a.peers.emplace_back((uint32_t)std::stoul(v.substr(0, s1)),
-                                 (uint32_t)std::stoul(v.substr(s1 + 1, s2 - s1 - 1)),
-                                 v.substr(s2 + 1));
-        } else usage("unknown argument " + k);
-    }
-    if (a.listen.empty() || a.key_file.empty()) usage("--listen and --key-file are required");
-    if (a.peers.empty() == a.join.empty()) usage("give the founding members (--peer) or --join");
-    if (a.relay_stages < 1 || a.relay_stages > 16) usage("--relay-stages is 1..16");
-    return a;
-}
-
-// `s` as the inside of a JSON string.
-std::string esc(const std::string &s) {
-    std::string o;
-    for (char c : s) {
-        if (c == '"' || c == '\\') o += '\\';
-        if ((unsigned char)c >= 0x20) o += c;
-    }
-    return o;
-}
-
-std::string hex(const uint8_t *d, size_t n) {
-    static const char *x = "0123456789abcdef";
-    std::string s;
-    for (size_t i = 0; i < n; i++) {
-        s += x[d[i] >> 4];
-        s += x[d[i] & 15];
-    }
-    return s;
-}
-
 class Trainer {
 public:
     Trainer(gwtf::Peer &peer, Stage &st, uint32_t id) : peer_(peer), st_(st), id_(id) {}
@@ -375,11 +292,7 @@ public:
     }
 
 private:
-    void fail(const gwtf_peer_task &t, const std::string &why) {
-        std::printf("{\"event\":\"task_failed\",\"node\":%u,\"task\":\"%s\",\"reason\":\"%s\"}\n", id_,
-                    esc(t.message).c_str(), esc(why).c_str());
-        peer_.failed(t.id, why);
-    }
+    void fail(const gwtf_peer_task &t, const std::string &why) { swarm::fail(peer_, t, id_, why); }
 
     void weights(const gwtf_peer_task &t) {
         uint8_t d[32];
@@ -527,15 +440,12 @@ private:
     uint32_t id_;
 };
 
-int run(const Args &a) {
-    std::ifstream kf(a.key_file, std::ios::binary);
-    std::string key((std::istreambuf_iterator<char>(kf)), std::istreambuf_iterator<char>());
-    if (key.size() < 16) usage("the key file holds fewer than 16 bytes");
-
+int run(const swarm::Args &a) {
+    if (a.relay_stages < 1 || a.relay_stages > 16) swarm::usage("swarm_mlp", "--relay-stages is 1..16");
     Stage st;
     st.relay_stages = a.relay_stages;
     st.seed = a.seed;
-    int stage = a.holder ? 0 : a.stage == "auto" ? -1 : std::atoi(a.stage.c_str());
+    int stage = swarm::stage_of(a);
     // Every stage's sizes, from this program's own model.
     std::vector<uint64_t> act, state;
     for (int b = 0; b <= a.relay_stages; b++) {
@@ -546,91 +456,19 @@ int run(const Args &a) {
         state.push_back(s.state_bytes());
     }
     if (stage >= 0) st.init(stage);
-
-    std::vector<gwtf_peer_contact> boot;
-    for (auto &p : a.peers) boot.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p).c_str()});
-    for (auto &j : a.join) boot.push_back({0, 0, j.c_str()});
-    gwtf_peer_options o;
-    gwtf::check(gwtf_peer_options_init(&o));
-    o.role = a.holder ? GWTF_PEER_ROLE_HOLDER : GWTF_PEER_ROLE_RELAY;
-    o.stage = stage < 0 ? GWTF_STAGE_AUTO : stage;
-    o.node_id = a.id;
-    o.listen_addr = a.listen.c_str();
-    o.bootstrap = boot.data();
-    o.bootstrap_len = boot.size();
-    o.swarm_key = reinterpret_cast<const uint8_t *>(key.data());
-    o.swarm_key_len = key.size();
-    o.memory_budget_bytes = 32u << 20;
-    o.seed = a.seed;
-    o.relay_stages = (uint32_t)a.relay_stages;
-    o.microbatches_per_iteration = a.microbatches;
-    o.activation_bytes = act.data();
-    o.state_bytes = state.data();
-    o.log_to_stderr = a.log ? 1 : 0;
-
-    // SAFETY of the handler: it only stores to an atomic.
-    std::signal(SIGTERM, on_signal);
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGPIPE, SIG_IGN);
-    gwtf::Peer peer(o);
-    uint32_t id = peer.id();
-    std::printf("{\"event\":\"listening\",\"node\":%u,\"addr\":\"%s\",\"stage\":%d}\n", id,
-                a.listen.c_str(), stage);
-    std::fflush(stdout);
-    Trainer trainer(peer, st, id);
-    bool done = false;
-    while (!done && !stop_requested) {
-        gwtf_peer_task t;
-        if (!peer.next_task(t, 100)) continue;
-        switch (t.kind) {
-        case GWTF_TASK_KIND_EVENT_ITERATION:
-            std::printf("{\"event\":\"iteration\",\"node\":%u,\"iteration\":%u,\"loss\":%.6f,"
-                        "\"microbatches\":%llu}\n",
-                        id, t.iteration, t.loss, (unsigned long long)t.microbatches);
-            done = a.holder && t.iteration + 1 >= a.iterations;
-            break;
-        case GWTF_TASK_KIND_EVENT_APPLIED:
-            std::printf("{\"event\":\"applied\",\"node\":%u,\"stage\":%u,\"iteration\":%u,"
-                        "\"weights\":\"%s\"}\n",
-                        id, t.stage, t.iteration, hex(t.weights, 32).c_str());
-            break;
-        case GWTF_TASK_KIND_EVENT_STATE_DOWNLOADED:
-            std::printf("{\"event\":\"state_download\",\"node\":%u,\"from\":%llu,\"bytes\":%llu}\n",
-                        id, (unsigned long long)t.peer, (unsigned long long)t.bytes);
-            break;
-        case GWTF_TASK_KIND_EVENT_ACTIVE:
-            std::printf("{\"event\":\"active\",\"node\":%u,\"stage\":%u}\n", id, t.stage);
-            break;
-        case GWTF_TASK_KIND_EVENT_PEER_LOST:
-            std::printf("{\"event\":\"peer_lost\",\"node\":%u,\"peer\":%llu}\n", id,
-                        (unsigned long long)t.peer);
-            break;
-        case GWTF_TASK_KIND_EVENT_ERROR:
-            std::printf("{\"event\":\"error\",\"node\":%u,\"message\":\"%s\"}\n", id,
-                        esc(t.message).c_str());
-            break;
-        default:
-            trainer.run(t);
-        }
-        std::fflush(stdout);
-    }
-    gwtf_peer_stats s = peer.stats();
-    peer.leave();
-    std::printf("{\"event\":\"%s\",\"node\":%u,\"tasks\":%llu,\"refused\":%llu,"
-                "\"compute_ms\":%.1f}\n",
-                done ? "done" : "left", id, (unsigned long long)s.tasks_done,
-                (unsigned long long)s.answers_refused, s.compute_ns / 1e6);
-    return 0;
+    swarm::Options so;
+    swarm::base_options(a, so);
+    so.o.memory_budget_bytes = 32u << 20;
+    so.o.relay_stages = (uint32_t)a.relay_stages;
+    so.o.activation_bytes = act.data();
+    so.o.state_bytes = state.data();
+    return swarm::serve(a, so.o, [&](gwtf::Peer &peer, const gwtf_peer_task &t, uint32_t id) {
+        Trainer(peer, st, id).run(t);
+    });
 }
 
 }  // namespace
 
 int main(int argc, char **argv) {
-    try {
-        return run(parse(argc, argv));
-    } catch (const gwtf::Error &e) {
-        std::printf("{\"event\":\"error\",\"message\":\"%s\"}\n", esc(e.what()).c_str());
-        std::fprintf(stderr, "swarm_mlp: %s\n", e.what());
-        return 1;
-    }
+    return swarm::main_guard("swarm_mlp", [&] { return run(swarm::parse(argc, argv)); });
 }
