@@ -219,14 +219,7 @@ pub extern "C" fn gwtf_stage_new(
 ) -> gwtf_status {
     guard(out_err, || {
         require_out(out_stage, "out_stage")?;
-        if preset_name.is_null() {
-            return Err(FfiError::null("preset"));
-        }
-        // SAFETY: non-NULL, NUL-terminated per the contract.
-        let name = unsafe { CStr::from_ptr(preset_name) }
-            .to_str()
-            .map_err(|_| FfiError::invalid("preset is not UTF-8"))?;
-        let cfg = preset(name).map_err(model_err)?;
+        let cfg = preset_of(preset_name)?;
         let plan = StagePlan::new(&cfg, num_stages as usize).map_err(model_err)?;
         if index as usize >= plan.len() {
             return Err(FfiError::invalid(format!(
@@ -748,7 +741,8 @@ pub struct gwtf_model_run_info {
     pub activation_bytes: u64,
 }
 
-fn model_run(preset_name: *const c_char, stages: u32, iterations: u32) -> FfiResult<ModelRun> {
+/// The preset a C string names.
+fn preset_of(preset_name: *const c_char) -> FfiResult<crate::model::ModelConfig> {
     if preset_name.is_null() {
         return Err(FfiError::null("preset"));
     }
@@ -756,7 +750,11 @@ fn model_run(preset_name: *const c_char, stages: u32, iterations: u32) -> FfiRes
     let name = unsafe { CStr::from_ptr(preset_name) }
         .to_str()
         .map_err(|_| FfiError::invalid("preset is not UTF-8"))?;
-    let cfg = preset(name).map_err(model_err)?;
+    preset(name).map_err(model_err)
+}
+
+fn model_run(preset_name: *const c_char, stages: u32, iterations: u32) -> FfiResult<ModelRun> {
+    let cfg = preset_of(preset_name)?;
     ModelRun::new(cfg, stages as usize, 0, iterations as usize).map_err(model_err)
 }
 
