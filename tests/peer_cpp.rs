@@ -1,9 +1,16 @@
-//! A swarm of C++ trainers with their own model (c-examples/cpp/swarm_mlp.cpp,
-//! built with AddressSanitizer through the examples' Makefile) joined
-//! through `gwtf_peer`: two data holders and two relays on each of two
-//! stages. One relay is SIGKILLed mid-training; the holders still finish
-//! every iteration, the loss falls, and the replicas of each stage report
-//! the same weights after every update.
+//! Swarms of C++ trainers joined through `gwtf_peer` (built with
+//! AddressSanitizer through the examples' Makefile).
+//!
+//! c-examples/cpp/swarm_mlp.cpp has its own model: two data holders and two
+//! relays on each of two stages; one relay is SIGKILLed mid-training and a
+//! new one joins; the holders still finish every iteration, the loss falls,
+//! and the replicas of each stage report the same weights after every
+//! update.
+//!
+//! c-examples/cpp/swarm_stage.cpp drives libgwtf's own model through
+//! `gwtf_stage`: in a mixed swarm, `gwtf node` processes (the built-in Rust
+//! trainer) and these C++ relays serve the same stages, and their replicas
+//! agree bit for bit after every update.
 
 mod common;
 
@@ -34,10 +41,14 @@ fn tool_missing() -> Option<&'static str> {
     None
 }
 
-/// Builds swarm_mlp with the examples' Makefile (ASan included).
-fn build_trainer() -> PathBuf {
+/// One process swarm at a time (two cores).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Builds `name` (swarm_mlp, swarm_stage) with the examples' Makefile (ASan
+/// included).
+fn build_trainer(name: &str) -> PathBuf {
     let build = scratch("peer-cpp");
-    let exe = build.join("swarm_mlp");
+    let exe = build.join(name);
     run_ok(
         Command::new("make")
             .arg("-C")
@@ -108,7 +119,8 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
         skipped(&format!("{tool} is not installed"));
         return;
     }
-    let exe = build_trainer();
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = build_trainer("swarm_mlp");
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("key");
     std::fs::write(&key, KEY).unwrap();
@@ -332,5 +344,168 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
             .any(|(_, v)| v["event"] == "error"
                 && !v["message"].as_str().unwrap_or("").contains("peer")),
         "an error other than a lost peer"
+    );
+}
+
+/// Waits until `p` exits and checks it exited cleanly.
+fn wait_ok(p: &mut Proc, dir: &Path, deadline: Instant) {
+    loop {
+        if let Some(st) = p.child.try_wait().unwrap() {
+            let err =
+                std::fs::read_to_string(dir.join(format!("node-{}.err", p.id))).unwrap_or_default();
+            assert!(st.success(), "node {} exited with {st}:\n{err}", p.id);
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {} did not finish in time",
+            p.id
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
+    if let Some(tool) = tool_missing() {
+        skipped(&format!("{tool} is not installed"));
+        return;
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let cpp = build_trainer("swarm_stage");
+    let rust = PathBuf::from(env!("CARGO_BIN_EXE_gwtf"));
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, KEY).unwrap();
+    const ITERS: u32 = 6;
+    // id, stage, C++ (else gwtf node): each relay stage has one of each.
+    let layout: [(u32, u16, bool); 6] = [
+        (1, 0, false),
+        (2, 0, false),
+        (3, 1, false),
+        (4, 1, true),
+        (5, 2, true),
+        (6, 2, false),
+    ];
+    let addrs: Vec<SocketAddr> = layout.iter().map(|_| free_addr()).collect();
+    let mut model: Vec<String> = [
+        "--model",
+        "llama-tiny",
+        "--stages",
+        "4",
+        "--iterations",
+        &ITERS.to_string(),
+        "--microbatches",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for ((id, stage, _), a) in layout.iter().zip(&addrs) {
+        model.push("--peer".into());
+        model.push(format!("{id}/{stage}/{a}"));
+    }
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut procs = Procs(Vec::new());
+    for ((id, stage, is_cpp), a) in layout.iter().zip(&addrs) {
+        let mut args: Vec<String> = if *is_cpp {
+            vec!["--key-file".into(), key.display().to_string()]
+        } else {
+            vec![
+                "node".into(),
+                "--json".into(),
+                "--swarm-key-file".into(),
+                key.display().to_string(),
+            ]
+        };
+        args.extend([
+            "--listen".to_string(),
+            a.to_string(),
+            "--id".into(),
+            id.to_string(),
+        ]);
+        if *stage == 0 {
+            args.push("--holder".into());
+        } else {
+            args.extend(["--stage".to_string(), stage.to_string()]);
+        }
+        args.extend(model.iter().cloned());
+        let exe = if *is_cpp { &cpp } else { &rust };
+        procs.0.push(spawn(exe, dir.path(), *id, &args, &seen));
+    }
+    let deadline = Instant::now() + Duration::from_secs(240);
+    for holder in [1, 2] {
+        let p = procs.0.iter_mut().find(|p| p.id == holder).unwrap();
+        wait_ok(p, dir.path(), deadline);
+    }
+    for p in procs.0.iter_mut().filter(|p| p.id > 2) {
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    }
+    for p in procs.0.iter_mut().filter(|p| p.id > 2) {
+        wait_ok(p, dir.path(), Instant::now() + Duration::from_secs(30));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let seen = seen.lock().unwrap().clone();
+    // Per relay stage and iteration: the digest each member reported
+    // (gwtf node names it weights_sha256, the C++ relay weights).
+    let mut by: BTreeMap<(u64, u64), BTreeMap<u32, String>> = BTreeMap::new();
+    for (id, v) in &seen {
+        if v["event"] == "applied" {
+            let w = v["weights_sha256"]
+                .as_str()
+                .or(v["weights"].as_str())
+                .unwrap()
+                .to_string();
+            let k = (
+                v["stage"].as_u64().unwrap(),
+                v["iteration"].as_u64().unwrap(),
+            );
+            by.entry(k).or_default().insert(*id, w);
+        }
+    }
+    for stage in 1..=2u64 {
+        for it in 0..ITERS as u64 {
+            let d = by.get(&(stage, it)).cloned().unwrap_or_default();
+            let (cpp_id, rust_id) = if stage == 1 { (4, 3) } else { (5, 6) };
+            let (c, r) = (d.get(&cpp_id), d.get(&rust_id));
+            assert!(
+                c.is_some() && c == r,
+                "stage {stage} iteration {it}: C++ relay {cpp_id} {c:?}, gwtf node {rust_id} {r:?}"
+            );
+        }
+    }
+    for cpp_id in [4, 5] {
+        let left = seen
+            .iter()
+            .find(|(id, v)| *id == cpp_id && v["event"] == "left")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        assert!(
+            left["compute_ms"].as_f64().unwrap_or(0.0) > 0.0,
+            "C++ relay {cpp_id} computed nothing: {left}"
+        );
+    }
+    println!(
+        "test: stages 1 and 2, iterations 0..{ITERS}: every C++ relay's digest equals its gwtf node replica's"
+    );
+    // The holders trained: every iteration final, the loss falls.
+    for holder in [1, 2] {
+        let losses: Vec<f64> = seen
+            .iter()
+            .filter(|(id, v)| *id == holder && v["event"] == "iteration")
+            .map(|(_, v)| v["loss"].as_f64().unwrap())
+            .collect();
+        assert_eq!(losses.len(), ITERS as usize, "holder {holder}: {losses:?}");
+        assert!(
+            losses[ITERS as usize - 1] < losses[0],
+            "holder {holder}: the loss did not fall: {losses:?}"
+        );
+    }
+    assert!(
+        !seen
+            .iter()
+            .any(|(_, v)| v["event"] == "error" || v["event"] == "task_failed"),
+        "an error in the mixed swarm"
     );
 }
