@@ -82,6 +82,22 @@ fn prepare(
     Some((turn, exe, dir, key))
 }
 
+/// A founding member's own flags: its address, id and role.
+fn member_args(id: u32, stage: u16, addr: &SocketAddr) -> Vec<String> {
+    let mut args = vec![
+        "--listen".to_string(),
+        addr.to_string(),
+        "--id".into(),
+        id.to_string(),
+    ];
+    if stage == 0 {
+        args.push("--holder".into());
+    } else {
+        args.extend(["--stage".to_string(), stage.to_string()]);
+    }
+    args
+}
+
 fn free_addr() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -167,18 +183,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let mut procs = Procs(Vec::new());
     for ((id, stage), a) in layout.iter().zip(&addrs) {
-        let mut args = vec![
-            "--listen".to_string(),
-            a.to_string(),
-            "--id".into(),
-            id.to_string(),
-        ];
-        if *stage == 0 {
-            args.push("--holder".into());
-        } else {
-            args.push("--stage".into());
-            args.push(stage.to_string());
-        }
+        let mut args = member_args(*id, *stage, a);
         args.extend(common.iter().cloned());
         procs.0.push(spawn(&exe, dir.path(), *id, &args, &seen));
     }
@@ -409,17 +414,7 @@ fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
                 key.display().to_string(),
             ]
         };
-        args.extend([
-            "--listen".to_string(),
-            a.to_string(),
-            "--id".into(),
-            id.to_string(),
-        ]);
-        if *stage == 0 {
-            args.push("--holder".into());
-        } else {
-            args.extend(["--stage".to_string(), stage.to_string()]);
-        }
+        args.extend(member_args(*id, *stage, a));
         args.extend(model.iter().cloned());
         let exe = if *is_cpp { &cpp } else { &rust };
         procs.0.push(spawn(exe, dir.path(), *id, &args, &seen));
