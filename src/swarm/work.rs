@@ -486,3 +486,46 @@ fn output_name(o: &Output) -> &'static str {
         Output::State(_) => "a state",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two relay stages: boundaries of 10, 20 and 30 bytes; gradients of
+    /// 11, 21 and 31.
+    fn sizes() -> TensorSizes {
+        TensorSizes {
+            activation: vec![10, 20, 30],
+            gradient: vec![11, 21, 31],
+        }
+    }
+
+    #[test]
+    fn each_work_has_the_size_of_its_boundary() {
+        let s = sizes();
+        assert_eq!(s.check(2), Ok(()));
+        assert!(s.check(3).is_err());
+        let zero = TensorSizes {
+            activation: vec![10, 0, 30],
+            gradient: vec![11, 21, 31],
+        };
+        assert!(zero.check(2).unwrap_err().contains("boundary 1"));
+        // Holder: embeds into boundary 0, takes the last boundary's
+        // activation for the loss and gives its gradient back.
+        assert_eq!(s.output(&WorkKind::Embed, 0), Some(10));
+        assert_eq!(s.input(&WorkKind::Loss, 0), Some(30));
+        assert_eq!(s.output(&WorkKind::Loss, 0), Some(31));
+        assert_eq!(s.input(&WorkKind::EmbedBackward, 0), Some(11));
+        // Relay k: from boundary k-1 to boundary k, and back.
+        assert_eq!(s.input(&WorkKind::Forward, 1), Some(10));
+        assert_eq!(s.output(&WorkKind::Forward, 1), Some(20));
+        assert_eq!(s.input(&WorkKind::Backward, 2), Some(31));
+        assert_eq!(s.output(&WorkKind::Backward, 2), Some(21));
+        // No tensor.
+        assert_eq!(s.output(&WorkKind::EmbedBackward, 0), None);
+        assert_eq!(s.output(&WorkKind::ExportState, 1), None);
+        assert_eq!(s.incoming(&Msg::StateRequest, 1), usize::MAX);
+        assert_eq!(s.max(), 31);
+        assert_eq!(TensorSizes::uniform(2, 8).activation, vec![8; 3]);
+    }
+}
