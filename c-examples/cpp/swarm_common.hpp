@@ -6,12 +6,14 @@
 #include "gwtf.hpp"
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -21,8 +23,10 @@ namespace swarm {
 struct Args {
     std::string listen, key_file, stage = "auto", model = "llama-tiny";
     uint32_t id = 0, iterations = 30, microbatches = 4, stages = 4, memory_mb = 256;
+    uint32_t slow_ms = 0;  // test aid: each microbatch task takes this much longer
     int relay_stages = 2;
     bool holder = false, log = false;
+    bool trace_work = false;  // test aid: a line before each microbatch task
     uint64_t seed = 1;
     std::vector<std::tuple<uint32_t, uint32_t, std::string>> peers;
     std::vector<std::string> join;
@@ -33,7 +37,7 @@ struct Args {
                  "%s: %s\nusage: %s --listen ADDR --key-file FILE [--id N] "
                  "(--peer ID/STAGE/ADDR ... | --join ADDR) [--holder | --stage K|auto] "
                  "[--relay-stages N] [--model PRESET --stages S] [--iterations N] "
-                 "[--microbatches N] [--seed N] [--memory-mb N] [--log]\n",
+                 "[--microbatches N] [--seed N] [--memory-mb N] [--slow-ms N] [--trace-work] [--log]\n",
                  prog, why.c_str(), prog);
     std::exit(2);
 }
@@ -66,6 +70,8 @@ inline Args parse(int argc, char **argv) {
         else if (k == "--microbatches") a.microbatches = (uint32_t)num();
         else if (k == "--seed") a.seed = num();
         else if (k == "--memory-mb") a.memory_mb = (uint32_t)num();
+        else if (k == "--slow-ms") a.slow_ms = (uint32_t)num();
+        else if (k == "--trace-work") a.trace_work = true;
         else if (k == "--log") a.log = true;
         else if (k == "--join") a.join.push_back(val());
         else if (k == "--peer") {
@@ -184,12 +190,25 @@ template <class Run> int serve(const Args &a, const gwtf_peer_options &o, Run ru
             std::printf("{\"event\":\"peer_lost\",\"node\":%u,\"peer\":%llu}\n", id,
                         (unsigned long long)t.peer);
             break;
+        case GWTF_TASK_KIND_EVENT_RECOVERED:
+            std::printf("{\"event\":\"recovered\",\"node\":%u,\"message\":\"%s\"}\n", id,
+                        esc(t.message).c_str());
+            break;
         case GWTF_TASK_KIND_EVENT_ERROR:
             std::printf("{\"event\":\"error\",\"node\":%u,\"message\":\"%s\"}\n", id,
                         esc(t.message).c_str());
             break;
         default:
-            if (t.kind < 100) run(peer, t, id);
+            if (t.kind >= 100) break;
+            if (t.kind <= GWTF_TASK_KIND_EMBED_BACKWARD) {
+                if (a.trace_work) {
+                    std::printf("{\"event\":\"work\",\"node\":%u,\"kind\":%d,\"iteration\":%u}\n",
+                                id, t.kind, t.mb.iteration);
+                    std::fflush(stdout);
+                }
+                if (a.slow_ms) std::this_thread::sleep_for(std::chrono::milliseconds(a.slow_ms));
+            }
+            run(peer, t, id);
         }
         std::fflush(stdout);
     }
