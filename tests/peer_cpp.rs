@@ -138,7 +138,7 @@ fn spawn(
             std::fs::File::create(dir.join(format!("node-{id}.err"))).unwrap(),
         ))
         .spawn()
-        .expect("swarm_mlp starts");
+        .unwrap_or_else(|e| panic!("{} does not start: {e}", exe.display()));
     let out = child.stdout.take().unwrap();
     let seen = seen.clone();
     let reader = std::thread::spawn(move || {
@@ -180,46 +180,46 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
         common.push("--peer".into());
         common.push(format!("{id}/{stage}/{a}"));
     }
-    const VICTIM: u32 = 4;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let mut procs = Procs(Vec::new());
     for ((id, stage), a) in layout.iter().zip(&addrs) {
         let mut args = member_args(*id, *stage, a);
-        if *id == VICTIM {
-            // Its microbatch work shows and takes a while: the kill lands
-            // in the middle of one.
-            args.extend(["--trace-work", "--slow-ms", "100"].map(String::from));
+        // Microbatch work takes a while, and the stage-1 relays' shows:
+        // the kill lands in the middle of a forward.
+        args.extend(["--slow-ms", "20"].map(String::from));
+        if *stage == 1 {
+            args.push("--trace-work".into());
         }
         args.extend(common.iter().cloned());
         procs.0.push(spawn(&exe, dir.path(), *id, &args, &seen));
     }
     let deadline = Instant::now() + Duration::from_secs(240);
-    let count = |f: &dyn Fn(u32, &Value) -> bool| {
-        seen.lock()
+    // Mid-training: SIGKILL the stage-1 relay (3 or 4, whichever the
+    // routing uses) in the middle of a forward of iteration 3 or later.
+    let in_forward = |v: &Value| {
+        v["event"] == "work" && v["kind"] == 2 && v["iteration"].as_u64().unwrap_or(0) >= 3
+    };
+    let victim: u32 = loop {
+        let hit = seen
+            .lock()
             .unwrap()
             .iter()
-            .filter(|(id, v)| f(*id, v))
-            .count()
-    };
-    // Mid-training: SIGKILL relay 4 (stage 1) in the middle of a forward
-    // of iteration 4 or later.
-    while count(&|id, v| {
-        id == VICTIM
-            && v["event"] == "work"
-            && v["kind"] == 2
-            && v["iteration"].as_u64().unwrap_or(0) >= 4
-    }) == 0
-    {
+            .find(|(id, v)| (*id == 3 || *id == 4) && in_forward(v))
+            .map(|(id, _)| *id);
+        if let Some(id) = hit {
+            break id;
+        }
         assert!(
             Instant::now() < deadline,
-            "the victim never reached iteration 4"
+            "no stage-1 forward of iteration 3 or later"
         );
         std::thread::sleep(Duration::from_millis(5));
-    }
-    let victim = procs.0.iter_mut().find(|p| p.id == VICTIM).unwrap();
-    victim.child.kill().unwrap();
-    victim.child.wait().unwrap();
-    println!("test: SIGKILLed relay {VICTIM} in a forward of iteration 4 or later");
+    };
+    let survivor = 7 - victim;
+    let p = procs.0.iter_mut().find(|p| p.id == victim).unwrap();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    println!("test: SIGKILLed relay {victim} in a forward of iteration 3 or later");
     // A relay joins (the swarm chooses its stage; it downloads the state
     // from a member's trainer).
     const JOINER: u32 = 7;
@@ -229,13 +229,13 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
         "--id".into(),
         JOINER.to_string(),
         "--join".into(),
-        addrs[2].to_string(),
+        addrs[0].to_string(),
     ];
     args.extend(shared.iter().cloned());
     procs.0.push(spawn(&exe, dir.path(), JOINER, &args, &seen));
     // Both holders finish every iteration, the surviving relays leave on
     // SIGTERM, and all exit cleanly (ASan included).
-    finish(&mut procs, dir.path(), deadline, &[VICTIM]);
+    finish(&mut procs, dir.path(), deadline, &[victim]);
     std::thread::sleep(Duration::from_millis(200));
     let seen = seen.lock().unwrap().clone();
     // Every holder: every iteration's loss, then done.
@@ -278,7 +278,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     // members that applied it (the killed relay's are left out).
     let mut digests: BTreeMap<(u64, u64), BTreeMap<String, Vec<u32>>> = BTreeMap::new();
     for (id, v) in &seen {
-        if v["event"] == "applied" && *id != VICTIM {
+        if v["event"] == "applied" && *id != victim {
             let k = (
                 v["stage"].as_u64().unwrap(),
                 v["iteration"].as_u64().unwrap(),
@@ -308,12 +308,12 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     // it gone, and its stage went on with the other relay alone.
     assert!(
         seen.iter()
-            .any(|(id, v)| *id == VICTIM && v["event"] == "applied"),
+            .any(|(id, v)| *id == victim && v["event"] == "applied"),
         "the victim never applied an update before the kill"
     );
     assert!(
         seen.iter()
-            .any(|(_, v)| v["event"] == "peer_lost" && v["peer"] == VICTIM),
+            .any(|(_, v)| v["event"] == "peer_lost" && v["peer"] == victim),
         "nobody noticed the victim gone"
     );
     // The forward the kill interrupted (and any other in flight there) was
@@ -336,7 +336,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     );
     let late: Vec<u64> = seen
         .iter()
-        .filter(|(id, v)| *id == 3 && v["event"] == "applied")
+        .filter(|(id, v)| *id == survivor && v["event"] == "applied")
         .map(|(_, v)| v["iteration"].as_u64().unwrap())
         .filter(|&i| i > 6)
         .collect();
