@@ -70,6 +70,42 @@
 #define GWTF_NODE_STATS_VERSION 1
 
 /**
+ * Current version of `gwtf_peer_options` (what `_init` writes).
+ */
+#define GWTF_PEER_OPTIONS_VERSION 1
+
+/**
+ * Current version of `gwtf_peer_stats`.
+ */
+#define GWTF_PEER_STATS_VERSION 1
+
+/**
+ * `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
+ */
+#define GWTF_STAGE_AUTO -1
+
+/**
+ * Bytes of a weights digest (`gwtf_peer_task.weights`, the `weights`
+ * argument of the answers).
+ */
+#define GWTF_DIGEST_LEN 32
+
+/**
+ * Most relay stages a swarm may have.
+ */
+#define GWTF_PEER_MAX_RELAY_STAGES 1024
+
+/**
+ * Largest tensor at a stage boundary, and largest stage state, in bytes.
+ */
+#define GWTF_PEER_MAX_TENSOR_BYTES (1 << 30)
+
+/**
+ * Most bootstrap contacts.
+ */
+#define GWTF_PEER_MAX_BOOTSTRAP 4096
+
+/**
  * Current version of `gwtf_stage_info` (what `gwtf_stage_info_init` writes).
  */
 #define GWTF_STAGE_INFO_VERSION 1
@@ -78,6 +114,11 @@
  * Current version of `gwtf_adamw_options`.
  */
 #define GWTF_ADAMW_OPTIONS_VERSION 1
+
+/**
+ * Current version of `gwtf_model_run_info`.
+ */
+#define GWTF_MODEL_RUN_INFO_VERSION 1
 
 /**
  * Major version of libgwtf (equals Cargo.toml's; checked by tests).
@@ -420,6 +461,160 @@ typedef int32_t gwtf_flow_state;
 #endif // __cplusplus
 
 /**
+ * What a peer is (`gwtf_peer_options.role`).
+ */
+enum gwtf_peer_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * A data holder (stage 0): embeds its own data, computes the loss.
+   */
+  GWTF_PEER_ROLE_HOLDER = 1,
+  /**
+   * A relay: serves one stage of the model's middle.
+   */
+  GWTF_PEER_ROLE_RELAY = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_peer_role gwtf_peer_role;
+#else
+typedef int32_t gwtf_peer_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What `gwtf_peer_next_task` hands out (`gwtf_peer_task.kind`): a task
+ * (values below 100) that the trainer answers exactly once, or an event
+ * (100 and up) that needs no answer.
+ */
+enum gwtf_task_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Holder: embed microbatch `mb` (the trainer draws its tokens from its
+   * own data by `mb`: a microbatch asked again must be the same one).
+   * Answer: `gwtf_peer_task_done` with the activation of boundary 0.
+   */
+  GWTF_TASK_KIND_EMBED = 1,
+  /**
+   * Relay: the stage's forward on `input`. Answer: `gwtf_peer_task_done`
+   * with the activation (`output_bytes` long).
+   */
+  GWTF_TASK_KIND_FORWARD = 2,
+  /**
+   * Holder: head forward, loss and head backward on `input` (the last
+   * relay's activation); keep the head's parameter gradient for `mb`.
+   * Answer: `gwtf_peer_task_done_loss` with the loss and the gradient
+   * of `input`.
+   */
+  GWTF_TASK_KIND_LOSS = 3,
+  /**
+   * Relay: the stage's backward; `input` is the gradient of its output.
+   * Keep the parameter gradient for `mb`. Answer: `gwtf_peer_task_done`
+   * with the gradient of the stage's input.
+   */
+  GWTF_TASK_KIND_BACKWARD = 4,
+  /**
+   * Holder: the embedding's backward with `input`; keep its parameter
+   * gradient for `mb`. Answer: `gwtf_peer_task_done` with NULL.
+   */
+  GWTF_TASK_KIND_EMBED_BACKWARD = 5,
+  /**
+   * Barrier: the sum of the kept parameter gradients of exactly the
+   * microbatches in `granted` (each once, in the order given, however
+   * often one was computed), for iteration `iteration`. Answer:
+   * `gwtf_peer_task_done_gradient` with the sum and the digest of the
+   * weights it was computed on.
+   */
+  GWTF_TASK_KIND_GRADIENT = 6,
+  /**
+   * Barrier: apply `mean` (the stage's all-reduced mean gradient of
+   * iteration `iteration`, over `microbatches` microbatches) with the
+   * trainer's optimizer. Keep the parameters from before: a microbatch
+   * of iteration `iteration` may still come (a recovery) and must run
+   * on them. Answer: `gwtf_peer_task_done_weights` with the new digest.
+   */
+  GWTF_TASK_KIND_APPLY = 7,
+  /**
+   * Barrier: the stage's state (parameters and optimizer) for a joiner.
+   * Answer: `gwtf_peer_task_done` with a frame holding it.
+   */
+  GWTF_TASK_KIND_EXPORT_STATE = 8,
+  /**
+   * Barrier: replace the stage's state with `input` (as another
+   * member's trainer exported it; the library checked its SHA-256): the
+   * weights after the update of iteration `iteration` (`has_iteration`
+   * 0: before any update). Answer: `gwtf_peer_task_done_weights`.
+   */
+  GWTF_TASK_KIND_IMPORT_STATE = 9,
+  /**
+   * Forget what is kept for microbatches of iterations before
+   * `iteration` (activations whose backward never came, gradients
+   * never granted). Answer: `gwtf_peer_task_done` with NULL.
+   */
+  GWTF_TASK_KIND_FORGET = 10,
+  /**
+   * Event, holder: iteration `iteration` is final; `loss` is the mean
+   * loss of this holder's `microbatches` microbatches.
+   */
+  GWTF_TASK_KIND_EVENT_ITERATION = 100,
+  /**
+   * Event: the coordinator of `stage` committed iteration `iteration`
+   * with `microbatches` microbatches.
+   */
+  GWTF_TASK_KIND_EVENT_COMMITTED = 101,
+  /**
+   * Event: this peer applied iteration `iteration`'s update; `weights`
+   * is the digest the trainer reported (the stage's weights version).
+   */
+  GWTF_TASK_KIND_EVENT_APPLIED = 102,
+  /**
+   * Event: the connection to peer `peer` broke (crashed, left, or
+   * unreachable), or its stage's coordinator removed it.
+   */
+  GWTF_TASK_KIND_EVENT_PEER_LOST = 103,
+  /**
+   * Event: this peer serves stage `stage` (a joiner learns it here).
+   */
+  GWTF_TASK_KIND_EVENT_ACTIVE = 104,
+  /**
+   * Event: the stage's state (`bytes` bytes) came from peer `peer` and
+   * was imported in `ms` milliseconds.
+   */
+  GWTF_TASK_KIND_EVENT_STATE_DOWNLOADED = 105,
+  /**
+   * Event: the iteration barrier has waited long for stage `stage`
+   * (no member of it answers: the stage is empty or stuck).
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_STALLED = 106,
+  /**
+   * Event: a microbatch was redone after a failure (`message` says how).
+   */
+  GWTF_TASK_KIND_EVENT_RECOVERED = 107,
+  /**
+   * Event: something went wrong (`message`); the peer goes on where it
+   * can (a refused tensor, a failed task, replicas that disagree).
+   */
+  GWTF_TASK_KIND_EVENT_ERROR = 108,
+  /**
+   * Event: the peer has left the swarm.
+   */
+  GWTF_TASK_KIND_EVENT_LEFT = 109,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gwtf_task_kind gwtf_task_kind;
+#else
+typedef int32_t gwtf_task_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * The result of a CUDA probe (opaque).
  */
 typedef struct gwtf_cuda_info gwtf_cuda_info;
@@ -449,6 +644,11 @@ typedef struct gwtf_gpu gwtf_gpu;
  * A transport node (opaque).
  */
 typedef struct gwtf_node gwtf_node;
+
+/**
+ * A swarm member driven by the caller's trainer (opaque).
+ */
+typedef struct gwtf_peer gwtf_peer;
 
 /**
  * One pipeline stage of the reference model (opaque).
@@ -748,6 +948,256 @@ typedef struct gwtf_node_stats {
 } gwtf_node_stats;
 
 /**
+ * A swarm member to start from (`gwtf_peer_options.bootstrap`).
+ */
+typedef struct gwtf_peer_contact {
+  /**
+   * Its node id; 0 for an address only (a joiner's contact).
+   */
+  uint32_t id;
+  /**
+   * Its stage (0: a data holder); ignored when `id` is 0.
+   */
+  uint32_t stage;
+  /**
+   * "IP:PORT", NUL-terminated.
+   */
+  const char *addr;
+} gwtf_peer_contact;
+
+/**
+ * Options of `gwtf_peer_new`. Initialise with `gwtf_peer_options_init`,
+ * then set at least the swarm key, the role, the bootstrap contacts and
+ * the model's sizes. Fields are only ever appended (`version` says which
+ * the caller knows).
+ */
+typedef struct gwtf_peer_options {
+  /**
+   * Must be `GWTF_PEER_OPTIONS_VERSION` (set by `_init`).
+   */
+  uint32_t version;
+  /**
+   * A `GWTF_PEER_ROLE_*` value. Default: relay.
+   */
+  int32_t role;
+  /**
+   * "IP:PORT" to listen on (port 0: any free port). Default "127.0.0.1:0".
+   */
+  const char *listen_addr;
+  /**
+   * This peer's id (0: a random one). Founding members must use the id
+   * the others are given in their bootstrap lists. Default 0.
+   */
+  uint32_t node_id;
+  /**
+   * The stage: 0 for a holder, 1..=relay_stages for a founding relay,
+   * `GWTF_STAGE_AUTO` for a relay joining a running swarm (the swarm
+   * chooses). Default `GWTF_STAGE_AUTO`.
+   */
+  int32_t stage;
+  /**
+   * Founding members (every one given the same list, with ids and
+   * stages), or for a joiner the addresses of members (ids 0).
+   */
+  const struct gwtf_peer_contact *bootstrap;
+  size_t bootstrap_len;
+  /**
+   * The swarm key every member shares (at least 16 bytes); copied.
+   */
+  const uint8_t *swarm_key;
+  size_t swarm_key_len;
+  /**
+   * Memory this peer may use for microbatches in flight (and its frame
+   * pool). Default 256 MiB.
+   */
+  uint64_t memory_budget_bytes;
+  /**
+   * Memory one microbatch in flight takes at this peer (the trainer's
+   * kept activations and gradients); with the budget it bounds how many
+   * microbatches the swarm routes through this peer. 0: four times the
+   * largest tensor at its boundaries. Default 0.
+   */
+  uint64_t microbatch_bytes;
+  /**
+   * Seed of the protocol's random choices. Default 1.
+   */
+  uint64_t seed;
+  /**
+   * Relay stages of the model cut (>= 1): holders run stage 0 (their
+   * embedding before stage 1, their head after the last relay stage).
+   */
+  uint32_t relay_stages;
+  /**
+   * Microbatches each data holder runs per iteration (the same on every
+   * member). Default 4.
+   */
+  uint32_t microbatches_per_iteration;
+  /**
+   * `relay_stages + 1` sizes in bytes: entry `b` is the activation that
+   * stage `b` sends to stage `b + 1` (entry 0: a holder's embedding;
+   * the last: the last relay's output, the input of the holders' loss).
+   */
+  const uint64_t *activation_bytes;
+  /**
+   * `relay_stages + 1` sizes of the gradients of those activations, or
+   * NULL when each is the size of its activation. Default NULL.
+   */
+  const uint64_t *gradient_bytes;
+  /**
+   * `relay_stages + 1` sizes of each stage's state for transfer (entry 0,
+   * the holders', is not transferred and may be 0).
+   */
+  const uint64_t *state_bytes;
+  /**
+   * A first estimate of one microbatch's compute on this peer, in
+   * microseconds (the protocol measures the real one). Default 10000.
+   */
+  uint32_t compute_estimate_us;
+  /**
+   * Log connections, refusals and recoveries to stderr when non-zero.
+   */
+  uint32_t log_to_stderr;
+} gwtf_peer_options;
+
+/**
+ * A microbatch: its data holder, iteration and index in the iteration.
+ */
+typedef struct gwtf_microbatch {
+  uint32_t holder;
+  uint32_t iteration;
+  uint32_t index;
+} gwtf_microbatch;
+
+/**
+ * A task or an event, written by `gwtf_peer_next_task`. Which fields mean
+ * something depends on `kind` (see `gwtf_task_kind`); the others are 0.
+ */
+typedef struct gwtf_peer_task {
+  /**
+   * A `GWTF_TASK_KIND_*` value.
+   */
+  int32_t kind;
+  /**
+   * The peer's stage (0: data holder) when the task was given; for an
+   * event, the stage it is about.
+   */
+  uint32_t stage;
+  /**
+   * The task's id, for the answer (0 for an event).
+   */
+  uint64_t id;
+  /**
+   * The microbatch of a compute task (embed, forward, loss, backward,
+   * embed backward).
+   */
+  struct gwtf_microbatch mb;
+  /**
+   * The iteration of a gradient, apply, import (with `has_iteration`),
+   * forget (the first kept), or of an iteration/committed/applied event.
+   */
+  uint32_t iteration;
+  /**
+   * 1 when `iteration` is set (an import of a state before any update
+   * has 0).
+   */
+  uint32_t has_iteration;
+  /**
+   * Bytes the answer's frame must have (0: the answer has no tensor).
+   */
+  uint64_t output_bytes;
+  /**
+   * The input tensor (forward, loss, backward, embed backward) or state
+   * (import): a lease on the frame it arrived in, no copy. Valid until
+   * the task is answered (done or failed) or the peer is freed.
+   */
+  const uint8_t *input;
+  size_t input_len;
+  /**
+   * Gradient: the granted microbatches, in the order to sum them. Valid
+   * until the task is answered.
+   */
+  const struct gwtf_microbatch *granted;
+  size_t granted_len;
+  /**
+   * Apply: the mean gradient. Valid until the task is answered.
+   */
+  const float *mean;
+  size_t mean_len;
+  /**
+   * Apply: the microbatches averaged; committed and iteration events:
+   * the microbatches in it.
+   */
+  uint64_t microbatches;
+  /**
+   * Iteration event: the mean loss of this holder's microbatches.
+   */
+  float loss;
+  uint32_t reserved0;
+  /**
+   * Peer-lost event: the peer; state-downloaded: where from.
+   */
+  uint64_t peer;
+  /**
+   * State-downloaded event: bytes, and milliseconds it took.
+   */
+  uint64_t bytes;
+  double ms;
+  /**
+   * Applied event: the weights digest the trainer reported.
+   */
+  uint8_t weights[32];
+  /**
+   * A human-readable description, NUL-terminated (truncated).
+   */
+  char message[256];
+} gwtf_peer_task;
+
+/**
+ * Counters of a peer (see `gwtf_peer_get_stats`).
+ */
+typedef struct gwtf_peer_stats {
+  /**
+   * `GWTF_PEER_STATS_VERSION` of the library that wrote it.
+   */
+  uint32_t version;
+  uint32_t reserved0;
+  /**
+   * Time between handing out and answering microbatch tasks.
+   */
+  uint64_t compute_ns;
+  /**
+   * The part of it whose result went into an applied update.
+   */
+  uint64_t useful_ns;
+  /**
+   * Tasks handed out, answered done, answered failed.
+   */
+  uint64_t tasks_given;
+  uint64_t tasks_done;
+  uint64_t tasks_failed;
+  /**
+   * Answers refused (unknown task, answered twice, wrong output, late).
+   */
+  uint64_t answers_refused;
+  /**
+   * Events handed out.
+   */
+  uint64_t events;
+  uint64_t frames_sent;
+  uint64_t frames_received;
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  /**
+   * Payload copies made in user space by the transport.
+   */
+  uint64_t user_copies;
+  uint64_t peers_connected;
+  uint64_t peers_lost;
+  uint64_t pool_capacity_bytes;
+  uint64_t pool_in_use_bytes;
+} gwtf_peer_stats;
+
+/**
  * What a stage is. Set `version` with `gwtf_stage_info_init` before
  * `gwtf_stage_get_info`: the library fills only the fields that version has.
  */
@@ -799,6 +1249,33 @@ typedef struct gwtf_adamw_options {
   float eps;
   float weight_decay;
 } gwtf_adamw_options;
+
+/**
+ * What `gwtf node` trains with `--model preset --stages S --iterations N`
+ * (see `gwtf_model_run_info_get`): a C trainer serving a stage of the same
+ * swarm with `gwtf_stage` must use exactly these.
+ */
+typedef struct gwtf_model_run_info {
+  /**
+   * `GWTF_MODEL_RUN_INFO_VERSION` of the library that wrote it.
+   */
+  uint32_t version;
+  /**
+   * Relay stages (`S - 2`).
+   */
+  uint32_t relay_stages;
+  /**
+   * Sequences per microbatch, and tokens per sequence.
+   */
+  uint32_t batch;
+  uint32_t seq;
+  uint32_t d_model;
+  uint32_t reserved0;
+  /**
+   * Bytes of an activation between stages (and of its gradient).
+   */
+  uint64_t activation_bytes;
+} gwtf_model_run_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1775,6 +2252,273 @@ gwtf_status gwtf_node_shutdown(struct gwtf_node *node,
 void gwtf_node_free(struct gwtf_node *node);
 
 /**
+ * Fills `opts` with the defaults of this library version (swarm key,
+ * bootstrap contacts and the model's sizes unset).
+ *
+ * Ownership: `opts` is caller memory; it is only written.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_peer_options_init(struct gwtf_peer_options *opts);
+
+/**
+ * Creates a swarm member and starts it: it listens, meets its bootstrap
+ * contacts (a founding member) or joins through them (a relay with
+ * `GWTF_STAGE_AUTO`), and from then on has tasks and events for the
+ * trainer (`gwtf_peer_next_task`).
+ *
+ * Ownership: `opts` and the memory it points to are only read during the
+ * call (the key and the sizes are copied). The caller owns `*out_peer` and
+ * frees it with `gwtf_peer_free`.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_UNSUPPORTED_VERSION`,
+ * `GWTF_STATUS_INVALID_ARGUMENT` (role, stage, sizes, contacts, short key,
+ * bad address), `GWTF_STATUS_LIMIT_EXCEEDED` (a size above
+ * `GWTF_PEER_MAX_TENSOR_BYTES`, too many contacts), `GWTF_STATUS_IO`
+ * (cannot listen), `GWTF_STATUS_OUT_OF_MEMORY`.
+ */
+gwtf_status gwtf_peer_new(const struct gwtf_peer_options *opts,
+                          struct gwtf_peer **out_peer,
+                          struct gwtf_error **out_err);
+
+/**
+ * This peer's node id (the one given, or the random one chosen).
+ *
+ * Ownership: `peer` is only borrowed.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_id(const struct gwtf_peer *peer,
+                         uint32_t *out_id,
+                         struct gwtf_error **out_err);
+
+/**
+ * The "IP:PORT" the peer listens on (with the real port), NUL-terminated;
+ * `*out_len` (may be NULL) receives the length without the NUL.
+ *
+ * Ownership: `buf` is caller memory of `buf_len` bytes.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NOT_FOUND`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_local_addr(const struct gwtf_peer *peer,
+                                 char *buf,
+                                 size_t buf_len,
+                                 size_t *out_len,
+                                 struct gwtf_error **out_err);
+
+/**
+ * The next task for the trainer, or the next event, waiting up to
+ * `timeout_ms`. Events come first. Barrier tasks (gradient, apply,
+ * export, import) are handed out only when every task before them is
+ * answered, and no task while one is out; compute tasks may be taken by
+ * several threads at once.
+ *
+ * `task_size` is `sizeof(gwtf_peer_task)` as the caller knows it (a newer
+ * library writes only that much).
+ *
+ * Ownership: `out_task` is caller memory, written on success. Its
+ * `input`, `granted` and `mean` point into memory the library keeps until
+ * the task is answered (`gwtf_peer_task_done*` or `gwtf_peer_task_failed`,
+ * whatever the answer's status) or the peer is freed: read them, never
+ * free them.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`;
+ * each task goes to exactly one caller.
+ *
+ * Errors: `GWTF_STATUS_TIMEOUT` (nothing yet), `GWTF_STATUS_CLOSED` (the
+ * peer left or failed; no more tasks will come), `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_INVALID_ARGUMENT` (`task_size` smaller than version 1's).
+ */
+gwtf_status gwtf_peer_next_task(struct gwtf_peer *peer,
+                                uint32_t timeout_ms,
+                                struct gwtf_peer_task *out_task,
+                                size_t task_size,
+                                struct gwtf_error **out_err);
+
+/**
+ * Allocates an output frame of `len` bytes from the peer's pool (waiting
+ * up to `timeout_ms` when it is full), for an answer: fill its payload
+ * through `gwtf_frame_get_view(...).data`, then pass it to
+ * `gwtf_peer_task_done` or `gwtf_peer_task_done_loss`.
+ *
+ * Ownership: the caller owns `*out_frame` until an answer accepts it (or
+ * it releases it with `gwtf_frame_release`).
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_LIMIT_EXCEEDED` (above the largest payload),
+ * `GWTF_STATUS_TIMEOUT` (pool exhausted), `GWTF_STATUS_CLOSED`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_alloc(struct gwtf_peer *peer,
+                            uint64_t len,
+                            uint32_t timeout_ms,
+                            struct gwtf_frame **out_frame,
+                            struct gwtf_error **out_err);
+
+/**
+ * Answers a task with its output frame: the activation (embed, forward),
+ * the input gradient (backward), the state (export), or NULL (embed
+ * backward, forget). The frame must have `task.output_bytes` bytes (a
+ * state any length but 0). Zero copy: the library keeps this frame (its
+ * pool slot) for as long as the protocol may need to send it again after
+ * a crash; each send is one copy of it into a fresh frame.
+ *
+ * Ownership: on success `output` passes to the library (never use or
+ * release it again) and the task's input, granted list and mean are
+ * released. On failure nothing changed: `output` is still the caller's,
+ * and the task is still outstanding unless the status is
+ * `GWTF_STATUS_CLOSED` or `GWTF_STATUS_NOT_FOUND`.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND` (no such task outstanding: never given,
+ * or answered already), `GWTF_STATUS_INVALID_ARGUMENT` (the output does
+ * not fit the task: wrong size, a frame where none is due, or a task that
+ * takes another answer function), `GWTF_STATUS_CLOSED` (the peer stopped:
+ * a late answer), `GWTF_STATUS_NULL_POINTER`.
+ */
+gwtf_status gwtf_peer_task_done(struct gwtf_peer *peer,
+                                uint64_t task_id,
+                                struct gwtf_frame *output,
+                                struct gwtf_error **out_err);
+
+/**
+ * Answers a loss task: the microbatch's mean loss and the frame with the
+ * gradient of the task's input (`task.output_bytes` bytes).
+ *
+ * Ownership: as `gwtf_peer_task_done`: `grad` passes to the library only
+ * on success.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: as `gwtf_peer_task_done`; also `GWTF_STATUS_INVALID_ARGUMENT`
+ * for a loss that is not finite.
+ */
+gwtf_status gwtf_peer_task_done_loss(struct gwtf_peer *peer,
+                                     uint64_t task_id,
+                                     float loss,
+                                     struct gwtf_frame *grad,
+                                     struct gwtf_error **out_err);
+
+/**
+ * Answers a gradient task: `sum` (`len` floats), the sum of the kept
+ * parameter gradients of exactly the granted microbatches, and `weights`
+ * (`GWTF_DIGEST_LEN` bytes), the digest of the weights the gradients were
+ * computed on (every member of the stage must report the same). The
+ * library all-reduces the sum with the stage's other members and later
+ * hands the mean back in an apply task.
+ *
+ * This answer copies: `sum` is copied once into the library (the
+ * all-reduce works on its own buffer); the caller's buffer is free again
+ * when the call returns.
+ *
+ * Ownership: `sum` and `weights` are only read during the call.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` also
+ * for a sum with an element that is not finite.
+ */
+gwtf_status gwtf_peer_task_done_gradient(struct gwtf_peer *peer,
+                                         uint64_t task_id,
+                                         const float *sum,
+                                         size_t len,
+                                         const uint8_t *weights,
+                                         struct gwtf_error **out_err);
+
+/**
+ * Answers an apply or import task with the digest (`GWTF_DIGEST_LEN`
+ * bytes) of the weights after it. Replicas of a stage that applied the
+ * same updates must report the same digest: the library compares them.
+ *
+ * Ownership: `weights` is only read during the call.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: as `gwtf_peer_task_done`.
+ */
+gwtf_status gwtf_peer_task_done_weights(struct gwtf_peer *peer,
+                                        uint64_t task_id,
+                                        const uint8_t *weights,
+                                        struct gwtf_error **out_err);
+
+/**
+ * Reports that the trainer could not do a task (`reason`, UTF-8). The
+ * library reports it as an error event and the protocol's recovery redoes
+ * the microbatch elsewhere; a failed import stops the peer.
+ *
+ * Ownership: `reason` is only read during the call (NULL: no reason).
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_NOT_FOUND`, `GWTF_STATUS_CLOSED`,
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_task_failed(struct gwtf_peer *peer,
+                                  uint64_t task_id,
+                                  const char *reason,
+                                  struct gwtf_error **out_err);
+
+/**
+ * Writes the peer's counters into `out_stats`, of which the caller says
+ * the size (`sizeof(gwtf_peer_stats)`): an older, smaller struct gets the
+ * fields it knows. After `gwtf_peer_leave` the transport's and compute
+ * counters are those at the time it left.
+ *
+ * Ownership: `out_stats` is caller memory of `stats_size` bytes.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_get_stats(const struct gwtf_peer *peer,
+                                struct gwtf_peer_stats *out_stats,
+                                size_t stats_size,
+                                struct gwtf_error **out_err);
+
+/**
+ * Leaves the swarm gracefully: the protocol says goodbye (the stage's
+ * coordinator removes this member; its microbatches in flight are
+ * redone elsewhere), and the peer's threads stop. Waits until done.
+ * Afterwards `gwtf_peer_next_task` says `GWTF_STATUS_CLOSED`, answers are
+ * refused with it, and the input leases of unanswered tasks stay valid
+ * until `gwtf_peer_free`. Idempotent.
+ *
+ * Ownership: `peer` is only borrowed; free it with `gwtf_peer_free`.
+ *
+ * Thread safety: any thread; other threads may be in `next_task` (they
+ * return `GWTF_STATUS_CLOSED`).
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_peer_leave(struct gwtf_peer *peer,
+                            struct gwtf_error **out_err);
+
+/**
+ * Frees a peer. Without `gwtf_peer_leave` first this is abrupt, as a
+ * crash is for the others (they recover). `gwtf_peer_free(NULL)` does
+ * nothing. Frames the caller still holds stay valid until released.
+ *
+ * Ownership: takes ownership of `peer`; every pointer a task gave
+ * (`input`, `granted`, `mean`) is invalid afterwards.
+ *
+ * Thread safety: no other thread may use `peer` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_peer_free(struct gwtf_peer *peer);
+
+/**
  * Fills `info` with `version = GWTF_STAGE_INFO_VERSION` and zeros.
  *
  * Ownership: caller memory, only written.
@@ -1967,6 +2711,148 @@ gwtf_status gwtf_stage_import_params(struct gwtf_stage *stage,
  * Errors: none.
  */
 void gwtf_stage_free(struct gwtf_stage *stage);
+
+/**
+ * Copies the parameter gradient accumulated since the last take (or step)
+ * into `buf` and zeroes the accumulator: with one backward between two
+ * takes, the gradient of one microbatch (a swarm trainer keeps each
+ * microbatch's apart until its stage aggregates). `*out_len` (may be NULL)
+ * receives the count, also on `GWTF_STATUS_BUFFER_TOO_SMALL` (reported
+ * before anything changes).
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_take_grads(struct gwtf_stage *stage,
+                                  float *buf,
+                                  size_t buf_len,
+                                  size_t *out_len,
+                                  struct gwtf_error **out_err);
+
+/**
+ * One optimizer step with `mean` (`len` floats, one per parameter) as the
+ * gradient, whatever was accumulated (which is dropped): a swarm member
+ * applies its stage's all-reduced mean this way. `opts` NULL: the defaults.
+ *
+ * Ownership: `mean` and `opts` are read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length, bad options),
+ * `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_apply_mean(struct gwtf_stage *stage,
+                                  const float *mean,
+                                  size_t len,
+                                  const struct gwtf_adamw_options *opts,
+                                  struct gwtf_error **out_err);
+
+/**
+ * The stage's whole state as bytes (parameters, AdamW moments, step
+ * count: what a joining replica downloads) into `buf`; `*out_len` (may be
+ * NULL) receives the length, also on `GWTF_STATUS_BUFFER_TOO_SMALL`.
+ *
+ * Ownership: `buf` is caller memory.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_export_state(const struct gwtf_stage *stage,
+                                    uint8_t *buf,
+                                    size_t buf_len,
+                                    size_t *out_len,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Replaces the stage's whole state with `len` bytes from `state` (a
+ * same-stage replica's `gwtf_stage_export_state`); checked before anything
+ * changes. Drops the activations kept and the accumulated gradient.
+ *
+ * Ownership: `state` is read during the call.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_INVALID_ARGUMENT` (not a state of this stage),
+ * `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_import_state(struct gwtf_stage *stage,
+                                    const uint8_t *state,
+                                    size_t len,
+                                    struct gwtf_error **out_err);
+
+/**
+ * The SHA-256 of the stage's state (`gwtf_stage_export_state`'s bytes)
+ * into `out` (32 bytes): replicas that applied the same updates agree, and
+ * `gwtf node` reports its weights this way.
+ *
+ * Ownership: `out` is caller memory of 32 bytes.
+ *
+ * Thread safety: calls on one stage are serialised.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_stage_state_digest(const struct gwtf_stage *stage,
+                                    uint8_t *out,
+                                    struct gwtf_error **out_err);
+
+/**
+ * Describes the run `gwtf node --model preset --stages stages --iterations
+ * iterations` trains (microbatch shape, activation size).
+ *
+ * Ownership: `preset` is read during the call; `out` is caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (unknown
+ * preset, fewer than 3 stages, impossible cut).
+ */
+gwtf_status gwtf_model_run_info_get(const char *preset_name,
+                                    uint32_t stages,
+                                    uint32_t iterations,
+                                    struct gwtf_model_run_info *out,
+                                    struct gwtf_error **out_err);
+
+/**
+ * The bytes protocol stage `stage` (0: the data holders) of that run
+ * transfers to a joiner, and the memory one microbatch in flight takes
+ * there (what `gwtf node` gives the swarm as its sizes).
+ *
+ * Ownership: `preset` is read during the call; outputs are caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_model_run_stage_bytes(const char *preset_name,
+                                       uint32_t stages,
+                                       uint32_t stage,
+                                       uint64_t *out_state_bytes,
+                                       uint64_t *out_microbatch_bytes,
+                                       struct gwtf_error **out_err);
+
+/**
+ * The optimizer settings `gwtf node` applies iteration `iteration`'s
+ * update with (the run's learning-rate schedule and weight decay).
+ *
+ * Ownership: `preset` is read during the call; `out` is caller memory.
+ *
+ * Thread safety: any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+ */
+gwtf_status gwtf_model_run_adamw(const char *preset_name,
+                                 uint32_t stages,
+                                 uint32_t iterations,
+                                 uint32_t iteration,
+                                 struct gwtf_adamw_options *out,
+                                 struct gwtf_error **out_err);
 
 /**
  * A static, NUL-terminated English description of a status code.

@@ -364,3 +364,29 @@ fn routing_solver_from_c_under_asan() {
     );
     assert!(out.contains("flow: all checks passed"), "{out}");
 }
+
+#[test]
+fn peer_from_c_refuses_every_wrong_answer_under_asan() {
+    let dir = scratch("peer");
+    let exe = dir.join("peer");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/peer.c")],
+        &exe,
+        true,
+    );
+    let out = run_ok(asan_env(&mut Command::new(&exe)));
+    let text = stdout_of(&out);
+    assert!(text.ends_with("peer: all checks passed\n"), "{text}");
+    for want in [
+        "expected 32 at stage 1",
+        "is not outstanding (never given, or answered already)",
+        "forward cannot be answered with a loss",
+        "gradient element 3 is not finite",
+        "the peer has stopped",
+        "holder: iteration 1 final",
+    ] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+}

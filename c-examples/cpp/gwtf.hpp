@@ -117,6 +117,8 @@ public:
     }
     /// Gives up ownership (for gwtf_node_send).
     gwtf_frame *release() { return ptr_.release(); }
+    /// The handle, still owned here.
+    gwtf_frame *get() const { return ptr_.get(); }
 
 private:
     std::unique_ptr<gwtf_frame, decltype(&gwtf_frame_release)> ptr_{nullptr, gwtf_frame_release};
@@ -203,6 +205,91 @@ public:
 
 private:
     std::unique_ptr<gwtf_node, decltype(&gwtf_node_free)> ptr_{nullptr, gwtf_node_free};
+};
+
+/// A swarm member driven by this process's trainer (gwtf_peer); leaves
+/// abruptly (as a crash) when destroyed without leave().
+class Peer {
+public:
+    explicit Peer(const gwtf_peer_options &o) {
+        gwtf_peer *raw = nullptr;
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_new(&o, &raw, &err), &err);
+        ptr_.reset(raw);
+    }
+
+    uint32_t id() const {
+        uint32_t id = 0;
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_id(ptr_.get(), &id, &err), &err);
+        return id;
+    }
+
+    /// The next task or event, or false after `timeout_ms`.
+    bool next_task(gwtf_peer_task &t, uint32_t timeout_ms) {
+        gwtf_error *err = nullptr;
+        gwtf_status st = gwtf_peer_next_task(ptr_.get(), timeout_ms, &t, sizeof t, &err);
+        if (st == GWTF_STATUS_TIMEOUT) {
+            gwtf_error_free(err);
+            return false;
+        }
+        check(st, &err);
+        return true;
+    }
+
+    Frame alloc(size_t bytes, uint32_t timeout_ms = 30000) {
+        gwtf_frame *f = nullptr;
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_alloc(ptr_.get(), bytes, timeout_ms, &f, &err), &err);
+        return Frame(f);
+    }
+
+    /// Answers with `out` (may be empty): it passes to the library only when
+    /// the answer is accepted; a refused answer throws and leaves it here.
+    void done(uint64_t task, Frame &out) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done(ptr_.get(), task, out.get(), &err), &err);
+        out.release();
+    }
+    void done(uint64_t task) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done(ptr_.get(), task, nullptr, &err), &err);
+    }
+    void done_loss(uint64_t task, float loss, Frame &grad) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done_loss(ptr_.get(), task, loss, grad.get(), &err), &err);
+        grad.release();
+    }
+    /// The sum is copied into the library.
+    void done_gradient(uint64_t task, const std::vector<float> &sum, const uint8_t *digest) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done_gradient(ptr_.get(), task, sum.data(), sum.size(), digest, &err),
+              &err);
+    }
+    void done_weights(uint64_t task, const uint8_t *digest) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done_weights(ptr_.get(), task, digest, &err), &err);
+    }
+    void failed(uint64_t task, const std::string &reason) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_failed(ptr_.get(), task, reason.c_str(), &err), &err);
+    }
+
+    gwtf_peer_stats stats() const {
+        gwtf_peer_stats s;
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_get_stats(ptr_.get(), &s, sizeof s, &err), &err);
+        return s;
+    }
+
+    /// Leaves gracefully (goodbye to the swarm) and waits until done.
+    void leave() {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_leave(ptr_.get(), &err), &err);
+    }
+
+private:
+    std::unique_ptr<gwtf_peer, decltype(&gwtf_peer_free)> ptr_{nullptr, gwtf_peer_free};
 };
 
 }  // namespace gwtf

@@ -228,6 +228,18 @@ pub unsafe fn write_out<T>(ptr: *mut T, value: T) {
     unsafe { ptr.write(value) }
 }
 
+/// Writes `value` into caller memory of `size` bytes: a struct that only
+/// grows at the end, of which an older caller knows a smaller size, gets
+/// the fields it knows.
+///
+/// # Safety
+/// `ptr` must be valid for writes of `size` bytes.
+pub unsafe fn write_sized<T: Copy>(ptr: *mut T, size: usize, value: &T) {
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: per the function contract; at most `size` bytes are written.
+    unsafe { std::ptr::copy_nonoverlapping((value as *const T).cast::<u8>(), ptr.cast::<u8>(), n) };
+}
+
 /// Copies `s` as a NUL-terminated string into a caller buffer.
 ///
 /// `*out_len` (when not NULL) receives the string length without the NUL,

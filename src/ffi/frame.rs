@@ -88,6 +88,18 @@ impl gwtf_frame {
     }
 }
 
+impl gwtf_frame {
+    /// Takes the frame out (the handle stays, empty).
+    pub(crate) fn take(&self) -> Option<Frame> {
+        self.frame.lock().take()
+    }
+
+    /// Puts a frame taken out back.
+    pub(crate) fn put(&self, f: Frame) {
+        *self.frame.lock() = Some(f);
+    }
+}
+
 /// Takes the frame out of a handle and frees the handle (ownership passes).
 ///
 /// # Safety

@@ -24,6 +24,7 @@ pub mod flow;
 pub mod frame;
 pub mod kernels;
 pub mod node;
+pub mod peer;
 pub mod stage;
 pub mod status;
 pub mod version;

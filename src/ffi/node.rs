@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::boundary::{
-    copy_str_out, free_handle, guard, guard_handle, require_out, write_out, FfiError, FfiHandle,
-    FfiResult, HandleHeader,
+    copy_str_out, free_handle, guard, guard_handle, require_out, write_out, write_sized, FfiError,
+    FfiHandle, FfiResult, HandleHeader,
 };
 use super::error::gwtf_error;
 use super::frame::{gwtf_frame, take_frame};
@@ -167,7 +167,7 @@ fn ms(v: u32) -> Duration {
     Duration::from_millis(v as u64)
 }
 
-fn engine_err(e: EngineError) -> FfiError {
+pub(crate) fn engine_err(e: EngineError) -> FfiError {
     let status = match &e {
         EngineError::InvalidArgument(_) => gwtf_status::InvalidArgument,
         EngineError::LimitExceeded(_) => gwtf_status::LimitExceeded,
@@ -183,7 +183,7 @@ fn engine_err(e: EngineError) -> FfiError {
     FfiError::new(status, e.to_string())
 }
 
-fn c_str<'a>(p: *const c_char, what: &str) -> FfiResult<&'a str> {
+pub(crate) fn c_str<'a>(p: *const c_char, what: &str) -> FfiResult<&'a str> {
     if p.is_null() {
         return Err(FfiError::null(what));
     }
@@ -193,7 +193,7 @@ fn c_str<'a>(p: *const c_char, what: &str) -> FfiResult<&'a str> {
         .map_err(|_| FfiError::invalid(format!("{what} is not UTF-8")))
 }
 
-fn parse_addr(p: *const c_char, what: &str) -> FfiResult<SocketAddr> {
+pub(crate) fn parse_addr(p: *const c_char, what: &str) -> FfiResult<SocketAddr> {
     let s = c_str(p, what)?;
     s.parse()
         .map_err(|_| FfiError::invalid(format!("{what} {s:?} is not IP:PORT")))
@@ -495,7 +495,7 @@ pub extern "C" fn gwtf_node_recv(
     })
 }
 
-fn fill(dst: &mut [c_char], s: &str) {
+pub(crate) fn fill(dst: &mut [c_char], s: &str) {
     let n = s.len().min(dst.len() - 1);
     for (d, b) in dst.iter_mut().zip(s.as_bytes()[..n].iter()) {
         *d = *b as c_char;
@@ -635,15 +635,8 @@ pub extern "C" fn gwtf_node_get_stats(
             pool_slots_high_water: s.pool.slots_high_water,
             pool_alloc_failures: s.pool.failures,
         };
-        let n = stats_size.min(std::mem::size_of::<gwtf_node_stats>());
-        // SAFETY: out_stats is valid for stats_size bytes; we write at most that.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                (&v as *const gwtf_node_stats).cast::<u8>(),
-                out_stats.cast::<u8>(),
-                n,
-            )
-        };
+        // SAFETY: out_stats is valid for stats_size bytes.
+        unsafe { write_sized(out_stats, stats_size, &v) };
         Ok(())
     })
 }

@@ -11,7 +11,9 @@ use super::boundary::{
 use super::error::gwtf_error;
 use super::status::gwtf_status;
 use crate::model::{preset, AdamW, ModelError, Stage, StageInput, StageOutput, StagePlan};
+use crate::swarm::model_trainer::ModelRun;
 use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
 
 /// Current version of `gwtf_stage_info` (what `gwtf_stage_info_init` writes).
 pub const GWTF_STAGE_INFO_VERSION: u32 = 1;
@@ -85,6 +87,37 @@ unsafe fn slice<'a, T>(p: *const T, n: usize, what: &str) -> FfiResult<&'a [T]> 
     }
     // SAFETY: per the function contract.
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The AdamW of `opts` (NULL: the defaults), checked.
+fn adamw_of(opts: *const gwtf_adamw_options) -> FfiResult<AdamW> {
+    if opts.is_null() {
+        return Ok(AdamW::default());
+    }
+    // SAFETY: non-NULL options struct per the contract.
+    let o = unsafe { &*opts };
+    if o.version == 0 || o.version > GWTF_ADAMW_OPTIONS_VERSION {
+        return Err(FfiError::new(
+            gwtf_status::UnsupportedVersion,
+            format!(
+                "gwtf_adamw_options.version {} (call gwtf_adamw_options_init)",
+                o.version
+            ),
+        ));
+    }
+    let all = [o.lr, o.beta1, o.beta2, o.eps, o.weight_decay];
+    if all.iter().any(|v| !v.is_finite() || *v < 0.0) || o.beta1 >= 1.0 || o.beta2 >= 1.0 {
+        return Err(FfiError::invalid(
+            "AdamW options must be finite and >= 0, with betas below 1",
+        ));
+    }
+    Ok(AdamW {
+        lr: o.lr,
+        beta1: o.beta1,
+        beta2: o.beta2,
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+    })
 }
 
 /// Copies `src` into a caller buffer after checking its length.
@@ -186,14 +219,7 @@ pub extern "C" fn gwtf_stage_new(
 ) -> gwtf_status {
     guard(out_err, || {
         require_out(out_stage, "out_stage")?;
-        if preset_name.is_null() {
-            return Err(FfiError::null("preset"));
-        }
-        // SAFETY: non-NULL, NUL-terminated per the contract.
-        let name = unsafe { CStr::from_ptr(preset_name) }
-            .to_str()
-            .map_err(|_| FfiError::invalid("preset is not UTF-8"))?;
-        let cfg = preset(name).map_err(model_err)?;
+        let cfg = preset_of(preset_name)?;
         let plan = StagePlan::new(&cfg, num_stages as usize).map_err(model_err)?;
         if index as usize >= plan.len() {
             return Err(FfiError::invalid(format!(
@@ -452,34 +478,7 @@ pub extern "C" fn gwtf_stage_step(
     out_err: *mut *mut gwtf_error,
 ) -> gwtf_status {
     guard_handle(out_err, stage, |h| {
-        let opt = if opts.is_null() {
-            AdamW::default()
-        } else {
-            // SAFETY: non-NULL options struct per the contract.
-            let o = unsafe { &*opts };
-            if o.version == 0 || o.version > GWTF_ADAMW_OPTIONS_VERSION {
-                return Err(FfiError::new(
-                    gwtf_status::UnsupportedVersion,
-                    format!(
-                        "gwtf_adamw_options.version {} (call gwtf_adamw_options_init)",
-                        o.version
-                    ),
-                ));
-            }
-            let all = [o.lr, o.beta1, o.beta2, o.eps, o.weight_decay];
-            if all.iter().any(|v| !v.is_finite() || *v < 0.0) || o.beta1 >= 1.0 || o.beta2 >= 1.0 {
-                return Err(FfiError::invalid(
-                    "AdamW options must be finite and >= 0, with betas below 1",
-                ));
-            }
-            AdamW {
-                lr: o.lr,
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps,
-                weight_decay: o.weight_decay,
-            }
-        };
+        let opt = adamw_of(opts)?;
         let mut s = h.stage.lock();
         if s.accumulated() == 0 {
             return Err(FfiError::invalid(
@@ -553,4 +552,312 @@ pub extern "C" fn gwtf_stage_import_params(
 pub extern "C" fn gwtf_stage_free(stage: *mut gwtf_stage) {
     // SAFETY: NULL or a pointer from gwtf_stage_new, once.
     unsafe { super::boundary::free_handle(stage) }
+}
+
+/// Copies the parameter gradient accumulated since the last take (or step)
+/// into `buf` and zeroes the accumulator: with one backward between two
+/// takes, the gradient of one microbatch (a swarm trainer keeps each
+/// microbatch's apart until its stage aggregates). `*out_len` (may be NULL)
+/// receives the count, also on `GWTF_STATUS_BUFFER_TOO_SMALL` (reported
+/// before anything changes).
+///
+/// Ownership: `buf` is caller memory.
+///
+/// Thread safety: calls on one stage are serialised.
+///
+/// Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+/// `GWTF_STATUS_POISONED`.
+#[no_mangle]
+pub extern "C" fn gwtf_stage_take_grads(
+    stage: *mut gwtf_stage,
+    buf: *mut f32,
+    buf_len: usize,
+    out_len: *mut usize,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, stage, |h| {
+        let mut s = h.stage.lock();
+        let n = s.num_params();
+        if !out_len.is_null() {
+            // SAFETY: checked non-NULL.
+            unsafe { write_out(out_len, n) };
+        }
+        // SAFETY: buf holds buf_len floats; checked before the take.
+        unsafe { copy_out(s.grads(), buf, buf_len, "buf")? };
+        s.take_grads();
+        Ok(())
+    })
+}
+
+/// One optimizer step with `mean` (`len` floats, one per parameter) as the
+/// gradient, whatever was accumulated (which is dropped): a swarm member
+/// applies its stage's all-reduced mean this way. `opts` NULL: the defaults.
+///
+/// Ownership: `mean` and `opts` are read during the call.
+///
+/// Thread safety: calls on one stage are serialised.
+///
+/// Errors: `GWTF_STATUS_INVALID_ARGUMENT` (wrong length, bad options),
+/// `GWTF_STATUS_UNSUPPORTED_VERSION`, `GWTF_STATUS_NULL_POINTER`,
+/// `GWTF_STATUS_POISONED`.
+#[no_mangle]
+pub extern "C" fn gwtf_stage_apply_mean(
+    stage: *mut gwtf_stage,
+    mean: *const f32,
+    len: usize,
+    opts: *const gwtf_adamw_options,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, stage, |h| {
+        let opt = adamw_of(opts)?;
+        // SAFETY: mean holds len floats.
+        let m = unsafe { slice(mean, len, "mean")? };
+        let mut s = h.stage.lock();
+        if m.len() != s.num_params() {
+            return Err(FfiError::invalid(format!(
+                "a mean of {} floats for {} parameters",
+                m.len(),
+                s.num_params()
+            )));
+        }
+        s.set_mean_grads(m).map_err(model_err)?;
+        s.step(&opt).map_err(model_err)
+    })
+}
+
+/// The stage's whole state as bytes (parameters, AdamW moments, step
+/// count: what a joining replica downloads) into `buf`; `*out_len` (may be
+/// NULL) receives the length, also on `GWTF_STATUS_BUFFER_TOO_SMALL`.
+///
+/// Ownership: `buf` is caller memory.
+///
+/// Thread safety: calls on one stage are serialised.
+///
+/// Errors: `GWTF_STATUS_BUFFER_TOO_SMALL`, `GWTF_STATUS_NULL_POINTER`,
+/// `GWTF_STATUS_POISONED`.
+#[no_mangle]
+pub extern "C" fn gwtf_stage_export_state(
+    stage: *const gwtf_stage,
+    buf: *mut u8,
+    buf_len: usize,
+    out_len: *mut usize,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, stage, |h| {
+        let st = h.stage.lock().export_state();
+        if !out_len.is_null() {
+            // SAFETY: checked non-NULL.
+            unsafe { write_out(out_len, st.len()) };
+        }
+        if buf_len < st.len() {
+            return Err(FfiError::new(
+                gwtf_status::BufferTooSmall,
+                format!("buf holds {buf_len} bytes, {} needed", st.len()),
+            ));
+        }
+        if buf.is_null() {
+            return Err(FfiError::null("buf"));
+        }
+        // SAFETY: checked length and non-NULL.
+        unsafe { std::ptr::copy_nonoverlapping(st.as_ptr(), buf, st.len()) };
+        Ok(())
+    })
+}
+
+/// Replaces the stage's whole state with `len` bytes from `state` (a
+/// same-stage replica's `gwtf_stage_export_state`); checked before anything
+/// changes. Drops the activations kept and the accumulated gradient.
+///
+/// Ownership: `state` is read during the call.
+///
+/// Thread safety: calls on one stage are serialised.
+///
+/// Errors: `GWTF_STATUS_INVALID_ARGUMENT` (not a state of this stage),
+/// `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+#[no_mangle]
+pub extern "C" fn gwtf_stage_import_state(
+    stage: *mut gwtf_stage,
+    state: *const u8,
+    len: usize,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, stage, |h| {
+        // SAFETY: state holds len bytes.
+        let b = unsafe { slice(state, len, "state")? };
+        let mut s = h.stage.lock();
+        let backup = s.state();
+        if let Err(e) = s.import_state(b) {
+            let _ = s.set_state(&backup);
+            return Err(model_err(e));
+        }
+        let st = s.state();
+        s.set_state(&st).map_err(model_err)
+    })
+}
+
+/// The SHA-256 of the stage's state (`gwtf_stage_export_state`'s bytes)
+/// into `out` (32 bytes): replicas that applied the same updates agree, and
+/// `gwtf node` reports its weights this way.
+///
+/// Ownership: `out` is caller memory of 32 bytes.
+///
+/// Thread safety: calls on one stage are serialised.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_POISONED`.
+#[no_mangle]
+pub extern "C" fn gwtf_stage_state_digest(
+    stage: *const gwtf_stage,
+    out: *mut u8,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, stage, |h| {
+        require_out(out, "out")?;
+        let d: [u8; 32] = Sha256::digest(h.stage.lock().export_state()).into();
+        // SAFETY: out holds 32 bytes per the contract.
+        unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), out, 32) };
+        Ok(())
+    })
+}
+
+/// Current version of `gwtf_model_run_info`.
+pub const GWTF_MODEL_RUN_INFO_VERSION: u32 = 1;
+
+/// What `gwtf node` trains with `--model preset --stages S --iterations N`
+/// (see `gwtf_model_run_info_get`): a C trainer serving a stage of the same
+/// swarm with `gwtf_stage` must use exactly these.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct gwtf_model_run_info {
+    /// `GWTF_MODEL_RUN_INFO_VERSION` of the library that wrote it.
+    pub version: u32,
+    /// Relay stages (`S - 2`).
+    pub relay_stages: u32,
+    /// Sequences per microbatch, and tokens per sequence.
+    pub batch: u32,
+    pub seq: u32,
+    pub d_model: u32,
+    pub reserved0: u32,
+    /// Bytes of an activation between stages (and of its gradient).
+    pub activation_bytes: u64,
+}
+
+/// The preset a C string names.
+fn preset_of(preset_name: *const c_char) -> FfiResult<crate::model::ModelConfig> {
+    if preset_name.is_null() {
+        return Err(FfiError::null("preset"));
+    }
+    // SAFETY: non-NULL, NUL-terminated per the contract.
+    let name = unsafe { CStr::from_ptr(preset_name) }
+        .to_str()
+        .map_err(|_| FfiError::invalid("preset is not UTF-8"))?;
+    preset(name).map_err(model_err)
+}
+
+fn model_run(preset_name: *const c_char, stages: u32, iterations: u32) -> FfiResult<ModelRun> {
+    let cfg = preset_of(preset_name)?;
+    ModelRun::new(cfg, stages as usize, 0, iterations as usize).map_err(model_err)
+}
+
+/// Describes the run `gwtf node --model preset --stages stages --iterations
+/// iterations` trains (microbatch shape, activation size).
+///
+/// Ownership: `preset` is read during the call; `out` is caller memory.
+///
+/// Thread safety: any thread.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (unknown
+/// preset, fewer than 3 stages, impossible cut).
+#[no_mangle]
+pub extern "C" fn gwtf_model_run_info_get(
+    preset_name: *const c_char,
+    stages: u32,
+    iterations: u32,
+    out: *mut gwtf_model_run_info,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard(out_err, || {
+        require_out(out, "out")?;
+        let run = model_run(preset_name, stages, iterations)?;
+        let v = gwtf_model_run_info {
+            version: GWTF_MODEL_RUN_INFO_VERSION,
+            relay_stages: stages - 2,
+            batch: run.opts.batch as u32,
+            seq: run.opts.seq as u32,
+            d_model: run.cfg.d_model as u32,
+            reserved0: 0,
+            activation_bytes: run.activation_bytes() as u64,
+        };
+        // SAFETY: checked non-NULL.
+        unsafe { write_out(out, v) };
+        Ok(())
+    })
+}
+
+/// The bytes protocol stage `stage` (0: the data holders) of that run
+/// transfers to a joiner, and the memory one microbatch in flight takes
+/// there (what `gwtf node` gives the swarm as its sizes).
+///
+/// Ownership: `preset` is read during the call; outputs are caller memory.
+///
+/// Thread safety: any thread.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn gwtf_model_run_stage_bytes(
+    preset_name: *const c_char,
+    stages: u32,
+    stage: u32,
+    out_state_bytes: *mut u64,
+    out_microbatch_bytes: *mut u64,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard(out_err, || {
+        require_out(out_state_bytes, "out_state_bytes")?;
+        require_out(out_microbatch_bytes, "out_microbatch_bytes")?;
+        let run = model_run(preset_name, stages, 1)?;
+        let st = u16::try_from(stage).map_err(|_| FfiError::invalid("stage too large"))?;
+        let state = run.state_bytes(st).map_err(model_err)?;
+        let mb = run.bytes_per_microbatch(st).map_err(model_err)?;
+        // SAFETY: checked non-NULL.
+        unsafe {
+            write_out(out_state_bytes, state);
+            write_out(out_microbatch_bytes, mb);
+        }
+        Ok(())
+    })
+}
+
+/// The optimizer settings `gwtf node` applies iteration `iteration`'s
+/// update with (the run's learning-rate schedule and weight decay).
+///
+/// Ownership: `preset` is read during the call; `out` is caller memory.
+///
+/// Thread safety: any thread.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn gwtf_model_run_adamw(
+    preset_name: *const c_char,
+    stages: u32,
+    iterations: u32,
+    iteration: u32,
+    out: *mut gwtf_adamw_options,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard(out_err, || {
+        require_out(out, "out")?;
+        let run = model_run(preset_name, stages, iterations)?;
+        let a = run.adamw(iteration);
+        let v = gwtf_adamw_options {
+            version: GWTF_ADAMW_OPTIONS_VERSION,
+            lr: a.lr,
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: a.eps,
+            weight_decay: a.weight_decay,
+        };
+        // SAFETY: checked non-NULL.
+        unsafe { write_out(out, v) };
+        Ok(())
+    })
 }

@@ -953,9 +953,9 @@ impl Driver {
         }
     }
 
-    /// A tensor must be as long as the activations this swarm exchanges.
+    /// A tensor must be as long as this stage's input at its boundary.
     fn check_tensor(&mut self, from: NodeId, msg: &Msg, data: &Frame) -> bool {
-        let want = self.cfg.activation_bytes as usize;
+        let want = self.port.sizes().incoming(msg, self.me.stage);
         if data.len() == want {
             return true;
         }

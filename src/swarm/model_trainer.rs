@@ -91,6 +91,11 @@ impl ModelRun {
             .collect()
     }
 
+    /// The optimizer settings of iteration `iter`'s update.
+    pub fn adamw(&self, iter: u32) -> AdamW {
+        adamw(&self.opts, iter)
+    }
+
     /// Bytes of the state protocol stage `stage` transfers to a joiner.
     pub fn state_bytes(&self, stage: u16) -> Result<u64, ModelError> {
         let pieces = self.pieces(stage)?;

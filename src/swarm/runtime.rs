@@ -31,7 +31,7 @@
 //! ([`super::directory`]).
 pub use super::directory::{parse as parse_directory, Peer, DIRECTORY_MSG};
 use super::driver::{Driver, JOIN_DIRECTORY_WAIT};
-pub use super::work::{CompleteError, Output, Work, WorkId, WorkKind, WorkPort};
+pub use super::work::{CompleteError, Output, TensorSizes, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Node as Net, NodeOptions};
 use crate::protocol::{Config, Event, Input, NodeId, Stage};
 use crossbeam_channel::{unbounded, Receiver, Sender};
@@ -250,8 +250,27 @@ impl Runtime {
         Ok(rt)
     }
 
-    /// Starts a node whose work the caller pulls from [`Runtime::port`].
+    /// Starts a node whose work the caller pulls from [`Runtime::port`];
+    /// every stage boundary carries tensors of the protocol's
+    /// `activation_bytes`.
     pub fn start_pulled(opts: RuntimeOptions) -> Result<Runtime, EngineError> {
+        let sizes = TensorSizes::uniform(
+            opts.protocol.relay_stages,
+            opts.protocol.activation_bytes as usize,
+        );
+        Runtime::start_pulled_sized(opts, sizes)
+    }
+
+    /// [`Runtime::start_pulled`] with the tensor sizes of each stage
+    /// boundary (a model whose stages exchange tensors of different sizes);
+    /// the protocol's `activation_bytes` is then only its cost estimate.
+    pub fn start_pulled_sized(
+        opts: RuntimeOptions,
+        sizes: TensorSizes,
+    ) -> Result<Runtime, EngineError> {
+        sizes
+            .check(opts.protocol.relay_stages)
+            .map_err(EngineError::InvalidArgument)?;
         let net = Arc::new(Net::new(NodeOptions {
             listen: Some(opts.listen),
             swarm_key: opts.swarm_key.clone(),
@@ -261,7 +280,7 @@ impl Runtime {
         let addr = net
             .local_addr()
             .ok_or_else(|| EngineError::InvalidArgument("the node does not listen".into()))?;
-        let port = WorkPort::new(net.clone(), opts.protocol.activation_bytes as usize);
+        let port = WorkPort::new(net.clone(), sizes);
         let (events_tx, events) = unbounded();
         let (leave, leave_rx) = unbounded();
         let shared = Arc::new(Shared::default());

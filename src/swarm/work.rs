@@ -14,7 +14,7 @@
 //! several threads still applies updates between the microbatches they
 //! belong between. A trainer with one thread just runs works as they come.
 use crate::engine::{EngineError, Frame, Node as Net};
-use crate::protocol::{MbId, Stage};
+use crate::protocol::{MbId, Msg, Stage};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -182,11 +182,107 @@ pub struct Completion {
     pub took: Duration,
 }
 
+/// Bytes of the tensors at each stage boundary. Boundary `b` is the output
+/// of stage `b` (0: a data holder's embedding) going to stage `b + 1`; the
+/// last one, `relay_stages`, is the last relay's output going to the data
+/// holder's loss. The gradient at a boundary flows the other way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSizes {
+    /// Activation bytes per boundary (`relay_stages + 1` entries).
+    pub activation: Vec<usize>,
+    /// Gradient bytes per boundary (same length).
+    pub gradient: Vec<usize>,
+}
+
+impl TensorSizes {
+    /// The same size at every boundary, both ways.
+    pub fn uniform(relay_stages: Stage, bytes: usize) -> TensorSizes {
+        let n = relay_stages as usize + 1;
+        TensorSizes {
+            activation: vec![bytes; n],
+            gradient: vec![bytes; n],
+        }
+    }
+
+    /// Checks the table: one entry per boundary, none empty.
+    pub fn check(&self, relay_stages: Stage) -> Result<(), String> {
+        let n = relay_stages as usize + 1;
+        if self.activation.len() != n || self.gradient.len() != n {
+            return Err(format!(
+                "{} activation and {} gradient sizes for {n} boundaries ({relay_stages} relay stages)",
+                self.activation.len(),
+                self.gradient.len()
+            ));
+        }
+        if let Some(b) = self
+            .activation
+            .iter()
+            .chain(&self.gradient)
+            .position(|&x| x == 0)
+        {
+            return Err(format!("boundary {}: a tensor of 0 bytes", b % n));
+        }
+        Ok(())
+    }
+
+    /// The last boundary (the last relay's output).
+    fn last(&self) -> usize {
+        self.activation.len().saturating_sub(1)
+    }
+
+    /// Bytes of the output of `kind` at `stage` (None: it has no tensor).
+    pub fn output(&self, kind: &WorkKind, stage: Stage) -> Option<usize> {
+        let s = stage as usize;
+        match kind {
+            WorkKind::Embed => self.activation.first().copied(),
+            WorkKind::Forward => self.activation.get(s).copied(),
+            WorkKind::Backward => self.gradient.get(s.checked_sub(1)?).copied(),
+            WorkKind::Loss => self.gradient.get(self.last()).copied(),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the input of `kind` at `stage` (None: it has no tensor).
+    pub fn input(&self, kind: &WorkKind, stage: Stage) -> Option<usize> {
+        let s = stage as usize;
+        match kind {
+            WorkKind::Forward => self.activation.get(s.checked_sub(1)?).copied(),
+            WorkKind::Loss => self.activation.get(self.last()).copied(),
+            WorkKind::Backward => self.gradient.get(s).copied(),
+            WorkKind::EmbedBackward => self.gradient.first().copied(),
+            _ => None,
+        }
+    }
+
+    /// Bytes a node of `stage` expects in the data frame of `msg` (a
+    /// forward or backward that arrived); `usize::MAX` when it expects none.
+    pub fn incoming(&self, msg: &Msg, stage: Stage) -> usize {
+        let kind = match (msg, stage) {
+            (Msg::Forward { .. }, 0) => WorkKind::Loss,
+            (Msg::Forward { .. }, _) => WorkKind::Forward,
+            (Msg::Backward { .. }, 0) => WorkKind::EmbedBackward,
+            (Msg::Backward { .. }, _) => WorkKind::Backward,
+            _ => return usize::MAX,
+        };
+        self.input(&kind, stage).unwrap_or(usize::MAX)
+    }
+
+    /// The largest tensor.
+    pub fn max(&self) -> usize {
+        self.activation
+            .iter()
+            .chain(&self.gradient)
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 #[derive(Default)]
 struct QueueState {
     ready: VecDeque<Work>,
-    /// Outstanding works: kind, microbatch, when handed out.
-    outstanding: HashMap<WorkId, (WorkKind, Option<MbId>, Instant)>,
+    /// Outstanding works: kind, stage, microbatch, when handed out.
+    outstanding: HashMap<WorkId, (WorkKind, Stage, Option<MbId>, Instant)>,
     barrier_out: bool,
     stopped: bool,
     done: Vec<Completion>,
@@ -198,27 +294,39 @@ struct QueueState {
 pub struct WorkPort {
     state: Arc<(Mutex<QueueState>, Condvar)>,
     net: Arc<Net>,
-    /// Bytes of an activation (and of its gradient).
-    activation_bytes: usize,
+    /// Bytes of the tensors at each stage boundary.
+    sizes: Arc<TensorSizes>,
 }
 
 impl WorkPort {
-    pub(crate) fn new(net: Arc<Net>, activation_bytes: usize) -> WorkPort {
+    pub(crate) fn new(net: Arc<Net>, sizes: TensorSizes) -> WorkPort {
         WorkPort {
             state: Arc::new((Mutex::new(QueueState::default()), Condvar::new())),
             net,
-            activation_bytes,
+            sizes: Arc::new(sizes),
         }
     }
 
-    /// Bytes of the activations (and gradients) this node exchanges.
+    /// Bytes of the activations (and gradients) this node exchanges: the
+    /// largest at any boundary ([`WorkPort::sizes`] has each).
     pub fn activation_bytes(&self) -> usize {
-        self.activation_bytes
+        self.sizes.max()
+    }
+
+    /// Bytes of the tensors at each stage boundary.
+    pub fn sizes(&self) -> &TensorSizes {
+        &self.sizes
     }
 
     /// A frame of `len` bytes from the node's pool, for an output.
     pub fn alloc(&self, len: usize) -> Result<Frame, EngineError> {
         self.net.alloc(len, Duration::from_secs(30))
+    }
+
+    /// A frame of `len` bytes from the node's pool, waiting up to
+    /// `timeout` when the pool is full.
+    pub fn alloc_within(&self, len: usize, timeout: Duration) -> Result<Frame, EngineError> {
+        self.net.alloc(len, timeout)
     }
 
     /// The next work, in order, waiting up to `timeout`. None: nothing yet,
@@ -241,7 +349,7 @@ impl WorkPort {
                 let w = q.ready.pop_front().expect("front exists");
                 q.barrier_out = w.kind.is_barrier();
                 q.outstanding
-                    .insert(w.id, (w.kind.clone(), w.mb, Instant::now()));
+                    .insert(w.id, (w.kind.clone(), w.stage, w.mb, Instant::now()));
                 return Some(w);
             }
             if cv.wait_until(&mut q, deadline).timed_out() {
@@ -260,17 +368,29 @@ impl WorkPort {
         id: WorkId,
         result: Result<Output, String>,
     ) -> Result<(), CompleteError> {
+        self.try_complete(id, result).map_err(|(e, _)| e)
+    }
+
+    /// [`WorkPort::complete`], giving a refused result back to the caller
+    /// (its frames are not lost).
+    #[allow(clippy::result_large_err)]
+    pub fn try_complete(
+        &self,
+        id: WorkId,
+        result: Result<Output, String>,
+    ) -> Result<(), (CompleteError, Result<Output, String>)> {
         let (lock, cv) = &*self.state;
         let mut q = lock.lock();
         if q.stopped {
-            return Err(CompleteError::Stopped);
+            return Err((CompleteError::Stopped, result));
         }
-        let Some((kind, mb, since)) = q.outstanding.get(&id).cloned() else {
-            return Err(CompleteError::UnknownWork(id));
+        let Some((kind, stage, mb, since)) = q.outstanding.get(&id).cloned() else {
+            return Err((CompleteError::UnknownWork(id), result));
         };
         if let Ok(out) = &result {
-            check_output(&kind, out, self.activation_bytes)
-                .map_err(|reason| CompleteError::BadOutput { work: id, reason })?;
+            if let Err(reason) = check_output(&kind, stage, out, &self.sizes) {
+                return Err((CompleteError::BadOutput { work: id, reason }, result));
+            }
         }
         q.outstanding.remove(&id);
         if kind.is_barrier() {
@@ -319,14 +439,23 @@ impl WorkPort {
     }
 }
 
-/// Whether `out` is an answer to `kind`.
-fn check_output(kind: &WorkKind, out: &Output, act: usize) -> Result<(), String> {
-    let tensor = |f: &Frame, what: &str| {
-        if f.len() == act {
-            Ok(())
-        } else {
-            Err(format!("{what} of {} bytes, expected {act}", f.len()))
-        }
+/// Whether `out` is an answer to `kind` at `stage`.
+fn check_output(
+    kind: &WorkKind,
+    stage: Stage,
+    out: &Output,
+    sizes: &TensorSizes,
+) -> Result<(), String> {
+    let tensor = |f: &Frame, what: &str| match sizes.output(kind, stage) {
+        Some(want) if f.len() == want => Ok(()),
+        Some(want) => Err(format!(
+            "{what} of {} bytes, expected {want} at stage {stage}",
+            f.len()
+        )),
+        None => Err(format!(
+            "{} at stage {stage} has no tensor output",
+            kind.name()
+        )),
     };
     match (kind, out) {
         (WorkKind::Embed | WorkKind::Forward, Output::Tensor(f)) => tensor(f, "activation"),
@@ -365,5 +494,48 @@ fn output_name(o: &Output) -> &'static str {
         Output::Gradient { .. } => "a gradient",
         Output::Weights(_) => "a weights digest",
         Output::State(_) => "a state",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two relay stages: boundaries of 10, 20 and 30 bytes; gradients of
+    /// 11, 21 and 31.
+    fn sizes() -> TensorSizes {
+        TensorSizes {
+            activation: vec![10, 20, 30],
+            gradient: vec![11, 21, 31],
+        }
+    }
+
+    #[test]
+    fn each_work_has_the_size_of_its_boundary() {
+        let s = sizes();
+        assert_eq!(s.check(2), Ok(()));
+        assert!(s.check(3).is_err());
+        let zero = TensorSizes {
+            activation: vec![10, 0, 30],
+            gradient: vec![11, 21, 31],
+        };
+        assert!(zero.check(2).unwrap_err().contains("boundary 1"));
+        // Holder: embeds into boundary 0, takes the last boundary's
+        // activation for the loss and gives its gradient back.
+        assert_eq!(s.output(&WorkKind::Embed, 0), Some(10));
+        assert_eq!(s.input(&WorkKind::Loss, 0), Some(30));
+        assert_eq!(s.output(&WorkKind::Loss, 0), Some(31));
+        assert_eq!(s.input(&WorkKind::EmbedBackward, 0), Some(11));
+        // Relay k: from boundary k-1 to boundary k, and back.
+        assert_eq!(s.input(&WorkKind::Forward, 1), Some(10));
+        assert_eq!(s.output(&WorkKind::Forward, 1), Some(20));
+        assert_eq!(s.input(&WorkKind::Backward, 2), Some(31));
+        assert_eq!(s.output(&WorkKind::Backward, 2), Some(21));
+        // No tensor.
+        assert_eq!(s.output(&WorkKind::EmbedBackward, 0), None);
+        assert_eq!(s.output(&WorkKind::ExportState, 1), None);
+        assert_eq!(s.incoming(&Msg::StateRequest, 1), usize::MAX);
+        assert_eq!(s.max(), 31);
+        assert_eq!(TensorSizes::uniform(2, 8).activation, vec![8; 3]);
     }
 }

@@ -123,6 +123,61 @@ int main(void) {
         free(p);
     }
 
+    /* What a swarm member needs: the gradient of one microbatch, an update
+     * with a given mean, the whole state and its digest. */
+    {
+        gwtf_stage *a = NULL, *b = NULL;
+        size_t n = (size_t)info.num_params, len = 0, slen = 0;
+        float *g = malloc(n * sizeof *g);
+        uint8_t da[32], db[32], *state;
+        gwtf_adamw_options opt;
+        gwtf_model_run_info run;
+        uint64_t sbytes = 0, mbytes = 0;
+        EXPECT(gwtf_stage_new("llama-tiny", S, 1, 42, &a, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_new("llama-tiny", S, 1, 5, &b, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_forward(a, 9, B, T, NULL, act[0], width, NULL, 0, act[2], width, NULL,
+                                  NULL, NULL) == GWTF_STATUS_OK);
+        for (i = 0; i < (int)width; i++) act[3][i] = 0.01f;
+        EXPECT(gwtf_stage_backward(a, 9, act[3], width, grad[2], width, NULL, NULL) ==
+               GWTF_STATUS_OK);
+        expect_fail(gwtf_stage_take_grads(a, g, n - 1, &len, &err), &err,
+                    GWTF_STATUS_BUFFER_TOO_SMALL);
+        EXPECT(len == n);
+        EXPECT(gwtf_stage_take_grads(a, g, n, NULL, NULL) == GWTF_STATUS_OK);
+        expect_fail(gwtf_stage_apply_mean(a, g, n - 1, NULL, &err), &err,
+                    GWTF_STATUS_INVALID_ARGUMENT);
+        EXPECT(gwtf_model_run_adamw("llama-tiny", S, 30, 3, &opt, NULL) == GWTF_STATUS_OK);
+        EXPECT(opt.lr > 0.0f && opt.weight_decay > 0.0f);
+        EXPECT(gwtf_stage_apply_mean(a, g, n, &opt, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_export_state(a, NULL, 0, &slen, NULL) == GWTF_STATUS_BUFFER_TOO_SMALL);
+        state = malloc(slen);
+        EXPECT(gwtf_stage_export_state(a, state, slen, NULL, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_state_digest(a, da, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_state_digest(b, db, NULL) == GWTF_STATUS_OK);
+        EXPECT(memcmp(da, db, 32) != 0);
+        expect_fail(gwtf_stage_import_state(b, state, slen - 1, &err), &err,
+                    GWTF_STATUS_INVALID_ARGUMENT);
+        EXPECT(gwtf_stage_state_digest(b, da + 0, NULL) == GWTF_STATUS_OK);
+        EXPECT(memcmp(da, db, 32) == 0); /* a refused import changed nothing */
+        EXPECT(gwtf_stage_import_state(b, state, slen, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_state_digest(a, da, NULL) == GWTF_STATUS_OK);
+        EXPECT(gwtf_stage_state_digest(b, db, NULL) == GWTF_STATUS_OK);
+        EXPECT(memcmp(da, db, 32) == 0);
+        EXPECT(gwtf_model_run_info_get("llama-tiny", S, 30, &run, NULL) == GWTF_STATUS_OK);
+        EXPECT(run.relay_stages == S - 2 && run.activation_bytes ==
+                                              4ull * run.batch * run.seq * run.d_model);
+        EXPECT(gwtf_model_run_stage_bytes("llama-tiny", S, 1, &sbytes, &mbytes, NULL) ==
+               GWTF_STATUS_OK);
+        EXPECT(sbytes == 8 + slen && mbytes > 0);
+        expect_fail(gwtf_model_run_info_get("llama-tiny", 2, 30, &run, &err), &err,
+                    GWTF_STATUS_INVALID_ARGUMENT);
+        printf("swarm member: state of %zu bytes imported, digests agree\n", slen);
+        free(state);
+        free(g);
+        gwtf_stage_free(a);
+        gwtf_stage_free(b);
+    }
+
     for (s = 0; s < S; s++) {
         gwtf_stage_free(st[s]);
         free(act[s]);
