@@ -559,6 +559,14 @@ enum gwtf_task_kind
    */
   GWTF_TASK_KIND_FORGET = 10,
   /**
+   * Barrier: no live node holds the stage's state (its last node
+   * died): start it afresh from the model's initial weights, standing
+   * for the weights after the update of iteration `iteration`
+   * (`has_iteration` 0: before any). Answer:
+   * `gwtf_peer_task_done_weights`.
+   */
+  GWTF_TASK_KIND_INIT_STATE = 11,
+  /**
    * Event, holder: iteration `iteration` is final; `loss` is the mean
    * loss of this holder's `microbatches` microbatches.
    */
@@ -605,6 +613,17 @@ enum gwtf_task_kind
    * Event: the peer has left the swarm.
    */
   GWTF_TASK_KIND_EVENT_LEFT = 109,
+  /**
+   * Event: no live node of stage `stage`, next to this peer's, is known
+   * any more: its microbatches wait (training pauses) until a node
+   * joins it.
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_EMPTY = 110,
+  /**
+   * Event: a node of stage `stage` is known again after
+   * `EventStageEmpty`.
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_RESUMED = 111,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -2371,7 +2390,7 @@ gwtf_status gwtf_peer_alloc(struct gwtf_peer *peer,
  * backward, forget). The frame must have `task.output_bytes` bytes (a
  * state any length but 0). Zero copy: the library keeps this frame (its
  * pool slot) for as long as the protocol may need to send it again after
- * a crash; each send is one copy of it into a fresh frame.
+ * a crash, and every send writes that same slot to the socket.
  *
  * Ownership: on success `output` passes to the library (never use or
  * release it again) and the task's input, granted list and mean are

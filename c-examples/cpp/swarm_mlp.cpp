@@ -281,6 +281,13 @@ public:
                 weights(t);
             }
             break;
+        case GWTF_TASK_KIND_INIT_STATE:
+            // The stage's last node died: start it again from the seeded
+            // initial weights.
+            st_.init((int)t.stage);
+            if (t.has_iteration) st_.applied = t.iteration;
+            weights(t);
+            break;
         case GWTF_TASK_KIND_FORGET:
             st_.forget(t.iteration);
             peer_.done(t.id);

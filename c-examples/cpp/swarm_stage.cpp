@@ -122,6 +122,21 @@ private:
             peer_->done(t.id, f);
             return "";
         }
+        case GWTF_TASK_KIND_INIT_STATE: {
+            // The stage's last node died: start it again from the seeded
+            // initial weights, as gwtf node does.
+            stage_.reset();
+            std::string why = serve(t.stage);
+            if (!why.empty()) return why;
+            ids_.clear();
+            grads_.clear();
+            if (t.has_iteration) applied_ = t.iteration;
+            else applied_.reset();
+            before_.reset();
+            digest(d);
+            peer_->done_weights(t.id, d);
+            return "";
+        }
         case GWTF_TASK_KIND_IMPORT_STATE: {
             uint64_t len = 0;
             if (t.input_len < 8) return "state cut short";

@@ -74,6 +74,7 @@ const (
 	TaskExportState      = TaskKind(C.GWTF_TASK_KIND_EXPORT_STATE)
 	TaskImportState      = TaskKind(C.GWTF_TASK_KIND_IMPORT_STATE)
 	TaskForget           = TaskKind(C.GWTF_TASK_KIND_FORGET)
+	TaskInitState        = TaskKind(C.GWTF_TASK_KIND_INIT_STATE)
 	EventIteration       = TaskKind(C.GWTF_TASK_KIND_EVENT_ITERATION)
 	EventCommitted       = TaskKind(C.GWTF_TASK_KIND_EVENT_COMMITTED)
 	EventApplied         = TaskKind(C.GWTF_TASK_KIND_EVENT_APPLIED)
@@ -84,6 +85,8 @@ const (
 	EventRecovered       = TaskKind(C.GWTF_TASK_KIND_EVENT_RECOVERED)
 	EventError           = TaskKind(C.GWTF_TASK_KIND_EVENT_ERROR)
 	EventLeft            = TaskKind(C.GWTF_TASK_KIND_EVENT_LEFT)
+	EventStageEmpty      = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_EMPTY)
+	EventStageResumed    = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESUMED)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.

@@ -230,6 +230,14 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 		}
 		copy(f32s(o.Data), all)
 		return p.TaskDone(task.ID, o)
+	case TaskInitState:
+		// The stage's last node died: start it again from the initial
+		// weights.
+		*t = *newToy(task.Stage)
+		if task.HasIteration {
+			t.applied = int64(task.Iteration)
+		}
+		return p.TaskDoneWeights(task.ID, t.digest())
 	case TaskImportState:
 		in := f32s(task.Input)
 		off := 0

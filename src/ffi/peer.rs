@@ -117,6 +117,12 @@ pub enum gwtf_task_kind {
     /// `iteration` (activations whose backward never came, gradients
     /// never granted). Answer: `gwtf_peer_task_done` with NULL.
     Forget = 10,
+    /// Barrier: no live node holds the stage's state (its last node
+    /// died): start it afresh from the model's initial weights, standing
+    /// for the weights after the update of iteration `iteration`
+    /// (`has_iteration` 0: before any). Answer:
+    /// `gwtf_peer_task_done_weights`.
+    InitState = 11,
     /// Event, holder: iteration `iteration` is final; `loss` is the mean
     /// loss of this holder's `microbatches` microbatches.
     EventIteration = 100,
@@ -144,6 +150,13 @@ pub enum gwtf_task_kind {
     EventError = 108,
     /// Event: the peer has left the swarm.
     EventLeft = 109,
+    /// Event: no live node of stage `stage`, next to this peer's, is known
+    /// any more: its microbatches wait (training pauses) until a node
+    /// joins it.
+    EventStageEmpty = 110,
+    /// Event: a node of stage `stage` is known again after
+    /// `EventStageEmpty`.
+    EventStageResumed = 111,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -752,6 +765,7 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::ExportState => gwtf_task_kind::ExportState,
         WorkKind::ImportState { .. } => gwtf_task_kind::ImportState,
         WorkKind::Forget { .. } => gwtf_task_kind::Forget,
+        WorkKind::InitState { .. } => gwtf_task_kind::InitState,
     }
 }
 
@@ -792,7 +806,9 @@ fn task_of(w: Work, sizes: &TensorSizes) -> (gwtf_peer_task, Held) {
             t.microbatches = *microbatches;
             mean = Some(m.clone());
         }
-        WorkKind::ImportState { applied: Some(a) } => set_iter(&mut t, *a),
+        WorkKind::ImportState { applied: Some(a) } | WorkKind::InitState { applied: Some(a) } => {
+            set_iter(&mut t, *a)
+        }
         WorkKind::Forget { before } => set_iter(&mut t, *before),
         _ => {}
     }
@@ -947,6 +963,20 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
                 )
             }
             Event::Left => (gwtf_task_kind::EventLeft, "left the swarm".into()),
+            Event::StageEmpty { stage } => {
+                t.stage = stage as u32;
+                (
+                    gwtf_task_kind::EventStageEmpty,
+                    format!("stage {stage} has no live node: training pauses until one joins it"),
+                )
+            }
+            Event::StageResumed { stage } => {
+                t.stage = stage as u32;
+                (
+                    gwtf_task_kind::EventStageResumed,
+                    format!("stage {stage} has a node again"),
+                )
+            }
             _ => return None,
         },
     };
@@ -1187,7 +1217,7 @@ fn answer_with_frame(
 /// backward, forget). The frame must have `task.output_bytes` bytes (a
 /// state any length but 0). Zero copy: the library keeps this frame (its
 /// pool slot) for as long as the protocol may need to send it again after
-/// a crash; each send is one copy of it into a fresh frame.
+/// a crash, and every send writes that same slot to the socket.
 ///
 /// Ownership: on success `output` passes to the library (never use or
 /// release it again) and the task's input, granted list and mean are

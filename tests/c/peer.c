@@ -253,6 +253,11 @@ static int step(toy *t) {
         EXPECT(gwtf_peer_task_done(t->p, k.id, f, NULL) == GWTF_STATUS_OK);
         break;
     }
+    case GWTF_TASK_KIND_INIT_STATE:
+        for (int i = 0; i < 16; i++) t->w[i] = 0.1f * (float)i; /* the initial weights */
+        toy_digest(t);
+        EXPECT(gwtf_peer_task_done_weights(t->p, k.id, t->digest, NULL) == GWTF_STATUS_OK);
+        break;
     case GWTF_TASK_KIND_IMPORT_STATE:
         if (k.input_len == sizeof t->w) memcpy(t->w, k.input, sizeof t->w);
         toy_digest(t);
