@@ -32,6 +32,10 @@ const RESYNC_RETRY: Duration = Duration::from_secs(3);
 const LOST_GRACE: Duration = Duration::from_millis(200);
 /// How long the node with the larger id waits for the other to dial.
 const DIAL_DEFER: Duration = Duration::from_millis(250);
+/// How long a message waits for a peer whose address is not known yet (a
+/// joiner announced by its coordinator connects to its stage's members
+/// just after): it goes when the peer connects, or the peer is lost.
+const ADDRESS_WAIT: Duration = Duration::from_secs(2);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
 
@@ -95,6 +99,8 @@ pub(super) struct Driver {
     pub(super) shared: Arc<Shared>,
     /// A joiner waiting for a directory, until this time.
     pub(super) joining: Option<Instant>,
+    /// This node joined a running swarm (it was not a founding member).
+    pub(super) joiner: bool,
     pub(super) store: TensorStore,
     pub(super) works: HashMap<WorkId, Pending>,
     pub(super) next_work: WorkId,
@@ -316,7 +322,16 @@ impl Driver {
     fn on_protocol_event(&mut self, e: Event) {
         match &e {
             // A joiner's stage is chosen on join: the directory says it.
-            Event::Active { stage } => self.me.stage = *stage,
+            Event::Active { stage } => {
+                self.me.stage = *stage;
+                // The members of its stage hear of a joiner from their
+                // coordinator, but not where it is: it connects to each,
+                // which sends them its directory entry.
+                if self.joiner {
+                    let members = self.node.stage_members();
+                    self.connect_all(&members);
+                }
+            }
             Event::Applied { iter, .. } => self.apply(*iter),
             Event::Claimed { mb, tasks } => {
                 let t: Duration = tasks
@@ -717,8 +732,11 @@ impl Driver {
                 }
             }
             None => {
-                self.log(format!("no address for {to:x}"));
-                self.lost.push_back(to);
+                if !self.dials.contains_key(&to) {
+                    self.log(format!("no address for {to:x} yet"));
+                    self.dials.insert(to, Instant::now() + ADDRESS_WAIT);
+                }
+                self.pending.entry(to).or_default().push_back(first);
             }
         }
     }

@@ -294,6 +294,7 @@ impl Runtime {
             leave_rx,
             shared: shared.clone(),
             joining: None,
+            joiner: opts.join,
             store: Default::default(),
             works: HashMap::new(),
             next_work: 1,
