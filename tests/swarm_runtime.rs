@@ -2,12 +2,15 @@
 //! the engine and a trainer thread, run iterations together; a relay that
 //! disappears is noticed through its broken connection and the iterations go
 //! on. The trainer here only takes time (no model): this tests the runtime.
+mod common;
+
+use common::swarm_inproc::{free_addr, peers_of};
 use gwtf::engine::NodeOptions;
 use gwtf::protocol::{Config, Event, NodeId, Policy, Stage, SEC};
 use gwtf::swarm::runtime::{
     parse_directory, NodeEvent, Peer, Runtime, RuntimeOptions, TimedTrainer,
 };
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,14 +24,6 @@ fn protocol_config() -> Arc<Config> {
     c.mb_per_iter = 4;
     c.max_in_flight = 2;
     Arc::new(c)
-}
-
-/// A free loopback port (bound and released: the node binds it next).
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 fn start(id: NodeId, stage: Stage, addr: SocketAddr, all: &[Peer], cfg: &Arc<Config>) -> Runtime {
@@ -182,17 +177,6 @@ fn swarm_until(
         |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= until),
     );
     (holder, nodes, peers, deadline)
-}
-
-fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {
-    layout
-        .iter()
-        .map(|&(id, stage)| Peer {
-            id,
-            stage,
-            addr: free_addr(),
-        })
-        .collect()
 }
 
 #[test]
