@@ -624,6 +624,11 @@ enum gwtf_task_kind
    * `EventStageEmpty`.
    */
   GWTF_TASK_KIND_EVENT_STAGE_RESUMED = 111,
+  /**
+   * Event: bad input from peer `peer` (0: before it said who it is) was
+   * refused; `message` says what and why. Nothing was lost.
+   */
+  GWTF_TASK_KIND_EVENT_REFUSED = 112,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

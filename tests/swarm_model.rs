@@ -3,14 +3,15 @@
 //! single-process reference trained on the same microbatches, every stage
 //! counts each microbatch exactly once, and the replicas of a stage hold
 //! bit-identical weights after every update.
+mod common;
+
+use common::swarm_inproc::{free_addr, model_protocol_config, start_node, Seen};
 use gwtf::engine::NodeOptions;
 use gwtf::model::dataset::Dataset;
 use gwtf::model::preset;
-use gwtf::protocol::{Config, Event, NodeId, Policy, Stage, SEC};
+use gwtf::protocol::{Config, NodeId, Stage};
 use gwtf::swarm::model_trainer::{reference_losses, ModelRun, ModelTrainer};
-use gwtf::swarm::runtime::{NodeEvent, Peer, Runtime, RuntimeOptions};
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener};
+use gwtf::swarm::runtime::{Peer, Runtime};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,31 +19,8 @@ const KEY: &[u8] = b"0123456789abcdef-model-swarm-key";
 const MB_PER_ITER: u32 = 3;
 const ITERATIONS: u32 = 6;
 
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
 fn model_run() -> ModelRun {
     ModelRun::new(preset("llama-tiny").unwrap(), 4, 7, ITERATIONS as usize).unwrap()
-}
-
-fn protocol_config(run: &ModelRun) -> Arc<Config> {
-    let mut c = Config::new(
-        Policy::Gwtf,
-        (run.stages - 2) as u16,
-        run.activation_bytes() as u64,
-    );
-    c.tick = SEC / 10;
-    c.start_delay = SEC / 2;
-    c.mb_per_iter = MB_PER_ITER;
-    c.max_in_flight = 2;
-    c.stage_state_bytes = (0..=c.relay_stages)
-        .map(|s| run.state_bytes(s).unwrap())
-        .collect();
-    Arc::new(c)
 }
 
 fn docs() -> Vec<Vec<u32>> {
@@ -61,88 +39,14 @@ fn runtime(
     trainer: ModelTrainer,
     join: bool,
 ) -> Runtime {
-    Runtime::start(
-        RuntimeOptions {
-            id: p.id,
-            stage: p.stage,
-            listen: p.addr,
-            swarm_key: KEY.to_vec(),
-            bootstrap: all.to_vec(),
-            join,
-            protocol: cfg.clone(),
-            compute_s: 0.01,
-            capacity: 4,
-            seed: 1,
-            net: NodeOptions {
-                heartbeat_interval: Duration::from_millis(200),
-                pool_bytes: 64 << 20,
-                max_payload: 16 << 20,
-                log: std::env::var_os("GWTF_TEST_TRACE").is_some(),
-                ..NodeOptions::default()
-            },
-        },
-        trainer,
-    )
-    .unwrap()
-}
-
-/// What the nodes reported.
-#[derive(Default)]
-struct Seen {
-    /// Holder losses by iteration.
-    losses: BTreeMap<u32, Vec<f32>>,
-    /// (stage, iteration) -> digests reported by the members that applied.
-    digests: BTreeMap<(Stage, u32), BTreeSet<[u8; 32]>>,
-    /// (stage, iteration) -> microbatches committed.
-    committed: BTreeMap<(Stage, u32), Vec<gwtf::protocol::MbId>>,
-    errors: Vec<String>,
-    /// Nodes that downloaded a state.
-    downloads: BTreeSet<NodeId>,
-    /// (node, iteration) -> digest.
-    digests_by: BTreeMap<(NodeId, u32), [u8; 32]>,
-    /// Stage each node became active in.
-    active: BTreeMap<NodeId, Stage>,
-}
-
-impl Seen {
-    fn take(&mut self, id: NodeId, ev: NodeEvent) {
-        if std::env::var_os("GWTF_TEST_TRACE").is_some() {
-            eprintln!("{id:x}: {ev:?}");
-        }
-        match ev {
-            NodeEvent::Iteration {
-                iteration, loss, ..
-            } => self.losses.entry(iteration).or_default().push(loss),
-            NodeEvent::Applied {
-                stage,
-                iteration,
-                weights,
-                ..
-            } => {
-                self.digests
-                    .entry((stage, iteration))
-                    .or_default()
-                    .insert(weights);
-                self.digests_by.insert((id, iteration), weights);
-            }
-            NodeEvent::StateDownloaded { .. } => {
-                self.downloads.insert(id);
-            }
-            NodeEvent::Protocol(Event::Active { stage }) => {
-                self.active.insert(id, stage);
-            }
-            NodeEvent::Protocol(Event::StageCommitted {
-                stage, iter, mbs, ..
-            }) => {
-                self.committed
-                    .entry((stage, iter))
-                    .or_default()
-                    .extend(mbs.iter().map(|m| m.0));
-            }
-            NodeEvent::Error(e) => self.errors.push(format!("{id:x}: {e}")),
-            _ => {}
-        }
-    }
+    let net = NodeOptions {
+        heartbeat_interval: Duration::from_millis(200),
+        pool_bytes: 64 << 20,
+        max_payload: 16 << 20,
+        log: std::env::var_os("GWTF_TEST_TRACE").is_some(),
+        ..NodeOptions::default()
+    };
+    start_node(p, all, cfg, join, KEY, net, trainer)
 }
 
 fn layout() -> Vec<(NodeId, Stage)> {
@@ -162,7 +66,7 @@ struct Swarm {
 impl Swarm {
     fn start() -> Swarm {
         let run = model_run();
-        let cfg = protocol_config(&run);
+        let cfg = model_protocol_config(&run, MB_PER_ITER);
         let peers: Vec<Peer> = layout()
             .into_iter()
             .map(|(id, stage)| Peer {
@@ -294,10 +198,10 @@ fn a_joiner_downloads_the_state_and_a_leaver_changes_nothing() {
     old.leave();
     swarm.iterations_done(2);
     swarm.join(31);
-    swarm.until("the joiner's state download", |s| s.downloads.contains(&31));
-    swarm.until("the joiner's first update", |s| {
-        s.digests_by.keys().any(|(id, _)| *id == 31)
+    swarm.until("the joiner's state download", |s| {
+        s.downloads.iter().any(|(j, _)| *j == 31)
     });
+    swarm.until("the joiner's first update", |s| s.applied(31));
     swarm.iterations_done(ITERATIONS);
     assert!(
         swarm.seen.active.get(&31) == Some(&2),

@@ -2,12 +2,15 @@
 //! the engine and a trainer thread, run iterations together; a relay that
 //! disappears is noticed through its broken connection and the iterations go
 //! on. The trainer here only takes time (no model): this tests the runtime.
+mod common;
+
+use common::swarm_inproc::{free_addr, peers_of};
 use gwtf::engine::NodeOptions;
 use gwtf::protocol::{Config, Event, NodeId, Policy, Stage, SEC};
 use gwtf::swarm::runtime::{
     parse_directory, NodeEvent, Peer, Runtime, RuntimeOptions, TimedTrainer,
 };
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,14 +24,6 @@ fn protocol_config() -> Arc<Config> {
     c.mb_per_iter = 4;
     c.max_in_flight = 2;
     Arc::new(c)
-}
-
-/// A free loopback port (bound and released: the node binds it next).
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 fn start(id: NodeId, stage: Stage, addr: SocketAddr, all: &[Peer], cfg: &Arc<Config>) -> Runtime {
@@ -162,34 +157,34 @@ fn nodes_train_iterations_over_tcp_and_survive_a_lost_relay() {
     }
 }
 
-fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {
-    layout
-        .iter()
-        .map(|&(id, stage)| Peer {
-            id,
-            stage,
-            addr: free_addr(),
-        })
-        .collect()
-}
-
-#[test]
-fn a_joiner_takes_over_flows_and_a_relay_leaves_gracefully() {
-    let cfg = protocol_config();
-    // Stage 2 has a single relay: everything goes through it.
-    let layout: Vec<(NodeId, Stage)> = vec![(1, 0), (11, 1), (12, 1), (21, 2)];
-    let peers = peers_of(&layout);
+/// Founding members `layout`, the first a holder, trained until iteration
+/// `until` is final: the holder, the others, their peers and the deadline.
+fn swarm_until(
+    layout: &[(NodeId, Stage)],
+    cfg: &Arc<Config>,
+    until: u32,
+) -> (Runtime, Vec<Runtime>, Vec<Peer>, Instant) {
+    let peers = peers_of(layout);
     let mut nodes: Vec<Runtime> = peers
         .iter()
-        .map(|p| start(p.id, p.stage, p.addr, &peers, &cfg))
+        .map(|p| start(p.id, p.stage, p.addr, &peers, cfg))
         .collect();
     let holder = nodes.remove(0);
     let deadline = Instant::now() + Duration::from_secs(120);
     watch(
         &holder,
         deadline,
-        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 2),
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= until),
     );
+    (holder, nodes, peers, deadline)
+}
+
+#[test]
+fn a_joiner_takes_over_flows_and_a_relay_leaves_gracefully() {
+    let cfg = protocol_config();
+    // Stage 2 has a single relay: everything goes through it.
+    let layout = [(1, 0), (11, 1), (12, 1), (21, 2)];
+    let (holder, mut nodes, peers, deadline) = swarm_until(&layout, &cfg, 2);
     // A new node joins through the holder; the protocol picks its stage
     // (the bottleneck: stage 2, which has one relay).
     let joiner_addr = free_addr();
@@ -217,6 +212,43 @@ fn a_joiner_takes_over_flows_and_a_relay_leaves_gracefully() {
     );
     let tail = &paths[paths.len().saturating_sub(4)..];
     assert!(tail.iter().all(|p| p[2] == 31), "{tail:?}");
+    holder.leave();
+    joiner.leave();
+    for n in nodes {
+        n.leave();
+    }
+}
+
+/// A node joins through a relay into a stage of two members: the member
+/// that is not the stage's coordinator hears of the joiner from the
+/// coordinator before it knows where the joiner is, and must wait for its
+/// address (the joiner connects to its stage's members) rather than take
+/// it for lost; the stage's all-reduce then includes the joiner.
+#[test]
+fn a_joiner_into_a_stage_of_several_members_is_reached_by_each() {
+    let cfg = protocol_config();
+    let layout = [(1, 0), (11, 1), (12, 1), (21, 2), (22, 2)];
+    let (holder, nodes, peers, deadline) = swarm_until(&layout, &cfg, 1);
+    let contact = Peer {
+        id: 0,
+        stage: 0,
+        addr: peers[1].addr,
+    };
+    let joiner = start_as(31, 0, free_addr(), &[contact], &cfg, true);
+    let mut applied = None;
+    while Instant::now() < deadline && applied.is_none() {
+        if let Ok(NodeEvent::Applied { stage, .. }) =
+            joiner.events().recv_timeout(Duration::from_millis(100))
+        {
+            applied = Some(stage);
+        }
+    }
+    assert!(applied.is_some(), "the joiner applied no update");
+    watch(
+        &holder,
+        deadline,
+        |ev| matches!(ev, Event::IterFinalized { iter, .. } if *iter >= 6),
+    );
     holder.leave();
     joiner.leave();
     for n in nodes {

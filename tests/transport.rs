@@ -3,16 +3,15 @@
 //! hostile byte streams and dead peers. Deadlines are generous and every loop
 //! is bounded.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
-use gwtf::wire::{
-    crc32c, ConnEvent, Connection, FrameHeader, ReadTarget, Role, SwarmKey, WireError,
-    FLAG_PAYLOAD_CRC,
-};
+use gwtf::wire::{crc32c, Connection, FrameHeader, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC};
 
 const KEY: &[u8] = b"transport-test-swarm-key-0123456";
 const T: Duration = Duration::from_secs(60);
@@ -287,30 +286,7 @@ fn server() -> Node {
 
 /// Authenticates a raw socket the honest way; returns the stream.
 fn raw_authenticated(addr: SocketAddr, id: u64) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(T)).unwrap();
-    let mut nonce = [0u8; 32];
-    nonce[..8].copy_from_slice(&id.to_le_bytes());
-    let mut c = Connection::new(
-        Role::Connector,
-        id,
-        SwarmKey::new(KEY).unwrap(),
-        nonce,
-        1 << 20,
-    );
-    for _ in 0..10 {
-        s.write_all(&c.take_outgoing()).unwrap();
-        let ReadTarget::Small(buf) = c.read_target() else {
-            panic!("handshake state")
-        };
-        let n = s.read(buf).unwrap();
-        assert!(n > 0, "server closed during handshake");
-        if let Some(ConnEvent::Established { .. }) = c.small_read(n).unwrap() {
-            s.write_all(&c.take_outgoing()).unwrap();
-            return s;
-        }
-    }
-    panic!("handshake did not finish");
+    common::raw_authenticated(addr, id, KEY, T)
 }
 
 fn header(len: u64) -> FrameHeader {

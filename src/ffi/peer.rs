@@ -157,6 +157,9 @@ pub enum gwtf_task_kind {
     /// Event: a node of stage `stage` is known again after
     /// `EventStageEmpty`.
     EventStageResumed = 111,
+    /// Event: bad input from peer `peer` (0: before it said who it is) was
+    /// refused; `message` says what and why. Nothing was lost.
+    EventRefused = 112,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -893,6 +896,17 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             )
         }
         NodeEvent::Error(m) => (gwtf_task_kind::EventError, m),
+        NodeEvent::Refused {
+            peer,
+            reason,
+            detail,
+        } => {
+            t.peer = peer.unwrap_or(0) as u64;
+            (
+                gwtf_task_kind::EventRefused,
+                format!("refused ({}): {detail}", reason.name()),
+            )
+        }
         NodeEvent::Protocol(p) => match p {
             Event::Active { stage } => {
                 t.stage = stage as u32;

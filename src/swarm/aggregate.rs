@@ -14,6 +14,8 @@ use std::time::Duration;
 
 /// Chunks kept for operations not started yet.
 const EARLY_MAX: usize = 256;
+/// Bytes of them kept, unless set ([`Aggregation::with_early_budget`]).
+const EARLY_BYTES_MAX: usize = 64 << 20;
 
 struct Running {
     task: TaskId,
@@ -26,10 +28,19 @@ struct Running {
 /// microbatch count, or why it did not finish.
 pub type Finished = (TaskId, u32, Result<(Vec<f32>, u64), String>);
 
-#[derive(Default)]
 pub struct Aggregation {
     running: Option<Running>,
     early: VecDeque<Frame>,
+    /// Bytes of the early chunks, and how many they may be: each holds a
+    /// pool slot, and a pool held by chunks nobody uses stops the node.
+    early_bytes: usize,
+    early_budget: usize,
+}
+
+impl Default for Aggregation {
+    fn default() -> Self {
+        Aggregation::with_early_budget(EARLY_BYTES_MAX)
+    }
 }
 
 /// The operation id of a commit: unique per stage, iteration and epoch.
@@ -43,6 +54,22 @@ pub fn op_id(stage: u32, iter: u32, epoch: u64) -> u64 {
 }
 
 impl Aggregation {
+    /// An aggregation that keeps at most `bytes` of early chunks (the
+    /// oldest go first).
+    pub fn with_early_budget(bytes: usize) -> Aggregation {
+        Aggregation {
+            running: None,
+            early: VecDeque::new(),
+            early_bytes: 0,
+            early_budget: bytes,
+        }
+    }
+
+    /// Bytes of chunks kept for operations not started yet.
+    pub fn early_bytes(&self) -> usize {
+        self.early_bytes
+    }
+
     /// Starts this member's side of `plan`'s all-reduce with `sum` (over
     /// `plan.granted`), replacing any operation in progress.
     pub fn start(
@@ -65,6 +92,7 @@ impl Aggregation {
         });
         // Chunks that came before we started.
         let early: Vec<Frame> = std::mem::take(&mut self.early).into();
+        self.early_bytes = 0;
         for f in early {
             self.on_frame(f);
         }
@@ -84,9 +112,16 @@ impl Aggregation {
                 return;
             }
         }
-        if self.early.len() >= EARLY_MAX {
-            self.early.pop_front();
+        if f.len() > self.early_budget {
+            return;
         }
+        while self.early.len() >= EARLY_MAX || self.early_bytes + f.len() > self.early_budget {
+            match self.early.pop_front() {
+                Some(old) => self.early_bytes -= old.len(),
+                None => break,
+            }
+        }
+        self.early_bytes += f.len();
         self.early.push_back(f);
     }
 

@@ -13,8 +13,13 @@
 use crate::protocol::{codec, Config, MbId, Msg, NodeId};
 use std::collections::{HashMap, VecDeque};
 
-/// Halves kept waiting per peer and per side, at most.
+/// Messages kept waiting for their data, per peer, at most.
 pub const WAITING_MAX: usize = 1024;
+/// Data frames kept waiting for their message, per peer, at most: each
+/// holds a pool slot, and a frame waits only until the message sent just
+/// before it on the same connection is read (a peer with more waiting
+/// sends frames without messages).
+pub const DATA_WAITING_MAX: usize = 32;
 
 /// What pairs a control message with its data frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -90,13 +95,16 @@ pub fn is_allreduce_frame(h: &crate::wire::FrameHeader) -> bool {
 struct Waiting<T> {
     by_key: HashMap<Key, VecDeque<T>>,
     per_peer: HashMap<NodeId, usize>,
+    /// Kept per peer at most.
+    max: usize,
 }
 
-impl<T> Default for Waiting<T> {
-    fn default() -> Self {
+impl<T> Waiting<T> {
+    fn new(max: usize) -> Self {
         Waiting {
             by_key: HashMap::new(),
             per_peer: HashMap::new(),
+            max,
         }
     }
 }
@@ -114,10 +122,10 @@ impl<T> Waiting<T> {
         v
     }
 
-    /// Keeps `v` unless its peer already has [`WAITING_MAX`] waiting.
+    /// Keeps `v` unless its peer already has `max` waiting.
     fn keep(&mut self, key: Key, v: T) -> bool {
         let n = self.per_peer.entry(key.peer).or_default();
-        if *n >= WAITING_MAX {
+        if *n >= self.max {
             return false;
         }
         *n += 1;
@@ -147,8 +155,8 @@ pub struct Pairing<F> {
 impl<F> Default for Pairing<F> {
     fn default() -> Self {
         Pairing {
-            msgs: Waiting::default(),
-            data: Waiting::default(),
+            msgs: Waiting::new(WAITING_MAX),
+            data: Waiting::new(DATA_WAITING_MAX),
             dropped: 0,
         }
     }
@@ -246,10 +254,14 @@ mod tests {
         }
         assert_eq!(p.waiting(), WAITING_MAX);
         assert_eq!(p.dropped, 5);
-        let m = fwd(1, 0, 0);
-        p.on_data(frame_key(5, &m), 1);
+        for i in 0..DATA_WAITING_MAX as u32 + 3 {
+            let m = fwd(1, 0, i);
+            p.on_data(frame_key(5, &m), 1);
+        }
+        assert_eq!(p.dropped, 5 + 3);
         p.forget(4);
-        assert_eq!(p.waiting(), 1);
+        assert_eq!(p.waiting(), DATA_WAITING_MAX);
+        let m = fwd(1, 0, 0);
         // The same key from another peer does not pair with peer 5's frame.
         assert!(p.on_msg(key_of_msg(6, &m), m.clone()).is_none());
     }

@@ -5,6 +5,7 @@
 use super::aggregate::Aggregation;
 use super::bulk::{self, Pairing};
 use super::directory::{self, Peer, DIRECTORY_MSG};
+use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
@@ -15,7 +16,7 @@ use crate::protocol::{
 };
 use crossbeam_channel::{Receiver, Sender};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,8 +31,16 @@ const DIGEST_LEN: usize = 32;
 const RESYNC_RETRY: Duration = Duration::from_secs(3);
 /// A broken connection that comes back within this is not a lost peer.
 const LOST_GRACE: Duration = Duration::from_millis(200);
+/// How long a message waits for a peer whose address is not known yet (a
+/// joiner announced by its coordinator connects to its stage's members
+/// just after): it goes when the peer connects, or the peer is lost.
+const ADDRESS_WAIT: Duration = Duration::from_secs(2);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
+/// A peer whose data frames came before its directory message (the engine
+/// hands frames over before the control messages read with them) is a
+/// stranger if the directory has not come within this.
+const STRANGER_GRACE: Duration = Duration::from_secs(5);
 
 /// A state download again after a missed update.
 pub(super) struct Resync {
@@ -95,6 +104,8 @@ pub(super) struct Driver {
     pub(super) shared: Arc<Shared>,
     /// A joiner waiting for a directory, until this time.
     pub(super) joining: Option<Instant>,
+    /// This node joined a running swarm (it was not a founding member).
+    pub(super) joiner: bool,
     pub(super) store: TensorStore,
     pub(super) works: HashMap<WorkId, Pending>,
     pub(super) next_work: WorkId,
@@ -113,10 +124,26 @@ pub(super) struct Driver {
     pub(super) resync: Option<Resync>,
     /// Peers whose connection broke, lost at the given time unless back.
     pub(super) suspects: HashMap<NodeId, Instant>,
+    /// Peers messages wait for whose address is not known yet, until when.
+    pub(super) address_waits: HashMap<NodeId, Instant>,
     /// The last update given to the trainer (applied or imported).
     pub(super) applied_through: Option<u32>,
     /// Microbatch work waiting for the update before its iteration.
     pub(super) gated: VecDeque<Work>,
+    /// Peers cut off for breaking the rules, not heard until they connect
+    /// again (what they sent before the cut may still be queued).
+    pub(super) cut_off: HashSet<NodeId>,
+    /// Peers not in the directory that sent data frames: strangers unless
+    /// introduced by then.
+    pub(super) strangers: HashMap<NodeId, Instant>,
+}
+
+/// The peers whose time in `m` has come by `now`.
+fn due(m: &HashMap<NodeId, Instant>, now: Instant) -> Vec<NodeId> {
+    m.iter()
+        .filter(|(_, t)| **t <= now)
+        .map(|(id, _)| *id)
+        .collect()
 }
 
 /// The first 8 bytes of a digest, as the protocol compares them.
@@ -142,6 +169,30 @@ impl Driver {
     fn error(&mut self, message: String) {
         self.log(message.clone());
         self.emit(NodeEvent::Error(message));
+    }
+
+    /// Refuses what `peer` sent: counted, logged and reported.
+    fn refuse(&mut self, peer: Option<NodeId>, reason: Refusal, detail: String) {
+        let n = self.shared.refused.add(reason);
+        if intake::worth_reporting(n) {
+            self.log(format!("refused {detail} ({}, {n} so far)", reason.name()));
+            self.emit(NodeEvent::Refused {
+                peer,
+                reason,
+                detail,
+            });
+        }
+    }
+
+    /// Refuses what `peer` sent and cuts it off: a peer that breaks the
+    /// rules is not heard any more (if it is a member, the protocol takes
+    /// it for lost and recovers what it held).
+    fn refuse_and_cut(&mut self, peer: NodeId, reason: Refusal, detail: String) {
+        self.refuse(Some(peer), reason, detail);
+        self.pairing.forget(peer);
+        self.strangers.remove(&peer);
+        self.cut_off.insert(peer);
+        let _ = self.net.disconnect(peer as u64);
     }
 
     fn log(&self, line: String) {
@@ -317,7 +368,16 @@ impl Driver {
     fn on_protocol_event(&mut self, e: Event) {
         match &e {
             // A joiner's stage is chosen on join: the directory says it.
-            Event::Active { stage } => self.me.stage = *stage,
+            Event::Active { stage } => {
+                self.me.stage = *stage;
+                // The members of its stage hear of a joiner from their
+                // coordinator, but not where it is: it connects to each,
+                // which sends them its directory entry.
+                if self.joiner {
+                    let members = self.node.stage_members();
+                    self.connect_all(&members);
+                }
+            }
             // Nobody holds the stage's state: the trainer starts it afresh
             // (before any work of the stage reaches it).
             Event::StageRestarted { stage, applied } => {
@@ -726,30 +786,55 @@ impl Driver {
                 }
             }
             None => {
-                self.log(format!("no address for {to:x}"));
-                self.lost.push_back(to);
+                if !self.address_waits.contains_key(&to) {
+                    self.log(format!("no address for {to:x} yet"));
+                    self.address_waits.insert(to, Instant::now() + ADDRESS_WAIT);
+                }
+                self.pending.entry(to).or_default().push_back(first);
             }
         }
     }
 
     // ---- receiving
 
+    /// A directory message: its sender's own entry is taken in (or
+    /// updated), others only when new; entries naming a stage this swarm
+    /// does not have, or contradicting the protocol's view, are refused.
     fn on_directory(&mut self, from: NodeId, body: &[u8]) {
-        match directory::parse(body) {
-            Ok(peers) => {
-                let mut news = Vec::new();
-                for p in peers {
-                    if p.id != self.me.id && self.dir.get(&p.id) != Some(&p) {
-                        self.dir.insert(p.id, p.clone());
-                        news.push(p);
-                    }
-                }
-                self.pass_on_directory(from, &news);
-                if self.joining.is_some() {
-                    self.join_now();
-                }
+        let checked = directory::parse(body).and_then(|peers| {
+            let members = self.node.stage_members();
+            let last = self.cfg.relay_stages;
+            intake::check_directory(from, peers, last, self.me.stage, &members)
+        });
+        let (peers, refused) = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                self.refuse_and_cut(
+                    from,
+                    Refusal::Message,
+                    format!("a directory from {from:x}: {e}"),
+                );
+                return;
             }
-            Err(e) => self.log(format!("bad directory from {from:x}: {e}")),
+        };
+        for e in refused {
+            self.refuse(Some(from), Refusal::Stage, e);
+        }
+        self.strangers.remove(&from);
+        let mut news = Vec::new();
+        for p in peers {
+            if p.id == self.me.id {
+                continue;
+            }
+            let known = self.dir.get(&p.id);
+            if known.is_none() || (p.id == from && known != Some(&p)) {
+                news.push(p.clone());
+                self.dir.insert(p.id, p);
+            }
+        }
+        self.pass_on_directory(from, &news);
+        if self.joining.is_some() && self.dir.contains_key(&from) {
+            self.join_now();
         }
     }
 
@@ -783,6 +868,8 @@ impl Driver {
             NetEvent::PeerConnected { peer, .. } => {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.suspects.remove(&id);
+                    self.address_waits.remove(&id);
+                    self.cut_off.remove(&id);
                 }
                 let env = directory::message(&self.me, self.dir.values());
                 let _ = self.net.send_control(peer, &env, SEND_WAIT);
@@ -805,7 +892,12 @@ impl Driver {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.pending.remove(&id);
                     self.pairing.forget(id);
-                    self.suspects.insert(id, Instant::now() + LOST_GRACE);
+                    self.strangers.remove(&id);
+                    // A peer never in the directory (cut off as a
+                    // stranger) was never heard by the protocol.
+                    if self.dir.contains_key(&id) {
+                        self.suspects.insert(id, Instant::now() + LOST_GRACE);
+                    }
                 }
             }
             NetEvent::ConnectFailed { addr, .. } => {
@@ -827,11 +919,31 @@ impl Driver {
                 let Ok(from) = NodeId::try_from(peer) else {
                     return;
                 };
+                if self.cut_off.contains(&from) {
+                    return;
+                }
                 if msg.msg_type == DIRECTORY_MSG {
                     self.on_directory(from, &msg.body);
                     return;
                 }
-                match codec::decode(&msg) {
+                if !self.dir.contains_key(&from) {
+                    let what = codec::decode(&msg).map_or("an undecodable message", |m| m.name());
+                    let e = format!("{what} from {from:x}, which is not in the swarm's directory");
+                    self.refuse_and_cut(from, Refusal::Stranger, e);
+                    return;
+                }
+                let decoded = codec::decode(&msg);
+                if let Some(claim) = decoded.as_ref().ok().and_then(intake::stage_claim) {
+                    let members = self.node.stage_members();
+                    let last = self.cfg.relay_stages;
+                    if let Err(e) = intake::check_stage(from, claim, last, self.me.stage, &members)
+                    {
+                        let name = decoded.as_ref().map_or("", |m| m.name());
+                        self.refuse(Some(from), Refusal::Stage, format!("{name}: {e}"));
+                        return;
+                    }
+                }
+                match decoded {
                     Ok(m) if m.is_bulk() => {
                         let key = bulk::key_of_msg(from, &m);
                         if let Some((m, data)) = self.pairing.on_msg(key, m) {
@@ -840,13 +952,19 @@ impl Driver {
                     }
                     Ok(m) => self.input(Input::Message { from, msg: m }),
                     Err(e) => {
-                        self.log(format!("refused a message from {from:x}: {e}"));
-                        let _ = self.net.disconnect(peer);
+                        let e = format!("a message from {from:x}: {e}");
+                        self.refuse_and_cut(from, Refusal::Message, e);
                     }
                 }
             }
-            NetEvent::Refused { addr, reason, .. } => {
-                self.log(format!("refused {addr}: {reason}"));
+            NetEvent::Refused {
+                addr,
+                inbound,
+                reason,
+            } => {
+                let way = if inbound { "from" } else { "to" };
+                let e = format!("a connection {way} {addr}: {reason}");
+                self.refuse(None, Refusal::Connection, e);
             }
         }
     }
@@ -857,36 +975,61 @@ impl Driver {
         let Ok(from) = NodeId::try_from(f.peer()) else {
             return;
         };
-        if bulk::is_allreduce_frame(&f.header) {
-            self.agg.on_frame(f);
-            self.drive_aggregation();
+        if self.cut_off.contains(&from) {
             return;
         }
-        let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
-        if let Some((msg, data)) = self.pairing.on_data(key, f) {
-            self.on_bulk(from, msg, data);
+        if !self.dir.contains_key(&from) {
+            // Its directory may be among the control messages read with
+            // this frame; a frame never reaches the protocol without a
+            // message, which strangers do not get past.
+            let due = Instant::now() + STRANGER_GRACE;
+            self.strangers.entry(from).or_insert(due);
+        }
+        let want_state = !self.node.is_active() || self.resync.is_some();
+        let sizes = self.port.sizes();
+        match intake::check_frame(
+            &f.header,
+            f.len(),
+            self.me.stage,
+            &self.cfg,
+            sizes,
+            want_state,
+        ) {
+            Err(e) => self.refuse_and_cut(from, Refusal::Frame, format!("{e} from {from:x}")),
+            Ok(FrameUse::AllReduce) => {
+                self.agg.on_frame(f);
+                self.drive_aggregation();
+            }
+            Ok(FrameUse::Bulk) => {
+                let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
+                let dropped = self.pairing.dropped;
+                if let Some((msg, data)) = self.pairing.on_data(key, f) {
+                    self.on_bulk(from, msg, data);
+                } else if self.pairing.dropped > dropped {
+                    let e = format!(
+                        "a data frame from {from:x}: {} of its frames wait for their messages already",
+                        bulk::DATA_WAITING_MAX
+                    );
+                    self.refuse_and_cut(from, Refusal::Flood, e);
+                }
+            }
         }
     }
 
     /// A bulk message with its data: keep the tensor, then tell the protocol.
     fn on_bulk(&mut self, from: NodeId, msg: Msg, data: Frame) {
         match &msg {
+            // Its size was checked on arrival (`intake::check_frame`).
             Msg::Forward { mb, attempt, .. } => {
-                if !self.check_tensor(from, &msg, &data) {
-                    return;
-                }
                 self.store.put(*mb, *attempt, Slot::Input, data);
             }
             Msg::Backward { mb, attempt, .. } => {
-                if !self.check_tensor(from, &msg, &data) {
-                    return;
-                }
                 self.store.put(*mb, *attempt, Slot::GradIn, data);
             }
-            Msg::StateResponse { version, .. }
+            Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
-                match self.verify_state(data) {
+                match self.verify_state(data, *bytes) {
                     Ok(state) => {
                         let bytes = state.len();
                         let p = Pending::Import {
@@ -902,9 +1045,12 @@ impl Driver {
                         self.give(kind, None, Some(state), p);
                     }
                     Err(e) => {
-                        // A cut or corrupted download: ask again.
-                        self.error(format!("state from {from:x} refused: {e}"));
-                        self.send(from, Msg::StateRequest);
+                        // A cut or corrupted download: its server is cut
+                        // off, and lost to the protocol, which asks another
+                        // member (a joiner) or the coordinator again (a
+                        // node that missed an update).
+                        let e = format!("the state from {from:x}: {e}");
+                        self.refuse_and_cut(from, Refusal::State, e);
                         return;
                     }
                 }
@@ -917,13 +1063,14 @@ impl Driver {
     /// Peers whose connection broke and did not come back in time are lost.
     fn connections_due(&mut self) {
         let now = Instant::now();
-        let lost: Vec<NodeId> = self
-            .suspects
-            .iter()
-            .filter(|(_, t)| **t <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in lost {
+        for id in due(&self.strangers, now) {
+            let e = format!(
+                "data frames from {id:x}, which is not in the swarm's directory {} s on",
+                STRANGER_GRACE.as_secs()
+            );
+            self.refuse_and_cut(id, Refusal::Stranger, e);
+        }
+        for id in due(&self.suspects, now) {
             self.suspects.remove(&id);
             // Not passed on to joiners in directory messages any more.
             self.dir.remove(&id);
@@ -951,25 +1098,28 @@ impl Driver {
                 }
             }
         }
-    }
-
-    /// A tensor must be as long as this stage's input at its boundary.
-    fn check_tensor(&mut self, from: NodeId, msg: &Msg, data: &Frame) -> bool {
-        let want = self.port.sizes().incoming(msg, self.me.stage);
-        if data.len() == want {
-            return true;
+        for id in due(&self.address_waits, now) {
+            self.address_waits.remove(&id);
+            if self.pending.contains_key(&id) && !self.net.is_connected(id as u64) {
+                let ok = self
+                    .dir
+                    .get(&id)
+                    .is_some_and(|p| self.net.connect(p.addr).is_ok());
+                if !ok {
+                    self.pending.remove(&id);
+                    self.lost.push_back(id);
+                }
+            }
         }
-        self.error(format!(
-            "refused {} from {from:x}: {} bytes, expected {want}",
-            msg.name(),
-            data.len()
-        ));
-        false
     }
 
-    /// Checks the digest at the end of a state transfer and strips it.
-    fn verify_state(&self, mut f: Frame) -> Result<Frame, String> {
+    /// Checks the length (`announced`, the message's) and the digest at
+    /// the end of a state transfer, and strips the digest.
+    fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
         let n = f.len();
+        if n as u64 != announced {
+            return Err(format!("cut off: {n} of the {announced} bytes announced"));
+        }
         if n <= DIGEST_LEN {
             return Err(format!("{n} bytes"));
         }

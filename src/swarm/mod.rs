@@ -4,13 +4,14 @@
 //! recovery ([`store`]), and the stage's crash-tolerant all-reduce: the
 //! ring algorithm as a sans-I/O machine ([`allreduce`]), its frames
 //! ([`allreduce_net`]) and the operation a node runs for its stage
-//! ([`aggregate`]).
+//! ([`aggregate`]); what a node refuses of what its peers send ([`intake`]).
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
 pub mod bulk;
 pub mod directory;
 mod driver;
+pub mod intake;
 pub mod model_trainer;
 pub mod runtime;
 pub mod store;

@@ -31,6 +31,7 @@
 //! ([`super::directory`]).
 pub use super::directory::{parse as parse_directory, Peer, DIRECTORY_MSG};
 use super::driver::{Driver, JOIN_DIRECTORY_WAIT};
+pub use super::intake::{Refusal, Refused};
 pub use super::work::{CompleteError, Output, TensorSizes, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Node as Net, NodeOptions};
 use crate::protocol::{Config, Event, Input, NodeId, Stage};
@@ -145,8 +146,16 @@ pub enum NodeEvent {
     PeerLost { peer: NodeId },
     /// A joiner imported the stage's state from `from`.
     StateDownloaded { from: NodeId, bytes: u64, ms: f64 },
-    /// Something went wrong (a refused tensor, a failed work, replicas
-    /// that disagree); the node goes on where it can.
+    /// Something a peer sent was refused (see [`super::intake`]): from
+    /// whom (None: a connection not authenticated), why, and what it was.
+    /// Counted in [`Runtime::refused`]; a flood is reported sparingly.
+    Refused {
+        peer: Option<NodeId>,
+        reason: Refusal,
+        detail: String,
+    },
+    /// Something went wrong (a failed work, replicas that disagree); the
+    /// node goes on where it can.
     Error(String),
 }
 
@@ -180,6 +189,8 @@ pub struct Shared {
     pub(super) compute_ns: AtomicU64,
     /// The part of it that went into an applied update.
     pub(super) useful_ns: AtomicU64,
+    /// What the node refused, by reason.
+    pub(super) refused: super::intake::RefusedCounters,
 }
 
 /// Compute time of a node so far.
@@ -318,10 +329,12 @@ impl Runtime {
             leave_rx,
             shared: shared.clone(),
             joining: None,
+            joiner: opts.join,
             store: Default::default(),
             works: HashMap::new(),
             next_work: 1,
-            agg: Default::default(),
+            // Early all-reduce chunks may hold a quarter of the pool.
+            agg: super::aggregate::Aggregation::with_early_budget(opts.net.pool_bytes / 4),
             means: BTreeMap::new(),
             forgot_before: 0,
             losses: BTreeMap::new(),
@@ -330,8 +343,11 @@ impl Runtime {
             failed: false,
             resync: None,
             suspects: HashMap::new(),
+            address_waits: HashMap::new(),
             applied_through: None,
             gated: VecDeque::new(),
+            cut_off: Default::default(),
+            strangers: HashMap::new(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap
@@ -390,6 +406,11 @@ impl Runtime {
             compute: Duration::from_nanos(self.shared.compute_ns.load(Ordering::Relaxed)),
             useful: Duration::from_nanos(self.shared.useful_ns.load(Ordering::Relaxed)),
         }
+    }
+
+    /// What the node refused so far, by reason.
+    pub fn refused(&self) -> Refused {
+        self.shared.refused.get()
     }
 
     /// Where this node listens.

@@ -257,12 +257,21 @@ impl TensorSizes {
     /// Bytes a node of `stage` expects in the data frame of `msg` (a
     /// forward or backward that arrived); `usize::MAX` when it expects none.
     pub fn incoming(&self, msg: &Msg, stage: Stage) -> usize {
-        let kind = match (msg, stage) {
-            (Msg::Forward { .. }, 0) => WorkKind::Loss,
-            (Msg::Forward { .. }, _) => WorkKind::Forward,
-            (Msg::Backward { .. }, 0) => WorkKind::EmbedBackward,
-            (Msg::Backward { .. }, _) => WorkKind::Backward,
-            _ => return usize::MAX,
+        match msg {
+            Msg::Forward { .. } => self.incoming_tensor(true, stage),
+            Msg::Backward { .. } => self.incoming_tensor(false, stage),
+            _ => usize::MAX,
+        }
+    }
+
+    /// Bytes a node of `stage` expects with a forward (`forward`) or with
+    /// a backward; `usize::MAX` when it expects none.
+    pub fn incoming_tensor(&self, forward: bool, stage: Stage) -> usize {
+        let kind = match (forward, stage) {
+            (true, 0) => WorkKind::Loss,
+            (true, _) => WorkKind::Forward,
+            (false, 0) => WorkKind::EmbedBackward,
+            (false, _) => WorkKind::Backward,
         };
         self.input(&kind, stage).unwrap_or(usize::MAX)
     }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod skip;
+pub mod swarm_inproc;
 pub mod swarm_procs;
 
 use std::path::{Path, PathBuf};
@@ -193,4 +194,43 @@ fn build_stub_libcuda() -> PathBuf {
     );
     std::os::unix::fs::symlink("libcuda.so.1", dir.join("libcuda.so")).unwrap();
     dir
+}
+
+/// A raw TCP stream through the handshake as node `id` with `key` (reads
+/// time out after `timeout`): for tests that write bytes no node would.
+pub fn raw_authenticated(
+    addr: std::net::SocketAddr,
+    id: u64,
+    key: &[u8],
+    timeout: std::time::Duration,
+) -> std::net::TcpStream {
+    use gwtf::wire::{ConnEvent, Connection, ReadTarget, Role, SwarmKey};
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let mut nonce = [0u8; 32];
+    nonce[..8].copy_from_slice(&id.to_le_bytes());
+    // Never the same twice (the node refuses a replayed handshake).
+    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
+    nonce[8..16].copy_from_slice(&now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes());
+    let mut c = Connection::new(
+        Role::Connector,
+        id,
+        SwarmKey::new(key).unwrap(),
+        nonce,
+        4 << 20,
+    );
+    for _ in 0..10 {
+        s.write_all(&c.take_outgoing()).unwrap();
+        let ReadTarget::Small(buf) = c.read_target() else {
+            panic!("handshake state")
+        };
+        let n = s.read(buf).unwrap();
+        assert!(n > 0, "the node closed the handshake");
+        if let Some(ConnEvent::Established { .. }) = c.small_read(n).unwrap() {
+            s.write_all(&c.take_outgoing()).unwrap();
+            return s;
+        }
+    }
+    panic!("handshake did not finish");
 }

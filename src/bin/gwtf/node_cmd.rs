@@ -577,6 +577,13 @@ impl Printer {
                 "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
             })),
             NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
+            NodeEvent::Refused {
+                peer,
+                reason,
+                detail,
+            } => self.emit(json!({
+                "event": "refused", "peer": peer, "reason": reason.name(), "message": detail,
+            })),
             NodeEvent::Error(m) => self.emit(json!({"event": "error", "message": m})),
         }
         None

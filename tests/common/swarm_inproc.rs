@@ -1,0 +1,160 @@
+//! Helpers for the tests that run swarm nodes in the test's own process
+//! (`swarm::runtime::Runtime` on loopback).
+use gwtf::engine::NodeOptions;
+use gwtf::protocol::{Config, Event, MbId, NodeId, Policy, Stage, SEC};
+use gwtf::swarm::model_trainer::ModelRun;
+use gwtf::swarm::runtime::{NodeEvent, Peer, Refusal, Runtime, RuntimeOptions, Trainer};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+
+/// A free loopback port (bound and released: the node binds it next).
+pub fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// The peers of `layout` (id, stage), each at a free loopback address.
+pub fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {
+    layout
+        .iter()
+        .map(|&(id, stage)| Peer {
+            id,
+            stage,
+            addr: free_addr(),
+        })
+        .collect()
+}
+
+/// The protocol's settings for a swarm that trains `run` on real time (a
+/// fast tick keeps the tests short), `mb_per_iter` microbatches per holder
+/// and iteration.
+pub fn model_protocol_config(run: &ModelRun, mb_per_iter: u32) -> Arc<Config> {
+    let mut c = Config::new(
+        Policy::Gwtf,
+        (run.stages - 2) as u16,
+        run.activation_bytes() as u64,
+    );
+    c.tick = SEC / 10;
+    c.start_delay = SEC / 2;
+    c.mb_per_iter = mb_per_iter;
+    c.max_in_flight = 2;
+    c.stage_state_bytes = (0..=c.relay_stages)
+        .map(|s| run.state_bytes(s).unwrap())
+        .collect();
+    Arc::new(c)
+}
+
+/// What the nodes of a swarm reported.
+#[derive(Default)]
+pub struct Seen {
+    /// Holders: the loss of each final iteration, one per holder.
+    pub losses: BTreeMap<u32, Vec<f32>>,
+    /// (stage, iteration) -> microbatches committed.
+    pub committed: BTreeMap<(Stage, u32), Vec<MbId>>,
+    /// (stage, iteration) -> digests of the members that applied it.
+    pub digests: BTreeMap<(Stage, u32), BTreeSet<[u8; 32]>>,
+    /// (node, iteration) -> digest.
+    pub digests_by: BTreeMap<(NodeId, u32), [u8; 32]>,
+    pub errors: Vec<String>,
+    /// (node, reason, what was refused)
+    pub refused: Vec<(NodeId, Refusal, String)>,
+    /// (node, peer) lost
+    pub lost: Vec<(NodeId, NodeId)>,
+    /// Paths of the microbatches done.
+    pub paths: Vec<Vec<NodeId>>,
+    /// Stage each node became active in.
+    pub active: BTreeMap<NodeId, Stage>,
+    /// (joiner, the member it downloaded the state from)
+    pub downloads: Vec<(NodeId, NodeId)>,
+}
+
+impl Seen {
+    pub fn take(&mut self, id: NodeId, ev: NodeEvent) {
+        if std::env::var_os("GWTF_TEST_TRACE").is_some() {
+            eprintln!("{id:x}: {ev:?}");
+        }
+        match ev {
+            NodeEvent::Iteration {
+                iteration, loss, ..
+            } => self.losses.entry(iteration).or_default().push(loss),
+            NodeEvent::Applied {
+                stage,
+                iteration,
+                weights,
+                ..
+            } => {
+                self.digests
+                    .entry((stage, iteration))
+                    .or_default()
+                    .insert(weights);
+                self.digests_by.insert((id, iteration), weights);
+            }
+            NodeEvent::Protocol(Event::StageCommitted {
+                stage, iter, mbs, ..
+            }) => self
+                .committed
+                .entry((stage, iter))
+                .or_default()
+                .extend(mbs.iter().map(|m| m.0)),
+            NodeEvent::Protocol(Event::MbDone { path, .. }) => self.paths.push(path.to_vec()),
+            NodeEvent::Protocol(Event::Active { stage }) => {
+                self.active.insert(id, stage);
+            }
+            NodeEvent::StateDownloaded { from, .. } => self.downloads.push((id, from)),
+            NodeEvent::PeerLost { peer } => self.lost.push((id, peer)),
+            NodeEvent::Refused { reason, detail, .. } => {
+                eprintln!("node {id:x} refused ({}): {detail}", reason.name());
+                self.refused.push((id, reason, detail))
+            }
+            NodeEvent::Error(e) => self.errors.push(format!("{id:x}: {e}")),
+            _ => {}
+        }
+    }
+
+    /// Whether node `id` applied an update.
+    pub fn applied(&self, id: NodeId) -> bool {
+        self.digests_by.keys().any(|(n, _)| *n == id)
+    }
+
+    /// What `node` refused for `reason`.
+    pub fn refusals(&self, node: NodeId, reason: Refusal) -> Vec<&str> {
+        self.refused
+            .iter()
+            .filter(|(n, r, _)| *n == node && *r == reason)
+            .map(|(_, _, d)| d.as_str())
+            .collect()
+    }
+}
+
+/// Starts node `p` (`join`: joining through `bootstrap`) with `key`, the
+/// engine's options `net`, and `trainer`.
+pub fn start_node(
+    p: &Peer,
+    bootstrap: &[Peer],
+    cfg: &Arc<Config>,
+    join: bool,
+    key: &[u8],
+    net: NodeOptions,
+    trainer: impl Trainer,
+) -> Runtime {
+    Runtime::start(
+        RuntimeOptions {
+            id: p.id,
+            stage: p.stage,
+            listen: p.addr,
+            swarm_key: key.to_vec(),
+            bootstrap: bootstrap.to_vec(),
+            join,
+            protocol: cfg.clone(),
+            compute_s: 0.01,
+            capacity: 4,
+            seed: 1,
+            net,
+        },
+        trainer,
+    )
+    .unwrap()
+}
