@@ -87,7 +87,7 @@ const (
 	EventLeft            = TaskKind(C.GWTF_TASK_KIND_EVENT_LEFT)
 	EventStageEmpty      = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_EMPTY)
 	EventStageResumed    = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESUMED)
-	EventRefused         = TaskKind(C.GWTF_TASK_KIND_EVENT_REFUSED)
+	EventInputRefused    = TaskKind(C.GWTF_TASK_KIND_EVENT_REFUSED)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.
