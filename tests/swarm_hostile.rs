@@ -692,7 +692,13 @@ fn cut_off_and_corrupted_state_downloads_are_refused() {
     }
     swarm.join(31, swarm.addr(1));
     swarm.until("the joiner's download", |s| !s.downloads.is_empty());
-    assert_eq!(swarm.seen.downloads, vec![(31, 21)]);
+    // Every state the joiner took in came from the honest member (a second
+    // download happens when it joined while an update ran: it missed it).
+    assert!(
+        swarm.seen.downloads.iter().all(|d| *d == (31, 21)),
+        "{:?}",
+        swarm.seen.downloads
+    );
     let said = swarm.refused(
         31,
         Refusal::State,
