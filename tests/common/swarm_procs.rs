@@ -239,13 +239,40 @@ impl Swarm {
             .at
     }
 
-    /// Waits until every holder of `holders` printed `done`.
+    /// Waits until every holder of `holders` printed `done`, then (at most
+    /// 5 s more) until every other node the harness did not stop printed
+    /// that it applied the last iteration: each process prints on its own,
+    /// so a relay's last lines may come after the holders' `done`.
     pub fn until_done(&self, holders: &[u32]) -> Vec<Seen> {
-        self.until("the holders' done", |ev| {
+        let ev = self.until("the holders' done", |ev| {
             holders
                 .iter()
                 .all(|h| ev.iter().any(|e| e.node == *h && e.event() == "done"))
-        })
+        });
+        let last = ev
+            .iter()
+            .filter(|e| e.event() == "iteration")
+            .map(|e| e.u("iteration"))
+            .max();
+        let others: Vec<u32> = self
+            .nodes
+            .iter()
+            .filter(|n| n.child.is_some() && !holders.contains(&n.id))
+            .map(|n| n.id)
+            .collect();
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let ev = self.snapshot();
+            let settled = others.iter().all(|id| {
+                ev.iter().any(|e| {
+                    e.node == *id && e.event() == "applied" && Some(e.u("iteration")) == last
+                })
+            });
+            if settled || Instant::now() > until {
+                return ev;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     pub fn count(&self) -> usize {
