@@ -33,6 +33,7 @@
 //! among them that no iteration beats its bound.
 pub mod allreduce;
 pub mod bound;
+mod connections;
 pub mod model;
 pub mod optimal;
 mod queue;
@@ -279,9 +280,6 @@ struct SimNode {
     running: Option<(Task, Time)>,
     gpu_gen: u64,
     timer_at: Option<Time>,
-    /// The nodes this one has a connection with (it exchanged a message
-    /// with them, either way), in id order.
-    contacts: Vec<NodeId>,
 }
 
 /// The simulator.
@@ -294,6 +292,8 @@ pub struct Sim {
     /// Reusable buffer for the actions of one node call.
     acts: Vec<Action>,
     nodes: Vec<SimNode>,
+    /// Which nodes have a connection with which (for `Input::PeerLost`).
+    conns: connections::Connections,
     /// Region of each node (index = node id).
     region_of: Vec<u32>,
     /// (latency, bandwidth) of each region pair, row-major.
@@ -360,6 +360,7 @@ impl Sim {
             queue: EventQueue::new(),
             acts: Vec::new(),
             nodes: Vec::new(),
+            conns: Default::default(),
             region_of: Vec::new(),
             link_table,
             links: HashMap::default(),
@@ -459,8 +460,8 @@ impl Sim {
             running: None,
             gpu_gen: 0,
             timer_at: None,
-            contacts: Vec::new(),
         });
+        self.conns.add_node(id);
         id
     }
 
@@ -739,12 +740,7 @@ impl Sim {
             }
             return;
         }
-        for (x, y) in [(a, b), (b, a)] {
-            let c = &mut self.nodes[x as usize].contacts;
-            if let Err(i) = c.binary_search(&y) {
-                c.insert(i, y);
-            }
-        }
+        self.conns.note(a, b);
     }
 
     /// A bulk transfer on link `src` -> `to` of a message sent by `from`,
@@ -1066,13 +1062,8 @@ impl Sim {
         // `Input::PeerLost` once the broken connection shows at its end, one
         // link latency later (the runtime turns a broken connection into
         // `PeerLost` at once).
-        let contacts = std::mem::take(&mut n.contacts);
-        for c in contacts {
-            let other = &mut self.nodes[c as usize];
-            if let Ok(i) = other.contacts.binary_search(&v) {
-                other.contacts.remove(i);
-            }
-            if !other.alive {
+        for c in self.conns.take(v) {
+            if !self.nodes[c as usize].alive {
                 continue;
             }
             let (lat, _) = self.link_params(v, c);

@@ -24,14 +24,56 @@ impl Default for CostGossip {
 }
 
 /// The next hops of this node's flows and pending reservations, sorted
-/// (one entry per flow): the load of each of its links downstream.
-pub(super) struct LinkFlows(Vec<NodeId>);
+/// (one entry per flow): the load of each of its links downstream. Up to
+/// `LinkFlows::INLINE` of them (a relay's memory holds a few microbatches)
+/// are kept without an allocation: the costs are computed at every gossip.
+pub(super) struct LinkFlows {
+    inline: [NodeId; LinkFlows::INLINE],
+    len: usize,
+    more: Vec<NodeId>,
+}
 
 impl LinkFlows {
+    const INLINE: usize = 32;
+
+    fn new(next_hops: impl Iterator<Item = NodeId>) -> LinkFlows {
+        let mut l = LinkFlows {
+            inline: [0; LinkFlows::INLINE],
+            len: 0,
+            more: Vec::new(),
+        };
+        for j in next_hops {
+            if l.len < LinkFlows::INLINE {
+                l.inline[l.len] = j;
+                l.len += 1;
+            } else {
+                if l.more.is_empty() {
+                    l.more.extend_from_slice(&l.inline);
+                }
+                l.more.push(j);
+            }
+        }
+        if l.more.is_empty() {
+            l.inline[..l.len].sort_unstable();
+        } else {
+            l.more.sort_unstable();
+        }
+        l
+    }
+
+    fn sorted(&self) -> &[NodeId] {
+        if self.more.is_empty() {
+            &self.inline[..self.len]
+        } else {
+            &self.more
+        }
+    }
+
     /// Flows on the link to `j`.
     pub(super) fn on(&self, j: NodeId) -> u32 {
-        let lo = self.0.partition_point(|&x| x < j);
-        let hi = self.0.partition_point(|&x| x <= j);
+        let v = self.sorted();
+        let lo = v.partition_point(|&x| x < j);
+        let hi = v.partition_point(|&x| x <= j);
         (hi - lo) as u32
     }
 }
@@ -102,10 +144,12 @@ impl Node {
     /// pass over the reservations where all candidates are compared).
     fn next_link_flows(&self) -> LinkFlows {
         let r = &self.reservations;
-        let mut v: Vec<NodeId> = r.flows.values().map(|f| f.next).collect();
-        v.extend(r.pending.values().map(|r| r.next));
-        v.sort_unstable();
-        LinkFlows(v)
+        LinkFlows::new(
+            r.flows
+                .values()
+                .map(|f| f.next)
+                .chain(r.pending.values().map(|r| r.next)),
+        )
     }
 
     /// The cost of the hop to peer `p` for a flow that shares the link with
@@ -376,21 +420,24 @@ impl Node {
         // Bounded fanout: at most `gossip_fanout` upstream peers per round,
         // taken in turn (round robin), plus those whose flows pass here.
         let fan = self.cfg.gossip_fanout.max(1);
-        let mut targets: BTreeSet<NodeId> = BTreeSet::new();
+        let mut targets: Vec<NodeId> = Vec::with_capacity(fan + self.reservations.flows.len());
         if ups.len() <= fan {
             targets.extend(ups.iter().copied());
         } else {
             let start = self.cost_gossip.gossip_round % ups.len();
             for i in 0..fan {
-                targets.insert(ups[(start + i) % ups.len()]);
+                targets.push(ups[(start + i) % ups.len()]);
             }
             self.cost_gossip.gossip_round = (start + fan) % ups.len();
         }
         for f in self.reservations.flows.values() {
             if f.prev != self.id {
-                targets.insert(f.prev);
+                targets.push(f.prev);
             }
         }
+        // In id order, each once.
+        targets.sort_unstable();
+        targets.dedup();
         for u in targets {
             self.send(
                 u,

@@ -475,15 +475,22 @@ impl Node {
         let ns = self.next_stage();
         // With a bounded fanout a peer reaches each of its upstream peers
         // every ceil(view / fanout) rounds; three of those is the expiry.
-        let view = self
+        // One pass counts the view and finds its longest silence; a second
+        // one runs only when someone has expired.
+        let (view, oldest) = self
             .peers
             .values()
             .filter(|p| p.stage == ns && !p.dead)
-            .count()
-            .max(1);
+            .fold((0usize, Time::MAX), |(n, o), p| {
+                (n + 1, o.min(p.last_heard))
+            });
+        let view = view.max(1);
         let rounds = view.div_ceil(self.cfg.gossip_fanout.max(1)).max(1) as Time;
         let expiry = 3 * rounds * self.cfg.gossip_ticks as Time * self.cfg.tick;
         let now = self.now;
+        if oldest.saturating_add(expiry) >= now {
+            return;
+        }
         let expired: Vec<NodeId> = self
             .peers
             .iter()

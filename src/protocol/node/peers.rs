@@ -4,35 +4,44 @@
 use super::*;
 
 /// What a node knows about another node.
+///
+/// Laid out by use (`repr(C)`, one entry per three cache lines): the
+/// first line holds what every message and every scan of the view reads
+/// (liveness, the CHANGE gossip's fields, the latency), the second the rest
+/// of what routing reads, the third SWARM's balancer. A simulation of
+/// thousands of nodes is bound by the cache misses on these entries.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub(super) struct Peer {
-    pub(super) stage: Stage,
-    /// One-way latency (s), EMA.
-    pub(super) lat: Option<f64>,
-    /// Bandwidth (bytes/s), EMA.
-    pub(super) bw: Option<f64>,
-    /// Ack delay (s) of hops to this peer, EMA (adaptive timeouts).
-    pub(super) ack: Option<f64>,
-    /// The peer's compute time per microbatch (fwd + bwd), as gossiped.
-    pub(super) compute_s: f64,
-    pub(super) spare: u32,
-    /// The peer's gossiped cost to each sink.
-    pub(super) costs: SinkCosts,
+    pub(super) last_heard: Time,
     /// Not used for routing before this instant (suspected / banned).
     pub(super) banned_until: Time,
+    /// The peer's compute time per microbatch (fwd + bwd), as gossiped.
+    pub(super) compute_s: f64,
+    /// The peer's gossiped cost to each sink.
+    pub(super) costs: SinkCosts,
+    pub(super) spare: u32,
+    pub(super) stage: Stage,
     pub(super) dead: bool,
-    pub(super) last_heard: Time,
-    /// SWARM-plus: microbatches sent to this peer and not yet acknowledged.
-    pub(super) queued: u32,
+    /// One-way latency (s), EMA.
+    pub(super) lat: Option<f64>,
+    // ---- second cache line
+    /// Bandwidth (bytes/s), EMA.
+    pub(super) bw: Option<f64>,
     /// SWARM-plus: EMA of microbatches per second through this peer.
     pub(super) thr: Option<f64>,
-    /// SWARM: this peer's entry in the cumulative-work heap.
-    pub(super) balancer: super::balancer::BalancerEntry,
+    /// Ack delay (s) of hops to this peer, EMA (adaptive timeouts).
+    pub(super) ack: Option<f64>,
     /// When the hops this node sent to the peer are through the link, by
     /// the bandwidth estimate (transfers on a link share it), and when that
     /// busy period of the link began.
     pub(super) link_free: Time,
     pub(super) link_busy_since: Time,
+    // ---- third cache line
+    /// SWARM: this peer's entry in the cumulative-work heap.
+    pub(super) balancer: super::balancer::BalancerEntry,
+    /// SWARM-plus: microbatches sent to this peer and not yet acknowledged.
+    pub(super) queued: u32,
 }
 
 impl Peer {
