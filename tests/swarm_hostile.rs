@@ -690,6 +690,29 @@ fn cut_off_and_corrupted_state_downloads_are_refused() {
         introduce(&h, p, 2, &[]);
         servers.push(bad_state_server(h, cut));
     }
+    // The joiner learns the swarm from the holder's directory: join once it
+    // names both bad servers (else the joiner may never hear of one).
+    let holder = swarm.addr(1);
+    let knows_both = |attempt: u64| {
+        let probe = hostile(40 + attempt as NodeId, KEY);
+        let p = connect(&probe, holder);
+        let until = Instant::now() + T;
+        while Instant::now() < until {
+            if let Some(NetEvent::Control { peer, msg }) = probe.poll_event(T) {
+                if peer == p && msg.msg_type == DIRECTORY_MSG {
+                    let dir = parse_directory(&msg.body).unwrap();
+                    return [19, 20].iter().all(|id| dir.iter().any(|e| e.id == *id));
+                }
+            }
+        }
+        false
+    };
+    let mut attempt = 0;
+    while !knows_both(attempt) {
+        attempt += 1;
+        assert!(attempt < 50, "the holder never named both bad servers");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     swarm.join(31, swarm.addr(1));
     swarm.until("the joiner's download", |s| !s.downloads.is_empty());
     // Every state the joiner took in came from the honest member (a second
