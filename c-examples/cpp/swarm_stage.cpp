@@ -68,6 +68,20 @@ private:
         gwtf::check(gwtf_stage_state_digest(stage_.get(), d, &err), &err);
     }
 
+    // After an import or a restart: nothing kept is of these weights; they
+    // stand for the update of `t.iteration` (none: before any).
+    std::string new_state(const gwtf_peer_task &t) {
+        uint8_t d[32];
+        ids_.clear();
+        grads_.clear();
+        if (t.has_iteration) applied_ = t.iteration;
+        else applied_.reset();
+        before_.reset();
+        digest(d);
+        peer_->done_weights(t.id, d);
+        return "";
+    }
+
     std::string dispatch(const gwtf_peer_task &t) {
         uint8_t d[32];
         switch (t.kind) {
@@ -128,14 +142,7 @@ private:
             stage_.reset();
             std::string why = serve(t.stage);
             if (!why.empty()) return why;
-            ids_.clear();
-            grads_.clear();
-            if (t.has_iteration) applied_ = t.iteration;
-            else applied_.reset();
-            before_.reset();
-            digest(d);
-            peer_->done_weights(t.id, d);
-            return "";
+            return new_state(t);
         }
         case GWTF_TASK_KIND_IMPORT_STATE: {
             uint64_t len = 0;
@@ -148,14 +155,7 @@ private:
                 gwtf_error_free(err);
                 return why;
             }
-            ids_.clear();
-            grads_.clear();
-            if (t.has_iteration) applied_ = t.iteration;
-            else applied_.reset();
-            before_.reset();
-            digest(d);
-            peer_->done_weights(t.id, d);
-            return "";
+            return new_state(t);
         }
         case GWTF_TASK_KIND_FORGET:
             for (auto it = ids_.begin(); it != ids_.end();) {
