@@ -601,7 +601,10 @@ enum gwtf_task_kind
    */
   GWTF_TASK_KIND_EVENT_STAGE_STALLED = 106,
   /**
-   * Event: a microbatch was redone after a failure (`message` says how).
+   * Event: a failure was recovered from (`message` says how): a
+   * microbatch redone (`mb`), or, at a stage's coordinator, an
+   * all-reduce that failed at member `peer` committed again
+   * (`iteration`).
    */
   GWTF_TASK_KIND_EVENT_RECOVERED = 107,
   /**
@@ -1158,7 +1161,8 @@ typedef struct gwtf_peer_task {
   float loss;
   uint32_t reserved0;
   /**
-   * Peer-lost event: the peer; state-downloaded: where from.
+   * Peer-lost event: the peer; state-downloaded: where from; recovered
+   * all-reduce: the member it failed at.
    */
   uint64_t peer;
   /**

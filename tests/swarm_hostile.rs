@@ -22,8 +22,9 @@ use gwtf::swarm::bulk::header_fields;
 use gwtf::swarm::directory::{self, DIRECTORY_MSG};
 use gwtf::swarm::model_trainer::{reference_losses, ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
-    parse_directory, realtime_config, Peer, Refusal, Runtime, TimedTrainer,
+    parse_directory, realtime_config, Peer, Refusal, Runtime, TimedTrainer, Trainer,
 };
+use gwtf::swarm::work::{Output, Work, WorkKind, WorkPort};
 use gwtf::wire::{encode_control_frame, FrameHeader, FrameKind};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -72,6 +73,8 @@ struct Swarm {
     holders: usize,
     seen: Seen,
     deadline: Instant,
+    /// Errors the test provokes on purpose (a part of their text).
+    expected_errors: Vec<&'static str>,
 }
 
 impl Swarm {
@@ -100,6 +103,7 @@ impl Swarm {
             holders,
             seen: Seen::default(),
             deadline: Instant::now() + DEADLINE,
+            expected_errors: Vec::new(),
         }
     }
 
@@ -137,10 +141,17 @@ impl Swarm {
     }
 
     /// Pumps events until `done`, failing at the deadline or on an error.
+    /// The errors reported that the test did not provoke.
+    fn unexpected_errors(&self) -> Vec<&String> {
+        let expected = |e: &String| self.expected_errors.iter().any(|x| e.contains(x));
+        self.seen.errors.iter().filter(|e| !expected(e)).collect()
+    }
+
     fn until(&mut self, what: &str, mut done: impl FnMut(&Seen) -> bool) {
         loop {
             self.pump();
-            assert!(self.seen.errors.is_empty(), "{:?}", self.seen.errors);
+            let unexpected = self.unexpected_errors();
+            assert!(unexpected.is_empty(), "{unexpected:?}");
             if done(&self.seen) {
                 return;
             }
@@ -194,8 +205,9 @@ impl Swarm {
         for (_, n) in self.nodes.drain(..) {
             n.leave();
         }
+        let unexpected = self.unexpected_errors();
+        assert!(unexpected.is_empty(), "{unexpected:?}");
         let seen = self.seen;
-        assert!(seen.errors.is_empty(), "{:?}", seen.errors);
         let want = self.holders * MB_PER_ITER as usize;
         for s in 0..=self.cfg.relay_stages {
             for k in 0..iterations {
@@ -627,6 +639,89 @@ fn stage_claims_against_the_swarm_are_refused() {
     swarm.iterations_done(6);
     drop((liar, other, probe));
     swarm.finish_and_check(6);
+}
+
+/// A trainer whose gradient answers go wrong on purpose: the answers
+/// (counted from 0) in `fail` are failures, those in `short` are one float
+/// short.
+struct FaultyGradients {
+    inner: TimedTrainer,
+    answers: u32,
+    fail: &'static [u32],
+    short: &'static [u32],
+}
+
+impl Trainer for FaultyGradients {
+    fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String> {
+        let gradient = matches!(work.kind, WorkKind::Gradient { .. });
+        let mut out = self.inner.run(work, port)?;
+        if gradient {
+            let n = self.answers;
+            self.answers += 1;
+            if self.fail.contains(&n) {
+                return Err("this gradient fails on purpose".into());
+            }
+            if let (true, Output::Gradient { sum, .. }) = (self.short.contains(&n), &mut out) {
+                sum.pop();
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Gradient answers that cannot be all-reduced, with every member alive: a
+/// relay's trainer fails its second gradient; another answers its first
+/// (before its stage's members ever agreed on a length: the ring fails on
+/// the chunk sizes) and its fifth (after: refused at once) one float
+/// short. Each time the stage's coordinator commits again, the trainer is
+/// asked again, and training goes on with every microbatch counted once
+/// and replicas that agree; without that the stage would wait for its
+/// apply forever.
+#[test]
+fn a_gradient_that_cannot_be_all_reduced_is_committed_again() {
+    let cfg = timed_config();
+    let peers = peers_of(&layout());
+    let nodes = peers
+        .iter()
+        .map(|p| {
+            let (fail, short): (&'static [u32], &'static [u32]) = match p.id {
+                12 => (&[1], &[]),
+                22 => (&[], &[0, 4]),
+                _ => (&[], &[]),
+            };
+            let trainer = FaultyGradients {
+                inner: timed(),
+                answers: 0,
+                fail,
+                short,
+            };
+            let n = start_node(p, &peers, &cfg, false, KEY, net_options(), trainer);
+            (p.id, n)
+        })
+        .collect();
+    let mut swarm = Swarm::of(cfg, peers, nodes);
+    swarm.expected_errors = vec![
+        "c: the trainer failed gradient: this gradient fails on purpose",
+        "16: the trainer failed gradient: a gradient of 15 floats; the stage's all-reduce sums 16",
+    ];
+    swarm.iterations_done(7);
+    let seen = swarm.finish_and_check(7);
+    assert_eq!(seen.errors.len(), 2, "{:?}", seen.errors);
+    // Three commits failed: stage 1 once (node 12's failure), stage 2
+    // twice (the short sum, then its refusal).
+    let failed: Vec<(Stage, u32)> = seen.aggregate_failed.iter().map(|f| (f.0, f.1)).collect();
+    assert_eq!(
+        failed.iter().filter(|f| f.0 == 1).count(),
+        1,
+        "{:?}",
+        seen.aggregate_failed
+    );
+    assert_eq!(
+        failed.iter().filter(|f| f.0 == 2).count(),
+        2,
+        "{:?}",
+        seen.aggregate_failed
+    );
 }
 
 /// Serves state downloads badly: answers the first state request with a

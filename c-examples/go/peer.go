@@ -365,8 +365,8 @@ func (p *Peer) TaskDoneLoss(id uint64, loss float32, grad *OutFrame) error {
 }
 
 // TaskDoneGradient answers a gradient task: the sum of the granted
-// microbatches' gradients (copied by the library during the call) and the
-// digest of the weights.
+// microbatches' gradients (copied by the library during the call; zeros of
+// the same length when none is granted) and the digest of the weights.
 func (p *Peer) TaskDoneGradient(id uint64, sum []float32, weights [32]byte) error {
 	p.mu.RLock()
 	defer p.mu.RUnlock()

@@ -4,9 +4,11 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand"
 	"net"
+	"os"
 	"sort"
 	"sync"
 	"testing"
@@ -189,7 +191,12 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 			}
 			return a.Index < b.Index
 		})
-		var sum []float32
+		// A member granted nothing still takes part: its sum is zeros.
+		n := 0
+		for _, piece := range t.params {
+			n += len(piece)
+		}
+		sum := make([]float32, n)
 		for _, m := range granted {
 			g := t.grads[m]
 			if g == nil {
@@ -198,9 +205,6 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 			var flat []float32
 			for _, piece := range g {
 				flat = append(flat, piece...)
-			}
-			if sum == nil {
-				sum = make([]float32, len(flat))
 			}
 			for i := range flat {
 				sum[i] += flat[i]
@@ -286,6 +290,7 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 		return PeerOptions{Role: role, Stage: stage, NodeID: id, Listen: addrs[id-1],
 			Bootstrap: boot, SwarmKey: []byte("0123456789abcdef-go-peer-test"),
 			MemoryBudgetBytes: 16 << 20, RelayStages: 1, MicrobatchesPerIteration: 4,
+			LogToStderr:     os.Getenv("GWTF_LOG") != "",
 			ActivationBytes: []uint64{act, act}, StateBytes: []uint64{0, 4 * toyD * toyD}}
 	}
 	if _, err := NewPeer(PeerOptions{RelayStages: 1, ActivationBytes: []uint64{act}}); StatusOf(err) != StatusInvalidArgument {
@@ -301,6 +306,15 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	losses := map[uint32]float32{}
 	digests := map[uint32]map[uint32][32]byte{} // iteration -> node -> digest
 	refusedTwice := false
+	trail := map[uint32][]string{} // node -> what it was given, kept for a failure report
+	note := func(id uint32, task *Task) {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(trail[id]) < 400 {
+			trail[id] = append(trail[id], fmt.Sprintf("%d/%d.%d.%d %s", task.Kind, task.Mb.Holder,
+				task.Mb.Iteration, task.Mb.Index, task.Message))
+		}
+	}
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	peers := make([]*Peer, 3)
@@ -332,6 +346,7 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 					t.Errorf("node %d: %v", id, err)
 					return
 				}
+				note(id, task)
 				switch task.Kind {
 				case EventIteration:
 					mu.Lock()
@@ -372,6 +387,14 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
+			close(done)
+			wg.Wait()
+			mu.Lock()
+			for i, p := range peers {
+				s, err := p.Stats()
+				t.Logf("node %d: stats %+v %v; given: %v", i+1, s, err, trail[uint32(i+1)])
+			}
+			mu.Unlock()
 			t.Fatalf("the swarm did not finish %d iterations: %v", iterations, losses)
 		}
 		time.Sleep(50 * time.Millisecond)

@@ -143,7 +143,10 @@ pub enum gwtf_task_kind {
     /// Event: the iteration barrier has waited long for stage `stage`
     /// (no member of it answers: the stage is empty or stuck).
     EventStageStalled = 106,
-    /// Event: a microbatch was redone after a failure (`message` says how).
+    /// Event: a failure was recovered from (`message` says how): a
+    /// microbatch redone (`mb`), or, at a stage's coordinator, an
+    /// all-reduce that failed at member `peer` committed again
+    /// (`iteration`).
     EventRecovered = 107,
     /// Event: something went wrong (`message`); the peer goes on where it
     /// can (a refused tensor, a failed task, replicas that disagree).
@@ -294,7 +297,8 @@ pub struct gwtf_peer_task {
     /// Iteration event: the mean loss of this holder's microbatches.
     pub loss: f32,
     pub reserved0: u32,
-    /// Peer-lost event: the peer; state-downloaded: where from.
+    /// Peer-lost event: the peer; state-downloaded: where from; recovered
+    /// all-reduce: the member it failed at.
     pub peer: u64,
     /// State-downloaded event: bytes, and milliseconds it took.
     pub bytes: u64,
@@ -976,6 +980,23 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
                     format!("the replicas of stage {stage} disagree after iteration {iter}"),
                 )
             }
+            Event::AggregateFailed {
+                stage,
+                iter,
+                member,
+            } => {
+                t.stage = stage as u32;
+                t.iteration = iter;
+                t.has_iteration = 1;
+                t.peer = member as u64;
+                (
+                    gwtf_task_kind::EventRecovered,
+                    format!(
+                        "the all-reduce of iteration {iter} at stage {stage} failed at node \
+                         {member:x}: committed again"
+                    ),
+                )
+            }
             Event::Left => (gwtf_task_kind::EventLeft, "left the swarm".into()),
             Event::StageEmpty { stage } => {
                 t.stage = stage as u32;
@@ -1305,7 +1326,9 @@ unsafe fn digest(p: *const u8) -> FfiResult<[u8; 32]> {
 }
 
 /// Answers a gradient task: `sum` (`len` floats), the sum of the kept
-/// parameter gradients of exactly the granted microbatches, and `weights`
+/// parameter gradients of exactly the granted microbatches (all zeros when
+/// none is granted: every member of the stage takes part, with the same
+/// length), and `weights`
 /// (`GWTF_DIGEST_LEN` bytes), the digest of the weights the gradients were
 /// computed on (every member of the stage must report the same). The
 /// library all-reduces the sum with the stage's other members and later
@@ -1320,7 +1343,9 @@ unsafe fn digest(p: *const u8) -> FfiResult<[u8; 32]> {
 /// Thread safety: any thread, concurrently with other calls on `peer`.
 ///
 /// Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` also
-/// for a sum with an element that is not finite.
+/// for a sum with an element that is not finite, or of another length than
+/// the stage's members agreed on in an earlier all-reduce (the task stays
+/// open for a corrected answer).
 #[no_mangle]
 pub extern "C" fn gwtf_peer_task_done_gradient(
     peer: *mut gwtf_peer,

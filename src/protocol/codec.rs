@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 42;
+pub const MSG_KINDS: u16 = 43;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -75,6 +75,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::StateResponse { .. } => 39,
         Msg::Restarting { .. } => 40,
         Msg::Queued { .. } => 41,
+        Msg::AggFailed { .. } => 42,
     }
 }
 
@@ -531,6 +532,10 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u64(*epoch);
             w.u64(*weights);
         }
+        Msg::AggFailed { iter, epoch } => {
+            w.u32(*iter);
+            w.u64(*epoch);
+        }
         Msg::Applied { iter, version } => {
             w.u32(*iter);
             w.u64(*version);
@@ -772,6 +777,10 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             backward: r.bool("queued.backward")?,
             wait: r.u64()?,
         },
+        42 => Msg::AggFailed {
+            iter: r.u32()?,
+            epoch: r.u64()?,
+        },
         t => {
             return Err(WireError::BadField {
                 field: "protocol message type",
@@ -948,6 +957,7 @@ pub fn samples() -> Vec<Msg> {
             epoch: 77,
             weights: 0x5eed,
         },
+        Msg::AggFailed { iter: 4, epoch: 77 },
         Msg::Applied {
             iter: 4,
             version: 78,

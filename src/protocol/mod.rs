@@ -42,7 +42,7 @@
 //! | `Ack`, `Queued` | lifecycle, acks (`on_ack`, `on_queued`) |
 //! | `CrashNotice`, `Redo` | lifecycle, recovery (`on_crash_notice`, `on_redo`) |
 //! | `Restart`, `StartIter` | lifecycle, holder (`on_restart_request`, `on_start_iter`); `StartIter` also stage group, barrier (`on_iteration_opened`: passed along the pipeline) |
-//! | `Claim`, `Sync`, `EndIter`, `AggDone`, `Applied`, `Restarting` | stage group, coordinator (`on_claim`, `on_sync`, `on_end_iter`, `on_agg_done`, `on_applied`, `on_restarting`) |
+//! | `Claim`, `Sync`, `EndIter`, `AggDone`, `AggFailed`, `Applied`, `Restarting` | stage group, coordinator (`on_claim`, `on_sync`, `on_end_iter`, `on_agg_done`, `on_agg_failed`, `on_applied`, `on_restarting`) |
 //! | `ClaimReply`, `Commit` | stage group, member (`on_claim_reply`, `on_commit`) |
 //! | `HolderDone`, `StageDone` | stage group, barrier (`on_holder_done`, `on_stage_done`) |
 //! | `Finalize` | nobody (ignored) |

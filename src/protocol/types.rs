@@ -454,6 +454,14 @@ pub enum Msg {
         epoch: u64,
         weights: u64,
     },
+    /// A member's part of the all-reduce of `iter` (commit `epoch`) ended
+    /// without the mean although no member is known lost (a member sent
+    /// what did not fit, its trainer failed the gradient, a send failed):
+    /// the coordinator commits again.
+    AggFailed {
+        iter: u32,
+        epoch: u64,
+    },
     Applied {
         iter: u32,
         version: u64,
@@ -519,6 +527,7 @@ impl Msg {
             Msg::Sync { .. } => "Sync",
             Msg::Commit { .. } => "Commit",
             Msg::AggDone { .. } => "AggDone",
+            Msg::AggFailed { .. } => "AggFailed",
             Msg::Applied { .. } => "Applied",
             Msg::StageDone { .. } => "StageDone",
             Msg::Finalize { .. } => "Finalize",
@@ -599,6 +608,11 @@ pub enum Input {
     Message { from: NodeId, msg: Msg },
     /// The trainer finished a task.
     TaskDone { id: TaskId },
+    /// A task could not be finished (the trainer failed it, or an
+    /// aggregate's all-reduce ended without the mean). An aggregate task
+    /// is committed again; the other kinds are recovered by the protocol's
+    /// timeouts.
+    TaskFailed { id: TaskId },
     /// The connection to `peer` broke (or the driver knows it is gone).
     PeerLost { peer: NodeId },
     /// Leave gracefully.
@@ -666,6 +680,13 @@ pub enum Event {
     StageRestarted { stage: Stage, applied: Option<u32> },
     /// The node has left (goodbye sent).
     Left,
+    /// The all-reduce of `iter` at `stage` failed at `member` (see
+    /// [`Msg::AggFailed`]): its coordinator commits again.
+    AggregateFailed {
+        stage: Stage,
+        iter: u32,
+        member: NodeId,
+    },
     /// A coordinator removed `peer` from its stage's group.
     MemberRemoved { peer: NodeId },
     /// The coordinator of `stage` found that the members of the aggregate of

@@ -1309,6 +1309,8 @@ impl Sim {
             | Event::StageRestarted { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}
+            // The simulator's all-reduce never fails (it is a duration).
+            Event::AggregateFailed { .. } => {}
             Event::MemberRemoved { peer } => {
                 if self.nodes[peer as usize].alive {
                     self.rep.false_suspicions += 1;

@@ -500,8 +500,12 @@ impl Driver {
                 // The work is lost here; the protocol's timeouts send the
                 // microbatch's hop elsewhere.
                 self.error(format!("the trainer failed {}: {reason}", c.kind.name()));
-                if matches!(p, Pending::Import { .. }) {
-                    self.failed = true;
+                match p {
+                    Pending::Import { .. } => self.failed = true,
+                    // The coordinator commits again (and the gradient is
+                    // asked for again).
+                    Pending::Gradient { task, .. } => self.input(Input::TaskFailed { id: task }),
+                    _ => {}
                 }
                 return;
             }
@@ -515,6 +519,7 @@ impl Driver {
                     let outcome = self.agg.start(stage, me, task, plan, &sum);
                     if let Err(e) = outcome {
                         self.error(format!("cannot start the all-reduce: {e}"));
+                        self.input(Input::TaskFailed { id: task });
                     }
                     self.drive_aggregation();
                 }
@@ -607,11 +612,17 @@ impl Driver {
         if let Some((task, iter, result)) = self.agg.finished() {
             match result {
                 Ok((mean, microbatches)) => {
+                    // The members agreed on the gradient's length: later
+                    // answers of another length are refused at once.
+                    self.port.agree_gradient_len(self.me.stage, mean.len());
                     self.means.insert(iter, (Arc::new(mean), microbatches));
                     self.input(Input::TaskDone { id: task });
                 }
-                // The coordinator commits again without the lost member.
-                Err(reason) => self.log(format!("all-reduce of iteration {iter}: {reason}")),
+                // The coordinator commits again (without a lost member).
+                Err(reason) => {
+                    self.log(format!("all-reduce of iteration {iter}: {reason}"));
+                    self.input(Input::TaskFailed { id: task });
+                }
             }
         }
     }

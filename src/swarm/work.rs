@@ -295,6 +295,9 @@ struct QueueState {
     barrier_out: bool,
     stopped: bool,
     done: Vec<Completion>,
+    /// Floats of a stage's gradient sum, once its members' all-reduce
+    /// agreed on it.
+    gradient_len: HashMap<Stage, usize>,
 }
 
 /// The queue between the driver and the trainer(s), and the trainer's
@@ -397,7 +400,8 @@ impl WorkPort {
             return Err((CompleteError::UnknownWork(id), result));
         };
         if let Ok(out) = &result {
-            if let Err(reason) = check_output(&kind, stage, out, &self.sizes) {
+            let agreed = q.gradient_len.get(&stage).copied();
+            if let Err(reason) = check_output(&kind, stage, out, &self.sizes, agreed) {
                 return Err((CompleteError::BadOutput { work: id, reason }, result));
             }
         }
@@ -429,6 +433,11 @@ impl WorkPort {
         cv.notify_all();
     }
 
+    /// The members of `stage` all-reduced gradients of `len` floats.
+    pub(crate) fn agree_gradient_len(&self, stage: Stage, len: usize) {
+        self.state.0.lock().gradient_len.insert(stage, len);
+    }
+
     pub(crate) fn take_done(&self) -> Vec<Completion> {
         std::mem::take(&mut self.state.0.lock().done)
     }
@@ -454,6 +463,7 @@ fn check_output(
     stage: Stage,
     out: &Output,
     sizes: &TensorSizes,
+    gradient_len: Option<usize>,
 ) -> Result<(), String> {
     let tensor = |f: &Frame, what: &str| match sizes.output(kind, stage) {
         Some(want) if f.len() == want => Ok(()),
@@ -477,6 +487,13 @@ fn check_output(
         }
         (WorkKind::EmbedBackward | WorkKind::Forget { .. }, Output::None) => Ok(()),
         (WorkKind::Gradient { .. }, Output::Gradient { sum, .. }) => {
+            if let Some(n) = gradient_len.filter(|&n| n != sum.len()) {
+                return Err(format!(
+                    "a gradient of {} floats; the stage's all-reduce sums {n} (with no \
+                     granted microbatch the sum is {n} zeros)",
+                    sum.len()
+                ));
+            }
             match sum.iter().position(|x| !x.is_finite()) {
                 Some(i) => Err(format!("gradient element {i} is not finite")),
                 None => Ok(()),
@@ -546,5 +563,33 @@ mod tests {
         assert_eq!(s.incoming(&Msg::StateRequest, 1), usize::MAX);
         assert_eq!(s.max(), 31);
         assert_eq!(TensorSizes::uniform(2, 8).activation, vec![8; 3]);
+    }
+
+    /// A gradient answer is held to the length the stage's members agreed
+    /// on in an all-reduce (any length before one succeeded), and to
+    /// finite values.
+    #[test]
+    fn a_gradient_has_the_length_its_stage_agreed_on() {
+        let kind = WorkKind::Gradient {
+            iteration: 3,
+            granted: Vec::new(),
+        };
+        let answer = |sum: Vec<f32>| Output::Gradient {
+            sum,
+            weights: [0; 32],
+        };
+        let s = sizes();
+        assert_eq!(check_output(&kind, 1, &answer(vec![]), &s, None), Ok(()));
+        assert_eq!(
+            check_output(&kind, 1, &answer(vec![0.0; 4]), &s, Some(4)),
+            Ok(())
+        );
+        let short = check_output(&kind, 1, &answer(vec![]), &s, Some(4)).unwrap_err();
+        assert!(
+            short.contains("a gradient of 0 floats; the stage's all-reduce sums 4"),
+            "{short}"
+        );
+        let nan = check_output(&kind, 1, &answer(vec![0.0, f32::NAN]), &s, None).unwrap_err();
+        assert!(nan.contains("element 1 is not finite"), "{nan}");
     }
 }

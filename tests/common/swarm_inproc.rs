@@ -69,6 +69,9 @@ pub struct Seen {
     pub active: BTreeMap<NodeId, Stage>,
     /// (joiner, the member it downloaded the state from)
     pub downloads: Vec<(NodeId, NodeId)>,
+    /// (stage, iteration, member) of the all-reduces that failed and were
+    /// committed again.
+    pub aggregate_failed: Vec<(Stage, u32, NodeId)>,
 }
 
 impl Seen {
@@ -103,6 +106,11 @@ impl Seen {
             NodeEvent::Protocol(Event::Active { stage }) => {
                 self.active.insert(id, stage);
             }
+            NodeEvent::Protocol(Event::AggregateFailed {
+                stage,
+                iter,
+                member,
+            }) => self.aggregate_failed.push((stage, iter, member)),
             NodeEvent::StateDownloaded { from, .. } => self.downloads.push((id, from)),
             NodeEvent::PeerLost { peer } => self.lost.push((id, peer)),
             NodeEvent::Refused { reason, detail, .. } => {

@@ -541,6 +541,15 @@ impl Printer {
                     "event": "stage_empty", "stage": stage,
                     "why": "no live node of this stage is known: its microbatches wait until a node joins it",
                 })),
+                Event::AggregateFailed {
+                    stage,
+                    iter,
+                    member,
+                } => self.emit(json!({
+                    "event": "aggregate_failed", "stage": stage, "iteration": iter,
+                    "member": member,
+                    "why": "a member's all-reduce ended without the mean: the stage commits again",
+                })),
                 Event::StageResumed { stage } => {
                     self.emit(json!({"event": "stage_resumed", "stage": stage}))
                 }

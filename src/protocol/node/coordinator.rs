@@ -41,6 +41,9 @@ pub(super) struct CoordIter {
     /// Members done with the commit's all-reduce, with their weights digest.
     pub(super) agg_done: BTreeMap<NodeId, u64>,
     pub(super) applied: bool,
+    /// A commit's all-reduce failed: the next commit waits until then (a
+    /// failure that repeats must not spin).
+    pub(super) retry_at: Time,
     /// Expected microbatches not granted (nor dropped), once the iteration ended.
     pub(super) missing: Option<BTreeSet<MbId>>,
 }
@@ -522,7 +525,7 @@ impl Node {
                 // that leaves or dies makes the stage wait for the end).
                 None => self.own_work_done(iter),
             };
-            if !done {
+            if !done || self.now < ci.retry_at {
                 return;
             }
             let members: BTreeSet<NodeId> = self
@@ -698,6 +701,31 @@ impl Node {
             }
         }
         self.coord_check(iter);
+    }
+
+    /// A member's part of the commit's all-reduce failed with every member
+    /// alive: commit again, from the next heartbeat tick on (a new epoch,
+    /// the live members; their grants stand).
+    pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
+        if self.group.coord != Some(self.id) {
+            return;
+        }
+        let retry_at = self.now + self.cfg.tick;
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
+            return;
+        };
+        if ci.applied || ci.epoch != epoch || ci.commit.is_none() {
+            return;
+        }
+        ci.commit = None;
+        ci.agg_done.clear();
+        ci.retry_at = retry_at;
+        let stage = self.stage;
+        self.event(Event::AggregateFailed {
+            stage,
+            iter,
+            member: from,
+        });
     }
 
     /// This node became its stage's coordinator in place of `old` (if any):

@@ -209,3 +209,81 @@ fn a_committed_or_final_iteration_grants_nothing_new() {
         .iter()
         .any(|(to, m)| *to == 3 && matches!(m, Msg::Heartbeat { members: Some(_) })));
 }
+
+/// A member whose part of the all-reduce failed (every member alive) tells
+/// the coordinator, which commits again with a new epoch at its next tick,
+/// not at once (a failure that repeats must not spin), and not for a stale
+/// epoch's failure; the member's failed aggregate task reports it.
+#[test]
+fn a_failed_all_reduce_is_committed_again() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+    let per = n.cfg.mb_per_iter;
+    let commits = |acts: &[Action]| -> Vec<u64> {
+        sends(acts)
+            .iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Commit { iter: 0, epoch, .. } => Some(*epoch),
+                _ => None,
+            })
+            .collect()
+    };
+    let open = Msg::StartIter {
+        iter: 0,
+        holders: Arc::new(vec![0]),
+    };
+    deliver(&mut n, 10, open);
+    let (mut first, mut agg) = (Vec::new(), None);
+    for idx in 0..per {
+        let claim = Msg::Claim {
+            iter: 0,
+            mb: mb(0, 0, idx),
+            prev: 10,
+            next: 30,
+        };
+        let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim);
+        first.extend(commits(&acts));
+        // Its commit reaches itself as a member: an aggregate task runs.
+        agg = agg.or(runs(&acts)
+            .iter()
+            .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
+            .map(|t| t.id));
+    }
+    let (epoch, agg) = (first[0], agg.expect("an aggregate task"));
+    // A stale epoch's failure changes nothing.
+    let stale = deliver(
+        &mut n,
+        2,
+        Msg::AggFailed {
+            iter: 0,
+            epoch: epoch ^ 1,
+        },
+    );
+    assert!(commits(&stale).is_empty());
+    assert!(n.coordinating.coord_iters[&0].commit.is_some());
+    // The member's own aggregate fails: it reports to its coordinator
+    // (itself), which waits for its next tick to commit again.
+    let acts = n.handle(n.now, Input::TaskFailed { id: agg });
+    assert!(commits(&acts).is_empty());
+    assert!(acts.iter().any(|a| matches!(
+        a,
+        Action::Event(Event::AggregateFailed {
+            stage: 2,
+            iter: 0,
+            member: 1
+        })
+    )));
+    let t = n.now + n.cfg.tick;
+    let acts = n.on_timeout(t);
+    // To the other two members; its own reaches itself as a new task.
+    let again = commits(&acts);
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(again.iter().all(|&e| e != epoch && e == again[0]));
+    assert!(runs(&acts)
+        .iter()
+        .any(|t| matches!(t.kind, TaskKind::Aggregate { .. }) && t.id != agg));
+    // A second failure report of the old epoch is stale now.
+    let acts = deliver(&mut n, 3, Msg::AggFailed { iter: 0, epoch });
+    assert!(!acts
+        .iter()
+        .any(|a| matches!(a, Action::Event(Event::AggregateFailed { .. }))));
+}

@@ -197,6 +197,31 @@ impl Node {
         self.notify_queued(from, mb, attempt, false);
     }
 
+    /// Task `id` could not be finished. A failed aggregate is reported to
+    /// the coordinator, which commits again (the members are alive: without
+    /// this the stage would wait for its apply forever). Other tasks are
+    /// forgotten: their microbatch's hop times out and is redone.
+    pub(super) fn task_failed(&mut self, id: TaskId) {
+        let Some((kind, _, _)) = self.tasks.remove(&id) else {
+            return;
+        };
+        if self.phase != Phase::Active || !matches!(kind, TaskKind::Aggregate { .. }) {
+            return;
+        }
+        if let (Some((iter, epoch)), Some(c)) = (self.commit_of(id), self.group.coord) {
+            self.send(c, Msg::AggFailed { iter, epoch });
+        }
+    }
+
+    /// The commit (iteration, epoch) aggregate task `id` runs.
+    fn commit_of(&self, id: TaskId) -> Option<(u32, u64)> {
+        self.member
+            .acc
+            .iter()
+            .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
+            .map(|(k, a)| (*k, a.agg_task.unwrap().1))
+    }
+
     pub(super) fn task_done(&mut self, id: TaskId) {
         let Some((kind, mb, attempt)) = self.tasks.remove(&id) else {
             return;
@@ -206,13 +231,7 @@ impl Node {
         }
         match kind {
             TaskKind::Aggregate { .. } => {
-                let found = self
-                    .member
-                    .acc
-                    .iter()
-                    .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
-                    .map(|(k, a)| (*k, a.agg_task.unwrap().1));
-                if let Some((iter, epoch)) = found {
+                if let Some((iter, epoch)) = self.commit_of(id) {
                     if let Some(c) = self.group.coord {
                         let weights = self.member.weights;
                         self.send(

@@ -306,6 +306,7 @@ impl Node {
             Input::Join { peers } => self.join(peers),
             Input::Message { from, msg } => self.on_msg(from, msg),
             Input::TaskDone { id } => self.task_done(id),
+            Input::TaskFailed { id } => self.task_failed(id),
             Input::PeerLost { peer } => self.peer_dead(peer),
             Input::Leave => self.leave(),
             Input::SetPlan { paths } => {
@@ -581,6 +582,7 @@ impl Node {
                 epoch,
                 weights,
             } => self.on_agg_done(from, iter, epoch, weights),
+            Msg::AggFailed { iter, epoch } => self.on_agg_failed(from, iter, epoch),
             Msg::Applied { iter, version } => self.on_applied(iter, version),
             Msg::StageDone { iter, stage } => self.on_stage_done(iter, stage),
             Msg::Finalize { .. } => {}
