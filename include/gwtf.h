@@ -2440,7 +2440,9 @@ gwtf_status gwtf_peer_task_done_loss(struct gwtf_peer *peer,
 
 /**
  * Answers a gradient task: `sum` (`len` floats), the sum of the kept
- * parameter gradients of exactly the granted microbatches, and `weights`
+ * parameter gradients of exactly the granted microbatches (all zeros when
+ * none is granted: every member of the stage takes part, with the same
+ * length), and `weights`
  * (`GWTF_DIGEST_LEN` bytes), the digest of the weights the gradients were
  * computed on (every member of the stage must report the same). The
  * library all-reduces the sum with the stage's other members and later
@@ -2455,7 +2457,9 @@ gwtf_status gwtf_peer_task_done_loss(struct gwtf_peer *peer,
  * Thread safety: any thread, concurrently with other calls on `peer`.
  *
  * Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` also
- * for a sum with an element that is not finite.
+ * for a sum with an element that is not finite, or of another length than
+ * the stage's members agreed on in an earlier all-reduce (the task stays
+ * open for a corrected answer).
  */
 gwtf_status gwtf_peer_task_done_gradient(struct gwtf_peer *peer,
                                          uint64_t task_id,
