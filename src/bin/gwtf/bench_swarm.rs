@@ -74,6 +74,11 @@ pub struct BenchSwarmArgs {
     /// gives up (seconds).
     #[arg(long, default_value_t = 60.0, value_parser = checks::float_in(1.0, 86400.0))]
     stall_timeout_s: f64,
+    /// CPU threads of each node's kernels (0: one per core, as on a
+    /// machine of its own) [default: cores / nodes, at least 1: the nodes
+    /// share this machine's cores as `gwtf train` uses them].
+    #[arg(long, value_parser = checks::int_at_least::<usize>(0), allow_negative_numbers = true)]
+    node_threads: Option<usize>,
     /// Also write the results as one JSON object to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -163,6 +168,8 @@ impl Swarm {
                 iterations.to_string(),
                 "--microbatches".into(),
                 a.microbatches.to_string(),
+                "--threads".into(),
+                node_threads(a).to_string(),
                 "--json".into(),
             ],
             procs: BTreeMap::new(),
@@ -445,6 +452,13 @@ impl Drop for Swarm {
     }
 }
 
+/// Kernel threads per node: `--node-threads`, or the cores shared out.
+fn node_threads(a: &BenchSwarmArgs) -> usize {
+    let nodes = (a.holders + a.relay_stages * a.relays) as usize;
+    a.node_threads
+        .unwrap_or_else(|| super::demo_procs::threads_per_node(nodes))
+}
+
 /// A scratch directory removed at the end.
 struct Scratch(PathBuf);
 
@@ -677,7 +691,9 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
     );
 
     // 1. Throughput, and the wasted compute without crashes.
-    let (ref_tps, ref_s, _) = reference(&a)?;
+    // The reference runs before and after the swarm, and counts with the
+    // mean of both: a shared machine's speed drifts over a run.
+    let (ref_before, ref_s_before, _) = reference(&a)?;
     let t = Instant::now();
     let mut s = Swarm::start(&a, &dir, a.iterations)?;
     s.wait_done()?;
@@ -690,10 +706,16 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
     let mut errors = Errors::default();
     errors.take("throughput", &mut s);
     drop(s);
+    let (ref_after, ref_s_after, _) = reference(&a)?;
+    let (ref_tps, ref_s) = (
+        (ref_before + ref_after) / 2.0,
+        (ref_s_before + ref_s_after) / 2.0,
+    );
     let ratio = tps / ref_tps;
     let iter_s = steady_s / (a.iterations - 1) as f64;
     println!(
-        "throughput  swarm {tps:.0} tokens/s, gwtf train {ref_tps:.0} tokens/s: ratio {ratio:.2} \
+        "throughput  swarm {tps:.0} tokens/s, gwtf train {ref_tps:.0} tokens/s (before \
+         {ref_before:.0}, after {ref_after:.0}): ratio {ratio:.2} \
          ({:.1} ms per iteration)",
         iter_s * 1e3
     );
@@ -871,7 +893,8 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
             "relays": a.relays, "microbatches": a.microbatches, "cores": cores,
             "throughput": {
                 "iterations": a.iterations, "swarm_tokens_per_s": tps,
-                "train_tokens_per_s": ref_tps, "ratio": ratio, "where": where_time,
+                "train_tokens_per_s": ref_tps, "train_tokens_per_s_before": ref_before,
+                "train_tokens_per_s_after": ref_after, "ratio": ratio, "where": where_time,
             },
             "recovery": {
                 "kills": kills.len(), "hit_in_flight": hit, "swarm_restarts": restarts,

@@ -234,6 +234,8 @@ impl Swarm<'_> {
             a.microbatches.to_string(),
             "--seed".into(),
             a.seed.to_string(),
+            "--threads".into(),
+            super::demo_procs::threads_per_node((a.holders + a.nodes) as usize).to_string(),
             "--json".into(),
         ];
         for p in &l.peers {

@@ -112,6 +112,14 @@ impl Drop for Procs {
 }
 
 /// A free loopback port (bound and released; a node binds it right after).
+/// Kernel threads for each of `nodes` nodes sharing this machine: its
+/// cores shared out (at least one), so that the nodes do not fight over
+/// the cores with more threads than there are.
+pub fn threads_per_node(nodes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nodes.max(1)).max(1)
+}
+
 pub fn free_port() -> Res<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?

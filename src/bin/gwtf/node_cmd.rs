@@ -80,6 +80,11 @@ pub struct NodeArgs {
     /// Device.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+    /// CPU threads of the model's kernels (0: one per core). Several nodes
+    /// sharing a machine (a local swarm) run faster with fewer each.
+    #[arg(long, default_value_t = 0, value_parser = checks::int_at_least::<usize>(0),
+          allow_negative_numbers = true)]
+    threads: usize,
     /// Memory this node may use for microbatches in flight (MiB): its
     /// capacity in the flows.
     #[arg(long, default_value_t = 256, value_parser = checks::int_at_least::<u64>(1),
@@ -287,6 +292,19 @@ fn role(a: &NodeArgs, run: &ModelRun) -> Res<Role> {
     Ok(Role { id, stage, join })
 }
 
+/// Sizes the kernels' thread pools (rayon's and the matrix product's),
+/// before any kernel runs and before this process starts other threads.
+fn set_kernel_threads(n: usize) -> Res<()> {
+    // The matrix product's pool reads its size from the environment once,
+    // at its first use: no kernel has run yet, and this process has one
+    // thread, so nothing reads the environment concurrently.
+    std::env::set_var("MATMUL_NUM_THREADS", n.to_string());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| format!("--threads {n}: {e}").into())
+}
+
 pub fn node(a: NodeArgs) -> super::CliResult {
     if a.device == Device::Cuda {
         return Err(
@@ -294,6 +312,9 @@ pub fn node(a: NodeArgs) -> super::CliResult {
                     (gwtf train --device cuda trains on a GPU in one process)"
                 .into(),
         );
+    }
+    if a.threads > 0 {
+        set_kernel_threads(a.threads)?;
     }
     let key = read_key(&a.swarm_key_file)?;
     let cfg = preset(&a.model)?;
