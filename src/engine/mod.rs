@@ -893,6 +893,22 @@ impl Node {
         }
     }
 
+    /// [`Node::next_incoming`], returning None early when `wake` receives
+    /// (or is closed): for a driver that also waits on work of its own,
+    /// such as a trainer's answers.
+    pub fn next_incoming_or_wake(
+        &self,
+        wake: &crossbeam_channel::Receiver<()>,
+        timeout: Duration,
+    ) -> Option<Incoming> {
+        crossbeam_channel::select! {
+            recv(self.frames_rx) -> f => f.ok().map(Incoming::Frame),
+            recv(self.events_rx) -> e => e.ok().map(Incoming::Event),
+            recv(wake) -> _ => None,
+            default(timeout) => None,
+        }
+    }
+
     /// Closes the connection to `peer` after a goodbye.
     pub fn disconnect(&self, peer: u64) -> Result<(), EngineError> {
         if !self.shared.peers.read().contains_key(&peer) {

@@ -1180,14 +1180,13 @@ impl Driver {
                 // Goodbyes are queued; the engine sends them at shutdown.
                 return;
             }
-            // Wait for the network, but not past the next timer, and look
-            // at the trainer's completions often while it works.
+            // Wait for the network or the trainer's next answer, but not
+            // past the next timer.
             let until_timer = self.node.timeout().map_or(Duration::from_millis(20), |t| {
                 Duration::from_micros(t.saturating_sub(now))
             });
-            let cap = if self.port.in_progress() > 0 { 1 } else { 20 };
-            let wait = until_timer.min(Duration::from_millis(cap));
-            let mut next = self.net.next_incoming(wait);
+            let wait = until_timer.min(Duration::from_millis(20));
+            let mut next = self.net.next_incoming_or_wake(self.port.answers(), wait);
             while let Some(incoming) = next {
                 match incoming {
                     Incoming::Event(ev) => self.on_net(ev),

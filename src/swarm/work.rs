@@ -15,6 +15,7 @@
 //! belong between. A trainer with one thread just runs works as they come.
 use crate::engine::{EngineError, Frame, Node as Net};
 use crate::protocol::{MbId, Msg, Stage};
+use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -305,6 +306,9 @@ struct QueueState {
 #[derive(Clone)]
 pub struct WorkPort {
     state: Arc<(Mutex<QueueState>, Condvar)>,
+    /// Rings the driver when an answer comes (it waits on the network and
+    /// on this at once); one pending ring is enough.
+    wake: (Sender<()>, Receiver<()>),
     net: Arc<Net>,
     /// Bytes of the tensors at each stage boundary.
     sizes: Arc<TensorSizes>,
@@ -314,6 +318,7 @@ impl WorkPort {
     pub(crate) fn new(net: Arc<Net>, sizes: TensorSizes) -> WorkPort {
         WorkPort {
             state: Arc::new((Mutex::new(QueueState::default()), Condvar::new())),
+            wake: bounded(1),
             net,
             sizes: Arc::new(sizes),
         }
@@ -417,6 +422,9 @@ impl WorkPort {
             took: since.elapsed(),
         });
         cv.notify_all();
+        drop(q);
+        // Full: the driver has a ring pending already.
+        let _ = self.wake.0.try_send(());
         Ok(())
     }
 
@@ -438,14 +446,13 @@ impl WorkPort {
         self.state.0.lock().gradient_len.insert(stage, len);
     }
 
-    pub(crate) fn take_done(&self) -> Vec<Completion> {
-        std::mem::take(&mut self.state.0.lock().done)
+    /// What rings when an answer comes.
+    pub(crate) fn answers(&self) -> &Receiver<()> {
+        &self.wake.1
     }
 
-    /// Works given out or waiting.
-    pub(crate) fn in_progress(&self) -> usize {
-        let q = self.state.0.lock();
-        q.ready.len() + q.outstanding.len() + q.done.len()
+    pub(crate) fn take_done(&self) -> Vec<Completion> {
+        std::mem::take(&mut self.state.0.lock().done)
     }
 
     pub(crate) fn stop(&self) {
