@@ -145,6 +145,8 @@ struct Swarm {
     stall: Duration,
     /// `error` events: (node, message).
     errors: Vec<(u32, String)>,
+    /// Hops redone (`recovered` events).
+    recovered: u64,
 }
 
 fn free_port() -> Res<SocketAddr> {
@@ -183,6 +185,7 @@ impl Swarm {
             last_iteration: Instant::now(),
             stall: Duration::from_secs_f64(a.stall_timeout_s),
             errors: Vec::new(),
+            recovered: 0,
         };
         let mut founders = Vec::new();
         for _ in 0..a.holders {
@@ -319,6 +322,7 @@ impl Swarm {
             "done" => {
                 self.done.insert(l.id);
             }
+            "recovered" => self.recovered += 1,
             "iteration" => {
                 self.last_iteration = l.at;
                 let e = self
@@ -703,6 +707,7 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         .tokens_per_s()
         .ok_or("the swarm reported too few iterations")?;
     let (waste0, compute_ms) = s.wasted();
+    let recovered0 = s.recovered;
     let mut errors = Errors::default();
     errors.take("throughput", &mut s);
     drop(s);
@@ -724,6 +729,7 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         "swarm_wall_s": wall,
         "swarm_compute_s": compute_ms / 1e3,
         "train_wall_s": ref_s,
+        "hops_redone": recovered0,
         "compute_over_train": compute_ms / 1e3 / ref_s,
         "busy_fraction": busy,
     });
@@ -850,8 +856,9 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
             "replacements_active": joined, "wasted": w, "compute_s": c / 1e3,
         });
         println!(
-            "wasted      no crashes {:.2} %; a crash every {:.0} s: {:.2} % ({crashes} crashes \
-             over {n} iterations, {joined} of {crashes} replacements became active{})",
+            "wasted      no crashes {:.2} % ({recovered0} hops redone); a crash every {:.0} s: \
+             {:.2} % ({crashes} crashes over {n} iterations, {joined} of {crashes} replacements \
+             became active{})",
             waste0 * 100.0,
             a.crash_every_s,
             w * 100.0,
@@ -862,7 +869,10 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
             }
         );
     } else {
-        println!("wasted      no crashes {:.2} %", waste0 * 100.0);
+        println!(
+            "wasted      no crashes {:.2} % ({recovered0} hops redone)",
+            waste0 * 100.0
+        );
     }
 
     if errors.count > 0 {
