@@ -95,6 +95,9 @@ pub struct Config {
     pub flow_idle_expiry_ticks: u32,
     /// Microbatches per data holder per iteration.
     pub mb_per_iter: u32,
+    /// Iterations to train (None: no end). Holders start no microbatch of
+    /// a later iteration: work nobody would apply is not computed.
+    pub iterations: Option<u32>,
     /// Bound on microbatches in flight per data holder.
     pub max_in_flight: u32,
     /// Bytes of one activation (the gradient has the same size).
@@ -177,6 +180,7 @@ impl Config {
             reservation_expiry_ticks: 10,
             flow_idle_expiry_ticks: 60,
             mb_per_iter: 8,
+            iterations: None,
             max_in_flight: 4,
             activation_bytes,
             stage_state_bytes: vec![0; relay_stages as usize + 1],

@@ -341,6 +341,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     let relay_stages = (run.stages - 2) as Stage;
     let mut proto = realtime_config(relay_stages, run.activation_bytes() as u64);
     proto.mb_per_iter = a.microbatches;
+    proto.iterations = Some(a.iterations);
     proto.stage_state_bytes = (0..=relay_stages)
         .map(|s| run.state_bytes(s))
         .collect::<Result<_, _>>()?;

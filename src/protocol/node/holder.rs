@@ -70,6 +70,9 @@ impl Node {
             return;
         }
         let Some(k) = self.dh.iter else { return };
+        if self.cfg.iterations.is_some_and(|n| k >= n) {
+            return;
+        }
         loop {
             // GWTF: microbatches ride on reserved flows when there are
             // enough; the others (flows being rebuilt after a crash) are
@@ -298,5 +301,35 @@ mod tests {
             },
         );
         assert_eq!(embeds(&deliver(&mut n, 0, start_iter)), 2);
+    }
+
+    /// A swarm told to train `iterations` starts no microbatch after the
+    /// last one: the next iteration opens (the other holders learn from it
+    /// that the last is final) but nothing is computed for it.
+    #[test]
+    fn a_holder_starts_nothing_after_the_last_iteration() {
+        let start = |iter| Msg::StartIter {
+            iter,
+            holders: Arc::new(vec![0]),
+        };
+        let embeds = |acts: &[Action]| {
+            runs(acts)
+                .iter()
+                .filter(|t| t.kind == TaskKind::Embed)
+                .count()
+        };
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.iterations = Some(2);
+        let mut n = Node::new(Arc::new(cfg), 0, 0, 0.5, 4, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(10, 1)],
+            },
+        );
+        assert_eq!(embeds(&deliver(&mut n, 0, start(1))), 4);
+        n.dh.in_flight.clear();
+        assert_eq!(embeds(&deliver(&mut n, 0, start(2))), 0);
+        assert!(n.dh.in_flight.is_empty());
     }
 }
