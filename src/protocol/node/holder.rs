@@ -275,6 +275,14 @@ mod tests {
     use super::super::testkit::*;
     use super::*;
 
+    /// The embed tasks among `acts`.
+    fn embeds(acts: &[Action]) -> usize {
+        runs(acts)
+            .iter()
+            .filter(|t| t.kind == TaskKind::Embed)
+            .count()
+    }
+
     /// A holder keeps `max_in_flight` microbatches in flight, or one per
     /// planned path when fewer paths are planned (central-mcmf routing).
     #[test]
@@ -282,12 +290,6 @@ mod tests {
         let start_iter = Msg::StartIter {
             iter: 0,
             holders: Arc::new(vec![0]),
-        };
-        let embeds = |acts: &[Action]| {
-            runs(acts)
-                .iter()
-                .filter(|t| t.kind == TaskKind::Embed)
-                .count()
         };
         let mut n = started(Policy::Gwtf, 0, 0, &[], &[(10, 1)]);
         assert_eq!(embeds(&deliver(&mut n, 0, start_iter.clone())), 4);
@@ -311,12 +313,6 @@ mod tests {
         let start = |iter| Msg::StartIter {
             iter,
             holders: Arc::new(vec![0]),
-        };
-        let embeds = |acts: &[Action]| {
-            runs(acts)
-                .iter()
-                .filter(|t| t.kind == TaskKind::Embed)
-                .count()
         };
         let mut cfg = (*config(Policy::Gwtf)).clone();
         cfg.iterations = Some(2);
