@@ -19,7 +19,7 @@ use common::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -96,13 +96,6 @@ fn member_args(id: u32, stage: u16, addr: &SocketAddr) -> Vec<String> {
         args.extend(["--stage".to_string(), stage.to_string()]);
     }
     args
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 struct Proc {

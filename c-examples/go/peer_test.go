@@ -265,8 +265,13 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 	return p.TaskFailed(task.ID, "unknown task")
 }
 
+// freePort is a free port on a loopback address of its own (127.a.b.c at
+// random), bound and released for a peer to bind next: not 127.0.0.1, whose
+// ports the kernel also gives to outgoing connections in the meantime.
 func freePort(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	r := rand.New(rand.NewSource(time.Now().UnixNano()))
+	ip := fmt.Sprintf("127.%d.%d.%d", 1+r.Intn(250), 1+r.Intn(250), 1+r.Intn(250))
+	l, err := net.Listen("tcp", ip+":0")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,26 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::SystemTime;
 
+/// A free port on a loopback address of its own (127.a.b.c, drawn at
+/// random): bound and released for a node to bind next. Not 127.0.0.1,
+/// whose ports the kernel also hands to outgoing connections (a port
+/// released there can be taken before the node binds it); a random
+/// address makes a clash with another test improbable too.
+pub fn free_addr() -> std::net::SocketAddr {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static DRAWN: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(DRAWN.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    let r = h.finish();
+    let byte = |shift: u32| 1 + ((r >> shift) % 250) as u8;
+    let ip = std::net::Ipv4Addr::new(127, byte(0), byte(8), byte(16));
+    std::net::TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+}
+
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }

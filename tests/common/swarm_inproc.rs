@@ -5,16 +5,9 @@ use gwtf::protocol::{Config, Event, MbId, NodeId, Policy, Stage, SEC};
 use gwtf::swarm::model_trainer::ModelRun;
 use gwtf::swarm::runtime::{NodeEvent, Peer, Refusal, Runtime, RuntimeOptions, Trainer};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
-/// A free loopback port (bound and released: the node binds it next).
-pub fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+pub use super::free_addr;
 
 /// The peers of `layout` (id, stage), each at a free loopback address.
 pub fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {

@@ -4,10 +4,11 @@
 //! dropped, whatever happened.
 #![allow(dead_code)]
 
+use super::free_addr;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -50,13 +51,6 @@ pub struct Swarm {
     founders: String,
     common: Vec<String>,
     pub deadline: Instant,
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 impl Swarm {
