@@ -90,6 +90,26 @@ fn benches_and_echo_refuse_bad_arguments_before_working() {
             vec!["bench", "kernels", "--train-model", "nope"],
             vec!["--train-model nope"],
         ),
+        (
+            vec!["bench", "swarm", "--node-threads", "100000"],
+            vec!["--node-threads", "must be <= 1024, got 100000"],
+        ),
+        (
+            vec!["bench", "swarm", "--node-threads", "-2"],
+            vec!["--node-threads", "must be >= 0, got -2"],
+        ),
+        (
+            vec![
+                "node",
+                "--listen",
+                "127.0.0.1:0",
+                "--swarm-key-file",
+                key,
+                "--threads",
+                "5000",
+            ],
+            vec!["--threads", "must be <= 1024, got 5000"],
+        ),
     ];
     for (args, names) in cases {
         gwtf_refuses(&args, &names);

@@ -75,9 +75,9 @@ pub struct BenchSwarmArgs {
     #[arg(long, default_value_t = 60.0, value_parser = checks::float_in(1.0, 86400.0))]
     stall_timeout_s: f64,
     /// CPU threads of each node's kernels (0: one per core, as on a
-    /// machine of its own) [default: cores / nodes, at least 1: the nodes
-    /// share this machine's cores as `gwtf train` uses them].
-    #[arg(long, value_parser = checks::int_at_least::<usize>(0), allow_negative_numbers = true)]
+    /// machine of its own; at most 1024) [default: cores / nodes, at least
+    /// 1: the nodes share this machine's cores as `gwtf train` uses them].
+    #[arg(long, value_parser = checks::int_in::<usize>(0, 1024), allow_negative_numbers = true)]
     node_threads: Option<usize>,
     /// Also write the results as one JSON object to this file.
     #[arg(long)]

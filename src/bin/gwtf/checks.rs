@@ -28,6 +28,21 @@ where
     }
 }
 
+/// An integer of type `T` in `lo..=hi`.
+pub fn int_in<T>(lo: i128, hi: i128) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync
+where
+    T: TryFrom<i128>,
+{
+    let at_least = int_at_least::<i128>(lo);
+    move |s| {
+        let v = at_least(s)?;
+        if v > hi {
+            return Err(format!("must be <= {hi}, got {v}"));
+        }
+        T::try_from(v).map_err(|_| format!("{v} is too large"))
+    }
+}
+
 /// A finite number in `lo..=hi` (NaN and infinities are refused).
 pub fn float_in(lo: f64, hi: f64) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
     move |s| {

@@ -80,9 +80,10 @@ pub struct NodeArgs {
     /// Device.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
-    /// CPU threads of the model's kernels (0: one per core). Several nodes
-    /// sharing a machine (a local swarm) run faster with fewer each.
-    #[arg(long, default_value_t = 0, value_parser = checks::int_at_least::<usize>(0),
+    /// CPU threads of the model's kernels (0: one per core; at most 1024).
+    /// Several nodes sharing a machine (a local swarm) run faster with fewer
+    /// each.
+    #[arg(long, default_value_t = 0, value_parser = checks::int_in::<usize>(0, 1024),
           allow_negative_numbers = true)]
     threads: usize,
     /// Memory this node may use for microbatches in flight (MiB): its

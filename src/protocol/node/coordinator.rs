@@ -714,7 +714,9 @@ impl Node {
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
-        if ci.applied || ci.epoch != epoch || ci.commit.is_none() {
+        // Only a member of the commit can have failed its all-reduce.
+        if ci.applied || ci.epoch != epoch || !ci.commit.as_ref().is_some_and(|c| c.contains(&from))
+        {
             return;
         }
         ci.commit = None;

@@ -2,6 +2,16 @@
 use super::super::testkit::*;
 use super::*;
 
+/// Holder 0's microbatch `idx` of iteration 0, claimed after 10 and before 30.
+fn claim_of(idx: u32) -> Msg {
+    Msg::Claim {
+        iter: 0,
+        mb: mb(0, 0, idx),
+        prev: 10,
+        next: 30,
+    }
+}
+
 /// Each microbatch is granted to exactly one claimant: the first; a later
 /// claimant is refused, and the first one's re-sent claim is granted again
 /// (claims are idempotent).
@@ -50,14 +60,8 @@ fn a_stage_commits_when_its_own_work_is_done() {
     };
     assert_eq!(commits(&deliver(&mut n, 10, open)), 0);
     for idx in 0..per {
-        let claim = Msg::Claim {
-            iter: 0,
-            mb: mb(0, 0, idx),
-            prev: 10,
-            next: 30,
-        };
         let from = 2 + (idx % 2) as NodeId;
-        let c = commits(&deliver(&mut n, from, claim));
+        let c = commits(&deliver(&mut n, from, claim_of(idx)));
         // The last grant commits (to the other two members, and to
         // itself), with no EndIter.
         assert_eq!(c, if idx + 1 == per { 2 } else { 0 }, "claim {idx}");
@@ -234,13 +238,7 @@ fn a_failed_all_reduce_is_committed_again() {
     deliver(&mut n, 10, open);
     let (mut first, mut agg) = (Vec::new(), None);
     for idx in 0..per {
-        let claim = Msg::Claim {
-            iter: 0,
-            mb: mb(0, 0, idx),
-            prev: 10,
-            next: 30,
-        };
-        let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim);
+        let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
         first.extend(commits(&acts));
         // Its commit reaches itself as a member: an aggregate task runs.
         agg = agg.or(runs(&acts)
@@ -259,6 +257,12 @@ fn a_failed_all_reduce_is_committed_again() {
         },
     );
     assert!(commits(&stale).is_empty());
+    assert!(n.coordinating.coord_iters[&0].commit.is_some());
+    // So does one from a node not in the commit.
+    let stranger = deliver(&mut n, 9, Msg::AggFailed { iter: 0, epoch });
+    assert!(!stranger
+        .iter()
+        .any(|a| matches!(a, Action::Event(Event::AggregateFailed { .. }))));
     assert!(n.coordinating.coord_iters[&0].commit.is_some());
     // The member's own aggregate fails: it reports to its coordinator
     // (itself), which waits for its next tick to commit again.
