@@ -13,6 +13,9 @@ use std::net::SocketAddr;
 pub const DIRECTORY_MSG: u16 = 0x8000;
 /// Peers one directory message carries at most.
 pub const DIRECTORY_MAX: usize = 512;
+/// The stage of a joiner's entry before the swarm chose its stage: no
+/// stage (it claims none).
+pub const NO_STAGE: Stage = Stage::MAX;
 
 /// A swarm member as the directory knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -838,7 +838,10 @@ impl Driver {
                 continue;
             }
             let known = self.dir.get(&p.id);
-            if known.is_none() || (p.id == from && known != Some(&p)) {
+            // A joiner's entry learns its stage from whoever knows it.
+            let staged = known
+                .is_some_and(|k| k.stage == directory::NO_STAGE && p.stage != directory::NO_STAGE);
+            if known.is_none() || staged || (p.id == from && known != Some(&p)) {
                 news.push(p.clone());
                 self.dir.insert(p.id, p);
             }
@@ -870,7 +873,12 @@ impl Driver {
     pub(super) fn join_now(&mut self) {
         self.joining = None;
         self.log(format!("joining through {} known peers", self.dir.len()));
-        let peers = self.dir.values().map(|p| (p.id, p.stage)).collect();
+        let peers = self
+            .dir
+            .values()
+            .filter(|p| p.stage != directory::NO_STAGE)
+            .map(|p| (p.id, p.stage))
+            .collect();
         self.input(Input::Join { peers });
     }
 

@@ -228,6 +228,12 @@ pub fn check_directory(
     let mut ok = Vec::with_capacity(peers.len());
     let mut refused = Vec::new();
     for p in peers {
+        if p.stage == super::directory::NO_STAGE {
+            // A joiner before its stage is chosen (or a stale entry of
+            // one): an address, no claim.
+            ok.push(p);
+            continue;
+        }
         match check_stage(p.id, p.stage, last, my_stage, members) {
             Ok(()) => ok.push(p),
             Err(e) => refused.push(format!("a directory entry from {from:x}: {e}")),
@@ -268,6 +274,12 @@ mod tests {
             refused[1].contains("member of this node's stage 1"),
             "{refused:?}"
         );
+        // A joiner's entry from before its stage was chosen claims none:
+        // taken as an address, even for a member of this stage.
+        let none = super::super::directory::NO_STAGE;
+        let (ok, refused) =
+            check_directory(5, vec![peer(5, 1), peer(8, none)], 2, 1, &[8]).unwrap();
+        assert_eq!((ok, refused.len()), (vec![peer(5, 1), peer(8, none)], 0));
     }
 
     #[test]

@@ -297,7 +297,12 @@ impl Runtime {
         let shared = Arc::new(Shared::default());
         let me = Peer {
             id: opts.id,
-            stage: opts.stage,
+            // A joiner is at no stage until the swarm chooses one.
+            stage: if opts.join {
+                super::directory::NO_STAGE
+            } else {
+                opts.stage
+            },
             addr,
         };
         let mut driver = Driver {
