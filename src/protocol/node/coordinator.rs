@@ -341,6 +341,21 @@ impl Node {
             BTreeSet::new()
         };
         let alive = |h: NodeId| live.contains(&h);
+        // The nodes that could re-send a lost contribution's input and are
+        // gone: asking them would only cost a `redo_timeout`.
+        let dead_prevs: BTreeSet<NodeId> = self
+            .coordinating
+            .coord_iters
+            .get(&iter)
+            .map(|ci| {
+                ci.lost
+                    .values()
+                    .filter(|l| l.level == 0)
+                    .filter_map(|l| l.prev)
+                    .filter(|&p| !self.alive(p))
+                    .collect()
+            })
+            .unwrap_or_default();
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -372,7 +387,7 @@ impl Node {
             match l.level {
                 0 => {
                     match (l.prev, l.next) {
-                        (Some(prev), Some(next)) if reruns_stage => {
+                        (Some(prev), Some(next)) if reruns_stage && !dead_prevs.contains(&prev) => {
                             sends.push((
                                 prev,
                                 Msg::Redo {

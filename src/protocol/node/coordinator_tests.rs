@@ -291,3 +291,33 @@ fn a_failed_all_reduce_is_committed_again() {
         .iter()
         .any(|a| matches!(a, Action::Event(Event::AggregateFailed { .. }))));
 }
+
+/// A member dies with granted microbatches: each is re-run from the node
+/// that had sent it the activations (`Redo`), unless that node is known
+/// dead too, in which case the holder restarts it at once instead of after
+/// a `redo_timeout` spent waiting for an answer that cannot come.
+#[test]
+fn a_lost_contribution_whose_sender_is_dead_is_restarted_at_once() {
+    for prev_dead in [false, true] {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(0, 0), (10, 1), (30, 3)]);
+        assert_eq!(n.group.coord, Some(1));
+        deliver(&mut n, 2, claim_of(0));
+        if prev_dead {
+            let now = n.now;
+            n.handle(now, Input::PeerLost { peer: 10 });
+        }
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 2 });
+        let asked: Vec<(NodeId, &str)> = sends(&acts)
+            .into_iter()
+            .filter(|(_, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+            .map(|(to, m)| (to, m.name()))
+            .collect();
+        let want = if prev_dead {
+            vec![(0, "Restart")]
+        } else {
+            vec![(10, "Redo")]
+        };
+        assert_eq!(asked, want, "sender dead: {prev_dead}");
+    }
+}
