@@ -541,15 +541,20 @@ enum gwtf_task_kind
    */
   GWTF_TASK_KIND_APPLY = 7,
   /**
-   * Barrier: the stage's state (parameters and optimizer) for a joiner.
-   * Answer: `gwtf_peer_task_done` with a frame holding it.
+   * Barrier: the stage's state (parameters and optimizer) for a joiner,
+   * with the parameters from before the last update: the joiner may be
+   * asked to run a microbatch of that update's iteration (a recovery)
+   * after every member that applied it is gone. Answer:
+   * `gwtf_peer_task_done` with a frame holding it (at most the stage's
+   * `state_bytes`).
    */
   GWTF_TASK_KIND_EXPORT_STATE = 8,
   /**
    * Barrier: replace the stage's state with `input` (as another
    * member's trainer exported it; the library checked its SHA-256): the
    * weights after the update of iteration `iteration` (`has_iteration`
-   * 0: before any update). Answer: `gwtf_peer_task_done_weights`.
+   * 0: before any update), and those from before it when the exporter
+   * included them. Answer: `gwtf_peer_task_done_weights`.
    */
   GWTF_TASK_KIND_IMPORT_STATE = 9,
   /**
@@ -562,8 +567,8 @@ enum gwtf_task_kind
    * Barrier: no live node holds the stage's state (its last node
    * died): start it afresh from the model's initial weights, standing
    * for the weights after the update of iteration `iteration`
-   * (`has_iteration` 0: before any). Answer:
-   * `gwtf_peer_task_done_weights`.
+   * (`has_iteration` 0: before any); a microbatch of that iteration
+   * runs on them too. Answer: `gwtf_peer_task_done_weights`.
    */
   GWTF_TASK_KIND_INIT_STATE = 11,
   /**
@@ -1071,8 +1076,8 @@ typedef struct gwtf_peer_options {
    */
   const uint64_t *gradient_bytes;
   /**
-   * `relay_stages + 1` sizes of each stage's state for transfer (entry 0,
-   * the holders', is not transferred and may be 0).
+   * `relay_stages + 1` sizes of each stage's state for transfer, at most
+   * (entry 0, the holders', is not transferred and may be 0).
    */
   const uint64_t *state_bytes;
   /**

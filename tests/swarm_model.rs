@@ -9,9 +9,11 @@ use common::swarm_inproc::{free_addr, model_protocol_config, start_node, Seen};
 use gwtf::engine::NodeOptions;
 use gwtf::model::dataset::Dataset;
 use gwtf::model::preset;
-use gwtf::protocol::{Config, NodeId, Stage};
+use gwtf::protocol::{Config, MbId, NodeId, Stage};
 use gwtf::swarm::model_trainer::{reference_losses, ModelRun, ModelTrainer};
-use gwtf::swarm::runtime::{Peer, Runtime};
+use gwtf::swarm::runtime::{Peer, Runtime, Trainer};
+use gwtf::swarm::work::{Output, Work, WorkKind, WorkPort};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,18 +29,48 @@ fn docs() -> Vec<Vec<u32>> {
     Dataset::synthetic(3, 16 << 10, 16).train
 }
 
-fn start(p: &Peer, all: &[Peer], cfg: &Arc<Config>, run: &ModelRun, join: bool) -> Runtime {
-    let trainer = ModelTrainer::new(run.clone(), p.stage, docs()).unwrap();
-    runtime(p, all, cfg, trainer, join)
+/// The model's trainer, whose gradient of one iteration can be held back
+/// (the stage's aggregation of it waits) until the test lets it go.
+struct Gated {
+    inner: ModelTrainer,
+    gate: Option<Gate>,
 }
 
-fn runtime(
-    p: &Peer,
-    all: &[Peer],
-    cfg: &Arc<Config>,
-    trainer: ModelTrainer,
-    join: bool,
-) -> Runtime {
+#[derive(Clone)]
+struct Gate {
+    iteration: u32,
+    closed: Arc<AtomicBool>,
+    /// Set when the gradient is held: 1 + the microbatches granted.
+    holding: Arc<AtomicUsize>,
+}
+
+impl Trainer for Gated {
+    fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String> {
+        if let (WorkKind::Gradient { iteration, granted }, Some(g)) = (&work.kind, &self.gate) {
+            let until = Instant::now() + Duration::from_secs(120);
+            if *iteration == g.iteration {
+                g.holding.store(1 + granted.len(), Ordering::SeqCst);
+            }
+            while *iteration == g.iteration
+                && g.closed.load(Ordering::SeqCst)
+                && Instant::now() < until
+            {
+                if port.is_stopped() {
+                    return Err("stopped while its gradient was held".into());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        self.inner.run(work, port)
+    }
+}
+
+fn start(p: &Peer, all: &[Peer], cfg: &Arc<Config>, run: &ModelRun, gate: Option<Gate>) -> Runtime {
+    let inner = ModelTrainer::new(run.clone(), p.stage, docs()).unwrap();
+    runtime(p, all, cfg, Gated { inner, gate }, false)
+}
+
+fn runtime(p: &Peer, all: &[Peer], cfg: &Arc<Config>, trainer: Gated, join: bool) -> Runtime {
     let net = NodeOptions {
         heartbeat_interval: Duration::from_millis(200),
         pool_bytes: 64 << 20,
@@ -61,14 +93,22 @@ struct Swarm {
     nodes: Vec<(NodeId, Runtime)>,
     seen: Seen,
     deadline: Instant,
+    /// A node was killed: a stage may have committed an iteration again.
+    killed: bool,
 }
 
 impl Swarm {
     fn start() -> Swarm {
+        Swarm::start_gated(&layout(), |_| None)
+    }
+
+    /// `gate(id)`: the gradient node `id` holds back, if any.
+    fn start_gated(layout: &[(NodeId, Stage)], gate: impl Fn(NodeId) -> Option<Gate>) -> Swarm {
         let run = model_run();
         let cfg = model_protocol_config(&run, MB_PER_ITER);
-        let peers: Vec<Peer> = layout()
-            .into_iter()
+        let peers: Vec<Peer> = layout
+            .iter()
+            .copied()
             .map(|(id, stage)| Peer {
                 id,
                 stage,
@@ -77,7 +117,7 @@ impl Swarm {
             .collect();
         let nodes = peers
             .iter()
-            .map(|p| (p.id, start(p, &peers, &cfg, &run, false)))
+            .map(|p| (p.id, start(p, &peers, &cfg, &run, gate(p.id))))
             .collect();
         Swarm {
             run,
@@ -86,6 +126,7 @@ impl Swarm {
             nodes,
             seen: Seen::default(),
             deadline: Instant::now() + Duration::from_secs(120),
+            killed: false,
         }
     }
 
@@ -123,9 +164,20 @@ impl Swarm {
             stage: 0,
             addr: free_addr(),
         };
-        let trainer = ModelTrainer::joiner(self.run.clone());
+        let trainer = Gated {
+            inner: ModelTrainer::joiner(self.run.clone()),
+            gate: None,
+        };
         let rt = runtime(&p, &self.peers[..1], &self.cfg, trainer, true);
         self.nodes.push((id, rt));
+    }
+
+    /// Stops node `id` without a goodbye, as a crash would.
+    fn kill(&mut self, id: NodeId) {
+        self.pump();
+        let at = self.nodes.iter().position(|(n, _)| *n == id).unwrap();
+        drop(self.nodes.remove(at));
+        self.killed = true;
     }
 
     /// Every node leaves; the checks of a run: no errors, each microbatch
@@ -138,14 +190,17 @@ impl Swarm {
         }
         let seen = &self.seen;
         assert!(seen.errors.is_empty(), "{:?}", seen.errors);
+        let want = 2 * MB_PER_ITER as usize;
         for s in 0..=2u16 {
             for k in 0..iterations {
-                let mut got = seen.committed.get(&(s, k)).cloned().unwrap_or_default();
-                let n = got.len();
-                got.sort_unstable();
-                got.dedup();
-                let want = 2 * MB_PER_ITER as usize;
-                assert_eq!((n, got.len()), (want, want), "stage {s} iteration {k}");
+                let mut last: Vec<MbId> = seen.last_commit[&(s, k)].iter().map(|m| m.0).collect();
+                let n = last.len();
+                last.sort_unstable();
+                last.dedup();
+                assert_eq!((n, last.len()), (want, want), "stage {s} iteration {k}");
+                // Without a crash, a stage commits each iteration once.
+                let all = seen.committed[&(s, k)].len();
+                assert!(all == want || self.killed, "stage {s} iteration {k}: {all}");
             }
         }
         for ((s, k), d) in &seen.digests {
@@ -208,5 +263,63 @@ fn a_joiner_downloads_the_state_and_a_leaver_changes_nothing() {
         "{:?}",
         swarm.seen.active
     );
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// The stage's only member that applied an iteration dies after a joiner
+/// took its state, and then that iteration's microbatches must be run
+/// through the stage again: another stage lost its contribution (a member
+/// died in the middle of its aggregation, and the node that had sent it
+/// the activations is dead too, so the holder restarts them). The joiner
+/// never held the weights that iteration saw, but its state download
+/// brought them: it runs the restarted microbatches on them, and the losses
+/// stay the reference's. (Before, it could not: "its weights are gone",
+/// and the swarm never finished the iteration.)
+#[test]
+fn a_joiner_runs_a_restarted_microbatch_on_the_weights_its_iteration_saw() {
+    const HELD: u32 = 2;
+    let gates: Vec<(NodeId, Gate)> = [21, 22]
+        .into_iter()
+        .map(|id| {
+            let g = Gate {
+                iteration: HELD,
+                closed: Arc::new(AtomicBool::new(true)),
+                holding: Arc::new(AtomicUsize::new(0)),
+            };
+            (id, g)
+        })
+        .collect();
+    let gate = |id: NodeId| gates.iter().find(|(g, _)| *g == id).map(|(_, g)| g.clone());
+    // Stage 1 has one relay (the joiner fills it); stage 2 holds back its
+    // aggregation of iteration HELD.
+    let layout = vec![(1, 0), (2, 0), (11, 1), (21, 2), (22, 2)];
+    let mut swarm = Swarm::start_gated(&layout, gate);
+    swarm.until("stage 1's update of the held iteration", |s| {
+        s.digests_by.contains_key(&(11, HELD))
+    });
+    let holding = |id: usize| gates[id].1.holding.load(Ordering::SeqCst);
+    swarm.until("stage 2's members holding their gradients", |_| {
+        holding(0) > 0 && holding(1) > 0
+    });
+    swarm.join(12);
+    swarm.until("the joiner's state download", |s| {
+        s.downloads.iter().any(|(j, _)| *j == 12)
+    });
+    assert_eq!(
+        swarm.seen.active.get(&12),
+        Some(&1),
+        "{:?}",
+        swarm.seen.active
+    );
+    // The victim at stage 2: a member with microbatches in the commit.
+    let victim = if holding(0) > 1 { 21 } else { 22 };
+    swarm.kill(11);
+    swarm.kill(victim);
+    for (_, g) in &gates {
+        g.closed.store(false, Ordering::SeqCst);
+    }
+    swarm.iterations_done(ITERATIONS);
+    let last = &swarm.seen.last_commit[&(2, HELD)];
+    assert!(last.iter().all(|m| m.1 != victim), "{last:?}");
     swarm.finish_and_check(ITERATIONS);
 }

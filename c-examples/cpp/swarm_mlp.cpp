@@ -120,7 +120,11 @@ struct Stage {
         for (auto &p : pieces) n += p.w.size();
         return n;
     }
-    size_t state_bytes() const { return 12 * num_params() + 8; }
+    // Parameters, Adam moments and step; then, when known, the parameters
+    // from before the last update (a joiner may have to run a microbatch
+    // of that update's iteration): at most this many bytes.
+    size_t core_bytes() const { return 12 * num_params() + 8; }
+    size_t state_bytes() const { return core_bytes() + 4 * num_params(); }
 
     // A 256-bit digest of parameters, Adam moments and step (four FNV-1a
     // lanes: not cryptographic; replicas only compare it).
@@ -152,12 +156,18 @@ struct Stage {
         for (auto &p : pieces) put(p.v);
         const uint8_t *s = reinterpret_cast<const uint8_t *>(&step);
         b.insert(b.end(), s, s + 8);
+        if (applied && before)
+            for (auto &p : *before) put(p.w);
         return b;
     }
 
-    std::string import_state(const uint8_t *b, size_t n) {
-        if (n != state_bytes()) return "a state of " + std::to_string(n) + " bytes, expected " +
-                                       std::to_string(state_bytes());
+    // `iteration`: the update the state stands for (none: before any).
+    std::string import_state(const uint8_t *b, size_t n, std::optional<uint32_t> iteration) {
+        if (n != core_bytes() && n != state_bytes())
+            return "a state of " + std::to_string(n) + " bytes, expected " +
+                   std::to_string(core_bytes()) + " or " + std::to_string(state_bytes());
+        if (n == state_bytes() && !iteration)
+            return "parameters from before an update, but no update applied";
         auto get = [&](std::vector<float> &v) {
             std::memcpy(v.data(), b, 4 * v.size());
             b += 4 * v.size();
@@ -166,6 +176,13 @@ struct Stage {
         for (auto &p : pieces) get(p.m);
         for (auto &p : pieces) get(p.v);
         std::memcpy(&step, b, 8);
+        b += 8;
+        before.reset();
+        if (n == state_bytes()) {
+            before = pieces;
+            for (auto &p : *before) get(p.w);
+        }
+        applied = iteration;
         kept.clear();
         grads.clear();
         return "";
@@ -273,19 +290,20 @@ public:
             break;
         }
         case GWTF_TASK_KIND_IMPORT_STATE:
-            why = st_.import_state(t.input, t.input_len);
-            if (why.empty()) {
-                if (t.has_iteration) st_.applied = t.iteration;
-                else st_.applied.reset();
-                st_.before.reset();
-                weights(t);
-            }
+            why = st_.import_state(t.input, t.input_len,
+                                   t.has_iteration ? std::optional<uint32_t>(t.iteration)
+                                                   : std::nullopt);
+            if (why.empty()) weights(t);
             break;
         case GWTF_TASK_KIND_INIT_STATE:
             // The stage's last node died: start it again from the seeded
-            // initial weights.
+            // initial weights; a microbatch of the iteration they stand
+            // for runs on them too (what it saw is gone).
             st_.init((int)t.stage);
-            if (t.has_iteration) st_.applied = t.iteration;
+            if (t.has_iteration) {
+                st_.applied = t.iteration;
+                st_.before = st_.pieces;
+            }
             weights(t);
             break;
         case GWTF_TASK_KIND_FORGET:

@@ -70,13 +70,14 @@ private:
 
     // After an import or a restart: nothing kept is of these weights; they
     // stand for the update of `t.iteration` (none: before any).
-    std::string new_state(const gwtf_peer_task &t) {
+    // `before`: the parameters from before that update, if known.
+    std::string new_state(const gwtf_peer_task &t, std::optional<std::vector<float>> before) {
         uint8_t d[32];
         ids_.clear();
         grads_.clear();
         if (t.has_iteration) applied_ = t.iteration;
         else applied_.reset();
-        before_.reset();
+        before_ = std::move(before);
         digest(d);
         peer_->done_weights(t.id, d);
         return "";
@@ -124,15 +125,24 @@ private:
             return "";
         }
         case GWTF_TASK_KIND_EXPORT_STATE: {
-            // gwtf node's format: per piece, its length (u64) and its state.
+            // gwtf node's format: per piece, its length (u64) and its state;
+            // then, when known, the parameters from before the last update
+            // (their length in bytes, u64, and the floats): a joiner may
+            // have to run a microbatch of that update's iteration.
             size_t n = 0;
             gwtf_error *err = nullptr;
             gwtf_stage_export_state(stage_.get(), nullptr, 0, &n, nullptr);
-            gwtf::Frame f = peer_->alloc(8 + n);
+            bool with_before = applied_ && before_;
+            uint64_t before_len = with_before ? 4 * before_->size() : 0;
+            gwtf::Frame f = peer_->alloc(8 + n + (with_before ? 8 + before_len : 0));
             uint8_t *p = f.data<uint8_t>();
             uint64_t len = n;
             std::memcpy(p, &len, 8);
             gwtf::check(gwtf_stage_export_state(stage_.get(), p + 8, n, nullptr, &err), &err);
+            if (with_before) {
+                std::memcpy(p + 8 + n, &before_len, 8);
+                std::memcpy(p + 16 + n, before_->data(), before_len);
+            }
             peer_->done(t.id, f);
             return "";
         }
@@ -142,20 +152,38 @@ private:
             stage_.reset();
             std::string why = serve(t.stage);
             if (!why.empty()) return why;
-            return new_state(t);
+            // A microbatch of the iteration these weights stand for runs on
+            // them (what that iteration saw is gone).
+            std::optional<std::vector<float>> before;
+            if (t.has_iteration) before = params();
+            return new_state(t, std::move(before));
         }
         case GWTF_TASK_KIND_IMPORT_STATE: {
             uint64_t len = 0;
             if (t.input_len < 8) return "state cut short";
             std::memcpy(&len, t.input, 8);
-            if (len != t.input_len - 8) return "the state is not one piece of " + std::to_string(len);
+            if (len > t.input_len - 8) return "state cut short";
+            size_t rest = t.input_len - 8 - len;
+            std::optional<std::vector<float>> before;
+            if (rest > 0) {
+                uint64_t before_len = 0;
+                if (rest < 8) return "state cut short";
+                std::memcpy(&before_len, t.input + 8 + len, 8);
+                if (before_len != rest - 8 || before_len != 4 * params_)
+                    return "the parameters from before the last update: " +
+                           std::to_string(rest - 8) + " bytes, " + std::to_string(4 * params_) +
+                           " expected";
+                if (!t.has_iteration) return "parameters from before an update, but no update applied";
+                before.emplace(params_);
+                std::memcpy(before->data(), t.input + 16 + len, before_len);
+            }
             gwtf_error *err = nullptr;
             if (gwtf_stage_import_state(stage_.get(), t.input + 8, len, &err) != GWTF_STATUS_OK) {
                 std::string why = gwtf_error_message(err);
                 gwtf_error_free(err);
                 return why;
             }
-            return new_state(t);
+            return new_state(t, std::move(before));
         }
         case GWTF_TASK_KIND_FORGET:
             for (auto it = ids_.begin(); it != ids_.end();) {

@@ -224,9 +224,16 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 		t.applied = int64(task.Iteration)
 		return p.TaskDoneWeights(task.ID, t.digest())
 	case TaskExportState:
+		// The parameters, then those from before the last update when
+		// known (a joiner may have to run a microbatch of its iteration).
 		var all []float32
 		for _, piece := range t.params {
 			all = append(all, piece...)
+		}
+		if t.applied >= 0 && t.before != nil {
+			for _, piece := range t.before {
+				all = append(all, piece...)
+			}
 		}
 		o, err := p.Alloc(4*len(all), 5*time.Second)
 		if err != nil {
@@ -236,14 +243,22 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 		return p.TaskDone(task.ID, o)
 	case TaskInitState:
 		// The stage's last node died: start it again from the initial
-		// weights.
+		// weights; a microbatch of the iteration they stand for runs on
+		// them too (an update copies them before it changes them).
 		*t = *newToy(task.Stage)
 		if task.HasIteration {
-			t.applied = int64(task.Iteration)
+			t.applied, t.before = int64(task.Iteration), t.params
 		}
 		return p.TaskDoneWeights(task.ID, t.digest())
 	case TaskImportState:
 		in := f32s(task.Input)
+		n := 0
+		for _, piece := range t.params {
+			n += len(piece)
+		}
+		if len(in) != n && (len(in) != 2*n || !task.HasIteration) {
+			return p.TaskFailed(task.ID, fmt.Sprintf("a state of %d floats", len(in)))
+		}
 		off := 0
 		for _, piece := range t.params {
 			copy(piece, in[off:off+len(piece)])
@@ -252,6 +267,13 @@ func (t *toyTrainer) run(p *Peer, task *Task) error {
 		t.applied, t.before = -1, nil
 		if task.HasIteration {
 			t.applied = int64(task.Iteration)
+		}
+		if len(in) == 2*n {
+			for _, piece := range t.params {
+				b := append([]float32(nil), in[off:off+len(piece)]...)
+				t.before = append(t.before, b)
+				off += len(piece)
+			}
 		}
 		return p.TaskDoneWeights(task.ID, t.digest())
 	case TaskForget:
@@ -296,7 +318,7 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 			Bootstrap: boot, SwarmKey: []byte("0123456789abcdef-go-peer-test"),
 			MemoryBudgetBytes: 16 << 20, RelayStages: 1, MicrobatchesPerIteration: 4,
 			LogToStderr:     os.Getenv("GWTF_LOG") != "",
-			ActivationBytes: []uint64{act, act}, StateBytes: []uint64{0, 4 * toyD * toyD}}
+			ActivationBytes: []uint64{act, act}, StateBytes: []uint64{0, 8 * toyD * toyD}}
 	}
 	if _, err := NewPeer(PeerOptions{RelayStages: 1, ActivationBytes: []uint64{act}}); StatusOf(err) != StatusInvalidArgument {
 		t.Fatalf("short sizes: %v", err)

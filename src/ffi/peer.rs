@@ -105,13 +105,18 @@ pub enum gwtf_task_kind {
     /// of iteration `iteration` may still come (a recovery) and must run
     /// on them. Answer: `gwtf_peer_task_done_weights` with the new digest.
     Apply = 7,
-    /// Barrier: the stage's state (parameters and optimizer) for a joiner.
-    /// Answer: `gwtf_peer_task_done` with a frame holding it.
+    /// Barrier: the stage's state (parameters and optimizer) for a joiner,
+    /// with the parameters from before the last update: the joiner may be
+    /// asked to run a microbatch of that update's iteration (a recovery)
+    /// after every member that applied it is gone. Answer:
+    /// `gwtf_peer_task_done` with a frame holding it (at most the stage's
+    /// `state_bytes`).
     ExportState = 8,
     /// Barrier: replace the stage's state with `input` (as another
     /// member's trainer exported it; the library checked its SHA-256): the
     /// weights after the update of iteration `iteration` (`has_iteration`
-    /// 0: before any update). Answer: `gwtf_peer_task_done_weights`.
+    /// 0: before any update), and those from before it when the exporter
+    /// included them. Answer: `gwtf_peer_task_done_weights`.
     ImportState = 9,
     /// Forget what is kept for microbatches of iterations before
     /// `iteration` (activations whose backward never came, gradients
@@ -120,8 +125,8 @@ pub enum gwtf_task_kind {
     /// Barrier: no live node holds the stage's state (its last node
     /// died): start it afresh from the model's initial weights, standing
     /// for the weights after the update of iteration `iteration`
-    /// (`has_iteration` 0: before any). Answer:
-    /// `gwtf_peer_task_done_weights`.
+    /// (`has_iteration` 0: before any); a microbatch of that iteration
+    /// runs on them too. Answer: `gwtf_peer_task_done_weights`.
     InitState = 11,
     /// Event, holder: iteration `iteration` is final; `loss` is the mean
     /// loss of this holder's `microbatches` microbatches.
@@ -246,8 +251,8 @@ pub struct gwtf_peer_options {
     /// `relay_stages + 1` sizes of the gradients of those activations, or
     /// NULL when each is the size of its activation. Default NULL.
     pub gradient_bytes: *const u64,
-    /// `relay_stages + 1` sizes of each stage's state for transfer (entry 0,
-    /// the holders', is not transferred and may be 0).
+    /// `relay_stages + 1` sizes of each stage's state for transfer, at most
+    /// (entry 0, the holders', is not transferred and may be 0).
     pub state_bytes: *const u64,
     /// A first estimate of one microbatch's compute on this peer, in
     /// microseconds (the protocol measures the real one). Default 10000.

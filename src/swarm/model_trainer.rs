@@ -96,13 +96,17 @@ impl ModelRun {
         adamw(&self.opts, iter)
     }
 
-    /// Bytes of the state protocol stage `stage` transfers to a joiner.
+    /// Bytes of the state protocol stage `stage` transfers to a joiner, at
+    /// most (with the parameters from before the last update: see
+    /// [`ModelTrainer`]'s state format).
     pub fn state_bytes(&self, stage: u16) -> Result<u64, ModelError> {
         let pieces = self.pieces(stage)?;
-        Ok(pieces
+        let params: usize = pieces.iter().map(|p| p.num_params()).sum();
+        let states: u64 = pieces
             .iter()
             .map(|p| 8 + p.export_state().len() as u64)
-            .sum())
+            .sum();
+        Ok(states + 8 + 4 * params as u64)
     }
 
     /// Memory one microbatch in flight takes at protocol stage `stage`:
@@ -181,6 +185,15 @@ fn adamw(o: &TrainOptions, iter: u32) -> AdamW {
 }
 
 /// The built-in trainer.
+///
+/// Its state for a joiner (`gwtf_stage`-based trainers share it): per
+/// piece, the length of its state (u64, little-endian) and the state
+/// (`Stage::export_state`); then, when the exporter has them, the
+/// parameters from before its last update: their length in bytes (u64) and
+/// the pieces' parameters in order (f32, little-endian). A joiner may be
+/// asked to run a microbatch of the iteration of that update (its
+/// contribution was lost at another stage and its holder restarted it)
+/// after every member that applied the update itself is gone.
 pub struct ModelTrainer {
     run: ModelRun,
     /// Holder: `[embedding, head]`; relay: `[its stage]`.
@@ -411,6 +424,20 @@ impl ModelTrainer {
         Ok(sum)
     }
 
+    /// The stage's weights start afresh, standing for those after the
+    /// update of `applied`: a microbatch of that iteration runs on them too
+    /// (what that iteration saw is gone with the stage's last node).
+    fn init_state(&mut self, stage: u16, applied: Option<u32>) -> Result<(), String> {
+        self.pieces = self.run.pieces(stage).map_err(|e| e.to_string())?;
+        self.stage = Some(stage);
+        self.ids.clear();
+        self.grads.clear();
+        self.targets.clear();
+        self.applied = applied;
+        self.before = applied.map(|_| self.pieces.iter().map(|p| p.params().to_vec()).collect());
+        Ok(())
+    }
+
     fn apply(&mut self, iteration: u32, mean: &[f32]) -> Result<(), String> {
         let total: usize = self.pieces.iter().map(|p| p.num_params()).sum();
         if mean.len() != total {
@@ -432,32 +459,79 @@ impl ModelTrainer {
     }
 
     fn export(&self, port: &WorkPort) -> Result<Frame, String> {
+        let b = self.export_bytes();
+        let mut f = port.alloc(b.len()).map_err(|e| e.to_string())?;
+        f.payload_mut().copy_from_slice(&b);
+        Ok(f)
+    }
+
+    /// The state in the format the type's doc describes.
+    pub fn export_bytes(&self) -> Vec<u8> {
         let mut b = Vec::new();
         for p in &self.pieces {
             let s = p.export_state();
             b.extend_from_slice(&(s.len() as u64).to_le_bytes());
             b.extend_from_slice(&s);
         }
-        let mut f = port.alloc(b.len()).map_err(|e| e.to_string())?;
-        f.payload_mut().copy_from_slice(&b);
-        Ok(f)
+        if let (Some(_), Some(before)) = (self.applied, &self.before) {
+            let n: usize = before.iter().map(|p| 4 * p.len()).sum();
+            b.reserve(8 + n);
+            b.extend_from_slice(&(n as u64).to_le_bytes());
+            for x in before.iter().flatten() {
+                b.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        b
     }
 
-    fn import(&mut self, mut b: &[u8]) -> Result<(), String> {
-        // Checked whole before anything changes.
-        let mut parts = Vec::new();
-        for _ in &self.pieces {
+    /// Replaces the state with `b` (as [`ModelTrainer::export_bytes`]
+    /// wrote it) standing for the weights after the update of `applied`;
+    /// checked whole before anything changes.
+    pub fn import_bytes(&mut self, mut b: &[u8], applied: Option<u32>) -> Result<(), String> {
+        fn section<'a>(b: &mut &'a [u8], what: &str) -> Result<&'a [u8], String> {
             if b.len() < 8 {
-                return Err("state cut short".into());
+                return Err(format!("state cut short in {what}"));
             }
-            let n = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as usize;
+            let n = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
             let rest = &b[8..];
-            if rest.len() < n {
-                return Err("state cut short".into());
+            if (rest.len() as u64) < n {
+                return Err(format!(
+                    "state cut short: {what} of {n} bytes, {} left",
+                    rest.len()
+                ));
             }
-            parts.push(&rest[..n]);
-            b = &rest[n..];
+            let (part, tail) = rest.split_at(n as usize);
+            *b = tail;
+            Ok(part)
         }
+        let mut parts = Vec::new();
+        for i in 0..self.pieces.len() {
+            parts.push(section(&mut b, &format!("piece {i}"))?);
+        }
+        let before = if b.is_empty() {
+            None
+        } else {
+            let raw = section(&mut b, "the parameters from before the last update")?;
+            let want: usize = self.pieces.iter().map(|p| 4 * p.num_params()).sum();
+            if raw.len() != want {
+                return Err(format!(
+                    "{} bytes of parameters from before the last update, {want} expected",
+                    raw.len()
+                ));
+            }
+            if applied.is_none() {
+                return Err("parameters from before an update, but no update applied".into());
+            }
+            let mut at = raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
+            let split: Vec<Vec<f32>> = self
+                .pieces
+                .iter()
+                .map(|p| at.by_ref().take(p.num_params()).collect())
+                .collect();
+            Some(split)
+        };
         if !b.is_empty() {
             return Err(format!("{} bytes after the state", b.len()));
         }
@@ -472,6 +546,8 @@ impl ModelTrainer {
         }
         self.ids.clear();
         self.grads.clear();
+        self.applied = applied;
+        self.before = before;
         Ok(())
     }
 }
@@ -494,19 +570,11 @@ impl Trainer for ModelTrainer {
             WorkKind::ExportState => Ok(Output::State(self.export(port)?)),
             WorkKind::ImportState { applied } => {
                 let f = w.input.as_ref().ok_or("import without a state")?;
-                self.import(f.payload())?;
-                // The weights from before the imported update are not here.
-                self.applied = *applied;
-                self.before = None;
+                self.import_bytes(f.payload(), *applied)?;
                 Ok(Output::Weights(self.digest()))
             }
             WorkKind::InitState { applied } => {
-                self.pieces = self.run.pieces(w.stage).map_err(|e| e.to_string())?;
-                self.ids.clear();
-                self.grads.clear();
-                self.targets.clear();
-                self.applied = *applied;
-                self.before = None;
+                self.init_state(w.stage, *applied)?;
                 Ok(Output::Weights(self.digest()))
             }
             WorkKind::Forget { before } => {
@@ -561,5 +629,110 @@ fn tensor_out(port: &WorkPort, out: StageOutput) -> Result<Output, String> {
     match out {
         StageOutput::Hidden(h) => Ok(Output::Tensor(frame_of(port, &h)?)),
         StageOutput::Loss(_) => Err("a middle stage gave a loss".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::preset;
+
+    fn relay() -> ModelTrainer {
+        let run = ModelRun::new(preset("llama-tiny").unwrap(), 4, 7, 6).unwrap();
+        ModelTrainer::new(run, 1, Vec::new()).unwrap()
+    }
+
+    fn joiner_of(stage: u16) -> ModelTrainer {
+        let mut j = ModelTrainer::joiner(relay().run);
+        j.serve(stage).unwrap();
+        j
+    }
+
+    fn updated() -> ModelTrainer {
+        let mut t = relay();
+        let n: usize = t.pieces.iter().map(|p| p.num_params()).sum();
+        let mean: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 1e-3).collect();
+        t.apply(4, &mean).unwrap();
+        t
+    }
+
+    /// A joiner can run a microbatch of the iteration the stage applied
+    /// last on the weights that iteration saw, though it never held them.
+    #[test]
+    fn a_joiner_gets_the_weights_from_before_the_last_update() {
+        let t = updated();
+        let bytes = t.export_bytes();
+        assert_eq!(bytes.len() as u64, t.run.state_bytes(1).unwrap());
+        let mut j = joiner_of(1);
+        j.import_bytes(&bytes, Some(4)).unwrap();
+        assert_eq!(j.digest(), t.digest());
+        assert_eq!(j.applied, Some(4));
+        assert_eq!(j.before, t.before);
+        assert_ne!(j.before.as_ref().unwrap()[0], j.pieces[0].params());
+    }
+
+    /// A state without them (an exporter that had none) is still a state:
+    /// the joiner just has none either.
+    #[test]
+    fn a_state_without_the_earlier_weights_imports_without_them() {
+        let fresh = relay();
+        let bytes = fresh.export_bytes();
+        let params = fresh.pieces[0].num_params() as u64;
+        assert_eq!(
+            bytes.len() as u64 + 8 + 4 * params,
+            fresh.run.state_bytes(1).unwrap()
+        );
+        let mut j = joiner_of(1);
+        j.import_bytes(&bytes, None).unwrap();
+        assert_eq!(
+            (j.digest(), j.applied, j.before.is_none()),
+            (fresh.digest(), None, true)
+        );
+    }
+
+    /// A cut, padded or inconsistent state is refused and changes nothing.
+    #[test]
+    fn a_bad_state_changes_nothing() {
+        let t = updated();
+        let good = t.export_bytes();
+        let mut j = joiner_of(1);
+        let digest = j.digest();
+        let params = 4 * t.pieces[0].num_params();
+        let cases: Vec<(Vec<u8>, Option<u32>, &str)> = vec![
+            (good[..good.len() - 1].to_vec(), Some(4), "cut short"),
+            ([&good[..], &[0u8]].concat(), Some(4), "bytes after"),
+            (good.clone(), None, "no update applied"),
+            (
+                {
+                    // The earlier weights one float short.
+                    let mut b = good[..good.len() - params - 8].to_vec();
+                    b.extend_from_slice(&((params - 4) as u64).to_le_bytes());
+                    b.extend_from_slice(&good[good.len() - params + 4..]);
+                    b
+                },
+                Some(4),
+                "expected",
+            ),
+        ];
+        for (bytes, applied, why) in cases {
+            let e = j.import_bytes(&bytes, applied).unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+            assert_eq!(
+                (j.digest(), j.applied, j.before.is_none()),
+                (digest, None, true)
+            );
+        }
+    }
+
+    /// A stage started afresh runs a microbatch of the iteration it stands
+    /// for on its fresh weights (there are no others).
+    #[test]
+    fn a_stage_started_afresh_runs_its_iteration_on_the_fresh_weights() {
+        let mut t = updated();
+        t.init_state(1, Some(9)).unwrap();
+        assert_eq!(t.applied, Some(9));
+        assert_eq!(t.before.as_ref().unwrap()[0], relay().pieces[0].params());
+        t.init_state(1, None).unwrap();
+        assert!(t.before.is_none());
     }
 }

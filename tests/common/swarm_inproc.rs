@@ -1,9 +1,11 @@
 //! Helpers for the tests that run swarm nodes in the test's own process
 //! (`swarm::runtime::Runtime` on loopback).
 use gwtf::engine::NodeOptions;
-use gwtf::protocol::{Config, Event, MbId, NodeId, Policy, Stage, SEC};
+use gwtf::protocol::{Config, Event, MbId, NodeId, Stage};
 use gwtf::swarm::model_trainer::ModelRun;
-use gwtf::swarm::runtime::{NodeEvent, Peer, Refusal, Runtime, RuntimeOptions, Trainer};
+use gwtf::swarm::runtime::{
+    realtime_config, NodeEvent, Peer, Refusal, Runtime, RuntimeOptions, Trainer,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -21,17 +23,11 @@ pub fn peers_of(layout: &[(NodeId, Stage)]) -> Vec<Peer> {
         .collect()
 }
 
-/// The protocol's settings for a swarm that trains `run` on real time (a
-/// fast tick keeps the tests short), `mb_per_iter` microbatches per holder
-/// and iteration.
+/// The protocol's settings for a swarm that trains `run` on real time (as
+/// `gwtf node` sets them), `mb_per_iter` microbatches per holder and
+/// iteration.
 pub fn model_protocol_config(run: &ModelRun, mb_per_iter: u32) -> Arc<Config> {
-    let mut c = Config::new(
-        Policy::Gwtf,
-        (run.stages - 2) as u16,
-        run.activation_bytes() as u64,
-    );
-    c.tick = SEC / 10;
-    c.start_delay = SEC / 2;
+    let mut c = realtime_config((run.stages - 2) as u16, run.activation_bytes() as u64);
     c.mb_per_iter = mb_per_iter;
     c.max_in_flight = 2;
     c.stage_state_bytes = (0..=c.relay_stages)
@@ -45,8 +41,11 @@ pub fn model_protocol_config(run: &ModelRun, mb_per_iter: u32) -> Arc<Config> {
 pub struct Seen {
     /// Holders: the loss of each final iteration, one per holder.
     pub losses: BTreeMap<u32, Vec<f32>>,
-    /// (stage, iteration) -> microbatches committed.
+    /// (stage, iteration) -> microbatches committed (by every commit).
     pub committed: BTreeMap<(Stage, u32), Vec<MbId>>,
+    /// (stage, iteration) -> the microbatches of its last commit (a stage
+    /// commits again after losing a member; the last commit counts).
+    pub last_commit: BTreeMap<(Stage, u32), Vec<(MbId, NodeId)>>,
     /// (stage, iteration) -> digests of the members that applied it.
     pub digests: BTreeMap<(Stage, u32), BTreeSet<[u8; 32]>>,
     /// (node, iteration) -> digest.
@@ -90,11 +89,13 @@ impl Seen {
             }
             NodeEvent::Protocol(Event::StageCommitted {
                 stage, iter, mbs, ..
-            }) => self
-                .committed
-                .entry((stage, iter))
-                .or_default()
-                .extend(mbs.iter().map(|m| m.0)),
+            }) => {
+                self.committed
+                    .entry((stage, iter))
+                    .or_default()
+                    .extend(mbs.iter().map(|m| m.0));
+                self.last_commit.insert((stage, iter), mbs.to_vec());
+            }
             NodeEvent::Protocol(Event::MbDone { path, .. }) => self.paths.push(path.to_vec()),
             NodeEvent::Protocol(Event::Active { stage }) => {
                 self.active.insert(id, stage);
