@@ -78,11 +78,11 @@ pub struct DemoArgs {
           allow_negative_numbers = true)]
     pub microbatches: u64,
     /// Kill (SIGKILL) a relay every SEC seconds (0: never).
-    #[arg(long, default_value_t = 1.5, value_name = "SEC",
+    #[arg(long, default_value_t = 1.0, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
     pub crash_every: f64,
     /// Start a joining relay every SEC seconds (0: never).
-    #[arg(long, default_value_t = 4.0, value_name = "SEC",
+    #[arg(long, default_value_t = 2.5, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
     pub join_every: f64,
     /// Let a crash take the last live member of a stage.
