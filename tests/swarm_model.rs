@@ -174,9 +174,15 @@ impl Swarm {
 
     /// Stops node `id` without a goodbye, as a crash would.
     fn kill(&mut self, id: NodeId) {
-        self.pump();
         let at = self.nodes.iter().position(|(n, _)| *n == id).unwrap();
-        drop(self.nodes.remove(at));
+        let (_, rt) = self.nodes.remove(at);
+        let events = rt.events().clone();
+        drop(rt);
+        // What it reported before it stopped (a killed process's last
+        // lines are read too).
+        while let Ok(ev) = events.try_recv() {
+            self.seen.take(id, ev);
+        }
         self.killed = true;
     }
 
@@ -321,5 +327,33 @@ fn a_joiner_runs_a_restarted_microbatch_on_the_weights_its_iteration_saw() {
     swarm.iterations_done(ITERATIONS);
     let last = &swarm.seen.last_commit[&(2, HELD)];
     assert!(last.iter().all(|m| m.1 != victim), "{last:?}");
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// Joiners find each other: one joins stage 1, a later one stage 2, then
+/// every founding relay dies, so each stage's only member is a joiner that
+/// must know the other (the later joiner learns from the directory where
+/// the earlier one serves, and introduces itself). Training goes on with
+/// the reference's losses.
+#[test]
+fn joiners_in_neighbouring_stages_find_each_other() {
+    let layout = vec![(1, 0), (2, 0), (11, 1), (21, 2), (22, 2)];
+    let mut swarm = Swarm::start_gated(&layout, |_| None);
+    swarm.iterations_done(1);
+    // Stage 1 (one relay) is the bottleneck the first joiner fills.
+    swarm.join(12);
+    swarm.until("the first joiner's first update", |s| s.applied(12));
+    assert_eq!(swarm.seen.active.get(&12), Some(&1));
+    // Stage 2 down to one relay: the second joiner goes there.
+    swarm.kill(22);
+    swarm.until("stage 2 knowing it lost a relay", |s| {
+        s.lost.contains(&(21, 22)) && s.lost.contains(&(1, 22))
+    });
+    swarm.join(23);
+    swarm.until("the second joiner's first update", |s| s.applied(23));
+    assert_eq!(swarm.seen.active.get(&23), Some(&2));
+    swarm.kill(11);
+    swarm.kill(21);
+    swarm.iterations_done(ITERATIONS);
     swarm.finish_and_check(ITERATIONS);
 }

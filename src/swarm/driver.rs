@@ -370,6 +370,7 @@ impl Driver {
             // A joiner's stage is chosen on join: the directory says it.
             Event::Active { stage } => {
                 self.me.stage = *stage;
+                self.announce_stage();
                 // The members of its stage hear of a joiner from their
                 // coordinator, but not where it is: it connects to each,
                 // which sends them its directory entry.
@@ -382,6 +383,7 @@ impl Driver {
             // (before any work of the stage reaches it).
             Event::StageRestarted { stage, applied } => {
                 self.me.stage = *stage;
+                self.announce_stage();
                 self.log(format!(
                     "stage {stage} had no live node: restarting it from the initial weights"
                 ));
@@ -866,6 +868,17 @@ impl Driver {
             if !skip {
                 let _ = self.net.send_control(peer, &env, SEND_WAIT);
             }
+        }
+    }
+
+    /// This node's stage changed (a joiner's was chosen): its entry goes
+    /// to every connected peer, which passes it on once, so that a later
+    /// joiner learns from any bootstrap peer where this node serves (and
+    /// introduces itself to it when it is a neighbour).
+    fn announce_stage(&mut self) {
+        let env = directory::message(&self.me, std::iter::empty());
+        for peer in self.net.peers() {
+            let _ = self.net.send_control(peer, &env, SEND_WAIT);
         }
     }
 
