@@ -126,6 +126,10 @@ pub struct Config {
     pub gossip_sinks: usize,
     /// Upstream peers one gossip round reaches (taken in turn).
     pub gossip_fanout: usize,
+    /// A CHANGE goes upstream between periodic rounds only when a cost this
+    /// node advertises moved by more than this fraction (or a sink came or
+    /// went): the drift of a reservation's load waits for the next round.
+    pub triggered_gossip_threshold: f64,
     /// A reservation is rejected when the downstream cost grew by more than
     /// this fraction over the cost the requester assumed.
     pub stale_cost_tolerance: f64,
@@ -195,6 +199,7 @@ impl Config {
             sa_skip_attempts: 3,
             gossip_sinks: 16,
             gossip_fanout: 12,
+            triggered_gossip_threshold: 0.10,
             stale_cost_tolerance: 0.25,
             reroute_min_gain: 0.10,
             link_load_weight: 0.1,

@@ -479,11 +479,12 @@ impl Node {
         }
         self.cost_gossip.gossip_dirty = false;
         let now_costs = self.my_costs();
+        let threshold = self.cfg.triggered_gossip_threshold;
         let changed = now_costs.len() != self.cost_gossip.advertised.len()
             || now_costs
                 .iter()
                 .zip(self.cost_gossip.advertised.iter())
-                .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.02 * b.1.max(1e-9));
+                .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > threshold * b.1.max(1e-9));
         if changed {
             self.gossip_costs(Some(now_costs));
         }
@@ -582,6 +583,44 @@ pub(super) mod tests {
         assert!(c.len() == 1 && close(c[0].1, 3.01), "{c:?}");
         assert!(close(n.offer(0, true).unwrap().1, 3.01));
         assert!(close(n.cost_via(30, 0), 2.51 - 0.25));
+    }
+
+    /// Between periodic rounds a relay tells upstream only of a change
+    /// that matters: a cost moved by more than `triggered_gossip_threshold`
+    /// (10 %) or a sink came or went; a smaller drift waits for the round.
+    #[test]
+    fn only_a_material_change_triggers_a_change_upstream() {
+        let mut n = loaded_relay(0.0, 0.0, 0);
+        n.gossip();
+        assert_eq!(n.cost_gossip.advertised.len(), 1);
+        let triggered = |n: &mut Node, costs: &[(NodeId, f64)]| {
+            for j in [30, 31] {
+                n.peers.get_mut(&j).unwrap().costs = SinkCosts::from_gossip(costs.into());
+            }
+            n.out.clear();
+            n.cost_gossip.gossip_dirty = true;
+            n.triggered_gossip();
+            n.out
+                .iter()
+                .filter(|a| {
+                    matches!(
+                        a,
+                        Action::Send {
+                            to: 20,
+                            msg: Msg::Change { .. }
+                        }
+                    )
+                })
+                .count()
+        };
+        // 2.51 -> 2.61 (+4 %): not yet.
+        assert_eq!(triggered(&mut n, &[(0, 1.1)]), 0);
+        // 2.51 -> 3.01 (+20 %): at once.
+        assert_eq!(triggered(&mut n, &[(0, 1.5)]), 1);
+        // A new sink: at once, however near the old costs.
+        assert_eq!(triggered(&mut n, &[(0, 1.5), (1, 9.0)]), 1);
+        // Back by less than 10 % of what was last advertised: not yet.
+        assert_eq!(triggered(&mut n, &[(0, 1.3), (1, 9.0)]), 0);
     }
 
     #[test]
