@@ -2858,8 +2858,10 @@ gwtf_status gwtf_model_run_info_get(const char *preset_name,
 
 /**
  * The bytes protocol stage `stage` (0: the data holders) of that run
- * transfers to a joiner, and the memory one microbatch in flight takes
- * there (what `gwtf node` gives the swarm as its sizes).
+ * transfers to a joiner at most (`gwtf node`'s format: per piece its
+ * length and state, then the length and the parameters from before the
+ * last update), and the memory one microbatch in flight takes there (what
+ * `gwtf node` gives the swarm as its sizes).
  *
  * Ownership: `preset` is read during the call; outputs are caller memory.
  *

@@ -794,8 +794,10 @@ pub extern "C" fn gwtf_model_run_info_get(
 }
 
 /// The bytes protocol stage `stage` (0: the data holders) of that run
-/// transfers to a joiner, and the memory one microbatch in flight takes
-/// there (what `gwtf node` gives the swarm as its sizes).
+/// transfers to a joiner at most (`gwtf node`'s format: per piece its
+/// length and state, then the length and the parameters from before the
+/// last update), and the memory one microbatch in flight takes there (what
+/// `gwtf node` gives the swarm as its sizes).
 ///
 /// Ownership: `preset` is read during the call; outputs are caller memory.
 ///

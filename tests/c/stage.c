@@ -168,7 +168,9 @@ int main(void) {
                                               4ull * run.batch * run.seq * run.d_model);
         EXPECT(gwtf_model_run_stage_bytes("llama-tiny", S, 1, &sbytes, &mbytes, NULL) ==
                GWTF_STATUS_OK);
-        EXPECT(sbytes == 8 + slen && mbytes > 0);
+        /* gwtf node's transfer: the state, then the parameters from before
+         * the last update (each with its length). */
+        EXPECT(sbytes == 8 + slen + 8 + 4 * n && mbytes > 0);
         expect_fail(gwtf_model_run_info_get("llama-tiny", 2, 30, &run, &err), &err,
                     GWTF_STATUS_INVALID_ARGUMENT);
         printf("swarm member: state of %zu bytes imported, digests agree\n", slen);
