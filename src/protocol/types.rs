@@ -243,8 +243,10 @@ pub struct StageSummary {
     pub members: u32,
     /// Sum over members of microbatches per second (1 / compute time).
     pub throughput: f64,
-    /// The oldest iteration the member still keeps (not final as far as it
-    /// knows): where a restarted stage begins.
+    /// The iteration in progress as far as the member knows: the latest
+    /// one opened (an iteration opens only once the one before is final,
+    /// so this never runs ahead), or its oldest kept one if it heard of
+    /// none. Where a restarted stage begins.
     pub open_iter: u32,
     /// Stages next to the member's with no live node it knows of: a joiner
     /// restarts such a stage (nobody can serve its state).

@@ -44,6 +44,15 @@ impl Iterations {
         a.max(s).max(e).max(self.min_iter).max(self.known_iter)
     }
 
+    /// The iteration in progress as far as this node knows: the latest one
+    /// opened, never before the oldest one kept. Iterations open one at a
+    /// time (the barrier opens the next when the last is final), so this
+    /// can lag the swarm (news of the opening missed) but never lead it.
+    pub(super) fn in_progress(&self) -> u32 {
+        let opened = self.participants.keys().next_back().copied();
+        opened.map_or(self.min_iter, |o| o.max(self.min_iter))
+    }
+
     /// A peer (a relay unless `from_holder`) says `iter` comes next.
     pub(super) fn hear_next(&mut self, iter: u32, from_holder: bool) {
         self.known_iter = self.known_iter.max(iter);
@@ -129,6 +138,22 @@ impl Iterations {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The iteration in progress is the latest one opened, and never one
+    /// before the oldest kept.
+    #[test]
+    fn the_iteration_in_progress_is_the_latest_opened() {
+        let mut k = Iterations::default();
+        assert_eq!(k.in_progress(), 0);
+        let h = Arc::new(vec![1, 2]);
+        assert!(k.opened(3, &h));
+        assert_eq!(k.in_progress(), 3);
+        assert!(k.finalize_before(5));
+        k.forget_ends_before(5);
+        assert_eq!(k.in_progress(), 5);
+        assert!(k.opened(6, &h));
+        assert_eq!(k.in_progress(), 6);
+    }
 
     /// The next iteration is past everything known: applied, announced,
     /// ended, final, or heard of.

@@ -89,7 +89,8 @@ impl Node {
             .min();
         if let Some(stage) = empty.filter(|_| self.cfg.restart_empty_stages) {
             // The iteration in progress: none is final while a stage is
-            // empty, and a member's oldest kept iteration only lags it.
+            // empty, so none opens after it; what the members know of it
+            // only lags.
             let next = infos.values().map(|i| i.open_iter).max().unwrap_or(0);
             self.restart_stage(stage, next);
             return;
@@ -196,7 +197,7 @@ impl Node {
                 stage: self.stage,
                 members,
                 throughput: members as f64 / self.compute_s.max(1e-9),
-                open_iter: self.iters.min_iter,
+                open_iter: self.iters.in_progress(),
                 empty_neighbors: self.adjacent.empty.iter().copied().collect(),
             };
             self.send(from, Msg::StageInfo { summary });
@@ -204,8 +205,15 @@ impl Node {
     }
 
     /// A stage's summary, for a joining node choosing its stage.
-    pub(super) fn on_stage_info(&mut self, from: NodeId, summary: StageSummary) {
+    /// Several members of a stage may answer: the latest summary stands,
+    /// but the iteration in progress is the largest any of them knows (a
+    /// member only lags it, and a stage restarted too early would wait for
+    /// updates that were made before it existed).
+    pub(super) fn on_stage_info(&mut self, from: NodeId, mut summary: StageSummary) {
         self.learn(from, summary.stage);
+        if let Some(old) = self.joining.stage_infos.get(&summary.stage) {
+            summary.open_iter = summary.open_iter.max(old.open_iter);
+        }
         self.joining.stage_infos.insert(summary.stage, summary);
     }
 
@@ -357,6 +365,43 @@ mod tests {
                 assert!(matches!(sends(&acts)[..], [(31, Msg::StateRequest)]));
             }
         }
+    }
+
+    /// Two members of the stage before the empty one answer, the second
+    /// lagging (it heard of no iteration opened after 0): the joiner
+    /// restarts the stage at the iteration in progress the first one knows,
+    /// not at the lagging one (its trainer would wait for updates made
+    /// before the stage existed).
+    #[test]
+    fn a_restart_begins_at_the_latest_iteration_a_member_knows() {
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.restart_empty_stages = true;
+        let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 2, 1);
+        n.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(11, 1), (12, 1)],
+            },
+        );
+        for (from, open) in [(11, 2), (12, 0)] {
+            let summary = StageSummary {
+                stage: 1,
+                members: 2,
+                throughput: 4.0,
+                open_iter: open,
+                empty_neighbors: vec![2],
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        assert_eq!(n.stage(), 2);
+        assert!(acts.iter().any(|a| matches!(
+            a,
+            Action::Event(Event::StageRestarted {
+                stage: 2,
+                applied: Some(1)
+            })
+        )));
     }
 
     /// The member serving a download dies: the joiner asks another member of
