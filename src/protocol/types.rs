@@ -63,6 +63,15 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// Whether a relay keeps a microbatch's activations from its forward
+    /// to its backward (memory its capacity bounds). SWARM's backward is
+    /// stateless: it recomputes the forward (`swarm/pipeline/src/moe/
+    /// server/expert_backend.py`), so its forward keeps nothing and its
+    /// backward costs a forward more.
+    pub fn keeps_activations(self) -> bool {
+        self != Policy::Swarm
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::Gwtf => "gwtf",

@@ -849,6 +849,10 @@ impl Sim {
             TaskKind::EmbedBackward => 2.0 * m.embed_flops() / f,
             TaskKind::Loss => m.loss_flops() / f,
             TaskKind::Forward => m.stage_fwd_flops(t.stage) / f,
+            // SWARM's stateless backward runs the forward again first.
+            TaskKind::Backward if !self.cfg.policy.keeps_activations() => {
+                3.0 * m.stage_fwd_flops(t.stage) / f
+            }
             TaskKind::Backward => 2.0 * m.stage_fwd_flops(t.stage) / f,
             TaskKind::Aggregate { members } => self.agg_time(t.stage, members),
         }
@@ -1550,6 +1554,39 @@ mod tests {
         c.holders = 1;
         c.relays = 3;
         Sim::new(c)
+    }
+
+    /// A relay's backward costs two forwards, SWARM's three: its server
+    /// keeps no activations and runs the forward again inside the backward
+    /// (`expert_backend.py`); the holders' work is the same for all.
+    #[test]
+    fn swarms_stateless_backward_runs_the_forward_again() {
+        let mut costs = Vec::new();
+        for policy in [Policy::Gwtf, Policy::Swarm] {
+            let mut c = SimConfig::new(
+                Scenario::geo10(),
+                ModelPreset::by_name("llama-124m").unwrap(),
+                policy,
+            );
+            c.holders = 1;
+            c.relays = 3;
+            let mut s = Sim::new(c);
+            let task = |kind| Task {
+                id: 1,
+                kind,
+                stage: 1,
+                mb: None,
+                attempt: 0,
+            };
+            let (holder, relay) = (s.new_node(0, 0), s.new_node(1, 0));
+            let fwd = s.task_time(relay, &task(TaskKind::Forward));
+            let bwd = s.task_time(relay, &task(TaskKind::Backward));
+            let embed = s.task_time(holder, &task(TaskKind::EmbedBackward));
+            costs.push((bwd / fwd, embed));
+        }
+        assert!((costs[0].0 - 2.0).abs() < 1e-9, "{costs:?}");
+        assert!((costs[1].0 - 3.0).abs() < 1e-9, "{costs:?}");
+        assert_eq!(costs[0].1, costs[1].1);
     }
 
     /// The peer-lost notices in the queue: (time, to, peer).
