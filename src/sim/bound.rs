@@ -7,13 +7,16 @@
 //! every stage has applied (the protocol's barrier). With the membership
 //! fixed during the iteration, its time is at least the largest of:
 //!
-//! - **Each relay stage `k`**: its GPU work, `H m x 3 x forward FLOPs of k`
-//!   (backward = 2 x forward), cannot be done faster than by all its members
-//!   at full speed from the first instant (work conservation: a GPU runs one
-//!   task at a time), and its all-reduce needs every gradient, so it starts
-//!   after that work: `work_k / sum of the members' speeds + the stage's
-//!   all-reduce by the best possible ring`
-//!   ([`super::allreduce::allreduce_lower_bound`]).
+//! - **Each relay stage `k`**: its microbatches, `H m`, over the most its
+//!   members can take per second, then its all-reduce, which needs every
+//!   gradient (by the best possible ring,
+//!   [`super::allreduce::allreduce_lower_bound`]). A relay takes at most
+//!   `flops / (3 x forward FLOPs of k)` per second (backward = 2 x forward,
+//!   one task at a time) and, keeping activations, at most `capacity /
+//!   hold` (Little's law: they stay at least from its forward through every
+//!   later stage and the loss back to its backward, each part at its
+//!   fastest); beyond that only stateless backwards (4 x forward, SWARM's)
+//!   in the GPU time left.
 //! - **Each holder `h`** (stage 0): its own GPU work (embedding, head and loss
 //!   of its `m` microbatches, nobody else can do it), and its chain: at most
 //!   `F` (in-flight limit) of its microbatches are in flight at once, each for
@@ -23,22 +26,23 @@
 //!   its microbatches take at least `ceil(m / F) P_h`; then the holders'
 //!   all-reduce, by the best ring.
 //!
-//! Capacity (memory) only limits how many microbatches a relay holds at once,
-//! never its speed, so it leaves the bound valid; per-link byte limits are not
-//! counted (the bound is weaker, still valid). What the bound ignores (the
-//! barrier's messages, queueing, aggregation waiting for every stage, a
-//! crash's recomputation) can only make an iteration longer. Under churn the
+//! Per-link byte limits are not counted (the bound is weaker, still
+//! valid). What the bound ignores (the barrier's messages, queueing,
+//! aggregation waiting for every stage, a crash's recomputation) can only
+//! make an iteration longer. Under churn the
 //! bound of the membership an iteration starts with is reported; it is
 //! checked only on iterations during which the membership did not change.
 use super::allreduce::{allreduce_lower_bound, Links};
 use super::model::ModelPreset;
 use std::collections::BTreeMap;
 
-/// A live node: its region and its speed (FLOP/s).
+/// A live node: its region, its speed (FLOP/s) and its memory.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Member {
     pub region: usize,
     pub flops: f64,
+    /// Microbatches whose activations it can hold at once (a relay).
+    pub capacity: u32,
 }
 
 /// The membership of one iteration and what it trains.
@@ -94,16 +98,69 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
     }
     let regions: Vec<usize> = w.holders.iter().map(|h| h.region).collect();
     stage_secs.push(holders_done + allreduce_lower_bound(&regions, m.stage_params(0), w.links));
-    // Relay stages: work conservation, then their all-reduce.
+    // Relay stages: the most microbatches per second their members can
+    // take (GPU time and memory), then their all-reduce.
+    let holds = min_holds(w);
     for (i, members) in w.relays.iter().enumerate() {
         let k = (i + 1) as u16;
-        let speed: f64 = members.iter().map(|r| r.flops).sum();
-        let work = mbs * 3.0 * m.stage_fwd_flops(k);
+        let fwd = m.stage_fwd_flops(k);
+        let rate: f64 = members.iter().map(|r| relay_rate(r, fwd, holds[i])).sum();
         let regions: Vec<usize> = members.iter().map(|r| r.region).collect();
-        stage_secs.push(work / speed + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
+        stage_secs.push(mbs / rate + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
     }
     let secs = stage_secs.iter().copied().fold(0.0, f64::max);
     Some(IterationBound { secs, stage_secs })
+}
+
+/// The most microbatches per second relay `r` can take, whose stage's
+/// forward is `fwd` FLOPs and whose kept activations stay at least `hold`
+/// seconds. Keeping them (backward = 2 forwards) it takes at most
+/// `capacity / hold` at once (Little's law), by GPU time at most
+/// `flops / 3 fwd`; beyond that it can only run a stateless backward that
+/// runs the forward again (4 forwards per microbatch, SWARM's way) in the
+/// GPU time left. The best mix: `x` kept up to both limits, the rest
+/// stateless.
+fn relay_rate(r: &Member, fwd: f64, hold: f64) -> f64 {
+    let gpu_kept = r.flops / (3.0 * fwd);
+    let kept = gpu_kept.min(r.capacity as f64 / hold.max(1e-12));
+    kept + (r.flops - 3.0 * fwd * kept).max(0.0) / (4.0 * fwd)
+}
+
+/// For each relay stage, the least time a microbatch's activations stay at
+/// one of its relays: from its forward to its backward, the microbatch goes
+/// through every later stage and the holder's loss and comes back. Each
+/// part at its fastest (the fastest member of each later stage, the fastest
+/// holder, the cheapest hop between any two regions there are, both ways).
+fn min_holds(w: &World) -> Vec<f64> {
+    let m = w.model;
+    let act = m.activation_bytes() as f64;
+    let mut regions: Vec<usize> = w
+        .holders
+        .iter()
+        .chain(w.relays.iter().flatten())
+        .map(|x| x.region)
+        .collect();
+    regions.sort_unstable();
+    regions.dedup();
+    let mut hop = f64::INFINITY;
+    for &a in &regions {
+        for &b in &regions {
+            hop = hop.min(w.links.send_secs(a, b, act) + w.links.send_secs(b, a, act));
+        }
+    }
+    let fastest = |xs: &[Member]| xs.iter().map(|x| x.flops).fold(0.0, f64::max);
+    let loss = m.loss_flops() / fastest(w.holders);
+    let s = w.relays.len();
+    let mut holds = vec![0.0; s];
+    // Back to front: what lies beyond stage k, then stage k's own work.
+    let mut beyond = loss + hop;
+    for i in (0..s).rev() {
+        let k = (i + 1) as u16;
+        let own = 3.0 * m.stage_fwd_flops(k) / fastest(&w.relays[i]);
+        holds[i] = own + beyond;
+        beyond += own + hop;
+    }
+    holds
 }
 
 /// The cheapest round trip of one microbatch from a holder in `home` through
@@ -147,7 +204,32 @@ mod tests {
     use super::*;
 
     fn member(region: usize, flops: f64) -> Member {
-        Member { region, flops }
+        Member {
+            region,
+            flops,
+            capacity: 32,
+        }
+    }
+
+    /// The bound of llama-124m in one region (link 1 ms, 1 GB/s, NIC
+    /// 1 TB/s) with two holders at 1 TFLOP/s, 4 microbatches each, 2 in
+    /// flight, and these relays.
+    fn tiny(relays: &[Vec<Member>]) -> Option<IterationBound> {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let link = |_: usize, _: usize| (0.001, 1e9);
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let holder = member(0, 1e12);
+        iteration_bound(&World {
+            model: &model,
+            holders: &[holder, holder],
+            relays,
+            mb_per_holder: 4,
+            in_flight: 2,
+            links: &links,
+        })
     }
 
     /// llama-124m, one region (link 1 ms, 1 GB/s), two holders at 1 TFLOP/s
@@ -157,25 +239,11 @@ mod tests {
     fn a_tiny_world_by_hand() {
         let model = ModelPreset::by_name("llama-124m").unwrap();
         let s = model.relay_stages as usize;
-        let link = |_: usize, _: usize| (0.001, 1e9);
-        let links = Links {
-            link: &link,
-            nic: 1e12,
-        };
-        let holder = member(0, 1e12);
         let relay = member(0, 2e12);
         // Stage 1 has two relays, the others one.
         let mut relays = vec![vec![relay]; s];
         relays[0].push(relay);
-        let w = World {
-            model: &model,
-            holders: &[holder, holder],
-            relays: &relays,
-            mb_per_holder: 4,
-            in_flight: 2,
-            links: &links,
-        };
-        let b = iteration_bound(&w).unwrap();
+        let b = tiny(&relays).unwrap();
         // Stage 2: 2 holders x 4 microbatches x 3 forward FLOPs on one
         // 2 TFLOP/s relay; alone, no all-reduce.
         let f2 = model.stage_fwd_flops(2);
@@ -209,7 +277,7 @@ mod tests {
         // An empty stage: no bound.
         let mut gap = relays.clone();
         gap[1].clear();
-        assert!(iteration_bound(&World { relays: &gap, ..w }).is_none());
+        assert!(tiny(&gap).is_none());
     }
 
     #[test]
@@ -240,5 +308,40 @@ mod tests {
         let hops = (s as f64 + 1.0) * 2.0 * model.activation_bytes() as f64 / 1e15;
         let trip = cheapest_relay_trip(&w, 0);
         assert!((trip - (work / 1e15 + hops)).abs() < 1e-12, "{trip}");
+    }
+
+    /// A relay that holds one microbatch's activations at a time: the
+    /// activations stay through every later stage and the loss (the hold),
+    /// so it keeps at most one per hold, and spends the GPU time left on
+    /// stateless backwards (4 forwards each); its stage's bound says so. With
+    /// room for many, only GPU time counts (the previous test).
+    #[test]
+    fn a_relay_short_of_memory_bounds_its_stage() {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages as usize;
+        let mut relays = vec![vec![member(0, 2e12)]; s];
+        relays[0][0].capacity = 1;
+        let b = tiny(&relays).unwrap();
+        let act = model.activation_bytes() as f64;
+        let hop = 2.0 * (0.001 + act / 1e9);
+        let f1 = model.stage_fwd_flops(1);
+        let hold: f64 = (1..=s as u16)
+            .map(|k| 3.0 * model.stage_fwd_flops(k) / 2e12)
+            .sum::<f64>()
+            + model.loss_flops() / 1e12
+            + s as f64 * hop;
+        let kept = (2e12 / (3.0 * f1)).min(1.0 / hold);
+        assert!(kept < 2e12 / (3.0 * f1), "memory must bind here");
+        let rate = kept + (2e12 - 3.0 * f1 * kept) / (4.0 * f1);
+        let want = 8.0 / rate;
+        assert!(
+            (b.stage_secs[1] - want).abs() < 1e-9,
+            "{} {want}",
+            b.stage_secs[1]
+        );
+        assert!(b.stage_secs[1] > 8.0 * 3.0 * f1 / 2e12);
+        // Stage 2 has room: GPU time alone.
+        let f2 = model.stage_fwd_flops(2);
+        assert!((b.stage_secs[2] - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
     }
 }

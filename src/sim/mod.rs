@@ -897,6 +897,7 @@ impl Sim {
         let member = |i: NodeId| bound::Member {
             region: self.nodes[i as usize].region,
             flops: self.nodes[i as usize].flops,
+            capacity: self.nodes[i as usize].node.capacity(),
         };
         let holders: Vec<bound::Member> = self.members_of(0).into_iter().map(member).collect();
         let relays: Vec<Vec<bound::Member>> = (1..=self.cfg.model.relay_stages)

@@ -171,7 +171,15 @@ impl Node {
                 _ => self.compute_s / 3.0,
             };
         }
-        if n < 2 {
+        // A forward waiting for memory also waits for backwards to free it:
+        // about one stay of a microbatch here per `capacity` ahead of it.
+        let ahead = (!backward)
+            .then(|| self.lifecycle.waiting.iter().position(|m| *m == mb))
+            .flatten();
+        if let Some(k) = ahead {
+            let hold = self.lifecycle.hold_s.unwrap_or(3.0 * self.compute_s);
+            wait += (k / self.capacity.max(1) as usize + 1) as f64 * hold;
+        } else if n < 2 {
             return;
         }
         self.send(

@@ -63,6 +63,7 @@ impl Node {
         self.iters.forget_ends_before(iter);
         let keep = iter.saturating_sub(1);
         self.coordinating.forget_before(keep);
+        self.admit_waiting();
     }
 
     pub(super) fn launch(&mut self) {

@@ -11,6 +11,12 @@ pub(super) struct Microbatches {
     pub(super) arrivals: BTreeMap<(MbId, bool), Time>,
     /// A snapshot was marked stuck since the tick last looked for them.
     pub(super) maybe_stuck: bool,
+    /// Forwards that arrived while this relay's memory was full: they
+    /// start, in arrival order, as backwards free it.
+    pub(super) waiting: VecDeque<MbId>,
+    /// How long a microbatch's activations stay here, forward start to
+    /// backward done (an average): what a waiting forward is told.
+    pub(super) hold_s: Option<f64>,
 }
 
 /// Lightweight snapshot of one microbatch at this node.
@@ -181,7 +187,16 @@ impl Node {
                 return;
             }
         }
-        let t = self.run(TaskKind::Forward, Some(mb), attempt);
+        // An older attempt's activations are dropped with its snapshot
+        // (the holder started the microbatch again).
+        self.lifecycle.snaps.remove(&mb);
+        // The forward runs at once unless the activations it would keep
+        // do not fit: then it waits for a backward to free memory.
+        let fits = self.activations_held() < self.capacity as usize;
+        let t = fits.then(|| self.run(TaskKind::Forward, Some(mb), attempt));
+        if !fits {
+            self.lifecycle.waiting.push_back(mb);
+        }
         self.lifecycle.snaps.insert(
             mb,
             Snap {
@@ -189,12 +204,64 @@ impl Node {
                 hint,
                 plan,
                 need_grad,
-                ..Snap::new(attempt, path, from, Some(t), self.now)
+                ..Snap::new(attempt, path, from, t, self.now)
             },
         );
         // Queue wait starts now; remember when the input arrived.
         self.lifecycle.arrivals.insert((mb, false), self.now);
         self.notify_queued(from, mb, attempt, false);
+    }
+
+    /// Microbatches whose activations this relay keeps for their backward:
+    /// forward started, backward not done (none under a stateless backward,
+    /// and none at a holder, whose memory its in-flight bound limits).
+    pub(super) fn activations_held(&self) -> usize {
+        if self.stage == 0 || !self.cfg.policy.keeps_activations() {
+            return 0;
+        }
+        self.lifecycle
+            .snaps
+            .values()
+            .filter(|s| s.fwd_task.is_some() && !s.done)
+            .count()
+    }
+
+    /// Starts the waiting forwards that fit now (a backward freed memory,
+    /// an iteration became final, a microbatch started again elsewhere).
+    pub(super) fn admit_waiting(&mut self) {
+        while !self.lifecycle.waiting.is_empty() && self.activations_held() < self.capacity as usize
+        {
+            let mb = self.lifecycle.waiting.pop_front().unwrap();
+            let Some(s) = self.lifecycle.snaps.get(&mb) else {
+                continue;
+            };
+            if s.fwd_task.is_some() || s.fwd_done {
+                continue;
+            }
+            let attempt = s.attempt;
+            let t = self.run(TaskKind::Forward, Some(mb), attempt);
+            self.lifecycle.snaps.get_mut(&mb).unwrap().fwd_task = Some(t);
+        }
+    }
+
+    /// The senders of the forwards waiting for memory hear that they are
+    /// queued (each tick: the wait is a round trip of the pipeline beyond
+    /// this relay, longer than any compute queue, and not a crash).
+    pub(super) fn notify_waiting(&mut self) {
+        let waiting: Vec<(NodeId, MbId, u32)> = self
+            .lifecycle
+            .waiting
+            .iter()
+            .filter_map(|mb| {
+                self.lifecycle
+                    .snaps
+                    .get(mb)
+                    .map(|s| (s.prev, *mb, s.attempt))
+            })
+            .collect();
+        for (prev, mb, attempt) in waiting {
+            self.notify_queued(prev, mb, attempt, false);
+        }
     }
 
     /// Task `id` could not be finished. A failed aggregate is reported to
@@ -290,6 +357,12 @@ impl Node {
                 }
                 s.grad_ready = true;
                 s.done = true;
+                if self.stage != 0 {
+                    let held = to_secs(self.now.saturating_sub(s.started));
+                    let a = self.cfg.ema_alpha;
+                    let h = &mut self.lifecycle.hold_s;
+                    *h = Some(h.map_or(held, |x| (1.0 - a) * x + a * held));
+                }
                 let (prev, next, path, need) = (
                     s.prev,
                     s.next.unwrap_or(self.id),
@@ -333,6 +406,7 @@ impl Node {
                             self.send_backward(prev, mb, attempt, path);
                         }
                     }
+                    self.admit_waiting();
                 }
             }
         }
@@ -497,5 +571,74 @@ mod tests {
                 .any(|(to, msg)| *to == 20 && matches!(msg, Msg::Backward { .. })),
             "{acts:?}"
         );
+    }
+
+    /// A relay keeps at most `capacity` (4 here) microbatches' activations:
+    /// a fifth forward waits, its sender hears it is queued (not dead), and
+    /// it starts when a backward frees memory, or when a held microbatch
+    /// starts again as a newer attempt. SWARM's stateless backward keeps
+    /// nothing: all five run at once.
+    #[test]
+    fn a_forward_waits_for_memory_a_backward_frees() {
+        let fwd = |idx: u32, attempt: u32| Msg::Forward {
+            mb: mb(0, 0, idx),
+            attempt,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        for policy in [Policy::Gwtf, Policy::SwarmPlus, Policy::Swarm] {
+            let mut n = started(policy, 10, 2, &[], &[(20, 1), (30, 3)]);
+            let mut ids = Vec::new();
+            for idx in 0..4 {
+                ids.push(runs(&deliver(&mut n, 20, fwd(idx, 0)))[0].id);
+            }
+            let acts = deliver(&mut n, 20, fwd(4, 0));
+            if policy == Policy::Swarm {
+                assert_eq!(runs(&acts).len(), 1, "{policy:?}");
+                continue;
+            }
+            assert!(runs(&acts).is_empty(), "{policy:?}: no room, yet it ran");
+            assert!(
+                sends(&acts).iter().any(|(to, m)| *to == 20
+                    && matches!(
+                        m,
+                        Msg::Queued {
+                            backward: false,
+                            ..
+                        }
+                    )),
+                "{policy:?}: the sender was not told it waits: {acts:?}"
+            );
+            // A forward done frees nothing (its activations wait for the
+            // backward); the tick tells the sender again.
+            n.handle(2 * SEC, Input::TaskDone { id: ids[0] });
+            let acts = n.on_timeout(4 * SEC);
+            assert!(runs(&acts).is_empty(), "{policy:?}");
+            assert!(sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 20 && matches!(m, Msg::Queued { .. })));
+            let back = Msg::Backward {
+                mb: mb(0, 0, 0),
+                attempt: 0,
+                path: Arc::new(vec![0, 20, 10, 30]),
+            };
+            let bwd = runs(&deliver(&mut n, 30, back))[0].id;
+            let acts = n.handle(5 * SEC, Input::TaskDone { id: bwd });
+            let r = runs(&acts);
+            assert_eq!(r.len(), 1, "{policy:?}: {acts:?}");
+            assert_eq!((r[0].kind, r[0].mb), (TaskKind::Forward, Some(mb(0, 0, 4))));
+            // Full again; microbatch 1 restarted (attempt 1) takes its own
+            // old slot, and the next waiting forward still waits.
+            assert!(runs(&deliver(&mut n, 20, fwd(5, 0))).is_empty());
+            let r = runs(&deliver(&mut n, 20, fwd(1, 1))).len();
+            assert_eq!(
+                r, 1,
+                "{policy:?}: the newer attempt did not replace the old"
+            );
+            assert_eq!(n.activations_held(), 4, "{policy:?}");
+        }
     }
 }

@@ -453,6 +453,10 @@ impl Node {
             self.flow_maintenance();
         }
         self.retry_stuck();
+        if !self.lifecycle.waiting.is_empty() {
+            self.admit_waiting();
+            self.notify_waiting();
+        }
         if self.group.coord == Some(self.id) {
             self.coord_tick();
         }

@@ -11,6 +11,7 @@ impl Node {
         if self.stage == self.s() {
             // The sink (holder) is gone: the microbatch is dropped with it.
             self.lifecycle.snaps.remove(&mb);
+            self.admit_waiting();
             return;
         }
         if self.policy().reserves_flows() {
