@@ -87,7 +87,8 @@ pub struct NodeArgs {
           allow_negative_numbers = true)]
     threads: usize,
     /// Memory this node may use for microbatches in flight (MiB): its
-    /// capacity in the flows.
+    /// capacity in the flows; as a relay it never keeps more microbatches'
+    /// activations than fit (a forward beyond waits for a backward).
     #[arg(long, default_value_t = 256, value_parser = checks::int_at_least::<u64>(1),
           allow_negative_numbers = true)]
     memory_mb: u64,

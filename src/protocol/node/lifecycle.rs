@@ -12,7 +12,8 @@ pub(super) struct Microbatches {
     /// A snapshot was marked stuck since the tick last looked for them.
     pub(super) maybe_stuck: bool,
     /// Forwards that arrived while this relay's memory was full: they
-    /// start, in arrival order, as backwards free it.
+    /// start as backwards free it, those on a reserved flow first, each
+    /// kind in arrival order.
     pub(super) waiting: VecDeque<MbId>,
     /// How long a microbatch's activations stay here, forward start to
     /// backward done (an average): what a waiting forward is told.
@@ -231,7 +232,16 @@ impl Node {
     pub(super) fn admit_waiting(&mut self) {
         while !self.lifecycle.waiting.is_empty() && self.activations_held() < self.capacity as usize
         {
-            let mb = self.lifecycle.waiting.pop_front().unwrap();
+            // A microbatch on a reserved flow first: the flow reserved its
+            // memory; those routed hop by hop take what is left.
+            let snaps = &self.lifecycle.snaps;
+            let pick = self
+                .lifecycle
+                .waiting
+                .iter()
+                .position(|m| snaps.get(m).is_some_and(|s| s.label_in.is_some()))
+                .unwrap_or(0);
+            let mb = self.lifecycle.waiting.remove(pick).unwrap();
             let Some(s) = self.lifecycle.snaps.get(&mb) else {
                 continue;
             };
