@@ -7,9 +7,11 @@
 //! every stage has applied (the protocol's barrier). With the membership
 //! fixed during the iteration, its time is at least the largest of:
 //!
-//! - **Each relay stage `k`**: its microbatches, `H m`, over the most its
-//!   members can take per second, then its all-reduce, which needs every
-//!   gradient (by the best possible ring,
+//! - **Each relay stage `k`**: no microbatch reaches it before its fill
+//!   (the fastest embedding and forwards of the stages before, the
+//!   cheapest hop before each); from then on its `H m` microbatches take
+//!   their count over the most its members can take per second; then its
+//!   all-reduce, which needs every gradient (by the best possible ring,
 //!   [`super::allreduce::allreduce_lower_bound`]). A relay takes at most
 //!   `flops / (3 x forward FLOPs of k)` per second (backward = 2 x forward,
 //!   one task at a time) and, keeping activations, at most `capacity /
@@ -17,21 +19,25 @@
 //!   later stage and the loss back to its backward, each part at its
 //!   fastest); beyond that only stateless backwards (4 x forward, SWARM's)
 //!   in the GPU time left.
-//! - **Each holder `h`** (stage 0): its own GPU work (embedding, head and loss
-//!   of its `m` microbatches, nobody else can do it), and its chain: at most
-//!   `F` (in-flight limit) of its microbatches are in flight at once, each for
-//!   at least the cheapest round trip `P_h` (embedding, forward through one
-//!   relay per stage, loss, backward through the same relays, embedding
-//!   backward, every hop's latency + activation / bandwidth both ways), so
-//!   its microbatches take at least `ceil(m / F) P_h`; then the holders'
-//!   all-reduce, by the best ring.
+//! - **The holders** (stage 0): their all-reduce needs every microbatch of
+//!   the iteration done, so it starts after the latest of: each holder's own
+//!   GPU work (embedding, head and loss of its `m` microbatches, nobody else
+//!   can do it); each holder's chain (at most `F`, its in-flight limit, of
+//!   its microbatches are in flight at once, each for at least the cheapest
+//!   round trip `P_h`: embedding, forward through one relay per stage,
+//!   loss, backward through the same relays, embedding backward, every
+//!   hop's latency + activation / bandwidth both ways; so at least
+//!   `ceil(m / F) P_h`); and each relay stage's work as above followed by
+//!   the way back of its last task (a backward: each microbatch's comes
+//!   after its forward there) through the stages before and the embedding's
+//!   backward. Then the holders' all-reduce, by the best ring.
 //!
 //! Per-link byte limits are not counted (the bound is weaker, still
-//! valid). What the bound ignores (the barrier's messages, queueing,
-//! aggregation waiting for every stage, a crash's recomputation) can only
-//! make an iteration longer. Under churn the
-//! bound of the membership an iteration starts with is reported; it is
-//! checked only on iterations during which the membership did not change.
+//! valid). What the bound ignores (the barrier's messages, queueing beyond
+//! the above, aggregation waiting for every stage, a crash's recomputation)
+//! can only make an iteration longer. Under churn the bound of the
+//! membership an iteration starts with is reported; it is checked only on
+//! iterations during which the membership did not change.
 use super::allreduce::{allreduce_lower_bound, Links};
 use super::model::ModelPreset;
 use std::collections::BTreeMap;
@@ -96,20 +102,56 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
         let chain = waves * (holder_flops / h.flops + relays_trip);
         holders_done = holders_done.max(own.max(chain));
     }
-    let regions: Vec<usize> = w.holders.iter().map(|h| h.region).collect();
-    stage_secs.push(holders_done + allreduce_lower_bound(&regions, m.stage_params(0), w.links));
     // Relay stages: the most microbatches per second their members can
-    // take (GPU time and memory), then their all-reduce.
-    let holds = min_holds(w);
+    // take (GPU time and memory), from the first instant a microbatch can
+    // reach them; then their all-reduce, which needs every gradient.
+    let hop = cheapest_hop(w);
+    let holds = min_holds(w, hop);
+    let fastest = |xs: &[Member]| xs.iter().map(|x| x.flops).fold(0.0, f64::max);
+    let mut fill = m.embed_flops() / fastest(w.holders) + hop;
+    let mut drain = 2.0 * m.embed_flops() / fastest(w.holders) + hop;
+    let mut relay_secs = Vec::with_capacity(w.relays.len());
     for (i, members) in w.relays.iter().enumerate() {
         let k = (i + 1) as u16;
         let fwd = m.stage_fwd_flops(k);
         let rate: f64 = members.iter().map(|r| relay_rate(r, fwd, holds[i])).sum();
+        let busy_until = fill + mbs / rate;
         let regions: Vec<usize> = members.iter().map(|r| r.region).collect();
-        stage_secs.push(mbs / rate + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
+        relay_secs.push(busy_until + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
+        // The stage's last task is a backward (each microbatch's comes
+        // after its forward here); that microbatch still goes back through
+        // the stages before and the holder's embedding.
+        holders_done = holders_done.max(busy_until + drain);
+        fill += fwd / fastest(members) + hop;
+        drain += 2.0 * fwd / fastest(members) + hop;
     }
+    // Holders: their all-reduce needs every microbatch done.
+    let regions: Vec<usize> = w.holders.iter().map(|h| h.region).collect();
+    stage_secs.push(holders_done + allreduce_lower_bound(&regions, m.stage_params(0), w.links));
+    stage_secs.extend(relay_secs);
     let secs = stage_secs.iter().copied().fold(0.0, f64::max);
     Some(IterationBound { secs, stage_secs })
+}
+
+/// The cheapest one-way transfer of one activation between any two regions
+/// the members are in (the same region included).
+fn cheapest_hop(w: &World) -> f64 {
+    let act = w.model.activation_bytes() as f64;
+    let mut regions: Vec<usize> = w
+        .holders
+        .iter()
+        .chain(w.relays.iter().flatten())
+        .map(|x| x.region)
+        .collect();
+    regions.sort_unstable();
+    regions.dedup();
+    let mut hop = f64::INFINITY;
+    for &a in &regions {
+        for &b in &regions {
+            hop = hop.min(w.links.send_secs(a, b, act));
+        }
+    }
+    hop
 }
 
 /// The most microbatches per second relay `r` can take, whose stage's
@@ -130,24 +172,10 @@ fn relay_rate(r: &Member, fwd: f64, hold: f64) -> f64 {
 /// one of its relays: from its forward to its backward, the microbatch goes
 /// through every later stage and the holder's loss and comes back. Each
 /// part at its fastest (the fastest member of each later stage, the fastest
-/// holder, the cheapest hop between any two regions there are, both ways).
-fn min_holds(w: &World) -> Vec<f64> {
+/// holder, `hop` (the cheapest one-way hop) both ways between stages).
+fn min_holds(w: &World, hop: f64) -> Vec<f64> {
     let m = w.model;
-    let act = m.activation_bytes() as f64;
-    let mut regions: Vec<usize> = w
-        .holders
-        .iter()
-        .chain(w.relays.iter().flatten())
-        .map(|x| x.region)
-        .collect();
-    regions.sort_unstable();
-    regions.dedup();
-    let mut hop = f64::INFINITY;
-    for &a in &regions {
-        for &b in &regions {
-            hop = hop.min(w.links.send_secs(a, b, act) + w.links.send_secs(b, a, act));
-        }
-    }
+    let hop = 2.0 * hop;
     let fastest = |xs: &[Member]| xs.iter().map(|x| x.flops).fold(0.0, f64::max);
     let loss = m.loss_flops() / fastest(w.holders);
     let s = w.relays.len();
@@ -244,28 +272,44 @@ mod tests {
         let mut relays = vec![vec![relay]; s];
         relays[0].push(relay);
         let b = tiny(&relays).unwrap();
-        // Stage 2: 2 holders x 4 microbatches x 3 forward FLOPs on one
-        // 2 TFLOP/s relay; alone, no all-reduce.
-        let f2 = model.stage_fwd_flops(2);
-        assert!((b.stage_secs[2] - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
-        // Stage 1: the same work on two relays (4 TFLOP/s), then a ring of
-        // two: 2 steps of 1 ms + 4 ceil((params + 1) / 2) bytes / 1 GB/s.
+        let act = model.activation_bytes() as f64;
+        let hop = 0.001 + act / 1e9;
+        let embed = model.embed_flops();
+        let f = |k: u16| model.stage_fwd_flops(k);
+        // Stage 1 cannot start before an embedding and a hop; it does
+        // 2 holders x 4 microbatches x 3 forward FLOPs on two relays
+        // (4 TFLOP/s); then a ring of two: 2 steps of 1 ms + 4 ceil((params
+        // + 1) / 2) bytes / 1 GB/s.
+        let fill1 = embed / 1e12 + hop;
+        let busy1 = fill1 + 8.0 * 3.0 * f(1) / 4e12;
         let p1 = model.stage_params(1);
         let agg1 = 2.0 * (0.001 + 4.0 * (p1 + 1).div_ceil(2) as f64 / 1e9);
-        let want1 = 8.0 * 3.0 * model.stage_fwd_flops(1) / 4e12 + agg1;
-        assert!((b.stage_secs[1] - want1).abs() < 1e-12, "{b:?}");
-        // Holders: 2 waves (4 microbatches, 2 in flight) of the round trip:
-        // own compute + every relay's 3 forward at 2 TFLOP/s + s+1 hops
-        // both ways; then their ring of two.
-        let act = model.activation_bytes() as f64;
-        let own = model.loss_flops() + 3.0 * model.embed_flops();
-        let relays_c: f64 = (1..=s as u16)
-            .map(|k| 3.0 * model.stage_fwd_flops(k) / 2e12)
-            .sum();
-        let trip = own / 1e12 + relays_c + (s as f64 + 1.0) * 2.0 * (0.001 + act / 1e9);
+        assert!((b.stage_secs[1] - (busy1 + agg1)).abs() < 1e-12, "{b:?}");
+        // Stage 2 starts after stage 1's forward and another hop; one
+        // 2 TFLOP/s relay, alone: no all-reduce.
+        let fill2 = fill1 + f(1) / 2e12 + hop;
+        let busy2 = fill2 + 8.0 * 3.0 * f(2) / 2e12;
+        assert!((b.stage_secs[2] - busy2).abs() < 1e-12, "{b:?}");
+        // Holders: their all-reduce (a ring of two) after the latest of
+        // 2 waves (4 microbatches, 2 in flight) of the round trip (own
+        // compute + every relay's 3 forward at 2 TFLOP/s + s+1 hops both
+        // ways), their own work, and each stage's work followed by the way
+        // back of its last backward (the stages before, then the
+        // embedding's backward).
+        let own = model.loss_flops() + 3.0 * embed;
+        let relays_c: f64 = (1..=s as u16).map(|k| 3.0 * f(k) / 2e12).sum();
+        let trip = own / 1e12 + relays_c + (s as f64 + 1.0) * 2.0 * hop;
+        let mut done = (2.0 * trip).max(4.0 * own / 1e12);
+        let (mut fill, mut drain) = (fill1, 2.0 * embed / 1e12 + hop);
+        for k in 1..=s as u16 {
+            let speed = if k == 1 { 4e12 } else { 2e12 };
+            done = done.max(fill + 8.0 * 3.0 * f(k) / speed + drain);
+            fill += f(k) / 2e12 + hop;
+            drain += 2.0 * f(k) / 2e12 + hop;
+        }
         let p0 = model.stage_params(0);
         let agg0 = 2.0 * (0.001 + 4.0 * (p0 + 1).div_ceil(2) as f64 / 1e9);
-        let want0 = (2.0 * trip).max(4.0 * own / 1e12) + agg0;
+        let want0 = done + agg0;
         assert!(
             (b.stage_secs[0] - want0).abs() < 1e-9,
             "{} {want0}",
@@ -333,15 +377,16 @@ mod tests {
         let kept = (2e12 / (3.0 * f1)).min(1.0 / hold);
         assert!(kept < 2e12 / (3.0 * f1), "memory must bind here");
         let rate = kept + (2e12 - 3.0 * f1 * kept) / (4.0 * f1);
-        let want = 8.0 / rate;
+        let fill1 = model.embed_flops() / 1e12 + hop / 2.0;
+        let want = fill1 + 8.0 / rate;
         assert!(
             (b.stage_secs[1] - want).abs() < 1e-9,
             "{} {want}",
             b.stage_secs[1]
         );
-        assert!(b.stage_secs[1] > 8.0 * 3.0 * f1 / 2e12);
-        // Stage 2 has room: GPU time alone.
+        // Stage 2 has room: GPU time alone, after its fill.
         let f2 = model.stage_fwd_flops(2);
-        assert!((b.stage_secs[2] - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
+        let fill2 = fill1 + f1 / 2e12 + hop / 2.0;
+        assert!((b.stage_secs[2] - fill2 - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
     }
 }
