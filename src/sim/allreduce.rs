@@ -3,8 +3,9 @@
 //! stage's gradients in f32 (4 bytes per parameter, plus one element for the
 //! microbatch count; no bf16), `2 (n-1)` steps, each moving a chunk of
 //! `ceil(L / n)` elements from every member to its ring neighbour and each
-//! waiting for the previous one, around the ring [`crate::flow::ring::order`]
-//! picks for the members' link costs. A step lasts as long as the ring's
+//! waiting for the previous one, around the ring in the order the stage's
+//! coordinator committed (its member list, in id order: the runtime does not
+//! order its rings by their links yet). A step lasts as long as the ring's
 //! slowest link for that chunk: latency + chunk / bandwidth of the actual
 //! pair, the bandwidth capped by the node's NIC.
 //!
@@ -14,12 +15,6 @@ use crate::flow::ring;
 
 /// Bytes per element on the wire: the runtime all-reduces f32.
 pub const BYTES_PER_ELEMENT: f64 = 4.0;
-
-/// Rings up to this size are ordered member by member, as the runtime does;
-/// larger ones (the order is `O(n^4)` at worst) keep each region's members
-/// together and order the regions (members of one region are
-/// interchangeable for the link costs).
-pub const EXACT_RING_MAX: usize = 64;
 
 /// The links of the world: one-way latency (s) and bandwidth (bytes/s)
 /// between two regions, and every node's NIC (bytes/s).
@@ -44,7 +39,8 @@ pub fn chunk_bytes(params: u64, n: usize) -> f64 {
 }
 
 /// Seconds of the ring all-reduce of a stage of `params` parameters among
-/// members in `regions` (one entry per member).
+/// members in `regions` (one entry per member), around the ring in that
+/// order.
 pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
     let n = regions.len();
     if n < 2 {
@@ -52,29 +48,9 @@ pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64
     }
     let chunk = chunk_bytes(params, n);
     let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
-    let ring = if n <= EXACT_RING_MAX {
-        ring::order(n, step)
-    } else {
-        region_blocks(regions, &|a, b| links.send_secs(a, b, chunk))
-    };
+    let ring: Vec<usize> = (0..n).collect();
     let (slowest, _) = ring::ring_cost(&ring, &step);
     2.0 * (n - 1) as f64 * slowest
-}
-
-/// A ring over the members (indices into `regions`) that visits each region's
-/// members together, the regions in the order [`ring::order`] picks.
-fn region_blocks(regions: &[usize], cost: &dyn Fn(usize, usize) -> f64) -> Vec<usize> {
-    let mut distinct: Vec<usize> = regions.to_vec();
-    distinct.sort_unstable();
-    distinct.dedup();
-    let order = ring::order(distinct.len(), |a, b| cost(distinct[a], distinct[b]));
-    order
-        .into_iter()
-        .flat_map(|r| {
-            let region = distinct[r];
-            (0..regions.len()).filter(move |&m| regions[m] == region)
-        })
-        .collect()
 }
 
 /// Rings up to this size get the exact best slowest link (a dynamic program
@@ -243,10 +219,9 @@ mod tests {
     }
 
     #[test]
-    fn the_ring_order_avoids_the_slow_pair() {
-        // Five members: two in a, two in c, one in b. Avoiding the slow a-c
-        // link would take a b member on each side of the a block: with one b
-        // member, one a-c link is forced, so the slowest link is a-c.
+    fn a_ring_with_a_slow_pair_in_it_waits_for_that_pair() {
+        // Five members in this ring order: a c a b c. The slow a-c link is
+        // in it, so every step waits for a-c.
         let link = three();
         let links = Links {
             link: &link,
@@ -261,22 +236,29 @@ mod tests {
     }
 
     #[test]
-    fn large_rings_keep_regions_together_and_stay_above_the_bound() {
+    fn a_ring_goes_in_the_order_given_and_stays_above_the_bound() {
         let link = three();
         let links = Links {
             link: &link,
             nic: 80e6,
         };
+        // b a b c b a b c ...: only a-b and b-c links, the slowest b-c (its
+        // bandwidth, 50 MB/s, under the NIC's 80).
         let regions: Vec<usize> = (0..200).map(|i| [1, 0, 1, 2][i % 4]).collect();
         let t = ring_allreduce_secs(&regions, 10_000_000, &links);
         let lb = allreduce_lower_bound(&regions, 10_000_000, &links);
         assert!(lb <= t + 1e-12 && lb > 0.0, "{lb} {t}");
+        let chunk = chunk_bytes(10_000_000, 200);
+        assert!((t - 2.0 * 199.0 * (0.020 + chunk / 50e6)).abs() < 1e-9);
+        // The same members with the a's and c's next to each other: the
+        // slow a-c link is in the ring, and the all-reduce is slower.
+        let mut sorted = regions.clone();
+        sorted.sort_unstable();
+        let slow = ring_allreduce_secs(&sorted, 10_000_000, &links);
+        assert!((slow - 2.0 * 199.0 * (0.050 + chunk / 10e6)).abs() < 1e-9);
         // The relaxation is below the exact best ring on small rings too.
         let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], 1e6);
         let exact = best_ring_step(8, step);
         assert!(relaxed_ring_step(8, step) <= exact + 1e-12);
-        let chunk = chunk_bytes(10_000_000, 200);
-        // Blocks 0 | 1 | 2: the ring closes 2 -> 0 over the slow pair.
-        assert!((t - 2.0 * 199.0 * (0.050 + chunk / 10e6)).abs() < 1e-9);
     }
 }

@@ -24,7 +24,7 @@
 //!   is gone gets its sender `Input::PeerLost` one round trip later: what
 //!   the runtime does with a broken connection or a failed connect.
 //! - Aggregation (all-reduce) time of a stage: the runtime's ring all-reduce
-//!   in f32 around the ring `flow::ring::order` picks ([`allreduce`]).
+//!   in f32 around the ring of the commit, in its order ([`allreduce`]).
 //! - Yardstick: a lower bound on the iteration time of the current
 //!   membership ([`bound`]), recomputed when the membership changed, that
 //!   every policy's time is reported against.
@@ -326,7 +326,7 @@ pub struct Sim {
     msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
     /// Ring all-reduce time per (stage, members), for a population version.
-    agg_cache: BTreeMap<(Stage, u32), (u64, f64)>,
+    agg_cache: BTreeMap<(Stage, u32, u64), (u64, f64)>,
     /// The bound of the membership of `population_version` (when computed).
     bound_cache: Option<(u64, Option<(f64, u32)>)>,
     /// The bound the running iteration started with, and the population
@@ -854,33 +854,41 @@ impl Sim {
                 3.0 * m.stage_fwd_flops(t.stage) / f
             }
             TaskKind::Backward => 2.0 * m.stage_fwd_flops(t.stage) / f,
-            TaskKind::Aggregate { members } => self.agg_time(t.stage, members),
+            TaskKind::Aggregate { members } => self.agg_time(node, t, members),
         }
     }
 
-    /// The stage's ring all-reduce among `members` (the protocol gives the
-    /// count, not the ids: the ring is the stage's live members, the steps
-    /// and chunks those of `members`), cached until the population changes.
-    fn agg_time(&mut self, stage: Stage, members: u32) -> f64 {
-        let key = (stage, members);
+    /// The stage's ring all-reduce that `node`'s aggregate task `task`
+    /// runs: around the ring of its commit, in the commit's order (what the
+    /// runtime's all-reduce is given), over the actual pairs' links; cached
+    /// per commit (every member runs the same). A task without a commit
+    /// (none is known) falls back to the stage's `members` live members in
+    /// id order.
+    fn agg_time(&mut self, node: NodeId, task: &Task, members: u32) -> f64 {
+        let stage = task.stage;
+        let plan = self.nodes[node as usize].node.aggregate_plan(task.id);
+        let key = plan
+            .as_ref()
+            .map_or((stage, u32::MAX, 0), |p| (stage, p.iter, p.epoch));
         if let Some(&(v, t)) = self.agg_cache.get(&key) {
-            if v == self.population_version {
+            if v == self.population_version || plan.is_some() {
                 return t;
             }
         }
-        let mut regions: Vec<usize> = self
-            .members_of(stage)
-            .iter()
-            .map(|&i| self.nodes[i as usize].region)
-            .collect();
-        // As many members as the protocol's group: the first ones if the
-        // stage has more live members, repeated if it has fewer.
-        let n = members as usize;
-        if !regions.is_empty() {
-            regions = regions.iter().copied().cycle().take(n).collect();
-        }
+        let ids: Vec<NodeId> = match &plan {
+            Some(p) => p.members.to_vec(),
+            None => self
+                .members_of(stage)
+                .into_iter()
+                .take(members as usize)
+                .collect(),
+        };
+        let regions: Vec<usize> = ids.iter().map(|&i| self.nodes[i as usize].region).collect();
         let params = self.cfg.model.stage_params(stage);
         let t = self.with_links(|l| allreduce::ring_allreduce_secs(&regions, params, l));
+        if self.agg_cache.len() > 4096 {
+            self.agg_cache.clear();
+        }
         self.agg_cache.insert(key, (self.population_version, t));
         t
     }
