@@ -28,18 +28,7 @@ pub fn order(n: usize, cost: impl Fn(usize, usize) -> f64) -> Vec<usize> {
     if n <= 3 {
         return (0..n).collect();
     }
-    // Nearest neighbour from member 0.
-    let mut ring = vec![0];
-    let mut left: Vec<usize> = (1..n).collect();
-    while !left.is_empty() {
-        let last = *ring.last().expect("non-empty");
-        let (k, _) = left
-            .iter()
-            .enumerate()
-            .min_by(|a, b| cost(last, *a.1).total_cmp(&cost(last, *b.1)))
-            .expect("non-empty");
-        ring.push(left.swap_remove(k));
-    }
+    let mut ring = nearest_neighbour(n, &cost);
     // 2-opt: reverse ring[i+1..=j] when that lowers (slowest, total).
     let better =
         |a: (f64, f64), b: (f64, f64)| a.0 < b.0 - 1e-12 || (a.0 <= b.0 && a.1 < b.1 - 1e-12);
@@ -61,6 +50,29 @@ pub fn order(n: usize, cost: impl Fn(usize, usize) -> f64) -> Vec<usize> {
         if !improved {
             break;
         }
+    }
+    ring
+}
+
+/// The nearest-neighbour tour over `0..n` from member 0 (each next member
+/// the cheapest to reach from the last; ties to the smallest index):
+/// `O(n^2)`, for rings too large for [`order`]'s 2-opt moves.
+pub fn nearest_neighbour(n: usize, cost: impl Fn(usize, usize) -> f64) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut ring = Vec::with_capacity(n);
+    ring.push(0);
+    let mut left: Vec<usize> = (1..n).collect();
+    while !left.is_empty() {
+        let last = *ring.last().expect("non-empty");
+        let mut k = 0;
+        for i in 1..left.len() {
+            if cost(last, left[i]) < cost(last, left[k]) {
+                k = i;
+            }
+        }
+        ring.push(left.remove(k));
     }
     ring
 }
@@ -96,6 +108,18 @@ mod tests {
             .filter(|&k| region(ring[k]) != region(ring[(k + 1) % 8]))
             .count();
         assert_eq!(crossings, 2, "{ring:?}");
+    }
+
+    /// The nearest-neighbour tour: each next member the cheapest from the
+    /// last, ties to the smallest index (all links equal: the id order).
+    #[test]
+    fn nearest_neighbour_tour_and_its_ties() {
+        let pos = [0.0, 9.0, 1.0, 5.0, 3.0, 7.0];
+        let cost = |a: usize, b: usize| f64::abs(pos[a] - pos[b]);
+        assert_eq!(nearest_neighbour(6, cost), vec![0, 2, 4, 3, 5, 1]);
+        assert_eq!(nearest_neighbour(5, |_, _| 1.0), vec![0, 1, 2, 3, 4]);
+        assert_eq!(order(5, |_, _| 1.0), vec![0, 1, 2, 3, 4]);
+        assert!(nearest_neighbour(0, cost).is_empty());
     }
 
     #[test]

@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 43;
+pub const MSG_KINDS: u16 = 44;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -76,6 +76,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::Restarting { .. } => 40,
         Msg::Queued { .. } => 41,
         Msg::AggFailed { .. } => 42,
+        Msg::LinkReport { .. } => 43,
     }
 }
 
@@ -536,6 +537,14 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u32(*iter);
             w.u64(*epoch);
         }
+        Msg::LinkReport { links } => {
+            w.len(links.len());
+            for (m, lat, bw) in links {
+                w.u32(*m);
+                w.f64(*lat);
+                w.f64(*bw);
+            }
+        }
         Msg::Applied { iter, version } => {
             w.u32(*iter);
             w.u64(*version);
@@ -781,6 +790,20 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             iter: r.u32()?,
             epoch: r.u64()?,
         },
+        43 => Msg::LinkReport {
+            links: {
+                let n = r.len(20)?;
+                (0..n)
+                    .map(|_| {
+                        Ok((
+                            r.u32()?,
+                            r.f64("link_report.latency")?,
+                            r.f64("link_report.bandwidth")?,
+                        ))
+                    })
+                    .collect::<Result<_, WireError>>()?
+            },
+        },
         t => {
             return Err(WireError::BadField {
                 field: "protocol message type",
@@ -958,6 +981,9 @@ pub fn samples() -> Vec<Msg> {
             weights: 0x5eed,
         },
         Msg::AggFailed { iter: 4, epoch: 77 },
+        Msg::LinkReport {
+            links: vec![(3, 0.012, 1.25e8), (9, 0.2, 5e6)],
+        },
         Msg::Applied {
             iter: 4,
             version: 78,

@@ -482,6 +482,12 @@ pub enum Msg {
         iter: u32,
         epoch: u64,
     },
+    /// A member's measured links to other members of its group, to its
+    /// coordinator, which orders the all-reduce ring by them: (member,
+    /// one-way latency s, bandwidth bytes/s).
+    LinkReport {
+        links: Vec<(NodeId, f64, f64)>,
+    },
     Applied {
         iter: u32,
         version: u64,
@@ -548,6 +554,7 @@ impl Msg {
             Msg::Commit { .. } => "Commit",
             Msg::AggDone { .. } => "AggDone",
             Msg::AggFailed { .. } => "AggFailed",
+            Msg::LinkReport { .. } => "LinkReport",
             Msg::Applied { .. } => "Applied",
             Msg::StageDone { .. } => "StageDone",
             Msg::Finalize { .. } => "Finalize",

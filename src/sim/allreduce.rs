@@ -4,8 +4,8 @@
 //! microbatch count; no bf16), `2 (n-1)` steps, each moving a chunk of
 //! `ceil(L / n)` elements from every member to its ring neighbour and each
 //! waiting for the previous one, around the ring in the order the stage's
-//! coordinator committed (its member list, in id order: the runtime does not
-//! order its rings by their links yet). A step lasts as long as the ring's
+//! coordinator committed (it orders its members by the links they measured
+//! and reported, `LinkReport`). A step lasts as long as the ring's
 //! slowest link for that chunk: latency + chunk / bandwidth of the actual
 //! pair, the bandwidth capped by the node's NIC.
 //!

@@ -556,7 +556,8 @@ impl Node {
             ci.agg_done.clear();
             ci.commit = Some(members.clone());
             let epoch = ci.epoch;
-            let list = Arc::new(members.iter().copied().collect::<Vec<_>>());
+            // The ring in the order that keeps its slowest link fast.
+            let list = Arc::new(self.ring_order(&members));
             for m in members {
                 self.send(
                     m,

@@ -241,12 +241,7 @@ impl Node {
             Arc::new(all.into_iter().collect())
         };
         self.joining.joiners.insert(from, now);
-        let bytes = self
-            .cfg
-            .stage_state_bytes
-            .get(self.stage as usize)
-            .copied()
-            .unwrap_or(0);
+        let bytes = self.own_state_bytes();
         let version = self.iters.version;
         self.send(
             from,

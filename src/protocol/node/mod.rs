@@ -28,6 +28,7 @@ mod lifecycle;
 mod membership;
 mod peers;
 mod recovery;
+mod ring_links;
 mod routing;
 mod search;
 
@@ -104,6 +105,8 @@ pub struct Node {
     acks: AckTimers,
     member: GroupMember,
     coordinating: Coordinator,
+    /// Coordinator: the links between members, for the all-reduce ring.
+    ring_links: ring_links::RingLinks,
     barrier: Option<Barrier>,
 }
 
@@ -158,6 +161,7 @@ impl Node {
             lifecycle: Microbatches::default(),
             member: GroupMember::default(),
             coordinating: Coordinator::default(),
+            ring_links: Default::default(),
             joining: JoinState::default(),
             adjacent: AdjacentStages::default(),
             iters: Iterations::default(),
@@ -367,6 +371,15 @@ impl Node {
         id
     }
 
+    /// Bytes of this node's stage state (0: not configured).
+    fn own_state_bytes(&self) -> u64 {
+        self.cfg
+            .stage_state_bytes
+            .get(self.stage as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn s(&self) -> u16 {
         self.cfg.relay_stages
     }
@@ -447,6 +460,8 @@ impl Node {
         if self.tick_no % (4 * hb) == 0 {
             let cycle = 4 * hb * self.cfg.tick;
             self.introduce_all(Some(cycle));
+            self.measure_group_links();
+            self.report_group_links();
         }
         self.expire_silent_next_stage();
         if self.policy().reserves_flows() {
@@ -563,6 +578,7 @@ impl Node {
                 self.on_start_iter(iter, holders)
             }
             Msg::HolderDone { iter } => self.on_holder_done(from, iter),
+            Msg::LinkReport { links } => self.on_link_report(from, links),
             Msg::EndIter {
                 iter,
                 origin,
