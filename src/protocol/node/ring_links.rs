@@ -12,6 +12,12 @@ use crate::flow::ring;
 
 /// Members a node introduces itself to per cycle to measure its links.
 const PROBED_PER_CYCLE: usize = 8;
+/// Members whose links a node measures at most: every member of a group of
+/// up to 17; in a larger one the 16 around it in id order (8 before, 8
+/// after, circularly: each such peer is kept in the view, and a node of a
+/// stage of a thousand must not know them all). The ring's tour then uses
+/// what is known.
+const MEASURED_MAX: usize = 16;
 /// Links a member reports (its cheapest).
 pub(super) const REPORTED_LINKS: usize = 64;
 /// Rings up to this size are improved by 2-opt moves (`O(n^4)` at worst);
@@ -35,11 +41,8 @@ impl Node {
             return;
         }
         let unmeasured: Vec<NodeId> = self
-            .group
-            .members
-            .iter()
-            .copied()
-            .filter(|&m| m != self.id)
+            .measured_members()
+            .into_iter()
             .filter(|m| {
                 self.peers
                     .get(m)
@@ -51,6 +54,24 @@ impl Node {
             let msg = self.intro_msg(None);
             self.send(m, msg);
         }
+    }
+
+    /// The members whose links this node measures (see [`MEASURED_MAX`]).
+    fn measured_members(&self) -> Vec<NodeId> {
+        let all: Vec<NodeId> = self.group.members.iter().copied().collect();
+        let n = all.len();
+        if n <= MEASURED_MAX + 1 {
+            return all.into_iter().filter(|&m| m != self.id).collect();
+        }
+        let me = all.partition_point(|&m| m < self.id);
+        let half = MEASURED_MAX / 2;
+        let mut out: Vec<NodeId> = (1..=half)
+            .flat_map(|d| [all[(me + n - d) % n], all[(me + d) % n]])
+            .filter(|&m| m != self.id)
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// A member tells its coordinator the links it measured to other
@@ -71,13 +92,11 @@ impl Node {
 
     /// This node's measured links to the other members of its group.
     fn own_member_links(&self) -> Vec<(NodeId, f64, f64)> {
-        self.group
-            .members
-            .iter()
-            .filter(|&&m| m != self.id)
+        self.measured_members()
+            .into_iter()
             .filter_map(|m| {
-                let p = self.peers.get(m)?;
-                Some((*m, p.lat?, p.bw?))
+                let p = self.peers.get(&m)?;
+                Some((m, p.lat?, p.bw?))
             })
             .collect()
     }
