@@ -215,6 +215,25 @@ mod tests {
             .filter(|&k| !near(ring[k], ring[(k + 1) % 4]))
             .count();
         assert_eq!(crossings, 2, "{ring:?}");
+        // Nonsense from a member (negative, infinite, zero) is kept within
+        // limits: the order is still a ring of the members.
+        let wild = Msg::LinkReport {
+            links: vec![
+                (1, -5.0, f64::INFINITY),
+                (3, f64::INFINITY, 0.0),
+                (4, 1e300, -1.0),
+            ],
+        };
+        deliver(&mut n, 2, wild);
+        let mut seen = n.ring_order(&members);
+        seen.sort_unstable();
+        assert_eq!(seen, vec![1, 2, 3, 4]);
+        assert!(n
+            .ring_links
+            .reported
+            .values()
+            .flatten()
+            .all(|l| (0.0..=60.0).contains(&l.1) && (1e3..=1e13).contains(&l.2)));
         // A report from a node outside the group counts for nothing.
         let mut other = started(Policy::Gwtf, 1, 2, &[2, 3, 4], &[]);
         deliver(&mut other, 9, report(3));
