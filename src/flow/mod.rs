@@ -44,6 +44,7 @@ pub mod geo;
 pub mod mcf;
 pub mod reference;
 pub mod ring;
+pub mod ring_clusters;
 pub mod rng;
 pub mod routing;
 

@@ -53,51 +53,15 @@ pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64
     2.0 * (n - 1) as f64 * slowest
 }
 
-/// Rings up to this size get the exact best slowest link (a dynamic program
-/// over subsets, `O(2^n n^2)`) as their lower bound.
-pub const EXACT_BOUND_MAX: usize = 12;
-
 /// A lower bound on the slowest link of any ring over `n >= 2` members with
 /// link cost `cost(a, b)` of sending from `a` to `b`: the exact best ring's
-/// slowest link up to [`EXACT_BOUND_MAX`] members, a relaxation beyond.
+/// slowest link up to [`ring::EXACT_MAX`] members, a relaxation beyond.
 pub fn ring_step_lower_bound(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
-    if n <= EXACT_BOUND_MAX {
-        best_ring_step(n, cost)
+    if n <= ring::EXACT_MAX {
+        ring::best_ring_bottleneck(n, cost)
     } else {
         relaxed_ring_step(n, cost)
     }
-}
-
-/// The smallest slowest link of any ring over `n` members (bottleneck
-/// travelling salesman, Held-Karp): `best[S][j]` is the cheapest slowest
-/// link of a path from member 0 through the set `S` ending at `j`.
-fn best_ring_step(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
-    if n < 2 {
-        return 0.0;
-    }
-    let full = 1usize << n;
-    let mut best = vec![f64::INFINITY; full * n];
-    best[n] = 0.0; // set {0}, ending at 0
-    for set in 1..full {
-        if set & 1 == 0 {
-            continue;
-        }
-        for j in 0..n {
-            let here = best[set * n + j];
-            if !here.is_finite() {
-                continue;
-            }
-            for k in 0..n {
-                if set & (1 << k) == 0 {
-                    let next = &mut best[(set | 1 << k) * n + k];
-                    *next = next.min(here.max(cost(j, k)));
-                }
-            }
-        }
-    }
-    (1..n)
-        .map(|j| best[(full - 1) * n + j].max(cost(j, 0)))
-        .fold(f64::INFINITY, f64::min)
 }
 
 /// A lower bound on the slowest link of any ring over `n >= 2` members with
@@ -213,9 +177,9 @@ mod tests {
         // point and the next but one (here 4: 1..5 or 5..9).
         let pos = [0.0, 9.0, 1.0, 5.0, 3.0, 7.0];
         let cost = |a: usize, b: usize| f64::abs(pos[a] - pos[b]);
-        assert_eq!(best_ring_step(6, cost), 4.0);
+        assert_eq!(ring::best_ring_bottleneck(6, cost), 4.0);
         assert!(relaxed_ring_step(6, cost) <= 4.0);
-        assert_eq!(best_ring_step(2, cost), 9.0);
+        assert_eq!(ring::best_ring_bottleneck(2, cost), 9.0);
     }
 
     #[test]
@@ -258,7 +222,7 @@ mod tests {
         assert!((slow - 2.0 * 199.0 * (0.050 + chunk / 10e6)).abs() < 1e-9);
         // The relaxation is below the exact best ring on small rings too.
         let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], 1e6);
-        let exact = best_ring_step(8, step);
+        let exact = ring::best_ring_bottleneck(8, step);
         assert!(relaxed_ring_step(8, step) <= exact + 1e-12);
     }
 }

@@ -55,6 +55,8 @@ impl Group {
 pub(super) struct MemberSet {
     pub(super) set: BTreeSet<NodeId>,
     pub(super) list: Option<Arc<Vec<NodeId>>>,
+    /// Bumped at every change (for what is derived from the members).
+    pub(super) version: u64,
 }
 
 impl MemberSet {
@@ -62,6 +64,7 @@ impl MemberSet {
         let new = self.set.insert(m);
         if new {
             self.list = None;
+            self.version += 1;
         }
         new
     }
@@ -69,6 +72,7 @@ impl MemberSet {
         let had = self.set.remove(m);
         if had {
             self.list = None;
+            self.version += 1;
         }
         had
     }
@@ -106,10 +110,12 @@ impl MemberSet {
             self.set = list.iter().copied().collect();
             self.set.insert(me);
             self.list = has_me.then(|| list.clone());
+            self.version += 1;
         } else {
             self.set = list.iter().copied().collect();
             self.set.insert(me);
             self.list = None;
+            self.version += 1;
         }
     }
 }
@@ -119,6 +125,7 @@ impl FromIterator<NodeId> for MemberSet {
         MemberSet {
             set: it.into_iter().collect(),
             list: None,
+            version: 0,
         }
     }
 }

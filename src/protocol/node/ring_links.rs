@@ -1,28 +1,31 @@
 //! The order of a stage's all-reduce ring (docs/SPEC.md section 6): each
 //! step of a ring all-reduce waits for the ring's slowest link, so the
 //! coordinator commits its members in an order that keeps that link fast
-//! ([`crate::flow::ring::order`]). It needs the links between members: each
-//! member measures those to a few other members per introduction cycle (an
+//! ([`crate::flow::ring::order`], [`crate::flow::ring_clusters`] for large
+//! groups). It needs the links between members: each member measures those
+//! to a few other members per introduction cycle (an
 //! `Introduce` gives the latency, a `Probe` the bandwidth, as with any
 //! peer) and reports what it knows to its coordinator (`LinkReport`). A
 //! link nobody measured costs more than any measured one, so with nothing
 //! known the ring keeps the member list's (id) order.
 use super::*;
-use crate::flow::ring;
+use crate::flow::{ring, ring_clusters};
+use std::collections::HashMap;
 
 /// Members a node introduces itself to per cycle to measure its links.
 const PROBED_PER_CYCLE: usize = 8;
 /// Members whose links a node measures at most: every member of a group of
-/// up to 17; in a larger one the 16 around it in id order (8 before, 8
-/// after, circularly: each such peer is kept in the view, and a node of a
-/// stage of a thousand must not know them all). The ring's tour then uses
-/// what is known.
+/// up to 17; in a larger one 16 spread over the group (each such peer is
+/// kept in the view, and a node of a stage of a thousand must not know them
+/// all). The coordinator's ring then uses what is known.
 const MEASURED_MAX: usize = 16;
 /// Links a member reports (its cheapest).
 pub(super) const REPORTED_LINKS: usize = 64;
 /// Rings up to this size are improved by 2-opt moves (`O(n^4)` at worst);
 /// larger ones keep the nearest-neighbour tour (`O(n^2)`).
 const TWO_OPT_MAX: usize = 64;
+/// The stream of the rendezvous hash that picks the measured members.
+const RING: u64 = 0x7269_6e67;
 /// The cost of a link nobody measured (seconds): more than any real one.
 const UNKNOWN_LINK_S: f64 = 1e6;
 
@@ -31,6 +34,8 @@ const UNKNOWN_LINK_S: f64 = 1e6;
 #[derive(Debug, Default)]
 pub(super) struct RingLinks {
     reported: BTreeMap<NodeId, Vec<(NodeId, f64, f64)>>,
+    /// The members this node measures, for a version of the member set.
+    measured: Option<(u64, Vec<NodeId>)>,
 }
 
 impl Node {
@@ -40,9 +45,11 @@ impl Node {
         if self.phase != Phase::Active {
             return;
         }
+        self.refresh_measured_members();
         let unmeasured: Vec<NodeId> = self
             .measured_members()
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|m| {
                 self.peers
                     .get(m)
@@ -56,22 +63,45 @@ impl Node {
         }
     }
 
-    /// The members whose links this node measures (see [`MEASURED_MAX`]).
-    fn measured_members(&self) -> Vec<NodeId> {
-        let all: Vec<NodeId> = self.group.members.iter().copied().collect();
-        let n = all.len();
-        if n <= MEASURED_MAX + 1 {
-            return all.into_iter().filter(|&m| m != self.id).collect();
+    /// The members whose links this node measures (see [`MEASURED_MAX`]):
+    /// in a large group the [`MEASURED_MAX`] that rank first by a hash of
+    /// the pair (rendezvous hashing). They are spread over the group
+    /// whatever its ids say (ids handed out region by region would make id
+    /// neighbours all of other regions, or all of one), and a member
+    /// joining or leaving changes the choice only if it is (or was) one of
+    /// them, so churn does not set every node measuring anew. Recomputed
+    /// when the members changed.
+    fn refresh_measured_members(&mut self) {
+        let version = self.group.members.version;
+        if self
+            .ring_links
+            .measured
+            .as_ref()
+            .is_some_and(|(v, _)| *v == version)
+        {
+            return;
         }
-        let me = all.partition_point(|&m| m < self.id);
-        let half = MEASURED_MAX / 2;
-        let mut out: Vec<NodeId> = (1..=half)
-            .flat_map(|d| [all[(me + n - d) % n], all[(me + d) % n]])
-            .filter(|&m| m != self.id)
-            .collect();
-        out.sort_unstable();
-        out.dedup();
-        out
+        let set = &self.group.members.set;
+        let me = self.id;
+        let chosen: Vec<NodeId> = if set.len() <= MEASURED_MAX + 1 {
+            set.iter().copied().filter(|&m| m != me).collect()
+        } else {
+            let rank = |m: NodeId| Rng::derive(u64::from(me) << 32 | u64::from(m), RING).next_u64();
+            let mut ranked: Vec<(u64, NodeId)> = (set.iter())
+                .filter(|&&m| m != me)
+                .map(|&m| (rank(m), m))
+                .collect();
+            ranked.select_nth_unstable(MEASURED_MAX - 1);
+            let mut out: Vec<NodeId> = ranked[..MEASURED_MAX].iter().map(|&(_, m)| m).collect();
+            out.sort_unstable();
+            out
+        };
+        self.ring_links.measured = Some((version, chosen));
+    }
+
+    /// The members whose links this node measures, as last chosen.
+    fn measured_members(&self) -> &[NodeId] {
+        self.ring_links.measured.as_ref().map_or(&[], |(_, m)| m)
     }
 
     /// A member tells its coordinator the links it measured to other
@@ -93,8 +123,8 @@ impl Node {
     /// This node's measured links to the other members of its group.
     fn own_member_links(&self) -> Vec<(NodeId, f64, f64)> {
         self.measured_members()
-            .into_iter()
-            .filter_map(|m| {
+            .iter()
+            .filter_map(|&m| {
                 let p = self.peers.get(&m)?;
                 Some((m, p.lat?, p.bw?))
             })
@@ -130,7 +160,11 @@ impl Node {
         grads / n.max(1) as f64
     }
 
-    /// Coordinator: `members` in the ring order to commit.
+    /// Coordinator: `members` in the ring order to commit: exact up to
+    /// [`ring::EXACT_MAX`] members; beyond, the better of the 2-opt tour
+    /// (up to [`TWO_OPT_MAX`]) and the tour of clusters of near members
+    /// ([`ring_clusters::order_by_clusters`], made for what a large group
+    /// knows: a few links per member).
     pub(super) fn ring_order(&self, members: &BTreeSet<NodeId>) -> Vec<NodeId> {
         let ids: Vec<NodeId> = members.iter().copied().collect();
         let n = ids.len();
@@ -139,42 +173,59 @@ impl Node {
         }
         let chunk = self.ring_chunk_bytes(n);
         let index = |m: NodeId| ids.binary_search(&m).ok();
-        // cost[a][b]: sending a chunk from member a to member b.
-        let mut cost = vec![f64::NAN; n * n];
-        let mut set = |a: usize, b: usize, lat: f64, bw: f64| cost[a * n + b] = lat + chunk / bw;
-        if let Some(me) = index(self.id) {
-            for (m, lat, bw) in self.own_member_links() {
-                if let Some(b) = index(m) {
-                    set(me, b, lat, bw);
-                }
-            }
-        }
-        for (r, links) in &self.ring_links.reported {
-            let Some(a) = index(*r) else { continue };
+        // Seconds to send a chunk from member a to member b, as measured.
+        let mut sent: HashMap<(usize, usize), f64> = HashMap::new();
+        let own = self.own_member_links();
+        let mine = index(self.id).map(|me| (me, own.as_slice()));
+        let reported = (self.ring_links.reported.iter())
+            .filter_map(|(r, links)| Some((index(*r)?, links.as_slice())));
+        for (a, links) in mine.into_iter().chain(reported) {
             for &(m, lat, bw) in links {
                 if let Some(b) = index(m) {
-                    set(a, b, lat, bw);
+                    sent.insert((a, b), lat + chunk / bw);
                 }
             }
         }
-        // A link measured one way only stands for both.
-        let link = |a: usize, b: usize| {
-            let (x, y) = (cost[a * n + b], cost[b * n + a]);
-            if !x.is_nan() {
-                x
-            } else if !y.is_nan() {
-                y
-            } else {
-                UNKNOWN_LINK_S
-            }
-        };
         let order = if n <= TWO_OPT_MAX {
-            ring::order(n, link)
+            // A link measured one way only stands for both.
+            let mut cost = vec![UNKNOWN_LINK_S; n * n];
+            for (&(a, b), &c) in &sent {
+                cost[a * n + b] = c;
+                if !sent.contains_key(&(b, a)) {
+                    cost[b * n + a] = c;
+                }
+            }
+            let link = |a: usize, b: usize| cost[a * n + b];
+            let toured = ring::order(n, link);
+            if n <= ring::EXACT_MAX {
+                toured
+            } else {
+                let clustered = ring_clusters::order_by_clusters(n, &both_ways(&sent));
+                let (t, c) = (
+                    ring::ring_cost(&toured, &link),
+                    ring::ring_cost(&clustered, &link),
+                );
+                if c.0 < t.0 || (c.0 == t.0 && c.1 < t.1) {
+                    clustered
+                } else {
+                    toured
+                }
+            }
         } else {
-            ring::nearest_neighbour(n, link)
+            ring_clusters::order_by_clusters(n, &both_ways(&sent))
         };
         order.into_iter().map(|i| ids[i]).collect()
     }
+}
+
+/// Each measured pair once, at the dearer of its two ways.
+fn both_ways(sent: &HashMap<(usize, usize), f64>) -> Vec<(usize, usize, f64)> {
+    let mut pairs: HashMap<(usize, usize), f64> = HashMap::new();
+    for (&(a, b), &c) in sent {
+        let e = pairs.entry((a.min(b), a.max(b))).or_insert(c);
+        *e = e.max(c);
+    }
+    pairs.into_iter().map(|((a, b), c)| (a, b, c)).collect()
 }
 
 #[cfg(test)]
@@ -286,5 +337,46 @@ mod tests {
             }
             ref s => panic!("{s:?}"),
         }
+    }
+
+    /// In a group of 300 whose ids go round ten regions (member m in region
+    /// m % 10), a node measures 16 members spread over the regions (not
+    /// its id neighbours, all of other regions); a member joining that is
+    /// not among them changes nothing, one leaving that is changes only
+    /// that one.
+    #[test]
+    fn a_node_of_a_large_group_measures_a_few_members_spread_over_it() {
+        let members: Vec<NodeId> = (100..400).collect();
+        let mut n = started(Policy::Gwtf, 205, 2, &members, &[]);
+        n.refresh_measured_members();
+        let chosen = n.measured_members().to_vec();
+        assert_eq!(chosen.len(), MEASURED_MAX);
+        assert!(!chosen.contains(&205));
+        let regions: BTreeSet<NodeId> = chosen.iter().map(|m| m % 10).collect();
+        assert!(regions.len() >= 6, "{chosen:?}");
+        assert!(
+            chosen.iter().any(|m| m % 10 == 5),
+            "its own region too: {chosen:?}"
+        );
+        // A join that does not rank among them.
+        let joiner = (400..500)
+            .find(|&j| {
+                let mut m = n.group.members.clone();
+                m.insert(j);
+                let mut probe = started(Policy::Gwtf, 205, 2, &members, &[]);
+                probe.group.members = m;
+                probe.refresh_measured_members();
+                !probe.measured_members().contains(&j)
+            })
+            .unwrap();
+        n.group.members.insert(joiner);
+        n.refresh_measured_members();
+        assert_eq!(n.measured_members(), &chosen[..]);
+        n.group.members.remove(&chosen[3]);
+        n.refresh_measured_members();
+        let after = n.measured_members().to_vec();
+        assert_eq!(after.len(), MEASURED_MAX);
+        let kept = chosen.iter().filter(|m| after.contains(m)).count();
+        assert_eq!(kept, MEASURED_MAX - 1, "{chosen:?} -> {after:?}");
     }
 }
