@@ -38,6 +38,9 @@ impl Node {
         self.next_tick = self.now + self.cfg.tick;
         self.recompute_coord();
         self.introduce_all(None);
+        // The ring's order needs the links among members: a joiner's (and
+        // the first iteration's) are measured now, not a cycle later.
+        self.measure_group_links();
         if let Some(c) = self.group.coord {
             if c != self.id {
                 let st = self.stage;

@@ -36,6 +36,8 @@ pub(super) struct RingLinks {
     reported: BTreeMap<NodeId, Vec<(NodeId, f64, f64)>>,
     /// The members this node measures, for a version of the member set.
     measured: Option<(u64, Vec<NodeId>)>,
+    /// The version of the member set `reported` was last pruned for.
+    pruned_at: Option<u64>,
 }
 
 impl Node {
@@ -143,8 +145,14 @@ impl Node {
             .take(REPORTED_LINKS)
             .map(|(m, lat, bw)| (m, lat.clamp(0.0, 60.0), bw.clamp(1e3, 1e13)))
             .collect();
+        // Reports of members gone are dropped once per change of the
+        // members, not at every report (a coordinator of a thousand gets a
+        // thousand reports per cycle).
         let members = &self.group.members;
-        self.ring_links.reported.retain(|r, _| members.contains(r));
+        if self.ring_links.pruned_at != Some(members.version) {
+            self.ring_links.reported.retain(|r, _| members.contains(r));
+            self.ring_links.pruned_at = Some(members.version);
+        }
         self.ring_links.reported.insert(from, links);
     }
 
