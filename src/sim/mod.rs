@@ -274,7 +274,6 @@ struct SimNode {
     node: Node,
     region: usize,
     flops: f64,
-    alive: bool,
     hi: VecDeque<Task>,
     lo: VecDeque<Task>,
     running: Option<(Task, Time)>,
@@ -292,6 +291,10 @@ pub struct Sim {
     /// Reusable buffer for the actions of one node call.
     acts: Vec<Action>,
     nodes: Vec<SimNode>,
+    /// Whether each node is alive (index = node id), apart from `nodes`:
+    /// checked for every delivery and connection, and a `SimNode` is
+    /// large, so a dense vector saves a cache miss per check.
+    alive: Vec<bool>,
     /// Which nodes have a connection with which (for `Input::PeerLost`).
     conns: connections::Connections,
     /// Region of each node (index = node id).
@@ -362,6 +365,7 @@ impl Sim {
             nodes: Vec::new(),
             conns: Default::default(),
             region_of: Vec::new(),
+            alive: Vec::new(),
             link_table,
             links: HashMap::default(),
             rng: Rng::derive(cfg.seed, 0x5151),
@@ -450,11 +454,11 @@ impl Sim {
         };
         let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
         self.region_of.push(region as u32);
+        self.alive.push(true);
         self.nodes.push(SimNode {
             node,
             region,
             flops,
-            alive: true,
             hi: VecDeque::new(),
             lo: VecDeque::new(),
             running: None,
@@ -472,7 +476,10 @@ impl Sim {
             .iter()
             .enumerate()
             .filter(|(i, n)| {
-                n.alive && n.node.is_active() && n.node.stage() == stage && *i as NodeId != exclude
+                self.alive[*i]
+                    && n.node.is_active()
+                    && n.node.stage() == stage
+                    && *i as NodeId != exclude
             })
             .map(|(i, _)| i as NodeId)
             .collect();
@@ -490,7 +497,7 @@ impl Sim {
         self.nodes
             .iter()
             .enumerate()
-            .filter(|(_, n)| n.alive && n.node.is_active() && n.node.stage() == stage)
+            .filter(|(i, n)| self.alive[*i] && n.node.is_active() && n.node.stage() == stage)
             .map(|(i, _)| i as NodeId)
             .collect()
     }
@@ -574,19 +581,19 @@ impl Sim {
     fn dispatch(&mut self, ev: Ev) {
         match ev {
             Ev::Deliver { to, from, msg } => {
-                if self.nodes[to as usize].alive {
+                if self.alive[to as usize] {
                     self.input(to, Input::Message { from, msg });
                 }
             }
             Ev::Relay { via, to, from, msg } => {
                 // A holder that is gone takes the microbatch with it.
-                if self.nodes[via as usize].alive {
+                if self.alive[via as usize] {
                     self.transfer(via, to, from, msg, None);
                 }
             }
             Ev::Timer { node, at } => {
                 let n = &mut self.nodes[node as usize];
-                if !n.alive || n.timer_at != Some(at) {
+                if !self.alive[node as usize] || n.timer_at != Some(at) {
                     return;
                 }
                 n.timer_at = None;
@@ -596,7 +603,7 @@ impl Sim {
             }
             Ev::GpuDone { node, gen } => {
                 let n = &mut self.nodes[node as usize];
-                if !n.alive || n.gpu_gen != gen {
+                if !self.alive[node as usize] || n.gpu_gen != gen {
                     return;
                 }
                 let (task, start) = n.running.take().unwrap();
@@ -616,13 +623,13 @@ impl Sim {
                 self.input(node, Input::TaskDone { id: task.id });
             }
             Ev::AggDone { node, task } => {
-                if self.nodes[node as usize].alive {
+                if self.alive[node as usize] {
                     self.input(node, Input::TaskDone { id: task });
                 }
             }
             Ev::LinkDone { key, gen } => self.link_done(key, gen),
             Ev::PeerLost { to, peer } => {
-                if self.nodes[to as usize].alive {
+                if self.alive[to as usize] {
                     self.input(to, Input::PeerLost { peer });
                 }
             }
@@ -661,10 +668,10 @@ impl Sim {
         if acts.capacity() > self.acts.capacity() {
             self.acts = acts;
         }
-        let n = &mut self.nodes[node as usize];
-        if !n.alive {
+        if !self.alive[node as usize] {
             return;
         }
+        let n = &mut self.nodes[node as usize];
         if let Some(t) = n.node.timeout() {
             let t = t.max(self.now);
             if n.timer_at.is_none_or(|old| t < old) {
@@ -732,8 +739,8 @@ impl Sim {
         if a == b {
             return;
         }
-        if !self.nodes[b as usize].alive {
-            if self.nodes[a as usize].alive {
+        if !self.alive[b as usize] {
+            if self.alive[a as usize] {
                 let (lat, _) = self.link_params(a, b);
                 let t = self.now + secs(2.0 * lat).max(1);
                 self.push(t, Ev::PeerLost { to: a, peer: b });
@@ -780,9 +787,9 @@ impl Sim {
             }
         }
         l.last = now;
-        let nodes = &self.nodes;
+        let alive = &self.alive;
         l.active
-            .retain(|x| nodes[x.src as usize].alive && nodes[x.to as usize].alive);
+            .retain(|x| alive[x.src as usize] && alive[x.to as usize]);
     }
 
     fn link_schedule(&mut self, key: (NodeId, NodeId), bw: f64) {
@@ -1026,12 +1033,9 @@ impl Sim {
     // ------------------------------------------------------------ churn
 
     fn depart(&mut self) {
-        let alive: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| n.alive)
-            .map(|(i, _)| i as NodeId)
+        let alive: Vec<NodeId> = (0..self.alive.len())
+            .filter(|&i| self.alive[i])
+            .map(|i| i as NodeId)
             .collect();
         if alive.is_empty() {
             return;
@@ -1062,8 +1066,8 @@ impl Sim {
                 self.nodes[v as usize].node.stage()
             );
         }
+        self.alive[v as usize] = false;
         let n = &mut self.nodes[v as usize];
-        n.alive = false;
         if let Some((_, start)) = n.running.take() {
             // Interrupted compute is wasted.
             self.rep.gpu_time_total_s += to_secs(self.now - start);
@@ -1076,7 +1080,7 @@ impl Sim {
         // link latency later (the runtime turns a broken connection into
         // `PeerLost` at once).
         for c in self.conns.take(v) {
-            if !self.nodes[c as usize].alive {
+            if !self.alive[c as usize] {
                 continue;
             }
             let (lat, _) = self.link_params(v, c);
@@ -1119,8 +1123,8 @@ impl Sim {
     fn check_empty(&mut self) {
         let s = self.cfg.model.relay_stages;
         let mut counts = vec![0u32; s as usize + 1];
-        for n in &self.nodes {
-            if n.alive && n.node.is_active() {
+        for (n, &alive) in self.nodes.iter().zip(&self.alive) {
+            if alive && n.node.is_active() {
                 counts[n.node.stage() as usize] += 1;
             }
         }
@@ -1302,13 +1306,13 @@ impl Sim {
                 if std::env::var_os("GWTF_SIM_DEBUG").is_some() && self.rep.stalls.len() < 3 {
                     eprintln!("t={:.1} stall iter {iter} stage {stage}", to_secs(self.now));
                     for (i, n) in self.nodes.iter().enumerate() {
-                        if n.alive
+                        if self.alive[i]
                             && n.node.stage() == stage
                             && n.node.coordinator() == Some(i as NodeId)
                         {
                             eprintln!("  {}", n.node.debug_coord());
                         }
-                        if n.alive && n.node.stage() == stage {
+                        if self.alive[i] && n.node.stage() == stage {
                             eprintln!("    {}", n.node.debug_member());
                         }
                     }
@@ -1325,7 +1329,7 @@ impl Sim {
             // The simulator's all-reduce never fails (it is a duration).
             Event::AggregateFailed { .. } => {}
             Event::MemberRemoved { peer } => {
-                if self.nodes[peer as usize].alive {
+                if self.alive[peer as usize] {
                     self.rep.false_suspicions += 1;
                     if self.debug {
                         eprintln!(
@@ -1392,7 +1396,7 @@ impl Sim {
                     trained += 1;
                 } else if dropped_at_a_stage && self.cfg.policy == Policy::Swarm {
                     self.rep.dropped_contributions += 1;
-                } else if self.nodes[h as usize].alive {
+                } else if self.alive[h as usize] {
                     if self.debug {
                         let per: Vec<usize> = counts
                             .iter()

@@ -264,7 +264,7 @@ impl Node {
 
     pub(super) fn next_candidates(&self) -> Vec<NodeId> {
         self.peers
-            .iter()
+            .of_stage(self.next_stage())
             .filter(|(id, p)| self.is_next_candidate(**id, p))
             .map(|(id, _)| *id)
             .collect()
@@ -287,7 +287,7 @@ impl Node {
         }
         let mut best: Option<(NodeId, f64)> = None;
         let load = self.next_link_flows();
-        for (&j, p) in &self.peers {
+        for (&j, p) in self.peers.of_stage(self.next_stage()) {
             if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
             }
@@ -325,8 +325,8 @@ impl Node {
         if self.stage == self.s() {
             let mut v: Vec<(NodeId, f64)> = self
                 .peers
-                .iter()
-                .filter(|(_, p)| p.stage == 0 && !p.dead)
+                .of_stage(0)
+                .filter(|(_, p)| !p.dead)
                 .map(|(id, p)| (*id, self.loaded_link_cost_to(p, load.on(*id)) + queue))
                 .filter(|x| x.1 < INF)
                 .collect();
@@ -339,8 +339,8 @@ impl Node {
         }
         let ns = self.next_stage();
         let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
-        for (&j, p) in &self.peers {
-            if p.stage != ns || p.dead || p.banned_until > self.now || j == self.id {
+        for (&j, p) in self.peers.of_stage(ns) {
+            if p.dead || p.banned_until > self.now || j == self.id {
                 continue;
             }
             lists.push((self.loaded_link_cost_to(p, load.on(j)) + queue, &p.costs.0));
@@ -643,7 +643,7 @@ pub(super) mod tests {
                     })
                     .collect();
                 let stage = if rng.below(5) == 0 { 1 } else { 3 };
-                let p = n.peers.get_or_insert_with(j * 7, || Peer::new(stage, 0));
+                let p = n.peers.learn(j * 7, stage, 0);
                 p.costs = SinkCosts::from_gossip(list.into());
                 p.dead = rng.below(8) == 0;
                 p.banned_until = if rng.below(8) == 0 { 5_000 } else { 0 };

@@ -88,7 +88,7 @@ impl Node {
             .values()
             .flat_map(|i| i.empty_neighbors.iter().copied())
             .filter(|s| (1..=self.s()).contains(s) && !infos.contains_key(s))
-            .filter(|s| !self.peers.values().any(|p| p.stage == *s && !p.dead))
+            .filter(|&s| !self.peers.of_stage(s).any(|(_, p)| !p.dead))
             .min();
         if let Some(stage) = empty.filter(|_| self.cfg.restart_empty_stages) {
             // The iteration in progress: none is final while a stage is

@@ -162,7 +162,7 @@ impl Node {
             if st == 0 || st > s || st == self.stage {
                 continue;
             }
-            let live = self.peers.values().any(|p| p.stage == st && !p.dead);
+            let live = self.peers.of_stage(st).any(|(_, p)| !p.dead);
             if live {
                 self.adjacent.seen.insert(st);
                 if self.adjacent.empty.remove(&st) {
@@ -179,10 +179,7 @@ impl Node {
     }
 
     pub(super) fn learn(&mut self, p: NodeId, stage: Stage) -> &mut Peer {
-        let now = self.now;
-        let e = self.peers.get_or_insert_with(p, || Peer::new(stage, now));
-        e.stage = stage;
-        e
+        self.peers.learn(p, stage, self.now)
     }
 
     pub(super) fn ema(old: Option<f64>, x: f64, a: f64) -> Option<f64> {

@@ -66,13 +66,18 @@ impl Peer {
     }
 }
 
-/// The peers this node knows, by id: two vectors kept in id order (the
-/// ids, searched, and the entries, side by side), so that a lookup reads a
-/// few hundred bytes of ids and one entry, and a walk over the view reads
-/// one contiguous array. Iteration is in id order, like a `BTreeMap`.
+/// The peers this node knows, by id: vectors kept in id order (the ids,
+/// searched, each peer's stage and the entries, side by side), so that a
+/// lookup reads a few hundred bytes of ids and one entry, a walk over one
+/// stage's peers reads the stages and only their entries (a node's view
+/// holds its own stage's members too, whose links it measures), and a walk
+/// over the view reads one contiguous array. Iteration is in id order,
+/// like a `BTreeMap`.
 #[derive(Clone, Debug, Default)]
 pub(super) struct PeerMap {
     pub(super) ids: Vec<NodeId>,
+    /// `entries[i].stage`, apart: only [`PeerMap::learn`] sets a stage.
+    stages: Vec<Stage>,
     pub(super) entries: Vec<Peer>,
 }
 
@@ -89,20 +94,30 @@ impl PeerMap {
     pub(super) fn contains_key(&self, id: &NodeId) -> bool {
         self.ids.binary_search(id).is_ok()
     }
-    pub(super) fn get_or_insert_with(
-        &mut self,
-        id: NodeId,
-        new: impl FnOnce() -> Peer,
-    ) -> &mut Peer {
+    /// Peer `id`, known to be of `stage` (a new entry if it was unknown).
+    pub(super) fn learn(&mut self, id: NodeId, stage: Stage, now: Time) -> &mut Peer {
         let i = match self.ids.binary_search(&id) {
             Ok(i) => i,
             Err(i) => {
                 self.ids.insert(i, id);
-                self.entries.insert(i, new());
+                self.stages.insert(i, stage);
+                self.entries.insert(i, Peer::new(stage, now));
                 i
             }
         };
-        &mut self.entries[i]
+        self.stages[i] = stage;
+        let e = &mut self.entries[i];
+        e.stage = stage;
+        e
+    }
+    /// The peers of stage `st`, in id order.
+    pub(super) fn of_stage(&self, st: Stage) -> impl Iterator<Item = (&NodeId, &Peer)> {
+        (self.stages.iter().enumerate())
+            .filter(move |&(_, &s)| s == st)
+            .map(move |(i, _)| {
+                debug_assert_eq!(self.entries[i].stage, st, "a stage set outside learn");
+                (&self.ids[i], &self.entries[i])
+            })
     }
     pub(super) fn iter(
         &self,
@@ -117,11 +132,13 @@ impl PeerMap {
         for r in 0..self.ids.len() {
             if keep(&self.ids[r], &mut self.entries[r]) {
                 self.ids.swap(w, r);
+                self.stages.swap(w, r);
                 self.entries.swap(w, r);
                 w += 1;
             }
         }
         self.ids.truncate(w);
+        self.stages.truncate(w);
         self.entries.truncate(w);
     }
 }
@@ -256,12 +273,18 @@ mod tests {
     fn the_peer_view_is_kept_in_id_order() {
         let mut m = PeerMap::default();
         for id in [9, 2, 5, 7] {
-            m.get_or_insert_with(id, || Peer::new(id as Stage % 3, 0));
+            m.learn(id, id as Stage % 3, 0);
         }
-        m.get_or_insert_with(5, || unreachable!()).spare = 4;
+        m.get_mut(&5).unwrap().spare = 4;
         assert_eq!(m.iter().map(|x| *x.0).collect::<Vec<_>>(), [2, 5, 7, 9]);
+        let of_stage = |m: &PeerMap, st| m.of_stage(st).map(|x| *x.0).collect::<Vec<_>>();
+        assert_eq!((of_stage(&m, 2), of_stage(&m, 1)), (vec![2, 5], vec![7]));
+        m.learn(5, 1, 0);
+        assert_eq!(m[&5].spare, 4, "learning a stage keeps the entry");
+        assert_eq!((of_stage(&m, 2), of_stage(&m, 1)), (vec![2], vec![5, 7]));
         m.retain(|id, _| *id != 7);
         assert_eq!(m.iter().map(|x| *x.0).collect::<Vec<_>>(), [2, 5, 9]);
+        assert_eq!((of_stage(&m, 0), of_stage(&m, 1)), (vec![9], vec![5]));
         assert_eq!(m[&5].spare, 4);
         assert!(!m.contains_key(&7) && m.get(&9).is_some());
     }

@@ -256,7 +256,7 @@ impl Node {
         // No reservation: the cheapest next hop toward the sink,
         // preferring peers with spare capacity.
         let mut best: Option<(f64, NodeId)> = None;
-        for (&c, p) in &self.peers {
+        for (&c, p) in self.peers.of_stage(self.next_stage()) {
             if !self.is_next_candidate(c, p) || exclude.contains(&c) {
                 continue;
             }
