@@ -18,7 +18,11 @@
 //!   hold` (Little's law: they stay at least from its forward through every
 //!   later stage and the loss back to its backward, each part at its
 //!   fastest); beyond that only stateless backwards (4 x forward, SWARM's)
-//!   in the GPU time left.
+//!   in the GPU time left. And the pipeline drains: the stage's last
+//!   forward ends no earlier than all `H m` forwards spread over its
+//!   members at full speed, and that microbatch still goes through every
+//!   later stage, the loss and back before its backward here (each part at
+//!   its fastest).
 //! - **The holders** (stage 0): their all-reduce needs every microbatch of
 //!   the iteration done, so it starts after the latest of: each holder's own
 //!   GPU work (embedding, head and loss of its `m` microbatches, nobody else
@@ -115,7 +119,12 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
         let k = (i + 1) as u16;
         let fwd = m.stage_fwd_flops(k);
         let rate: f64 = members.iter().map(|r| relay_rate(r, fwd, holds[i])).sum();
-        let busy_until = fill + mbs / rate;
+        let speed: f64 = members.iter().map(|r| r.flops).sum();
+        // The stage's last forward ends no earlier than all of them on all
+        // its members at full speed; that microbatch then goes through
+        // every later stage and back, and its backward runs here.
+        let last_forward = mbs * fwd / speed + holds[i] - fwd / fastest(members);
+        let busy_until = fill + (mbs / rate).max(last_forward);
         let regions: Vec<usize> = members.iter().map(|r| r.region).collect();
         relay_secs.push(busy_until + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
         // The stage's last task is a backward (each microbatch's comes
@@ -276,19 +285,36 @@ mod tests {
         let hop = 0.001 + act / 1e9;
         let embed = model.embed_flops();
         let f = |k: u16| model.stage_fwd_flops(k);
-        // Stage 1 cannot start before an embedding and a hop; it does
-        // 2 holders x 4 microbatches x 3 forward FLOPs on two relays
-        // (4 TFLOP/s); then a ring of two: 2 steps of 1 ms + 4 ceil((params
-        // + 1) / 2) bytes / 1 GB/s.
+        let speed = |k: u16| if k == 1 { 4e12 } else { 2e12 };
+        // From stage k's forward to its backward: a hop, every later
+        // stage's forward and backward (3 forwards at 2 TFLOP/s) and a hop
+        // back each, a holder's loss at 1 TFLOP/s and two hops.
+        let beyond = |k: u16| {
+            let later: f64 = (k + 1..=s as u16)
+                .map(|j| 3.0 * f(j) / 2e12 + 2.0 * hop)
+                .sum();
+            model.loss_flops() / 1e12 + 2.0 * hop + later
+        };
+        // Stage k's 2 holders x 4 microbatches: 3 forward FLOPs each on
+        // its relays, or all forwards first, then the last one's way
+        // round and its backward (2 forwards on a 2 TFLOP/s relay).
+        let work = |k: u16| {
+            let gpu = 8.0 * 3.0 * f(k) / speed(k);
+            gpu.max(8.0 * f(k) / speed(k) + beyond(k) + 2.0 * f(k) / 2e12)
+        };
+        // Stage 1 cannot start before an embedding and a hop; then its
+        // work on two relays (4 TFLOP/s); then a ring of two: 2 steps of
+        // 1 ms + 4 ceil((params + 1) / 2) bytes / 1 GB/s.
         let fill1 = embed / 1e12 + hop;
-        let busy1 = fill1 + 8.0 * 3.0 * f(1) / 4e12;
+        assert!(work(1) > 8.0 * 3.0 * f(1) / 4e12, "the drain binds stage 1");
+        let busy1 = fill1 + work(1);
         let p1 = model.stage_params(1);
         let agg1 = 2.0 * (0.001 + 4.0 * (p1 + 1).div_ceil(2) as f64 / 1e9);
         assert!((b.stage_secs[1] - (busy1 + agg1)).abs() < 1e-12, "{b:?}");
         // Stage 2 starts after stage 1's forward and another hop; one
         // 2 TFLOP/s relay, alone: no all-reduce.
         let fill2 = fill1 + f(1) / 2e12 + hop;
-        let busy2 = fill2 + 8.0 * 3.0 * f(2) / 2e12;
+        let busy2 = fill2 + work(2);
         assert!((b.stage_secs[2] - busy2).abs() < 1e-12, "{b:?}");
         // Holders: their all-reduce (a ring of two) after the latest of
         // 2 waves (4 microbatches, 2 in flight) of the round trip (own
@@ -302,8 +328,7 @@ mod tests {
         let mut done = (2.0 * trip).max(4.0 * own / 1e12);
         let (mut fill, mut drain) = (fill1, 2.0 * embed / 1e12 + hop);
         for k in 1..=s as u16 {
-            let speed = if k == 1 { 4e12 } else { 2e12 };
-            done = done.max(fill + 8.0 * 3.0 * f(k) / speed + drain);
+            done = done.max(fill + work(k) + drain);
             fill += f(k) / 2e12 + hop;
             drain += 2.0 * f(k) / 2e12 + hop;
         }
