@@ -21,8 +21,9 @@ const PROBED_PER_CYCLE: usize = 8;
 const MEASURED_MAX: usize = 16;
 /// Links a member reports (its cheapest).
 pub(super) const REPORTED_LINKS: usize = 64;
-/// Rings up to this size are improved by 2-opt moves (`O(n^4)` at worst);
-/// larger ones keep the nearest-neighbour tour (`O(n^2)`).
+/// Rings up to this size are also toured with 2-opt moves (`O(n^4)` at
+/// worst) and the better of that tour and the clusters' is kept; larger
+/// ones are ordered by clusters only (sorting the known links).
 const TWO_OPT_MAX: usize = 64;
 /// The stream of the rendezvous hash that picks the measured members.
 const RING: u64 = 0x7269_6e67;
