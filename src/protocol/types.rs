@@ -177,6 +177,13 @@ pub struct Config {
     pub stall_report: Time,
     /// Delay before the first iteration (flows are being built).
     pub start_delay: Time,
+    /// The trainer can run a relay's forward keeping only its input and
+    /// recompute it at the backward (activation checkpointing at stage
+    /// granularity). With it a relay whose memory is full runs a forward
+    /// at once that way instead of waiting for a backward to free memory:
+    /// one forward more of GPU time against a wait of a pipeline round
+    /// trip. Off: the forward waits.
+    pub recompute: bool,
 }
 
 impl Config {
@@ -221,6 +228,7 @@ impl Config {
             stall_report: 60 * SEC,
             e2e_timeout: 180 * SEC,
             start_delay: 6 * SEC,
+            recompute: false,
         }
     }
 
@@ -622,6 +630,11 @@ pub struct Task {
     pub mb: Option<MbId>,
     /// The microbatch's attempt (0 for tasks without a microbatch).
     pub attempt: u32,
+    /// Activation recompute (only with [`Config::recompute`]): on a
+    /// `Forward`, keep only the input, not the activations (this relay's
+    /// memory is full); on a `Backward`, run the stage's forward again
+    /// from that input first (one forward more of GPU time).
+    pub recompute: bool,
 }
 
 /// What the driver feeds into a node.

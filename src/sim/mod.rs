@@ -347,6 +347,10 @@ impl Sim {
             .map(|s| m.stage_state_bytes(s))
             .collect();
         pc.start_delay = 20 * SEC;
+        // The simulated trainers can recompute a forward (as the runtime's
+        // can): every policy whose relays keep activations uses it when a
+        // relay's memory is full.
+        pc.recompute = cfg.policy.keeps_activations();
         let initial = cfg.holders + cfg.relays;
         let sc = &cfg.scenario;
         let mut link_table = Vec::new();
@@ -453,6 +457,13 @@ impl Sim {
             (3.0 * f / flops, m.relay_capacity(stage.max(1), mem))
         };
         let node = Node::new(self.pcfg.clone(), id, stage, compute_s, cap, self.cfg.seed);
+        if self.trace {
+            eprintln!(
+                "T {:.2} node {id} st {stage} region {region} tflops {:.1} cap {cap}",
+                to_secs(self.now),
+                flops / 1e12
+            );
+        }
         self.region_of.push(region as u32);
         self.alive.push(true);
         self.nodes.push(SimNode {
@@ -856,8 +867,9 @@ impl Sim {
             TaskKind::EmbedBackward => 2.0 * m.embed_flops() / f,
             TaskKind::Loss => m.loss_flops() / f,
             TaskKind::Forward => m.stage_fwd_flops(t.stage) / f,
-            // SWARM's stateless backward runs the forward again first.
-            TaskKind::Backward if !self.cfg.policy.keeps_activations() => {
+            // SWARM's stateless backward runs the forward again first, and
+            // so does a backward whose forward kept only its input.
+            TaskKind::Backward if !self.cfg.policy.keeps_activations() || t.recompute => {
                 3.0 * m.stage_fwd_flops(t.stage) / f
             }
             TaskKind::Backward => 2.0 * m.stage_fwd_flops(t.stage) / f,
@@ -1571,7 +1583,8 @@ mod tests {
 
     /// A relay's backward costs two forwards, SWARM's three: its server
     /// keeps no activations and runs the forward again inside the backward
-    /// (`expert_backend.py`); the holders' work is the same for all.
+    /// (`expert_backend.py`); so does a GWTF backward whose forward kept
+    /// only its input; the holders' work is the same for all.
     #[test]
     fn swarms_stateless_backward_runs_the_forward_again() {
         let mut costs = Vec::new();
@@ -1584,22 +1597,25 @@ mod tests {
             c.holders = 1;
             c.relays = 3;
             let mut s = Sim::new(c);
-            let task = |kind| Task {
+            let task = |kind, recompute| Task {
                 id: 1,
                 kind,
                 stage: 1,
                 mb: None,
                 attempt: 0,
+                recompute,
             };
             let (holder, relay) = (s.new_node(0, 0), s.new_node(1, 0));
-            let fwd = s.task_time(relay, &task(TaskKind::Forward));
-            let bwd = s.task_time(relay, &task(TaskKind::Backward));
-            let embed = s.task_time(holder, &task(TaskKind::EmbedBackward));
-            costs.push((bwd / fwd, embed));
+            let fwd = s.task_time(relay, &task(TaskKind::Forward, false));
+            let bwd = s.task_time(relay, &task(TaskKind::Backward, false));
+            let again = s.task_time(relay, &task(TaskKind::Backward, true));
+            let embed = s.task_time(holder, &task(TaskKind::EmbedBackward, false));
+            costs.push((bwd / fwd, again / fwd, embed));
         }
         assert!((costs[0].0 - 2.0).abs() < 1e-9, "{costs:?}");
+        assert!((costs[0].1 - 3.0).abs() < 1e-9, "{costs:?}");
         assert!((costs[1].0 - 3.0).abs() < 1e-9, "{costs:?}");
-        assert_eq!(costs[0].1, costs[1].1);
+        assert_eq!(costs[0].2, costs[1].2);
     }
 
     /// The peer-lost notices in the queue: (time, to, peer).

@@ -115,10 +115,29 @@ impl Reservations {
     }
 }
 
+/// The most flows a relay that recomputes takes, however fast its GPU.
+const FLOW_CAPACITY_MAX: u32 = 64;
+
 impl Node {
     pub(super) fn spare(&self) -> u32 {
         let used = self.reservations.in_use();
-        self.capacity.saturating_sub(used as u32)
+        self.flow_capacity().saturating_sub(used as u32)
+    }
+
+    /// Flows this node can carry at once. Its memory bounds them
+    /// (`capacity`), unless its trainer can recompute a forward
+    /// ([`Config::recompute`]): then its GPU does, at about one stay of a
+    /// microbatch here (the measured hold) per compute time, and never
+    /// fewer than its memory allows.
+    pub(super) fn flow_capacity(&self) -> u32 {
+        let hold = match self.lifecycle.hold_s {
+            Some(h) if self.cfg.recompute && self.stage != 0 => h,
+            _ => return self.capacity,
+        };
+        let gpu = (hold / self.compute_s.max(1e-6))
+            .floor()
+            .min(FLOW_CAPACITY_MAX as f64);
+        self.capacity.max(gpu as u32)
     }
 
     pub(super) fn flow_maintenance(&mut self) {
@@ -689,5 +708,26 @@ mod tests {
             .iter()
             .any(|(to, m)| *to == 31 && matches!(m, Msg::Cancel { label: 4 })));
         assert_eq!(n.flow_count(), 0);
+    }
+
+    /// A relay carries as many flows as its memory holds microbatches; one
+    /// whose trainer recomputes carries as many as its GPU serves during a
+    /// microbatch's stay (measured), capped, never fewer than its memory's.
+    #[test]
+    fn a_relay_that_recomputes_carries_what_its_gpu_serves() {
+        let mut n = relay(2);
+        n.lifecycle.hold_s = Some(4.0);
+        assert_eq!(n.flow_capacity(), 2, "no recompute: memory bounds");
+        let mut cfg = (*n.cfg).clone();
+        cfg.recompute = true;
+        let mut r = Node::new(Arc::new(cfg), 10, 2, 0.5, 2, 1);
+        assert_eq!(r.flow_capacity(), 2, "no hold measured yet");
+        r.lifecycle.hold_s = Some(4.0);
+        assert_eq!(r.flow_capacity(), 8, "4 s stay / 0.5 s compute");
+        r.lifecycle.hold_s = Some(0.2);
+        assert_eq!(r.flow_capacity(), 2, "never below its memory's");
+        r.lifecycle.hold_s = Some(1e6);
+        assert_eq!(r.flow_capacity(), FLOW_CAPACITY_MAX);
+        assert_eq!(r.spare(), FLOW_CAPACITY_MAX);
     }
 }

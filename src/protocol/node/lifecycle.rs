@@ -38,6 +38,9 @@ pub(super) struct Snap {
     pub(super) bwd_task: Option<TaskId>,
     /// Holder: loss task (head fwd+bwd).
     pub(super) loss_task: Option<TaskId>,
+    /// Its forward kept only the input (memory was full): the backward
+    /// recomputes it ([`Config::recompute`]).
+    pub(super) stateless: bool,
     /// Gradient for `prev` is computed and stored (re-sent on recovery).
     pub(super) grad_ready: bool,
     /// The gradient from `next` arrived.
@@ -81,6 +84,7 @@ impl Snap {
             fwd_task,
             fwd_done: false,
             bwd_task: None,
+            stateless: false,
             loss_task: None,
             grad_ready: false,
             grad_in: false,
@@ -192,10 +196,14 @@ impl Node {
         // (the holder started the microbatch again).
         self.lifecycle.snaps.remove(&mb);
         // The forward runs at once unless the activations it would keep
-        // do not fit: then it waits for a backward to free memory.
+        // do not fit: then it keeps only its input and the backward
+        // recomputes it, or (a trainer that cannot) it waits for a
+        // backward to free memory.
         let fits = self.activations_held() < self.capacity as usize;
-        let t = fits.then(|| self.run(TaskKind::Forward, Some(mb), attempt));
-        if !fits {
+        let stateless = !fits && self.cfg.recompute;
+        let t = (fits || stateless)
+            .then(|| self.run_recomputing(TaskKind::Forward, Some(mb), attempt, stateless));
+        if t.is_none() {
             self.lifecycle.waiting.push_back(mb);
         }
         self.lifecycle.snaps.insert(
@@ -205,6 +213,7 @@ impl Node {
                 hint,
                 plan,
                 need_grad,
+                stateless,
                 ..Snap::new(attempt, path, from, t, self.now)
             },
         );
@@ -214,8 +223,9 @@ impl Node {
     }
 
     /// Microbatches whose activations this relay keeps for their backward:
-    /// forward started, backward not done (none under a stateless backward,
-    /// and none at a holder, whose memory its in-flight bound limits).
+    /// forward started, backward not done, not recomputed (none under a
+    /// stateless backward, and none at a holder, whose memory its in-flight
+    /// bound limits).
     pub(super) fn activations_held(&self) -> usize {
         if self.stage == 0 || !self.cfg.policy.keeps_activations() {
             return 0;
@@ -223,7 +233,7 @@ impl Node {
         self.lifecycle
             .snaps
             .values()
-            .filter(|s| s.fwd_task.is_some() && !s.done)
+            .filter(|s| s.fwd_task.is_some() && !s.done && !s.stateless)
             .count()
     }
 
@@ -487,13 +497,14 @@ impl Node {
         s.grad_in = true;
         s.next = Some(from);
         s.path = path;
+        let recompute = s.stateless;
         self.clear_deadline((mb, false));
         let kind = if self.stage == 0 {
             TaskKind::EmbedBackward
         } else {
             TaskKind::Backward
         };
-        let t = self.run(kind, Some(mb), attempt);
+        let t = self.run_recomputing(kind, Some(mb), attempt, recompute);
         self.lifecycle.snaps.get_mut(&mb).unwrap().bwd_task = Some(t);
         self.lifecycle.arrivals.insert((mb, true), self.now);
         self.notify_queued(from, mb, attempt, true);
@@ -649,6 +660,57 @@ mod tests {
                 "{policy:?}: the newer attempt did not replace the old"
             );
             assert_eq!(n.activations_held(), 4, "{policy:?}");
+        }
+    }
+
+    /// With a trainer that recomputes ([`Config::recompute`]) a relay whose
+    /// memory is full (4 here) runs a fifth forward at once, keeping only
+    /// its input: that microbatch holds no activations, and its backward
+    /// recomputes the forward; the four kept ones do not.
+    #[test]
+    fn a_forward_beyond_memory_is_recomputed_at_its_backward() {
+        let fwd = |idx: u32| Msg::Forward {
+            mb: mb(0, 0, idx),
+            attempt: 0,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+        cfg.recompute = true;
+        let mut n = Node::new(Arc::new(cfg), 10, 2, 0.5, 4, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(20, 1), (30, 3)],
+            },
+        );
+        let mut fwds = Vec::new();
+        for idx in 0..6 {
+            let acts = deliver(&mut n, 20, fwd(idx));
+            let r = runs(&acts);
+            assert_eq!(r.len(), 1, "forward {idx} did not run: {acts:?}");
+            assert_eq!(r[0].kind, TaskKind::Forward);
+            assert_eq!(r[0].recompute, idx >= 4, "forward {idx}");
+            fwds.push(r[0].id);
+        }
+        assert_eq!(n.activations_held(), 4);
+        for (i, &id) in fwds.iter().enumerate() {
+            n.handle(2 * SEC + i as Time, Input::TaskDone { id });
+        }
+        for idx in [0, 5] {
+            let back = Msg::Backward {
+                mb: mb(0, 0, idx),
+                attempt: 0,
+                path: Arc::new(vec![0, 20, 10, 30]),
+            };
+            let acts = deliver(&mut n, 30, back);
+            let r = runs(&acts);
+            assert_eq!(r.len(), 1, "{acts:?}");
+            assert_eq!(r[0].kind, TaskKind::Backward);
+            assert_eq!(r[0].recompute, idx == 5, "backward {idx}");
         }
     }
 }

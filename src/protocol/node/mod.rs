@@ -358,6 +358,17 @@ impl Node {
     }
 
     fn run(&mut self, kind: TaskKind, mb: Option<MbId>, attempt: u32) -> TaskId {
+        self.run_recomputing(kind, mb, attempt, false)
+    }
+
+    /// [`Node::run`] with the task's [`Task::recompute`] flag.
+    fn run_recomputing(
+        &mut self,
+        kind: TaskKind,
+        mb: Option<MbId>,
+        attempt: u32,
+        recompute: bool,
+    ) -> TaskId {
         let id = self.next_task;
         self.next_task += 1;
         self.tasks.insert(id, (kind, mb, attempt));
@@ -367,6 +378,7 @@ impl Node {
             stage: self.stage,
             mb,
             attempt,
+            recompute,
         }));
         id
     }
