@@ -5,7 +5,7 @@
 //! bit-identical weights after every update.
 mod common;
 
-use common::swarm_inproc::{free_addr, model_protocol_config, start_node, Seen};
+use common::swarm_inproc::{free_addr, model_protocol_config, node_options, Seen};
 use gwtf::engine::NodeOptions;
 use gwtf::model::dataset::Dataset;
 use gwtf::model::preset;
@@ -34,6 +34,8 @@ fn docs() -> Vec<Vec<u32>> {
 struct Gated {
     inner: ModelTrainer,
     gate: Option<Gate>,
+    /// Forwards whose activations it dropped (to recompute them).
+    discards: Arc<AtomicUsize>,
 }
 
 #[derive(Clone)]
@@ -46,6 +48,9 @@ struct Gate {
 
 impl Trainer for Gated {
     fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String> {
+        if work.kind == WorkKind::Discard {
+            self.discards.fetch_add(1, Ordering::SeqCst);
+        }
         if let (WorkKind::Gradient { iteration, granted }, Some(g)) = (&work.kind, &self.gate) {
             let until = Instant::now() + Duration::from_secs(120);
             if *iteration == g.iteration {
@@ -65,12 +70,19 @@ impl Trainer for Gated {
     }
 }
 
-fn start(p: &Peer, all: &[Peer], cfg: &Arc<Config>, run: &ModelRun, gate: Option<Gate>) -> Runtime {
-    let inner = ModelTrainer::new(run.clone(), p.stage, docs()).unwrap();
-    runtime(p, all, cfg, Gated { inner, gate }, false)
+fn runtime(p: &Peer, all: &[Peer], cfg: &Arc<Config>, trainer: Gated, join: bool) -> Runtime {
+    runtime_holding(p, all, cfg, trainer, join, 4)
 }
 
-fn runtime(p: &Peer, all: &[Peer], cfg: &Arc<Config>, trainer: Gated, join: bool) -> Runtime {
+/// A node whose memory holds `capacity` microbatches.
+fn runtime_holding(
+    p: &Peer,
+    all: &[Peer],
+    cfg: &Arc<Config>,
+    trainer: Gated,
+    join: bool,
+    capacity: u32,
+) -> Runtime {
     let net = NodeOptions {
         heartbeat_interval: Duration::from_millis(200),
         pool_bytes: 64 << 20,
@@ -78,7 +90,9 @@ fn runtime(p: &Peer, all: &[Peer], cfg: &Arc<Config>, trainer: Gated, join: bool
         log: std::env::var_os("GWTF_TEST_TRACE").is_some(),
         ..NodeOptions::default()
     };
-    start_node(p, all, cfg, join, KEY, net, trainer)
+    let mut o = node_options(p, all, cfg, join, KEY, net);
+    o.capacity = capacity;
+    Runtime::start(o, trainer).unwrap()
 }
 
 fn layout() -> Vec<(NodeId, Stage)> {
@@ -95,6 +109,8 @@ struct Swarm {
     deadline: Instant,
     /// A node was killed: a stage may have committed an iteration again.
     killed: bool,
+    /// Forwards the trainers dropped to recompute them.
+    discards: Arc<AtomicUsize>,
 }
 
 impl Swarm {
@@ -104,6 +120,15 @@ impl Swarm {
 
     /// `gate(id)`: the gradient node `id` holds back, if any.
     fn start_gated(layout: &[(NodeId, Stage)], gate: impl Fn(NodeId) -> Option<Gate>) -> Swarm {
+        Swarm::start_with(layout, gate, 4)
+    }
+
+    /// Relays whose memory holds `capacity` microbatches.
+    fn start_with(
+        layout: &[(NodeId, Stage)],
+        gate: impl Fn(NodeId) -> Option<Gate>,
+        capacity: u32,
+    ) -> Swarm {
         let run = model_run();
         let cfg = model_protocol_config(&run, MB_PER_ITER);
         let peers: Vec<Peer> = layout
@@ -115,9 +140,19 @@ impl Swarm {
                 addr: free_addr(),
             })
             .collect();
+        let discards = Arc::new(AtomicUsize::new(0));
         let nodes = peers
             .iter()
-            .map(|p| (p.id, start(p, &peers, &cfg, &run, gate(p.id))))
+            .map(|p| {
+                let trainer = Gated {
+                    inner: ModelTrainer::new(run.clone(), p.stage, docs()).unwrap(),
+                    gate: gate(p.id),
+                    discards: discards.clone(),
+                };
+                let cap = if p.stage == 0 { 4 } else { capacity };
+                let rt = runtime_holding(p, &peers, &cfg, trainer, false, cap);
+                (p.id, rt)
+            })
             .collect();
         Swarm {
             run,
@@ -127,6 +162,7 @@ impl Swarm {
             seen: Seen::default(),
             deadline: Instant::now() + Duration::from_secs(120),
             killed: false,
+            discards,
         }
     }
 
@@ -167,6 +203,7 @@ impl Swarm {
         let trainer = Gated {
             inner: ModelTrainer::joiner(self.run.clone()),
             gate: None,
+            discards: self.discards.clone(),
         };
         let rt = runtime(&p, &self.peers[..1], &self.cfg, trainer, true);
         self.nodes.push((id, rt));
@@ -243,6 +280,20 @@ fn a_swarm_without_crashes_trains_exactly_the_reference() {
             s.user_copy_bytes
         );
     }
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// Relays whose memory holds one microbatch, with two in flight per
+/// holder: a forward beyond it keeps only its input, its activations are
+/// dropped and recomputed before its backward. The arithmetic is the
+/// same: the losses are still the reference's, the replicas agree.
+#[test]
+fn relays_short_of_memory_recompute_and_train_exactly_the_reference() {
+    let mut swarm = Swarm::start_with(&layout(), |_| None, 1);
+    swarm.iterations_done(ITERATIONS);
+    let discards = swarm.discards.load(Ordering::SeqCst);
+    assert!(discards > 0, "no forward was recomputed");
+    eprintln!("{discards} forwards recomputed");
     swarm.finish_and_check(ITERATIONS);
 }
 

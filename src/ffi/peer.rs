@@ -584,6 +584,9 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         parse_addr(o.listen_addr, "opts->listen_addr")?
     };
     let mut proto = realtime_config(relay_stages, tensor.max() as u64);
+    // The C task kinds have no "drop a forward's activations": a C
+    // trainer keeps them, and a relay whose memory is full waits.
+    proto.recompute = false;
     proto.mb_per_iter = o.microbatches_per_iteration.max(1);
     proto.stage_state_bytes = state.iter().map(|&x| x as u64).collect();
     // Memory one microbatch takes here: the caller's figure, or four times
@@ -776,7 +779,8 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::Apply { .. } => gwtf_task_kind::Apply,
         WorkKind::ExportState => gwtf_task_kind::ExportState,
         WorkKind::ImportState { .. } => gwtf_task_kind::ImportState,
-        WorkKind::Forget { .. } => gwtf_task_kind::Forget,
+        // Answered by the library (see `next`): never given to C.
+        WorkKind::Forget { .. } | WorkKind::Discard => gwtf_task_kind::Forget,
         WorkKind::InitState { .. } => gwtf_task_kind::InitState,
     }
 }
@@ -1058,6 +1062,13 @@ impl gwtf_peer {
                 .min(Duration::from_millis(20));
             if let Some(w) = self.port.next_work(slice) {
                 let id = w.id;
+                if w.kind == WorkKind::Discard {
+                    // Peers made from C run without the protocol's
+                    // recompute (their trainers keep every forward's
+                    // activations): none comes; one would change nothing.
+                    let _ = self.port.complete(id, Ok(Output::None));
+                    continue;
+                }
                 let (t, held) = task_of(w, self.port.sizes());
                 self.held.lock().insert(id, held);
                 self.counters.given.fetch_add(1, Ordering::Relaxed);

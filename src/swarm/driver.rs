@@ -83,6 +83,11 @@ pub(super) enum Pending {
     /// The stage's state started afresh (`WorkKind::InitState`).
     Init,
     Forget,
+    /// The forward of a recomputing backward (its output is not needed):
+    /// the backward follows.
+    Recompute(Task),
+    /// The trainer dropped what a forward kept (`WorkKind::Discard`).
+    Discard,
 }
 
 pub(super) struct Driver {
@@ -341,7 +346,27 @@ impl Driver {
                 return;
             }
             (TaskKind::Embed, _) => (WorkKind::Embed, None),
-            (TaskKind::Forward, Some(mb)) => (WorkKind::Forward, self.store.take(mb, Slot::Input)),
+            (TaskKind::Forward, Some(mb)) => {
+                let input = self.store.take(mb, Slot::Input);
+                if task.recompute && !self.checkpoint(task, input.as_ref()) {
+                    return;
+                }
+                (WorkKind::Forward, input)
+            }
+            // The forward kept only its input: it runs again first.
+            (TaskKind::Backward, Some(mb)) if task.recompute => {
+                match self.store.take(mb, Slot::Checkpoint) {
+                    Some(input) => {
+                        let p = Pending::Recompute(task);
+                        self.give(WorkKind::Forward, Some(mb), Some(input), p);
+                    }
+                    None => {
+                        self.error(format!("no input kept to recompute the forward of {mb:?}"));
+                        self.input(Input::TaskFailed { id: task.id });
+                    }
+                }
+                return;
+            }
             (TaskKind::Loss, Some(mb)) => (WorkKind::Loss, self.store.take(mb, Slot::Input)),
             (TaskKind::Backward, Some(mb)) => {
                 (WorkKind::Backward, self.store.take(mb, Slot::GradIn))
@@ -363,6 +388,27 @@ impl Driver {
             return;
         }
         self.give(kind, task.mb, input, Pending::Task(task));
+    }
+
+    /// Keeps a copy of a forward's `input` for its backward, which runs the
+    /// forward again (the protocol's `recompute`: this node's memory is
+    /// full). False, the task failed, when the pool has no room for it.
+    fn checkpoint(&mut self, task: Task, input: Option<&Frame>) -> bool {
+        let (Some(mb), Some(f)) = (task.mb, input) else {
+            return true;
+        };
+        match self.port.alloc(f.len()) {
+            Ok(mut copy) => {
+                copy.payload_mut().copy_from_slice(f.payload());
+                self.store.put(mb, task.attempt, Slot::Checkpoint, copy);
+                true
+            }
+            Err(e) => {
+                self.error(format!("no room to keep the input of {mb:?}: {e}"));
+                self.input(Input::TaskFailed { id: task.id });
+                false
+            }
+        }
     }
 
     fn on_protocol_event(&mut self, e: Event) {
@@ -567,7 +613,15 @@ impl Driver {
                     self.node.set_weights_digest(digest_u64(&w));
                 }
             }
-            Pending::Forget => {}
+            Pending::Forget | Pending::Discard => {}
+            Pending::Recompute(task) => {
+                // Counted with the backward's own time.
+                if let Some(mb) = task.mb {
+                    self.task_time.insert(task.id, (mb.iter, c.took));
+                    let grad = self.store.take(mb, Slot::GradIn);
+                    self.give(WorkKind::Backward, Some(mb), grad, Pending::Task(task));
+                }
+            }
         }
     }
 
@@ -581,6 +635,10 @@ impl Driver {
                     Slot::Output
                 };
                 self.store.put(mb, task.attempt, slot, f);
+                if task.kind == TaskKind::Forward && task.recompute {
+                    // Only the input is kept: the trainer drops the rest.
+                    self.give(WorkKind::Discard, Some(mb), None, Pending::Discard);
+                }
             }
             (Some(mb), Output::Loss { loss, grad }) => {
                 self.store.put(mb, task.attempt, Slot::GradOut, grad);
@@ -589,7 +647,11 @@ impl Driver {
             _ => {}
         }
         if let Some(mb) = mb {
-            self.task_time.insert(task.id, (mb.iter, took));
+            let t = self
+                .task_time
+                .entry(task.id)
+                .or_insert((mb.iter, Duration::ZERO));
+            t.1 += took;
         }
         self.input(Input::TaskDone { id: task.id });
     }

@@ -577,6 +577,17 @@ impl Trainer for ModelTrainer {
                 self.init_state(w.stage, *applied)?;
                 Ok(Output::Weights(self.digest()))
             }
+            // A forward's activations dropped: it runs again before the
+            // backward (the protocol's recompute).
+            WorkKind::Discard => {
+                let mb = w.mb.ok_or("discard without a microbatch")?;
+                if let Some(id) = self.ids.remove(&mb) {
+                    for p in &mut self.pieces {
+                        p.discard(id);
+                    }
+                }
+                Ok(Output::None)
+            }
             WorkKind::Forget { before } => {
                 let before = *before;
                 let old: Vec<MbId> = self

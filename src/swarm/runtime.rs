@@ -44,7 +44,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Runs the work of one node, one piece at a time.
+/// Runs the work of one node, one piece at a time. With the protocol's
+/// `recompute` on (as [`realtime_config`] sets it) a relay's trainer is
+/// told to drop what a forward kept (`WorkKind::Discard`); the forward is
+/// given again, with the same input, before its backward.
 pub trait Trainer: Send + 'static {
     /// Does `work`; output frames come from `port.alloc`.
     fn run(&mut self, work: Work, port: &WorkPort) -> Result<Output, String>;
@@ -86,7 +89,7 @@ impl Trainer for TimedTrainer {
                 loss: 1.0,
                 grad: tensor()?,
             },
-            WorkKind::EmbedBackward | WorkKind::Forget { .. } => Output::None,
+            WorkKind::EmbedBackward | WorkKind::Forget { .. } | WorkKind::Discard => Output::None,
             WorkKind::Gradient { granted, .. } => Output::Gradient {
                 sum: vec![granted.len() as f32; self.params],
                 weights: self.weights,
@@ -162,7 +165,9 @@ pub enum NodeEvent {
 /// The protocol's settings for nodes on real time, scaled for hosts a
 /// few milliseconds apart (the simulator's defaults are for a planet):
 /// a 100 ms tick, and timeouts of seconds rather than tens of seconds.
-/// Broken connections are still what detects most crashes.
+/// Broken connections are still what detects most crashes. A relay whose
+/// memory is full recomputes ([`Config::recompute`]): a [`Trainer`] drops
+/// a forward's activations on `WorkKind::Discard`.
 pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     let mut c = Config::new(
         crate::protocol::Policy::Gwtf,
@@ -178,6 +183,7 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     c.e2e_timeout = 30 * crate::protocol::SEC;
     c.probe_bytes = 64 << 10;
     c.restart_empty_stages = true;
+    c.recompute = true;
     c
 }
 

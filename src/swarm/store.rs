@@ -23,6 +23,8 @@ struct Entry {
     attempt: u32,
     input: Option<Frame>,
     grad_in: Option<Frame>,
+    /// A copy of the input, kept for a forward recomputed at the backward.
+    checkpoint: Option<Frame>,
     output: Option<SharedFrame>,
     grad_out: Option<SharedFrame>,
 }
@@ -44,6 +46,9 @@ pub enum Slot {
     Output,
     /// The gradient this node produced (of its input).
     GradOut,
+    /// A copy of the input kept until the backward, which recomputes the
+    /// forward from it (the protocol's `recompute`).
+    Checkpoint,
 }
 
 impl TensorStore {
@@ -64,19 +69,22 @@ impl TensorStore {
         match slot {
             Slot::Input => e.input = Some(f),
             Slot::GradIn => e.grad_in = Some(f),
+            Slot::Checkpoint => e.checkpoint = Some(f),
             Slot::Output => e.output = Some(f.into()),
             Slot::GradOut => e.grad_out = Some(f.into()),
         }
         true
     }
 
-    /// Takes the input `slot` (`Input` or `GradIn`) of `mb` out, for the
-    /// trainer; None for what this node produced (it stays kept).
+    /// Takes the input `slot` (`Input`, `GradIn` or `Checkpoint`) of `mb`
+    /// out, for the trainer; None for what this node produced (it stays
+    /// kept).
     pub fn take(&mut self, mb: MbId, slot: Slot) -> Option<Frame> {
         let e = self.entries.get_mut(&mb)?;
         match slot {
             Slot::Input => e.input.take(),
             Slot::GradIn => e.grad_in.take(),
+            Slot::Checkpoint => e.checkpoint.take(),
             Slot::Output | Slot::GradOut => None,
         }
     }
@@ -87,7 +95,7 @@ impl TensorStore {
         match slot {
             Slot::Output => e.output.as_ref(),
             Slot::GradOut => e.grad_out.as_ref(),
-            Slot::Input | Slot::GradIn => None,
+            Slot::Input | Slot::GradIn | Slot::Checkpoint => None,
         }
     }
 
@@ -109,11 +117,15 @@ impl TensorStore {
         self.entries
             .values()
             .map(|e| {
-                [e.input.is_some(), e.grad_in.is_some()]
-                    .into_iter()
-                    .chain([e.output.is_some(), e.grad_out.is_some()])
-                    .filter(|x| *x)
-                    .count()
+                [
+                    e.input.is_some(),
+                    e.grad_in.is_some(),
+                    e.checkpoint.is_some(),
+                ]
+                .into_iter()
+                .chain([e.output.is_some(), e.grad_out.is_some()])
+                .filter(|x| *x)
+                .count()
             })
             .sum()
     }

@@ -69,6 +69,11 @@ pub enum WorkKind {
     /// (activations whose backward never came, per-microbatch gradients).
     /// Output: none.
     Forget { before: u32 },
+    /// Relay: drop what the forward of microbatch `mb` kept for its
+    /// backward (its memory was full: before the backward the forward runs
+    /// again from the input). Given only with the protocol's `recompute`
+    /// on. Output: none.
+    Discard,
 }
 
 impl WorkKind {
@@ -97,6 +102,7 @@ impl WorkKind {
             WorkKind::ImportState { .. } => "import_state",
             WorkKind::InitState { .. } => "init_state",
             WorkKind::Forget { .. } => "forget",
+            WorkKind::Discard => "discard",
         }
     }
 
@@ -492,7 +498,9 @@ fn check_output(
             }
             tensor(grad, "gradient")
         }
-        (WorkKind::EmbedBackward | WorkKind::Forget { .. }, Output::None) => Ok(()),
+        (WorkKind::EmbedBackward | WorkKind::Forget { .. } | WorkKind::Discard, Output::None) => {
+            Ok(())
+        }
         (WorkKind::Gradient { .. }, Output::Gradient { sum, .. }) => {
             if let Some(n) = gradient_len.filter(|&n| n != sum.len()) {
                 return Err(format!(

@@ -142,21 +142,29 @@ pub fn start_node(
     net: NodeOptions,
     trainer: impl Trainer,
 ) -> Runtime {
-    Runtime::start(
-        RuntimeOptions {
-            id: p.id,
-            stage: p.stage,
-            listen: p.addr,
-            swarm_key: key.to_vec(),
-            bootstrap: bootstrap.to_vec(),
-            join,
-            protocol: cfg.clone(),
-            compute_s: 0.01,
-            capacity: 4,
-            seed: 1,
-            net,
-        },
-        trainer,
-    )
-    .unwrap()
+    Runtime::start(node_options(p, bootstrap, cfg, join, key, net), trainer).unwrap()
+}
+
+/// The options [`start_node`] starts a node with (room for 4 microbatches).
+pub fn node_options(
+    p: &Peer,
+    bootstrap: &[Peer],
+    cfg: &Arc<Config>,
+    join: bool,
+    key: &[u8],
+    net: NodeOptions,
+) -> RuntimeOptions {
+    RuntimeOptions {
+        id: p.id,
+        stage: p.stage,
+        listen: p.addr,
+        swarm_key: key.to_vec(),
+        bootstrap: bootstrap.to_vec(),
+        join,
+        protocol: cfg.clone(),
+        compute_s: 0.01,
+        capacity: 4,
+        seed: 1,
+        net,
+    }
 }
