@@ -516,21 +516,27 @@ mod tests {
     use super::super::testkit::*;
     use super::*;
 
+    /// Microbatch `idx` of holder 0's iteration 0, forwarded by stage-1
+    /// node 20 (attempt `attempt`, gradient wanted back: `need_grad`).
+    fn forward_from_20(idx: u32, attempt: u32, need_grad: bool) -> Msg {
+        Msg::Forward {
+            mb: mb(0, 0, idx),
+            attempt,
+            path: Arc::new(vec![0, 20]),
+            label: None,
+            hint: None,
+            need_grad,
+            plan: None,
+        }
+    }
+
     /// A forward hop runs one task however often it is re-sent; once done, it
     /// is acknowledged to the sender and passed on to the next stage.
     #[test]
     fn a_forward_hop_runs_once_and_is_acked_when_done() {
         let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3)]);
         let m = mb(0, 0, 0);
-        let fwd = || Msg::Forward {
-            mb: m,
-            attempt: 0,
-            path: Arc::new(vec![0, 20]),
-            label: None,
-            hint: None,
-            need_grad: true,
-            plan: None,
-        };
+        let fwd = || forward_from_20(0, 0, true);
         let acts = deliver(&mut n, 20, fwd());
         let tasks = runs(&acts);
         assert_eq!(tasks.len(), 1);
@@ -562,15 +568,7 @@ mod tests {
     fn a_rerun_for_the_aggregate_does_not_cancel_a_recoverys_gradient() {
         let mut n = started(Policy::Gwtf, 10, 2, &[], &[(20, 1), (30, 3)]);
         let m = mb(0, 0, 0);
-        let fwd = |need_grad: bool| Msg::Forward {
-            mb: m,
-            attempt: 0,
-            path: Arc::new(vec![0, 20]),
-            label: None,
-            hint: None,
-            need_grad,
-            plan: None,
-        };
+        let fwd = |need_grad: bool| forward_from_20(0, 0, need_grad);
         let id = runs(&deliver(&mut n, 20, fwd(true)))[0].id;
         assert!(runs(&deliver(&mut n, 20, fwd(false))).is_empty());
         n.handle(2 * SEC, Input::TaskDone { id });
@@ -601,15 +599,7 @@ mod tests {
     /// nothing: all five run at once.
     #[test]
     fn a_forward_waits_for_memory_a_backward_frees() {
-        let fwd = |idx: u32, attempt: u32| Msg::Forward {
-            mb: mb(0, 0, idx),
-            attempt,
-            path: Arc::new(vec![0, 20]),
-            label: None,
-            hint: None,
-            need_grad: true,
-            plan: None,
-        };
+        let fwd = |idx: u32, attempt: u32| forward_from_20(idx, attempt, true);
         for policy in [Policy::Gwtf, Policy::SwarmPlus, Policy::Swarm] {
             let mut n = started(policy, 10, 2, &[], &[(20, 1), (30, 3)]);
             let mut ids = Vec::new();
@@ -669,15 +659,7 @@ mod tests {
     /// recomputes the forward; the four kept ones do not.
     #[test]
     fn a_forward_beyond_memory_is_recomputed_at_its_backward() {
-        let fwd = |idx: u32| Msg::Forward {
-            mb: mb(0, 0, idx),
-            attempt: 0,
-            path: Arc::new(vec![0, 20]),
-            label: None,
-            hint: None,
-            need_grad: true,
-            plan: None,
-        };
+        let fwd = |idx: u32| forward_from_20(idx, 0, true);
         let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
         cfg.recompute = true;
         let mut n = Node::new(Arc::new(cfg), 10, 2, 0.5, 4, 1);
