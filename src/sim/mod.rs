@@ -9,9 +9,10 @@
 //!   presets of `crate::model` ([`model`]); memory bounds each relay's
 //!   capacity.
 //! - Link model: one-way latency + size / bandwidth per region pair
-//!   ([`scenario`]), the bandwidth capped by the scenario's NIC; bulk transfers on the same directed link share its
-//!   bandwidth equally (processor sharing); small control messages take
-//!   latency + size / bandwidth.
+//!   ([`scenario`]), the bandwidth capped by the scenario's NIC; bulk
+//!   transfers between two nodes go one after another in each direction
+//!   (the runtime has one connection per pair and writes its frames in
+//!   order); small control messages take latency + size / bandwidth.
 //! - Churn: departures (crash, or graceful leave with probability
 //!   `leave_fraction`) and joins as Poisson processes, each at
 //!   `churn_per_hour` x the initial population per hour; a crash can hit a
@@ -265,7 +266,8 @@ struct Xfer {
 }
 
 struct Link {
-    active: Vec<Xfer>,
+    /// Transfers in the order they were sent; the first is on the wire.
+    active: VecDeque<Xfer>,
     last: Time,
     gen: u64,
 }
@@ -770,11 +772,11 @@ impl Sim {
         let key = (src, to);
         self.link_advance(key, bw);
         let l = self.links.entry(key).or_insert(Link {
-            active: Vec::new(),
+            active: VecDeque::new(),
             last: self.now,
             gen: 0,
         });
-        l.active.push(Xfer {
+        l.active.push_back(Xfer {
             from,
             to,
             src,
@@ -790,12 +792,9 @@ impl Sim {
         let Some(l) = self.links.get_mut(&key) else {
             return;
         };
-        let n = l.active.len();
-        if n > 0 {
-            let share = bw * to_secs(now - l.last) / n as f64;
-            for x in &mut l.active {
-                x.remaining -= share;
-            }
+        // FIFO: only the head of the queue is on the wire.
+        if let Some(head) = l.active.front_mut() {
+            head.remaining -= bw * to_secs(now - l.last);
         }
         l.last = now;
         let alive = &self.alive;
@@ -809,14 +808,8 @@ impl Sim {
             return;
         };
         l.gen += 1;
-        let n = l.active.len() as f64;
-        let min = l
-            .active
-            .iter()
-            .map(|x| x.remaining)
-            .fold(f64::INFINITY, f64::min);
-        if min.is_finite() {
-            let t = now + secs(min.max(0.0) * n / bw).max(1);
+        if let Some(head) = l.active.front() {
+            let t = now + secs(head.remaining.max(0.0) / bw).max(1);
             let gen = l.gen;
             self.push(t, Ev::LinkDone { key, gen });
         }
@@ -830,16 +823,8 @@ impl Sim {
         self.link_advance(key, bw);
         let l = self.links.get_mut(&key).unwrap();
         let tol = bw * 2e-6 + 1.0;
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < l.active.len() {
-            if l.active[i].remaining <= tol {
-                done.push(l.active.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        for x in done {
+        let head_done = l.active.front().is_some_and(|x| x.remaining <= tol);
+        if let Some(x) = head_done.then(|| l.active.pop_front()).flatten() {
             let t = self.now + secs(lat);
             let ev = match x.then {
                 Some(next) => Ev::Relay {
@@ -1616,6 +1601,51 @@ mod tests {
         assert!((costs[0].1 - 3.0).abs() < 1e-9, "{costs:?}");
         assert!((costs[1].0 - 3.0).abs() < 1e-9, "{costs:?}");
         assert_eq!(costs[0].2, costs[1].2);
+    }
+
+    /// Bulk messages between two nodes go one after another in each
+    /// direction, as the runtime writes frames on its one connection per
+    /// pair: sent at the same instant, the first arrives after its own
+    /// transfer, the second after both (not both after both, as with an
+    /// equal share); a message to a third node has its own link.
+    #[test]
+    fn bulk_messages_to_one_peer_arrive_one_after_another() {
+        let mut s = sim();
+        let (a, b, c) = (s.new_node(1, 0), s.new_node(2, 1), s.new_node(2, 1));
+        let probe = |n: u64| Msg::Probe {
+            bytes: 50_000_000,
+            sent_at: n,
+        };
+        s.now = SEC;
+        for (to, n) in [(b, 1), (b, 2), (c, 3)] {
+            s.send(a, to, probe(n));
+        }
+        let mut arrived = Vec::new();
+        while let Some((t, ev)) = s.queue.pop() {
+            s.now = t;
+            match ev {
+                Ev::LinkDone { key, gen } => s.link_done(key, gen),
+                Ev::Deliver {
+                    to,
+                    msg: Msg::Probe { sent_at, .. },
+                    ..
+                } => arrived.push((sent_at, to, t)),
+                _ => {}
+            }
+        }
+        arrived.sort();
+        let (lat, bw) = s.link_params(a, b);
+        let one = probe(0).wire_bytes(&s.pcfg) as f64 / bw;
+        let want = [
+            SEC + secs(lat + one),
+            SEC + secs(lat + 2.0 * one),
+            SEC + secs(lat + one),
+        ];
+        assert_eq!(arrived.len(), 3, "{arrived:?}");
+        for ((n, to, t), (want_to, w)) in arrived.iter().zip([b, b, c].into_iter().zip(want)) {
+            assert_eq!(*to, want_to, "message {n}");
+            assert!(t.abs_diff(w) <= 2, "message {n}: {t} against {w}");
+        }
     }
 
     /// The peer-lost notices in the queue: (time, to, peer).
