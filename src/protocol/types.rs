@@ -154,6 +154,10 @@ pub struct Config {
     /// weight, for each flow it already carries (0: costs ignore the load of
     /// GPUs).
     pub gpu_load_weight: f64,
+    /// GWTF: a new flow's next hop is drawn at random among those whose
+    /// cost is within this fraction of the cheapest (0: always the
+    /// cheapest), so that nodes seeing the same costs spread their flows.
+    pub route_tie_tolerance: f64,
     /// A joiner that finds a stage without any live node restarts it from
     /// the initial weights (the real swarm: training goes on). Off in the
     /// simulator, whose yardsticks assume a live node per stage and report
@@ -220,6 +224,7 @@ impl Config {
             reroute_min_gain: 0.10,
             link_load_weight: 0.1,
             gpu_load_weight: 0.1,
+            route_tie_tolerance: 0.05,
             restart_empty_stages: false,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,

@@ -279,14 +279,54 @@ impl Node {
         need_spare: bool,
         exclude: &[NodeId],
     ) -> Option<(NodeId, f64)> {
-        if self.stage == self.s() {
-            if self.alive(sink) && self.peers.contains_key(&sink) {
-                return Some((sink, self.loaded_link_cost(sink, false)));
-            }
+        self.hops_to_sink(sink, need_spare, exclude)
+            .into_iter()
+            .fold(None, |best, (j, c)| match best {
+                Some((_, b)) if b <= c => best,
+                _ => Some((j, c)),
+            })
+    }
+
+    /// The next hop of a new flow to `sink`: drawn at random among those
+    /// within `route_tie_tolerance` of the cheapest. Nodes that see the same
+    /// costs at the same moment (every holder when the swarm starts, relays
+    /// of one region) would otherwise all reserve through the one cheapest
+    /// relay, and their microbatches, which start together, would queue
+    /// there while its equals idle.
+    pub(super) fn pick_next_hop(
+        &mut self,
+        sink: NodeId,
+        exclude: &[NodeId],
+    ) -> Option<(NodeId, f64)> {
+        let hops = self.hops_to_sink(sink, true, exclude);
+        let best = hops.iter().map(|h| h.1).fold(INF, f64::min);
+        let near: Vec<(NodeId, f64)> = hops
+            .into_iter()
+            .filter(|h| h.1 <= best * (1.0 + self.cfg.route_tie_tolerance))
+            .collect();
+        if near.is_empty() {
             return None;
         }
-        let mut best: Option<(NodeId, f64)> = None;
+        Some(near[self.rng.below(near.len() as u64) as usize])
+    }
+
+    /// Every next hop toward `sink` with its cost from this node's output
+    /// for one more flow (finite costs only; `need_spare`: only peers with
+    /// room for it; never those in `exclude`), in the peer view's order.
+    fn hops_to_sink(
+        &self,
+        sink: NodeId,
+        need_spare: bool,
+        exclude: &[NodeId],
+    ) -> Vec<(NodeId, f64)> {
+        if self.stage == self.s() {
+            if self.alive(sink) && self.peers.contains_key(&sink) {
+                return vec![(sink, self.loaded_link_cost(sink, false))];
+            }
+            return Vec::new();
+        }
         let load = self.next_link_flows();
+        let mut hops = Vec::new();
         for (&j, p) in self.peers.of_stage(self.next_stage()) {
             if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
@@ -298,14 +338,11 @@ impl Node {
                 Some(c) => self.loaded_link_cost_to(p, load.on(j)) + c,
                 None => INF,
             };
-            if c >= INF {
-                continue;
-            }
-            if best.is_none_or(|b| c < b.1) {
-                best = Some((j, c));
+            if c < INF {
+                hops.push((j, c));
             }
         }
-        best
+        hops
     }
 
     /// The best cost to each sink through the next stage, the
@@ -567,6 +604,42 @@ pub(super) mod tests {
         let mut n = loaded_relay(0.0, 0.0, 1);
         n.peers.get_mut(&31).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 1.9)]));
         assert_eq!(n.best_to_sink(0, true, &[]).map(|b| b.0), Some(30));
+    }
+
+    /// A new flow's next hop is drawn among the near-cheapest: with 30 at
+    /// 2.51 and 31 at 2.56 (2 % dearer) both are drawn under a tolerance of
+    /// 5 %, about evenly; 31 at 2.71 (8 %) never is; with tolerance 0 the
+    /// cheapest always wins, as `best_to_sink` says; a peer without spare
+    /// room or excluded is never drawn.
+    #[test]
+    fn a_new_flow_goes_to_one_of_the_near_cheapest_next_hops() {
+        let draws = |n: &mut Node, exclude: &[NodeId]| {
+            let mut got = BTreeMap::new();
+            for _ in 0..200 {
+                let (j, _) = n.pick_next_hop(0, exclude).unwrap();
+                *got.entry(j).or_insert(0) += 1;
+            }
+            got
+        };
+        let with = |tolerance: f64, cost31: f64| {
+            let mut n = loaded_relay(0.0, 0.0, 0);
+            Arc::make_mut(&mut n.cfg).route_tie_tolerance = tolerance;
+            n.peers.get_mut(&31).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, cost31)]));
+            n
+        };
+        let got = draws(&mut with(0.05, 1.05), &[]);
+        assert!(got[&30] >= 70 && got[&31] >= 70, "{got:?}");
+        assert_eq!(
+            draws(&mut with(0.05, 1.2), &[]),
+            BTreeMap::from([(30, 200)])
+        );
+        let mut n = with(0.0, 1.05);
+        assert_eq!(draws(&mut n, &[]), BTreeMap::from([(30, 200)]));
+        assert_eq!(n.best_to_sink(0, true, &[]).map(|b| b.0), Some(30));
+        let mut n = with(0.05, 1.05);
+        assert_eq!(draws(&mut n, &[30]), BTreeMap::from([(31, 200)]));
+        n.peers.get_mut(&31).unwrap().spare = 0;
+        assert_eq!(draws(&mut n, &[]), BTreeMap::from([(30, 200)]));
     }
 
     /// A relay offers upstream its cost to each sink plus its GPU queue:

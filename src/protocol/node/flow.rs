@@ -184,7 +184,7 @@ impl Node {
         if self.stage == 0 {
             let have = self.reservations.in_use();
             for _ in have..self.cfg.max_in_flight as usize {
-                if let Some(hop) = self.best_to_sink(self.id, true, &[]) {
+                if let Some(hop) = self.pick_next_hop(self.id, &[]) {
                     self.request_flow(None, self.id, self.id, 0.0, hop, false);
                 }
             }
@@ -303,12 +303,12 @@ impl Node {
             let c = self.offer(sink, false).map_or(INF, |b| b.1);
             return reject(self, c);
         }
-        let Some((j, c)) = self.best_to_sink(sink, true, &[]) else {
+        let Some((_, best)) = self.best_to_sink(sink, true, &[]) else {
             return reject(self, INF);
         };
         // What this node offers now (with its GPU queue), against what the
         // requester assumed.
-        let offered = c + self.gpu_queue_s(false);
+        let offered = best + self.gpu_queue_s(false);
         if offered > expected * (1.0 + self.cfg.stale_cost_tolerance) + 1e-6 {
             return reject(self, offered);
         }
@@ -329,13 +329,15 @@ impl Node {
                 Msg::FlowResponse {
                     label,
                     accept: true,
-                    cost: c,
+                    cost: best,
                     spare,
                 },
             );
             return;
         }
-        self.request_flow(Some(label), from, sink, cfs_here, (j, c), false);
+        if let Some(hop) = self.pick_next_hop(sink, &[]) {
+            self.request_flow(Some(label), from, sink, cfs_here, hop, false);
+        }
     }
 
     /// Asks next hop `next` (cost `c` to `sink` through it, from here) to
@@ -466,7 +468,7 @@ impl Node {
             r.tried.push(failed);
         }
         if r.tried.len() < 3 {
-            if let Some((j, c)) = self.best_to_sink(r.sink, true, &r.tried) {
+            if let Some((j, c)) = self.pick_next_hop(r.sink, &r.tried) {
                 r.tried.push(j);
                 r.next = j;
                 let expected = self.expected_of(j, r.sink, c);
