@@ -4,8 +4,9 @@
 //!   ordered by (time, sequence number), so the same seed gives
 //!   bit-identical output. No hash-map iteration reaches an output (hash
 //!   maps are only looked up).
-//! - Compute model: a node's GPU runs one task at a time (backward work
-//!   before forward work); task time = FLOPs / node speed, from the model
+//! - Compute model: a node's GPU runs one task at a time, in the order
+//!   its protocol node gave them (as the runtime's work queue hands its
+//!   trainer work); task time = FLOPs / node speed, from the model
 //!   presets of `crate::model` ([`model`]); memory bounds each relay's
 //!   capacity.
 //! - Link model: one-way latency + size / bandwidth per region pair
@@ -276,8 +277,9 @@ struct SimNode {
     node: Node,
     region: usize,
     flops: f64,
-    hi: VecDeque<Task>,
-    lo: VecDeque<Task>,
+    /// Compute tasks waiting for the GPU, run in the order given (the
+    /// runtime's work queue hands its trainer work in order).
+    gpu_queue: VecDeque<Task>,
     running: Option<(Task, Time)>,
     gpu_gen: u64,
     timer_at: Option<Time>,
@@ -472,8 +474,7 @@ impl Sim {
             node,
             region,
             flops,
-            hi: VecDeque::new(),
-            lo: VecDeque::new(),
+            gpu_queue: VecDeque::new(),
             running: None,
             gpu_gen: 0,
             timer_at: None,
@@ -995,10 +996,7 @@ impl Sim {
             return;
         }
         let n = &mut self.nodes[node as usize];
-        match task.kind {
-            TaskKind::Backward | TaskKind::EmbedBackward | TaskKind::Loss => n.hi.push_back(task),
-            _ => n.lo.push_back(task),
-        }
+        n.gpu_queue.push_back(task);
         if n.running.is_none() {
             self.gpu_next(node);
         }
@@ -1006,7 +1004,7 @@ impl Sim {
 
     fn gpu_next(&mut self, node: NodeId) {
         let n = &mut self.nodes[node as usize];
-        let Some(task) = n.hi.pop_front().or_else(|| n.lo.pop_front()) else {
+        let Some(task) = n.gpu_queue.pop_front() else {
             return;
         };
         n.running = Some((task, self.now));
@@ -1069,8 +1067,7 @@ impl Sim {
             // Interrupted compute is wasted.
             self.rep.gpu_time_total_s += to_secs(self.now - start);
         }
-        n.hi.clear();
-        n.lo.clear();
+        n.gpu_queue.clear();
         n.gpu_gen += 1;
         // Its connections break: each peer it had one with gets
         // `Input::PeerLost` once the broken connection shows at its end, one
@@ -1646,6 +1643,37 @@ mod tests {
             assert_eq!(*to, want_to, "message {n}");
             assert!(t.abs_diff(w) <= 2, "message {n}: {t} against {w}");
         }
+    }
+
+    /// A GPU runs its tasks in the order given, as the runtime's work
+    /// queue hands them to its trainer: a backward that comes after two
+    /// forwards waits for both.
+    #[test]
+    fn a_gpu_runs_its_tasks_in_the_order_given() {
+        let mut s = sim();
+        let relay = s.new_node(1, 0);
+        let task = |id, kind| Task {
+            id,
+            kind,
+            stage: 1,
+            mb: None,
+            attempt: 0,
+            recompute: false,
+        };
+        s.run_task(relay, task(1, TaskKind::Forward));
+        s.run_task(relay, task(2, TaskKind::Forward));
+        s.run_task(relay, task(3, TaskKind::Backward));
+        let mut order = Vec::new();
+        while let Some((t, ev)) = s.queue.pop() {
+            s.now = t;
+            if let Ev::GpuDone { node, gen } = ev {
+                if s.nodes[node as usize].gpu_gen == gen {
+                    order.extend(s.nodes[node as usize].running.take().map(|r| r.0.id));
+                    s.gpu_next(node);
+                }
+            }
+        }
+        assert_eq!(order, [1, 2, 3]);
     }
 
     /// The peer-lost notices in the queue: (time, to, peer).
