@@ -72,7 +72,7 @@
 /**
  * Current version of `gwtf_peer_options` (what `_init` writes).
  */
-#define GWTF_PEER_OPTIONS_VERSION 1
+#define GWTF_PEER_OPTIONS_VERSION 2
 
 /**
  * Current version of `gwtf_peer_stats`.
@@ -571,6 +571,15 @@ enum gwtf_task_kind
    * runs on them too. Answer: `gwtf_peer_task_done_weights`.
    */
   GWTF_TASK_KIND_INIT_STATE = 11,
+  /**
+   * Relay, only with `recompute` set in the peer's options: drop what
+   * the forward of `mb` kept for its backward (its activations). Its
+   * backward still comes: first a `GWTF_TASK_KIND_FORWARD` of `mb` on
+   * the same input again (keep what it keeps, as for any forward), then
+   * the `GWTF_TASK_KIND_BACKWARD`. Answer: `gwtf_peer_task_done` with
+   * NULL.
+   */
+  GWTF_TASK_KIND_DISCARD = 12,
   /**
    * Event, holder: iteration `iteration` is final; `loss` is the mean
    * loss of this holder's `microbatches` microbatches.
@@ -1089,6 +1098,16 @@ typedef struct gwtf_peer_options {
    * Log connections, refusals and recoveries to stderr when non-zero.
    */
   uint32_t log_to_stderr;
+  /**
+   * 1: this peer's trainer can run a forward again (activation
+   * recompute). A relay whose memory is full then runs a forward at once
+   * and drops what it kept (`GWTF_TASK_KIND_DISCARD`), and before its
+   * backward runs that forward again on the same input, instead of
+   * waiting for memory; the swarm routes as many microbatches through
+   * it as its GPU serves. 0: every forward keeps its activations, and a
+   * forward waits while memory is full. Default 0. (Version 2.)
+   */
+  uint32_t recompute;
 } gwtf_peer_options;
 
 /**

@@ -380,22 +380,19 @@ fn finish(procs: &mut Procs, dir: &Path, deadline: Instant, killed: &[u32]) {
     }
 }
 
-#[test]
-fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
-    let Some((_turn, cpp, dir, key)) = prepare("swarm_stage") else {
-        return;
-    };
+/// A swarm of `gwtf node` processes and C++ `swarm_stage` relays
+/// (`layout`: id, stage, C++ or else gwtf node) training llama-tiny for
+/// `iters` iterations, members given their `extra` flags; every member's
+/// JSON events once the holders finished and the relays left.
+fn mixed_swarm(
+    cpp: &Path,
+    dir: &Path,
+    key: &Path,
+    layout: &[(u32, u16, bool)],
+    iters: u32,
+    extra: &dyn Fn(u32) -> Vec<String>,
+) -> Vec<(u32, Value)> {
     let rust = PathBuf::from(env!("CARGO_BIN_EXE_gwtf"));
-    const ITERS: u32 = 6;
-    // id, stage, C++ (else gwtf node): each relay stage has one of each.
-    let layout: [(u32, u16, bool); 6] = [
-        (1, 0, false),
-        (2, 0, false),
-        (3, 1, false),
-        (4, 1, true),
-        (5, 2, true),
-        (6, 2, false),
-    ];
     let addrs: Vec<SocketAddr> = layout.iter().map(|_| free_addr()).collect();
     let mut model: Vec<String> = [
         "--model",
@@ -403,7 +400,7 @@ fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
         "--stages",
         "4",
         "--iterations",
-        &ITERS.to_string(),
+        &iters.to_string(),
         "--microbatches",
         "4",
     ]
@@ -429,17 +426,37 @@ fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
         };
         args.extend(member_args(*id, *stage, a));
         args.extend(model.iter().cloned());
-        let exe = if *is_cpp { &cpp } else { &rust };
-        procs.0.push(spawn(exe, dir.path(), *id, &args, &seen));
+        args.extend(extra(*id));
+        let exe = if *is_cpp { cpp } else { &rust };
+        procs.0.push(spawn(exe, dir, *id, &args, &seen));
     }
     finish(
         &mut procs,
-        dir.path(),
+        dir,
         Instant::now() + Duration::from_secs(240),
         &[],
     );
     std::thread::sleep(Duration::from_millis(200));
-    let seen = seen.lock().unwrap().clone();
+    let events = seen.lock().unwrap().clone();
+    events
+}
+
+#[test]
+fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
+    let Some((_turn, cpp, dir, key)) = prepare("swarm_stage") else {
+        return;
+    };
+    const ITERS: u32 = 6;
+    // id, stage, C++ (else gwtf node): each relay stage has one of each.
+    let layout: [(u32, u16, bool); 6] = [
+        (1, 0, false),
+        (2, 0, false),
+        (3, 1, false),
+        (4, 1, true),
+        (5, 2, true),
+        (6, 2, false),
+    ];
+    let seen = mixed_swarm(&cpp, dir.path(), &key, &layout, ITERS, &|_| Vec::new());
     // Per relay stage and iteration: the digest each member reported
     // (gwtf node names it weights_sha256, the C++ relay weights).
     let mut by: BTreeMap<(u64, u64), BTreeMap<u32, String>> = BTreeMap::new();
@@ -496,5 +513,86 @@ fn gwtf_node_and_cpp_gwtf_stage_relays_serve_the_same_stages() {
             .iter()
             .any(|(_, v)| v["event"] == "error" || v["event"] == "task_failed"),
         "an error in the mixed swarm"
+    );
+}
+
+/// A C++ relay with memory for one microbatch whose trainer recomputes
+/// (`recompute` in its options) is its stage's only relay, so every
+/// microbatch goes through it: forwards beyond its memory keep nothing
+/// (`GWTF_TASK_KIND_DISCARD`) and run again before their backwards (which
+/// fail, nothing kept, if they do not). The holders' losses are those of
+/// the same swarm whose relay has memory to spare.
+#[test]
+fn a_cpp_relay_short_of_memory_recomputes_and_trains_the_same() {
+    let Some((_turn, cpp, dir, key)) = prepare("swarm_stage") else {
+        return;
+    };
+    const ITERS: u32 = 4;
+    const RELAY: u32 = 3;
+    let layout: [(u32, u16, bool); 4] = [
+        (1, 0, false),
+        (2, 0, false),
+        (RELAY, 1, true),
+        (4, 2, false),
+    ];
+    let run = |name: &str, short: bool| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let extra = |id: u32| {
+            if short && id == RELAY {
+                // 1 MiB of memory, 1 MiB a microbatch.
+                [
+                    "--memory-mb",
+                    "1",
+                    "--microbatch-bytes",
+                    "1048576",
+                    "--recompute",
+                ]
+                .map(String::from)
+                .to_vec()
+            } else {
+                Vec::new()
+            }
+        };
+        let seen = mixed_swarm(&cpp, &sub, &key, &layout, ITERS, &extra);
+        assert!(
+            !seen
+                .iter()
+                .any(|(_, v)| v["event"] == "error" || v["event"] == "task_failed"),
+            "{name}: an error"
+        );
+        let discards = seen.iter().filter(|(_, v)| v["event"] == "discard").count();
+        let losses: BTreeMap<(u32, u64), f64> = seen
+            .iter()
+            .filter(|(_, v)| v["event"] == "iteration")
+            .map(|(id, v)| {
+                (
+                    (*id, v["iteration"].as_u64().unwrap()),
+                    v["loss"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(losses.len(), 2 * ITERS as usize, "{name}: {losses:?}");
+        (discards, losses)
+    };
+    let (none, roomy) = run("roomy", false);
+    let (discards, short) = run("short", true);
+    assert_eq!(none, 0, "a relay with memory to spare dropped a forward");
+    assert!(
+        discards > 0,
+        "the relay short of memory recomputed no forward"
+    );
+    for (k, want) in &roomy {
+        let got = short[k];
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "holder {} iteration {}: loss {got} with recompute, {want} without",
+            k.0,
+            k.1
+        );
+    }
+    println!(
+        "test: {discards} forwards recomputed by the C++ relay; the holders' {} losses equal the roomy run's",
+        roomy.len()
     );
 }

@@ -24,6 +24,8 @@ struct Args {
     std::string listen, key_file, stage = "auto", model = "llama-tiny";
     uint32_t id = 0, iterations = 30, microbatches = 4, stages = 4, memory_mb = 256;
     uint32_t slow_ms = 0;  // test aid: each microbatch task takes this much longer
+    uint64_t microbatch_bytes = 0;  // memory one microbatch takes here (0: the library's guess)
+    bool recompute = false;         // the trainer can run a forward again (GWTF_TASK_KIND_DISCARD)
     int relay_stages = 2;
     bool holder = false, log = false;
     bool trace_work = false;  // test aid: a line before each microbatch task
@@ -37,7 +39,8 @@ struct Args {
                  "%s: %s\nusage: %s --listen ADDR --key-file FILE [--id N] "
                  "(--peer ID/STAGE/ADDR ... | --join ADDR) [--holder | --stage K|auto] "
                  "[--relay-stages N] [--model PRESET --stages S] [--iterations N] "
-                 "[--microbatches N] [--seed N] [--memory-mb N] [--slow-ms N] [--trace-work] [--log]\n",
+                 "[--microbatches N] [--seed N] [--memory-mb N] [--microbatch-bytes N] [--recompute] "
+                 "[--slow-ms N] [--trace-work] [--log]\n",
                  prog, why.c_str(), prog);
     std::exit(2);
 }
@@ -70,6 +73,8 @@ inline Args parse(int argc, char **argv) {
         else if (k == "--microbatches") a.microbatches = (uint32_t)num();
         else if (k == "--seed") a.seed = num();
         else if (k == "--memory-mb") a.memory_mb = (uint32_t)num();
+        else if (k == "--microbatch-bytes") a.microbatch_bytes = num();
+        else if (k == "--recompute") a.recompute = true;
         else if (k == "--slow-ms") a.slow_ms = (uint32_t)num();
         else if (k == "--trace-work") a.trace_work = true;
         else if (k == "--log") a.log = true;
@@ -140,6 +145,8 @@ inline void base_options(const Args &a, Options &out) {
     out.o.swarm_key = reinterpret_cast<const uint8_t *>(out.key.data());
     out.o.swarm_key_len = out.key.size();
     out.o.memory_budget_bytes = (uint64_t)a.memory_mb << 20;
+    out.o.microbatch_bytes = a.microbatch_bytes;
+    out.o.recompute = a.recompute ? 1 : 0;
     out.o.seed = a.seed;
     out.o.microbatches_per_iteration = a.microbatches;
     out.o.log_to_stderr = a.log ? 1 : 0;

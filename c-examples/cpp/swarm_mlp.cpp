@@ -306,6 +306,12 @@ public:
             }
             weights(t);
             break;
+        case GWTF_TASK_KIND_DISCARD:
+            // Memory is full (--recompute): drop what this forward kept;
+            // the same forward comes again before its backward.
+            st_.kept.erase(mb_of(t.mb));
+            peer_.done(t.id);
+            break;
         case GWTF_TASK_KIND_FORGET:
             st_.forget(t.iteration);
             peer_.done(t.id);

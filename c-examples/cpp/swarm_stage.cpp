@@ -9,6 +9,9 @@
 //               --peer 1/0/127.0.0.1:7001 --peer 3/1/127.0.0.1:7003 ...
 //
 // The model flags must be those of the swarm's `gwtf node` processes.
+// With --recompute (and memory for few microbatches: --memory-mb,
+// --microbatch-bytes) a forward beyond memory keeps nothing and runs again
+// before its backward, as `gwtf node` does.
 #include "swarm_common.hpp"
 
 #include <algorithm>
@@ -184,6 +187,19 @@ private:
                 return why;
             }
             return new_state(t, std::move(before));
+        }
+        case GWTF_TASK_KIND_DISCARD: {
+            // Memory is full (--recompute): drop what this forward kept.
+            // Before its backward the same forward comes again.
+            auto it = ids_.find(mb_of(t.mb));
+            if (it != ids_.end()) {
+                gwtf_stage_discard(stage_.get(), it->second, nullptr, nullptr);
+                ids_.erase(it);
+            }
+            std::printf("{\"event\":\"discard\",\"node\":%u,\"iteration\":%u}\n", id_,
+                        t.mb.iteration);
+            peer_->done(t.id);
+            return "";
         }
         case GWTF_TASK_KIND_FORGET:
             for (auto it = ids_.begin(); it != ids_.end();) {

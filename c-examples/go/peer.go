@@ -56,6 +56,10 @@ type PeerOptions struct {
 	GradientBytes            []uint64 // nil: the activations' sizes
 	StateBytes               []uint64
 	LogToStderr              bool
+	// The trainer can run a forward again: a relay whose memory is full
+	// gets TaskDiscard for a forward, and that forward again before its
+	// backward, instead of waiting for memory.
+	Recompute bool
 }
 
 // TaskKind is a GWTF_TASK_KIND_* value: a task (below 100) to answer once,
@@ -74,6 +78,7 @@ const (
 	TaskExportState      = TaskKind(C.GWTF_TASK_KIND_EXPORT_STATE)
 	TaskImportState      = TaskKind(C.GWTF_TASK_KIND_IMPORT_STATE)
 	TaskForget           = TaskKind(C.GWTF_TASK_KIND_FORGET)
+	TaskDiscard          = TaskKind(C.GWTF_TASK_KIND_DISCARD)
 	TaskInitState        = TaskKind(C.GWTF_TASK_KIND_INIT_STATE)
 	EventIteration       = TaskKind(C.GWTF_TASK_KIND_EVENT_ITERATION)
 	EventCommitted       = TaskKind(C.GWTF_TASK_KIND_EVENT_COMMITTED)
@@ -225,6 +230,9 @@ func NewPeer(o PeerOptions) (*Peer, error) {
 	opts.state_bytes = (*C.uint64_t)(keep(unsafe.Pointer(cArray(o.StateBytes))))
 	if o.LogToStderr {
 		opts.log_to_stderr = 1
+	}
+	if o.Recompute {
+		opts.recompute = 1
 	}
 	var p *C.gwtf_peer
 	var cerr *C.gwtf_error

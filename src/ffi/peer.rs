@@ -33,7 +33,7 @@ use crate::swarm::runtime::{
 };
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
-pub const GWTF_PEER_OPTIONS_VERSION: u32 = 1;
+pub const GWTF_PEER_OPTIONS_VERSION: u32 = 2;
 /// Current version of `gwtf_peer_stats`.
 pub const GWTF_PEER_STATS_VERSION: u32 = 1;
 /// `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
@@ -128,6 +128,13 @@ pub enum gwtf_task_kind {
     /// (`has_iteration` 0: before any); a microbatch of that iteration
     /// runs on them too. Answer: `gwtf_peer_task_done_weights`.
     InitState = 11,
+    /// Relay, only with `recompute` set in the peer's options: drop what
+    /// the forward of `mb` kept for its backward (its activations). Its
+    /// backward still comes: first a `GWTF_TASK_KIND_FORWARD` of `mb` on
+    /// the same input again (keep what it keeps, as for any forward), then
+    /// the `GWTF_TASK_KIND_BACKWARD`. Answer: `gwtf_peer_task_done` with
+    /// NULL.
+    Discard = 12,
     /// Event, holder: iteration `iteration` is final; `loss` is the mean
     /// loss of this holder's `microbatches` microbatches.
     EventIteration = 100,
@@ -259,6 +266,14 @@ pub struct gwtf_peer_options {
     pub compute_estimate_us: u32,
     /// Log connections, refusals and recoveries to stderr when non-zero.
     pub log_to_stderr: u32,
+    /// 1: this peer's trainer can run a forward again (activation
+    /// recompute). A relay whose memory is full then runs a forward at once
+    /// and drops what it kept (`GWTF_TASK_KIND_DISCARD`), and before its
+    /// backward runs that forward again on the same input, instead of
+    /// waiting for memory; the swarm routes as many microbatches through
+    /// it as its GPU serves. 0: every forward keeps its activations, and a
+    /// forward waits while memory is full. Default 0. (Version 2.)
+    pub recompute: u32,
 }
 
 /// A task or an event, written by `gwtf_peer_next_task`. Which fields mean
@@ -427,31 +442,75 @@ unsafe fn sizes(p: *const u64, n: usize, what: &str, zero_ok: bool) -> FfiResult
 pub extern "C" fn gwtf_peer_options_init(opts: *mut gwtf_peer_options) -> gwtf_status {
     guard(std::ptr::null_mut(), || {
         require_out(opts, "opts")?;
-        let v = gwtf_peer_options {
-            version: GWTF_PEER_OPTIONS_VERSION,
-            role: gwtf_peer_role::Relay as i32,
-            listen_addr: c"127.0.0.1:0".as_ptr(),
-            node_id: 0,
-            stage: GWTF_STAGE_AUTO,
-            bootstrap: std::ptr::null(),
-            bootstrap_len: 0,
-            swarm_key: std::ptr::null(),
-            swarm_key_len: 0,
-            memory_budget_bytes: 256 << 20,
-            microbatch_bytes: 0,
-            seed: 1,
-            relay_stages: 0,
-            microbatches_per_iteration: 4,
-            activation_bytes: std::ptr::null(),
-            gradient_bytes: std::ptr::null(),
-            state_bytes: std::ptr::null(),
-            compute_estimate_us: 10_000,
-            log_to_stderr: 0,
-        };
+        let v = default_options();
         // SAFETY: checked non-NULL.
         unsafe { write_out(opts, v) };
         Ok(())
     })
+}
+
+/// The options `gwtf_peer_options_init` writes.
+fn default_options() -> gwtf_peer_options {
+    gwtf_peer_options {
+        version: GWTF_PEER_OPTIONS_VERSION,
+        role: gwtf_peer_role::Relay as i32,
+        listen_addr: c"127.0.0.1:0".as_ptr(),
+        node_id: 0,
+        stage: GWTF_STAGE_AUTO,
+        bootstrap: std::ptr::null(),
+        bootstrap_len: 0,
+        swarm_key: std::ptr::null(),
+        swarm_key_len: 0,
+        memory_budget_bytes: 256 << 20,
+        microbatch_bytes: 0,
+        seed: 1,
+        relay_stages: 0,
+        microbatches_per_iteration: 4,
+        activation_bytes: std::ptr::null(),
+        gradient_bytes: std::ptr::null(),
+        state_bytes: std::ptr::null(),
+        compute_estimate_us: 10_000,
+        log_to_stderr: 0,
+        recompute: 0,
+    }
+}
+
+/// The caller's options, of any version this library knows. A struct of an
+/// older version is shorter: only its fields are read, and those appended
+/// since keep their defaults.
+///
+/// # Safety
+/// `opts` is non-NULL and points to a readable options struct of the
+/// version its first field says.
+unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_options> {
+    // SAFETY: every version starts with its version.
+    let version = unsafe { std::ptr::addr_of!((*opts).version).read() };
+    let len = match version {
+        1 => std::mem::offset_of!(gwtf_peer_options, recompute),
+        GWTF_PEER_OPTIONS_VERSION => std::mem::size_of::<gwtf_peer_options>(),
+        v => {
+            return Err(FfiError::new(
+                gwtf_status::UnsupportedVersion,
+                format!(
+                    "gwtf_peer_options.version is {v} but this library knows 1..={} \
+                     (call gwtf_peer_options_init)",
+                    GWTF_PEER_OPTIONS_VERSION
+                ),
+            ))
+        }
+    };
+    let mut o = default_options();
+    // SAFETY: the caller's struct of this version has `len` readable bytes;
+    // `o` is a whole struct; every field is a plain integer or pointer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            opts.cast::<u8>(),
+            (&mut o as *mut gwtf_peer_options).cast::<u8>(),
+            len,
+        )
+    };
+    o.version = GWTF_PEER_OPTIONS_VERSION;
+    Ok(o)
 }
 
 fn random_id() -> NodeId {
@@ -466,18 +525,9 @@ fn random_id() -> NodeId {
     }
 }
 
-/// The runtime's options from C's, all checked before anything starts.
+/// The runtime's options from C's (read by [`read_options`]), all checked
+/// before anything starts.
 fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSizes)> {
-    if o.version == 0 || o.version > GWTF_PEER_OPTIONS_VERSION {
-        return Err(FfiError::new(
-            gwtf_status::UnsupportedVersion,
-            format!(
-                "gwtf_peer_options.version is {} but this library knows 1..={} \
-                 (call gwtf_peer_options_init)",
-                o.version, GWTF_PEER_OPTIONS_VERSION
-            ),
-        ));
-    }
     let role = gwtf_peer_role::from_c(o.role)?;
     if o.relay_stages == 0 || o.relay_stages > GWTF_PEER_MAX_RELAY_STAGES {
         return Err(FfiError::invalid(format!(
@@ -584,9 +634,11 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         parse_addr(o.listen_addr, "opts->listen_addr")?
     };
     let mut proto = realtime_config(relay_stages, tensor.max() as u64);
-    // The C task kinds have no "drop a forward's activations": a C
-    // trainer keeps them, and a relay whose memory is full waits.
-    proto.recompute = false;
+    proto.recompute = match o.recompute {
+        0 => false,
+        1 => true,
+        x => return Err(FfiError::invalid(format!("recompute is {x}: 0 or 1"))),
+    };
     proto.mb_per_iter = o.microbatches_per_iteration.max(1);
     proto.stage_state_bytes = state.iter().map(|&x| x as u64).collect();
     // Memory one microbatch takes here: the caller's figure, or four times
@@ -673,8 +725,8 @@ pub extern "C" fn gwtf_peer_new(
             return Err(FfiError::null("opts"));
         }
         // SAFETY: non-NULL; the caller passes a readable options struct.
-        let o = unsafe { &*opts };
-        let (ro, tensor) = runtime_options(o)?;
+        let o = unsafe { read_options(opts)? };
+        let (ro, tensor) = runtime_options(&o)?;
         let (id, stage) = (ro.id, ro.stage as u32);
         let rt = Runtime::start_pulled_sized(ro, tensor).map_err(engine_err)?;
         let p = gwtf_peer {
@@ -779,8 +831,8 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::Apply { .. } => gwtf_task_kind::Apply,
         WorkKind::ExportState => gwtf_task_kind::ExportState,
         WorkKind::ImportState { .. } => gwtf_task_kind::ImportState,
-        // Answered by the library (see `next`): never given to C.
-        WorkKind::Forget { .. } | WorkKind::Discard => gwtf_task_kind::Forget,
+        WorkKind::Forget { .. } => gwtf_task_kind::Forget,
+        WorkKind::Discard => gwtf_task_kind::Discard,
         WorkKind::InitState { .. } => gwtf_task_kind::InitState,
     }
 }
@@ -1062,13 +1114,6 @@ impl gwtf_peer {
                 .min(Duration::from_millis(20));
             if let Some(w) = self.port.next_work(slice) {
                 let id = w.id;
-                if w.kind == WorkKind::Discard {
-                    // Peers made from C run without the protocol's
-                    // recompute (their trainers keep every forward's
-                    // activations): none comes; one would change nothing.
-                    let _ = self.port.complete(id, Ok(Output::None));
-                    continue;
-                }
                 let (t, held) = task_of(w, self.port.sizes());
                 self.held.lock().insert(id, held);
                 self.counters.given.fetch_add(1, Ordering::Relaxed);

@@ -9,6 +9,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -100,6 +101,24 @@ static void bad_options(void) {
     o.bootstrap_len = 1;
     c.addr = "not an address";
     expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    c.addr = "127.0.0.1:1";
+    o.recompute = 2;
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    o.recompute = 0;
+    /* A caller built against version 1 passes a shorter struct (no
+     * `recompute`): only that much is read (AddressSanitizer would see a
+     * read past it), and it is judged on its own fields. */
+    {
+        union {
+            uint64_t align;
+            unsigned char b[offsetof(gwtf_peer_options, recompute)];
+        } v1;
+        o.version = 1;
+        o.relay_stages = 0;
+        memcpy(v1.b, &o, sizeof v1.b);
+        expect_fail(gwtf_peer_new((const gwtf_peer_options *)(const void *)v1.b, &p, &err), &err,
+                    GWTF_STATUS_INVALID_ARGUMENT);
+    }
     EXPECT(p == NULL);
 }
 
