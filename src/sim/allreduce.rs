@@ -117,15 +117,20 @@ fn relaxed_ring_step(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
 }
 
 /// A lower bound on the all-reduce of a stage of `params` parameters among
-/// members in `regions`, by any ring: `2 (n-1)` steps of at least
-/// [`ring_step_lower_bound`] each.
+/// members in `regions`, by any ring: `2 (n-1)` steps of at least the best
+/// ring's slowest link. Links depend on the regions only, so that ring is
+/// known exactly ([`ring::best_ring_bottleneck_grouped`]) unless the
+/// members are spread too thinly over too many regions; then
+/// [`ring_step_lower_bound`].
 pub fn allreduce_lower_bound(regions: &[usize], params: u64, links: &Links) -> f64 {
     let n = regions.len();
     if n < 2 {
         return 0.0;
     }
     let chunk = chunk_bytes(params, n);
-    let step = ring_step_lower_bound(n, |a, b| links.send_secs(regions[a], regions[b], chunk));
+    let by_region = |a: usize, b: usize| links.send_secs(a, b, chunk);
+    let step = ring::best_ring_bottleneck_grouped(regions, by_region)
+        .unwrap_or_else(|| ring_step_lower_bound(n, |a, b| by_region(regions[a], regions[b])));
     2.0 * (n - 1) as f64 * step
 }
 
@@ -224,5 +229,36 @@ mod tests {
         let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], 1e6);
         let exact = ring::best_ring_bottleneck(8, step);
         assert!(relaxed_ring_step(8, step) <= exact + 1e-12);
+    }
+
+    /// Thirteen members (beyond the exact member-level ring): six in a, six
+    /// in c, one in b. A ring goes from the a's to the c's and back; b can
+    /// carry one of the two crossings, so the other is the slow a-c link:
+    /// that is the bound (the regions' exact ring), above the relaxation's
+    /// b-c, and the order the coordinator computes reaches it. With a
+    /// second member in b both crossings go through b: b-c.
+    #[test]
+    fn beyond_twelve_members_the_bound_is_the_regions_exact_ring() {
+        let link = three();
+        let links = Links {
+            link: &link,
+            nic: 80e6,
+        };
+        let params = 12_999_999;
+        let chunk = chunk_bytes(params, 13);
+        let (ac, bc) = (0.050 + chunk / 10e6, 0.020 + chunk / 50e6);
+        let mut regions = vec![1];
+        regions.extend([0; 6]);
+        regions.extend([2; 6]);
+        let lb = allreduce_lower_bound(&regions, params, &links);
+        assert!((lb - 24.0 * ac).abs() < 1e-9, "{lb}");
+        let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
+        assert!((relaxed_ring_step(13, step) - bc).abs() < 1e-9);
+        let ring = ring::order(13, step);
+        let ordered: Vec<usize> = ring.iter().map(|&m| regions[m]).collect();
+        assert!((ring_allreduce_secs(&ordered, params, &links) - lb).abs() < 1e-9);
+        regions[1] = 1;
+        let lb = allreduce_lower_bound(&regions, params, &links);
+        assert!((lb - 24.0 * bc).abs() < 1e-9, "{lb}");
     }
 }

@@ -21,9 +21,11 @@ const PROBED_PER_CYCLE: usize = 8;
 const MEASURED_MAX: usize = 16;
 /// Links a member reports (its cheapest).
 pub(super) const REPORTED_LINKS: usize = 64;
-/// Rings up to this size are also toured with 2-opt moves (`O(n^4)` at
-/// worst) and the better of that tour and the clusters' is kept; larger
-/// ones are ordered by clusters only (sorting the known links).
+/// Rings up to this size are also ordered by [`ring::order`] (2-opt and
+/// Or-opt moves, `O(n^4)` at worst, and the exact ring over groups of
+/// members with equal links) and the better of that and the clusters' tour
+/// is kept; larger ones are ordered by clusters only (sorting the known
+/// links).
 const TWO_OPT_MAX: usize = 64;
 /// The stream of the rendezvous hash that picks the measured members.
 const RING: u64 = 0x7269_6e67;
@@ -170,7 +172,7 @@ impl Node {
     }
 
     /// Coordinator: `members` in the ring order to commit: exact up to
-    /// [`ring::EXACT_MAX`] members; beyond, the better of the 2-opt tour
+    /// [`ring::EXACT_MAX`] members; beyond, the better of [`ring::order`]'s
     /// (up to [`TWO_OPT_MAX`]) and the tour of clusters of near members
     /// ([`ring_clusters::order_by_clusters`], made for what a large group
     /// knows: a few links per member).
