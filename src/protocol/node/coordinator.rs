@@ -17,6 +17,10 @@ pub(super) struct Coordinator {
     /// recomputed after a short grace for the members' syncs, not after
     /// `redo_timeout`.
     pub(super) inherited: Option<(Time, u32)>,
+    /// The members whose sync reached this node since it took over from a
+    /// coordinator that is gone: once every live member's has, nothing
+    /// more can come, and the grace is over.
+    pub(super) synced: BTreeSet<NodeId>,
 }
 
 #[derive(Clone, Debug)]
@@ -243,7 +247,11 @@ impl Node {
                 ci.missing = Some(m);
             }
             ci.end = Some((origin, holders));
-            self.coord_check(iter);
+            if self.syncs_all_in(iter) {
+                self.settle_missing(iter);
+            } else {
+                self.coord_check(iter);
+            }
         }
     }
 
@@ -438,58 +446,87 @@ impl Node {
 
     pub(super) fn coord_tick(&mut self) {
         let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
-        let now = self.now;
-        let timeout = self.cfg.redo_timeout;
-        let grace = sync_grace(&self.cfg);
         for k in iters {
-            // Expected microbatches never claimed (their node died before it
-            // could claim and the data path did not recover them in time).
-            let missing: Vec<MbId> = {
-                let ci = &self.coordinating.coord_iters[&k];
-                if ci.applied || ci.commit.is_some() {
-                    Vec::new()
-                } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
-                    let due = self
-                        .coordinating
-                        .missing_deadline(k, ci.end_at, grace, timeout);
-                    if due <= now {
-                        missing
-                            .iter()
-                            .copied()
-                            .filter(|m| !ci.lost.contains_key(m))
-                            .collect()
-                    } else {
-                        Vec::new()
-                    }
-                } else {
-                    Vec::new()
-                }
-            };
-            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
-            for &mb in &missing {
-                ci.lost.insert(
-                    mb,
-                    Lost {
-                        prev: None,
-                        next: None,
-                        dead: NodeId::MAX,
-                        since: now,
-                        level: 1,
-                    },
-                );
-            }
-            // Level 1: restart from the holder now (SWARM: `redo_lost`
-            // drops it).
-            let drops = self.stage != 0 && self.policy().drops_lost_contributions();
-            for mb in missing.into_iter().filter(|_| !drops) {
-                self.send(mb.holder, Msg::Restart { mb, attempt: None });
-            }
-            self.redo_lost(k);
-            self.coord_check(k);
+            self.settle_missing(k);
         }
         if self.stage == 0 {
             self.barrier_tick();
         }
+    }
+
+    /// Whether `iter`'s grants were partly lost with a coordinator that is
+    /// gone (see [`Coordinator::inherited`]) and every live member has
+    /// synced its own since: nothing more can come for it.
+    fn syncs_all_in(&self, iter: u32) -> bool {
+        matches!(self.coordinating.inherited, Some((_, upto)) if iter <= upto) && self.all_synced()
+    }
+
+    /// Whether every live member of the group synced with this node since
+    /// it took over from a coordinator that is gone: itself too (its own
+    /// sync, sent to itself, comes after its own claims).
+    pub(super) fn all_synced(&self) -> bool {
+        let synced = &self.coordinating.synced;
+        self.group
+            .members
+            .iter()
+            .all(|&m| !self.alive(m) || synced.contains(&m))
+    }
+
+    /// Iteration `k`'s expected microbatches never claimed (their node died
+    /// before it could claim and the data path did not recover them in
+    /// time) are taken for lost once their deadline passed (see
+    /// [`Coordinator::missing_deadline`]; no grace once every live member
+    /// synced); then what is lost is redone, and a commit tried.
+    fn settle_missing(&mut self, k: u32) {
+        let now = self.now;
+        let timeout = self.cfg.redo_timeout;
+        let grace = if self.all_synced() {
+            0
+        } else {
+            sync_grace(&self.cfg)
+        };
+        let missing: Vec<MbId> = {
+            let ci = &self.coordinating.coord_iters[&k];
+            if ci.applied || ci.commit.is_some() {
+                Vec::new()
+            } else if let (Some(_), Some(missing)) = (&ci.end, &ci.missing) {
+                let due = self
+                    .coordinating
+                    .missing_deadline(k, ci.end_at, grace, timeout);
+                if due <= now {
+                    missing
+                        .iter()
+                        .copied()
+                        .filter(|m| !ci.lost.contains_key(m))
+                        .collect()
+                } else {
+                    Vec::new()
+                }
+            } else {
+                Vec::new()
+            }
+        };
+        let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
+        for &mb in &missing {
+            ci.lost.insert(
+                mb,
+                Lost {
+                    prev: None,
+                    next: None,
+                    dead: NodeId::MAX,
+                    since: now,
+                    level: 1,
+                },
+            );
+        }
+        // Level 1: restart from the holder now (SWARM: `redo_lost`
+        // drops it).
+        let drops = self.stage != 0 && self.policy().drops_lost_contributions();
+        for mb in missing.into_iter().filter(|_| !drops) {
+            self.send(mb.holder, Msg::Restart { mb, attempt: None });
+        }
+        self.redo_lost(k);
+        self.coord_check(k);
     }
 
     pub(super) fn expected(&self, iter: u32, holders: &[NodeId]) -> Vec<MbId> {
@@ -687,6 +724,16 @@ impl Node {
             if let Some((origin, holders)) = end {
                 self.on_end_iter(from, iter, origin, holders);
             }
+            if self.coordinating.inherited.is_some() && self.coordinating.synced.insert(from) {
+                // The last live member's sync: what is still missing is
+                // lost now, not a heartbeat period later.
+                let iters: Vec<u32> = (self.coordinating.coord_iters.keys().copied())
+                    .filter(|&k| self.syncs_all_in(k))
+                    .collect();
+                for k in iters {
+                    self.settle_missing(k);
+                }
+            }
         } else if self.phase == Phase::Active && from != self.id {
             // The member takes us for its coordinator: it saw ours
             // leave or die before we did (a Goodbye or a suspicion
@@ -756,6 +803,7 @@ impl Node {
         if let Some(old) = old {
             if !self.alive(old) {
                 self.coordinating.inherited = Some((self.now, self.iters.next_hint()));
+                self.coordinating.synced.clear();
             }
             self.sync_to(self.id);
         }

@@ -49,6 +49,11 @@ pub(super) struct Acc {
     pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
 }
 
+/// Each microbatch of `claims` with the hop it came from and went to.
+fn hops(claims: &BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>) -> Vec<(MbId, NodeId, NodeId)> {
+    claims.iter().map(|(m, (p, n, _))| (*m, *p, *n)).collect()
+}
+
 impl Node {
     /// The commit an aggregate task `id` runs, with this member's granted
     /// microbatches (None: not a live aggregate task).
@@ -90,29 +95,16 @@ impl Node {
         )
     }
 
+    /// Tells coordinator `c` (new, or this node itself) everything it had
+    /// from this member: its claims not answered yet, then its grants, per
+    /// iteration (a Sync even with none). On one connection they arrive in
+    /// that order, so once a member's Sync is in, so are its claims: a
+    /// coordinator that took over from a dead one knows it has heard all
+    /// a member had to say ([`Node::all_synced`]).
     pub(super) fn sync_to(&mut self, c: NodeId) {
         let iters: Vec<u32> = self.member.acc.keys().copied().collect();
-        for k in iters {
-            let a = &self.member.acc[&k];
-            let granted: Vec<(MbId, NodeId, NodeId)> = a
-                .granted
-                .iter()
-                .map(|(m, (p, n, _))| (*m, *p, *n))
-                .collect();
-            let pend: Vec<(MbId, NodeId, NodeId)> = a
-                .pending
-                .iter()
-                .map(|(m, (p, n, _))| (*m, *p, *n))
-                .collect();
-            self.send(
-                c,
-                Msg::Sync {
-                    iter: k,
-                    granted,
-                    end: None,
-                },
-            );
-            for (mb, prev, next) in pend {
+        for &k in &iters {
+            for (mb, prev, next) in hops(&self.member.acc[&k].pending) {
                 self.send(
                     c,
                     Msg::Claim {
@@ -123,6 +115,28 @@ impl Node {
                     },
                 );
             }
+        }
+        for &k in &iters {
+            let granted = hops(&self.member.acc[&k].granted);
+            self.send(
+                c,
+                Msg::Sync {
+                    iter: k,
+                    granted,
+                    end: None,
+                },
+            );
+        }
+        if iters.is_empty() {
+            let iter = self.iters.next_hint();
+            self.send(
+                c,
+                Msg::Sync {
+                    iter,
+                    granted: Vec::new(),
+                    end: None,
+                },
+            );
         }
         if self.stage == 0 {
             if let Some(k) = self.dh.iter {

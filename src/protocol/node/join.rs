@@ -150,6 +150,7 @@ impl Node {
         }
         self.iters.hear_next(next, false);
         self.coordinating.inherited = Some((self.now, next));
+        self.coordinating.synced.clear();
         self.group.adopt([], self.id);
         // Only the views that matter to this stage.
         let (ps, ns) = (self.prev_stage(), self.next_stage());
