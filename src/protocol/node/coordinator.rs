@@ -6,9 +6,9 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct Coordinator {
     pub(super) coord_iters: BTreeMap<u32, CoordIter>,
-    /// Syncs that reached this node before it knew it coordinates (a
-    /// member saw the old coordinator leave or die first): (when, from,
-    /// message), replayed once it takes over.
+    /// Syncs and claims that reached this node before it knew it
+    /// coordinates (a member saw the old coordinator leave or die first):
+    /// (when, from, message), replayed in order once it takes over.
     pub(super) early_syncs: Vec<(Time, NodeId, Msg)>,
     /// When this node took over from a coordinator that is gone, and the
     /// iteration it believed came next then: the grants of that
@@ -17,10 +17,13 @@ pub(super) struct Coordinator {
     /// recomputed after a short grace for the members' syncs, not after
     /// `redo_timeout`.
     pub(super) inherited: Option<(Time, u32)>,
-    /// The members whose sync reached this node since it took over from a
-    /// coordinator that is gone: once every live member's has, nothing
-    /// more can come, and the grace is over.
-    pub(super) synced: BTreeSet<NodeId>,
+    /// By iteration, the members whose sync of it reached this node since
+    /// it took over from a coordinator that is gone: once every live
+    /// member's has, nothing more can come for it, and its grace is over.
+    /// (A member with nothing left of an iteration, applied already, syncs
+    /// none: that iteration keeps its grace, time for this node's own
+    /// apply.)
+    pub(super) synced: BTreeMap<u32, BTreeSet<NodeId>>,
 }
 
 #[derive(Clone, Debug)]
@@ -56,6 +59,7 @@ impl Coordinator {
     /// Forgets the iterations before `iter`.
     pub(super) fn forget_before(&mut self, iter: u32) {
         self.coord_iters.retain(|k, _| *k >= iter);
+        self.synced.retain(|k, _| *k >= iter);
     }
 
     /// When the microbatches still missing at the end of `iter` (which ended
@@ -126,7 +130,17 @@ impl Node {
         next: NodeId,
     ) {
         if self.group.coord != Some(self.id) {
-            // Not the coordinator (any more): tell the member who is.
+            // Not the coordinator (any more): tell the member who is; kept
+            // in case it is the coordinator-to-be (see `keep_early`).
+            self.keep_early(
+                from,
+                Msg::Claim {
+                    iter,
+                    mb,
+                    prev,
+                    next,
+                },
+            );
             let members = self.group.members.list();
             self.send(
                 from,
@@ -458,18 +472,18 @@ impl Node {
     /// gone (see [`Coordinator::inherited`]) and every live member has
     /// synced its own since: nothing more can come for it.
     fn syncs_all_in(&self, iter: u32) -> bool {
-        matches!(self.coordinating.inherited, Some((_, upto)) if iter <= upto) && self.all_synced()
+        matches!(self.coordinating.inherited, Some((_, upto)) if iter <= upto)
+            && self.all_synced(iter)
     }
 
-    /// Whether every live member of the group synced with this node since
-    /// it took over from a coordinator that is gone: itself too (its own
-    /// sync, sent to itself, comes after its own claims).
-    pub(super) fn all_synced(&self) -> bool {
-        let synced = &self.coordinating.synced;
-        self.group
-            .members
-            .iter()
-            .all(|&m| !self.alive(m) || synced.contains(&m))
+    /// Whether every live member of the group synced `iter` with this node
+    /// since it took over from a coordinator that is gone: itself too (its
+    /// own sync, sent to itself, comes after its own claims).
+    pub(super) fn all_synced(&self, iter: u32) -> bool {
+        let Some(synced) = self.coordinating.synced.get(&iter) else {
+            return false;
+        };
+        (self.group.members.iter()).all(|&m| !self.alive(m) || synced.contains(&m))
     }
 
     /// Iteration `k`'s expected microbatches never claimed (their node died
@@ -480,7 +494,7 @@ impl Node {
     fn settle_missing(&mut self, k: u32) {
         let now = self.now;
         let timeout = self.cfg.redo_timeout;
-        let grace = if self.all_synced() {
+        let grace = if self.all_synced(k) {
             0
         } else {
             sync_grace(&self.cfg)
@@ -724,35 +738,40 @@ impl Node {
             if let Some((origin, holders)) = end {
                 self.on_end_iter(from, iter, origin, holders);
             }
-            if self.coordinating.inherited.is_some() && self.coordinating.synced.insert(from) {
-                // The last live member's sync: what is still missing is
-                // lost now, not a heartbeat period later.
-                let iters: Vec<u32> = (self.coordinating.coord_iters.keys().copied())
-                    .filter(|&k| self.syncs_all_in(k))
-                    .collect();
-                for k in iters {
-                    self.settle_missing(k);
+            let c = &mut self.coordinating;
+            if c.inherited.is_some() && c.synced.entry(iter).or_default().insert(from) {
+                // The last live member's sync of `iter`: what is still
+                // missing there is lost now, not a heartbeat period later.
+                if self.coordinating.coord_iters.contains_key(&iter) && self.syncs_all_in(iter) {
+                    self.settle_missing(iter);
                 }
             }
-        } else if self.phase == Phase::Active && from != self.id {
-            // The member takes us for its coordinator: it saw ours
-            // leave or die before we did (a Goodbye or a suspicion
-            // can reach us later than its Sync). Dropping the Sync
-            // would lose its grants: the new coordinator would take
-            // its microbatches for missing and, at the holders'
-            // stage, drop them. Kept until we take over (or stale).
-            let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
-            let now = self.now;
-            self.coordinating
-                .early_syncs
-                .retain(|(t, _, _)| t + keep >= now);
-            // Bounded: a flood of syncs is not kept (a real group
-            // sends one per member per coordinator change).
-            if self.coordinating.early_syncs.len() < MAX_EARLY_SYNCS {
-                self.coordinating
-                    .early_syncs
-                    .push((now, from, Msg::Sync { iter, granted, end }));
-            }
+        } else {
+            self.keep_early(from, Msg::Sync { iter, granted, end });
+        }
+    }
+
+    /// A member takes this node, which does not coordinate, for its
+    /// coordinator: it saw ours leave or die before we did (a Goodbye or a
+    /// suspicion can reach us later than its Sync or Claim). Dropping its
+    /// Sync would lose its grants (the new coordinator would take its
+    /// microbatches for missing and, at the holders' stage, drop them);
+    /// dropping its Claim would leave it unanswered for a heartbeat period
+    /// (see `resend_stale_claims`). Kept until this node takes over (or
+    /// stale), then replayed in order: with them, every member's Sync
+    /// means its claims are in ([`Node::all_synced`]).
+    fn keep_early(&mut self, from: NodeId, msg: Msg) {
+        if self.phase != Phase::Active || from == self.id {
+            return;
+        }
+        let keep = 2 * self.cfg.suspect_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        let early = &mut self.coordinating.early_syncs;
+        early.retain(|(t, _, _)| t + keep >= now);
+        // Bounded: a flood is not kept (a real group sends one Sync per
+        // member per coordinator change, and its claims in flight).
+        if early.len() < MAX_EARLY_SYNCS {
+            early.push((now, from, msg));
         }
     }
 

@@ -131,6 +131,26 @@ fn a_successor_recomputes_its_predecessors_grants_at_once() {
     }
 }
 
+/// A claim that reaches a member before it knows it is the new coordinator
+/// (the claimant saw the old one go first) is answered with the member list
+/// and kept: when this node takes over, it grants it at once, instead of
+/// the claimant sending it again a heartbeat period later.
+#[test]
+fn a_claim_that_came_before_the_take_over_is_granted_with_it() {
+    let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
+    assert_eq!(n.group.coord, Some(1));
+    let acts = deliver(&mut n, 3, claim_of(5));
+    assert!(sends(&acts)
+        .iter()
+        .all(|(_, m)| !matches!(m, Msg::ClaimReply { .. })));
+    let acts = deliver(&mut n, 1, Msg::Goodbye);
+    assert_eq!(n.group.coord, Some(2));
+    let granted = sends(&acts).into_iter().any(|(to, m)| {
+        to == 3 && matches!(m, Msg::ClaimReply { mb, granted: true } if mb.idx == 5)
+    });
+    assert!(granted, "{acts:?}");
+}
+
 /// At the holders' stage, a coordinator that took over from a holder that
 /// finished the iteration and then left (or died, during the all-reduce)
 /// gives that holder's own microbatches up once every live holder synced
