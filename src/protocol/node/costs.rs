@@ -279,12 +279,13 @@ impl Node {
         need_spare: bool,
         exclude: &[NodeId],
     ) -> Option<(NodeId, f64)> {
-        self.hops_to_sink(sink, need_spare, exclude)
-            .into_iter()
-            .fold(None, |best, (j, c)| match best {
-                Some((_, b)) if b <= c => best,
-                _ => Some((j, c)),
-            })
+        let mut best: Option<(NodeId, f64)> = None;
+        self.hops_to_sink(sink, need_spare, exclude, |j, c| {
+            if best.is_none_or(|b| c < b.1) {
+                best = Some((j, c));
+            }
+        });
+        best
     }
 
     /// The next hop of a new flow to `sink`: drawn at random among those
@@ -298,7 +299,8 @@ impl Node {
         sink: NodeId,
         exclude: &[NodeId],
     ) -> Option<(NodeId, f64)> {
-        let hops = self.hops_to_sink(sink, true, exclude);
+        let mut hops = Vec::new();
+        self.hops_to_sink(sink, true, exclude, |j, c| hops.push((j, c)));
         let best = hops.iter().map(|h| h.1).fold(INF, f64::min);
         let near: Vec<(NodeId, f64)> = hops
             .into_iter()
@@ -311,22 +313,24 @@ impl Node {
     }
 
     /// Every next hop toward `sink` with its cost from this node's output
-    /// for one more flow (finite costs only; `need_spare`: only peers with
-    /// room for it; never those in `exclude`), in the peer view's order.
+    /// for one more flow, given to `hop` (finite costs only; `need_spare`:
+    /// only peers with room for it; never those in `exclude`), in the peer
+    /// view's order. A callback, not a list: [`Node::best_to_sink`] runs
+    /// for every offer and reroute, and allocates nothing.
     fn hops_to_sink(
         &self,
         sink: NodeId,
         need_spare: bool,
         exclude: &[NodeId],
-    ) -> Vec<(NodeId, f64)> {
+        mut hop: impl FnMut(NodeId, f64),
+    ) {
         if self.stage == self.s() {
             if self.alive(sink) && self.peers.contains_key(&sink) {
-                return vec![(sink, self.loaded_link_cost(sink, false))];
+                hop(sink, self.loaded_link_cost(sink, false));
             }
-            return Vec::new();
+            return;
         }
         let load = self.next_link_flows();
-        let mut hops = Vec::new();
         for (&j, p) in self.peers.of_stage(self.next_stage()) {
             if !self.is_next_candidate(j, p) || exclude.contains(&j) {
                 continue;
@@ -334,15 +338,13 @@ impl Node {
             if need_spare && p.spare == 0 {
                 continue;
             }
-            let c = match p.costs.get(sink) {
-                Some(c) => self.loaded_link_cost_to(p, load.on(j)) + c,
-                None => INF,
-            };
-            if c < INF {
-                hops.push((j, c));
+            if let Some(c) = p.costs.get(sink) {
+                let c = self.loaded_link_cost_to(p, load.on(j)) + c;
+                if c < INF {
+                    hop(j, c);
+                }
             }
         }
-        hops
     }
 
     /// The best cost to each sink through the next stage, the
