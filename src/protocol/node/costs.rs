@@ -302,9 +302,17 @@ impl Node {
         let mut hops = Vec::new();
         self.hops_to_sink(sink, true, exclude, |j, c| hops.push((j, c)));
         let best = hops.iter().map(|h| h.1).fold(INF, f64::min);
+        // A tolerance that makes no sense (negative, not a number) is 0:
+        // the cheapest is always among the drawn.
+        let tolerance = self.cfg.route_tie_tolerance;
+        let tolerance = if tolerance > 0.0 {
+            tolerance.min(1e6)
+        } else {
+            0.0
+        };
         let near: Vec<(NodeId, f64)> = hops
             .into_iter()
-            .filter(|h| h.1 <= best * (1.0 + self.cfg.route_tie_tolerance))
+            .filter(|h| h.1 <= best * (1.0 + tolerance))
             .collect();
         if near.is_empty() {
             return None;
@@ -610,9 +618,10 @@ pub(super) mod tests {
 
     /// A new flow's next hop is drawn among the near-cheapest: with 30 at
     /// 2.51 and 31 at 2.56 (2 % dearer) both are drawn under a tolerance of
-    /// 5 %, about evenly; 31 at 2.71 (8 %) never is; with tolerance 0 the
-    /// cheapest always wins, as `best_to_sink` says; a peer without spare
-    /// room or excluded is never drawn.
+    /// 5 %, about evenly; 31 at 2.71 (8 %) never is; with tolerance 0 (or
+    /// one that makes no sense: negative, not a number) the cheapest always
+    /// wins, as `best_to_sink` says; a peer without spare room or excluded
+    /// is never drawn.
     #[test]
     fn a_new_flow_goes_to_one_of_the_near_cheapest_next_hops() {
         let draws = |n: &mut Node, exclude: &[NodeId]| {
@@ -635,8 +644,11 @@ pub(super) mod tests {
             draws(&mut with(0.05, 1.2), &[]),
             BTreeMap::from([(30, 200)])
         );
-        let mut n = with(0.0, 1.05);
-        assert_eq!(draws(&mut n, &[]), BTreeMap::from([(30, 200)]));
+        for nonsense in [0.0, -1.0, f64::NAN] {
+            let mut n = with(nonsense, 1.05);
+            assert_eq!(draws(&mut n, &[]), BTreeMap::from([(30, 200)]));
+        }
+        let n = with(0.0, 1.05);
         assert_eq!(n.best_to_sink(0, true, &[]).map(|b| b.0), Some(30));
         let mut n = with(0.05, 1.05);
         assert_eq!(draws(&mut n, &[30]), BTreeMap::from([(31, 200)]));
