@@ -78,6 +78,24 @@ impl LinkFlows {
     }
 }
 
+/// A next-stage peer's gossiped costs as [`Node::my_costs`] merges them:
+/// each entry `c` costs `hop + max(c - own_share, 0)` from this node
+/// ([`Node::cost_through`]), which grows with `c`, so the list stays in
+/// order.
+struct PeerCosts<'a> {
+    /// The loaded hop to the peer, and this node's own GPU queue.
+    hop: f64,
+    /// The part of the peer's queue that is this node's own flows.
+    own_share: f64,
+    list: &'a [(NodeId, f64)],
+}
+
+impl PeerCosts<'_> {
+    fn through(&self, c: f64) -> f64 {
+        self.hop + (c - self.own_share).max(0.0)
+    }
+}
+
 /// The next entry of one candidate's cost list in `my_costs`' merge
 /// (ordered for a min-heap on (cost through the candidate, sink, list)).
 pub(super) struct MergeHead {
@@ -187,14 +205,25 @@ impl Node {
     }
 
     /// The part of next-stage peer `p`'s gossiped costs that is its GPU
-    /// queue for one more flow on top of a flow it already carries: an
-    /// existing flow through `p` does not wait behind itself.
-    fn own_share_of_queue(&self, p: &Peer) -> f64 {
+    /// queue behind this node's own `on_link` flows through it: their
+    /// microbatches reach `p` one after another on this node's link (the
+    /// link's load counts their wait), so a flow of this node does not wait
+    /// behind them on `p`'s GPU too; only flows from other upstream nodes,
+    /// which arrive at the same time over links of their own, do.
+    fn own_share_of_queue(&self, p: &Peer, on_link: u32) -> f64 {
         if p.stage == 0 {
             0.0
         } else {
-            self.cfg.gpu_load_weight * p.compute_s
+            self.cfg.gpu_load_weight * p.compute_s * on_link as f64
         }
+    }
+
+    /// Cost from this node's output to a sink through next-stage peer `p`,
+    /// whose gossiped cost to it is `c`, for a flow that shares this node's
+    /// link to `p` with `on_link` other flows: the loaded hop and `c` less
+    /// the queue behind this node's own flows there.
+    fn cost_through(&self, p: &Peer, on_link: u32, c: f64) -> f64 {
+        self.loaded_link_cost_to(p, on_link) + (c - self.own_share_of_queue(p, on_link)).max(0.0)
     }
 
     /// Whether peer `j` (entry `p`) is a next hop candidate: next stage,
@@ -217,8 +246,12 @@ impl Node {
         match self.peers.get(&j) {
             Some(p) => match p.costs.get(sink) {
                 Some(c) => {
-                    let others = self.link_flows(j).saturating_sub(1);
-                    self.loaded_link_cost_to(p, others) + (c - self.own_share_of_queue(p)).max(0.0)
+                    // Its microbatches go behind the others on the link
+                    // and behind none of this node's flows on `j`'s GPU
+                    // (itself included).
+                    let on_link = self.link_flows(j);
+                    self.loaded_link_cost_to(p, on_link.saturating_sub(1))
+                        + (c - self.own_share_of_queue(p, on_link)).max(0.0)
                 }
                 None => INF,
             },
@@ -238,7 +271,7 @@ impl Node {
         }
         match self.peers.get(&j) {
             Some(p) => match p.costs.get(sink) {
-                Some(c) => self.loaded_link_cost_to(p, self.link_flows(j)) + c,
+                Some(c) => self.cost_through(p, self.link_flows(j), c),
                 None => INF,
             },
             None => INF,
@@ -347,7 +380,7 @@ impl Node {
                 continue;
             }
             if let Some(c) = p.costs.get(sink) {
-                let c = self.loaded_link_cost_to(p, load.on(j)) + c;
+                let c = self.cost_through(p, load.on(j), c);
                 if c < INF {
                     hop(j, c);
                 }
@@ -385,21 +418,26 @@ impl Node {
             return v;
         }
         let ns = self.next_stage();
-        let mut lists: Vec<(f64, &[(NodeId, f64)])> = Vec::new();
+        let mut lists: Vec<PeerCosts> = Vec::new();
         for (&j, p) in self.peers.of_stage(ns) {
             if p.dead || p.banned_until > self.now || j == self.id {
                 continue;
             }
-            lists.push((self.loaded_link_cost_to(p, load.on(j)) + queue, &p.costs.0));
+            let on = load.on(j);
+            lists.push(PeerCosts {
+                hop: self.loaded_link_cost_to(p, on) + queue,
+                own_share: self.own_share_of_queue(p, on),
+                list: &p.costs.0,
+            });
         }
         // The heads, read in a pass of their own: the lists live in their
         // senders' memory, and independent loads overlap their misses.
         let heads: Vec<MergeHead> = lists
             .iter()
             .enumerate()
-            .filter_map(|(i, &(lc, list))| {
-                list.first().map(|&(sink, c)| MergeHead {
-                    v: lc + c,
+            .filter_map(|(i, l)| {
+                l.list.first().map(|&(sink, c)| MergeHead {
+                    v: l.through(c),
                     sink,
                     list: i as u32,
                     pos: 0,
@@ -410,10 +448,10 @@ impl Node {
         let mut out: Vec<(NodeId, f64)> = Vec::with_capacity(k);
         let mut threshold: Option<f64> = None;
         while let Some(h) = heap.pop() {
-            let (lc, list) = lists[h.list as usize];
-            if let Some(&(sink, c)) = list.get(h.pos as usize + 1) {
+            let l = &lists[h.list as usize];
+            if let Some(&(sink, c)) = l.list.get(h.pos as usize + 1) {
                 heap.push(MergeHead {
-                    v: lc + c,
+                    v: l.through(c),
                     sink,
                     list: h.list,
                     pos: h.pos + 1,
@@ -548,9 +586,9 @@ pub(super) mod tests {
     fn my_costs_reference(n: &Node) -> Vec<(NodeId, f64)> {
         let mut m: BTreeMap<NodeId, f64> = BTreeMap::new();
         for j in n.next_candidates() {
-            let lc = n.loaded_link_cost(j, false) + n.gpu_queue_s(false);
-            for &(sink, c) in n.peers[&j].costs.0.iter() {
-                let v = lc + c;
+            let p = &n.peers[&j];
+            for &(sink, c) in p.costs.0.iter() {
+                let v = n.cost_through(p, n.link_flows(j), c) + n.gpu_queue_s(false);
                 let e = m.entry(sink).or_insert(INF);
                 if v < *e {
                     *e = v;
@@ -658,18 +696,64 @@ pub(super) mod tests {
 
     /// A relay offers upstream its cost to each sink plus its GPU queue:
     /// `gpu_load_weight` (0.5) x its compute (0.5 s) x the flows it carries
-    /// (2): 2.51 + 0.5; an existing flow through a next hop is costed
-    /// without its own share of that hop's queue (0.5 x 0.5).
+    /// (2): 2.51 + 0.5. Its 2 flows go through 30, whose gossip counts
+    /// them in its own queue (1.0 + 0.5 x 0.5 x 2 = 1.5); 31 gossips 1.0.
     #[test]
     fn a_relay_offers_its_gpu_queue_upstream() {
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
         let n = loaded_relay(0.0, 0.5, 0);
         assert!(close(n.my_costs()[0].1, 2.51), "{:?}", n.my_costs());
-        let n = loaded_relay(0.0, 0.5, 2);
+        let mut n = loaded_relay(0.0, 0.5, 2);
+        n.peers.get_mut(&30).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 1.5)]));
         let c = n.my_costs();
         assert!(c.len() == 1 && close(c[0].1, 3.01), "{c:?}");
         assert!(close(n.offer(0, true).unwrap().1, 3.01));
-        assert!(close(n.cost_via(30, 0), 2.51 - 0.25));
+        assert_eq!(c, my_costs_reference(&n));
+    }
+
+    /// This node's own flows through a next hop reach it one after another
+    /// on this node's link (the link's load counts that wait), so a flow of
+    /// this node waits behind none of them on that hop's GPU, only behind
+    /// the flows other upstream nodes send there at the same time. Relay
+    /// 10 has 2 flows through 30; 30 and 31 both gossip 1.0 + a queue of 2
+    /// flows (0.5 x 0.5 x 2) = 1.5, 30's being relay 10's own: one more
+    /// flow costs 1.51 + 1.0 through 30 and 1.51 + 1.5 through 31, and an
+    /// existing one 2.51 through 30. Their wait is the link's: counted
+    /// (weight 0.5: 0.5 s a flow ahead on it), the 2 flows ahead cost 1.0
+    /// more through 30, and 31 wins.
+    #[test]
+    fn a_flow_waits_behind_other_nodes_flows_not_its_own() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let with = |link_w: f64| {
+            let mut n = loaded_relay(link_w, 0.5, 2);
+            for j in [30, 31] {
+                n.peers.get_mut(&j).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 1.5)]));
+            }
+            n
+        };
+        let n = with(0.0);
+        assert!(
+            close(n.cost_via_new(30, 0), 2.51),
+            "{}",
+            n.cost_via_new(30, 0)
+        );
+        assert!(close(n.cost_via_new(31, 0), 3.01));
+        assert!(close(n.cost_via(30, 0), 2.51));
+        let (j, c) = n.best_to_sink(0, true, &[]).unwrap();
+        assert!(j == 30 && close(c, 2.51), "{j} {c}");
+        assert!(close(n.my_costs()[0].1, 2.51 + 0.5));
+        assert_eq!(n.my_costs(), my_costs_reference(&n));
+        // Each flow ahead on the link adds 0.5 x its 1 s transfer.
+        let n = with(0.5);
+        assert!(close(n.cost_via_new(30, 0), 2.51 + 1.0));
+        assert!(close(n.cost_via(30, 0), 2.51 + 0.5));
+        assert_eq!(n.best_to_sink(0, true, &[]).map(|b| b.0), Some(31));
+        // A gossip older than the flows (no queue in it) costs no less
+        // than the hop.
+        let mut n = with(0.0);
+        n.peers.get_mut(&30).unwrap().costs = SinkCosts::from_gossip(Arc::new([(0, 0.2)]));
+        assert!(close(n.cost_via_new(30, 0), 1.51));
+        assert_eq!(n.my_costs(), my_costs_reference(&n));
     }
 
     /// Between periodic rounds a relay tells upstream only of a change
