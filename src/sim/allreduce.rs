@@ -139,9 +139,9 @@ mod tests {
     use super::*;
 
     /// Three regions: a-b 10 ms and 100 MB/s, b-c 20 ms and 50 MB/s,
-    /// a-c 50 ms and 10 MB/s; NIC 80 MB/s.
-    fn three() -> impl Fn(usize, usize) -> (f64, f64) {
-        |a, b| match (a.min(b), a.max(b)) {
+    /// a-c 50 ms and 10 MB/s.
+    fn three(a: usize, b: usize) -> (f64, f64) {
+        match (a.min(b), a.max(b)) {
             (0, 1) => (0.010, 100e6),
             (1, 2) => (0.020, 50e6),
             (0, 2) => (0.050, 10e6),
@@ -149,13 +149,14 @@ mod tests {
         }
     }
 
+    /// The links of [`three`] behind a NIC of `nic` bytes/s.
+    fn three_links(nic: f64) -> Links<'static> {
+        Links { link: &three, nic }
+    }
+
     #[test]
     fn three_members_by_hand() {
-        let link = three();
-        let links = Links {
-            link: &link,
-            nic: 80e6,
-        };
+        let links = three_links(80e6);
         // 2,999,999 parameters + 1 count = 3,000,000 f32 = 12 MB; chunk =
         // 1,000,000 elements = 4 MB. Every ring of three members uses all
         // three links: a-b 0.010 + 4e6 / min(100e6, 80e6) = 0.060 s,
@@ -191,11 +192,7 @@ mod tests {
     fn a_ring_with_a_slow_pair_in_it_waits_for_that_pair() {
         // Five members in this ring order: a c a b c. The slow a-c link is
         // in it, so every step waits for a-c.
-        let link = three();
-        let links = Links {
-            link: &link,
-            nic: 1e12,
-        };
+        let links = three_links(1e12);
         let regions = [0, 2, 0, 1, 2];
         let chunk = chunk_bytes(999_999, 5);
         let t = ring_allreduce_secs(&regions, 999_999, &links);
@@ -206,11 +203,7 @@ mod tests {
 
     #[test]
     fn a_ring_goes_in_the_order_given_and_stays_above_the_bound() {
-        let link = three();
-        let links = Links {
-            link: &link,
-            nic: 80e6,
-        };
+        let links = three_links(80e6);
         // b a b c b a b c ...: only a-b and b-c links, the slowest b-c (its
         // bandwidth, 50 MB/s, under the NIC's 80).
         let regions: Vec<usize> = (0..200).map(|i| [1, 0, 1, 2][i % 4]).collect();
@@ -239,11 +232,7 @@ mod tests {
     /// second member in b both crossings go through b: b-c.
     #[test]
     fn beyond_twelve_members_the_bound_is_the_regions_exact_ring() {
-        let link = three();
-        let links = Links {
-            link: &link,
-            nic: 80e6,
-        };
+        let links = three_links(80e6);
         let params = 12_999_999;
         let chunk = chunk_bytes(params, 13);
         let (ac, bc) = (0.050 + chunk / 10e6, 0.020 + chunk / 50e6);
