@@ -1,11 +1,13 @@
 //! The stage all-reduce between engine nodes over loopback TCP: every member
-//! ends with the same bits; a member that dies in the middle ends the
-//! operation for the survivors within seconds (broken connection, not a
-//! timeout), and they finish it again without it; a member that sends a
-//! malformed chunk is reported, nothing is added.
+//! ends with the same bits; a member that dies in the reduce-scatter ends
+//! the operation for the survivors within seconds (broken connection, not a
+//! timeout), and they finish it again without it; one that dies in the
+//! all-gather is bypassed, and the survivors end with the full result, its
+//! contribution in it; a member that sends a malformed chunk is reported,
+//! nothing is added.
 use gwtf::engine::{Node, NodeOptions};
 use gwtf::protocol::rng::Rng;
-use gwtf::swarm::allreduce::{Outcome, RingAllReduce};
+use gwtf::swarm::allreduce::{Message, Outcome, RingAllReduce};
 use gwtf::swarm::allreduce_net;
 use std::time::{Duration, Instant};
 
@@ -116,41 +118,41 @@ fn four_members_reduce_a_large_buffer_to_identical_bits() {
     );
 }
 
-#[test]
-fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
-    let mut nodes = mesh(4);
+/// Runs operation `op` among all of `nodes` (ring in their order, one
+/// input each) but member `v`, which plays its part with `victim` (its
+/// node, its side of the operation), waits `linger` for its last frames to
+/// leave, and is gone (taken out of `nodes`). The survivors run it to its
+/// end: their outcomes, and how long they took.
+fn run_with_a_victim(
+    nodes: &mut Vec<Node>,
+    op: u64,
+    inputs: &[(Vec<f32>, u64)],
+    v: usize,
+    victim: impl FnOnce(&Node, &mut RingAllReduce) + Send,
+    linger: Duration,
+) -> (Vec<Outcome>, Duration) {
     let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
-    let inputs: Vec<(Vec<f32>, u64)> = (0..4).map(|k| (contribution(10 + k, 50_000), 2)).collect();
-    // The victim sends its first chunk, then its process is gone.
-    let victim = nodes.remove(2);
-    let victim_input = inputs[2].clone();
-    let survivors_inputs: Vec<(Vec<f32>, u64)> = inputs
-        .iter()
-        .enumerate()
-        .filter(|(k, _)| *k != 2)
-        .map(|(_, x)| x.clone())
+    let victim_node = nodes.remove(v);
+    let survivors: Vec<&(Vec<f32>, u64)> = (0..inputs.len())
+        .filter(|&k| k != v)
+        .map(|k| &inputs[k])
         .collect();
     let t0 = Instant::now();
     let outcomes = std::thread::scope(|s| {
-        let ids2 = ids.clone();
+        let ring = &ids;
         s.spawn(move || {
-            let mut r =
-                RingAllReduce::new(7, victim.node_id(), &ids2, &victim_input.0, victim_input.1)
-                    .unwrap();
-            for (to, msg) in r.take_outbox() {
-                let f = allreduce_net::frame_of(&victim, STAGE, &msg, T).unwrap();
-                victim.send(to, f, T).unwrap();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-            drop(victim);
+            let (sum, mbs) = &inputs[v];
+            let mut r = RingAllReduce::new(op, victim_node.node_id(), ring, sum, *mbs).unwrap();
+            victim(&victim_node, &mut r);
+            std::thread::sleep(linger);
+            drop(victim_node);
         });
         let handles: Vec<_> = nodes
             .iter()
-            .zip(&survivors_inputs)
+            .zip(survivors)
             .map(|(node, (sum, mbs))| {
-                let ids = ids.clone();
                 s.spawn(move || {
-                    let r = RingAllReduce::new(7, node.node_id(), &ids, sum, *mbs).unwrap();
+                    let r = RingAllReduce::new(op, node.node_id(), ring, sum, *mbs).unwrap();
                     allreduce_net::run(node, STAGE, r, Instant::now() + T).unwrap()
                 })
             })
@@ -160,7 +162,31 @@ fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() 
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
-    let took = t0.elapsed();
+    (outcomes, t0.elapsed())
+}
+
+/// Sends what `r` asks to send, from `node`.
+fn send_outbox(node: &Node, r: &mut RingAllReduce) -> Vec<Message> {
+    let mut sent = Vec::new();
+    for (to, msg) in r.take_outbox() {
+        let f = allreduce_net::frame_of(node, STAGE, &msg, T).unwrap();
+        node.send(to, f, T).unwrap();
+        sent.push(msg);
+    }
+    sent
+}
+
+#[test]
+fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
+    let mut nodes = mesh(4);
+    let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
+    let inputs: Vec<(Vec<f32>, u64)> = (0..4).map(|k| (contribution(10 + k, 50_000), 2)).collect();
+    // The victim sends its first chunk, then its process is gone.
+    let first_chunk = |node: &Node, r: &mut RingAllReduce| {
+        send_outbox(node, r);
+    };
+    let linger = Duration::from_millis(50);
+    let (outcomes, took) = run_with_a_victim(&mut nodes, 7, &inputs, 2, first_chunk, linger);
     for o in &outcomes {
         assert_eq!(o, &Outcome::Lost { member: ids[2] });
     }
@@ -169,6 +195,7 @@ fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() 
         "the loss took {took:?} to notice"
     );
     // Again among the survivors, with a new operation id.
+    let survivors_inputs: Vec<(Vec<f32>, u64)> = [0, 1, 3].map(|k| inputs[k].clone()).to_vec();
     let refs: Vec<&Node> = nodes.iter().collect();
     let again = all_reduce(&refs, 8, &survivors_inputs);
     assert_identical_and_right(&again, &survivors_inputs);
@@ -200,4 +227,43 @@ fn a_malformed_chunk_is_refused_and_reported_as_its_senders_loss() {
             assert_eq!(o, &Outcome::Lost { member: ids[0] });
         }
     }
+}
+
+/// The victim takes part until it has sent its successor its reduced chunk
+/// (wire step n-1, the all-gather's first), then its process is gone: the
+/// survivors finish without it, within seconds, with the full ring's
+/// result (the victim's gradients and microbatches in it), bit-identical.
+#[test]
+fn a_member_that_dies_in_the_all_gather_is_bypassed_and_its_gradients_kept() {
+    let n = 4;
+    let mut nodes = mesh(n);
+    let inputs: Vec<(Vec<f32>, u64)> = (0..n as u64)
+        .map(|k| (contribution(20 + k, 200_003), k + 1))
+        .collect();
+    let until_reduced_chunk_sent = |node: &Node, r: &mut RingAllReduce| {
+        let all_gather_start = n as u32 - 1;
+        let deadline = Instant::now() + T;
+        loop {
+            let sent = send_outbox(node, r);
+            if sent
+                .iter()
+                .any(|m| matches!(m, Message::Chunk { step, .. } if *step == all_gather_start))
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the victim got stuck");
+            if let Ok(f) = node.recv(Duration::from_millis(20)) {
+                if let Some(Ok(msg)) = allreduce_net::message_of(STAGE, &f) {
+                    r.on_message(f.peer(), msg);
+                }
+            }
+        }
+    };
+    // Its last frames leave its machine before the process is gone.
+    let linger = Duration::from_millis(200);
+    let (outcomes, took) =
+        run_with_a_victim(&mut nodes, 9, &inputs, 1, until_reduced_chunk_sent, linger);
+    // Everyone's contribution, the victim's included.
+    assert_identical_and_right(&outcomes, &inputs);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
 }

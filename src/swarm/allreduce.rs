@@ -2,11 +2,9 @@
 //! followed by a ring all-gather (each member sends and receives
 //! `2 (n-1)/n` of the buffer, the bandwidth optimum), weighted by the
 //! microbatches each member contributes, and crash-tolerant in the sense the
-//! protocol needs: a member lost in the middle makes every survivor end the
-//! operation promptly with [`Outcome::Lost`] (an abort is passed around), so
-//! the caller can run it again among the survivors once the lost member's
-//! microbatches are recomputed. Nothing is ever added twice: a chunk is
-//! accepted only from the ring neighbour whose turn it is, once per step.
+//! protocol needs (see "A lost member" below). Nothing is ever added twice:
+//! a chunk is accepted only from the ring neighbour whose turn it is, once
+//! per step.
 //!
 //! Determinism: every member is given the same ring (the order the stage
 //! coordinator chose, e.g. with `flow::ring::order` so that neighbours are
@@ -24,11 +22,69 @@
 //! empty chunks. The microbatch count travels as one extra element at the end
 //! of the buffer (exact in f32 up to 2^24 microbatches).
 //!
+//! # A lost member
+//!
+//! Member `d` lost (its connection broke, or the protocol declared it dead),
+//! with predecessor `p = d-1` and successor `q = d+1`. The complete sum of
+//! chunk `d+1` exists only at `d` until `d` sends it to `q` at wire step
+//! `n-1` (all-gather step 0); every other chunk's complete sum is held by
+//! another member. So:
+//!
+//! - If `q`, when it learns of the loss, has received wire step `n-1`, `d`
+//!   is *bypassed*: every chunk's complete sum, `d`'s contribution in it, is
+//!   held by a survivor, and `d`'s only remaining job was forwarding. At
+//!   wire step `t >= n`, `q` receives from `d` the chunk `d+1-a` (`a =
+//!   t-(n-1)`), which is the chunk `p` sent `d` at step `t-1`. `q` sends `p`
+//!   a [`Message::Resume`] from its next step on, and `p` sends `q` its own
+//!   chunks of steps `t-1`, labelled `t`, as soon as it holds them (`p`'s
+//!   last send, step `2n-3`, carries `q`'s own chunk and is not needed).
+//!   Ring neighbours skip `d`; chunk ranges and steps stay those of the
+//!   original ring. Messages from `d` are ignored from then on (chunks it
+//!   wrote before dying may still arrive; `q` takes those steps from `p`).
+//!   The survivors end [`Outcome::Done`] with the bits the full ring would
+//!   have given, `d`'s microbatches included.
+//! - If `q` has not received wire step `n-1`, if the ring has two members,
+//!   or if another member was already bypassed (a second loss), the
+//!   operation ends for everyone with [`Outcome::Lost`] (an abort is passed
+//!   around), and the caller runs it again among the survivors once the
+//!   lost microbatches are recomputed. A Resume for a loss while another
+//!   member is bypassed is such a second loss (its sender may not have
+//!   heard of the first yet).
+//!
+//! The other members only remember the bypassed member (so that a second
+//! loss aborts); `p` learns of the loss at the latest from the Resume.
+//!
+//! `q`'s Resume may come long after `p` received its last chunk (a silent
+//! crash is noticed only at the peer timeout), `p` cannot tell whether `d`
+//! will be lost, and `q` never asks when it held every chunk before it
+//! heard of the loss. So a member ends [`Outcome::Done`] as soon as it
+//! holds every chunk (its result waits for nothing), and then goes on
+//! *serving* ([`RingAllReduce::serving`]): it answers a Resume from its
+//! right-right neighbour until that neighbour holds every chunk (it says
+//! so with [`Message::Complete`], sent once by every member of a ring of
+//! three or more to its left-left neighbour), is lost, or was sent
+//! everything it asked. The caller keeps a serving operation fed with
+//! messages and losses, and its outbox sent, until it stops serving (about
+//! one message latency after the end) or the next operation starts. A
+//! serving member ignores chunks and aborts (its result stands; the
+//! coordinator decides what is applied), and stops serving at a second
+//! loss or a message the protocol cannot send.
+//!
+//! What holds, with one member lost by a crash (it sends nothing after, and
+//! each survivor eventually learns of the loss or gets an abort): either
+//! every survivor ends Done with the same bits (the full ring's result), or
+//! every survivor ends Lost. A survivor that ends Done holds chunk `d+1`,
+//! which only `q` can have passed on after receiving it at step `n-1`; so
+//! `q` bypasses `d` and nobody aborts. If `q` aborts, no survivor can ever
+//! hold chunk `d+1`, so none ends Done.
+//!
 //! [`Outcome::Done`] means the result is ready, not that it may be applied:
-//! a member lost after some survivors finished leaves those with a result
-//! that includes its microbatches and the others with [`Outcome::Lost`]. So
-//! the stage coordinator decides what is applied (the protocol's commit),
-//! and every member applies the same thing.
+//! with two members lost (or a protocol violation), a survivor that
+//! finished before it heard of both holds a (correct) result while the
+//! others end Lost; and a member that was reported lost but is alive (a
+//! broken link, not a crash) may be bypassed by some and wait for a chunk
+//! that never comes. So the stage coordinator decides what is applied (the
+//! protocol's commit), and every member applies the same thing.
 use std::collections::BTreeMap;
 
 /// A member of the operation (the node's id in the swarm).
@@ -41,12 +97,23 @@ pub enum Message {
     Chunk { op: u64, step: u32, data: Vec<f32> },
     /// The operation cannot finish: `lost` is gone.
     Abort { op: u64, lost: MemberId },
+    /// From the lost member's successor to its predecessor: `lost` is
+    /// gone; send me, in its place, the all-gather chunks from wire step
+    /// `step` on (`n <= step < 2 (n-1)`).
+    Resume { op: u64, lost: MemberId, step: u32 },
+    /// To the sender's left-left neighbour: the sender holds every chunk,
+    /// so it will never ask that neighbour for a [`Message::Resume`] (and
+    /// the neighbour may end).
+    Complete { op: u64 },
 }
 
 impl Message {
     pub fn op(&self) -> u64 {
         match self {
-            Message::Chunk { op, .. } | Message::Abort { op, .. } => *op,
+            Message::Chunk { op, .. }
+            | Message::Abort { op, .. }
+            | Message::Resume { op, .. }
+            | Message::Complete { op } => *op,
         }
     }
 }
@@ -61,7 +128,8 @@ pub enum Outcome {
         mean: Vec<f32>,
         microbatches: u64,
     },
-    /// A member was lost before the end; nothing was applied.
+    /// A member was lost where it could not be bypassed (see the module
+    /// doc); nothing was applied.
     Lost {
         member: MemberId,
     },
@@ -113,6 +181,21 @@ pub struct RingAllReduce {
     /// Chunks that arrived before their turn (the left neighbour may run
     /// ahead); at most one per step.
     early: BTreeMap<u32, Vec<f32>>,
+    /// The member lost and bypassed (at most one per operation: a second
+    /// loss aborts). Ring neighbours skip it; chunk ranges and steps stay
+    /// those of the original ring.
+    bypassed: Option<MemberId>,
+    /// At the bypassed member's predecessor: the next wire step (in the
+    /// successor's numbering) owed to the successor; `None` until its
+    /// [`Message::Resume`] came.
+    serve: Option<u32>,
+    /// Whether this member told its left-left neighbour it is complete.
+    told_complete: bool,
+    /// Whether the right-right neighbour said it is complete.
+    rr_complete: bool,
+    /// Done, and no longer serving (a second loss, or a message the
+    /// protocol cannot send, came after the end).
+    quiet: bool,
     outcome: Outcome,
     /// Messages for the driver to send, in order.
     outbox: Vec<(MemberId, Message)>,
@@ -153,6 +236,11 @@ impl RingAllReduce {
             next_send: 0,
             next_recv: 0,
             early: BTreeMap::new(),
+            bypassed: None,
+            serve: None,
+            told_complete: false,
+            rr_complete: false,
+            quiet: false,
             outcome: Outcome::Running,
             outbox: Vec::new(),
         };
@@ -168,12 +256,41 @@ impl RingAllReduce {
         2 * (self.n() as u32 - 1)
     }
 
-    fn right(&self) -> MemberId {
-        self.ring[(self.me + 1) % self.n()]
+    /// The member `k` places to my right on the original ring.
+    fn at(&self, k: usize) -> MemberId {
+        self.ring[(self.me + k) % self.n()]
     }
 
+    /// My original right neighbour (the member I forward to).
+    fn orig_right(&self) -> MemberId {
+        self.at(1)
+    }
+
+    /// My original left neighbour (the member I receive from).
+    fn orig_left(&self) -> MemberId {
+        self.at(self.n() - 1)
+    }
+
+    fn is_bypassed(&self, m: MemberId) -> bool {
+        self.bypassed == Some(m)
+    }
+
+    /// The member I send to, skipping the bypassed one.
+    fn right(&self) -> MemberId {
+        if self.is_bypassed(self.orig_right()) {
+            self.at(2)
+        } else {
+            self.orig_right()
+        }
+    }
+
+    /// The member I receive from, skipping the bypassed one.
     fn left(&self) -> MemberId {
-        self.ring[(self.me + self.n() - 1) % self.n()]
+        if self.is_bypassed(self.orig_left()) {
+            self.at(self.n() - 2)
+        } else {
+            self.orig_left()
+        }
     }
 
     /// Chunk index `i - k` modulo n.
@@ -207,45 +324,105 @@ impl RingAllReduce {
         }
     }
 
-    /// Sends what may be sent and applies early chunks whose turn came.
+    /// Sends what may be sent, applies early chunks whose turn came, ends
+    /// the operation once every chunk is here, and serves what is owed.
     fn advance(&mut self) {
-        loop {
-            if self.outcome != Outcome::Running {
-                return;
-            }
-            let steps = self.steps();
-            if self.next_recv == steps {
-                let count = *self.buf.last().unwrap_or(&0.0);
-                let len = self.buf.len() - 1;
-                let mean = if count > 0.0 {
-                    self.buf[..len].iter().map(|x| x / count).collect()
-                } else {
-                    vec![0.0; len]
-                };
-                self.outcome = Outcome::Done {
-                    mean,
-                    microbatches: count as u64,
-                };
-                return;
-            }
-            // Step s's send needs step s-1's receive (it forwards that chunk).
-            if self.next_send < steps && self.next_send <= self.next_recv {
-                let c = self.send_chunk(self.next_send);
-                let data = self.buf[self.chunk_range(c)].to_vec();
-                let msg = Message::Chunk {
-                    op: self.op,
-                    step: self.next_send,
-                    data,
-                };
-                self.outbox.push((self.right(), msg));
-                self.next_send += 1;
-                continue;
-            }
-            match self.early.remove(&self.next_recv) {
-                Some(data) => self.apply(data),
-                None => return,
-            }
+        while self.outcome == Outcome::Running
+            && (self.send_own() || self.serve_one() || self.apply_early())
+        {}
+        if self.outcome == Outcome::Running && self.next_recv == self.steps() {
+            self.tell_complete();
+            self.finish();
         }
+        while self.serving() && self.serve_one() {}
+    }
+
+    /// Sends my next step to my right neighbour if I hold its data (step
+    /// s forwards what step s-1 brought). Nothing goes to a bypassed right
+    /// neighbour: its successor asks for what it needs with a Resume.
+    fn send_own(&mut self) -> bool {
+        let s = self.next_send;
+        if s >= self.steps() || s > self.next_recv || self.is_bypassed(self.orig_right()) {
+            return false;
+        }
+        let data = self.buf[self.chunk_range(self.send_chunk(s))].to_vec();
+        let msg = Message::Chunk {
+            op: self.op,
+            step: s,
+            data,
+        };
+        self.outbox.push((self.right(), msg));
+        self.next_send += 1;
+        true
+    }
+
+    /// Sends the bypassed member's successor its next owed step `t`: my
+    /// chunk of wire step `t-1`, which is what the bypassed member would
+    /// have forwarded at `t` (the all-gather copies verbatim), once I hold
+    /// it (as for my own send of step `t-1`).
+    fn serve_one(&mut self) -> bool {
+        let Some(t) = self.serve else {
+            return false;
+        };
+        if t >= self.steps() || t - 1 > self.next_recv {
+            return false;
+        }
+        let data = self.buf[self.chunk_range(self.send_chunk(t - 1))].to_vec();
+        let msg = Message::Chunk {
+            op: self.op,
+            step: t,
+            data,
+        };
+        self.outbox.push((self.right(), msg));
+        self.serve = Some(t + 1);
+        true
+    }
+
+    fn apply_early(&mut self) -> bool {
+        match self.early.remove(&self.next_recv) {
+            Some(data) => {
+                self.apply(data);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tells my left-left neighbour, once, that I hold every chunk: it is
+    /// the one that would serve my Resume, and may end now.
+    fn tell_complete(&mut self) {
+        if self.told_complete || self.n() < 3 {
+            return;
+        }
+        self.told_complete = true;
+        let ll = self.at(self.n() - 2);
+        if !self.is_bypassed(ll) {
+            self.outbox.push((ll, Message::Complete { op: self.op }));
+        }
+    }
+
+    /// Whether my right-right neighbour can no longer need a Resume from
+    /// me: it said it is complete, it is the bypassed member, or I sent it
+    /// everything its Resume asked.
+    fn owes_nothing(&self) -> bool {
+        self.n() < 3
+            || self.rr_complete
+            || self.is_bypassed(self.at(2))
+            || self.serve == Some(self.steps())
+    }
+
+    fn finish(&mut self) {
+        let count = *self.buf.last().unwrap_or(&0.0);
+        let len = self.buf.len() - 1;
+        let mean = if count > 0.0 {
+            self.buf[..len].iter().map(|x| x / count).collect()
+        } else {
+            vec![0.0; len]
+        };
+        self.outcome = Outcome::Done {
+            mean,
+            microbatches: count as u64,
+        };
     }
 
     fn apply(&mut self, data: Vec<f32>) {
@@ -256,8 +433,7 @@ impl RingAllReduce {
             self.fail(
                 left,
                 format!(
-                    "chunk of step {step} from {:x} has {} elements, {} expected",
-                    self.left(),
+                    "chunk of step {step} from {left:x} has {} elements, {} expected",
                     data.len(),
                     range.len()
                 ),
@@ -285,48 +461,202 @@ impl RingAllReduce {
     }
 
     /// A message from `from` arrived. Messages of another operation are
-    /// ignored (a late chunk of an aborted run).
+    /// ignored (a late chunk of an aborted run), and so are those of the
+    /// bypassed member (chunks it wrote before dying may still arrive; its
+    /// successor takes those steps from its predecessor). Once done, only
+    /// a Resume or a Complete matters, while serving.
     pub fn on_message(&mut self, from: MemberId, msg: Message) {
-        if msg.op() != self.op || self.outcome != Outcome::Running {
+        if msg.op() != self.op || self.is_bypassed(from) {
+            return;
+        }
+        if self.outcome != Outcome::Running {
+            if self.serving() {
+                match msg {
+                    Message::Resume { lost, step, .. } => self.on_resume(from, lost, step),
+                    Message::Complete { .. } => self.on_complete(from),
+                    Message::Chunk { .. } | Message::Abort { .. } => {}
+                }
+            }
             return;
         }
         match msg {
             Message::Abort { lost, .. } => self.lose(lost),
-            Message::Chunk { step, data, .. } => {
-                if from != self.left() {
-                    self.fail(
-                        from,
-                        format!(
-                            "chunk from {from:x}, which is not the ring neighbour {:x}",
-                            self.left()
-                        ),
-                    );
-                } else if step < self.next_recv || step >= self.steps() {
-                    self.fail(
-                        from,
-                        format!(
-                            "chunk of step {step} from {from:x} (expected steps {}..{})",
-                            self.next_recv,
-                            self.steps()
-                        ),
-                    );
-                } else if self.early.insert(step, data).is_some() {
-                    self.fail(from, format!("two chunks of step {step} from {from:x}"));
-                } else {
-                    self.advance();
-                }
+            Message::Chunk { step, data, .. } => self.on_chunk(from, step, data),
+            Message::Resume { lost, step, .. } => self.on_resume(from, lost, step),
+            Message::Complete { .. } => self.on_complete(from),
+        }
+    }
+
+    /// `from` sent what the protocol cannot send: while running, the
+    /// operation fails ([`RingAllReduce::fail`]); once done, the result
+    /// stands and this member stops serving.
+    fn violation(&mut self, from: MemberId, reason: String) {
+        if self.outcome == Outcome::Running {
+            self.fail(from, reason);
+        } else {
+            self.quiet = true;
+            self.outbox.clear();
+        }
+    }
+
+    fn on_chunk(&mut self, from: MemberId, step: u32, data: Vec<f32>) {
+        if from != self.left() {
+            self.fail(
+                from,
+                format!(
+                    "chunk from {from:x}, which is not the ring neighbour {:x}",
+                    self.left()
+                ),
+            );
+        } else if step < self.next_recv || step >= self.steps() {
+            self.fail(
+                from,
+                format!(
+                    "chunk of step {step} from {from:x} (expected steps {}..{})",
+                    self.next_recv,
+                    self.steps()
+                ),
+            );
+        } else if self.early.insert(step, data).is_some() {
+            self.fail(from, format!("two chunks of step {step} from {from:x}"));
+        } else {
+            self.advance();
+        }
+    }
+
+    /// Why a Resume from `from` for `lost` at `step` is not one the
+    /// protocol can send me, if it is not.
+    fn resume_problem(&self, from: MemberId, lost: MemberId, step: u32) -> Option<String> {
+        let (n, steps) = (self.n(), self.steps());
+        if n < 3 {
+            Some(format!(
+                "resume from {from:x} in a ring of {n}: nothing can be bypassed"
+            ))
+        } else if lost != self.orig_right() {
+            Some(format!(
+                "resume from {from:x} for {lost:x}, which is not my right neighbour {:x}",
+                self.orig_right()
+            ))
+        } else if from != self.at(2) {
+            Some(format!(
+                "resume from {from:x} for {lost:x}, whose successor is {:x}",
+                self.at(2)
+            ))
+        } else if step < n as u32 || step >= steps {
+            Some(format!(
+                "resume from {from:x} at step {step} (expected steps {n}..{steps})"
+            ))
+        } else if self.serve.is_some() {
+            Some(format!("second resume from {from:x}"))
+        } else if self.rr_complete {
+            Some(format!("resume from {from:x}, which said it was complete"))
+        } else {
+            None
+        }
+    }
+
+    /// My right neighbour's successor asks me to stand in for it. A
+    /// Resume before I noticed the loss myself counts as the loss; one for
+    /// a loss while another member is already bypassed is a second loss
+    /// (the successor may not have heard of the first yet).
+    fn on_resume(&mut self, from: MemberId, lost: MemberId, step: u32) {
+        if let Some(reason) = self.resume_problem(from, lost, step) {
+            self.violation(from, reason);
+            return;
+        }
+        match self.bypassed {
+            Some(b) if b != lost && self.outcome == Outcome::Running => {
+                self.lose(lost);
+                return;
             }
+            Some(b) if b != lost => {
+                // A second loss after the end: nothing more to serve.
+                self.quiet = true;
+                return;
+            }
+            Some(_) => {}
+            None => self.bypass(lost),
+        }
+        self.serve = Some(step);
+        self.advance();
+    }
+
+    /// My right-right neighbour holds every chunk.
+    fn on_complete(&mut self, from: MemberId) {
+        if self.n() < 3 || from != self.at(2) {
+            self.violation(
+                from,
+                format!(
+                    "complete from {from:x}, which is not the member two to my right {:x}",
+                    self.at(2)
+                ),
+            );
+        } else if self.rr_complete {
+            self.violation(from, format!("second complete from {from:x}"));
+        } else {
+            self.rr_complete = true;
+            self.advance();
         }
     }
 
     /// `member` is gone (its connection broke, or the protocol declared it
-    /// dead). If it is part of the ring, the operation ends for everyone.
+    /// dead). If it is part of the ring, it is bypassed where the ring can
+    /// finish without it, and the operation ends for everyone where it
+    /// cannot (see the module doc). Reporting a loss again changes nothing.
     pub fn on_peer_lost(&mut self, member: MemberId) {
-        if self.outcome == Outcome::Running
-            && self.ring.contains(&member)
-            && member != self.ring[self.me]
+        if !self.ring.contains(&member) || member == self.ring[self.me] || self.is_bypassed(member)
         {
+            return;
+        }
+        if self.outcome != Outcome::Running {
+            // Done: a first loss is remembered (the predecessor waits for
+            // its successor's Resume; a lost right-right neighbour needs
+            // nothing more); a second ends the serving.
+            if self.serving() {
+                if self.bypassed.is_some() {
+                    self.quiet = true;
+                } else {
+                    self.bypass(member);
+                }
+            }
+            return;
+        }
+        if self.bypassed.is_some() || self.n() < 3 {
             self.lose(member);
+            return;
+        }
+        if member == self.orig_left() {
+            // I am its successor: its chunk's full sum reached me with wire
+            // step n-1, or it is gone with it.
+            if self.next_recv < self.n() as u32 {
+                self.lose(member);
+                return;
+            }
+            self.bypass(member);
+            if self.next_recv < self.steps() {
+                let msg = Message::Resume {
+                    op: self.op,
+                    lost: member,
+                    step: self.next_recv,
+                };
+                self.outbox.push((self.left(), msg));
+            }
+        } else {
+            // Its predecessor waits for the successor's Resume; any other
+            // member only remembers it, so that a second loss aborts.
+            self.bypass(member);
+        }
+        self.advance();
+    }
+
+    /// Goes on without `m`: nothing more is sent to it, and chunks it sent
+    /// me that wait for their turn are dropped (its predecessor sends them
+    /// again on my Resume).
+    fn bypass(&mut self, m: MemberId) {
+        self.bypassed = Some(m);
+        self.outbox.retain(|(to, _)| *to != m);
+        if m == self.orig_left() {
+            self.early.clear();
         }
     }
 
@@ -335,13 +665,14 @@ impl RingAllReduce {
         self.outcome = Outcome::Lost { member: lost };
     }
 
-    /// Tells every other member (but `lost`) that the operation is over.
+    /// Tells every other member (but `lost` and the bypassed one) that the
+    /// operation is over.
     fn abort_all(&mut self, lost: MemberId) {
         self.outbox.clear();
         self.early.clear();
         let me = self.ring[self.me];
         for &m in &self.ring {
-            if m != me && m != lost {
+            if m != me && m != lost && !self.is_bypassed(m) {
                 self.outbox.push((m, Message::Abort { op: self.op, lost }));
             }
         }
@@ -356,13 +687,27 @@ impl RingAllReduce {
         &self.outcome
     }
 
+    /// Done, but the member two to the right may still ask this one to
+    /// stand in for a lost neighbour (see the module doc): keep feeding it
+    /// messages and losses, and sending its outbox, while this holds.
+    pub fn serving(&self) -> bool {
+        matches!(self.outcome, Outcome::Done { .. }) && !self.quiet && !self.owes_nothing()
+    }
+
     pub fn op(&self) -> u64 {
         self.op
     }
 
-    /// The members in ring order.
+    /// The members in ring order (the original ring, the bypassed member
+    /// included).
     pub fn ring(&self) -> &[MemberId] {
         &self.ring
+    }
+
+    /// The member lost and bypassed, if any: its contribution is in the
+    /// result all the same.
+    pub fn bypassed(&self) -> Option<MemberId> {
+        self.bypassed
     }
 }
 

@@ -2,9 +2,16 @@
 //!
 //! A chunk is one data frame: `dtype` f32, `shape = [elements]`,
 //! `stage` = the stage, `microbatch` = the operation id, `iteration` = the
-//! step of the schedule. An abort is a frame with an empty payload,
-//! `iteration` = [`ABORT_STEP`] and the lost member's id as its 8-byte
-//! payload. Member ids are the engine's node ids.
+//! step of the schedule (below 2^32). The other messages are frames whose
+//! `iteration` is a marker above 2^32, with `microbatch` = the operation id:
+//! - an abort: `iteration` = [`ABORT_STEP`], payload the lost member's id
+//!   (8 bytes, little-endian);
+//! - a resume: `iteration` = [`RESUME_STEP`], payload the lost member's id
+//!   (u64) then the first step asked for (u32), 12 bytes, little-endian;
+//! - a complete notice: `iteration` = [`COMPLETE_STEP`], empty payload.
+//!
+//! A marker frame of another length is refused. Member ids are the engine's
+//! node ids.
 //!
 //! Chunks are written straight into pool slots (one copy, from the
 //! trainer's gradient into the frame) and read out of the received slot
@@ -16,6 +23,12 @@ use std::time::{Duration, Instant};
 
 /// `iteration` of an abort frame.
 pub const ABORT_STEP: u64 = u64::MAX;
+/// `iteration` of a resume frame.
+pub const RESUME_STEP: u64 = u64::MAX - 1;
+/// `iteration` of a complete notice.
+pub const COMPLETE_STEP: u64 = u64::MAX - 2;
+/// Bytes of a resume frame's payload: the lost member (u64), the step (u32).
+const RESUME_LEN: usize = 12;
 
 /// Why the exchange ended without an [`Outcome`].
 #[derive(Debug)]
@@ -69,6 +82,21 @@ pub fn frame_of(
             f.header.iteration = ABORT_STEP;
             f
         }
+        Message::Resume { op, lost, step } => {
+            let mut f = node.alloc(RESUME_LEN, timeout)?;
+            let p = f.payload_mut();
+            p[..8].copy_from_slice(&lost.to_le_bytes());
+            p[8..].copy_from_slice(&step.to_le_bytes());
+            f.header.microbatch = *op;
+            f.header.iteration = RESUME_STEP;
+            f
+        }
+        Message::Complete { op } => {
+            let mut f = node.alloc(0, timeout)?;
+            f.header.microbatch = *op;
+            f.header.iteration = COMPLETE_STEP;
+            f
+        }
     };
     f.header.stage = stage;
     Ok(f)
@@ -80,41 +108,68 @@ pub fn message_of(stage: u32, f: &Frame) -> Option<Result<Message, String>> {
     if h.stage != stage {
         return None;
     }
-    if h.iteration == ABORT_STEP {
-        let p = f.payload();
-        if p.len() != 8 {
-            return Some(Err(format!("abort frame of {} bytes", p.len())));
-        }
-        let lost = u64::from_le_bytes(p.try_into().expect("8 bytes"));
-        return Some(Ok(Message::Abort {
-            op: h.microbatch,
-            lost,
-        }));
+    let (op, p) = (h.microbatch, f.payload());
+    Some(match h.iteration {
+        ABORT_STEP => abort_of(op, p),
+        RESUME_STEP => resume_of(op, p),
+        COMPLETE_STEP if p.is_empty() => Ok(Message::Complete { op }),
+        COMPLETE_STEP => Err(format!("complete frame of {} bytes", p.len())),
+        _ => chunk_of(f),
+    })
+}
+
+fn abort_of(op: u64, p: &[u8]) -> Result<Message, String> {
+    let lost: [u8; 8] = p
+        .try_into()
+        .map_err(|_| format!("abort frame of {} bytes", p.len()))?;
+    Ok(Message::Abort {
+        op,
+        lost: u64::from_le_bytes(lost),
+    })
+}
+
+fn resume_of(op: u64, p: &[u8]) -> Result<Message, String> {
+    if p.len() != RESUME_LEN {
+        return Err(format!("resume frame of {} bytes", p.len()));
     }
+    let (lost, step) = p.split_at(8);
+    Ok(Message::Resume {
+        op,
+        lost: u64::from_le_bytes(lost.try_into().expect("8 bytes")),
+        step: u32::from_le_bytes(step.try_into().expect("4 bytes")),
+    })
+}
+
+/// A chunk: f32 elements at a step below 2^32 (the markers are above).
+fn chunk_of(f: &Frame) -> Result<Message, String> {
+    let h = &f.header;
     if h.dtype != Dtype::F32 as u16 || h.iteration > u32::MAX as u64 || f.payload().len() % 4 != 0 {
-        return Some(Err(format!(
+        return Err(format!(
             "chunk frame with dtype {}, step {} and {} bytes",
             h.dtype,
             h.iteration,
             f.payload().len()
-        )));
+        ));
     }
     let data = f
         .payload()
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
         .collect();
-    Some(Ok(Message::Chunk {
+    Ok(Message::Chunk {
         op: h.microbatch,
         step: h.iteration as u32,
         data,
-    }))
+    })
 }
 
 /// Runs `op` to its end over `node`: sends what the machine asks, feeds it
 /// the frames of `stage` and the engine's lost-peer events, until it is no
-/// longer running or `deadline` passes. Frames of other stages or other
-/// operations are dropped (this driver owns the node while it runs).
+/// longer running nor serving (`RingAllReduce::serving`: done, but a
+/// neighbour's neighbour may still ask it to stand in for a lost member)
+/// or `deadline` passes (a done operation's outcome is returned then).
+/// Frames of other stages or other operations are dropped (this driver
+/// owns the node while it runs).
 pub fn run(
     node: &Node,
     stage: u32,
@@ -133,34 +188,119 @@ pub fn run(
                 }
             }
         }
-        if op.outcome() != &Outcome::Running {
+        if op.outcome() != &Outcome::Running && !op.serving() {
             // Aborts still queued above were sent before we return.
             return Ok(op.outcome().clone());
         }
+        let mut lost = Vec::new();
         while let Some(ev) = node.poll_event(Duration::ZERO) {
             if let Event::PeerLost { peer, .. } = ev {
+                lost.push(peer);
+            }
+        }
+        if !lost.is_empty() {
+            // The engine queues a peer's last frames before its loss: they
+            // count first (its reduced chunk may be among them).
+            while let Ok(f) = node.recv(Duration::ZERO) {
+                feed(stage, &mut op, &f);
+            }
+            for peer in lost {
                 op.on_peer_lost(peer);
             }
         }
-        if op.outcome() != &Outcome::Running {
+        if op.outcome() != &Outcome::Running && !op.serving() {
             continue;
         }
         let now = Instant::now();
+        if now >= deadline && op.serving() {
+            return Ok(op.outcome().clone());
+        }
         if now >= deadline {
             return Err(NetError::Timeout);
         }
         let wait = (deadline - now).min(Duration::from_millis(20));
         match node.recv(wait) {
-            Ok(f) => {
-                let from = f.peer();
-                match message_of(stage, &f) {
-                    Some(Ok(msg)) => op.on_message(from, msg),
-                    Some(Err(_)) => op.on_peer_lost(from),
-                    None => {}
-                }
-            }
+            Ok(f) => feed(stage, &mut op, &f),
             Err(EngineError::Timeout(_)) => {}
             Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Gives `op` the message frame `f` carries (a malformed one is its
+/// sender's loss).
+fn feed(stage: u32, op: &mut RingAllReduce, f: &Frame) {
+    let from = f.peer();
+    match message_of(stage, f) {
+        Some(Ok(msg)) => op.on_message(from, msg),
+        Some(Err(_)) => op.on_peer_lost(from),
+        None => {}
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::engine::NodeOptions;
+
+    /// A node without a listener: only its pool is used, to build frames.
+    pub(in crate::swarm) fn node() -> Node {
+        Node::new(NodeOptions {
+            swarm_key: b"allreduce-net-unit-test-key".to_vec(),
+            max_payload: 1 << 12,
+            pool_bytes: 1 << 16,
+            ..NodeOptions::default()
+        })
+        .unwrap()
+    }
+
+    fn round_trip(node: &Node, msg: &Message) -> Message {
+        let f = frame_of(node, 7, msg, Duration::from_secs(1)).unwrap();
+        message_of(7, &f)
+            .expect("this stage's")
+            .expect("well formed")
+    }
+
+    #[test]
+    fn every_message_survives_its_frame() {
+        let node = node();
+        let msgs = [
+            Message::Chunk {
+                op: 3,
+                step: 5,
+                data: vec![1.5, -2.0, 0.25],
+            },
+            Message::Abort { op: 3, lost: 42 },
+            Message::Resume {
+                op: u64::MAX,
+                lost: 0x0123_4567_89ab_cdef,
+                step: 0xfeed_beef,
+            },
+            Message::Complete { op: 9 },
+        ];
+        for msg in msgs {
+            assert_eq!(round_trip(&node, &msg), msg);
+        }
+        let f = frame_of(&node, 7, &Message::Complete { op: 9 }, Duration::ZERO).unwrap();
+        assert!(message_of(8, &f).is_none(), "another stage's");
+    }
+
+    #[test]
+    fn a_marker_frame_of_the_wrong_length_is_refused() {
+        let node = node();
+        for (iteration, len, why) in [
+            (RESUME_STEP, 8, "resume frame of 8 bytes"),
+            (RESUME_STEP, 16, "resume frame of 16 bytes"),
+            (RESUME_STEP, 0, "resume frame of 0 bytes"),
+            (ABORT_STEP, 12, "abort frame of 12 bytes"),
+            (COMPLETE_STEP, 4, "complete frame of 4 bytes"),
+        ] {
+            let mut f = node.alloc(len, Duration::ZERO).unwrap();
+            // Even as f32 elements of a chunk, it is not one.
+            f.header.dtype = Dtype::F32 as u16;
+            f.header.iteration = iteration;
+            f.header.stage = 7;
+            assert_eq!(message_of(7, &f), Some(Err(why.to_string())));
         }
     }
 }

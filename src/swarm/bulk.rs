@@ -81,10 +81,11 @@ pub fn key_of_frame(peer: NodeId, microbatch: u64, iteration: u64) -> Key {
     }
 }
 
-/// Whether a data frame with this header is an all-reduce chunk or abort
-/// (`super::allreduce_net`: `iteration` is a step below 2^32, or the abort
-/// marker) rather than the second half of a bulk message (whose
-/// `iteration` names its message kind in the high 32 bits, never 0).
+/// Whether a data frame with this header is an all-reduce message
+/// (`super::allreduce_net`: `iteration` is a chunk's step below 2^32, or
+/// the abort, resume or complete marker near 2^64) rather than the second
+/// half of a bulk message (whose `iteration` names its message kind in the
+/// high 32 bits, never 0 and at most 2^16 - 1).
 pub fn is_allreduce_frame(h: &crate::wire::FrameHeader) -> bool {
     let kind = h.iteration >> 32;
     kind == 0 || kind > u16::MAX as u64

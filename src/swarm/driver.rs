@@ -960,6 +960,7 @@ impl Driver {
     fn on_net(&mut self, ev: NetEvent) {
         match ev {
             NetEvent::PeerConnected { peer, .. } => {
+                self.agg.on_peer_back(peer);
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.suspects.remove(&id);
                     self.address_waits.remove(&id);
