@@ -85,6 +85,29 @@ fn randomized_churn_keeps_every_invariant() {
     }
 }
 
+/// Crashes during a stage's all-reduce: some fall in its all-gather half
+/// and are bypassed (the survivors finish with the lost member's
+/// microbatches, nothing recomputed), others before and abort it (its
+/// microbatches recomputed, the stage commits again); either way every
+/// microbatch is in every stage's aggregate exactly once (checked).
+#[test]
+fn crashes_during_the_all_reduce_are_bypassed_or_aborted_and_nothing_is_lost() {
+    let (mut bypassed, mut aborted) = (0, 0);
+    for seed in 1..=4 {
+        let mut c = small(Policy::Gwtf, seed, 3.0, 20);
+        // A large stage state: all-reduces long enough for crashes to hit.
+        c.model = ModelPreset::by_name("llama-500m").unwrap();
+        let r = Sim::new(c).run();
+        check(&r, &format!("seed {seed}"));
+        bypassed += r.allreduce_bypassed;
+        aborted += r.allreduce_aborted;
+    }
+    assert!(
+        bypassed > 0 && aborted > 0,
+        "bypassed {bypassed}, aborted {aborted}"
+    );
+}
+
 #[test]
 fn a_stage_left_empty_pauses_training_and_says_so() {
     // One relay per stage and heavy churn: a stage empties sooner or later.

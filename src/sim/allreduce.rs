@@ -42,6 +42,11 @@ pub fn chunk_bytes(params: u64, n: usize) -> f64 {
 /// members in `regions` (one entry per member), around the ring in that
 /// order.
 pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
+    2.0 * regions.len().saturating_sub(1) as f64 * ring_step_secs(regions, params, links)
+}
+
+/// Seconds of one step of that all-reduce: its slowest link's chunk.
+pub fn ring_step_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
     let n = regions.len();
     if n < 2 {
         return 0.0;
@@ -49,8 +54,65 @@ pub fn ring_allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64
     let chunk = chunk_bytes(params, n);
     let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
     let ring: Vec<usize> = (0..n).collect();
-    let (slowest, _) = ring::ring_cost(&ring, &step);
-    2.0 * (n - 1) as f64 * slowest
+    ring::ring_cost(&ring, &step).0
+}
+
+/// What the loss of one member of a running ring all-reduce does to the
+/// survivors, by the runtime's rule (`crate::swarm::allreduce`): its
+/// successor can take the rest of the all-gather from its predecessor once
+/// it received the lost member's reduced chunk (the all-gather's first
+/// step, the end of step `n` of the successor's `2 (n-1)`); before that the
+/// full sum of that chunk is gone, and every survivor aborts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossEffect {
+    /// The successor had finished: nobody needs the lost member any more.
+    Nothing,
+    /// The predecessor sends the successor the rest in the lost member's
+    /// place; the survivors finish `delay` s later than planned.
+    Bypass { delay: f64 },
+    /// Every survivor's all-reduce ends without a result.
+    Abort,
+}
+
+/// The ring at the moment one of its `n` members is lost, as the
+/// simulator models it: every step lasts `step` s; the successor started
+/// `successor_since` s before the loss (`None`: not yet), learns of it
+/// `notice` s after it and tells the predecessor `resume` s later, from
+/// which on the steps it still needs go over the predecessor's link, one
+/// `bypass_step` s each, or `step` if that is longer (the ring's other
+/// links still pace it).
+pub struct RingLoss {
+    pub n: usize,
+    pub step: f64,
+    pub successor_since: Option<f64>,
+    /// A member of this ring was bypassed already: one loss is repaired,
+    /// not two.
+    pub bypassed_before: bool,
+    pub notice: f64,
+    pub resume: f64,
+    pub bypass_step: f64,
+}
+
+impl RingLoss {
+    pub fn effect(&self) -> LossEffect {
+        let steps = 2 * self.n.saturating_sub(1);
+        let planned = steps as f64 * self.step;
+        let Some(since) = self.successor_since else {
+            return LossEffect::Abort;
+        };
+        if since >= planned {
+            return LossEffect::Nothing;
+        }
+        if self.bypassed_before || self.n < 3 || since < self.n as f64 * self.step {
+            return LossEffect::Abort;
+        }
+        let received = ((since / self.step).floor() as usize).min(steps);
+        let rest = (steps - received) as f64 * self.step.max(self.bypass_step);
+        let end = self.notice + self.resume + rest;
+        LossEffect::Bypass {
+            delay: (end - (planned - since)).max(0.0),
+        }
+    }
 }
 
 /// A lower bound on the slowest link of any ring over `n >= 2` members with
@@ -174,6 +236,44 @@ mod tests {
         // 1,999,999 + 1 elements, chunk 1e6 = 4 MB, b-c 0.100 s, 2 steps.
         let t = ring_allreduce_secs(&[1, 2], 1_999_999, &links);
         assert!((t - 0.2).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
+    fn a_loss_is_bypassed_only_in_the_all_gather_half() {
+        // Four members, steps of 1 s: 6 steps; the successor holds the lost
+        // member's reduced chunk after step 4 (3 reduce-scatter steps and
+        // the all-gather's first).
+        let at = |since: Option<f64>| RingLoss {
+            n: 4,
+            step: 1.0,
+            successor_since: since,
+            bypassed_before: false,
+            notice: 0.1,
+            resume: 0.2,
+            bypass_step: 1.5,
+        };
+        assert_eq!(at(None).effect(), LossEffect::Abort);
+        assert_eq!(at(Some(0.5)).effect(), LossEffect::Abort);
+        assert_eq!(at(Some(3.99)).effect(), LossEffect::Abort);
+        // At 4.5 s: 4 steps received, 2 left over the predecessor's slower
+        // link (1.5 s each) from 0.3 s on: ends 3.3 s after the loss, where
+        // 1.5 s were planned.
+        let LossEffect::Bypass { delay } = at(Some(4.5)).effect() else {
+            panic!()
+        };
+        assert!((delay - 1.8).abs() < 1e-9, "{delay}");
+        assert_eq!(at(Some(6.0)).effect(), LossEffect::Nothing);
+        // A second loss, or a ring of two, cannot be bypassed.
+        let second = RingLoss {
+            bypassed_before: true,
+            ..at(Some(4.5))
+        };
+        assert_eq!(second.effect(), LossEffect::Abort);
+        let two = RingLoss {
+            n: 2,
+            ..at(Some(1.5))
+        };
+        assert_eq!(two.effect(), LossEffect::Abort);
     }
 
     #[test]

@@ -39,6 +39,7 @@ mod connections;
 pub mod model;
 pub mod optimal;
 mod queue;
+mod rings;
 pub mod scenario;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -173,6 +174,11 @@ pub struct SimReport {
     /// trained, not lost.
     pub dropped_contributions: u64,
     pub recomputed_stages: u64,
+    /// Stage all-reduces that went on without a member lost in their
+    /// all-gather half, and those that a loss aborted (redone once its
+    /// contributions are recomputed).
+    pub allreduce_bypassed: u64,
+    pub allreduce_aborted: u64,
     pub restarts: u64,
     pub reroutes: u64,
     pub crashes: u64,
@@ -236,7 +242,16 @@ enum Ev {
         node: NodeId,
         gen: u64,
     },
+    /// An aggregate task ends, unless its ring (`None`: not followed) moved
+    /// or failed it since.
     AggDone {
+        node: NodeId,
+        task: TaskId,
+        ring: Option<rings::RingKey>,
+    },
+    /// An aggregate task's ring aborted (a member lost in its
+    /// reduce-scatter half): the runtime's `Input::TaskFailed`.
+    AggFailed {
         node: NodeId,
         task: TaskId,
     },
@@ -334,6 +349,8 @@ pub struct Sim {
     population_version: u64,
     /// Ring all-reduce time per (stage, members), for a population version.
     agg_cache: BTreeMap<(Stage, u32, u64), (u64, f64)>,
+    /// The all-reduces running, member by member (what a loss does to them).
+    rings: rings::Rings,
     /// The bound of the membership of `population_version` (when computed).
     bound_cache: Option<(u64, Option<(f64, u32)>)>,
     /// The bound the running iteration started with, and the population
@@ -400,6 +417,7 @@ impl Sim {
             msg_counts: HashMap::default(),
             population_version: 0,
             agg_cache: BTreeMap::new(),
+            rings: rings::Rings::default(),
             bound_cache: None,
             iter_bound: None,
             debug: std::env::var_os("GWTF_SIM_DEBUG").is_some(),
@@ -636,9 +654,15 @@ impl Sim {
                 self.gpu_next(node);
                 self.input(node, Input::TaskDone { id: task.id });
             }
-            Ev::AggDone { node, task } => {
-                if self.alive[node as usize] {
+            Ev::AggDone { node, task, ring } => {
+                let current = ring.is_none_or(|k| self.rings.ends_at(&k, node, task, self.now));
+                if self.alive[node as usize] && current {
                     self.input(node, Input::TaskDone { id: task });
+                }
+            }
+            Ev::AggFailed { node, task } => {
+                if self.alive[node as usize] {
+                    self.input(node, Input::TaskFailed { id: task });
                 }
             }
             Ev::LinkDone { key, gen } => self.link_done(key, gen),
@@ -985,20 +1009,89 @@ impl Sim {
                     task
                 );
             }
-            let t = self.now + secs(d);
-            self.push(
-                t,
-                Ev::AggDone {
-                    node,
-                    task: task.id,
-                },
-            );
+            self.start_aggregate(node, &task, d);
             return;
         }
         let n = &mut self.nodes[node as usize];
         n.gpu_queue.push_back(task);
         if n.running.is_none() {
             self.gpu_next(node);
+        }
+    }
+
+    /// `node` starts its part of its commit's all-reduce, `d` s long unless
+    /// a member is lost on the way ([`rings`]).
+    fn start_aggregate(&mut self, node: NodeId, task: &Task, d: f64) {
+        let plan = self.nodes[node as usize].node.aggregate_plan(task.id);
+        let Some(plan) = plan.filter(|p| p.members.len() >= 2) else {
+            let t = self.now + secs(d);
+            let (task, ring) = (task.id, None);
+            self.push(t, Ev::AggDone { node, task, ring });
+            return;
+        };
+        let n = plan.members.len();
+        let key = (task.stage, plan.iter, plan.epoch);
+        let step = d / (2 * (n - 1)) as f64;
+        let chunk = allreduce::chunk_bytes(self.cfg.model.stage_params(task.stage), n);
+        let end = self
+            .rings
+            .start(key, &plan.members, step, chunk, node, task.id, self.now, d);
+        let (task, ring) = (task.id, Some(key));
+        match end {
+            Some(t) => self.push(t, Ev::AggDone { node, task, ring }),
+            None => {
+                let t = self.now + 1;
+                self.push(t, Ev::AggFailed { node, task });
+            }
+        }
+        // A member gone before it started (the commit reached it too late):
+        // the ring cannot pass its reduce-scatter (the runtime's member
+        // learns of it at its start).
+        let gone = plan
+            .members
+            .iter()
+            .copied()
+            .find(|&m| !self.alive[m as usize] && !self.rings.started(&key, m));
+        if let Some(m) = gone {
+            self.ring_member_lost(m);
+        }
+    }
+
+    /// `v` is gone: the all-reduces it is part of go on without it, later,
+    /// or fail, as the runtime's ring does.
+    fn ring_member_lost(&mut self, v: NodeId) {
+        struct SimWire<'a>(&'a Sim);
+        impl rings::Wire for SimWire<'_> {
+            fn latency(&self, a: NodeId, b: NodeId) -> f64 {
+                self.0.link_params(a, b).0
+            }
+            fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64) -> f64 {
+                let (lat, bw) = self.0.link_params(a, b);
+                lat + bytes / bw.min(self.0.cfg.scenario.nic_bandwidth)
+            }
+        }
+        let mut rings = std::mem::take(&mut self.rings);
+        let alive = |m: NodeId| self.alive[m as usize];
+        let changes = rings.lose(v, self.now, &alive, &SimWire(self));
+        self.rings = rings;
+        for c in changes {
+            if self.trace {
+                eprintln!("T {:.2} ring-loss {v} {c:?}", to_secs(self.now));
+            }
+            match c {
+                rings::Change::EndsAt {
+                    node,
+                    task,
+                    at,
+                    ring,
+                } => {
+                    let ring = Some(ring);
+                    self.push(at, Ev::AggDone { node, task, ring });
+                }
+                rings::Change::FailsAt { node, task, at } => {
+                    self.push(at, Ev::AggFailed { node, task })
+                }
+            }
         }
     }
 
@@ -1062,6 +1155,7 @@ impl Sim {
             );
         }
         self.alive[v as usize] = false;
+        self.ring_member_lost(v);
         let n = &mut self.nodes[v as usize];
         if let Some((_, start)) = n.running.take() {
             // Interrupted compute is wasted.
@@ -1320,7 +1414,7 @@ impl Sim {
             | Event::StageRestarted { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}
-            // The simulator's all-reduce never fails (it is a duration).
+            // Counted where the ring aborts (`Rings::aborted`).
             Event::AggregateFailed { .. } => {}
             Event::MemberRemoved { peer } => {
                 if self.alive[peer as usize] {
@@ -1341,6 +1435,7 @@ impl Sim {
         let start = self.last_final.or(self.first_start).unwrap_or(0);
         let dt = to_secs(self.now - start);
         self.last_final = Some(self.now);
+        self.rings.forget_upto(iter);
         self.rep.iteration_times_s.push(dt);
         self.end_bound(iter, dt);
         // Every microbatch of a holder that finished the iteration is in
@@ -1525,6 +1620,8 @@ impl Sim {
         if r.bound_training_time_s > 0.0 {
             r.time_over_bound = r.training_time_s / r.bound_training_time_s;
         }
+        r.allreduce_bypassed = self.rings.bypassed;
+        r.allreduce_aborted = self.rings.aborted;
         if !self.opt_samples.is_empty() {
             let n = self.opt_samples.len() as f64;
             r.optimal_flow_value = self.opt_samples.iter().map(|x| x.0).sum::<f64>() / n;

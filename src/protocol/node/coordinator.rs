@@ -53,6 +53,12 @@ pub(super) struct CoordIter {
     pub(super) retry_at: Time,
     /// Expected microbatches not granted (nor dropped), once the iteration ended.
     pub(super) missing: Option<BTreeSet<MbId>>,
+    /// When a member of the running commit was lost and its grants kept for
+    /// the survivors' all-reduce to finish without it: if neither their
+    /// `AggDone` nor an `AggFailed` comes within `redo_timeout`, the commit
+    /// is abandoned (the last resort: the runtime's all-reduce ends either
+    /// way).
+    pub(super) bypass_since: Option<Time>,
 }
 
 impl Coordinator {
@@ -269,47 +275,36 @@ impl Node {
         }
     }
 
-    /// Coordinator: a member is gone; its contributions not yet applied are lost.
+    /// Coordinator: a member is gone; its contributions not yet applied are
+    /// lost, unless it is part of a commit whose all-reduce can still
+    /// finish without it: the ring bypasses a member lost in its all-gather
+    /// half (`crate::swarm::allreduce`), and then the survivors' result
+    /// holds its contributions. Its grants stand until a survivor reports
+    /// the all-reduce failed (`on_agg_failed`); the survivors' `AggDone`
+    /// apply them.
     pub(super) fn coord_member_dead(&mut self, p: NodeId) {
-        let now = self.now;
         let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
         for k in iters {
-            let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
+            let ci = &self.coordinating.coord_iters[&k];
             if ci.applied {
                 continue;
             }
-            let mine: Vec<(MbId, (NodeId, NodeId, NodeId))> = ci
-                .granted
-                .iter()
-                .filter(|(_, g)| g.0 == p)
-                .map(|(m, g)| (*m, *g))
-                .collect();
-            let ended: Option<BTreeSet<NodeId>> =
-                ci.end.as_ref().map(|e| e.1.iter().copied().collect());
-            for (mb, (_, prev, next)) in &mine {
-                ci.granted.remove(mb);
-                if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
-                    if h.contains(&mb.holder) {
-                        m.insert(*mb);
-                    }
-                }
-                ci.lost.insert(
-                    *mb,
-                    Lost {
-                        prev: Some(*prev),
-                        next: Some(*next),
-                        dead: p,
-                        since: now,
-                        level: 0,
-                    },
-                );
+            let in_commit = ci.commit.as_ref().is_some_and(|c| c.contains(&p));
+            let survivors = ci
+                .commit
+                .as_ref()
+                .is_some_and(|c| c.iter().any(|&m| m != p && self.alive(m)));
+            if in_commit && survivors {
+                let now = self.now;
+                let ci = self.coordinating.coord_iters.get_mut(&k).unwrap();
+                ci.bypass_since.get_or_insert(now);
+                self.coord_check(k);
+                continue;
             }
-            if ci.commit.as_ref().is_some_and(|c| c.contains(&p)) {
-                // The all-reduce lost a member (its ring is broken, and with
-                // it its data if it had granted microbatches): redo it
-                // without it, under a new epoch.
-                ci.commit = None;
-                ci.agg_done.clear();
+            if in_commit {
+                self.abandon_commit(k);
+            } else {
+                self.lose_grants(k, p);
             }
             self.redo_lost(k);
             self.coord_check(k);
@@ -318,6 +313,79 @@ impl Node {
             let _ = b;
             self.barrier_check();
         }
+    }
+
+    /// Coordinator: the grants of `p` (gone) to `iter` are lost, to be
+    /// recomputed.
+    fn lose_grants(&mut self, iter: u32, p: NodeId) {
+        let now = self.now;
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
+            return;
+        };
+        let mine: Vec<(MbId, (NodeId, NodeId, NodeId))> = ci
+            .granted
+            .iter()
+            .filter(|(_, g)| g.0 == p)
+            .map(|(m, g)| (*m, *g))
+            .collect();
+        let ended: Option<BTreeSet<NodeId>> =
+            ci.end.as_ref().map(|e| e.1.iter().copied().collect());
+        for (mb, (_, prev, next)) in &mine {
+            ci.granted.remove(mb);
+            if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
+                if h.contains(&mb.holder) {
+                    m.insert(*mb);
+                }
+            }
+            ci.lost.insert(
+                *mb,
+                Lost {
+                    prev: Some(*prev),
+                    next: Some(*next),
+                    dead: p,
+                    since: now,
+                    level: 0,
+                },
+            );
+        }
+    }
+
+    /// Coordinator: the commit of `iter` will not be applied (its
+    /// all-reduce failed, or every member is gone): the grants of its
+    /// members that are gone are lost with them, and the live members
+    /// commit again, under a new epoch, once those are recomputed.
+    fn abandon_commit(&mut self, iter: u32) {
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
+            return;
+        };
+        let Some(commit) = ci.commit.take() else {
+            return;
+        };
+        ci.agg_done.clear();
+        ci.bypass_since = None;
+        for m in commit {
+            if !self.alive(m) {
+                self.lose_grants(iter, m);
+            }
+        }
+    }
+
+    /// Coordinator: a commit that kept a lost member's grants for its
+    /// all-reduce to finish without it, and heard nothing for
+    /// `redo_timeout`, is abandoned.
+    fn give_up_bypass(&mut self, iter: u32) {
+        let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
+            return;
+        };
+        let due = ci
+            .bypass_since
+            .is_some_and(|t| t + self.cfg.redo_timeout <= self.now);
+        if ci.applied || !due {
+            return;
+        }
+        self.abandon_commit(iter);
+        self.redo_lost(iter);
+        self.coord_check(iter);
     }
 
     /// Coordinator: the holder of a lost microbatch answered a restart
@@ -462,6 +530,7 @@ impl Node {
         let iters: Vec<u32> = self.coordinating.coord_iters.keys().copied().collect();
         for k in iters {
             self.settle_missing(k);
+            self.give_up_bypass(k);
         }
         if self.stage == 0 {
             self.barrier_tick();
@@ -605,6 +674,7 @@ impl Node {
             // Epochs are unique across coordinators.
             ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);
             ci.agg_done.clear();
+            ci.bypass_since = None;
             ci.commit = Some(members.clone());
             let epoch = ci.epoch;
             // The ring in the order that keeps its slowest link fast.
@@ -623,9 +693,12 @@ impl Node {
         }
         let ci = &self.coordinating.coord_iters[&iter];
         let commit = ci.commit.as_ref().unwrap();
-        if !commit
-            .iter()
-            .all(|m| ci.agg_done.contains_key(m) || !self.alive(*m))
+        // Every live member done, and at least one (a member gone during
+        // the all-reduce was bypassed: the survivors hold the result).
+        if ci.agg_done.is_empty()
+            || !commit
+                .iter()
+                .all(|m| ci.agg_done.contains_key(m) || !self.alive(*m))
         {
             return;
         }
@@ -785,9 +858,11 @@ impl Node {
         self.coord_check(iter);
     }
 
-    /// A member's part of the commit's all-reduce failed with every member
-    /// alive: commit again, from the next heartbeat tick on (a new epoch,
-    /// the live members; their grants stand).
+    /// A member's part of the commit's all-reduce failed (a chunk that
+    /// did not fit, its trainer failed the gradient, or a member was lost
+    /// where the ring cannot go on without it): commit again, from the next
+    /// heartbeat tick on (a new epoch, the live members; their grants
+    /// stand, the lost members' are recomputed first).
     pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
         if self.group.coord != Some(self.id) {
             return;
@@ -801,9 +876,11 @@ impl Node {
         {
             return;
         }
-        ci.commit = None;
-        ci.agg_done.clear();
         ci.retry_at = retry_at;
+        // Members lost during it are no longer bypassed: their grants are
+        // recomputed before the next commit.
+        self.abandon_commit(iter);
+        self.redo_lost(iter);
         let stage = self.stage;
         self.event(Event::AggregateFailed {
             stage,

@@ -329,3 +329,95 @@ fn a_lost_contribution_whose_sender_is_dead_is_restarted_at_once() {
         assert_eq!(asked, want, "sender dead: {prev_dead}");
     }
 }
+
+/// A member lost while its commit's all-reduce runs: its grants stand, for
+/// the runtime's ring goes on without a member lost in its all-gather half
+/// and its result then holds them. The survivors' `AggDone` apply the
+/// commit with them, nothing recomputed; a survivor's `AggFailed` (the
+/// ring could not go on) has them recomputed before the next commit; and
+/// with no word from the survivors they are recomputed after `redo_timeout`.
+#[test]
+fn a_member_lost_during_the_all_reduce_keeps_its_grants_until_the_ring_ends() {
+    for ending in ["done", "failed", "silent"] {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
+        let per = n.cfg.mb_per_iter;
+        deliver(
+            &mut n,
+            10,
+            Msg::StartIter {
+                iter: 0,
+                holders: Arc::new(vec![0]),
+            },
+        );
+        let (mut epoch, mut agg) = (None, None);
+        for idx in 0..per {
+            let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
+            epoch = epoch.or(sends(&acts).iter().find_map(|(_, m)| match m {
+                Msg::Commit { epoch, .. } => Some(*epoch),
+                _ => None,
+            }));
+            agg = agg.or(runs(&acts)
+                .iter()
+                .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
+                .map(|t| t.id));
+        }
+        let (epoch, agg) = (epoch.expect("committed"), agg.expect("aggregating"));
+        let redone = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+                .count()
+        };
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 2 });
+        assert_eq!(redone(&acts), 0, "{ending}: nothing recomputed yet");
+        let ci = &n.coordinating.coord_iters[&0];
+        assert!(ci.commit.is_some(), "{ending}");
+        let of2 = ci.granted.values().filter(|g| g.0 == 2).count();
+        assert_eq!(of2, per.div_ceil(2) as usize, "{ending}");
+        let committed = |acts: &[Action]| {
+            acts.iter().find_map(|a| match a {
+                Action::Event(Event::StageCommitted { mbs, .. }) => Some(mbs.clone()),
+                _ => None,
+            })
+        };
+        match ending {
+            "done" => {
+                let acts = deliver(
+                    &mut n,
+                    3,
+                    Msg::AggDone {
+                        iter: 0,
+                        epoch,
+                        weights: 0,
+                    },
+                );
+                assert!(
+                    committed(&acts).is_none(),
+                    "the coordinator's own part runs"
+                );
+                let now = n.now;
+                let acts = n.handle(now, Input::TaskDone { id: agg });
+                let mbs = committed(&acts).expect("applied");
+                assert_eq!(mbs.len(), per as usize);
+                assert_eq!(mbs.iter().filter(|x| x.1 == 2).count(), of2);
+                assert_eq!(redone(&acts), 0);
+            }
+            "failed" => {
+                let acts = deliver(&mut n, 3, Msg::AggFailed { iter: 0, epoch });
+                assert_eq!(redone(&acts), of2, "each of its grants recomputed");
+                let ci = &n.coordinating.coord_iters[&0];
+                assert!(ci.commit.is_none());
+                assert_eq!(ci.lost.len(), of2);
+                assert!(ci.granted.values().all(|g| g.0 != 2));
+            }
+            _ => {
+                let t = n.now + n.cfg.redo_timeout - n.cfg.tick;
+                assert_eq!(redone(&n.on_timeout(t)), 0, "still waiting");
+                let t = n.now + 2 * n.cfg.tick;
+                assert_eq!(redone(&n.on_timeout(t)), of2, "given up");
+                assert!(n.coordinating.coord_iters[&0].commit.is_none());
+            }
+        }
+    }
+}
