@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 44;
+pub const MSG_KINDS: u16 = 45;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -77,6 +77,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::Queued { .. } => 41,
         Msg::AggFailed { .. } => 42,
         Msg::LinkReport { .. } => 43,
+        Msg::Deputy { .. } => 44,
     }
 }
 
@@ -139,6 +140,15 @@ impl W {
         self.u32(m.holder);
         self.u32(m.iter);
         self.u32(m.idx);
+    }
+    /// Microbatches with the hop each came from and went to.
+    fn hops(&mut self, v: &[(MbId, NodeId, NodeId)]) {
+        self.len(v.len());
+        for (mb, prev, next) in v {
+            self.mb(mb);
+            self.u32(*prev);
+            self.u32(*next);
+        }
     }
     fn flow(&mut self, f: &FlowInfo) {
         self.u64(f.in_label);
@@ -239,6 +249,13 @@ impl<'a> R<'a> {
             iter: self.u32()?,
             idx: self.u32()?,
         })
+    }
+    /// As written by `W::hops` (20 bytes each, checked before allocating).
+    fn hops(&mut self) -> Result<Vec<(MbId, NodeId, NodeId)>, WireError> {
+        let n = self.len(20)?;
+        (0..n)
+            .map(|_| Ok((self.mb()?, self.u32()?, self.u32()?)))
+            .collect()
     }
     fn flow(&mut self) -> Result<FlowInfo, WireError> {
         Ok(FlowInfo {
@@ -504,12 +521,7 @@ fn write_body(w: &mut W, m: &Msg) {
         }
         Msg::Sync { iter, granted, end } => {
             w.u32(*iter);
-            w.len(granted.len());
-            for (mb, prev, next) in granted {
-                w.mb(mb);
-                w.u32(*prev);
-                w.u32(*next);
-            }
+            w.hops(granted);
             w.opt(end, |w, (origin, holders)| {
                 w.u32(*origin);
                 w.ids(holders);
@@ -536,6 +548,10 @@ fn write_body(w: &mut W, m: &Msg) {
         Msg::AggFailed { iter, epoch } => {
             w.u32(*iter);
             w.u64(*epoch);
+        }
+        Msg::Deputy { iter, granted } => {
+            w.u32(*iter);
+            w.hops(granted);
         }
         Msg::LinkReport { links } => {
             w.len(links.len());
@@ -731,10 +747,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         },
         30 => {
             let iter = r.u32()?;
-            let n = r.len(20)?;
-            let granted = (0..n)
-                .map(|_| Ok((r.mb()?, r.u32()?, r.u32()?)))
-                .collect::<Result<Vec<_>, WireError>>()?;
+            let granted = r.hops()?;
             let end = r.opt("sync.end", |r| Ok((r.u32()?, Arc::new(r.ids()?))))?;
             Msg::Sync { iter, granted, end }
         }
@@ -789,6 +802,10 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         42 => Msg::AggFailed {
             iter: r.u32()?,
             epoch: r.u64()?,
+        },
+        44 => Msg::Deputy {
+            iter: r.u32()?,
+            granted: r.hops()?,
         },
         43 => Msg::LinkReport {
             links: {
@@ -981,6 +998,10 @@ pub fn samples() -> Vec<Msg> {
             weights: 0x5eed,
         },
         Msg::AggFailed { iter: 4, epoch: 77 },
+        Msg::Deputy {
+            iter: 4,
+            granted: vec![(mb, 1, 2), (mb, 3, 4)],
+        },
         Msg::LinkReport {
             links: vec![(3, 0.012, 1.25e8), (9, 0.2, 5e6)],
         },

@@ -44,6 +44,7 @@
 //! | `Restart`, `StartIter` | lifecycle, holder (`on_restart_request`, `on_start_iter`); `StartIter` also stage group, barrier (`on_iteration_opened`: passed along the pipeline) |
 //! | `Claim`, `Sync`, `EndIter`, `AggDone`, `AggFailed`, `Applied`, `Restarting` | stage group, coordinator (`on_claim`, `on_sync`, `on_end_iter`, `on_agg_done`, `on_agg_failed`, `on_applied`, `on_restarting`) |
 //! | `ClaimReply`, `Commit` | stage group, member (`on_claim_reply`, `on_commit`) |
+//! | `Deputy` | stage group, deputy (`on_deputy`: the coordinator's own grants, kept by the member that would take over) |
 //! | `HolderDone`, `StageDone` | stage group, barrier (`on_holder_done`, `on_stage_done`) |
 //! | `Finalize` | nobody (ignored) |
 //! | `StageQuery`, `StageInfo`, `StateRequest`, `StateResponse` | join (`on_stage_query`, `on_stage_info`, `on_state_request`, `on_state_response`) |

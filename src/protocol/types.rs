@@ -474,6 +474,14 @@ pub enum Msg {
         granted: Vec<(MbId, NodeId, NodeId)>,
         end: Option<(NodeId, Arc<Vec<NodeId>>)>,
     },
+    /// The coordinator's own grants of `iter` (microbatch, the hop it came
+    /// from, the hop it went to), to the member that would take over if it
+    /// died: with them, its death costs one stage of those microbatches
+    /// (as any member's does), not their restart from the holders.
+    Deputy {
+        iter: u32,
+        granted: Vec<(MbId, NodeId, NodeId)>,
+    },
     Commit {
         iter: u32,
         epoch: u64,
@@ -566,6 +574,7 @@ impl Msg {
             Msg::Sync { .. } => "Sync",
             Msg::Commit { .. } => "Commit",
             Msg::AggDone { .. } => "AggDone",
+            Msg::Deputy { .. } => "Deputy",
             Msg::AggFailed { .. } => "AggFailed",
             Msg::LinkReport { .. } => "LinkReport",
             Msg::Applied { .. } => "Applied",

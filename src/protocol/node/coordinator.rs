@@ -168,6 +168,7 @@ impl Node {
             self.group.admit(from);
         }
         let ci = self.coordinating.coord_iters.entry(iter).or_default();
+        let mut new = false;
         let granted = if ci.applied || ci.commit.is_some() || ci.dropped.contains(&mb) {
             ci.granted.get(&mb).is_some_and(|g| g.0 == from)
         } else {
@@ -179,10 +180,14 @@ impl Node {
                     if let Some(m) = ci.missing.as_mut() {
                         m.remove(&mb);
                     }
+                    new = true;
                     true
                 }
             }
         };
+        if new && from == self.id {
+            self.tell_deputy(iter, mb, prev, next);
+        }
         self.send(from, Msg::ClaimReply { mb, granted });
         self.coord_check(iter);
     }
@@ -784,6 +789,7 @@ impl Node {
             version,
         });
         self.member.acc.retain(|k, _| *k > iter);
+        self.deputy_forget_upto(iter);
         if let Some(origin) = adopted {
             for m in self.group.members.clone() {
                 if m != self.id {
@@ -896,12 +902,16 @@ impl Node {
     /// it had granted to itself is lost: see `Coordinator::inherited`.
     pub(super) fn take_over(&mut self, old: Option<NodeId>) {
         self.reopen_barrier();
+        self.deputy_reset();
         if let Some(old) = old {
             if !self.alive(old) {
                 self.coordinating.inherited = Some((self.now, self.iters.next_hint()));
                 self.coordinating.synced.clear();
             }
             self.sync_to(self.id);
+            if !self.alive(old) {
+                self.inherit_deputy_grants(old);
+            }
         }
         // The ends this node heard of as a member: what is missing there is
         // known now, not when the holders announce the end again.

@@ -421,3 +421,71 @@ fn a_member_lost_during_the_all_reduce_keeps_its_grants_until_the_ring_ends() {
         }
     }
 }
+
+/// The coordinator's own grants reach its deputy (the next live member by
+/// id): all of them when it becomes the deputy, each new one at once.
+#[test]
+fn the_coordinators_own_grants_are_copied_to_its_deputy() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
+    let deputies = |acts: &[Action]| -> Vec<(NodeId, usize)> {
+        sends(acts)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Deputy { iter: 0, granted } => Some((to, granted.len())),
+                _ => None,
+            })
+            .collect()
+    };
+    // Its own claim, before any heartbeat: kept, not sent yet.
+    assert!(deputies(&deliver(&mut n, 1, claim_of(0))).is_empty());
+    // The next heartbeat sends node 2 all of it.
+    let mut sent = Vec::new();
+    for k in 1..=n.cfg.heartbeat_ticks as Time {
+        let t = n.now + k * n.cfg.tick;
+        sent.extend(deputies(&n.on_timeout(t)));
+    }
+    assert_eq!(sent, vec![(2, 1)]);
+    // A later one goes at once; another member's grant does not.
+    assert_eq!(deputies(&deliver(&mut n, 1, claim_of(1))), vec![(2, 1)]);
+    assert!(deputies(&deliver(&mut n, 3, claim_of(2))).is_empty());
+}
+
+/// The deputy takes over from a coordinator that died: the grants it had
+/// given itself are lost with their hops, and one stage of each is rerun
+/// from the hop before (`Redo`), not restarted from the holder. A copy
+/// from a node that is not the coordinator is not kept.
+#[test]
+fn a_dead_coordinators_own_grants_are_rerun_one_stage_by_its_deputy() {
+    for from_coordinator in [true, false] {
+        let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
+        assert_eq!(n.group.coord, Some(1));
+        let from = if from_coordinator { 1 } else { 3 };
+        let granted = vec![(mb(0, 0, 0), 10, 30), (mb(0, 0, 1), 10, 30)];
+        deliver(&mut n, from, Msg::Deputy { iter: 0, granted });
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 1 });
+        assert_eq!(n.group.coord, Some(2));
+        let redo: Vec<(NodeId, MbId)> = sends(&acts)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Redo {
+                    mb,
+                    dead: 1,
+                    next: 30,
+                } => Some((to, *mb)),
+                _ => None,
+            })
+            .collect();
+        let restarts = sends(&acts)
+            .iter()
+            .filter(|(_, m)| matches!(m, Msg::Restart { .. }))
+            .count();
+        assert_eq!(restarts, 0);
+        if from_coordinator {
+            assert_eq!(redo, vec![(10, mb(0, 0, 0)), (10, mb(0, 0, 1))]);
+            assert_eq!(n.coordinating.coord_iters[&0].lost.len(), 2);
+        } else {
+            assert!(redo.is_empty());
+        }
+    }
+}

@@ -276,6 +276,7 @@ impl Node {
         let Some(c) = self.group.coord else { return };
         let limit = self.cfg.suspect_ticks as Time * self.cfg.tick;
         if c == self.id {
+            self.refresh_deputy();
             let members: Vec<NodeId> = self.group.members.iter().copied().collect();
             let list = if self.group.members_changed
                 || self.tick_no % (8 * self.cfg.heartbeat_ticks as u64) == 0

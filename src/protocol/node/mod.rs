@@ -18,6 +18,7 @@ mod balancer;
 mod barrier;
 mod coordinator;
 mod costs;
+mod deputy;
 mod flow;
 mod group;
 pub use group::AggregatePlan;
@@ -105,6 +106,9 @@ pub struct Node {
     acks: AckTimers,
     member: GroupMember,
     coordinating: Coordinator,
+    /// The coordinator's own grants, copied to the member that would take
+    /// over (see `deputy`).
+    deputy_state: deputy::DeputyState,
     /// Coordinator: the links between members, for the all-reduce ring.
     ring_links: ring_links::RingLinks,
     barrier: Option<Barrier>,
@@ -161,6 +165,7 @@ impl Node {
             lifecycle: Microbatches::default(),
             member: GroupMember::default(),
             coordinating: Coordinator::default(),
+            deputy_state: deputy::DeputyState::default(),
             ring_links: Default::default(),
             joining: JoinState::default(),
             adjacent: AdjacentStages::default(),
@@ -604,6 +609,7 @@ impl Node {
             } => self.on_claim(from, iter, mb, prev, next),
             Msg::ClaimReply { mb, granted } => self.on_claim_reply(mb, granted),
             Msg::Sync { iter, granted, end } => self.on_sync(from, iter, granted, end),
+            Msg::Deputy { iter, granted } => self.on_deputy(from, iter, granted),
             Msg::Commit {
                 iter,
                 epoch,
