@@ -35,6 +35,8 @@ struct Net {
     /// Kill a node when it starts a task matching this predicate.
     kill_on: Option<KillWhen>,
     timers: BTreeMap<NodeId, Time>,
+    /// Tasks that end failed (an all-reduce that lost a member).
+    failing: BTreeSet<(NodeId, u64)>,
 }
 
 impl Net {
@@ -52,6 +54,7 @@ impl Net {
             events: Vec::new(),
             kill_on: None,
             timers: BTreeMap::new(),
+            failing: BTreeSet::new(),
         }
     }
 
@@ -76,6 +79,27 @@ impl Net {
         self.dead.insert(id);
     }
 
+    /// The all-reduces running now end without the mean, as the runtime's
+    /// ring does when a member is lost before its reduced chunk went on.
+    fn abort_aggregates(&mut self) {
+        for (_, id, t) in &self.tasks {
+            if matches!(t.kind, TaskKind::Aggregate { .. }) {
+                self.failing.insert((*id, t.id));
+            }
+        }
+    }
+
+    /// Every live node hears that `id` is gone.
+    fn tell_lost(&mut self, id: NodeId) {
+        let live: Vec<NodeId> = (self.nodes.keys())
+            .copied()
+            .filter(|n| !self.dead.contains(n))
+            .collect();
+        for n in live {
+            self.input(n, Input::PeerLost { peer: id });
+        }
+    }
+
     fn apply(&mut self, id: NodeId, acts: Vec<Action>) {
         for a in acts {
             match a {
@@ -91,6 +115,14 @@ impl Net {
                         self.kill_on = None;
                         self.kill(id);
                         return;
+                    }
+                    // A part started after a member of its ring died
+                    // fails (the runtime's ring learns of it at its start).
+                    if matches!(task.kind, TaskKind::Aggregate { .. }) {
+                        let plan = self.nodes[&id].aggregate_plan(task.id);
+                        if plan.is_some_and(|p| p.members.iter().any(|m| self.dead.contains(m))) {
+                            self.failing.insert((id, task.id));
+                        }
                     }
                     self.tasks.push((self.now, id, task));
                     let d = match task.kind {
@@ -134,6 +166,9 @@ impl Net {
                     self.timers.remove(&id);
                     let acts = self.nodes.get_mut(&id).unwrap().on_timeout(t);
                     self.apply(id, acts);
+                }
+                Ev::Done(id, task) if self.failing.contains(&(id, task)) => {
+                    self.input(id, Input::TaskFailed { id: task })
                 }
                 Ev::Done(id, task) => self.input(id, Input::TaskDone { id: task }),
                 Ev::Deliver(from, to, i) => {
@@ -642,7 +677,8 @@ fn a_stage_whose_work_is_done_commits_before_the_iteration_ends() {
     }
 }
 
-/// A stage's coordinator dies in the middle of its all-reduce and the
+/// A stage's coordinator dies as it starts its part of the all-reduce (the
+/// ring cannot go on without it: the survivors' parts fail) and the
 /// transport reports it lost at once: a member takes over, the dead
 /// coordinator's own contribution is recomputed and the survivors run the
 /// all-reduce again, within a few ticks (not after `redo_timeout`).
@@ -660,9 +696,8 @@ fn a_coordinator_lost_during_aggregation_is_recovered_within_a_few_ticks() {
     net.run(600 * SEC, |n| !n.dead.is_empty());
     assert_eq!(net.dead.iter().copied().collect::<Vec<_>>(), [3]);
     let lost_at = net.now;
-    for id in [0, 1, 2, 4, 5, 6] {
-        net.input(id, Input::PeerLost { peer: 3 });
-    }
+    net.abort_aggregates();
+    net.tell_lost(3);
     net.run(lost_at + 600 * SEC, |n| n.finalized(0).is_some());
     assert!(net.finalized(0).is_some());
     let done_at = net.now;
@@ -700,6 +735,8 @@ fn a_lost_contribution_is_recomputed_by_gwtf_and_dropped_by_swarm() {
         net.run(600 * SEC, |n| claimant(n).is_some());
         let dead = claimant(&net).expect("stage 2 ran the backward");
         net.kill(dead);
+        // An all-reduce it was to take part in cannot finish without it.
+        net.abort_aggregates();
         net.run(900 * SEC, |n| n.finalized(0).is_some());
         assert!(net.finalized(0).is_some(), "{policy:?}");
         let mb = MbId {
@@ -727,4 +764,56 @@ fn a_lost_contribution_is_recomputed_by_gwtf_and_dropped_by_swarm() {
             assert_ne!(committed[0].1, dead);
         }
     }
+}
+
+/// A stage's coordinator dies in the all-gather half of its all-reduce:
+/// the ring goes on without it (the survivors' parts end with the mean, its
+/// gradients in it), and its successor, which kept a copy of the grants it
+/// gave itself, takes the commit over: the stage applies it with the dead
+/// coordinator's microbatches, nothing recomputed, no new all-reduce.
+#[test]
+fn a_coordinator_lost_late_in_the_all_reduce_has_its_commit_taken_over() {
+    let cfg = config(Policy::Gwtf, 3, 8, 4);
+    let mut net = Net::new(flat);
+    let layout = [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (6, 3)];
+    start(&mut net, &cfg, &layout);
+    let started = |n: &Net| {
+        n.tasks
+            .iter()
+            .any(|(_, id, t)| *id == 3 && matches!(t.kind, TaskKind::Aggregate { .. }))
+    };
+    net.run(600 * SEC, started);
+    let own = |n: &Net| {
+        n.sent
+            .iter()
+            .filter(|(_, from, to, m)| *from == 3 && *to == 4 && matches!(m, Msg::Deputy { .. }))
+            .count()
+    };
+    assert!(own(&net) > 0, "node 4 got copies of node 3's own grants");
+    // 400 of its 500 ms in: node 3 is gone, the others' parts go on.
+    let t = net.now + 400 * MS;
+    net.run(t, |_| false);
+    net.kill(3);
+    net.tell_lost(3);
+    let lost_at = net.now;
+    net.run(lost_at + 600 * SEC, |n| n.finalized(0).is_some());
+    assert!(net.finalized(0).is_some());
+    let stage2 = net.committed(2, 0);
+    assert_eq!(stage2.len(), cfg.mb_per_iter as usize);
+    assert!(
+        stage2.iter().any(|(_, m)| *m == 3),
+        "the dead coordinator's microbatches are in: {stage2:?}"
+    );
+    let redone = net
+        .sent
+        .iter()
+        .filter(|(t, _, _, m)| *t >= lost_at && matches!(m, Msg::Redo { .. } | Msg::Restart { .. }))
+        .count();
+    assert_eq!(redone, 0, "nothing recomputed");
+    let commits = net
+        .sent
+        .iter()
+        .filter(|(t, _, _, m)| *t >= lost_at && matches!(m, Msg::Commit { iter: 0, .. }))
+        .count();
+    assert_eq!(commits, 0, "no new all-reduce");
 }

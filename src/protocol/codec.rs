@@ -531,10 +531,12 @@ fn write_body(w: &mut W, m: &Msg) {
             iter,
             epoch,
             members,
+            digest,
         } => {
             w.u32(*iter);
             w.u64(*epoch);
             w.ids(members);
+            w.u64(*digest);
         }
         Msg::AggDone {
             iter,
@@ -755,6 +757,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             iter: r.u32()?,
             epoch: r.u64()?,
             members: Arc::new(r.ids()?),
+            digest: r.u64()?,
         },
         32 => Msg::AggDone {
             iter: r.u32()?,
@@ -991,6 +994,7 @@ pub fn samples() -> Vec<Msg> {
             iter: 4,
             epoch: 77,
             members: ids.clone(),
+            digest: 0xd1,
         },
         Msg::AggDone {
             iter: 4,

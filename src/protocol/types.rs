@@ -482,10 +482,15 @@ pub enum Msg {
         iter: u32,
         granted: Vec<(MbId, NodeId, NodeId)>,
     },
+    /// The coordinator commits `iter` (a new `epoch`): `members` all-reduce
+    /// in this order. `digest` names exactly what the commit covers (its
+    /// grants with their owners, and what it gave up), so that a successor
+    /// can tell whether what it knows of it is all of it (see `deputy`).
     Commit {
         iter: u32,
         epoch: u64,
         members: Arc<Vec<NodeId>>,
+        digest: u64,
     },
     /// A member finished its part of the all-reduce of `iter` (commit
     /// `epoch`); `weights` digests the weights it aggregated on (0: not

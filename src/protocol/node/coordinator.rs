@@ -86,6 +86,25 @@ impl Coordinator {
     }
 }
 
+/// What a commit covers, as one number: its grants with their owners, then
+/// what it gave up (a successor that knows the same digests the same).
+pub(super) fn commit_digest(
+    granted: &BTreeMap<MbId, (NodeId, NodeId, NodeId)>,
+    dropped: &BTreeSet<MbId>,
+) -> u64 {
+    let with =
+        |h: u64, mb: &MbId| mix(mix(mix(h, mb.holder as u64), mb.iter as u64), mb.idx as u64);
+    let mut h = mix(0x636f_6d6d_6974, granted.len() as u64);
+    for (mb, g) in granted {
+        h = mix(with(h, mb), g.0 as u64);
+    }
+    h = mix(h, dropped.len() as u64);
+    for mb in dropped {
+        h = with(h, mb);
+    }
+    h
+}
+
 /// The grace a new coordinator leaves the members' syncs before it takes
 /// the microbatches still missing for lost with its predecessor: a
 /// heartbeat period (members notice a coordinator gone within about one of
@@ -566,6 +585,12 @@ impl Node {
     /// [`Coordinator::missing_deadline`]; no grace once every live member
     /// synced); then what is lost is redone, and a commit tried.
     fn settle_missing(&mut self, k: u32) {
+        if self.deputy_state.taking_over(k) {
+            self.settle_takeover(k);
+            if self.deputy_state.taking_over(k) {
+                return;
+            }
+        }
         let now = self.now;
         let timeout = self.cfg.redo_timeout;
         let grace = if self.all_synced(k) {
@@ -654,7 +679,9 @@ impl Node {
         }
         let origin = ci.end.as_ref().map(|e| e.0);
         if ci.commit.is_none() {
-            if !ci.lost.is_empty() {
+            // A dead predecessor's commit this node may take over decides
+            // first (see `deputy`).
+            if !ci.lost.is_empty() || self.deputy_state.taking_over(iter) {
                 return;
             }
             let done = match &ci.missing {
@@ -684,6 +711,8 @@ impl Node {
             let epoch = ci.epoch;
             // The ring in the order that keeps its slowest link fast.
             let list = Arc::new(self.ring_order(&members));
+            let ci = &self.coordinating.coord_iters[&iter];
+            let digest = commit_digest(&ci.granted, &ci.dropped);
             for m in members {
                 self.send(
                     m,
@@ -691,6 +720,7 @@ impl Node {
                         iter,
                         epoch,
                         members: list.clone(),
+                        digest,
                     },
                 );
             }
@@ -856,6 +886,11 @@ impl Node {
 
     /// A member finished its part of the all-reduce of `iter`.
     pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64, weights: u64) {
+        if self.group.coord == Some(self.id)
+            && self.takeover_report(from, iter, epoch, Some(weights))
+        {
+            return;
+        }
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             if ci.epoch == epoch && ci.commit.is_some() {
                 ci.agg_done.insert(from, weights);
@@ -870,7 +905,7 @@ impl Node {
     /// heartbeat tick on (a new epoch, the live members; their grants
     /// stand, the lost members' are recomputed first).
     pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
-        if self.group.coord != Some(self.id) {
+        if self.group.coord != Some(self.id) || self.takeover_report(from, iter, epoch, None) {
             return;
         }
         let retry_at = self.now + self.cfg.tick;

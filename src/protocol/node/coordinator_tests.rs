@@ -489,3 +489,80 @@ fn a_dead_coordinators_own_grants_are_rerun_one_stage_by_its_deputy() {
         }
     }
 }
+
+/// The coordinator (1) dies while its commit's all-reduce runs; its deputy
+/// (2) takes over. When the members' syncs and the copy of 1's own grants
+/// are all the commit covered (its digest), the deputy applies the
+/// all-reduce's result as is, 1's microbatch in it, nothing recomputed.
+/// When they are not (a copy missed), or a member's part failed, 1's grant
+/// is lost and one stage of it is rerun.
+#[test]
+fn a_successor_takes_over_its_dead_coordinators_commit_only_when_it_knows_all_of_it() {
+    for case in ["whole", "partial", "failed"] {
+        let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
+        let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
+        let granted = vec![(m0, 10, 30)];
+        deliver(&mut n, 1, Msg::Deputy { iter: 0, granted });
+        let mut all = BTreeMap::new();
+        all.insert(m0, (1, 10, 30));
+        all.insert(m1, (3, 10, 30));
+        let digest = commit_digest(&all, &BTreeSet::new()) ^ (case == "partial") as u64;
+        let epoch = (1 << 32) | 1;
+        let members = Arc::new(vec![1, 2, 3]);
+        let commit = Msg::Commit {
+            iter: 0,
+            epoch,
+            members,
+            digest,
+        };
+        let acts = deliver(&mut n, 1, commit);
+        let agg = runs(&acts)[0].id;
+        let redone = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::Redo { mb, .. } if *mb == m0))
+                .count()
+        };
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 1 });
+        assert_eq!(
+            redone(&acts),
+            0,
+            "{case}: the successor waits for the syncs"
+        );
+        if case == "failed" {
+            let acts = deliver(&mut n, 3, Msg::AggFailed { iter: 0, epoch });
+            assert_eq!(redone(&acts), 1, "{case}");
+            continue;
+        }
+        let sync = Msg::Sync {
+            iter: 0,
+            granted: vec![(m1, 10, 30)],
+            end: None,
+        };
+        let acts = deliver(&mut n, 3, sync);
+        if case == "partial" {
+            assert_eq!(redone(&acts), 1, "{case}: 1's grant is rerun");
+            assert!(n.coordinating.coord_iters[&0].commit.is_none());
+            continue;
+        }
+        assert_eq!(redone(&acts), 0);
+        assert_eq!(n.coordinating.coord_iters[&0].epoch, epoch, "taken over");
+        let done = Msg::AggDone {
+            iter: 0,
+            epoch,
+            weights: 0,
+        };
+        deliver(&mut n, 3, done);
+        let now = n.now;
+        let acts = n.handle(now, Input::TaskDone { id: agg });
+        let mbs = acts
+            .iter()
+            .find_map(|a| match a {
+                Action::Event(Event::StageCommitted { mbs, .. }) => Some(mbs.clone()),
+                _ => None,
+            })
+            .expect("applied");
+        assert_eq!(*mbs, vec![(m0, 1), (m1, 3)]);
+    }
+}

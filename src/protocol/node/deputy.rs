@@ -5,7 +5,10 @@
 //! and their microbatches were restarted from the holders, through every
 //! stage. With the copy the successor takes them for lost with the hops
 //! they came from and went to, and has one stage of each rerun (`Redo`), as
-//! for any member that dies.
+//! for any member that dies; and when the coordinator died while its
+//! commit's all-reduce ran on without it, the successor takes the commit
+//! over ([`Takeover`]) and applies the ring's result, nothing rerun.
+use super::coordinator::{commit_digest, Lost};
 use super::*;
 
 /// Grants kept per iteration, at most (a coordinator grants itself at most
@@ -24,6 +27,36 @@ pub(super) struct DeputyState {
     /// As deputy: whose grants these are, and which, by iteration.
     of: Option<NodeId>,
     grants: BTreeMap<u32, BTreeMap<MbId, (NodeId, NodeId)>>,
+    /// As successor: the dead coordinator's commits this node may take
+    /// over, by iteration.
+    takeovers: BTreeMap<u32, Takeover>,
+}
+
+impl DeputyState {
+    pub(super) fn taking_over(&self, iter: u32) -> bool {
+        self.takeovers.contains_key(&iter)
+    }
+}
+
+/// A commit of a coordinator that died, whose all-reduce runs on (the ring
+/// goes on without a member lost in its all-gather half, the dead
+/// coordinator's gradients in its result). Once the members' syncs are in,
+/// if they and the copy of the dead coordinator's own grants are all the
+/// commit covered (its digest), the successor applies its result as it
+/// would its own commit's; otherwise, or when a member's part failed, the
+/// copied grants are lost and one stage of each is rerun.
+#[derive(Debug)]
+pub(super) struct Takeover {
+    old: NodeId,
+    epoch: u64,
+    members: Arc<Vec<NodeId>>,
+    digest: u64,
+    /// The dead coordinator's own grants, as copied to this node.
+    held: BTreeMap<MbId, (NodeId, NodeId)>,
+    since: Time,
+    /// Members' reports of its all-reduce: the weights they aggregated on
+    /// (done), or `None` (failed).
+    reports: BTreeMap<NodeId, Option<u64>>,
 }
 
 impl Node {
@@ -116,39 +149,147 @@ impl Node {
     /// rerun (`redo_lost`: from the hop before, with the gradient of the
     /// hop after) instead of the whole microbatch.
     pub(super) fn inherit_deputy_grants(&mut self, old: NodeId) {
-        if self.deputy_state.of != Some(old) {
-            return;
-        }
-        self.deputy_state.of = None;
+        let mut grants = if self.deputy_state.of == Some(old) {
+            self.deputy_state.of = None;
+            std::mem::take(&mut self.deputy_state.grants)
+        } else {
+            BTreeMap::new()
+        };
+        // The commits of `old` this node runs as a member (an epoch names
+        // its coordinator in its high half).
+        let runs: Vec<(u32, u64, Arc<Vec<NodeId>>, u64)> = (self.member.acc.iter())
+            .filter_map(|(&k, a)| {
+                let (_, epoch) = a.agg_task?;
+                let members = a.agg_members.clone()?;
+                let ours = epoch >> 32 == old as u64 && members.contains(&old);
+                ours.then_some((k, epoch, members, a.agg_digest))
+            })
+            .collect();
         let now = self.now;
-        for (iter, mbs) in std::mem::take(&mut self.deputy_state.grants) {
+        for (iter, epoch, members, digest) in runs {
             if self.iters.last_applied.is_some_and(|a| a >= iter) {
                 continue;
             }
-            let ci = self.coordinating.coord_iters.entry(iter).or_default();
-            if ci.applied {
+            self.coordinating.coord_iters.entry(iter).or_default();
+            let held = grants.remove(&iter).unwrap_or_default();
+            let t = Takeover {
+                old,
+                epoch,
+                members,
+                digest,
+                held,
+                since: now,
+                reports: BTreeMap::new(),
+            };
+            self.deputy_state.takeovers.insert(iter, t);
+        }
+        for (iter, mbs) in grants {
+            self.lose_copied_grants(iter, old, mbs);
+        }
+    }
+
+    /// The grants `old` (gone) gave itself of `iter`, as copied here, are
+    /// lost: one stage of each is rerun.
+    fn lose_copied_grants(
+        &mut self,
+        iter: u32,
+        old: NodeId,
+        mbs: BTreeMap<MbId, (NodeId, NodeId)>,
+    ) {
+        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+            return;
+        }
+        let now = self.now;
+        let ci = self.coordinating.coord_iters.entry(iter).or_default();
+        if ci.applied {
+            return;
+        }
+        let ended: Option<BTreeSet<NodeId>> =
+            ci.end.as_ref().map(|e| e.1.iter().copied().collect());
+        for (mb, (prev, next)) in mbs {
+            if ci.granted.contains_key(&mb) || ci.dropped.contains(&mb) {
                 continue;
             }
-            let ended: Option<BTreeSet<NodeId>> =
-                ci.end.as_ref().map(|e| e.1.iter().copied().collect());
-            for (mb, (prev, next)) in mbs {
-                if ci.granted.contains_key(&mb) || ci.dropped.contains(&mb) {
-                    continue;
+            if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
+                if h.contains(&mb.holder) {
+                    m.insert(mb);
                 }
-                if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
-                    if h.contains(&mb.holder) {
-                        m.insert(mb);
-                    }
-                }
-                ci.lost.entry(mb).or_insert(Lost {
-                    prev: Some(prev),
-                    next: Some(next),
-                    dead: old,
-                    since: now,
-                    level: 0,
-                });
             }
-            self.redo_lost(iter);
+            ci.lost.entry(mb).or_insert(Lost {
+                prev: Some(prev),
+                next: Some(next),
+                dead: old,
+                since: now,
+                level: 0,
+            });
         }
+        self.redo_lost(iter);
+    }
+
+    /// A member's report on the all-reduce of a commit this node may take
+    /// over (`weights`: done; `None`: failed). False if it is not one.
+    pub(super) fn takeover_report(
+        &mut self,
+        from: NodeId,
+        iter: u32,
+        epoch: u64,
+        weights: Option<u64>,
+    ) -> bool {
+        let Some(t) = self.deputy_state.takeovers.get_mut(&iter) else {
+            return false;
+        };
+        if t.epoch != epoch || !t.members.contains(&from) {
+            return false;
+        }
+        t.reports.insert(from, weights);
+        self.settle_takeover(iter);
+        true
+    }
+
+    /// Decides a takeover once every live member's sync is in (or a
+    /// heartbeat period passed), or at once when a member's part failed.
+    pub(super) fn settle_takeover(&mut self, iter: u32) {
+        let Some(t) = self.deputy_state.takeovers.get(&iter) else {
+            return;
+        };
+        let failed = t.reports.values().any(Option::is_none);
+        let due = t.since + self.cfg.heartbeat_ticks as Time * self.cfg.tick;
+        if !failed && !self.all_synced(iter) && self.now < due {
+            return;
+        }
+        let t = self
+            .deputy_state
+            .takeovers
+            .remove(&iter)
+            .expect("taking over");
+        let ci = self.coordinating.coord_iters.entry(iter).or_default();
+        if ci.applied {
+            return;
+        }
+        let mut known = ci.granted.clone();
+        for (mb, (prev, next)) in &t.held {
+            known.entry(*mb).or_insert((t.old, *prev, *next));
+        }
+        let whole =
+            !failed && ci.commit.is_none() && commit_digest(&known, &ci.dropped) == t.digest;
+        if !whole {
+            self.lose_copied_grants(iter, t.old, t.held);
+            self.coord_check(iter);
+            return;
+        }
+        for mb in t.held.keys() {
+            ci.lost.remove(mb);
+            if let Some(m) = ci.missing.as_mut() {
+                m.remove(mb);
+            }
+        }
+        ci.granted = known;
+        ci.commit = Some(t.members.iter().copied().collect());
+        ci.epoch = t.epoch;
+        ci.agg_done = (t.reports.into_iter())
+            .filter_map(|(m, w)| w.map(|w| (m, w)))
+            .collect();
+        ci.bypass_since = Some(self.now);
+        self.coord_check(iter);
     }
 }

@@ -45,8 +45,12 @@ pub(super) struct Acc {
     /// the coordinator counts the microbatch as ours from then on.
     pub(super) refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     pub(super) agg_task: Option<(TaskId, u64)>,
-    /// The members of the commit `agg_task` runs.
+    /// The members of the commit `agg_task` runs, and its digest.
     pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
+    pub(super) agg_digest: u64,
+    /// The epoch whose all-reduce ended here with the mean (told again to
+    /// a new coordinator, which may take the commit over: see `deputy`).
+    pub(super) agg_finished: Option<u64>,
 }
 
 /// Each microbatch of `claims` with the hop it came from and went to.
@@ -126,6 +130,24 @@ impl Node {
                     end: None,
                 },
             );
+        }
+        // An all-reduce that ended here with the mean is told again: the
+        // new coordinator may take its commit over (see `deputy`).
+        for &k in &iters {
+            let a = &self.member.acc[&k];
+            if let (Some(epoch), Some((_, e))) = (a.agg_finished, a.agg_task) {
+                if epoch == e {
+                    let weights = self.member.weights;
+                    self.send(
+                        c,
+                        Msg::AggDone {
+                            iter: k,
+                            epoch,
+                            weights,
+                        },
+                    );
+                }
+            }
         }
         if iters.is_empty() {
             let iter = self.iters.next_hint();
@@ -239,6 +261,7 @@ impl Node {
         iter: u32,
         epoch: u64,
         members: Arc<Vec<NodeId>>,
+        digest: u64,
     ) {
         if self.member.last_commit == Some((iter, epoch)) {
             return;
@@ -258,6 +281,8 @@ impl Node {
         let a = self.member.acc.get_mut(&iter).unwrap();
         a.agg_task = Some((t, epoch));
         a.agg_members = Some(members);
+        a.agg_digest = digest;
+        a.agg_finished = None;
     }
 }
 
@@ -316,6 +341,7 @@ mod tests {
             iter: 4,
             epoch: e,
             members: members.clone(),
+            digest: 0,
         };
         let aggregates = |a: &[Action]| {
             runs(a)

@@ -319,6 +319,9 @@ impl Node {
         match kind {
             TaskKind::Aggregate { .. } => {
                 if let Some((iter, epoch)) = self.commit_of(id) {
+                    if let Some(a) = self.member.acc.get_mut(&iter) {
+                        a.agg_finished = Some(epoch);
+                    }
                     if let Some(c) = self.group.coord {
                         let weights = self.member.weights;
                         self.send(

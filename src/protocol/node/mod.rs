@@ -614,7 +614,8 @@ impl Node {
                 iter,
                 epoch,
                 members,
-            } => self.on_commit(from, iter, epoch, members),
+                digest,
+            } => self.on_commit(from, iter, epoch, members, digest),
             Msg::AggDone {
                 iter,
                 epoch,
