@@ -342,35 +342,42 @@ impl Node {
     /// Coordinator: the grants of `p` (gone) to `iter` are lost, to be
     /// recomputed.
     fn lose_grants(&mut self, iter: u32, p: NodeId) {
+        let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
+            return;
+        };
+        let mine: Vec<(MbId, NodeId, NodeId)> = (ci.granted.iter())
+            .filter(|(_, g)| g.0 == p)
+            .map(|(m, g)| (*m, g.1, g.2))
+            .collect();
+        for (mb, ..) in &mine {
+            ci.granted.remove(mb);
+        }
+        self.mark_lost(iter, p, mine);
+    }
+
+    /// Coordinator: `mbs` (microbatch, the hop before, the hop after) of
+    /// `iter`, whose contributions died with `dead`, are lost: missing once
+    /// the iteration ended, and to be recomputed from those hops.
+    pub(super) fn mark_lost(&mut self, iter: u32, dead: NodeId, mbs: Vec<(MbId, NodeId, NodeId)>) {
         let now = self.now;
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
-        let mine: Vec<(MbId, (NodeId, NodeId, NodeId))> = ci
-            .granted
-            .iter()
-            .filter(|(_, g)| g.0 == p)
-            .map(|(m, g)| (*m, *g))
-            .collect();
         let ended: Option<BTreeSet<NodeId>> =
             ci.end.as_ref().map(|e| e.1.iter().copied().collect());
-        for (mb, (_, prev, next)) in &mine {
-            ci.granted.remove(mb);
+        for (mb, prev, next) in mbs {
             if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
                 if h.contains(&mb.holder) {
-                    m.insert(*mb);
+                    m.insert(mb);
                 }
             }
-            ci.lost.insert(
-                *mb,
-                Lost {
-                    prev: Some(*prev),
-                    next: Some(*next),
-                    dead: p,
-                    since: now,
-                    level: 0,
-                },
-            );
+            ci.lost.entry(mb).or_insert(Lost {
+                prev: Some(prev),
+                next: Some(next),
+                dead,
+                since: now,
+                level: 0,
+            });
         }
     }
 

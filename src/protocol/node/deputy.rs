@@ -8,7 +8,7 @@
 //! for any member that dies; and when the coordinator died while its
 //! commit's all-reduce ran on without it, the successor takes the commit
 //! over ([`Takeover`]) and applies the ring's result, nothing rerun.
-use super::coordinator::{commit_digest, Lost};
+use super::coordinator::commit_digest;
 use super::*;
 
 /// Grants kept per iteration, at most (a coordinator grants itself at most
@@ -199,30 +199,15 @@ impl Node {
         if self.iters.last_applied.is_some_and(|a| a >= iter) {
             return;
         }
-        let now = self.now;
         let ci = self.coordinating.coord_iters.entry(iter).or_default();
         if ci.applied {
             return;
         }
-        let ended: Option<BTreeSet<NodeId>> =
-            ci.end.as_ref().map(|e| e.1.iter().copied().collect());
-        for (mb, (prev, next)) in mbs {
-            if ci.granted.contains_key(&mb) || ci.dropped.contains(&mb) {
-                continue;
-            }
-            if let (Some(m), Some(h)) = (ci.missing.as_mut(), ended.as_ref()) {
-                if h.contains(&mb.holder) {
-                    m.insert(mb);
-                }
-            }
-            ci.lost.entry(mb).or_insert(Lost {
-                prev: Some(prev),
-                next: Some(next),
-                dead: old,
-                since: now,
-                level: 0,
-            });
-        }
+        let lost: Vec<(MbId, NodeId, NodeId)> = (mbs.into_iter())
+            .filter(|(mb, _)| !ci.granted.contains_key(mb) && !ci.dropped.contains(mb))
+            .map(|(mb, (prev, next))| (mb, prev, next))
+            .collect();
+        self.mark_lost(iter, old, lost);
         self.redo_lost(iter);
     }
 
