@@ -158,6 +158,7 @@ impl W {
         self.u64(f.out_label);
         self.f64(f.cost_from_source);
         self.f64(f.cost_to_sink);
+        self.f64(f.segment);
     }
 }
 
@@ -266,12 +267,13 @@ impl<'a> R<'a> {
             out_label: self.u64()?,
             cost_from_source: self.f64("flow.cost_from_source")?,
             cost_to_sink: self.f64("flow.cost_to_sink")?,
+            segment: self.f64("flow.segment")?,
         })
     }
 }
 
 /// Encoded size of a [`FlowInfo`].
-const FLOW_BYTES: usize = 44;
+const FLOW_BYTES: usize = 52;
 
 /// Encodes `m` as a control envelope; fails only when the body would exceed
 /// the control payload limit (a list too long for one message).
@@ -856,6 +858,7 @@ pub fn samples() -> Vec<Msg> {
         out_label: 12,
         cost_from_source: 1.25,
         cost_to_sink: f64::INFINITY,
+        segment: 0.5,
     };
     let ids = Arc::new(vec![1, 2, 0xffff_fffe]);
     vec![

@@ -256,6 +256,11 @@ pub struct FlowInfo {
     pub cost_from_source: f64,
     /// The owner's cost from its input to the sink along this flow.
     pub cost_to_sink: f64,
+    /// The owner's cost of its segment of this flow, from `prev`'s output
+    /// through the owner to `next` (the hops both sides, loaded, and the
+    /// owner's GPU queue): what a same-stage peer that would take the flow
+    /// over (a redirect) must beat.
+    pub segment: f64,
 }
 
 /// A stage's summary, answered to a joining node.

@@ -35,7 +35,18 @@ impl Node {
             out_label: f.out_label,
             cost_from_source: f.cost_from_source,
             cost_to_sink: self.cost_via(f.next, f.sink),
+            segment: self.segment_cost(f.prev, f.next, true),
         }
+    }
+
+    /// The cost of the segment `prev` -> this node -> `next` of a flow: both
+    /// hops loaded with the other flows on their links, this node's GPU
+    /// queue, its compute counted once (each hop's cost holds half of it).
+    /// `existing`: for a flow already here (else for one more).
+    pub(super) fn segment_cost(&self, prev: NodeId, next: NodeId, existing: bool) -> f64 {
+        self.loaded_link_cost(prev, existing) + self.loaded_link_cost(next, existing)
+            - self.compute_s
+            + self.gpu_queue_s(existing)
     }
 
     pub(super) fn flow_infos(&self) -> Vec<FlowInfo> {
@@ -47,8 +58,10 @@ impl Node {
     }
 
     pub(super) fn local_search(&mut self) {
+        // A relay without flows searches too while it has room: it is the
+        // one that can take a flow over from a loaded peer (a redirect).
         if self.stage == 0
-            || self.reservations.flows.is_empty()
+            || (self.reservations.flows.is_empty() && self.spare() == 0)
             || self.search.sa_busy_until > self.now
         {
             return;
@@ -131,8 +144,10 @@ impl Node {
                 }
             }
         }
-        // Redirect: take over its worst flow when I have spare capacity.
-        if best.is_none() && self.spare() > 0 {
+        // Redirect: take over the flow whose segment this node would carry
+        // cheapest against its owner, when it has room (a swap only trades
+        // next hops; only a redirect moves load between same-stage relays).
+        if self.spare() > 0 {
             for g in &flows {
                 if !self.peers.contains_key(&g.prev) && g.prev != self.id {
                     continue;
@@ -140,22 +155,20 @@ impl Node {
                 if g.prev == self.id {
                     continue;
                 }
-                // The segment prev -> me -> next for one more flow here.
-                let mine = self.loaded_link_cost(g.prev, false)
-                    + self.loaded_link_cost(g.next, false)
-                    - self.compute_s
-                    + self.gpu_queue_s(false);
-                let via_next = if self.stage == self.s() {
-                    0.0
-                } else {
-                    match self.peers.get(&g.next).and_then(|p| p.costs.get(g.sink)) {
-                        Some(c) => c,
-                        None => continue,
-                    }
-                };
-                let new_total = g.cost_from_source - 0.0 + mine + via_next;
-                let old_total = g.cost_from_source + g.cost_to_sink;
-                let score = new_total - old_total;
+                // The segment prev -> me -> next for one more flow here,
+                // against the owner's for the flow (the rest of the path
+                // is the same: `next` stays).
+                let mine = self.segment_cost(g.prev, g.next, false);
+                if self.stage != self.s()
+                    && self
+                        .peers
+                        .get(&g.next)
+                        .and_then(|p| p.costs.get(g.sink))
+                        .is_none()
+                {
+                    continue;
+                }
+                let score = mine - g.segment;
                 if score < 0.0 && best.as_ref().is_none_or(|b| score < b.0) {
                     best = Some((
                         score,
@@ -280,9 +293,7 @@ impl Node {
             return reject(self);
         };
         // The segment prev -> me -> next of a flow already here.
-        let old = self.loaded_link_cost(g.prev, true) + self.loaded_link_cost(g.next, true)
-            - self.compute_s
-            + self.gpu_queue_s(true);
+        let old = self.segment_cost(g.prev, g.next, true);
         if !self.accept_move(old, new_cost, temperature) {
             return reject(self);
         }
@@ -337,5 +348,137 @@ impl Node {
         let flows = self.flow_infos();
         let spare = self.spare();
         self.send(from, Msg::FlowTable { spare, flows });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// Relay `id` of stage 2 (compute 0.5 s) in a group with `other`; its
+    /// links to 20 (stage 1) and 30 (stage 3) take 10 ms + 1 s per 1 MiB
+    /// activation, 30 costs 1.0 to sink 0; `flows` flows of sink 0 go
+    /// 20 -> it -> 30. GPU load weight 0.5, link load weight 0 (the
+    /// segments then differ by the GPU queue only).
+    fn relay(id: NodeId, other: NodeId, flows: u64) -> Node {
+        let mut cfg = Config::new(Policy::Gwtf, 4, 1 << 20);
+        cfg.gpu_load_weight = 0.5;
+        cfg.link_load_weight = 0.0;
+        let mut n = Node::new(Arc::new(cfg), id, 2, 0.5, 8, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(other, 2), (20, 1), (30, 3)],
+            },
+        );
+        for j in [20, 30] {
+            let p = n.peers.get_mut(&j).unwrap();
+            p.lat = Some(0.01);
+            p.bw = Some((1 << 20) as f64);
+            p.compute_s = 0.5;
+            p.spare = 4;
+            if j == 30 {
+                p.costs = SinkCosts::from_gossip(Arc::new([(0, 1.0)]));
+            }
+        }
+        for l in 0..flows {
+            n.test_add_flow(l + 1, 0, 20, 30, 100 + l);
+        }
+        n
+    }
+
+    /// The messages among `actions`.
+    fn messages(actions: Vec<Action>) -> Vec<(NodeId, Msg)> {
+        actions
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Send { to, msg } => Some((to, msg)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The one message among `actions`, to `to`.
+    fn only_to(actions: Vec<Action>, to: NodeId) -> Msg {
+        let mut m = messages(actions);
+        assert_eq!(m.len(), 1, "{m:?}");
+        let (t, msg) = m.pop().unwrap();
+        assert_eq!(t, to);
+        msg
+    }
+
+    /// What `n` sent from a call made outside `handle`.
+    fn sent(n: &mut Node) -> Vec<Action> {
+        std::mem::take(&mut n.out)
+    }
+
+    fn flow_table_of(b: &mut Node, asker: NodeId) -> Msg {
+        only_to(deliver(b, asker, Msg::QueryFlows), asker)
+    }
+
+    /// An idle relay takes a flow over from a loaded peer of its stage:
+    /// both reach 20 and 30 alike, so the segment 20 -> relay -> 30 differs
+    /// by the GPU queue only: 0.5 x 0.5 s x 2 other flows = 0.5 s at the
+    /// owner of 3 flows, 0 at the idle one. The idle relay searches (it has
+    /// room), proposes the redirect with its segment (1.51 + 1.51 - 0.5),
+    /// the owner gives the flow up, and the taker tells 20 (the new next
+    /// hop) and 30 (the new previous). Before, an idle relay never searched,
+    /// and a proposer counted the hop from 20 twice (it never proposed).
+    #[test]
+    fn an_idle_relay_takes_a_flow_over_from_a_loaded_peer() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let mut owner = relay(10, 11, 3);
+        let mut idle = relay(11, 10, 0);
+        assert!(close(
+            owner.segment_cost(20, 30, true),
+            1.51 + 1.51 - 0.5 + 0.5
+        ));
+        assert!(close(idle.segment_cost(20, 30, false), 1.51 + 1.51 - 0.5));
+        sent(&mut idle);
+        idle.local_search();
+        assert!(matches!(only_to(sent(&mut idle), 10), Msg::QueryFlows));
+        let Msg::FlowTable { spare, flows } = flow_table_of(&mut owner, 11) else {
+            panic!("no flow table")
+        };
+        assert_eq!(flows.len(), 3);
+        assert!(flows.iter().all(|f| close(f.segment, 3.02)));
+        idle.on_flow_table(10, spare, flows);
+        let proposal = only_to(sent(&mut idle), 10);
+        let Msg::ProposeRedirect { new_cost, .. } = proposal else {
+            panic!("{proposal:?}")
+        };
+        assert!(close(new_cost, 2.52), "{new_cost}");
+        let answer = only_to(deliver(&mut owner, 11, proposal), 11);
+        assert!(matches!(answer, Msg::RespondRedirect { accept: true, .. }));
+        assert_eq!(owner.reservations.flows.len(), 2);
+        let told: Vec<(NodeId, &'static str)> = messages(deliver(&mut idle, 10, answer))
+            .iter()
+            .map(|(t, m)| (*t, m.name()))
+            .collect();
+        assert_eq!(idle.reservations.flows.len(), 1);
+        assert_eq!(told, vec![(20, "NotifyRedirect"), (30, "NotifySwitch")]);
+    }
+
+    /// No redirect when it gains nothing: the owner carries one flow (no
+    /// queue behind it), or the would-be taker is farther from the flow's
+    /// previous hop than its queue saves (link to 20 0.6 s slower).
+    #[test]
+    fn no_redirect_without_a_gain() {
+        let mut owner = relay(10, 11, 1);
+        let mut idle = relay(11, 10, 0);
+        let Msg::FlowTable { spare, flows } = flow_table_of(&mut owner, 11) else {
+            panic!("no flow table")
+        };
+        sent(&mut idle);
+        idle.on_flow_table(10, spare, flows);
+        assert!(messages(sent(&mut idle)).is_empty());
+        let mut owner = relay(10, 11, 3);
+        idle.peers.get_mut(&20).unwrap().lat = Some(0.61);
+        let Msg::FlowTable { spare, flows } = flow_table_of(&mut owner, 11) else {
+            panic!("no flow table")
+        };
+        idle.on_flow_table(10, spare, flows);
+        assert!(messages(sent(&mut idle)).is_empty());
     }
 }
