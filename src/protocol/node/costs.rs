@@ -158,6 +158,32 @@ impl Node {
         (flows + pending) as u32
     }
 
+    /// [`Node::link_flows`] of every peer at once (one pass over the
+    /// reservations, for a flow table's segments).
+    pub(super) fn all_link_flows(&self) -> BTreeMap<NodeId, u32> {
+        let r = &self.reservations;
+        let mut n: BTreeMap<NodeId, u32> = BTreeMap::new();
+        for f in r.flows.values() {
+            *n.entry(f.next).or_default() += 1;
+            if f.prev != self.id && f.prev != f.next {
+                *n.entry(f.prev).or_default() += 1;
+            }
+        }
+        for p in r.pending.values() {
+            *n.entry(p.next).or_default() += 1;
+        }
+        n
+    }
+
+    /// [`Node::loaded_link_cost`] to `j` whose link carries `n` flows (from
+    /// [`Node::all_link_flows`]).
+    pub(super) fn loaded_link_cost_with(&self, j: NodeId, n: u32, existing: bool) -> f64 {
+        match self.peers.get(&j) {
+            None => INF,
+            Some(p) => self.loaded_link_cost_to(p, if existing { n.saturating_sub(1) } else { n }),
+        }
+    }
+
     /// [`Node::link_flows`] of every next-stage peer at once, by id (one
     /// pass over the reservations where all candidates are compared).
     fn next_link_flows(&self) -> LinkFlows {

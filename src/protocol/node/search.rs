@@ -26,7 +26,8 @@ impl Node {
         self.send(next, msg);
     }
 
-    pub(super) fn flow_info(&self, f: &FlowEntry) -> FlowInfo {
+    /// A flow table entry; `links`: [`Node::all_link_flows`].
+    fn flow_info_with(&self, f: &FlowEntry, links: &BTreeMap<NodeId, u32>) -> FlowInfo {
         FlowInfo {
             in_label: f.in_label,
             sink: f.sink,
@@ -35,8 +36,12 @@ impl Node {
             out_label: f.out_label,
             cost_from_source: f.cost_from_source,
             cost_to_sink: self.cost_via(f.next, f.sink),
-            segment: self.segment_cost(f.prev, f.next, true),
+            segment: self.segment_cost_with(f.prev, f.next, links, true),
         }
+    }
+
+    pub(super) fn flow_info(&self, f: &FlowEntry) -> FlowInfo {
+        self.flow_info_with(f, &self.all_link_flows())
     }
 
     /// The cost of the segment `prev` -> this node -> `next` of a flow: both
@@ -44,16 +49,31 @@ impl Node {
     /// queue, its compute counted once (each hop's cost holds half of it).
     /// `existing`: for a flow already here (else for one more).
     pub(super) fn segment_cost(&self, prev: NodeId, next: NodeId, existing: bool) -> f64 {
-        self.loaded_link_cost(prev, existing) + self.loaded_link_cost(next, existing)
+        self.segment_cost_with(prev, next, &self.all_link_flows(), existing)
+    }
+
+    /// [`Node::segment_cost`] with the flows on each link counted once
+    /// ([`Node::all_link_flows`]) for a whole table.
+    fn segment_cost_with(
+        &self,
+        prev: NodeId,
+        next: NodeId,
+        links: &BTreeMap<NodeId, u32>,
+        existing: bool,
+    ) -> f64 {
+        let on = |j: NodeId| links.get(&j).copied().unwrap_or(0);
+        self.loaded_link_cost_with(prev, on(prev), existing)
+            + self.loaded_link_cost_with(next, on(next), existing)
             - self.compute_s
             + self.gpu_queue_s(existing)
     }
 
     pub(super) fn flow_infos(&self) -> Vec<FlowInfo> {
+        let links = self.all_link_flows();
         self.reservations
             .flows
             .values()
-            .map(|f| self.flow_info(f))
+            .map(|f| self.flow_info_with(f, &links))
             .collect()
     }
 
@@ -117,8 +137,9 @@ impl Node {
         let _ = spare;
         // Best swap: my flow f and its flow g to the same sink.
         let mut best: Option<(f64, Msg)> = None;
+        let links = self.all_link_flows();
         for f in self.reservations.flows.values() {
-            let fi = self.flow_info(f);
+            let fi = self.flow_info_with(f, &links);
             let f_full = fi.cost_from_source + fi.cost_to_sink;
             for g in &flows {
                 if g.sink != f.sink || g.next == f.next {
@@ -158,7 +179,7 @@ impl Node {
                 // The segment prev -> me -> next for one more flow here,
                 // against the owner's for the flow (the rest of the path
                 // is the same: `next` stays).
-                let mine = self.segment_cost(g.prev, g.next, false);
+                let mine = self.segment_cost_with(g.prev, g.next, &links, false);
                 if self.stage != self.s()
                     && self
                         .peers
