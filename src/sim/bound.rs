@@ -31,13 +31,15 @@
 //!   round trip `P_h`: embedding, forward through one relay per stage,
 //!   loss, backward through the same relays, embedding backward, every
 //!   hop's latency + activation / bandwidth both ways; so at least
-//!   `ceil(m / F) P_h`); and each relay stage's work as above followed by
+//!   `ceil(m / F) P_h`, and more where the first microbatches of its `F`
+//!   slots must queue on a link, which carries one transfer at a time: see
+//!   [`HolderTrips`]); and each relay stage's work as above followed by
 //!   the way back of its last task (a backward: each microbatch's comes
 //!   after its forward there) through the stages before and the embedding's
 //!   backward. Then the holders' all-reduce, by the best ring.
 //!
-//! Per-link byte limits are not counted (the bound is weaker, still
-//! valid). What the bound ignores (the barrier's messages, queueing beyond
+//! Links are counted only for a holder's own first microbatches (beyond
+//! that, per-link byte limits are not: the bound is weaker, still valid). What the bound ignores (the barrier's messages, queueing beyond
 //! the above, aggregation waiting for every stage, a crash's recomputation)
 //! can only make an iteration longer. Under churn the bound of the
 //! membership an iteration starts with is reported; it is checked only on
@@ -95,15 +97,14 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
     let mut stage_secs = Vec::with_capacity(w.relays.len() + 1);
     // Holders: own work or chain, then their all-reduce.
     let holder_flops = m.loss_flops() + 3.0 * m.embed_flops();
-    let waves = w.mb_per_holder.div_ceil(w.in_flight.max(1)) as f64;
-    let mut trips: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut trips: BTreeMap<usize, HolderTrips> = BTreeMap::new();
     let mut holders_done: f64 = 0.0;
     for h in w.holders {
         let own = w.mb_per_holder as f64 * holder_flops / h.flops;
-        let relays_trip = *trips
+        let trips = trips
             .entry(h.region)
-            .or_insert_with(|| cheapest_relay_trip(w, h.region));
-        let chain = waves * (holder_flops / h.flops + relays_trip);
+            .or_insert_with(|| HolderTrips::new(w, h.region));
+        let chain = trips.chain_secs(holder_flops / h.flops, w.mb_per_holder, w.in_flight);
         holders_done = holders_done.max(own.max(chain));
     }
     // Relay stages: the most microbatches per second their members can
@@ -201,39 +202,203 @@ fn min_holds(w: &World, hop: f64) -> Vec<f64> {
 }
 
 /// The cheapest round trip of one microbatch from a holder in `home` through
-/// one relay per stage and back, without the holder's own compute: each
-/// relay's forward + backward on the fastest relay of its region, each hop's
-/// transfer both ways. Members of a region share their links, so the
-/// shortest path runs over (stage, region): `O(S R^2)`.
+/// one relay per stage and back, without the holder's own compute.
+#[cfg(test)]
 fn cheapest_relay_trip(w: &World, home: usize) -> f64 {
-    let act = w.model.activation_bytes() as f64;
-    let hop = |a: usize, b: usize| w.links.send_secs(a, b, act) + w.links.send_secs(b, a, act);
-    // (region, cheapest cost so far ending at a relay of that region).
-    let mut frontier: Vec<(usize, f64)> = vec![(home, 0.0)];
-    for (i, members) in w.relays.iter().enumerate() {
-        let k = (i + 1) as u16;
-        let per_mb = 3.0 * w.model.stage_fwd_flops(k);
-        let mut fastest: BTreeMap<usize, f64> = BTreeMap::new();
-        for r in members {
-            let t = per_mb / r.flops;
-            let e = fastest.entry(r.region).or_insert(t);
-            *e = e.min(t);
-        }
-        frontier = fastest
-            .into_iter()
-            .map(|(region, compute)| {
-                let reach = frontier
-                    .iter()
-                    .map(|&(from, c)| c + hop(from, region))
-                    .fold(f64::INFINITY, f64::min);
-                (region, reach + compute)
+    HolderTrips::new(w, home).cheapest
+}
+
+/// What a holder's microbatches cost on their way through the relays, for
+/// the holder's chain (the in-flight limit) with its links' queues.
+///
+/// The model of one trip (a lower bound on any): from the holder in `home`
+/// through one relay per stage and back, each relay's forward + backward on
+/// the fastest relay of its region, each hop's transfer both ways (a hop
+/// between relays may go through the holder, SWARM's data path: the cheaper
+/// of the two is counted). Members of a region share their links' figures,
+/// so the shortest paths run over (stage, region): `O(S R^2)`.
+///
+/// A link carries one transfer at a time. Every trip crosses each *cut* (the
+/// holder to stage 1, stage `k` to stage `k + 1` directly or through the
+/// holder, stage `S` to the holder; each direction) on exactly one link, so
+/// the `i`-th of a holder's microbatches through a link `e` of a cut ends
+/// its trip no earlier than `P_e + (i - 1) t_e`, `P_e` the cheapest trip
+/// through `e` and `t_e` its transfer. [`HolderTrips::cuts`] keeps, per cut,
+/// the `in_flight` smallest such ends over all its links: the best the
+/// first microbatches of the holder's in-flight slots can do.
+struct HolderTrips {
+    /// The cheapest trip.
+    cheapest: f64,
+    /// Per cut and direction: the `in_flight` smallest trip ends, ascending.
+    cuts: Vec<Vec<f64>>,
+}
+
+/// Per (stage, region): the fastest member's forward + backward seconds and
+/// how many members the stage has there.
+type StageRegions = BTreeMap<usize, (f64, usize)>;
+
+impl HolderTrips {
+    fn new(w: &World, home: usize) -> HolderTrips {
+        let slots = w.in_flight.max(1) as usize;
+        let act = w.model.activation_bytes() as f64;
+        let send = |a: usize, b: usize| w.links.send_secs(a, b, act);
+        let xfer = |a: usize, b: usize| send(a, b) - w.links.send_secs(a, b, 0.0);
+        // One way between two relays: directly or through the holder.
+        let one_way = |a: usize, b: usize| send(a, b).min(send(a, home) + send(home, b));
+        let hop = |a: usize, b: usize| one_way(a, b) + one_way(b, a);
+        let hop_home = |a: usize| send(home, a) + send(a, home);
+        let stages: Vec<StageRegions> = (w.relays.iter().enumerate())
+            .map(|(i, members)| {
+                let per_mb = 3.0 * w.model.stage_fwd_flops((i + 1) as u16);
+                let mut by_region = StageRegions::new();
+                for r in members {
+                    let e = by_region.entry(r.region).or_insert((f64::INFINITY, 0));
+                    e.0 = e.0.min(per_mb / r.flops);
+                    e.1 += 1;
+                }
+                by_region
             })
             .collect();
+        let s = stages.len();
+        // prefix[k][A]: from the holder through the relay of stage k + 1 in
+        // A, its work included; suffix[k][A]: from there back home.
+        let mut prefix: Vec<BTreeMap<usize, f64>> = Vec::with_capacity(s);
+        for (k, st) in stages.iter().enumerate() {
+            let row = (st.iter())
+                .map(|(&a, &(work, _))| {
+                    let reach = if k == 0 {
+                        hop_home(a)
+                    } else {
+                        (prefix[k - 1].iter())
+                            .map(|(&b, &c)| c + hop(b, a))
+                            .fold(f64::INFINITY, f64::min)
+                    };
+                    (a, reach + work)
+                })
+                .collect();
+            prefix.push(row);
+        }
+        let mut suffix: Vec<BTreeMap<usize, f64>> = vec![BTreeMap::new(); s];
+        for k in (0..s).rev() {
+            suffix[k] = (stages[k].keys())
+                .map(|&a| {
+                    let rest = if k + 1 == s {
+                        hop_home(a)
+                    } else {
+                        (stages[k + 1].iter())
+                            .map(|(&b, &(work, _))| hop(a, b) + work + suffix[k + 1][&b])
+                            .fold(f64::INFINITY, f64::min)
+                    };
+                    (a, rest)
+                })
+                .collect();
+        }
+        let cheapest = (prefix[s - 1].iter())
+            .map(|(a, c)| c + suffix[s - 1][a])
+            .fold(f64::INFINITY, f64::min);
+        // Each cut, one direction at a time: its links as (cheapest trip
+        // through one, how many such links in parallel, its transfer).
+        type Cut = Vec<(f64, usize, f64)>;
+        let mut cuts = Vec::with_capacity(2 * (s + 1));
+        let mut add = |fwd: Cut, bwd: Cut| {
+            cuts.push(first_ends(&fwd, slots));
+            cuts.push(first_ends(&bwd, slots));
+        };
+        // The holder and stage 1.
+        let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
+        for (&a, &(work, n)) in &stages[0] {
+            let p = hop_home(a) + work + suffix[0][&a];
+            fwd.push((p, n, xfer(home, a)));
+            bwd.push((p, n, xfer(a, home)));
+        }
+        add(fwd, bwd);
+        // Stage k + 1 to stage k + 2: the direct links, and through the
+        // holder, its link into the relay (forward into b, backward into a).
+        for k in 0..s.saturating_sub(1) {
+            let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
+            for (&a, &(_, na)) in &stages[k] {
+                for (&b, &(work_b, nb)) in &stages[k + 1] {
+                    let ends = prefix[k][&a] + work_b + suffix[k + 1][&b];
+                    let (there, back) = (one_way(a, b), one_way(b, a));
+                    fwd.push((ends + send(a, b) + back, na * nb, xfer(a, b)));
+                    let via = send(a, home) + send(home, b);
+                    fwd.push((ends + via + back, nb, xfer(home, b)));
+                    bwd.push((ends + there + send(b, a), na * nb, xfer(b, a)));
+                    let via = send(b, home) + send(home, a);
+                    bwd.push((ends + there + via, na, xfer(home, a)));
+                }
+            }
+            add(fwd, bwd);
+        }
+        // Stage S and the holder (the loss).
+        let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
+        for (&a, &c) in &prefix[s - 1] {
+            let (p, n) = (c + hop_home(a), stages[s - 1][&a].1);
+            fwd.push((p, n, xfer(a, home)));
+            bwd.push((p, n, xfer(home, a)));
+        }
+        add(fwd, bwd);
+        HolderTrips { cheapest, cuts }
     }
-    frontier
-        .iter()
-        .map(|&(from, c)| c + hop(from, home))
-        .fold(f64::INFINITY, f64::min)
+
+    /// The earliest a holder whose own work per microbatch is `own` seconds
+    /// ends `m` microbatches, at most `slots` in flight: each slot runs its
+    /// microbatches one after another, the first no earlier than one of a
+    /// cut's first ends, each later one a whole cheapest trip.
+    fn chain_secs(&self, own: f64, m: u32, slots: u32) -> f64 {
+        let trip = own + self.cheapest;
+        let waves = m.div_ceil(slots.max(1)) as f64 * trip;
+        (self.cuts.iter())
+            .map(|ends| slots_finish(ends, own, trip, m))
+            .fold(waves, f64::max)
+    }
+}
+
+/// The `slots` smallest values of `P + floor(i / n) t` (i = 0, 1, ...) over
+/// the links `(P, n, t)` (`n` parallel links whose cheapest trip is `P`,
+/// each taking `t` per transfer), ascending.
+fn first_ends(links: &[(f64, usize, f64)], slots: usize) -> Vec<f64> {
+    let mut ends: Vec<f64> = Vec::new();
+    for &(p, n, t) in links {
+        if !p.is_finite() || n == 0 {
+            continue;
+        }
+        ends.extend((0..slots).map(|i| p + (i / n) as f64 * t));
+    }
+    ends.sort_by(f64::total_cmp);
+    ends.truncate(slots);
+    ends
+}
+
+/// The least `T` at which slots whose first microbatch ends at `ends[j] +
+/// own` and every later one `trip` after the one before have ended `m`
+/// microbatches in all.
+fn slots_finish(ends: &[f64], own: f64, trip: f64, m: u32) -> f64 {
+    if m == 0 {
+        return 0.0;
+    }
+    let done_by = |t: f64| -> u64 {
+        (ends.iter())
+            .map(|&e| {
+                let first = e + own;
+                if t + 1e-12 < first {
+                    0
+                } else {
+                    ((t - first) / trip + 1e-9).floor() as u64 + 1
+                }
+            })
+            .sum()
+    };
+    let mut best = f64::INFINITY;
+    for &e in ends {
+        for q in 0..m as u64 {
+            let t = e + own + q as f64 * trip;
+            if t < best && done_by(t) >= m as u64 {
+                best = t;
+            }
+        }
+    }
+    best
 }
 
 #[cfg(test)]
@@ -317,15 +482,19 @@ mod tests {
         let busy2 = fill2 + work(2);
         assert!((b.stage_secs[2] - busy2).abs() < 1e-12, "{b:?}");
         // Holders: their all-reduce (a ring of two) after the latest of
-        // 2 waves (4 microbatches, 2 in flight) of the round trip (own
-        // compute + every relay's 3 forward at 2 TFLOP/s + s+1 hops both
-        // ways), their own work, and each stage's work followed by the way
-        // back of its last backward (the stages before, then the
-        // embedding's backward).
+        // their chain, their own work, and each stage's work followed by the
+        // way back of its last backward (the stages before, then the
+        // embedding's backward). The chain: 2 waves (4 microbatches, 2 in
+        // flight) of the round trip (own compute + every relay's 3 forward
+        // at 2 TFLOP/s + s+1 hops both ways), the second slot's first
+        // microbatch one transfer later: from stage 2 on, each stage has
+        // one relay, so both slots' first microbatches cross the one link
+        // between stages 2 and 3, one after the other (going through the
+        // holder instead costs a whole hop more).
         let own = model.loss_flops() + 3.0 * embed;
         let relays_c: f64 = (1..=s as u16).map(|k| 3.0 * f(k) / 2e12).sum();
         let trip = own / 1e12 + relays_c + (s as f64 + 1.0) * 2.0 * hop;
-        let mut done = (2.0 * trip).max(4.0 * own / 1e12);
+        let mut done = (2.0 * trip + act / 1e9).max(4.0 * own / 1e12);
         let (mut fill, mut drain) = (fill1, 2.0 * embed / 1e12 + hop);
         for k in 1..=s as u16 {
             done = done.max(fill + work(k) + drain);
@@ -413,5 +582,68 @@ mod tests {
         let f2 = model.stage_fwd_flops(2);
         let fill2 = fill1 + f1 / 2e12 + hop / 2.0;
         assert!((b.stage_secs[2] - fill2 - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
+    }
+
+    #[test]
+    fn slots_end_after_their_first_microbatch_and_whole_trips() {
+        // Two slots, the second's first microbatch 0.5 s later: 2 + 2
+        // microbatches end at 2.5 (3 + 1 would end at 3).
+        assert!((slots_finish(&[1.0, 1.5], 0.0, 1.0, 4) - 2.5).abs() < 1e-12);
+        // The second slot 2.5 s later: 3 + 1 end at 3.5, better than 4 + 0.
+        assert!((slots_finish(&[1.0, 3.5], 0.0, 1.0, 4) - 3.5).abs() < 1e-12);
+        // The holder's own work is on every trip (`trip` includes it).
+        assert!((slots_finish(&[1.0, 1.0], 0.5, 1.5, 4) - 3.0).abs() < 1e-12);
+        // Links: two in parallel at 1 s, 0.5 s a transfer, and one at
+        // 1.2 s: the 4 earliest ends are 1, 1, 1.2, 1.5.
+        let ends = first_ends(&[(1.0, 2, 0.5), (1.2, 1, 0.5), (f64::INFINITY, 1, 0.0)], 4);
+        assert_eq!(ends, vec![1.0, 1.0, 1.2, 1.5]);
+    }
+
+    /// A holder with 4 in flight and one relay of stage 1 near it (every
+    /// later stage has four): its four first microbatches cross its one
+    /// link to that relay one after another, so the fourth ends its trip
+    /// three transfers after the first; unless a second relay of stage 1, a
+    /// little farther, takes some of them over a link of its own.
+    #[test]
+    fn a_holders_first_microbatches_queue_on_a_shared_link() {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages as usize;
+        let act = model.activation_bytes() as f64;
+        let t = act / 1e9;
+        // Region 1 is 2 ms from region 0, 1 ms more than within a region.
+        let link = |a: usize, b: usize| if a == b { (0.001, 1e9) } else { (0.002, 1e9) };
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let holders = [member(0, 1e12)];
+        let world = |relays: &[Vec<Member>]| {
+            let w = World {
+                model: &model,
+                holders: &holders,
+                relays,
+                mb_per_holder: 4,
+                in_flight: 4,
+                links: &links,
+            };
+            let trips = HolderTrips::new(&w, 0);
+            let own = (model.loss_flops() + 3.0 * model.embed_flops()) / 1e12;
+            (trips.cheapest, trips.chain_secs(own, 4, 4) - own)
+        };
+        let mut relays = vec![vec![member(0, 2e12); 4]; s];
+        relays[0].truncate(1);
+        let (trip, chain) = world(&relays);
+        assert!(t > 0.005, "a transfer must outweigh the detour below");
+        assert!((chain - (trip + 3.0 * t)).abs() < 1e-9, "{chain} {trip}");
+        // A relay of stage 1 in region 1: through it, a trip's hops from
+        // the holder and on to stage 2 cost 1 ms more each way (4 ms). The
+        // four earliest ends: 0, 4 ms, t, t + 4 ms after the cheapest.
+        relays[0].push(member(1, 2e12));
+        let (trip2, chain2) = world(&relays);
+        assert!((trip2 - trip).abs() < 1e-12);
+        assert!(
+            (chain2 - (trip + t + 0.004)).abs() < 1e-9,
+            "{chain2} {trip}"
+        );
     }
 }
