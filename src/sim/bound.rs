@@ -98,14 +98,22 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
     // Holders: own work or chain, then their all-reduce.
     let holder_flops = m.loss_flops() + 3.0 * m.embed_flops();
     let mut trips: BTreeMap<usize, HolderTrips> = BTreeMap::new();
+    // Per region: its holders and the least own work per microbatch.
+    let mut regions: BTreeMap<usize, (usize, f64)> = BTreeMap::new();
     let mut holders_done: f64 = 0.0;
     for h in w.holders {
         let own = w.mb_per_holder as f64 * holder_flops / h.flops;
         let trips = trips
             .entry(h.region)
             .or_insert_with(|| HolderTrips::new(w, h.region));
-        let chain = trips.chain_secs(holder_flops / h.flops, w.mb_per_holder, w.in_flight);
+        let (per_mb, loss) = (holder_flops / h.flops, m.loss_flops() / h.flops);
+        let chain = trips.chain_secs(per_mb, loss, w.mb_per_holder, w.in_flight);
         holders_done = holders_done.max(own.max(chain));
+        let r = regions.entry(h.region).or_insert((0, f64::INFINITY));
+        *r = (r.0 + 1, r.1.min(per_mb));
+    }
+    for (region, (holders, own)) in regions {
+        holders_done = holders_done.max(relay_gpus_secs(w, &trips[&region], holders, own));
     }
     // Relay stages: the most microbatches per second their members can
     // take (GPU time and memory), from the first instant a microbatch can
@@ -209,32 +217,45 @@ fn cheapest_relay_trip(w: &World, home: usize) -> f64 {
 }
 
 /// What a holder's microbatches cost on their way through the relays, for
-/// the holder's chain (the in-flight limit) with its links' queues.
+/// the holder's chain (the in-flight limit) with the queues of the links
+/// and GPUs its first microbatches share.
 ///
 /// The model of one trip (a lower bound on any): from the holder in `home`
-/// through one relay per stage and back, each relay's forward + backward on
-/// the fastest relay of its region, each hop's transfer both ways (a hop
-/// between relays may go through the holder, SWARM's data path: the cheaper
-/// of the two is counted). Members of a region share their links' figures,
-/// so the shortest paths run over (stage, region): `O(S R^2)`.
+/// through one relay per stage and back through the same relays, each
+/// relay's forward and backward on the fastest relay of its region, each
+/// hop's transfer both ways (a hop between relays may go through the
+/// holder, SWARM's data path: the cheaper of the two is counted). Members of
+/// a region share their links' figures, so the shortest paths run over
+/// (stage, region): `O(S R^2)`.
 ///
-/// A link carries one transfer at a time. Every trip crosses each *cut* (the
-/// holder to stage 1, stage `k` to stage `k + 1` directly or through the
-/// holder, stage `S` to the holder; each direction) on exactly one link, so
-/// the `i`-th of a holder's microbatches through a link `e` of a cut ends
-/// its trip no earlier than `P_e + (i - 1) t_e`, `P_e` the cheapest trip
-/// through `e` and `t_e` its transfer. [`HolderTrips::cuts`] keeps, per cut,
-/// the `in_flight` smallest such ends over all its links: the best the
+/// A link carries one transfer at a time, a GPU runs one task at a time.
+/// Every trip crosses each *cut* (the holder's link to stage 1, stage `k`
+/// to stage `k + 1` directly or through the holder, stage `S` to the
+/// holder's loss; each direction) on exactly one link, and runs one
+/// backward at each stage. The `i`-th of several microbatches through one
+/// link `e` (or one GPU) finishes there no earlier than `i` transfers (or
+/// tasks) after the earliest any of them can be there, and its trip then
+/// takes at least the least time any trip needs from there on: it ends no
+/// earlier than `P_e + (i - 1) t_e`, `P_e` the least time before `e` plus
+/// `t_e` plus the least time after (each minimised on its own: another
+/// microbatch may come by another way). [`HolderTrips::cuts`] keeps, per
+/// cut, the `in_flight` smallest such ends over all its links: the best the
 /// first microbatches of the holder's in-flight slots can do.
 struct HolderTrips {
-    /// The cheapest trip.
+    /// The cheapest trip (the holder's own compute left out, as below).
     cheapest: f64,
     /// Per cut and direction: the `in_flight` smallest trip ends, ascending.
     cuts: Vec<Vec<f64>>,
+    /// The least time of a trip besides its loss on the holder's GPU: the
+    /// least before it plus the least after it.
+    around_loss: f64,
+    /// Per relay stage and region: the least time of a trip through a
+    /// relay there besides that relay's own forward and backward.
+    around_relay: Vec<BTreeMap<usize, f64>>,
 }
 
-/// Per (stage, region): the fastest member's forward + backward seconds and
-/// how many members the stage has there.
+/// Per (stage, region): the fastest member's forward seconds and how many
+/// members the stage has there.
 type StageRegions = BTreeMap<usize, (f64, usize)>;
 
 impl HolderTrips {
@@ -245,58 +266,62 @@ impl HolderTrips {
         let xfer = |a: usize, b: usize| send(a, b) - w.links.send_secs(a, b, 0.0);
         // One way between two relays: directly or through the holder.
         let one_way = |a: usize, b: usize| send(a, b).min(send(a, home) + send(home, b));
-        let hop = |a: usize, b: usize| one_way(a, b) + one_way(b, a);
-        let hop_home = |a: usize| send(home, a) + send(a, home);
+        let min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
         let stages: Vec<StageRegions> = (w.relays.iter().enumerate())
             .map(|(i, members)| {
-                let per_mb = 3.0 * w.model.stage_fwd_flops((i + 1) as u16);
+                let fwd = w.model.stage_fwd_flops((i + 1) as u16);
                 let mut by_region = StageRegions::new();
                 for r in members {
                     let e = by_region.entry(r.region).or_insert((f64::INFINITY, 0));
-                    e.0 = e.0.min(per_mb / r.flops);
+                    e.0 = e.0.min(fwd / r.flops);
                     e.1 += 1;
                 }
                 by_region
             })
             .collect();
         let s = stages.len();
-        // prefix[k][A]: from the holder through the relay of stage k + 1 in
-        // A, its work included; suffix[k][A]: from there back home.
-        let mut prefix: Vec<BTreeMap<usize, f64>> = Vec::with_capacity(s);
-        for (k, st) in stages.iter().enumerate() {
-            let row = (st.iter())
-                .map(|(&a, &(work, _))| {
-                    let reach = if k == 0 {
-                        hop_home(a)
+        type Row = BTreeMap<usize, f64>;
+        // fwd_to[k][a]: from the start to the forward output of a relay of
+        // stage k + 1 in region a; back_from[k][a]: from that relay's
+        // backward output to the end; round[k][a]: from the forward input
+        // of that relay to its backward output (the rest of the trip there
+        // and back, through the same relays).
+        let mut fwd_to: Vec<Row> = Vec::with_capacity(s);
+        let mut back_from: Vec<Row> = Vec::with_capacity(s);
+        for k in 0..s {
+            let (f, b): (Row, Row) = (stages[k].iter())
+                .map(|(&a, &(fwd, _))| {
+                    if k == 0 {
+                        ((a, send(home, a) + fwd), (a, send(a, home)))
                     } else {
-                        (prefix[k - 1].iter())
-                            .map(|(&b, &c)| c + hop(b, a))
-                            .fold(f64::INFINITY, f64::min)
-                    };
-                    (a, reach + work)
+                        let f = min(&mut fwd_to[k - 1].iter().map(|(&p, &c)| c + one_way(p, a)));
+                        let b = min(&mut (stages[k - 1].iter())
+                            .map(|(&p, &(fp, _))| one_way(a, p) + 2.0 * fp + back_from[k - 1][&p]));
+                        ((a, f + fwd), (a, b))
+                    }
                 })
-                .collect();
-            prefix.push(row);
+                .unzip();
+            fwd_to.push(f);
+            back_from.push(b);
         }
-        let mut suffix: Vec<BTreeMap<usize, f64>> = vec![BTreeMap::new(); s];
+        let mut round: Vec<Row> = vec![Row::new(); s];
         for k in (0..s).rev() {
-            suffix[k] = (stages[k].keys())
-                .map(|&a| {
-                    let rest = if k + 1 == s {
-                        hop_home(a)
+            round[k] = (stages[k].iter())
+                .map(|(&a, &(fwd, _))| {
+                    let beyond = if k + 1 == s {
+                        send(a, home) + send(home, a)
                     } else {
-                        (stages[k + 1].iter())
-                            .map(|(&b, &(work, _))| hop(a, b) + work + suffix[k + 1][&b])
-                            .fold(f64::INFINITY, f64::min)
+                        min(&mut round[k + 1]
+                            .iter()
+                            .map(|(&b, &c)| one_way(a, b) + c + one_way(b, a)))
                     };
-                    (a, rest)
+                    (a, 3.0 * fwd + beyond)
                 })
                 .collect();
         }
-        let cheapest = (prefix[s - 1].iter())
-            .map(|(a, c)| c + suffix[s - 1][a])
-            .fold(f64::INFINITY, f64::min);
-        // Each cut, one direction at a time: its links as (cheapest trip
+        let cheapest =
+            min(&mut (round[0].iter()).map(|(&a, &c)| send(home, a) + c + send(a, home)));
+        // Each cut, one direction at a time: its links as (least trip
         // through one, how many such links in parallel, its transfer).
         type Cut = Vec<(f64, usize, f64)>;
         let mut cuts = Vec::with_capacity(2 * (s + 1));
@@ -306,8 +331,8 @@ impl HolderTrips {
         };
         // The holder and stage 1.
         let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
-        for (&a, &(work, n)) in &stages[0] {
-            let p = hop_home(a) + work + suffix[0][&a];
+        for (&a, &(_, n)) in &stages[0] {
+            let p = send(home, a) + round[0][&a] + send(a, home);
             fwd.push((p, n, xfer(home, a)));
             bwd.push((p, n, xfer(a, home)));
         }
@@ -316,9 +341,10 @@ impl HolderTrips {
         // holder, its link into the relay (forward into b, backward into a).
         for k in 0..s.saturating_sub(1) {
             let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
-            for (&a, &(_, na)) in &stages[k] {
-                for (&b, &(work_b, nb)) in &stages[k + 1] {
-                    let ends = prefix[k][&a] + work_b + suffix[k + 1][&b];
+            for (&a, &(fwd_a, na)) in &stages[k] {
+                let ends = fwd_to[k][&a] + 2.0 * fwd_a + back_from[k][&a];
+                for (&b, &(_, nb)) in &stages[k + 1] {
+                    let ends = ends + round[k + 1][&b];
                     let (there, back) = (one_way(a, b), one_way(b, a));
                     fwd.push((ends + send(a, b) + back, na * nb, xfer(a, b)));
                     let via = send(a, home) + send(home, b);
@@ -332,25 +358,109 @@ impl HolderTrips {
         }
         // Stage S and the holder (the loss).
         let (mut fwd, mut bwd) = (Cut::new(), Cut::new());
-        for (&a, &c) in &prefix[s - 1] {
-            let (p, n) = (c + hop_home(a), stages[s - 1][&a].1);
+        for (&a, &(fwd_a, n)) in &stages[s - 1] {
+            let ends = fwd_to[s - 1][&a] + 2.0 * fwd_a + back_from[s - 1][&a];
+            let p = ends + send(a, home) + send(home, a);
             fwd.push((p, n, xfer(a, home)));
             bwd.push((p, n, xfer(home, a)));
         }
         add(fwd, bwd);
-        HolderTrips { cheapest, cuts }
+        let last = &stages[s - 1];
+        let around_loss = min(&mut fwd_to[s - 1].iter().map(|(&a, &c)| c + send(a, home)))
+            + min(&mut (last.iter())
+                .map(|(&a, &(fwd_a, _))| send(home, a) + 2.0 * fwd_a + back_from[s - 1][&a]));
+        let around_relay = (0..s)
+            .map(|k| {
+                (stages[k].iter())
+                    .map(|(&a, &(fwd_a, _))| {
+                        let up = round[k][&a] - 3.0 * fwd_a;
+                        (a, fwd_to[k][&a] - fwd_a + up + back_from[k][&a])
+                    })
+                    .collect()
+            })
+            .collect();
+        HolderTrips {
+            cheapest,
+            cuts,
+            around_loss,
+            around_relay,
+        }
     }
 
-    /// The earliest a holder whose own work per microbatch is `own` seconds
-    /// ends `m` microbatches, at most `slots` in flight: each slot runs its
-    /// microbatches one after another, the first no earlier than one of a
-    /// cut's first ends, each later one a whole cheapest trip.
-    fn chain_secs(&self, own: f64, m: u32, slots: u32) -> f64 {
+    /// The earliest a holder whose own work per microbatch is `own` seconds,
+    /// `loss` of it the loss, ends `m` microbatches, at most `slots` in
+    /// flight: each slot runs its microbatches one after another, the first
+    /// no earlier than one of a cut's first ends, each later one a whole
+    /// cheapest trip. Its GPU is a cut too: every trip runs a loss there.
+    fn chain_secs(&self, own: f64, loss: f64, m: u32, slots: u32) -> f64 {
         let trip = own + self.cheapest;
         let waves = m.div_ceil(slots.max(1)) as f64 * trip;
-        (self.cuts.iter())
+        let losses: Vec<f64> = (0..slots.max(1))
+            .map(|j| (self.around_loss + loss * j as f64).max(self.cheapest))
+            .collect();
+        (self.cuts.iter().chain(std::iter::once(&losses)))
             .map(|ends| slots_finish(ends, own, trip, m))
             .fold(waves, f64::max)
+    }
+}
+
+/// The holders of one region (same trips) and the relays' GPUs: the first
+/// microbatches of their slots (each uses at least `ceil(m / waves)` slots,
+/// or it needs a wave more) all run a backward at every stage; the last of
+/// them to be done at a stage ends its trip no earlier than the `n`-th
+/// smallest `P_r + (j - 1) b_r` over the stage's relays `r` (`b_r` its
+/// backward), and its holder's other slots' first ends no earlier than the
+/// cheapest trip. `own`: the least own work per microbatch among them.
+fn relay_gpus_secs(w: &World, trips: &HolderTrips, holders: usize, own: f64) -> f64 {
+    let m = w.mb_per_holder;
+    let slots = w.in_flight.max(1);
+    let waves = m.div_ceil(slots);
+    let used = m.div_ceil(waves.max(1)) as usize;
+    let n = holders * used;
+    let trip = own + trips.cheapest;
+    let mut secs: f64 = 0.0;
+    for (i, members) in w.relays.iter().enumerate() {
+        let fwd = w.model.stage_fwd_flops((i + 1) as u16);
+        // (next end, backward seconds) per relay, the smallest first.
+        let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(Ordered, Ordered)>> =
+            (members.iter())
+                .filter_map(|r| {
+                    let around = *trips.around_relay[i].get(&r.region)?;
+                    let p = (around + 3.0 * fwd / r.flops).max(trips.cheapest);
+                    Some(std::cmp::Reverse((
+                        Ordered(p),
+                        Ordered(2.0 * fwd / r.flops),
+                    )))
+                })
+                .collect();
+        let mut last = trips.cheapest;
+        for _ in 0..n {
+            let Some(std::cmp::Reverse((Ordered(p), Ordered(b)))) = heap.pop() else {
+                break;
+            };
+            last = p;
+            heap.push(std::cmp::Reverse((Ordered(p + b), Ordered(b))));
+        }
+        let mut ends = vec![trips.cheapest; slots as usize - 1];
+        ends.push(last);
+        let gpus = slots_finish(&ends, own, trip, m);
+        secs = secs.max(gpus.min((waves + 1) as f64 * trip));
+    }
+    secs
+}
+
+/// An `f64` ordered by `total_cmp` (for the heap above).
+#[derive(Clone, Copy, PartialEq)]
+struct Ordered(f64);
+impl Eq for Ordered {}
+impl PartialOrd for Ordered {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ordered {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
     }
 }
 
@@ -486,15 +596,22 @@ mod tests {
         // way back of its last backward (the stages before, then the
         // embedding's backward). The chain: 2 waves (4 microbatches, 2 in
         // flight) of the round trip (own compute + every relay's 3 forward
-        // at 2 TFLOP/s + s+1 hops both ways), the second slot's first
-        // microbatch one transfer later: from stage 2 on, each stage has
+        // at 2 TFLOP/s + s+1 hops both ways), one slot's first microbatch
+        // late by the most of: a transfer (from stage 2 on, each stage has
         // one relay, so both slots' first microbatches cross the one link
-        // between stages 2 and 3, one after the other (going through the
-        // holder instead costs a whole hop more).
+        // between stages 2 and 3, one after the other; going through the
+        // holder instead costs a whole hop more), a loss (both run one on
+        // the holder's GPU), and three backwards on the one relay of a
+        // later stage (the 2 x 2 first microbatches of both holders run
+        // one each there; stage 1 has two relays: one backward).
         let own = model.loss_flops() + 3.0 * embed;
         let relays_c: f64 = (1..=s as u16).map(|k| 3.0 * f(k) / 2e12).sum();
         let trip = own / 1e12 + relays_c + (s as f64 + 1.0) * 2.0 * hop;
-        let mut done = (2.0 * trip + act / 1e9).max(4.0 * own / 1e12);
+        let backwards = (2..=s as u16)
+            .map(|k| 3.0 * 2.0 * f(k) / 2e12)
+            .fold(2.0 * f(1) / 2e12, f64::max);
+        let late = (act / 1e9).max(model.loss_flops() / 1e12).max(backwards);
+        let mut done = (2.0 * trip + late).max(4.0 * own / 1e12);
         let (mut fill, mut drain) = (fill1, 2.0 * embed / 1e12 + hop);
         for k in 1..=s as u16 {
             done = done.max(fill + work(k) + drain);
@@ -628,7 +745,7 @@ mod tests {
             };
             let trips = HolderTrips::new(&w, 0);
             let own = (model.loss_flops() + 3.0 * model.embed_flops()) / 1e12;
-            (trips.cheapest, trips.chain_secs(own, 4, 4) - own)
+            (trips.cheapest, trips.chain_secs(own, 0.0, 4, 4) - own)
         };
         let mut relays = vec![vec![member(0, 2e12); 4]; s];
         relays[0].truncate(1);
@@ -645,5 +762,49 @@ mod tests {
             (chain2 - (trip + t + 0.004)).abs() < 1e-9,
             "{chain2} {trip}"
         );
+    }
+
+    /// Holders of one region, 4 microbatches each, 2 in flight, one relay
+    /// per stage: their first microbatches (2 a holder) run a backward each
+    /// on every relay, one after another, so one of them ends its trip a
+    /// backward (of the slowest stage) per other first microbatch after the
+    /// cheapest, and its holder ends a whole trip after that; unless a
+    /// third wave is sooner.
+    #[test]
+    fn the_holders_first_microbatches_queue_on_a_relays_gpu() {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages;
+        let link = |_: usize, _: usize| (0.001, 1e9);
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let holders = [member(0, 1e15), member(0, 1e15)];
+        let relays = vec![vec![member(0, 2e12)]; s as usize];
+        let w = World {
+            model: &model,
+            holders: &holders,
+            relays: &relays,
+            mb_per_holder: 4,
+            in_flight: 2,
+            links: &links,
+        };
+        let trips = HolderTrips::new(&w, 0);
+        let own = (model.loss_flops() + 3.0 * model.embed_flops()) / 1e15;
+        let trip = own + trips.cheapest;
+        let backward = (1..=s)
+            .map(|k| 2.0 * model.stage_fwd_flops(k) / 2e12)
+            .fold(0.0, f64::max);
+        // Two holders: 4 first microbatches, the last 3 backwards late.
+        let secs = relay_gpus_secs(&w, &trips, 2, own);
+        assert!(3.0 * backward < trip);
+        assert!(
+            (secs - (2.0 * trip + 3.0 * backward)).abs() < 1e-9,
+            "{secs} {trip}"
+        );
+        // Ten: 19 backwards late, more than a third wave.
+        let secs = relay_gpus_secs(&w, &trips, 10, own);
+        assert!(19.0 * backward > trip);
+        assert!((secs - 3.0 * trip).abs() < 1e-9, "{secs} {trip}");
     }
 }
