@@ -32,15 +32,20 @@
 //!   loss, backward through the same relays, embedding backward, every
 //!   hop's latency + activation / bandwidth both ways; so at least
 //!   `ceil(m / F) P_h`, and more where the first microbatches of its `F`
-//!   slots must queue on a link, which carries one transfer at a time: see
-//!   [`HolderTrips`]); and each relay stage's work as above followed by
-//!   the way back of its last task (a backward: each microbatch's comes
-//!   after its forward there) through the stages before and the embedding's
-//!   backward. Then the holders' all-reduce, by the best ring.
+//!   slots must queue on a link or a GPU, which carry one transfer or task
+//!   at a time: see `HolderTrips` and `relay_gpus_secs`); and each
+//!   relay stage's work as above followed by the way back of its last task
+//!   (a backward: each microbatch's comes after its forward there) through
+//!   the stages before and the embedding's backward. Then the holders'
+//!   all-reduce, by the best ring.
 //!
-//! Links are counted only for a holder's own first microbatches (beyond
-//! that, per-link byte limits are not: the bound is weaker, still valid). What the bound ignores (the barrier's messages, queueing beyond
-//! the above, aggregation waiting for every stage, a crash's recomputation)
+//! Links and GPUs are counted only for the holders' first microbatches
+//! (beyond that, per-link byte limits are not: the bound is weaker, still
+//! valid). A trip's backward is modelled on the relays of its forward (a
+//! stateless backward, SWARM's, may run elsewhere but runs the forward
+//! again, two forwards more than modelled, and goes through the holder).
+//! What the bound ignores (the barrier's messages, queueing beyond the
+//! above, aggregation waiting for every stage, a crash's recomputation)
 //! can only make an iteration longer. Under churn the bound of the
 //! membership an iteration starts with is reported; it is checked only on
 //! iterations during which the membership did not change.
