@@ -222,10 +222,11 @@ impl Node {
         if self.phase != Phase::Active {
             return;
         }
-        self.iters.ended(iter, origin, &holders);
-        // Pass it on along the pipeline (once per heartbeat period).
+        let news = self.iters.ended(iter, origin, &holders);
+        // Pass it on along the pipeline (once per heartbeat period, and at
+        // once when it is news).
         let period = self.cfg.heartbeat_ticks as Time * self.cfg.tick;
-        if self.iters.pass_on_end(iter, self.now, period) {
+        if self.iters.pass_on_end(iter, self.now, period, news) {
             // Holders also tell a few peers of the last stage: both stages
             // next to the holders then know the iteration is over before the
             // holders' stage can commit it, so a holders' coordinator that
@@ -873,7 +874,9 @@ impl Node {
     /// Sync would lose its grants (the new coordinator would take its
     /// microbatches for missing and, at the holders' stage, drop them);
     /// dropping its Claim would leave it unanswered for a heartbeat period
-    /// (see `resend_stale_claims`). Kept until this node takes over (or
+    /// (see `resend_stale_claims`); dropping its `AggDone` (or `AggFailed`)
+    /// would leave the dead coordinator's commit, which this node takes
+    /// over, waiting `redo_timeout` for it. Kept until this node takes over (or
     /// stale), then replayed in order: with them, every member's Sync
     /// means its claims are in ([`Node::all_synced`]).
     fn keep_early(&mut self, from: NodeId, msg: Msg) {
@@ -893,9 +896,20 @@ impl Node {
 
     /// A member finished its part of the all-reduce of `iter`.
     pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64, weights: u64) {
-        if self.group.coord == Some(self.id)
-            && self.takeover_report(from, iter, epoch, Some(weights))
-        {
+        if self.group.coord != Some(self.id) {
+            // A member that saw our coordinator die before we did: kept for
+            // when this node takes its commit over (see `keep_early`).
+            self.keep_early(
+                from,
+                Msg::AggDone {
+                    iter,
+                    epoch,
+                    weights,
+                },
+            );
+            return;
+        }
+        if self.takeover_report(from, iter, epoch, Some(weights)) {
             return;
         }
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
@@ -912,7 +926,11 @@ impl Node {
     /// heartbeat tick on (a new epoch, the live members; their grants
     /// stand, the lost members' are recomputed first).
     pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
-        if self.group.coord != Some(self.id) || self.takeover_report(from, iter, epoch, None) {
+        if self.group.coord != Some(self.id) {
+            self.keep_early(from, Msg::AggFailed { iter, epoch });
+            return;
+        }
+        if self.takeover_report(from, iter, epoch, None) {
             return;
         }
         let retry_at = self.now + self.cfg.tick;

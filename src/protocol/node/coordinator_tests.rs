@@ -566,3 +566,96 @@ fn a_successor_takes_over_its_dead_coordinators_commit_only_when_it_knows_all_of
         assert_eq!(*mbs, vec![(m0, 1), (m1, 3)]);
     }
 }
+
+/// The coordinator (1) dies after its commit's all-reduce ended. A member
+/// (3) sees it die first: its sync and its `AggDone` reach the deputy (2)
+/// before the deputy knows it coordinates. They are kept, and once it
+/// takes over it applies the ring's result at once (before, the `AggDone`
+/// was dropped, and the commit waited a whole `redo_timeout` for it, then
+/// was abandoned: one stage of 1's grants rerun and a whole new ring).
+#[test]
+fn an_agg_done_that_comes_before_the_take_over_is_kept_for_it() {
+    let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
+    let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
+    deliver(
+        &mut n,
+        1,
+        Msg::Deputy {
+            iter: 0,
+            granted: vec![(m0, 10, 30)],
+        },
+    );
+    let mut all = BTreeMap::new();
+    all.insert(m0, (1, 10, 30));
+    all.insert(m1, (3, 10, 30));
+    let epoch = (1 << 32) | 1;
+    let commit = Msg::Commit {
+        iter: 0,
+        epoch,
+        members: Arc::new(vec![1, 2, 3]),
+        digest: commit_digest(&all, &BTreeSet::new()),
+    };
+    let acts = deliver(&mut n, 1, commit);
+    let agg = runs(&acts)[0].id;
+    let now = n.now;
+    let acts = n.handle(now, Input::TaskDone { id: agg });
+    assert!(sends(&acts)
+        .iter()
+        .any(|(to, m)| *to == 1 && matches!(m, Msg::AggDone { .. })));
+    // Member 3 saw 1 die before 2 did.
+    let sync = Msg::Sync {
+        iter: 0,
+        granted: vec![(m1, 10, 30)],
+        end: None,
+    };
+    deliver(&mut n, 3, sync);
+    let done = Msg::AggDone {
+        iter: 0,
+        epoch,
+        weights: 0,
+    };
+    deliver(&mut n, 3, done);
+    assert_eq!(n.group.coord, Some(1));
+    let now = n.now;
+    let acts = n.handle(now, Input::PeerLost { peer: 1 });
+    assert_eq!(n.group.coord, Some(2));
+    let applied = acts.iter().find_map(|a| match a {
+        Action::Event(Event::StageCommitted { mbs, .. }) => Some(mbs.clone()),
+        _ => None,
+    });
+    assert_eq!(applied.as_deref(), Some(&vec![(m0, 1), (m1, 3)]));
+    let redone = sends(&acts)
+        .iter()
+        .filter(|(_, m)| matches!(m, Msg::Redo { .. } | Msg::Commit { .. }))
+        .count();
+    assert_eq!(redone, 0, "nothing rerun, no new ring");
+}
+
+/// The end of an iteration is passed along the pipeline once per heartbeat
+/// period, but at once when another origin announces it: the holders'
+/// coordinator died after the end and its successor announced it again;
+/// the stages that are done tell the successor only when its end reaches
+/// their coordinators (before, they told the dead one until the next
+/// re-broadcast, 12 s later).
+#[test]
+fn an_end_from_a_new_origin_is_passed_on_at_once() {
+    let mut n = started(Policy::Gwtf, 12, 2, &[11, 13], &[(0, 0), (30, 3)]);
+    assert_eq!(n.group.coord, Some(11));
+    let end = |origin| Msg::EndIter {
+        iter: 0,
+        origin,
+        holders: Arc::new(vec![0, 1]),
+    };
+    let passed = |acts: &[Action]| -> Vec<NodeId> {
+        sends(acts)
+            .into_iter()
+            .filter(|(_, m)| matches!(m, Msg::EndIter { .. }))
+            .map(|(to, _)| to)
+            .collect()
+    };
+    assert_eq!(passed(&deliver(&mut n, 0, end(0))), vec![30, 11]);
+    n.now += SEC;
+    assert!(passed(&deliver(&mut n, 0, end(0))).is_empty(), "not news");
+    assert_eq!(passed(&deliver(&mut n, 1, end(1))), vec![30, 11]);
+    assert!(passed(&deliver(&mut n, 1, end(1))).is_empty());
+}

@@ -78,11 +78,17 @@ impl Iterations {
         true
     }
 
-    /// Iteration `iter` ended for `holders` (announced by `origin`).
-    pub(super) fn ended(&mut self, iter: u32, origin: NodeId, holders: &Arc<Vec<NodeId>>) {
-        if iter >= self.min_iter {
-            self.ends.insert(iter, (origin, holders.clone()));
+    /// Iteration `iter` ended for `holders` (announced by `origin`); true
+    /// when that is news: the first end heard of, or one announced by
+    /// another origin (the holders' coordinator changed: the stages must
+    /// tell the new one they are done, and soon).
+    pub(super) fn ended(&mut self, iter: u32, origin: NodeId, holders: &Arc<Vec<NodeId>>) -> bool {
+        if iter < self.min_iter {
+            return false;
         }
+        let news = self.ends.get(&iter).is_none_or(|e| e.0 != origin);
+        self.ends.insert(iter, (origin, holders.clone()));
+        news
     }
 
     /// The ends heard of iterations not applied here.
@@ -94,10 +100,11 @@ impl Iterations {
             .collect()
     }
 
-    /// Whether the end of `iter` is to be passed on now (once per `period`).
-    pub(super) fn pass_on_end(&mut self, iter: u32, now: Time, period: Time) -> bool {
+    /// Whether the end of `iter` is to be passed on now: once per
+    /// `period`, and at once when it is `news` (see [`Self::ended`]).
+    pub(super) fn pass_on_end(&mut self, iter: u32, now: Time, period: Time, news: bool) -> bool {
         let last = self.end_fwd.get(&iter).copied();
-        if last.is_none_or(|t| t + period <= now) {
+        if news || last.is_none_or(|t| t + period <= now) {
             self.end_fwd.insert(iter, now);
             return true;
         }
@@ -165,9 +172,11 @@ mod tests {
         assert_eq!((k.next_hint(), k.version), (5, (4, 77)));
         k.applied(2, 9);
         assert_eq!(k.last_applied, Some(4));
-        assert!(k.pass_on_end(6, 10 * SEC, SEC));
-        assert!(!k.pass_on_end(6, 10 * SEC + SEC / 2, SEC));
-        assert!(k.pass_on_end(6, 11 * SEC, SEC));
+        assert!(k.pass_on_end(6, 10 * SEC, SEC, false));
+        assert!(!k.pass_on_end(6, 10 * SEC + SEC / 2, SEC, false));
+        assert!(k.pass_on_end(6, 10 * SEC + SEC / 2, SEC, true));
+        assert!(!k.pass_on_end(6, 11 * SEC, SEC, false));
+        assert!(k.pass_on_end(6, 23 * SEC / 2, SEC, false));
         assert_eq!(k.next_hint(), 7);
         k.hear_next(9, true);
         assert_eq!((k.next_hint(), k.iter_heard), (9, false));
@@ -177,6 +186,9 @@ mod tests {
         assert_eq!(k.next_hint(), 12);
         let h = Arc::new(vec![1, 2]);
         assert!(k.opened(12, &h) && !k.opened(12, &h) && !k.opened(11, &h));
+        // An end is news the first time, and when another origin announces it.
+        assert!(k.ended(12, 1, &h) && !k.ended(12, 1, &h) && k.ended(12, 2, &h));
+        assert!(!k.ended(11, 3, &h));
         assert_eq!(k.participants.get(&12), Some(&h));
         k.forget_ends_before(13);
         assert!(k.end_fwd.is_empty() && k.participants.is_empty());
