@@ -8,6 +8,9 @@ use super::*;
 pub(super) struct AckTimers {
     pub(super) deadlines: BTreeSet<(Time, Dl)>,
     pub(super) outstanding: BTreeMap<(MbId, bool), Outstanding>,
+    /// Acks held until this node's output of the hop reached the next hop
+    /// (policies that ack on delivery): the sender and attempt, by hop.
+    pub(super) held: BTreeMap<(MbId, bool), (NodeId, u32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -53,6 +56,37 @@ impl Node {
                 bytes,
             },
         );
+    }
+
+    /// The work of the hop of `mb` (`attempt`) that came from `to` is done
+    /// and its output sent on (`sent_on`): acknowledged now, or, by a
+    /// policy that acks on delivery, once the output reached the next hop
+    /// (`release_held_ack`).
+    pub(super) fn ack_done(
+        &mut self,
+        to: NodeId,
+        mb: MbId,
+        attempt: u32,
+        backward: bool,
+        sent_on: bool,
+    ) {
+        if sent_on && self.policy().acks_on_delivery() {
+            self.acks.held.insert((mb, backward), (to, attempt));
+            return;
+        }
+        let busy = self.busy_since_arrival(mb, backward);
+        self.ack(to, mb, attempt, backward, busy);
+    }
+
+    /// The next hop has this node's output of the hop of `mb`: its held
+    /// ack goes out (its `busy` counts the whole stay here, the output's
+    /// delivery included, so that the sender's bandwidth estimate counts
+    /// only the input's transfer).
+    pub(super) fn release_held_ack(&mut self, mb: MbId, backward: bool) {
+        if let Some((to, attempt)) = self.acks.held.remove(&(mb, backward)) {
+            let busy = self.busy_since_arrival(mb, backward);
+            self.ack(to, mb, attempt, backward, busy);
+        }
     }
 
     /// Sends the gradient of `mb` (`attempt`) back to `to`, tracked like
@@ -179,7 +213,8 @@ impl Node {
         if let Some(k) = ahead {
             let hold = self.lifecycle.hold_s.unwrap_or(3.0 * self.compute_s);
             wait += (k / self.capacity.max(1) as usize + 1) as f64 * hold;
-        } else if n < 2 {
+        } else if n < 2 && !self.policy().acks_on_delivery() {
+            // (A policy that acks on delivery hears of every receipt.)
             return;
         }
         self.send(
@@ -208,9 +243,17 @@ impl Node {
         let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
             return;
         };
-        if o.to != from || o.attempt != attempt || self.policy().fixed_timeouts().is_some() {
+        if o.to != from || o.attempt != attempt {
             return;
         }
+        // The receiver has this node's output: a held ack goes out.
+        self.release_held_ack(mb, backward);
+        if self.policy().fixed_timeouts().is_some() {
+            return;
+        }
+        let Some(o) = self.acks.outstanding.get(&(mb, backward)) else {
+            return;
+        };
         // The reported wait is the peer's word: capped at the holder's
         // last-resort timeout (no hostile or broken peer postpones a hop
         // further) and added without overflow.
@@ -243,6 +286,7 @@ impl Node {
             return;
         }
         let o = self.clear_deadline((mb, backward)).unwrap();
+        self.release_held_ack(mb, backward);
         let a = self.cfg.ema_alpha;
         let delay = to_secs(self.now - o.sent_at);
         let counts_queues = self.policy().counts_queues();

@@ -59,6 +59,7 @@ impl Node {
         for k in old {
             self.clear_deadline(k);
         }
+        self.acks.held.retain(|k, _| k.0.iter >= iter);
         self.reservations.forget_ghosts();
         self.iters.forget_ends_before(iter);
         let keep = iter.saturating_sub(1);

@@ -98,7 +98,7 @@ impl Snap {
 impl Node {
     /// How long the hop of `mb` waited and ran here since its input
     /// arrived (reported in its ack); the arrival is forgotten.
-    fn busy_since_arrival(&mut self, mb: MbId, backward: bool) -> Time {
+    pub(super) fn busy_since_arrival(&mut self, mb: MbId, backward: bool) -> Time {
         let now = self.now;
         self.lifecycle
             .arrivals
@@ -350,11 +350,15 @@ impl Node {
                 let path = Arc::new(path);
                 s.path = path.clone();
                 let (label, hint, plan, prev) = (s.label_in, s.hint, s.plan.clone(), s.prev);
-                if kind == TaskKind::Forward {
-                    let busy = self.busy_since_arrival(mb, false);
-                    self.ack(prev, mb, attempt, false, busy);
+                let delivers = self.policy().acks_on_delivery();
+                if kind == TaskKind::Forward && !delivers {
+                    self.ack_done(prev, mb, attempt, false, false);
                 }
                 self.forward_out(mb, label, hint, plan, &[]);
+                if kind == TaskKind::Forward && delivers {
+                    let sent_on = self.acks.outstanding.contains_key(&(mb, false));
+                    self.ack_done(prev, mb, attempt, false, sent_on);
+                }
             }
             TaskKind::Loss => {
                 let mb = mb.unwrap();
@@ -392,8 +396,10 @@ impl Node {
                     s.path.clone(),
                     s.need_grad,
                 );
-                let busy = self.busy_since_arrival(mb, true);
-                self.ack(next, mb, attempt, true, busy);
+                let delivers = self.policy().acks_on_delivery();
+                if !delivers {
+                    self.ack_done(next, mb, attempt, true, false);
+                }
                 let mut used = vec![id];
                 if let Some(f) = self.lifecycle.snaps[&mb].fwd_task {
                     used.push(f);
@@ -402,6 +408,10 @@ impl Node {
                     used.push(l);
                 }
                 if self.stage == 0 {
+                    if delivers {
+                        // The trainer has the gradient: nothing goes on.
+                        self.ack_done(next, mb, attempt, true, false);
+                    }
                     // The microbatch is complete.
                     if let Some(label) = self.dh.in_flight.remove(&mb) {
                         if let (Some(l), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
@@ -422,12 +432,16 @@ impl Node {
                     self.launch();
                 } else {
                     self.claim(mb, prev, next, used);
+                    let sent_on = need && self.alive(prev);
                     if need {
                         if !self.alive(prev) {
                             self.backward_failed(mb, prev);
                         } else {
                             self.send_backward(prev, mb, attempt, path);
                         }
+                    }
+                    if delivers {
+                        self.ack_done(next, mb, attempt, true, sent_on);
                     }
                     self.admit_waiting();
                 }
@@ -696,6 +710,79 @@ mod tests {
             assert_eq!(r.len(), 1, "{acts:?}");
             assert_eq!(r[0].kind, TaskKind::Backward);
             assert_eq!(r[0].recompute, idx == 5, "backward {idx}");
+        }
+    }
+
+    /// SWARM's trainer call to a peer returns the peer's output: a hop is
+    /// acknowledged once the next hop has its output (its receipt), so
+    /// that a peer dying while it sends its output fails the call at the
+    /// sender, which runs the stage again elsewhere (acked when its work
+    /// was done, the lost output was waited for by nobody). GWTF acks when
+    /// the work is done (its coordinators re-run a dead node's stage).
+    #[test]
+    fn swarm_acks_a_hop_once_its_output_reached_the_next_hop() {
+        let acked = |acts: &[Action], backward: bool| {
+            sends(acts).iter().any(|(to, m)| {
+                *to == 20 && matches!(m, Msg::Ack { backward: b, .. } if *b == backward)
+            })
+        };
+        for policy in [Policy::Gwtf, Policy::Swarm] {
+            let swarm = policy == Policy::Swarm;
+            let mut n = started(policy, 10, 2, &[], &[(20, 1), (30, 3)]);
+            let m = mb(0, 0, 0);
+            let id = runs(&deliver(&mut n, 20, forward_from_20(0, 0, true)))[0].id;
+            let acts = n.handle(2 * SEC, Input::TaskDone { id });
+            assert!(sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 30 && matches!(m, Msg::Forward { .. })));
+            assert_eq!(
+                acked(&acts, false),
+                !swarm,
+                "{policy:?}: forward acked at once"
+            );
+            let receipt = |backward| Msg::Queued {
+                mb: m,
+                attempt: 0,
+                backward,
+                wait: 0,
+            };
+            // A receipt from another peer than the next hop releases nothing.
+            assert!(!acked(&deliver(&mut n, 21, receipt(false)), false));
+            let acts = deliver(&mut n, 30, receipt(false));
+            assert_eq!(
+                acked(&acts, false),
+                swarm,
+                "{policy:?}: released by the receipt"
+            );
+            let back = Msg::Backward {
+                mb: m,
+                attempt: 0,
+                path: Arc::new(vec![0, 20, 10, 30]),
+            };
+            let acts = deliver(&mut n, 30, back);
+            let bwd = runs(&acts)[0].id;
+            let acts = n.handle(3 * SEC, Input::TaskDone { id: bwd });
+            assert!(sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 20 && matches!(m, Msg::Backward { .. })));
+            let to_30 = sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 30 && matches!(m, Msg::Ack { backward: true, .. }));
+            assert_eq!(to_30, !swarm, "{policy:?}: backward acked at once");
+            // The receiver of the gradient acks it: that releases it too.
+            let ack = Msg::Ack {
+                mb: m,
+                attempt: 0,
+                backward: true,
+                busy: 0,
+                bytes: 1 << 20,
+            };
+            let acts = deliver(&mut n, 20, ack);
+            let to_30 = sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 30 && matches!(m, Msg::Ack { backward: true, .. }));
+            assert_eq!(to_30, swarm, "{policy:?}");
+            assert!(n.acks.held.is_empty());
         }
     }
 }

@@ -47,6 +47,17 @@ pub(super) trait RoutingPolicy: Sync {
     fn planned_path(&self, _plan: &[Arc<Vec<NodeId>>], _n: usize) -> Option<Arc<Vec<NodeId>>> {
         None
     }
+    /// A hop is acknowledged once its output has reached the next hop (the
+    /// next hop's receipt, `Queued`, or its ack), not when its work is
+    /// done: SWARM's trainer calls each peer and the call returns the
+    /// peer's output (`swarm/pipeline/src/moe/client/balanced_expert.py`),
+    /// so a peer that dies while it sends its output fails the call, and
+    /// the stage is run again at another peer. Acked at the end of the
+    /// work, the output lost with the peer was waited for by nobody: the
+    /// microbatch stalled until its holder's last-resort restart.
+    fn acks_on_delivery(&self) -> bool {
+        false
+    }
     /// A relay stage's coordinator drops a lost contribution (the stage
     /// aggregates what it has) instead of having it recomputed (SWARM's
     /// stages collect samples up to a target batch size,
@@ -104,6 +115,9 @@ impl RoutingPolicy for Swarm {
         false
     }
     fn drops_lost_contributions(&self) -> bool {
+        true
+    }
+    fn acks_on_delivery(&self) -> bool {
         true
     }
     fn next_hop_rule(&self) -> NextHopRule {
@@ -295,6 +309,8 @@ mod tests {
         );
         assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
         assert!(w.drops_lost_contributions() && !s.drops_lost_contributions());
+        assert!(w.acks_on_delivery() && !s.acks_on_delivery());
+        assert!(!g.acks_on_delivery() && !p.acks_on_delivery());
         assert!(!g.drops_lost_contributions() && !p.drops_lost_contributions());
         assert!(w.fixed_timeouts() == Some((30 * SEC, 75 * SEC)) && s.fixed_timeouts().is_none());
         assert!(w.reruns_crashed_stage() && !w.reruns_before_the_gradient_is_due());
