@@ -340,6 +340,23 @@ impl Node {
         }
     }
 
+    /// Coordinator of a relays' stage: `p`, gone, may be the holder of lost
+    /// contributions that only a restart from it could redo: given up now
+    /// (see `redo_lost`), not after four unanswered restarts.
+    pub(super) fn coord_holder_gone(&mut self, p: NodeId) {
+        if self.group.coord != Some(self.id) || self.stage == 0 {
+            return;
+        }
+        let iters: Vec<u32> = (self.coordinating.coord_iters.iter())
+            .filter(|(_, ci)| !ci.applied && ci.lost.keys().any(|m| m.holder == p))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in iters {
+            self.redo_lost(k);
+            self.coord_check(k);
+        }
+    }
+
     /// Coordinator: the grants of `p` (gone) to `iter` are lost, to be
     /// recomputed.
     fn lose_grants(&mut self, iter: u32, p: NodeId) {
@@ -478,6 +495,22 @@ impl Node {
                     .collect()
             })
             .unwrap_or_default();
+        // At a relays' stage, the lost contributions only a restart from
+        // their holder could redo (now or at their next step: no `Redo`
+        // from a live node before is pending), whose holder is known gone
+        // (a failed connection told us, or its `Goodbye`): that restart
+        // cannot come.
+        let give_up: BTreeSet<MbId> = match self.coordinating.coord_iters.get(&iter) {
+            Some(ci) if stage != 0 => (ci.lost.iter())
+                .filter(|(mb, l)| {
+                    let redo = reruns_stage && l.prev.is_some_and(|p| self.alive(p));
+                    let due = l.since + timeout <= now;
+                    !self.alive(mb.holder) && (!redo || l.level >= 2 || (l.level == 1 && due))
+                })
+                .map(|(mb, _)| *mb)
+                .collect(),
+            _ => BTreeSet::new(),
+        };
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -487,6 +520,13 @@ impl Node {
             if stage == 0 && !alive(mb.holder) {
                 // A holder's own part cannot be redone without it, and a
                 // holder that is gone answers no restart: given up at once.
+                drop.push(*mb);
+                continue;
+            }
+            if give_up.contains(mb) {
+                // Only a restart from its holder could redo it, and the
+                // holder is gone: given up at once, not after the restarts
+                // nobody answers (four `redo_timeout`s).
                 drop.push(*mb);
                 continue;
             }

@@ -659,3 +659,34 @@ fn an_end_from_a_new_origin_is_passed_on_at_once() {
     assert_eq!(passed(&deliver(&mut n, 1, end(1))), vec![30, 11]);
     assert!(passed(&deliver(&mut n, 1, end(1))).is_empty());
 }
+
+/// A relay stage's lost contribution that only a restart from its holder
+/// can redo (SWARM-plus restarts; GWTF when the node before is gone too)
+/// is given up as soon as the holder is known gone (its connection
+/// failed), not after four restarts nobody answers (four `redo_timeout`s):
+/// the stage commits without it. One a live node can redo is not.
+#[test]
+fn a_contribution_only_a_gone_holder_could_redo_is_given_up_at_once() {
+    for (policy, prev_dead) in [
+        (Policy::SwarmPlus, false),
+        (Policy::Gwtf, true),
+        (Policy::Gwtf, false),
+    ] {
+        let mut n = started(policy, 1, 2, &[2, 3], &[(0, 0), (10, 1), (30, 3)]);
+        deliver(&mut n, 2, claim_of(0));
+        if prev_dead {
+            let now = n.now;
+            n.handle(now, Input::PeerLost { peer: 10 });
+        }
+        let now = n.now;
+        n.handle(now, Input::PeerLost { peer: 2 });
+        let ci = &n.coordinating.coord_iters[&0];
+        assert!(ci.lost.contains_key(&mb(0, 0, 0)), "{policy:?}");
+        let now = n.now + SEC;
+        n.handle(now, Input::PeerLost { peer: 0 });
+        let ci = &n.coordinating.coord_iters[&0];
+        let given_up = ci.dropped.contains(&mb(0, 0, 0)) && !ci.lost.contains_key(&mb(0, 0, 0));
+        let want = policy == Policy::SwarmPlus || prev_dead;
+        assert_eq!(given_up, want, "{policy:?}, node before dead: {prev_dead}");
+    }
+}

@@ -11,6 +11,10 @@ pub(super) struct HolderState {
     pub(super) in_flight: BTreeMap<MbId, Option<Label>>,
     pub(super) restarts: VecDeque<MbId>,
     pub(super) reported: bool,
+    /// Microbatches an aggregate asked to restart while their attempt in
+    /// flight was already in its backward: that attempt may have passed
+    /// the stage that lost it, so it is restarted once it is done.
+    pub(super) recheck: BTreeSet<MbId>,
 }
 
 impl Node {
@@ -201,10 +205,14 @@ impl Node {
                 // The data path reports a failed attempt: only that one.
                 Some(a) => s.is_some_and(|s| s.attempt != a),
                 // An aggregate lost it: an attempt started recently is
-                // already recomputing it.
+                // already recomputing it, unless its backward has begun
+                // (it may be past that stage: checked when it is done).
                 None => s.is_some_and(|s| s.started + self.cfg.redo_timeout > self.now),
             };
             if stale {
+                if failed.is_none() && self.lifecycle.snaps.get(&mb).is_some_and(|s| s.grad_ready) {
+                    self.dh.recheck.insert(mb);
+                }
                 return;
             }
             self.dh.in_flight.remove(&mb);
@@ -329,5 +337,63 @@ mod tests {
         n.dh.in_flight.clear();
         assert_eq!(embeds(&deliver(&mut n, 0, start(2))), 0);
         assert!(n.dh.in_flight.is_empty());
+    }
+
+    /// A stage's coordinator lost a contribution of a microbatch whose
+    /// attempt is in flight: before its backward began, that attempt will
+    /// contribute it (nothing restarted); once its backward began, it may
+    /// be past that stage, so the microbatch is restarted when the attempt
+    /// is done (it used to wait for the coordinator to ask again, a
+    /// `redo_timeout` later).
+    #[test]
+    fn a_restart_asked_during_the_backward_follows_the_attempt() {
+        for in_backward in [false, true] {
+            let mut n = started(Policy::SwarmPlus, 0, 0, &[], &[(10, 1), (20, 2), (40, 4)]);
+            let start = Msg::StartIter {
+                iter: 0,
+                holders: Arc::new(vec![0]),
+            };
+            let acts = deliver(&mut n, 0, start);
+            let m = mb(0, 0, 0);
+            let embed = runs(&acts).iter().find(|t| t.mb == Some(m)).unwrap().id;
+            n.handle(2 * SEC, Input::TaskDone { id: embed });
+            let path = Arc::new(vec![0, 10, 20, 30, 40]);
+            let fwd = Msg::Forward {
+                mb: m,
+                attempt: 0,
+                path: path.clone(),
+                label: None,
+                hint: None,
+                need_grad: true,
+                plan: None,
+            };
+            let loss = runs(&deliver(&mut n, 40, fwd))[0].id;
+            let restart = Msg::Restart {
+                mb: m,
+                attempt: None,
+            };
+            if in_backward {
+                n.handle(3 * SEC, Input::TaskDone { id: loss });
+            }
+            let acts = deliver(&mut n, 20, restart);
+            assert!(sends(&acts)
+                .iter()
+                .any(|(to, m)| *to == 20 && matches!(m, Msg::Restarting { .. })));
+            assert!(runs(&acts).is_empty(), "the attempt in flight goes on");
+            if !in_backward {
+                n.handle(3 * SEC, Input::TaskDone { id: loss });
+            }
+            let back = Msg::Backward {
+                mb: m,
+                attempt: 0,
+                path,
+            };
+            let bwd = runs(&deliver(&mut n, 10, back))[0].id;
+            let acts = n.handle(4 * SEC, Input::TaskDone { id: bwd });
+            let again = runs(&acts)
+                .iter()
+                .any(|t| t.kind == TaskKind::Embed && t.mb == Some(m));
+            assert_eq!(again, in_backward, "restarted when done: {in_backward}");
+        }
     }
 }

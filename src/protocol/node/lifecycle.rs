@@ -429,6 +429,11 @@ impl Node {
                     }
                     self.claim(mb, self.id, next, used);
                     self.holder_progress();
+                    if self.dh.recheck.remove(&mb) {
+                        // A stage lost this microbatch's contribution while
+                        // its backward ran: perhaps this attempt's own.
+                        self.restart(mb, None);
+                    }
                     self.launch();
                 } else {
                     self.claim(mb, prev, next, used);

@@ -430,6 +430,7 @@ impl Node {
         self.release_flows_through(p);
         self.hops_lost_to(p);
         self.recover_hops_through(p);
+        self.coord_holder_gone(p);
         if matches!(self.phase, Phase::Downloading { src, .. } if src == p) {
             // The member serving our download is gone: ask another one.
             self.download_from_another();

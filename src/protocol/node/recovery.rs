@@ -193,18 +193,34 @@ impl Node {
     }
 
     /// Microbatches whose output went to dead `p` and whose gradient has
-    /// not come back: the forward or backward through it is broken.
+    /// not come back: the forward or backward through it is broken. GWTF
+    /// re-runs the hop at once; SWARM-plus, which restarts a microbatch
+    /// from its holder when a crash breaks it, restarts it now (waiting
+    /// for the gradient that cannot come stalled it until the holder's
+    /// last-resort restart when `p` died with the output it was sending
+    /// on); SWARM's stateless backward needs nothing of `p` (an output
+    /// lost with it fails the hop's call: see `acks_on_delivery`).
     pub(super) fn recover_hops_through(&mut self, p: NodeId) {
-        if self.policy().reruns_before_the_gradient_is_due() {
-            let broken: Vec<MbId> = self
-                .lifecycle
-                .snaps
-                .iter()
-                .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
-                .map(|(m, _)| *m)
-                .collect();
-            for mb in broken {
+        let reruns = self.policy().reruns_before_the_gradient_is_due();
+        let restarts = !self.policy().reruns_crashed_stage();
+        if !reruns && !restarts {
+            return;
+        }
+        let broken: Vec<(MbId, u32)> = self
+            .lifecycle
+            .snaps
+            .iter()
+            .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
+            .map(|(m, s)| (*m, s.attempt))
+            .collect();
+        for (mb, attempt) in broken {
+            if reruns {
                 self.recover(mb, p, None);
+            } else if mb.holder == self.id {
+                self.restart(mb, Some(attempt));
+            } else {
+                let attempt = Some(attempt);
+                self.send(mb.holder, Msg::Restart { mb, attempt });
             }
         }
     }
@@ -255,18 +271,39 @@ mod tests {
     }
 
     /// The next node dies after its ack, while the gradient is awaited: GWTF
-    /// re-sends the stored activation to a replacement at once; SWARM finds
-    /// the loss only when the backward through it fails, SWARM-plus leaves
-    /// it to the holder's restart.
+    /// re-sends the stored activation to a replacement at once; SWARM-plus
+    /// has its holder restart the microbatch at once (it waited for a
+    /// gradient that could not come: when the node died while sending its
+    /// output on, until the holder's last-resort restart, minutes later);
+    /// SWARM's stateless backward needs nothing of the dead node (the
+    /// backward recomputes its stage elsewhere).
     #[test]
-    fn a_next_hop_lost_after_its_ack_is_replaced_only_by_gwtf() {
-        let (mut n, _) = relay(Policy::Gwtf);
-        let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
-        assert_eq!(forwards_to(&acts), [31]);
-        for policy in [Policy::Swarm, Policy::SwarmPlus] {
+    fn a_next_hop_lost_after_its_ack_is_replaced_by_gwtf_restarted_by_swarm_plus() {
+        let restarts = |acts: &[Action]| {
+            sends(acts)
+                .iter()
+                .filter(|(to, m)| {
+                    *to == 0
+                        && matches!(
+                            m,
+                            Msg::Restart {
+                                attempt: Some(0),
+                                ..
+                            }
+                        )
+                })
+                .count()
+        };
+        for policy in [Policy::Gwtf, Policy::Swarm, Policy::SwarmPlus] {
             let (mut n, _) = relay(policy);
             let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
-            assert!(forwards_to(&acts).is_empty(), "{policy:?}");
+            let (fwd, restart) = match policy {
+                Policy::Gwtf => (vec![31], 0),
+                Policy::SwarmPlus => (vec![], 1),
+                _ => (vec![], 0),
+            };
+            assert_eq!(forwards_to(&acts), fwd, "{policy:?}");
+            assert_eq!(restarts(&acts), restart, "{policy:?}");
         }
     }
 
