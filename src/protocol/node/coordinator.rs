@@ -47,6 +47,9 @@ pub(super) struct CoordIter {
     pub(super) commit: Option<BTreeSet<NodeId>>,
     /// Members done with the commit's all-reduce, with their weights digest.
     pub(super) agg_done: BTreeMap<NodeId, u64>,
+    /// Members whose part of it failed, under a policy that then steps
+    /// without it (SWARM: see `skips_failed_aggregation`).
+    pub(super) agg_failed: BTreeSet<NodeId>,
     pub(super) applied: bool,
     /// A commit's all-reduce failed: the next commit waits until then (a
     /// failure that repeats must not spin).
@@ -411,6 +414,7 @@ impl Node {
             return;
         };
         ci.agg_done.clear();
+        ci.agg_failed.clear();
         ci.bypass_since = None;
         for m in commit {
             if !self.alive(m) {
@@ -754,6 +758,7 @@ impl Node {
             // Epochs are unique across coordinators.
             ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);
             ci.agg_done.clear();
+            ci.agg_failed.clear();
             ci.bypass_since = None;
             ci.commit = Some(members.clone());
             let epoch = ci.epoch;
@@ -778,15 +783,33 @@ impl Node {
         let commit = ci.commit.as_ref().unwrap();
         // Every live member done, and at least one (a member gone during
         // the all-reduce was bypassed: the survivors hold the result).
-        if ci.agg_done.is_empty()
-            || !commit
-                .iter()
-                .all(|m| ci.agg_done.contains_key(m) || !self.alive(*m))
+        let reported = |m: &NodeId| ci.agg_done.contains_key(m) || ci.agg_failed.contains(m);
+        if (ci.agg_done.is_empty() && ci.agg_failed.is_empty())
+            || !commit.iter().all(|m| reported(m) || !self.alive(*m))
         {
             return;
         }
-        // Apply: the new weights version follows from the previous one and
-        // exactly the contributions that are in the aggregate.
+        if !ci.agg_failed.is_empty() {
+            // SWARM: the all-reduce failed; the live members step on what
+            // each has, and the gone members' contributions are gone with
+            // them (dropped).
+            let gone: Vec<NodeId> = commit.iter().copied().filter(|m| !self.alive(*m)).collect();
+            for m in gone {
+                self.lose_grants(iter, m);
+            }
+            self.redo_lost(iter);
+            if !self.coordinating.coord_iters[&iter].lost.is_empty() {
+                return;
+            }
+        }
+        self.apply_commit(iter, origin);
+    }
+
+    /// Applies `iter`'s commit: the new weights version follows from the
+    /// previous one and exactly the contributions that are in the
+    /// aggregate; the members and the iteration's origin are told.
+    fn apply_commit(&mut self, iter: u32, origin: Option<NodeId>) {
+        let ci = &self.coordinating.coord_iters[&iter];
         let mut h = mix(self.iters.version.1, iter as u64);
         for (mb, g) in &ci.granted {
             h = mix(h, ((mb.holder as u64) << 32) | mb.idx as u64);
@@ -974,6 +997,7 @@ impl Node {
             return;
         }
         let retry_at = self.now + self.cfg.tick;
+        let skips = self.policy().skips_failed_aggregation();
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -982,12 +1006,25 @@ impl Node {
         {
             return;
         }
+        let stage = self.stage;
+        if skips {
+            // SWARM: no new all-reduce; once every live member reported,
+            // each steps on what it has (`coord_check`).
+            if ci.agg_failed.insert(from) && ci.agg_failed.len() == 1 {
+                self.event(Event::AggregateFailed {
+                    stage,
+                    iter,
+                    member: from,
+                });
+            }
+            self.coord_check(iter);
+            return;
+        }
         ci.retry_at = retry_at;
         // Members lost during it are no longer bypassed: their grants are
         // recomputed before the next commit.
         self.abandon_commit(iter);
         self.redo_lost(iter);
-        let stage = self.stage;
         self.event(Event::AggregateFailed {
             stage,
             iter,

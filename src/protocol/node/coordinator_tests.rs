@@ -690,3 +690,69 @@ fn a_contribution_only_a_gone_holder_could_redo_is_given_up_at_once() {
         assert_eq!(given_up, want, "{policy:?}, node before dead: {prev_dead}");
     }
 }
+
+/// SWARM's stage whose all-reduce failed (a member died in it) does not
+/// commit again: once every live member reported, they step on what each
+/// has, the dead one's contributions dropped (SWARM's averaging round fails for the group and
+/// its optimizer steps with the local gradients, `collaborative.py`).
+/// GWTF commits again, the dead member's contributions recomputed first.
+#[test]
+fn swarm_steps_without_the_failed_all_reduce() {
+    for policy in [Policy::Swarm, Policy::Gwtf] {
+        let mut n = started(policy, 1, 2, &[2, 3], &[(10, 1), (30, 3), (0, 0)]);
+        let per = n.cfg.mb_per_iter;
+        let open = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        deliver(&mut n, 10, open);
+        let (mut epoch, mut agg) = (None, None);
+        for idx in 0..per {
+            let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
+            epoch = epoch.or(sends(&acts).iter().find_map(|(_, m)| match m {
+                Msg::Commit { epoch, .. } => Some(*epoch),
+                _ => None,
+            }));
+            agg = agg.or(runs(&acts)
+                .iter()
+                .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
+                .map(|t| t.id));
+        }
+        let (epoch, agg) = (epoch.expect("committed"), agg.expect("an aggregate task"));
+        // Member 3 dies in the reduce-scatter half; 2 reports the failure.
+        let now = n.now;
+        n.handle(now, Input::PeerLost { peer: 3 });
+        let mut acts = deliver(&mut n, 2, Msg::AggFailed { iter: 0, epoch });
+        if policy == Policy::Swarm {
+            // Each live member reports: the coordinator's own part too.
+            let stepped = |acts: &[Action]| {
+                acts.iter()
+                    .any(|a| matches!(a, Action::Event(Event::StageCommitted { .. })))
+            };
+            assert!(!stepped(&acts));
+            let now = n.now;
+            acts = n.handle(now, Input::TaskFailed { id: agg });
+        }
+        let committed = acts.iter().find_map(|a| match a {
+            Action::Event(Event::StageCommitted { mbs, dropped, .. }) => {
+                Some((mbs.len(), dropped.len()))
+            }
+            _ => None,
+        });
+        let applied = sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 2 && matches!(m, Msg::Applied { .. }));
+        if policy == Policy::Swarm {
+            // Member 3 had claimed the odd half.
+            let half = (per / 2) as usize;
+            assert_eq!(committed, Some((per as usize - half, half)), "{policy:?}");
+            assert!(applied);
+        } else {
+            assert_eq!(committed, None, "{policy:?}");
+            assert!(!applied);
+            assert!(sends(&acts)
+                .iter()
+                .any(|(_, m)| matches!(m, Msg::Redo { .. })));
+        }
+    }
+}

@@ -58,6 +58,15 @@ pub(super) trait RoutingPolicy: Sync {
     fn acks_on_delivery(&self) -> bool {
         false
     }
+    /// A stage whose all-reduce failed steps on what each member has
+    /// instead of committing again: SWARM's butterfly all-reduce ends for
+    /// every peer at the first error (`swarm/pipeline/src/averaging/allreduce.py`,
+    /// `finalize` tells the group), and its optimizer then "skipped
+    /// averaging" and steps with the local gradients
+    /// (`swarm/pipeline/src/optim/collaborative.py`, `step`).
+    fn skips_failed_aggregation(&self) -> bool {
+        false
+    }
     /// A relay stage's coordinator drops a lost contribution (the stage
     /// aggregates what it has) instead of having it recomputed (SWARM's
     /// stages collect samples up to a target batch size,
@@ -118,6 +127,9 @@ impl RoutingPolicy for Swarm {
         true
     }
     fn acks_on_delivery(&self) -> bool {
+        true
+    }
+    fn skips_failed_aggregation(&self) -> bool {
         true
     }
     fn next_hop_rule(&self) -> NextHopRule {
@@ -310,6 +322,8 @@ mod tests {
         assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
         assert!(w.drops_lost_contributions() && !s.drops_lost_contributions());
         assert!(w.acks_on_delivery() && !s.acks_on_delivery());
+        assert!(w.skips_failed_aggregation() && !s.skips_failed_aggregation());
+        assert!(!g.skips_failed_aggregation() && !p.skips_failed_aggregation());
         assert!(!g.acks_on_delivery() && !p.acks_on_delivery());
         assert!(!g.drops_lost_contributions() && !p.drops_lost_contributions());
         assert!(w.fixed_timeouts() == Some((30 * SEC, 75 * SEC)) && s.fixed_timeouts().is_none());
