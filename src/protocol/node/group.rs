@@ -168,6 +168,11 @@ impl Node {
             }
         }
         self.send(c, Msg::GroupJoin { stage: self.stage });
+        // A new coordinator knows no member's links: without them it would
+        // order its first ring blind (the slowest ring there is).
+        if c != self.id && self.group.coord == Some(c) {
+            self.report_group_links();
+        }
     }
 
     /// A claim still unanswered after a whole heartbeat period reached a node

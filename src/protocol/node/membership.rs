@@ -426,7 +426,11 @@ impl Node {
             let rtt = to_secs(now.saturating_sub(sent_at));
             let lat = p.lat.unwrap_or(0.0);
             let xfer = (rtt - 2.0 * lat).max(1e-4);
+            let first = p.bw.is_none();
             p.bw = Self::ema(p.bw, bytes as f64 / xfer, a);
+            if first {
+                self.link_measured(from);
+            }
         }
     }
 

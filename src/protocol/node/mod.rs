@@ -481,6 +481,7 @@ impl Node {
             self.measure_group_links();
             self.report_group_links();
         }
+        self.report_fresh_links();
         self.expire_silent_next_stage();
         if self.policy().reserves_flows() {
             self.flow_maintenance();

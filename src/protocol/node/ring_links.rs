@@ -5,7 +5,9 @@
 //! groups). It needs the links between members: each member measures those
 //! to a few other members per introduction cycle (an
 //! `Introduce` gives the latency, a `Probe` the bandwidth, as with any
-//! peer) and reports what it knows to its coordinator (`LinkReport`). A
+//! peer) and reports what it knows to its coordinator (`LinkReport`: each
+//! cycle, at the next tick when it measured a member's link for the first
+//! time, and to a new coordinator with its sync). A
 //! link nobody measured costs more than any measured one, so with nothing
 //! known the ring keeps the member list's (id) order.
 use super::*;
@@ -41,6 +43,10 @@ pub(super) struct RingLinks {
     measured: Option<(u64, Vec<NodeId>)>,
     /// The version of the member set `reported` was last pruned for.
     pruned_at: Option<u64>,
+    /// A link to a member was measured for the first time since this node
+    /// last reported: reported at the next tick, not at the next cycle
+    /// (a ring ordered meanwhile takes that link for the slowest there is).
+    pub(super) fresh: bool,
 }
 
 impl Node {
@@ -107,6 +113,21 @@ impl Node {
     /// The members whose links this node measures, as last chosen.
     fn measured_members(&self) -> &[NodeId] {
         self.ring_links.measured.as_ref().map_or(&[], |(_, m)| m)
+    }
+
+    /// A link to `p` was measured (its bandwidth) for the first time: if
+    /// `p` is a member, this node reports its links at the next tick.
+    pub(super) fn link_measured(&mut self, p: NodeId) {
+        if self.group.members.contains(&p) {
+            self.ring_links.fresh = true;
+        }
+    }
+
+    /// Each tick: links measured for the first time are reported now.
+    pub(super) fn report_fresh_links(&mut self) {
+        if std::mem::take(&mut self.ring_links.fresh) {
+            self.report_group_links();
+        }
     }
 
     /// A member tells its coordinator the links it measured to other
@@ -348,6 +369,71 @@ mod tests {
             }
             ref s => panic!("{s:?}"),
         }
+    }
+
+    /// A link to a member measured for the first time is reported at the
+    /// next tick (not at the next introduction cycle, 24 s later: a ring
+    /// ordered meanwhile took it for the slowest link there is), once; and
+    /// a member tells a new coordinator its links with its sync (the new
+    /// coordinator had none, and ordered its first ring blind).
+    #[test]
+    fn fresh_links_reach_the_coordinator_at_once() {
+        let reports = |acts: &[Action]| -> Vec<NodeId> {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::LinkReport { .. }))
+                .map(|(to, _)| *to)
+                .collect()
+        };
+        let mut n = started(Policy::Gwtf, 5, 2, &[1, 9], &[]);
+        let t0 = n.now;
+        let echo = Msg::Introduce {
+            iter: 0,
+            stage: 2,
+            spare: 1,
+            compute_s: 0.5,
+            sent_at: t0,
+            echo: Some(t0),
+        };
+        n.handle(t0 + SEC / 50, Input::Message { from: 9, msg: echo });
+        let ack = Msg::ProbeAck {
+            bytes: 1 << 20,
+            sent_at: t0 + SEC / 50,
+        };
+        n.handle(t0 + SEC / 10, Input::Message { from: 9, msg: ack });
+        // The next tick reports it to the coordinator (1); the one after
+        // has nothing new to say.
+        let tick = n.cfg.tick;
+        let first = n.on_timeout(n.next_tick.max(t0 + tick));
+        assert_eq!(reports(&first), vec![1]);
+        let next = n.on_timeout(n.next_tick);
+        assert!(reports(&next).is_empty());
+        // Its coordinator dies and it succeeds it: nothing to report (it
+        // reads its own links).
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 1 });
+        assert!(reports(&acts).is_empty(), "no report to itself");
+        // A member whose coordinator changes to another node reports to it.
+        let mut m = started(Policy::Gwtf, 9, 2, &[1, 5], &[]);
+        let t0 = m.now;
+        let echo = Msg::Introduce {
+            iter: 0,
+            stage: 2,
+            spare: 1,
+            compute_s: 0.5,
+            sent_at: t0,
+            echo: Some(t0),
+        };
+        m.handle(t0 + SEC / 50, Input::Message { from: 5, msg: echo });
+        let ack = Msg::ProbeAck {
+            bytes: 1 << 20,
+            sent_at: t0 + SEC / 50,
+        };
+        m.handle(t0 + SEC / 10, Input::Message { from: 5, msg: ack });
+        let now = m.now;
+        let acts = m.handle(now, Input::PeerLost { peer: 1 });
+        assert_eq!(m.group.coord, Some(5));
+        assert_eq!(reports(&acts), vec![5]);
     }
 
     /// In a group of 300 whose ids go round ten regions (member m in region
