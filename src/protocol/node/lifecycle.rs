@@ -50,7 +50,15 @@ pub(super) struct Snap {
     pub(super) stuck: bool,
     /// When this node took the microbatch (attempt) in.
     pub(super) started: Time,
+    /// Other senders of the same attempt (SWARM: a sender died after its
+    /// output left, before the receipt that ends its call came back, and
+    /// the hop before it ran that stage again elsewhere): the gradient goes
+    /// back to each, so that it also takes the way that is whole.
+    pub(super) also_prev: Vec<NodeId>,
 }
+
+/// Other senders of one attempt a node sends the gradient to, at most.
+const MAX_ALSO_PREV: usize = 2;
 
 /// `newer` (a path up to some stage) followed by what `older` knows beyond it.
 pub(super) fn merge_path(newer: &Arc<Vec<NodeId>>, older: &Arc<Vec<NodeId>>) -> Arc<Vec<NodeId>> {
@@ -91,6 +99,7 @@ impl Snap {
             done: false,
             stuck: false,
             started,
+            also_prev: Vec::new(),
         }
     }
 }
@@ -165,8 +174,17 @@ impl Node {
                 self.send(from, Msg::PushBack { label });
             }
         }
+        let twice = self.policy().acks_on_delivery();
         if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
             if s.attempt == attempt {
+                if twice
+                    && s.prev != from
+                    && !s.grad_ready
+                    && !s.also_prev.contains(&s.prev)
+                    && s.also_prev.len() < MAX_ALSO_PREV
+                {
+                    s.also_prev.push(s.prev);
+                }
                 s.prev = from;
                 // A hop re-sent for the aggregate alone (need_grad false)
                 // does not cancel the gradient a recovery asked for.
@@ -439,6 +457,22 @@ impl Node {
                     self.claim(mb, prev, next, used);
                     let sent_on = need && self.alive(prev);
                     if need {
+                        // Other ways the same attempt came (see `also_prev`),
+                        // untracked: the tracked one is `prev`'s.
+                        let also = std::mem::take(
+                            &mut self.lifecycle.snaps.get_mut(&mb).unwrap().also_prev,
+                        );
+                        let also: Vec<NodeId> = (also.into_iter())
+                            .filter(|&p| p != prev && self.alive(p))
+                            .collect();
+                        for p in also {
+                            let msg = Msg::Backward {
+                                mb,
+                                attempt,
+                                path: path.clone(),
+                            };
+                            self.send(p, msg);
+                        }
                         if !self.alive(prev) {
                             self.backward_failed(mb, prev);
                         } else {
@@ -788,6 +822,51 @@ mod tests {
                 .any(|(to, m)| *to == 30 && matches!(m, Msg::Ack { backward: true, .. }));
             assert_eq!(to_30, swarm, "{policy:?}");
             assert!(n.acks.held.is_empty());
+        }
+    }
+
+    /// SWARM: the same attempt reaches a relay twice, from two senders (the
+    /// first one's sender died after its output left, before its call
+    /// ended, and the stage was run again elsewhere). The gradient goes
+    /// back to both: one of the two ways may hold a dead node, and the
+    /// holder waited for it until its last-resort restart (180 s). GWTF
+    /// sends it to the last sender only.
+    #[test]
+    fn swarm_sends_the_gradient_back_every_way_an_attempt_came() {
+        for policy in [Policy::Swarm, Policy::Gwtf] {
+            let mut n = started(policy, 10, 2, &[], &[(20, 1), (21, 1), (30, 3)]);
+            let m = mb(0, 0, 0);
+            let id = runs(&deliver(&mut n, 20, forward_from_20(0, 0, true)))[0].id;
+            let again = Msg::Forward {
+                mb: m,
+                attempt: 0,
+                path: Arc::new(vec![0, 21]),
+                label: None,
+                hint: None,
+                need_grad: true,
+                plan: None,
+            };
+            assert!(runs(&deliver(&mut n, 21, again)).is_empty(), "one forward");
+            n.handle(2 * SEC, Input::TaskDone { id });
+            let back = Msg::Backward {
+                mb: m,
+                attempt: 0,
+                path: Arc::new(vec![0, 21, 10, 30]),
+            };
+            let bwd = runs(&deliver(&mut n, 30, back))[0].id;
+            let acts = n.handle(3 * SEC, Input::TaskDone { id: bwd });
+            let mut to: Vec<NodeId> = sends(&acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::Backward { .. }))
+                .map(|(t, _)| *t)
+                .collect();
+            to.sort_unstable();
+            let want = if policy == Policy::Swarm {
+                vec![20, 21]
+            } else {
+                vec![21]
+            };
+            assert_eq!(to, want, "{policy:?}");
         }
     }
 }
