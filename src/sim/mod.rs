@@ -747,7 +747,14 @@ impl Sim {
             return;
         }
         match self.trainer_hop(from, to, &msg) {
-            Some(h) => self.transfer(from, h, from, msg, Some(to)),
+            Some(h) => {
+                // The call is the trainer's, over its own connection to the
+                // callee; the sender plays the caller here, so it hears at
+                // once when that connection breaks (not after the call's
+                // fixed timeout).
+                self.connect(from, to);
+                self.transfer(from, h, from, msg, Some(to))
+            }
             None => self.transfer(from, to, from, msg, None),
         }
     }

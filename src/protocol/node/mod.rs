@@ -425,6 +425,11 @@ impl Node {
     /// the transport): each part lets go of what went through it.
     fn peer_dead(&mut self, p: NodeId) {
         if !self.mark_dead(p) {
+            // Known dead already: a hop sent to it since (its connection
+            // failed) fails now, not at its ack timeout (SWARM's: 75 s).
+            if p != self.id {
+                self.hops_lost_to(p);
+            }
             return;
         }
         self.release_flows_through(p);

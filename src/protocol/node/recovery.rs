@@ -270,6 +270,22 @@ mod tests {
         }
     }
 
+    /// A hop sent to a node already known dead (its failed connection is
+    /// the news, one round trip later) is sent elsewhere then, not at its
+    /// ack timeout (SWARM's fixed 75 s for a backward: a whole iteration).
+    #[test]
+    fn a_hop_sent_to_a_node_known_dead_fails_with_its_connection() {
+        for policy in [Policy::Swarm, Policy::Gwtf] {
+            let (mut n, m) = relay(policy);
+            n.lifecycle.snaps.get_mut(&m).unwrap().next = Some(31);
+            n.handle(2 * SEC, Input::PeerLost { peer: 30 });
+            n.lifecycle.snaps.get_mut(&m).unwrap().next = Some(30);
+            awaiting_ack(&mut n, m, false, 30);
+            let acts = n.handle(3 * SEC, Input::PeerLost { peer: 30 });
+            assert_eq!(forwards_to(&acts), [31], "{policy:?}");
+        }
+    }
+
     /// The next node dies after its ack, while the gradient is awaited: GWTF
     /// re-sends the stored activation to a replacement at once; SWARM-plus
     /// has its holder restart the microbatch at once (it waited for a
