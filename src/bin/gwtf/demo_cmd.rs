@@ -402,17 +402,25 @@ impl Swarm<'_> {
         Ok(id)
     }
 
-    /// Relays that may be killed now, optionally only of `stage`.
+    /// Relays that may be killed now, optionally only of `stage` (each stage
+    /// keeps a member that holds its current state, unless empty stages are
+    /// allowed).
     pub fn victims(&self, stage: Option<u32>) -> Vec<NodeId> {
         let members = self.facts.members_per_stage();
+        let in_sync = self.facts.in_sync_per_stage();
         self.facts
             .nodes
             .iter()
             .filter(|(_, n)| !n.holder && n.member())
             .filter(|(_, n)| stage.is_none() || n.stage == stage)
             .filter(|(_, n)| {
+                // A stage keeps a member, and one known to hold its current
+                // state (a joiner fresh from a download that missed an
+                // update cannot serve it: the stage would be lost).
                 let s = n.stage.unwrap_or(0) as usize;
-                self.a.allow_empty_stage || members.get(s).copied().unwrap_or(0) >= 2
+                let synced_after = in_sync.get(s).copied().unwrap_or(0) - n.in_sync() as u32;
+                self.a.allow_empty_stage
+                    || (members.get(s).copied().unwrap_or(0) >= 2 && synced_after >= 1)
             })
             .map(|(&id, _)| id)
             .collect()

@@ -200,6 +200,12 @@ impl NodeFacts {
     pub fn member(&self) -> bool {
         self.alive() && self.active_s.is_some() && !self.left
     }
+    /// A member whose state is known current: a founding one, or a joiner
+    /// that applied an iteration since (a joiner whose download missed an
+    /// update until it applies one may hold a stale state).
+    pub fn in_sync(&self) -> bool {
+        self.member() && (!self.joiner || self.events.get("applied").is_some_and(|&a| a > 0))
+    }
 }
 
 /// One holder's report of one iteration.
@@ -445,6 +451,17 @@ impl Facts {
     pub fn members_per_stage(&self) -> Vec<u32> {
         let mut c = vec![0u32; self.protocol_stages as usize];
         for n in self.nodes.values().filter(|n| n.member()) {
+            if let Some(s) = n.stage.filter(|&s| s < self.protocol_stages) {
+                c[s as usize] += 1;
+            }
+        }
+        c
+    }
+
+    /// Members known to hold their stage's current state, per stage.
+    pub fn in_sync_per_stage(&self) -> Vec<u32> {
+        let mut c = vec![0u32; self.protocol_stages as usize];
+        for n in self.nodes.values().filter(|n| n.in_sync()) {
             if let Some(s) = n.stage.filter(|&s| s < self.protocol_stages) {
                 c[s as usize] += 1;
             }
@@ -1144,6 +1161,35 @@ mod tests {
             microbatches: 2,
         };
         (f, plan)
+    }
+
+    /// A joiner is a member once active, but holds its stage's current
+    /// state only once it applied an iteration (its download may have
+    /// missed an update): the chaos keeps a stage's last member in sync.
+    #[test]
+    fn a_joiner_is_in_sync_once_it_applied_an_iteration() {
+        let (mut f, _) = healthy(1);
+        f.push(&at(
+            2.0,
+            What::Launched {
+                node: 9,
+                holder: false,
+                joiner: true,
+                stage: None,
+            },
+        ));
+        f.push(&line(2.5, 9, r#"{"event":"active","node":9,"stage":1}"#));
+        assert!(f.nodes[&9].member() && !f.nodes[&9].in_sync());
+        assert!(f.nodes[&2].in_sync(), "a founding member");
+        assert_eq!(f.members_per_stage()[1], 3);
+        assert_eq!(f.in_sync_per_stage()[1], 2);
+        f.push(&line(
+            3.0,
+            9,
+            r#"{"event":"applied","node":9,"stage":1,"iteration":1,"weights_sha256":"s1i1"}"#,
+        ));
+        assert!(f.nodes[&9].in_sync());
+        assert_eq!(f.in_sync_per_stage()[1], 3);
     }
 
     #[test]
