@@ -12,6 +12,25 @@ fn claim_of(idx: u32) -> Msg {
     }
 }
 
+/// Members 2 and 3 claim holder 0's microbatches `0..per` in turn: the
+/// coordinator commits; its epoch, and the aggregate task its own commit
+/// starts here.
+fn claims_until_committed(n: &mut Node, per: u32) -> (u64, TaskId) {
+    let (mut epoch, mut agg) = (None, None);
+    for idx in 0..per {
+        let acts = deliver(n, 2 + (idx % 2) as NodeId, claim_of(idx));
+        epoch = epoch.or(sends(&acts).iter().find_map(|(_, m)| match m {
+            Msg::Commit { epoch, .. } => Some(*epoch),
+            _ => None,
+        }));
+        agg = agg.or(runs(&acts)
+            .iter()
+            .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
+            .map(|t| t.id));
+    }
+    (epoch.expect("committed"), agg.expect("an aggregate task"))
+}
+
 /// Each microbatch is granted to exactly one claimant: the first; a later
 /// claimant is refused, and the first one's re-sent claim is granted again
 /// (claims are idempotent).
@@ -349,19 +368,7 @@ fn a_member_lost_during_the_all_reduce_keeps_its_grants_until_the_ring_ends() {
                 holders: Arc::new(vec![0]),
             },
         );
-        let (mut epoch, mut agg) = (None, None);
-        for idx in 0..per {
-            let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
-            epoch = epoch.or(sends(&acts).iter().find_map(|(_, m)| match m {
-                Msg::Commit { epoch, .. } => Some(*epoch),
-                _ => None,
-            }));
-            agg = agg.or(runs(&acts)
-                .iter()
-                .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
-                .map(|t| t.id));
-        }
-        let (epoch, agg) = (epoch.expect("committed"), agg.expect("aggregating"));
+        let (epoch, agg) = claims_until_committed(&mut n, per);
         let redone = |acts: &[Action]| {
             sends(acts)
                 .iter()
@@ -706,19 +713,7 @@ fn swarm_steps_without_the_failed_all_reduce() {
             holders: Arc::new(vec![0]),
         };
         deliver(&mut n, 10, open);
-        let (mut epoch, mut agg) = (None, None);
-        for idx in 0..per {
-            let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
-            epoch = epoch.or(sends(&acts).iter().find_map(|(_, m)| match m {
-                Msg::Commit { epoch, .. } => Some(*epoch),
-                _ => None,
-            }));
-            agg = agg.or(runs(&acts)
-                .iter()
-                .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
-                .map(|t| t.id));
-        }
-        let (epoch, agg) = (epoch.expect("committed"), agg.expect("an aggregate task"));
+        let (epoch, agg) = claims_until_committed(&mut n, per);
         // Member 3 dies in the reduce-scatter half; 2 reports the failure.
         let now = n.now;
         n.handle(now, Input::PeerLost { peer: 3 });

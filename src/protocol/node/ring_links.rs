@@ -342,22 +342,8 @@ mod tests {
         assert!(sends(&n.out).is_empty(), "nothing measured: nothing to say");
         // Their answers: an introduction echoing ours (the round trip gives
         // the latency), then the bandwidth probe's ack.
-        let t0 = n.now;
         for (m, rtt) in [(1, SEC / 50), (9, SEC / 10)] {
-            let echo = Msg::Introduce {
-                iter: 0,
-                stage: 2,
-                spare: 1,
-                compute_s: 0.5,
-                sent_at: t0,
-                echo: Some(t0),
-            };
-            n.handle(t0 + rtt, Input::Message { from: m, msg: echo });
-            let ack = Msg::ProbeAck {
-                bytes: 1 << 20,
-                sent_at: t0 + rtt,
-            };
-            n.handle(t0 + 3 * rtt, Input::Message { from: m, msg: ack });
+            measure_link(&mut n, m, rtt);
         }
         n.out.clear();
         n.report_group_links();
@@ -369,6 +355,38 @@ mod tests {
             }
             ref s => panic!("{s:?}"),
         }
+    }
+
+    /// `peer` answers `n`'s introduction one round trip `rtt` later (the
+    /// latency), then its bandwidth probe.
+    fn measure_link(n: &mut Node, peer: NodeId, rtt: Time) {
+        let t0 = n.now;
+        let echo = Msg::Introduce {
+            iter: 0,
+            stage: 2,
+            spare: 1,
+            compute_s: 0.5,
+            sent_at: t0,
+            echo: Some(t0),
+        };
+        n.handle(
+            t0 + rtt,
+            Input::Message {
+                from: peer,
+                msg: echo,
+            },
+        );
+        let ack = Msg::ProbeAck {
+            bytes: 1 << 20,
+            sent_at: t0 + rtt,
+        };
+        n.handle(
+            t0 + 3 * rtt,
+            Input::Message {
+                from: peer,
+                msg: ack,
+            },
+        );
     }
 
     /// A link to a member measured for the first time is reported at the
@@ -387,20 +405,7 @@ mod tests {
         };
         let mut n = started(Policy::Gwtf, 5, 2, &[1, 9], &[]);
         let t0 = n.now;
-        let echo = Msg::Introduce {
-            iter: 0,
-            stage: 2,
-            spare: 1,
-            compute_s: 0.5,
-            sent_at: t0,
-            echo: Some(t0),
-        };
-        n.handle(t0 + SEC / 50, Input::Message { from: 9, msg: echo });
-        let ack = Msg::ProbeAck {
-            bytes: 1 << 20,
-            sent_at: t0 + SEC / 50,
-        };
-        n.handle(t0 + SEC / 10, Input::Message { from: 9, msg: ack });
+        measure_link(&mut n, 9, SEC / 50);
         // The next tick reports it to the coordinator (1); the one after
         // has nothing new to say.
         let tick = n.cfg.tick;
@@ -415,21 +420,7 @@ mod tests {
         assert!(reports(&acts).is_empty(), "no report to itself");
         // A member whose coordinator changes to another node reports to it.
         let mut m = started(Policy::Gwtf, 9, 2, &[1, 5], &[]);
-        let t0 = m.now;
-        let echo = Msg::Introduce {
-            iter: 0,
-            stage: 2,
-            spare: 1,
-            compute_s: 0.5,
-            sent_at: t0,
-            echo: Some(t0),
-        };
-        m.handle(t0 + SEC / 50, Input::Message { from: 5, msg: echo });
-        let ack = Msg::ProbeAck {
-            bytes: 1 << 20,
-            sent_at: t0 + SEC / 50,
-        };
-        m.handle(t0 + SEC / 10, Input::Message { from: 5, msg: ack });
+        measure_link(&mut m, 5, SEC / 50);
         let now = m.now;
         let acts = m.handle(now, Input::PeerLost { peer: 1 });
         assert_eq!(m.group.coord, Some(5));
