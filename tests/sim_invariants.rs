@@ -69,7 +69,7 @@ fn same_seed_same_output_different_seed_different_output() {
 #[test]
 fn randomized_churn_keeps_every_invariant() {
     let seeds: u64 = if long() { 40 } else { 3 };
-    let iterations = if long() { 40 } else { 8 };
+    let iterations = if long() { 40 } else { 12 };
     for seed in 1..=seeds {
         for policy in [Policy::Gwtf, Policy::Swarm, Policy::CentralMcmf] {
             // High churn (1 to 3 departures per node-hour) to get crashes in

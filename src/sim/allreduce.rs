@@ -1,13 +1,19 @@
 //! How long a stage's all-reduce takes, modelled on the one the runtime ships
-//! (`crate::swarm::allreduce`): a ring reduce-scatter + all-gather of the
-//! stage's gradients in f32 (4 bytes per parameter, plus one element for the
-//! microbatch count; no bf16), `2 (n-1)` steps, each moving a chunk of
-//! `ceil(L / n)` elements from every member to its ring neighbour and each
-//! waiting for the previous one, around the ring in the order the stage's
-//! coordinator committed (it orders its members by the links they measured
-//! and reported, `LinkReport`). A step lasts as long as the ring's
-//! slowest link for that chunk: latency + chunk / bandwidth of the actual
-//! pair, the bandwidth capped by the node's NIC.
+//! (`crate::swarm::aggregate`, `crate::swarm::allreduce`): the stage's
+//! gradients in f32 (4 bytes per parameter; no bf16) split in two halves,
+//! each with one element more for the microbatch count, the first half
+//! all-reduced around the ring in the order the stage's coordinator
+//! committed (it orders its members by the links they measured and
+//! reported, `LinkReport`), the second half around the same ring the other
+//! way, both at once. Each direction is a ring reduce-scatter +
+//! all-gather, `2 (n-1)` steps, each moving a chunk of `ceil(L / n)`
+//! elements of its half from every member to its neighbour and each
+//! waiting for the previous one. A step lasts as long as the ring's
+//! slowest link for that chunk, either way: latency + chunk / bandwidth of
+//! the actual pair, the bandwidth capped by half the node's NIC (a member
+//! sends to both its neighbours at once). A wide-area link is full duplex,
+//! so the way back is a second link of its own: a one-way ring would leave
+//! it idle and move twice the bytes per step.
 //!
 //! [`ring_step_lower_bound`] is what no ring of the same members can beat,
 //! for the iteration bound ([`super::bound`]).
@@ -29,13 +35,25 @@ impl Links<'_> {
         let (lat, bw) = (self.link)(a, b);
         lat + bytes / bw.min(self.nic)
     }
+
+    /// Seconds of one all-reduce step's chunk of `bytes` between ring
+    /// neighbours in regions `a` and `b`: the slower way of the two (the
+    /// halves go both ways at once), each over half the NIC (a member
+    /// sends to both its neighbours at once).
+    pub fn step_secs(&self, a: usize, b: usize, bytes: f64) -> f64 {
+        let one_way = |x: usize, y: usize| {
+            let (lat, bw) = (self.link)(x, y);
+            lat + bytes / bw.min(self.nic / 2.0)
+        };
+        one_way(a, b).max(one_way(b, a))
+    }
 }
 
 /// Bytes of the largest chunk when a stage of `params` parameters is
-/// all-reduced by `n` members (chunks `[k L / n, (k+1) L / n)` of the
-/// `L = params + 1` elements).
+/// all-reduced by `n` members: chunks `[k L / n, (k+1) L / n)` of the
+/// `L = ceil(params / 2) + 1` elements of the larger half with its count.
 pub fn chunk_bytes(params: u64, n: usize) -> f64 {
-    BYTES_PER_ELEMENT * (params + 1).div_ceil(n.max(1) as u64) as f64
+    BYTES_PER_ELEMENT * (params.div_ceil(2) + 1).div_ceil(n.max(1) as u64) as f64
 }
 
 /// Seconds of the ring all-reduce of a stage of `params` parameters among
@@ -52,7 +70,7 @@ pub fn ring_step_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
         return 0.0;
     }
     let chunk = chunk_bytes(params, n);
-    let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
+    let step = |a: usize, b: usize| links.step_secs(regions[a], regions[b], chunk);
     let ring: Vec<usize> = (0..n).collect();
     ring::ring_cost(&ring, &step).0
 }
@@ -190,7 +208,7 @@ pub fn allreduce_lower_bound(regions: &[usize], params: u64, links: &Links) -> f
         return 0.0;
     }
     let chunk = chunk_bytes(params, n);
-    let by_region = |a: usize, b: usize| links.send_secs(a, b, chunk);
+    let by_region = |a: usize, b: usize| links.step_secs(a, b, chunk);
     let step = ring::best_ring_bottleneck_grouped(regions, by_region)
         .unwrap_or_else(|| ring_step_lower_bound(n, |a, b| by_region(regions[a], regions[b])));
     2.0 * (n - 1) as f64 * step
@@ -219,23 +237,25 @@ mod tests {
     #[test]
     fn three_members_by_hand() {
         let links = three_links(80e6);
-        // 2,999,999 parameters + 1 count = 3,000,000 f32 = 12 MB; chunk =
-        // 1,000,000 elements = 4 MB. Every ring of three members uses all
-        // three links: a-b 0.010 + 4e6 / min(100e6, 80e6) = 0.060 s,
-        // b-c 0.020 + 4e6 / 50e6 = 0.100 s, a-c 0.050 + 4e6 / 10e6 = 0.450 s.
-        // 2 (3-1) = 4 steps of the slowest, 0.450 s: 1.8 s.
-        // (The old model: bf16 6 MB, 2 (2/3) 6 MB / 10 MB/s + 2 ceil(log2 3)
-        // 0.05 s = 1.0 s.)
-        let t = ring_allreduce_secs(&[0, 1, 2], 2_999_999, &links);
+        // 5,999,998 parameters: halves of 2,999,999, each + 1 count =
+        // 3,000,000 f32 = 12 MB; chunk = 1,000,000 elements = 4 MB. Each
+        // member sends to both neighbours at once, 40 MB/s of its NIC
+        // each. Every ring of three members uses all three links, each
+        // both ways: a-b 0.010 + 4e6 / min(100e6, 40e6) = 0.110 s,
+        // b-c 0.020 + 4e6 / min(50e6, 40e6) = 0.120 s, a-c 0.050 + 4e6 /
+        // 10e6 = 0.450 s. 2 (3-1) = 4 steps of the slowest, 0.450 s: 1.8 s,
+        // what a one-way ring took for half as many parameters.
+        let t = ring_allreduce_secs(&[0, 1, 2], 5_999_998, &links);
         assert!((t - 1.8).abs() < 1e-9, "{t}");
         // The lower bound is tight here: a ring of three is every link.
-        let lb = allreduce_lower_bound(&[0, 1, 2], 2_999_999, &links);
+        let lb = allreduce_lower_bound(&[0, 1, 2], 5_999_998, &links);
         assert!((lb - 1.8).abs() < 1e-9, "{lb}");
         // One member: nothing to reduce; two: 2 steps of the pair's link.
         assert_eq!(ring_allreduce_secs(&[1], 10, &links), 0.0);
-        // 1,999,999 + 1 elements, chunk 1e6 = 4 MB, b-c 0.100 s, 2 steps.
-        let t = ring_allreduce_secs(&[1, 2], 1_999_999, &links);
-        assert!((t - 0.2).abs() < 1e-9, "{t}");
+        // Halves of 1,999,999 + 1 elements, chunk 1e6 = 4 MB, b-c 0.020 +
+        // 4e6 / min(50e6, 40e6) = 0.120 s, 2 steps.
+        let t = ring_allreduce_secs(&[1, 2], 3_999_998, &links);
+        assert!((t - 0.24).abs() < 1e-9, "{t}");
     }
 
     #[test]
@@ -303,9 +323,9 @@ mod tests {
 
     #[test]
     fn a_ring_goes_in_the_order_given_and_stays_above_the_bound() {
-        let links = three_links(80e6);
+        let links = three_links(200e6);
         // b a b c b a b c ...: only a-b and b-c links, the slowest b-c (its
-        // bandwidth, 50 MB/s, under the NIC's 80).
+        // bandwidth, 50 MB/s, under the 100 of half the NIC).
         let regions: Vec<usize> = (0..200).map(|i| [1, 0, 1, 2][i % 4]).collect();
         let t = ring_allreduce_secs(&regions, 10_000_000, &links);
         let lb = allreduce_lower_bound(&regions, 10_000_000, &links);
@@ -319,7 +339,7 @@ mod tests {
         let slow = ring_allreduce_secs(&sorted, 10_000_000, &links);
         assert!((slow - 2.0 * 199.0 * (0.050 + chunk / 10e6)).abs() < 1e-9);
         // The relaxation is below the exact best ring on small rings too.
-        let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], 1e6);
+        let step = |a: usize, b: usize| links.step_secs(regions[a], regions[b], 1e6);
         let exact = ring::best_ring_bottleneck(8, step);
         assert!(relaxed_ring_step(8, step) <= exact + 1e-12);
     }
@@ -332,7 +352,7 @@ mod tests {
     /// second member in b both crossings go through b: b-c.
     #[test]
     fn beyond_twelve_members_the_bound_is_the_regions_exact_ring() {
-        let links = three_links(80e6);
+        let links = three_links(200e6);
         let params = 12_999_999;
         let chunk = chunk_bytes(params, 13);
         let (ac, bc) = (0.050 + chunk / 10e6, 0.020 + chunk / 50e6);
@@ -341,7 +361,7 @@ mod tests {
         regions.extend([2; 6]);
         let lb = allreduce_lower_bound(&regions, params, &links);
         assert!((lb - 24.0 * ac).abs() < 1e-9, "{lb}");
-        let step = |a: usize, b: usize| links.send_secs(regions[a], regions[b], chunk);
+        let step = |a: usize, b: usize| links.step_secs(regions[a], regions[b], chunk);
         assert!((relaxed_ring_step(13, step) - bc).abs() < 1e-9);
         let ring = ring::order(13, step);
         let ordered: Vec<usize> = ring.iter().map(|&m| regions[m]).collect();

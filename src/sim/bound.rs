@@ -584,12 +584,13 @@ mod tests {
         };
         // Stage 1 cannot start before an embedding and a hop; then its
         // work on two relays (4 TFLOP/s); then a ring of two: 2 steps of
-        // 1 ms + 4 ceil((params + 1) / 2) bytes / 1 GB/s.
+        // 1 ms + 4 ceil((ceil(params / 2) + 1) / 2) bytes / 1 GB/s (the
+        // halves go both ways at once).
         let fill1 = embed / 1e12 + hop;
         assert!(work(1) > 8.0 * 3.0 * f(1) / 4e12, "the drain binds stage 1");
         let busy1 = fill1 + work(1);
         let p1 = model.stage_params(1);
-        let agg1 = 2.0 * (0.001 + 4.0 * (p1 + 1).div_ceil(2) as f64 / 1e9);
+        let agg1 = 2.0 * (0.001 + 4.0 * (p1.div_ceil(2) + 1).div_ceil(2) as f64 / 1e9);
         assert!((b.stage_secs[1] - (busy1 + agg1)).abs() < 1e-12, "{b:?}");
         // Stage 2 starts after stage 1's forward and another hop; one
         // 2 TFLOP/s relay, alone: no all-reduce.
@@ -624,7 +625,7 @@ mod tests {
             drain += 2.0 * f(k) / 2e12 + hop;
         }
         let p0 = model.stage_params(0);
-        let agg0 = 2.0 * (0.001 + 4.0 * (p0 + 1).div_ceil(2) as f64 / 1e9);
+        let agg0 = 2.0 * (0.001 + 4.0 * (p0.div_ceil(2) + 1).div_ceil(2) as f64 / 1e9);
         let want0 = done + agg0;
         assert!(
             (b.stage_secs[0] - want0).abs() < 1e-9,

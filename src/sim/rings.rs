@@ -54,7 +54,8 @@ pub(super) enum Change {
 }
 
 /// The network as a loss needs it: one-way latency between two nodes (s),
-/// and the seconds to send a chunk of `bytes` from one to the other.
+/// and the seconds to send a chunk of `bytes` from one to the other while
+/// sending another to a second neighbour (the all-reduce goes both ways).
 pub(super) trait Wire {
     fn latency(&self, a: NodeId, b: NodeId) -> f64;
     fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64) -> f64;
@@ -167,20 +168,26 @@ impl Rings {
                 .filter(|(&m, r)| m != v && alive(m) && r.end > now)
                 .map(|(&m, r)| (m, r.task))
                 .collect();
-            let successor_since = ring
-                .runs
-                .get(&q)
-                .filter(|_| all_started && alive(q))
-                .map(|r| to_secs(now.saturating_sub(r.start)));
-            let notice = wire.latency(v, q);
+            // Both directions lose `v` at once: around the ring `q` is its
+            // successor, the way back `p`; the loss is bypassed only where
+            // both directions can bypass it, and as late as the later.
+            let since = |m: NodeId| {
+                ring.runs
+                    .get(&m)
+                    .filter(|_| all_started && alive(m))
+                    .map(|r| to_secs(now.saturating_sub(r.start)))
+            };
+            let successor_since = since(q).zip(since(p)).map(|(a, b)| a.min(b));
+            let notice = wire.latency(v, q).max(wire.latency(v, p));
             let loss = RingLoss {
                 n,
                 step: ring.step,
                 successor_since,
                 bypassed_before: ring.bypassed.is_some(),
                 notice,
-                resume: wire.latency(q, p),
-                bypass_step: wire.send_secs(p, q, ring.chunk),
+                resume: wire.latency(q, p).max(wire.latency(p, q)),
+                bypass_step: (wire.send_secs(p, q, ring.chunk))
+                    .max(wire.send_secs(q, p, ring.chunk)),
             };
             let effect = if running.is_empty() && all_started {
                 LossEffect::Nothing
@@ -211,10 +218,10 @@ impl Rings {
                     self.aborted += 1;
                     ring.aborted = true;
                     for (m, task) in running {
-                        let heard = if m == q {
+                        let heard = if m == q || m == p {
                             notice
                         } else {
-                            notice + wire.latency(q, m)
+                            notice + wire.latency(q, m).min(wire.latency(p, m))
                         };
                         let r = ring.runs.get_mut(&m).expect("running");
                         r.end = Time::MAX;
@@ -271,13 +278,14 @@ mod tests {
         let mut rings = ring4();
         let alive = |m: NodeId| m != 11;
         let ch = rings.lose(11, 2 * SEC, &alive, &Flat);
-        // The successor (12) hears first; 10 and 13 one link later.
+        // Its successors hear first, each way round (12, and 10 on the
+        // way back); 13 one link later.
         assert_eq!(ch.len(), 3);
         for c in &ch {
             let Change::FailsAt { node, at, .. } = c else {
                 panic!("{c:?}")
             };
-            let want = if *node == 12 { 0.01 } else { 0.02 };
+            let want = if *node == 13 { 0.02 } else { 0.01 };
             assert_eq!(*at, 2 * SEC + secs(want), "{node}");
             assert!(!rings.ends_at(&KEY, *node, *node as TaskId, 6 * SEC));
         }
@@ -313,11 +321,18 @@ mod tests {
 
     #[test]
     fn a_loss_after_the_successor_finished_changes_nothing() {
-        // 11's successor 12 started first and is done at 6 s; 10 and 13
-        // started later and still run, but need nothing of 11 any more.
-        let mut rings = started(&[(10, 2), (11, 2), (12, 0), (13, 2)]);
+        // 11's successors each way round, 12 and 10, started first and are
+        // done at 6 s; 13 started later and still runs, but needs nothing
+        // of 11 any more.
+        let mut rings = started(&[(10, 0), (11, 2), (12, 0), (13, 2)]);
         assert!(rings.lose(11, 7 * SEC, &|m| m != 11, &Flat).is_empty());
         assert_eq!((rings.bypassed, rings.aborted), (0, 0));
+        // With the way back's successor (10) still running, the loss is
+        // bypassed, not nothing.
+        let mut rings = started(&[(10, 2), (11, 2), (12, 0), (13, 2)]);
+        let ch = rings.lose(11, 7 * SEC, &|m| m != 11, &Flat);
+        assert!(!ch.is_empty() && ch.iter().all(|c| matches!(c, Change::EndsAt { .. })));
+        assert_eq!((rings.bypassed, rings.aborted), (1, 0));
         // A member not started when the loss comes: the ring cannot have
         // passed its reduce-scatter.
         let mut rings = started(&[(10, 0), (11, 0), (12, 0)]);

@@ -1,6 +1,17 @@
 //! The stage all-reduce a runtime node runs for the protocol's aggregate
-//! task: one [`RingAllReduce`] at a time, among the commit's members in the
-//! commit's order, fed by the driver with chunk frames and lost peers.
+//! task: one operation at a time, among the commit's members, fed by the
+//! driver with chunk frames and lost peers.
+//!
+//! An operation is two [`RingAllReduce`]s at once, one per direction: the
+//! first half of the buffer goes around the commit's ring, the second half
+//! around the same ring the other way. Every link between ring neighbours
+//! then carries data both ways, where one ring leaves the way back idle:
+//! a wide-area link is full duplex (each direction has its own
+//! bandwidth), and the ring's steps wait for its slowest link, so each
+//! step moves half a chunk in about half the time. Each direction keeps
+//! its ring's guarantees (the same bits at every member, a member lost in
+//! the all-gather half bypassed); the operation ends with the mean when
+//! both do, and without it when either does not.
 //!
 //! Chunks of an operation this node has not started yet (a faster
 //! neighbour is ahead) wait, bounded; a newer commit of the same iteration
@@ -26,7 +37,49 @@ struct Running {
     task: TaskId,
     iter: u32,
     stage: u32,
-    ring: RingAllReduce,
+    /// The first half of the buffer around the ring, the second half the
+    /// other way.
+    rings: [RingAllReduce; 2],
+}
+
+impl Running {
+    /// The direction that runs operation `op`, if one does.
+    fn ring_of(&mut self, op: u64) -> Option<&mut RingAllReduce> {
+        self.rings.iter_mut().find(|r| r.op() == op)
+    }
+
+    fn serving(&self) -> bool {
+        self.rings.iter().any(|r| r.serving())
+    }
+
+    /// How the operation ended: with the mean when both directions did
+    /// (the halves joined, the microbatch count once), without it when
+    /// either did not; `None` while one still runs.
+    fn end(&self) -> Option<Result<(Vec<f32>, u64), String>> {
+        let [a, b] = [self.rings[0].outcome(), self.rings[1].outcome()];
+        for o in [a, b] {
+            match o {
+                Outcome::Failed { reason } => return Some(Err(reason.clone())),
+                Outcome::Lost { member } => return Some(Err(format!("member {member:x} lost"))),
+                _ => {}
+            }
+        }
+        match (a, b) {
+            (
+                Outcome::Done {
+                    mean: first,
+                    microbatches,
+                },
+                Outcome::Done { mean: second, .. },
+            ) => {
+                let mut mean = Vec::with_capacity(first.len() + second.len());
+                mean.extend_from_slice(first);
+                mean.extend_from_slice(second);
+                Some(Ok((mean, *microbatches)))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// How an operation ended: its task, iteration, and the mean with its
@@ -54,14 +107,17 @@ impl Default for Aggregation {
     }
 }
 
-/// The operation id of a commit: unique per stage, iteration and epoch.
-pub fn op_id(stage: u32, iter: u32, epoch: u64) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for x in [stage as u64, iter as u64, epoch] {
-        h ^= x;
-        h = h.wrapping_mul(0x0100_0000_01b3).rotate_left(29);
-    }
-    h
+/// The operation ids of a commit, one per direction: unique per stage,
+/// iteration, epoch and direction.
+pub fn op_ids(stage: u32, iter: u32, epoch: u64) -> [u64; 2] {
+    [0u64, 1].map(|direction| {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for x in [stage as u64, iter as u64, epoch, direction] {
+            h ^= x;
+            h = h.wrapping_mul(0x0100_0000_01b3).rotate_left(29);
+        }
+        h
+    })
 }
 
 impl Aggregation {
@@ -96,16 +152,24 @@ impl Aggregation {
         self.running = None;
         self.serving = None;
         let ring: Vec<u64> = plan.members.iter().map(|&m| m as u64).collect();
-        let op = op_id(stage, plan.iter, plan.epoch);
-        let mut r = RingAllReduce::new(op, me as u64, &ring, sum, plan.granted.len() as u64)?;
-        for &m in &self.lost {
-            r.on_peer_lost(m);
+        let back: Vec<u64> = ring.iter().rev().copied().collect();
+        let [op, op_back] = op_ids(stage, plan.iter, plan.epoch);
+        let (first, second) = sum.split_at(sum.len().div_ceil(2));
+        let mbs = plan.granted.len() as u64;
+        let mut rings = [
+            RingAllReduce::new(op, me as u64, &ring, first, mbs)?,
+            RingAllReduce::new(op_back, me as u64, &back, second, mbs)?,
+        ];
+        for r in &mut rings {
+            for &m in &self.lost {
+                r.on_peer_lost(m);
+            }
         }
         self.running = Some(Running {
             task,
             iter: plan.iter,
             stage,
-            ring: r,
+            rings,
         });
         // Chunks that came before we started.
         let early: Vec<Frame> = std::mem::take(&mut self.early).into();
@@ -148,13 +212,22 @@ impl Aggregation {
         let Some(r) = [self.running.as_mut(), self.serving.as_mut()]
             .into_iter()
             .flatten()
-            .find(|r| r.ring.op() == op && r.stage == stage)
+            .find(|r| r.stage == stage && r.rings.iter().any(|x| x.op() == op))
         else {
             return false;
         };
         match msg() {
-            Some(Ok(msg)) => r.ring.on_message(from, msg),
-            Some(Err(_)) => r.ring.on_peer_lost(from),
+            Some(Ok(msg)) => {
+                if let Some(ring) = r.ring_of(op) {
+                    ring.on_message(from, msg);
+                }
+            }
+            // A malformed message ends its sender's part in both directions.
+            Some(Err(_)) => {
+                for ring in &mut r.rings {
+                    ring.on_peer_lost(from);
+                }
+            }
             None => {}
         }
         true
@@ -171,7 +244,9 @@ impl Aggregation {
             .into_iter()
             .flatten()
         {
-            r.ring.on_peer_lost(peer);
+            for ring in &mut r.rings {
+                ring.on_peer_lost(peer);
+            }
         }
     }
 
@@ -189,14 +264,16 @@ impl Aggregation {
             .into_iter()
             .flatten()
         {
-            for (to, msg) in r.ring.take_outbox() {
-                match frame_of(net, r.stage, &msg, Duration::from_secs(5)) {
-                    Ok(f) => out.push((to, f)),
-                    Err(_) => r.ring.on_peer_lost(to),
+            for ring in &mut r.rings {
+                for (to, msg) in ring.take_outbox() {
+                    match frame_of(net, r.stage, &msg, Duration::from_secs(5)) {
+                        Ok(f) => out.push((to, f)),
+                        Err(_) => ring.on_peer_lost(to),
+                    }
                 }
             }
         }
-        if self.serving.as_ref().is_some_and(|r| !r.ring.serving()) {
+        if self.serving.as_ref().is_some_and(|r| !r.serving()) {
             self.serving = None;
         }
         out
@@ -204,16 +281,10 @@ impl Aggregation {
 
     /// How the operation ended, once.
     pub fn finished(&mut self) -> Option<Finished> {
-        let r = self.running.as_mut()?;
-        let end = match r.ring.outcome() {
-            Outcome::Running => return None,
-            Outcome::Done { mean, microbatches } => Ok((mean.clone(), *microbatches)),
-            Outcome::Lost { member } => Err(format!("member {member:x} lost")),
-            Outcome::Failed { reason } => Err(reason.clone()),
-        };
+        let end = self.running.as_ref()?.end()?;
         let r = self.running.take().expect("running");
         let (task, iter) = (r.task, r.iter);
-        if r.ring.serving() {
+        if r.serving() {
             self.serving = Some(r);
         }
         Some((task, iter, end))
@@ -229,9 +300,11 @@ mod tests {
     use crate::swarm::allreduce_net::tests::node as net;
 
     /// Member 1's side of the ring 1 -> 2 -> 3 -> 1 of stage 4, iteration
-    /// 0, two microbatches of five gradients (six elements with the count:
-    /// chunks of two).
-    fn started(agg: &mut Aggregation) -> u64 {
+    /// 0, two microbatches of ten gradients: the first five go around the
+    /// ring (from 3, to 2), the last five the other way (from 2, to 3);
+    /// six elements each with the count: chunks of two. The operation ids,
+    /// in that order.
+    fn started(agg: &mut Aggregation) -> [u64; 2] {
         let plan = AggregatePlan {
             iter: 0,
             epoch: 1,
@@ -244,8 +317,9 @@ mod tests {
                 })
                 .collect(),
         };
-        agg.start(4, 1, 77, plan, &[1.0; 5]).unwrap();
-        op_id(4, 0, 1)
+        let sum: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        agg.start(4, 1, 77, plan, &sum).unwrap();
+        op_ids(4, 0, 1)
     }
 
     fn chunk(op: u64, step: u32) -> Message {
@@ -263,6 +337,80 @@ mod tests {
             .collect()
     }
 
+    /// Three members, each with its own sums, exchange their frames until
+    /// every one is done: all hold the same bits, the microbatch-weighted
+    /// mean of every element (the first half went around the ring, the
+    /// second the other way: two operation ids, and a first step to each
+    /// neighbour).
+    #[test]
+    fn both_directions_make_the_mean() {
+        let net = net();
+        let plan = |granted: u32| AggregatePlan {
+            iter: 0,
+            epoch: 1,
+            members: Arc::new(vec![1, 2, 3]),
+            granted: (0..granted)
+                .map(|idx| MbId {
+                    holder: 9,
+                    iter: 0,
+                    idx,
+                })
+                .collect(),
+        };
+        let sums: Vec<Vec<f32>> = (1..=3)
+            .map(|m| (0..11).map(|i| (m * 100 + i) as f32).collect())
+            .collect();
+        let mut aggs: Vec<Aggregation> = (0..3).map(|_| Aggregation::default()).collect();
+        for (i, agg) in aggs.iter_mut().enumerate() {
+            let m = i as u32 + 1;
+            agg.start(4, m, 70 + m as u64, plan(m), &sums[i]).unwrap();
+        }
+        let [op, back] = op_ids(4, 0, 1);
+        assert_ne!(op, back);
+        let mut ends = vec![None, None, None];
+        for round in 0..100 {
+            let mut sent = 0;
+            for i in 0..3 {
+                for (to, f) in aggs[i].outgoing(&net) {
+                    if round == 0 {
+                        let next = if f.header.microbatch == op {
+                            i + 1
+                        } else {
+                            i + 2
+                        };
+                        assert_eq!(to as usize, next % 3 + 1, "first steps");
+                    }
+                    let msg = message_of(4, &f);
+                    assert!(aggs[to as usize - 1].route(
+                        i as u64 + 1,
+                        f.header.microbatch,
+                        4,
+                        || msg
+                    ));
+                    sent += 1;
+                }
+                if let Some(e) = aggs[i].finished() {
+                    ends[i] = Some(e);
+                }
+            }
+            if sent == 0 {
+                break;
+            }
+        }
+        let mut means = Vec::new();
+        for e in ends {
+            let (_, _, end) = e.expect("done");
+            means.push(end.expect("the mean"));
+        }
+        assert!(means.iter().all(|m| *m == means[0]), "the same bits");
+        let (mean, microbatches) = &means[0];
+        assert_eq!(*microbatches, 6);
+        for (j, x) in mean.iter().enumerate() {
+            let want = (sums[0][j] + sums[1][j] + sums[2][j]) / 6.0;
+            assert!((x - want).abs() < 1e-4, "element {j}: {x} against {want}");
+        }
+    }
+
     /// Member 1 ends with the mean, and stays to serve member 3 (two to its
     /// right) should member 2 be lost: 3's Resume, after the end, is
     /// answered with the chunk 2 would have forwarded; then the operation
@@ -270,9 +418,10 @@ mod tests {
     #[test]
     fn a_done_operation_serves_a_late_resume() {
         let (net, mut agg) = (net(), Aggregation::default());
-        let op = started(&mut agg);
+        let [op, back] = started(&mut agg);
         for step in 0..4 {
             assert!(agg.route(3, op, 4, || Some(Ok(chunk(op, step)))));
+            assert!(agg.route(2, back, 4, || Some(Ok(chunk(back, step)))));
         }
         agg.outgoing(&net);
         let (task, iter, end) = agg.finished().expect("done");
@@ -290,6 +439,11 @@ mod tests {
         let out = decoded(agg.outgoing(&net));
         assert_eq!(out.len(), 1, "{out:?}");
         assert!(matches!(out[0], (3, Message::Chunk { step: 3, .. })));
+        // The way back (3 -> 2 -> 1 -> 3) still serves until 2, two to
+        // its right there, holds every chunk.
+        assert!(agg.serving.is_some());
+        assert!(agg.route(2, back, 4, || Some(Ok(Message::Complete { op: back }))));
+        agg.outgoing(&net);
         assert!(agg.serving.is_none(), "served: let go");
         // Another operation's message is not taken.
         assert!(!agg.route(3, op, 4, || Some(Ok(chunk(op, 0)))));
@@ -303,8 +457,10 @@ mod tests {
     fn an_operation_started_after_a_loss_learns_of_it() {
         let (net, mut agg) = (net(), Aggregation::default());
         agg.on_peer_lost(3);
-        let op = started(&mut agg);
+        let [op, _] = started(&mut agg);
         let out = decoded(agg.outgoing(&net));
+        // Around the ring the abort goes on to 2; the way back, 1's next
+        // member is 3 itself (2, its last, hears of 3 on its own).
         assert_eq!(out, vec![(2, Message::Abort { op, lost: 3 })]);
         let (_, _, end) = agg.finished().expect("ended");
         assert!(end.unwrap_err().contains("lost"));
@@ -312,7 +468,13 @@ mod tests {
         started(&mut agg);
         let out = decoded(agg.outgoing(&net));
         assert!(
-            matches!(out[..], [(2, Message::Chunk { step: 0, .. })]),
+            matches!(
+                out[..],
+                [
+                    (2, Message::Chunk { step: 0, .. }),
+                    (3, Message::Chunk { step: 0, .. })
+                ]
+            ),
             "{out:?}"
         );
         assert!(agg.finished().is_none());

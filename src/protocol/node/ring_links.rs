@@ -181,7 +181,8 @@ impl Node {
     }
 
     /// Bytes of one all-reduce chunk of this stage among `n` members (f32
-    /// gradients; the state is 16 bytes per parameter).
+    /// gradients, half each way round; the state is 16 bytes per
+    /// parameter).
     fn ring_chunk_bytes(&self, n: usize) -> f64 {
         let state = self.own_state_bytes();
         let grads = if state > 0 {
@@ -189,7 +190,7 @@ impl Node {
         } else {
             self.cfg.activation_bytes as f64
         };
-        grads / n.max(1) as f64
+        grads / 2.0 / n.max(1) as f64
     }
 
     /// Coordinator: `members` in the ring order to commit: exact up to
@@ -219,13 +220,12 @@ impl Node {
             }
         }
         let order = if n <= TWO_OPT_MAX {
-            // A link measured one way only stands for both.
+            // The all-reduce goes both ways round at once: a link costs the
+            // dearer of its two ways (a way measured alone stands for both).
             let mut cost = vec![UNKNOWN_LINK_S; n * n];
-            for (&(a, b), &c) in &sent {
+            for (a, b, c) in both_ways(&sent) {
                 cost[a * n + b] = c;
-                if !sent.contains_key(&(b, a)) {
-                    cost[b * n + a] = c;
-                }
+                cost[b * n + a] = c;
             }
             let link = |a: usize, b: usize| cost[a * n + b];
             let toured = ring::order(n, link);
