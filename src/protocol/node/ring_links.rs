@@ -326,6 +326,40 @@ mod tests {
     /// A member reports the links it measured to other members, to its
     /// coordinator only, and introduces itself to members it has not
     /// measured yet.
+    /// The all-reduce goes both ways round the ring, so a link fast one
+    /// way and slow the other is slow. Members 2 3 4 5 form a cycle whose
+    /// links are fast forward (2 -> 3 -> 4 -> 5 -> 2) and slow back; every
+    /// other link is medium. Costed one way, the ring 1 2 3 4 5 would pass
+    /// three of those links (its slowest link medium); both ways, each of
+    /// them is slow and the committed ring passes the one it must.
+    #[test]
+    fn a_link_costs_the_dearer_of_its_two_ways() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3, 4, 5], &[]);
+        let members: BTreeSet<NodeId> = [1, 2, 3, 4, 5].into_iter().collect();
+        let next = |m: NodeId| if m == 5 { 2 } else { m + 1 };
+        let lat = |m: NodeId, o: NodeId| match () {
+            _ if m == 1 || o == 1 => 0.1,
+            _ if o == next(m) => 0.001,
+            _ if m == next(o) => 1.0,
+            _ => 0.1,
+        };
+        for m in [2, 3, 4, 5] {
+            let links = (1..=5)
+                .filter(|&o| o != m)
+                .map(|o| (o, lat(m, o), 1e12))
+                .collect();
+            deliver(&mut n, m, Msg::LinkReport { links });
+        }
+        let ring = n.ring_order(&members);
+        let cycle_links = (0..5)
+            .filter(|&k| {
+                let (a, b) = (ring[k], ring[(k + 1) % 5]);
+                a != 1 && b != 1 && (b == next(a) || a == next(b))
+            })
+            .count();
+        assert_eq!(cycle_links, 1, "{ring:?}");
+    }
+
     #[test]
     fn a_member_measures_and_reports_its_links_to_other_members() {
         let mut n = started(Policy::Gwtf, 5, 2, &[1, 9], &[]);
