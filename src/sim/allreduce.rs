@@ -22,6 +22,11 @@ use crate::flow::ring;
 /// Bytes per element on the wire: the runtime all-reduces f32.
 pub const BYTES_PER_ELEMENT: f64 = 4.0;
 
+/// Chunks a member sends at once during an all-reduce step (one to each
+/// neighbour: the halves go both ways round); each gets this share of its
+/// NIC.
+pub const STREAMS_PER_MEMBER: f64 = 2.0;
+
 /// The links of the world: one-way latency (s) and bandwidth (bytes/s)
 /// between two regions, and every node's NIC (bytes/s).
 pub struct Links<'a> {
@@ -43,7 +48,7 @@ impl Links<'_> {
     pub fn step_secs(&self, a: usize, b: usize, bytes: f64) -> f64 {
         let one_way = |x: usize, y: usize| {
             let (lat, bw) = (self.link)(x, y);
-            lat + bytes / bw.min(self.nic / 2.0)
+            lat + bytes / bw.min(self.nic / STREAMS_PER_MEMBER)
         };
         one_way(a, b).max(one_way(b, a))
     }

@@ -1074,7 +1074,8 @@ impl Sim {
             }
             fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64) -> f64 {
                 let (lat, bw) = self.0.link_params(a, b);
-                lat + bytes / bw.min(self.0.cfg.scenario.nic_bandwidth / 2.0)
+                lat + bytes
+                    / bw.min(self.0.cfg.scenario.nic_bandwidth / allreduce::STREAMS_PER_MEMBER)
             }
         }
         let mut rings = std::mem::take(&mut self.rings);
