@@ -139,6 +139,22 @@ pub enum Outcome {
     },
 }
 
+/// The outcome of a reduced buffer (the sums, then the microbatch count):
+/// each sum over the count (zeros for a count of zero), and the count.
+pub(super) fn done_with(reduced: &[f32]) -> Outcome {
+    let count = *reduced.last().unwrap_or(&0.0);
+    let len = reduced.len().saturating_sub(1);
+    let mean = if count > 0.0 {
+        reduced[..len].iter().map(|x| x / count).collect()
+    } else {
+        vec![0.0; len]
+    };
+    Outcome::Done {
+        mean,
+        microbatches: count as u64,
+    }
+}
+
 /// Errors of setting an operation up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SetupError {
@@ -412,17 +428,7 @@ impl RingAllReduce {
     }
 
     fn finish(&mut self) {
-        let count = *self.buf.last().unwrap_or(&0.0);
-        let len = self.buf.len() - 1;
-        let mean = if count > 0.0 {
-            self.buf[..len].iter().map(|x| x / count).collect()
-        } else {
-            vec![0.0; len]
-        };
-        self.outcome = Outcome::Done {
-            mean,
-            microbatches: count as u64,
-        };
+        self.outcome = done_with(&self.buf);
     }
 
     fn apply(&mut self, data: Vec<f32>) {

@@ -2,13 +2,15 @@
 //! `protocol::Node` driven on real time over the engine, with a trainer
 //! behind one work interface ([`runtime`], [`work`]), the tensors kept for
 //! recovery ([`store`]), and the stage's crash-tolerant all-reduce: the
-//! ring algorithm as a sans-I/O machine ([`allreduce`]), its frames
-//! ([`allreduce_net`]) and the operation a node runs for its stage
-//! ([`aggregate`]); what a node refuses of what its peers send ([`intake`]).
+//! butterfly and the ring as sans-I/O machines ([`butterfly`],
+//! [`allreduce`]), their frames ([`allreduce_net`]) and the operation a
+//! node runs for its stage ([`aggregate`]); what a node refuses of what its
+//! peers send ([`intake`]).
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
 pub mod bulk;
+pub mod butterfly;
 pub mod directory;
 mod driver;
 pub mod intake;
