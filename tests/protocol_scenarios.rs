@@ -184,7 +184,9 @@ impl Net {
 
     fn finalized(&self, iter: u32) -> Option<Arc<Vec<NodeId>>> {
         self.events.iter().find_map(|(_, _, e)| match e {
-            Event::IterFinalized { iter: k, holders } if *k == iter => Some(holders.clone()),
+            Event::IterFinalized {
+                iter: k, holders, ..
+            } if *k == iter => Some(holders.clone()),
             _ => None,
         })
     }

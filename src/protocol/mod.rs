@@ -58,5 +58,5 @@ mod node;
 pub mod rng;
 mod types;
 
-pub use node::{AggregatePlan, Node};
+pub use node::{AggregatePlan, Node, BUTTERFLY_MAX_MEMBERS};
 pub use types::*;

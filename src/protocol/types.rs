@@ -703,10 +703,14 @@ pub enum Event {
     MbDone { mb: MbId, path: Arc<Vec<NodeId>> },
     /// Holder: iteration `iter` started.
     IterStarted { iter: u32 },
-    /// The holders' coordinator finalized iteration `iter` (all stages applied).
+    /// The holders' coordinator finalized iteration `iter` (all stages
+    /// applied): `holders` finished it; `next` take part in the next one,
+    /// which opens now (a holder that joined since trains from the one
+    /// after).
     IterFinalized {
         iter: u32,
         holders: Arc<Vec<NodeId>>,
+        next: Arc<Vec<NodeId>>,
     },
     /// The coordinator of `stage` committed `iter`: the microbatches whose
     /// stage-`stage` gradient is in the aggregate (each exactly once).

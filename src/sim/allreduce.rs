@@ -1,7 +1,21 @@
 //! How long a stage's all-reduce takes, modelled on the one the runtime ships
-//! (`crate::swarm::aggregate`, `crate::swarm::allreduce`): the stage's
-//! gradients in f32 (4 bytes per parameter; no bf16) split in two halves,
-//! each with one element more for the microbatch count, the first half
+//! (`crate::swarm::aggregate`): the stage's gradients in f32 (4 bytes per
+//! parameter; no bf16) and one element more for the microbatch count.
+//!
+//! A group of up to [`BUTTERFLY_MAX_MEMBERS`] runs the butterfly
+//! (`crate::swarm::butterfly`): the commit's `n` members each own one part
+//! of `ceil(L / n)` elements at most; every member sends each owner its
+//! slice of that owner's part (all `n - 1` at once), and each owner, once
+//! it holds every slice, sends the reduced part to every member. A pair's
+//! transfer takes latency + part / bandwidth of the actual pair, the
+//! bandwidth capped by the NIC shared by the `n - 1` streams a member
+//! sends at once; the operation ends when the last member holds the last
+//! reduced part. Two message rounds, where a ring pays `2 (n-1)` in
+//! sequence: in `geo10` the holders' all-reduce takes 3.7 s where the
+//! two-way ring took 11.8 s.
+//!
+//! A larger group goes around the ring both ways
+//! (`crate::swarm::allreduce`): the first half of the buffer
 //! all-reduced around the ring in the order the stage's coordinator
 //! committed (it orders its members by the links they measured and
 //! reported, `LinkReport`), the second half around the same ring the other
@@ -15,9 +29,10 @@
 //! so the way back is a second link of its own: a one-way ring would leave
 //! it idle and move twice the bytes per step.
 //!
-//! [`ring_step_lower_bound`] is what no ring of the same members can beat,
-//! for the iteration bound ([`super::bound`]).
+//! [`allreduce_lower_bound`] is what no all-reduce of the same members by
+//! the same algorithm can beat, for the iteration bound ([`super::bound`]).
 use crate::flow::ring;
+pub use crate::protocol::BUTTERFLY_MAX_MEMBERS;
 
 /// Bytes per element on the wire: the runtime all-reduces f32.
 pub const BYTES_PER_ELEMENT: f64 = 4.0;
@@ -41,6 +56,14 @@ impl Links<'_> {
         lat + bytes / bw.min(self.nic)
     }
 
+    /// Seconds to send `bytes` from a node of region `a` to one of `b`
+    /// while the sender sends `streams` such transfers at once (each gets
+    /// that share of its NIC).
+    pub fn stream_secs(&self, a: usize, b: usize, bytes: f64, streams: f64) -> f64 {
+        let (lat, bw) = (self.link)(a, b);
+        lat + bytes / bw.min(self.nic / streams.max(1.0))
+    }
+
     /// Seconds of one all-reduce step's chunk of `bytes` between ring
     /// neighbours in regions `a` and `b`: the slower way of the two (the
     /// halves go both ways at once), each over half the NIC (a member
@@ -59,6 +82,73 @@ impl Links<'_> {
 /// `L = ceil(params / 2) + 1` elements of the larger half with its count.
 pub fn chunk_bytes(params: u64, n: usize) -> f64 {
     BYTES_PER_ELEMENT * (params.div_ceil(2) + 1).div_ceil(n.max(1) as u64) as f64
+}
+
+/// Whether `n` members all-reduce by the butterfly (else around the ring).
+pub fn is_butterfly(n: usize) -> bool {
+    n <= BUTTERFLY_MAX_MEMBERS
+}
+
+/// Seconds of the all-reduce of a stage of `params` parameters among
+/// members in `regions` (one entry per member, in the commit's order): the
+/// butterfly or the ring, by the group's size.
+pub fn allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
+    if is_butterfly(regions.len()) {
+        butterfly_secs(regions, params, links)
+    } else {
+        ring_allreduce_secs(regions, params, links)
+    }
+}
+
+/// Bytes of the largest part when a stage of `params` parameters is
+/// all-reduced by a butterfly of `n` members: parts `[k L / n, (k+1) L / n)`
+/// of the `L = params + 1` elements (the count last).
+pub fn part_bytes(params: u64, n: usize) -> f64 {
+    BYTES_PER_ELEMENT * (params + 1).div_ceil(n.max(1) as u64) as f64
+}
+
+/// Seconds of one part's transfer between members in regions `a` and `b`
+/// of a butterfly of `n`: each member sends to the `n - 1` others at once.
+pub fn butterfly_send_secs(links: &Links, a: usize, b: usize, bytes: f64, n: usize) -> f64 {
+    links.stream_secs(a, b, bytes, n.saturating_sub(1) as f64)
+}
+
+/// Seconds of the butterfly all-reduce of a stage of `params` parameters
+/// among members in `regions`: owner `b` holds every slice of its part
+/// when the slowest of its `n - 1` incoming transfers arrives (`rs[b]`);
+/// member `a` is done when the last reduced part reaches it (`rs[b]` + the
+/// transfer from `b` to `a`). The order of the members does not matter.
+pub fn butterfly_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
+    let n = regions.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let part = part_bytes(params, n);
+    // Members of one region have the same links: per region pair once.
+    let mut distinct: Vec<usize> = regions.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let send = |a: usize, b: usize| butterfly_send_secs(links, a, b, part, n);
+    let count = |r: usize| regions.iter().filter(|&&x| x == r).count();
+    // rs[b]: the slowest transfer into an owner of region b from any other
+    // member (another member of its own region included when there is one).
+    let rs: Vec<f64> = (distinct.iter())
+        .map(|&b| {
+            (distinct.iter())
+                .filter(|&&a| a != b || count(b) > 1)
+                .map(|&a| send(a, b))
+                .fold(0.0, f64::max)
+        })
+        .collect();
+    let mut end: f64 = 0.0;
+    for (i, &b) in distinct.iter().enumerate() {
+        for &a in &distinct {
+            if a != b || count(b) > 1 {
+                end = end.max(rs[i] + send(b, a));
+            }
+        }
+    }
+    end
 }
 
 /// Seconds of the ring all-reduce of a stage of `params` parameters among
@@ -202,12 +292,28 @@ fn relaxed_ring_step(n: usize, cost: impl Fn(usize, usize) -> f64) -> f64 {
 }
 
 /// A lower bound on the all-reduce of a stage of `params` parameters among
-/// members in `regions`, by any ring: `2 (n-1)` steps of at least the best
+/// members in `regions` by the algorithm the group's size calls for: a
+/// butterfly's time does not depend on the order of its members, so it is
+/// its own bound; a ring's is `2 (n-1)` steps of at least the best
 /// ring's slowest link. Links depend on the regions only, so that ring is
 /// known exactly ([`ring::best_ring_bottleneck_grouped`]) unless the
 /// members are spread too thinly over too many regions; then
 /// [`ring_step_lower_bound`].
 pub fn allreduce_lower_bound(regions: &[usize], params: u64, links: &Links) -> f64 {
+    let n = regions.len();
+    if n < 2 {
+        return 0.0;
+    }
+    if is_butterfly(n) {
+        butterfly_secs(regions, params, links)
+    } else {
+        ring_lower_bound(regions, params, links)
+    }
+}
+
+/// A lower bound on any ring all-reduce (both ways) of a stage of `params`
+/// parameters among members in `regions` (see [`allreduce_lower_bound`]).
+pub fn ring_lower_bound(regions: &[usize], params: u64, links: &Links) -> f64 {
     let n = regions.len();
     if n < 2 {
         return 0.0;
@@ -253,7 +359,7 @@ mod tests {
         let t = ring_allreduce_secs(&[0, 1, 2], 5_999_998, &links);
         assert!((t - 1.8).abs() < 1e-9, "{t}");
         // The lower bound is tight here: a ring of three is every link.
-        let lb = allreduce_lower_bound(&[0, 1, 2], 5_999_998, &links);
+        let lb = ring_lower_bound(&[0, 1, 2], 5_999_998, &links);
         assert!((lb - 1.8).abs() < 1e-9, "{lb}");
         // One member: nothing to reduce; two: 2 steps of the pair's link.
         assert_eq!(ring_allreduce_secs(&[1], 10, &links), 0.0);
@@ -323,7 +429,7 @@ mod tests {
         let t = ring_allreduce_secs(&regions, 999_999, &links);
         let ac = 0.050 + chunk / 10e6;
         assert!((t - 8.0 * ac).abs() < 1e-9, "{t}");
-        assert!(allreduce_lower_bound(&regions, 999_999, &links) <= t + 1e-12);
+        assert!(ring_lower_bound(&regions, 999_999, &links) <= t + 1e-12);
     }
 
     #[test]
@@ -333,7 +439,7 @@ mod tests {
         // bandwidth, 50 MB/s, under the 100 of half the NIC).
         let regions: Vec<usize> = (0..200).map(|i| [1, 0, 1, 2][i % 4]).collect();
         let t = ring_allreduce_secs(&regions, 10_000_000, &links);
-        let lb = allreduce_lower_bound(&regions, 10_000_000, &links);
+        let lb = ring_lower_bound(&regions, 10_000_000, &links);
         assert!(lb <= t + 1e-12 && lb > 0.0, "{lb} {t}");
         let chunk = chunk_bytes(10_000_000, 200);
         assert!((t - 2.0 * 199.0 * (0.020 + chunk / 50e6)).abs() < 1e-9);
@@ -364,7 +470,7 @@ mod tests {
         let mut regions = vec![1];
         regions.extend([0; 6]);
         regions.extend([2; 6]);
-        let lb = allreduce_lower_bound(&regions, params, &links);
+        let lb = ring_lower_bound(&regions, params, &links);
         assert!((lb - 24.0 * ac).abs() < 1e-9, "{lb}");
         let step = |a: usize, b: usize| links.step_secs(regions[a], regions[b], chunk);
         assert!((relaxed_ring_step(13, step) - bc).abs() < 1e-9);
@@ -372,7 +478,43 @@ mod tests {
         let ordered: Vec<usize> = ring.iter().map(|&m| regions[m]).collect();
         assert!((ring_allreduce_secs(&ordered, params, &links) - lb).abs() < 1e-9);
         regions[1] = 1;
-        let lb = allreduce_lower_bound(&regions, params, &links);
+        let lb = ring_lower_bound(&regions, params, &links);
         assert!((lb - 24.0 * bc).abs() < 1e-9, "{lb}");
+    }
+
+    #[test]
+    fn a_butterfly_of_three_by_hand() {
+        let links = three_links(80e6);
+        // 5,999,999 parameters and the count: 6,000,000 f32, parts of
+        // 2,000,000 = 8 MB. Each member sends to both others at once, 40
+        // MB/s of its NIC each: a-b 0.010 + 8e6 / 40e6 = 0.21 s, b-c 0.020
+        // + 0.2 = 0.22 s, a-c 0.050 + 8e6 / 10e6 = 0.85 s. a's and c's
+        // parts are whole after 0.85 s (the a-c slice), b's after 0.22 s;
+        // the last reduced part (a's to c, c's to a) arrives 0.85 s later.
+        let params = 5_999_999;
+        let t = butterfly_secs(&[0, 1, 2], params, &links);
+        assert!((t - 1.7).abs() < 1e-9, "{t}");
+        // The order does not matter, so the time is its own bound.
+        assert_eq!(butterfly_secs(&[2, 0, 1], params, &links), t);
+        assert_eq!(allreduce_lower_bound(&[0, 1, 2], params, &links), t);
+        assert_eq!(allreduce_secs(&[0, 1, 2], params, &links), t);
+        // Two members of one region (1 ms, the whole NIC for the one
+        // stream): 3,000,000 f32 = 12 MB each way, twice.
+        let two = butterfly_secs(&[0, 0], params, &links);
+        assert!((two - 2.0 * (0.001 + 12e6 / 80e6)).abs() < 1e-9, "{two}");
+        // Three in one region and one far: the slow pair counts, the
+        // members of one region reach each other too.
+        let four = butterfly_secs(&[0, 0, 0, 2], params, &links);
+        let part = part_bytes(params, 4);
+        let ac = 0.050 + part / 10e6;
+        assert!((four - 2.0 * ac).abs() < 1e-9, "{four}");
+        // Beyond BUTTERFLY_MAX_MEMBERS: the ring.
+        let many: Vec<usize> = (0..=BUTTERFLY_MAX_MEMBERS).map(|i| i % 3).collect();
+        let ring = ring_allreduce_secs(&many, params, &links);
+        assert_eq!(allreduce_secs(&many, params, &links), ring);
+        assert_eq!(
+            allreduce_lower_bound(&many, params, &links),
+            ring_lower_bound(&many, params, &links)
+        );
     }
 }

@@ -11,8 +11,15 @@
 //!   (the fastest embedding and forwards of the stages before, the
 //!   cheapest hop before each); from then on its `H m` microbatches take
 //!   their count over the most its members can take per second; then its
-//!   all-reduce, which needs every gradient (by the best possible ring,
-//!   [`super::allreduce::allreduce_lower_bound`]). A relay takes at most
+//!   all-reduce, which needs every gradient (by the algorithm the runtime
+//!   runs for its members: a butterfly, whose time does not depend on
+//!   their order, or the best possible ring,
+//!   [`super::allreduce::allreduce_lower_bound`]). Its last backward also
+//!   comes no earlier than the holders' chains bring it: one of a holder's
+//!   in-flight slots carries `ceil(m / F)` microbatches one after another,
+//!   each a whole trip (at least the cheapest, `P_h`), so the last starts
+//!   no earlier than `(ceil(m / F) - 1) P_h` and reaches the stage's
+//!   backward no earlier than its least time there after. A relay takes at most
 //!   `flops / (3 x forward FLOPs of k)` per second (backward = 2 x forward,
 //!   one task at a time) and, keeping activations, at most `capacity /
 //!   hold` (Little's law: they stay at least from its forward through every
@@ -65,7 +72,12 @@ pub struct Member {
 /// The membership of one iteration and what it trains.
 pub struct World<'a> {
     pub model: &'a ModelPreset,
+    /// The holders that train this iteration.
     pub holders: &'a [Member],
+    /// Every member of the holders' stage: all take part in its
+    /// all-reduce, a holder that joined during the iteration before with
+    /// nothing to add (it trains from the next).
+    pub holder_group: &'a [Member],
     /// Relays of stage `k` at index `k - 1`.
     pub relays: &'a [Vec<Member>],
     pub mb_per_holder: u32,
@@ -106,6 +118,8 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
     // Per region: its holders and the least own work per microbatch.
     let mut regions: BTreeMap<usize, (usize, f64)> = BTreeMap::new();
     let mut holders_done: f64 = 0.0;
+    // Per relay stage: no earlier than this its last backward ends.
+    let mut last_backward = vec![0.0f64; w.relays.len()];
     for h in w.holders {
         let own = w.mb_per_holder as f64 * holder_flops / h.flops;
         let trips = trips
@@ -114,6 +128,11 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
         let (per_mb, loss) = (holder_flops / h.flops, m.loss_flops() / h.flops);
         let chain = trips.chain_secs(per_mb, loss, w.mb_per_holder, w.in_flight);
         holders_done = holders_done.max(own.max(chain));
+        let before = (m.loss_flops() + m.embed_flops()) / h.flops;
+        let lasts = trips.last_backwards(per_mb, before, w.mb_per_holder, w.in_flight);
+        for (l, t) in last_backward.iter_mut().zip(lasts) {
+            *l = l.max(t);
+        }
         let r = regions.entry(h.region).or_insert((0, f64::INFINITY));
         *r = (r.0 + 1, r.1.min(per_mb));
     }
@@ -140,7 +159,10 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
         let last_forward = mbs * fwd / speed + holds[i] - fwd / fastest(members);
         let busy_until = fill + (mbs / rate).max(last_forward);
         let regions: Vec<usize> = members.iter().map(|r| r.region).collect();
-        relay_secs.push(busy_until + allreduce_lower_bound(&regions, m.stage_params(k), w.links));
+        let allreduce = allreduce_lower_bound(&regions, m.stage_params(k), w.links);
+        // Its all-reduce needs its last backward: by its own work, or by
+        // the holders' chains (their last microbatches come late).
+        relay_secs.push(busy_until.max(last_backward[i]) + allreduce);
         // The stage's last task is a backward (each microbatch's comes
         // after its forward here); that microbatch still goes back through
         // the stages before and the holder's embedding.
@@ -149,7 +171,7 @@ pub fn iteration_bound(w: &World) -> Option<IterationBound> {
         drain += 2.0 * fwd / fastest(members) + hop;
     }
     // Holders: their all-reduce needs every microbatch done.
-    let regions: Vec<usize> = w.holders.iter().map(|h| h.region).collect();
+    let regions: Vec<usize> = w.holder_group.iter().map(|h| h.region).collect();
     stage_secs.push(holders_done + allreduce_lower_bound(&regions, m.stage_params(0), w.links));
     stage_secs.extend(relay_secs);
     let secs = stage_secs.iter().copied().fold(0.0, f64::max);
@@ -249,6 +271,10 @@ fn cheapest_relay_trip(w: &World, home: usize) -> f64 {
 struct HolderTrips {
     /// The cheapest trip (the holder's own compute left out, as below).
     cheapest: f64,
+    /// Per relay stage (index `k` for stage `k + 1`): the least time from a
+    /// microbatch's start to its backward's end at that stage, the
+    /// holder's own compute left out (its embedding and loss come before).
+    to_backward: Vec<f64>,
     /// Per cut and direction: the `in_flight` smallest trip ends, ascending.
     cuts: Vec<Vec<f64>>,
     /// The least time of a trip besides its loss on the holder's GPU: the
@@ -326,6 +352,12 @@ impl HolderTrips {
         }
         let cheapest =
             min(&mut (round[0].iter()).map(|(&a, &c)| send(home, a) + c + send(a, home)));
+        let to_backward = (0..s)
+            .map(|k| {
+                min(&mut (stages[k].iter())
+                    .map(|(&a, &(fwd_a, _))| fwd_to[k][&a] - fwd_a + round[k][&a]))
+            })
+            .collect();
         // Each cut, one direction at a time: its links as (least trip
         // through one, how many such links in parallel, its transfer).
         type Cut = Vec<(f64, usize, f64)>;
@@ -386,10 +418,25 @@ impl HolderTrips {
             .collect();
         HolderTrips {
             cheapest,
+            to_backward,
             cuts,
             around_loss,
             around_relay,
         }
+    }
+
+    /// The earliest the last backward of a holder's microbatches at each
+    /// relay stage ends: one of its in-flight slots carries `ceil(m /
+    /// slots)` microbatches one after another, each a whole trip (`own`
+    /// the holder's work per microbatch, `before` the part of it before the
+    /// relays' backwards: embedding and loss), so the last starts no
+    /// earlier than that many trips less one, and reaches each stage's
+    /// backward no earlier than its least time there after.
+    fn last_backwards(&self, own: f64, before: f64, m: u32, slots: u32) -> Vec<f64> {
+        let start = m.div_ceil(slots.max(1)).saturating_sub(1) as f64 * (own + self.cheapest);
+        (self.to_backward.iter())
+            .map(|&t| start + before + t)
+            .collect()
     }
 
     /// The earliest a holder whose own work per microbatch is `own` seconds,
@@ -532,6 +579,11 @@ mod tests {
     /// 1 TB/s) with two holders at 1 TFLOP/s, 4 microbatches each, 2 in
     /// flight, and these relays.
     fn tiny(relays: &[Vec<Member>]) -> Option<IterationBound> {
+        tiny_with(relays, 4, 2)
+    }
+
+    /// [`tiny`] with `mb` microbatches per holder, `in_flight` in flight.
+    fn tiny_with(relays: &[Vec<Member>], mb: u32, in_flight: u32) -> Option<IterationBound> {
         let model = ModelPreset::by_name("llama-124m").unwrap();
         let link = |_: usize, _: usize| (0.001, 1e9);
         let links = Links {
@@ -542,11 +594,39 @@ mod tests {
         iteration_bound(&World {
             model: &model,
             holders: &[holder, holder],
+            holder_group: &[holder, holder],
             relays,
-            mb_per_holder: 4,
-            in_flight: 2,
+            mb_per_holder: mb,
+            in_flight,
             links: &links,
         })
+    }
+
+    /// In [`tiny`]'s world with relays of 2 TFLOP/s: the earliest stage
+    /// `k`'s last backward ends by the holders' chains. A slot carries two
+    /// microbatches, the second starts a whole trip after the first (the
+    /// holder's own work, every stage's 3 forwards, `s + 1` hops both ways);
+    /// then its embedding and loss on the holder, and from its start to
+    /// stage `k`'s backward: every forward, the backwards of stages `s`
+    /// down to `k`, and `2 s + 2 - k` hops.
+    fn chain_backward(model: &ModelPreset, k: u16) -> f64 {
+        let s = model.relay_stages;
+        let hop = 0.001 + model.activation_bytes() as f64 / 1e9;
+        let f = |j: u16| model.stage_fwd_flops(j) / 2e12;
+        let own = (model.loss_flops() + 3.0 * model.embed_flops()) / 1e12;
+        let relays: f64 = (1..=s).map(|j| 3.0 * f(j)).sum();
+        let trip = own + relays + (s as f64 + 1.0) * 2.0 * hop;
+        let before = (model.loss_flops() + model.embed_flops()) / 1e12;
+        let forwards: f64 = (1..=s).map(f).sum();
+        let backwards: f64 = (k..=s).map(|j| 2.0 * f(j)).sum();
+        trip + before + forwards + backwards + (2 * s + 2 - k) as f64 * hop
+    }
+
+    /// The butterfly of two members in [`tiny`]'s region (1 ms, 1 GB/s): a
+    /// part of `ceil((params + 1) / 2)` f32 each way, then the reduced
+    /// part each way.
+    fn butterfly_of_two(params: u64) -> f64 {
+        2.0 * (0.001 + 4.0 * (params + 1).div_ceil(2) as f64 / 1e9)
     }
 
     /// llama-124m, one region (link 1 ms, 1 GB/s), two holders at 1 TFLOP/s
@@ -583,19 +663,17 @@ mod tests {
             gpu.max(8.0 * f(k) / speed(k) + beyond(k) + 2.0 * f(k) / 2e12)
         };
         // Stage 1 cannot start before an embedding and a hop; then its
-        // work on two relays (4 TFLOP/s); then a ring of two: 2 steps of
-        // 1 ms + 4 ceil((ceil(params / 2) + 1) / 2) bytes / 1 GB/s (the
-        // halves go both ways at once).
+        // work on two relays (4 TFLOP/s), unless the holders' chains bring
+        // its last backward later; then a butterfly of two.
         let fill1 = embed / 1e12 + hop;
         assert!(work(1) > 8.0 * 3.0 * f(1) / 4e12, "the drain binds stage 1");
-        let busy1 = fill1 + work(1);
-        let p1 = model.stage_params(1);
-        let agg1 = 2.0 * (0.001 + 4.0 * (p1.div_ceil(2) + 1).div_ceil(2) as f64 / 1e9);
+        let busy1 = (fill1 + work(1)).max(chain_backward(&model, 1));
+        let agg1 = butterfly_of_two(model.stage_params(1));
         assert!((b.stage_secs[1] - (busy1 + agg1)).abs() < 1e-12, "{b:?}");
         // Stage 2 starts after stage 1's forward and another hop; one
         // 2 TFLOP/s relay, alone: no all-reduce.
         let fill2 = fill1 + f(1) / 2e12 + hop;
-        let busy2 = fill2 + work(2);
+        let busy2 = (fill2 + work(2)).max(chain_backward(&model, 2));
         assert!((b.stage_secs[2] - busy2).abs() < 1e-12, "{b:?}");
         // Holders: their all-reduce (a ring of two) after the latest of
         // their chain, their own work, and each stage's work followed by the
@@ -624,9 +702,7 @@ mod tests {
             fill += f(k) / 2e12 + hop;
             drain += 2.0 * f(k) / 2e12 + hop;
         }
-        let p0 = model.stage_params(0);
-        let agg0 = 2.0 * (0.001 + 4.0 * (p0.div_ceil(2) + 1).div_ceil(2) as f64 / 1e9);
-        let want0 = done + agg0;
+        let want0 = done + butterfly_of_two(model.stage_params(0));
         assert!(
             (b.stage_secs[0] - want0).abs() < 1e-9,
             "{} {want0}",
@@ -639,6 +715,43 @@ mod tests {
         let mut gap = relays.clone();
         gap[1].clear();
         assert!(tiny(&gap).is_none());
+    }
+
+    /// A holder that joined during the iteration before trains nothing in
+    /// this one, but takes part in the holders' all-reduce: its chain does
+    /// not count, its links do.
+    #[test]
+    fn a_holder_that_does_not_train_only_joins_the_all_reduce() {
+        let model = ModelPreset::by_name("llama-124m").unwrap();
+        let s = model.relay_stages as usize;
+        let link = |a: usize, b: usize| if a == b { (0.001, 1e9) } else { (0.1, 1e8) };
+        let links = Links {
+            link: &link,
+            nic: 1e12,
+        };
+        let (near, far) = (member(0, 1e12), member(1, 1e11));
+        let relays = vec![vec![member(0, 2e12)]; s];
+        let bound = |holders: &[Member], group: &[Member]| {
+            iteration_bound(&World {
+                model: &model,
+                holders,
+                holder_group: group,
+                relays: &relays,
+                mb_per_holder: 4,
+                in_flight: 2,
+                links: &links,
+            })
+            .unwrap()
+        };
+        let alone = bound(&[near], &[near]);
+        let joined = bound(&[near], &[near, far]);
+        let agg = allreduce_lower_bound(&[0, 1], model.stage_params(0), &links);
+        assert!(agg > 0.0);
+        assert!((joined.stage_secs[0] - (alone.stage_secs[0] + agg)).abs() < 1e-9);
+        assert_eq!(joined.stage_secs[1..], alone.stage_secs[1..]);
+        // Training, the slow far holder's chain counts too.
+        let both = bound(&[near, far], &[near, far]);
+        assert!(both.stage_secs[0] > joined.stage_secs[0] + 1e-3, "{both:?}");
     }
 
     #[test]
@@ -659,6 +772,7 @@ mod tests {
         let w = World {
             model: &model,
             holders: &holders,
+            holder_group: &holders,
             relays: &relays,
             mb_per_holder: 1,
             in_flight: 1,
@@ -682,7 +796,9 @@ mod tests {
         let s = model.relay_stages as usize;
         let mut relays = vec![vec![member(0, 2e12)]; s];
         relays[0][0].capacity = 1;
-        let b = tiny(&relays).unwrap();
+        // 16 microbatches per holder, 8 in flight: two a slot, as in
+        // `tiny` (the same chains), and 32 through stage 1.
+        let b = tiny_with(&relays, 16, 8).unwrap();
         let act = model.activation_bytes() as f64;
         let hop = 2.0 * (0.001 + act / 1e9);
         let f1 = model.stage_fwd_flops(1);
@@ -695,16 +811,19 @@ mod tests {
         assert!(kept < 2e12 / (3.0 * f1), "memory must bind here");
         let rate = kept + (2e12 - 3.0 * f1 * kept) / (4.0 * f1);
         let fill1 = model.embed_flops() / 1e12 + hop / 2.0;
-        let want = fill1 + 8.0 / rate;
+        let want = fill1 + 32.0 / rate;
+        assert!(want > chain_backward(&model, 1), "not the chains");
         assert!(
             (b.stage_secs[1] - want).abs() < 1e-9,
             "{} {want}",
             b.stage_secs[1]
         );
-        // Stage 2 has room: GPU time alone, after its fill.
+        // Stage 2 has room: GPU time alone, after its fill, or the holders'
+        // chains.
         let f2 = model.stage_fwd_flops(2);
         let fill2 = fill1 + f1 / 2e12 + hop / 2.0;
-        assert!((b.stage_secs[2] - fill2 - 8.0 * 3.0 * f2 / 2e12).abs() < 1e-12);
+        let busy2 = (fill2 + 32.0 * 3.0 * f2 / 2e12).max(chain_backward(&model, 2));
+        assert!((b.stage_secs[2] - busy2).abs() < 1e-12);
     }
 
     #[test]
@@ -744,6 +863,7 @@ mod tests {
             let w = World {
                 model: &model,
                 holders: &holders,
+                holder_group: &holders,
                 relays,
                 mb_per_holder: 4,
                 in_flight: 4,
@@ -790,6 +910,7 @@ mod tests {
         let w = World {
             model: &model,
             holders: &holders,
+            holder_group: &holders,
             relays: &relays,
             mb_per_holder: 4,
             in_flight: 2,

@@ -352,11 +352,15 @@ pub struct Sim {
     /// The all-reduces running, member by member (what a loss does to them).
     rings: rings::Rings,
     /// The bound of the membership of `population_version` (when computed).
-    bound_cache: Option<(u64, Option<(f64, u32)>)>,
+    bound_cache: Option<BoundCache>,
     /// The bound the running iteration started with, and the population
     /// version then.
     iter_bound: Option<(f64, u64)>,
 }
+
+/// The last iteration bound: of (population version, the holders that
+/// train), the bound and the iteration's microbatches.
+type BoundCache = (u64, Option<Arc<Vec<NodeId>>>, Option<(f64, u32)>);
 
 impl Sim {
     pub fn new(cfg: SimConfig) -> Sim {
@@ -894,9 +898,10 @@ impl Sim {
         }
     }
 
-    /// The stage's ring all-reduce that `node`'s aggregate task `task`
-    /// runs: around the ring of its commit, in the commit's order (what the
-    /// runtime's all-reduce is given), over the actual pairs' links; cached
+    /// The stage's all-reduce that `node`'s aggregate task `task` runs: the
+    /// butterfly of its commit's members, or around their ring in the
+    /// commit's order for a large group (what the runtime's all-reduce is
+    /// given), over the actual pairs' links; cached
     /// per commit (every member runs the same). A task without a commit
     /// (none is known) falls back to the stage's `members` live members in
     /// id order.
@@ -921,7 +926,7 @@ impl Sim {
         };
         let regions: Vec<usize> = ids.iter().map(|&i| self.nodes[i as usize].region).collect();
         let params = self.cfg.model.stage_params(stage);
-        let t = self.with_links(|l| allreduce::ring_allreduce_secs(&regions, params, l));
+        let t = self.with_links(|l| allreduce::allreduce_secs(&regions, params, l));
         if self.agg_cache.len() > 4096 {
             self.agg_cache.clear();
         }
@@ -930,12 +935,15 @@ impl Sim {
     }
 
     /// The iteration bound of the current membership (`None` while a stage
-    /// is empty), recomputed when the membership changed.
-    /// With the iteration's microbatches (holders x microbatches per holder).
-    fn current_bound(&mut self) -> Option<(f64, u32)> {
-        if let Some((v, b)) = self.bound_cache {
-            if v == self.population_version {
-                return b;
+    /// is empty), recomputed when the membership changed, with the holders
+    /// that train the iteration (`train`, of those alive; `None`: all; a
+    /// holder that joined during the iteration before only takes part in
+    /// the holders' all-reduce). With the iteration's microbatches
+    /// (holders that train x microbatches per holder).
+    fn current_bound(&mut self, train: Option<Arc<Vec<NodeId>>>) -> Option<(f64, u32)> {
+        if let Some((v, t, b)) = &self.bound_cache {
+            if *v == self.population_version && *t == train {
+                return *b;
             }
         }
         let member = |i: NodeId| bound::Member {
@@ -943,7 +951,14 @@ impl Sim {
             flops: self.nodes[i as usize].flops,
             capacity: self.nodes[i as usize].node.capacity(),
         };
-        let holders: Vec<bound::Member> = self.members_of(0).into_iter().map(member).collect();
+        let group = self.members_of(0);
+        let trains = |h: &NodeId| train.as_ref().is_none_or(|t| t.contains(h));
+        let holders: Vec<bound::Member> = group
+            .iter()
+            .filter(|h| trains(h))
+            .map(|&h| member(h))
+            .collect();
+        let holder_group: Vec<bound::Member> = group.into_iter().map(member).collect();
         let relays: Vec<Vec<bound::Member>> = (1..=self.cfg.model.relay_stages)
             .map(|k| self.members_of(k).into_iter().map(member).collect())
             .collect();
@@ -951,6 +966,7 @@ impl Sim {
             bound::iteration_bound(&bound::World {
                 model: &self.cfg.model,
                 holders: &holders,
+                holder_group: &holder_group,
                 relays: &relays,
                 mb_per_holder: self.cfg.mb_per_iter,
                 in_flight: self.cfg.max_in_flight,
@@ -959,13 +975,14 @@ impl Sim {
         });
         let mbs = holders.len() as u32 * self.cfg.mb_per_iter;
         let b = b.map(|b| (b.secs, mbs));
-        self.bound_cache = Some((self.population_version, b));
+        self.bound_cache = Some((self.population_version, train, b));
         b
     }
 
-    /// An iteration starts now: note the bound it is held to.
-    fn start_bound(&mut self) {
-        let Some((b, mbs)) = self.current_bound() else {
+    /// An iteration starts now, trained by `train` (`None`: every holder):
+    /// note the bound it is held to.
+    fn start_bound(&mut self, train: Option<Arc<Vec<NodeId>>>) {
+        let Some((b, mbs)) = self.current_bound(train) else {
             self.iter_bound = None;
             return;
         };
@@ -1038,11 +1055,20 @@ impl Sim {
         };
         let n = plan.members.len();
         let key = (task.stage, plan.iter, plan.epoch);
-        let step = d / (2 * (n - 1)) as f64;
-        let chunk = allreduce::chunk_bytes(self.cfg.model.stage_params(task.stage), n);
+        let params = self.cfg.model.stage_params(task.stage);
+        let shape = if allreduce::is_butterfly(n) {
+            rings::Shape::Butterfly {
+                part: allreduce::part_bytes(params, n),
+            }
+        } else {
+            rings::Shape::Ring {
+                step: d / (2 * (n - 1)) as f64,
+                chunk: allreduce::chunk_bytes(params, n),
+            }
+        };
         let end = self
             .rings
-            .start(key, &plan.members, step, chunk, node, task.id, self.now, d);
+            .start(key, &plan.members, shape, node, task.id, self.now, d);
         let (task, ring) = (task.id, Some(key));
         match end {
             Some(t) => self.push(t, Ev::AggDone { node, task, ring }),
@@ -1064,18 +1090,17 @@ impl Sim {
         }
     }
 
-    /// `v` is gone: the all-reduces it is part of go on without it, later,
-    /// or fail, as the runtime's ring does.
+    /// `v` is gone: the all-reduces it is part of go on without it (later,
+    /// for a ring's bypass), or fail, as the runtime's do.
     fn ring_member_lost(&mut self, v: NodeId) {
         struct SimWire<'a>(&'a Sim);
         impl rings::Wire for SimWire<'_> {
             fn latency(&self, a: NodeId, b: NodeId) -> f64 {
                 self.0.link_params(a, b).0
             }
-            fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64) -> f64 {
+            fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64, streams: f64) -> f64 {
                 let (lat, bw) = self.0.link_params(a, b);
-                lat + bytes
-                    / bw.min(self.0.cfg.scenario.nic_bandwidth / allreduce::STREAMS_PER_MEMBER)
+                lat + bytes / bw.min(self.0.cfg.scenario.nic_bandwidth / streams.max(1.0))
             }
         }
         let mut rings = std::mem::take(&mut self.rings);
@@ -1342,14 +1367,18 @@ impl Sim {
             Event::IterStarted { .. } => {
                 if self.first_start.is_none() {
                     self.first_start = Some(self.now);
-                    self.start_bound();
+                    self.start_bound(None);
                 }
             }
-            Event::IterFinalized { iter, holders } => {
+            Event::IterFinalized {
+                iter,
+                holders,
+                next,
+            } => {
                 if self.trace {
                     eprintln!("T {:.2} final {iter}", to_secs(self.now));
                 }
-                self.on_finalized(iter, holders)
+                self.on_finalized(iter, holders, next)
             }
             Event::StageCommitted {
                 stage,
@@ -1438,7 +1467,7 @@ impl Sim {
         }
     }
 
-    fn on_finalized(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
+    fn on_finalized(&mut self, iter: u32, holders: Arc<Vec<NodeId>>, next: Arc<Vec<NodeId>>) {
         let s = self.cfg.model.relay_stages;
         let start = self.last_final.or(self.first_start).unwrap_or(0);
         let dt = to_secs(self.now - start);
@@ -1565,7 +1594,7 @@ impl Sim {
         if self.finalized >= self.cfg.iterations {
             self.stop = true;
         } else {
-            self.start_bound();
+            self.start_bound(Some(next));
         }
     }
 

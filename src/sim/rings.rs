@@ -1,15 +1,25 @@
 //! The stage all-reduces running in the simulator, followed member by
 //! member, so that a member's loss does to the others what it does to the
-//! runtime's ring ([`super::allreduce::RingLoss`]): nothing once its
-//! successor finished, a bypass (the survivors finish a little later, the
-//! result with its contributions) in the all-gather half, an abort before.
-//! The aggregate tasks of a ring that aborted fail (`Input::TaskFailed`),
-//! each when its member hears of it: the successor when its connection with
-//! the lost member breaks, the others one link later (the successor's
-//! abort), those that start later at once (the abort waits for them).
+//! runtime's all-reduce.
+//!
+//! A ring ([`super::allreduce::RingLoss`]): nothing once its successors
+//! finished, a bypass (the survivors finish a little later, the result
+//! with its contributions) in the all-gather half, an abort before. The
+//! aggregate tasks of a ring that aborted fail (`Input::TaskFailed`), each
+//! when its member hears of it: the successor when its connection with the
+//! lost member breaks, the others one link later (the successor's abort),
+//! those that start later at once (the abort waits for them).
+//!
+//! A butterfly (`crate::swarm::butterfly`): nothing once every survivor
+//! still running holds what it needed of the lost member (its slice of the
+//! survivor's part, and its reduced part); otherwise an abort, heard by a
+//! survivor that lacks something when its connection with the lost member
+//! breaks, by the others one link later (the first such survivor's abort).
+//! A survivor that ended already keeps its result (the coordinator sees
+//! the others fail and commits again).
 use std::collections::BTreeMap;
 
-use super::allreduce::{LossEffect, RingLoss};
+use super::allreduce::{LossEffect, RingLoss, STREAMS_PER_MEMBER};
 use crate::protocol::{secs, to_secs, NodeId, Stage, TaskId, Time};
 
 /// A commit's all-reduce: (stage, iteration, epoch).
@@ -22,12 +32,20 @@ struct Run {
     end: Time,
 }
 
+/// A commit's all-reduce algorithm with its sizes, as a loss needs them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Shape {
+    /// Around the ring both ways: seconds per step (the ring's slowest
+    /// link) and bytes per chunk.
+    Ring { step: f64, chunk: f64 },
+    /// The butterfly: bytes per part.
+    Butterfly { part: f64 },
+}
+
 struct Ring {
-    /// The commit's members, in ring order.
+    /// The commit's members, in its order.
     members: Vec<NodeId>,
-    /// Seconds per step (the ring's slowest link) and bytes per chunk.
-    step: f64,
-    chunk: f64,
+    shape: Shape,
     runs: BTreeMap<NodeId, Run>,
     bypassed: Option<NodeId>,
     aborted: bool,
@@ -55,10 +73,11 @@ pub(super) enum Change {
 
 /// The network as a loss needs it: one-way latency between two nodes (s),
 /// and the seconds to send a chunk of `bytes` from one to the other while
-/// sending another to a second neighbour (the all-reduce goes both ways).
+/// the sender sends `streams` such chunks at once (two in a ring, one to
+/// each neighbour; `n - 1` in a butterfly).
 pub(super) trait Wire {
     fn latency(&self, a: NodeId, b: NodeId) -> f64;
-    fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64) -> f64;
+    fn send_secs(&self, a: NodeId, b: NodeId, bytes: f64, streams: f64) -> f64;
 }
 
 #[derive(Default)]
@@ -72,17 +91,15 @@ pub(super) struct Rings {
 const MAX_RINGS: usize = 4096;
 
 impl Rings {
-    /// `node` starts its part `task` of ring `key` (`members` in ring
-    /// order, steps of `step` s, chunks of `chunk` bytes) at `now`, for
-    /// `dur` s: when it ends, or `None` when the ring aborted already
-    /// (the task fails at once).
+    /// `node` starts its part `task` of all-reduce `key` (`members` in the
+    /// commit's order, of `shape`) at `now`, for `dur` s: when it ends, or
+    /// `None` when the all-reduce aborted already (the task fails at once).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         &mut self,
         key: RingKey,
         members: &[NodeId],
-        step: f64,
-        chunk: f64,
+        shape: Shape,
         node: NodeId,
         task: TaskId,
         now: Time,
@@ -93,8 +110,7 @@ impl Rings {
         }
         let ring = self.map.entry(key).or_insert_with(|| Ring {
             members: members.to_vec(),
-            step,
-            chunk,
+            shape,
             runs: BTreeMap::new(),
             bypassed: None,
             aborted: false,
@@ -154,6 +170,20 @@ impl Rings {
             if ring.aborted || ring.bypassed == Some(v) {
                 continue;
             }
+            let (step, chunk) = match ring.shape {
+                Shape::Ring { step, chunk } => (step, chunk),
+                Shape::Butterfly { part } => {
+                    let lacking = butterfly_lacking(ring, v, part, now, alive, wire);
+                    if lacking.is_empty() {
+                        ring.bypassed.get_or_insert(v);
+                    } else {
+                        self.aborted += 1;
+                        ring.aborted = true;
+                        abort_running(ring, v, &lacking, now, alive, wire, &mut changes);
+                    }
+                    continue;
+                }
+            };
             let n = ring.members.len();
             let (p, q) = (ring.members[(i + n - 1) % n], ring.members[(i + 1) % n]);
             // A member (the lost one too) that has not started cannot have
@@ -179,16 +209,17 @@ impl Rings {
             };
             let successor_since = since(q).zip(since(p)).map(|(a, b)| a.min(b));
             let notice = wire.latency(v, q).max(wire.latency(v, p));
-            let loss = RingLoss {
-                n,
-                step: ring.step,
-                successor_since,
-                bypassed_before: ring.bypassed.is_some(),
-                notice,
-                resume: wire.latency(q, p).max(wire.latency(p, q)),
-                bypass_step: (wire.send_secs(p, q, ring.chunk))
-                    .max(wire.send_secs(q, p, ring.chunk)),
-            };
+            let loss =
+                RingLoss {
+                    n,
+                    step,
+                    successor_since,
+                    bypassed_before: ring.bypassed.is_some(),
+                    notice,
+                    resume: wire.latency(q, p).max(wire.latency(p, q)),
+                    bypass_step: (wire.send_secs(p, q, chunk, STREAMS_PER_MEMBER))
+                        .max(wire.send_secs(q, p, chunk, STREAMS_PER_MEMBER)),
+                };
             let effect = if running.is_empty() && all_started {
                 LossEffect::Nothing
             } else {
@@ -238,6 +269,72 @@ impl Rings {
     }
 }
 
+/// The survivors still running butterfly `ring` that lack something of
+/// `v`, lost at `now`: its slice of their part (sent when `v` started, all
+/// `n - 1` at once) or its reduced part (sent once `v` held every slice of
+/// its own: the slowest of the other members' transfers from their
+/// starts; never, while a member has not started).
+fn butterfly_lacking(
+    ring: &Ring,
+    v: NodeId,
+    part: f64,
+    now: Time,
+    alive: &dyn Fn(NodeId) -> bool,
+    wire: &dyn Wire,
+) -> Vec<NodeId> {
+    let streams = ring.members.len().saturating_sub(1) as f64;
+    let started = |m: NodeId| ring.runs.get(&m).map(|r| to_secs(r.start));
+    let sent_v = started(v);
+    let reduced_v = (ring.members.iter().filter(|&&a| a != v))
+        .map(|&a| started(a).map(|s| s + wire.send_secs(a, v, part, streams)))
+        .try_fold(sent_v.unwrap_or(f64::INFINITY), |acc, t| {
+            t.map(|t| acc.max(t))
+        })
+        .unwrap_or(f64::INFINITY);
+    let t = to_secs(now);
+    (ring.runs.iter())
+        .filter(|(&m, r)| m != v && alive(m) && r.end > now)
+        .filter(|(&m, _)| {
+            let send = wire.send_secs(v, m, part, streams);
+            let slice = sent_v.map_or(f64::INFINITY, |s| s + send);
+            slice > t || reduced_v + send > t
+        })
+        .map(|(&m, _)| m)
+        .collect()
+}
+
+/// Fails the aggregate tasks of `ring`'s running survivors after `v`'s
+/// loss: those in `lacking` when they notice it, the others one link
+/// after the first of them can tell them.
+fn abort_running(
+    ring: &mut Ring,
+    v: NodeId,
+    lacking: &[NodeId],
+    now: Time,
+    alive: &dyn Fn(NodeId) -> bool,
+    wire: &dyn Wire,
+    changes: &mut Vec<Change>,
+) {
+    for (&m, r) in ring.runs.iter_mut() {
+        if m == v || !alive(m) || r.end <= now {
+            continue;
+        }
+        let heard = if lacking.contains(&m) {
+            wire.latency(v, m)
+        } else {
+            (lacking.iter())
+                .map(|&l| wire.latency(v, l) + wire.latency(l, m))
+                .fold(f64::INFINITY, f64::min)
+        };
+        r.end = Time::MAX;
+        changes.push(Change::FailsAt {
+            node: m,
+            task: r.task,
+            at: now + secs(heard).max(1),
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,20 +346,24 @@ mod tests {
         fn latency(&self, _: NodeId, _: NodeId) -> f64 {
             0.01
         }
-        fn send_secs(&self, _: NodeId, _: NodeId, _: f64) -> f64 {
+        fn send_secs(&self, _: NodeId, _: NodeId, _: f64, _: f64) -> f64 {
             1.0
         }
     }
 
     const RING: [NodeId; 4] = [10, 11, 12, 13];
     const KEY: RingKey = (1, 0, 7);
+    const RING_SHAPE: Shape = Shape::Ring {
+        step: 1.0,
+        chunk: 4.0,
+    };
 
     /// The ring 10 -> 11 -> 12 -> 13 (1 s steps, 6 s), each member of
     /// `starts` started at its time (s), its task numbered as the member.
     fn started(starts: &[(NodeId, Time)]) -> Rings {
         let mut rings = Rings::default();
         for &(m, at) in starts {
-            let end = rings.start(KEY, &RING, 1.0, 4.0, m, m as TaskId, at * SEC, 6.0);
+            let end = rings.start(KEY, &RING, RING_SHAPE, m, m as TaskId, at * SEC, 6.0);
             assert_eq!(end, Some((at + 6) * SEC));
         }
         rings
@@ -292,7 +393,7 @@ mod tests {
         assert_eq!((rings.bypassed, rings.aborted), (0, 1));
         // A member that starts late fails at once; a second loss changes
         // nothing more.
-        assert_eq!(rings.start(KEY, &[], 1.0, 4.0, 12, 9, 3 * SEC, 6.0), None);
+        assert_eq!(rings.start(KEY, &[], RING_SHAPE, 12, 9, 3 * SEC, 6.0), None);
         assert!(rings
             .lose(13, 3 * SEC, &|m| m != 11 && m != 13, &Flat)
             .is_empty());
@@ -343,5 +444,101 @@ mod tests {
         let mut rings = started(&[(10, 0), (12, 0), (13, 0)]);
         assert_eq!(rings.lose(11, 5 * SEC, &|m| m != 11, &Flat).len(), 3);
         assert_eq!(rings.aborted, 1);
+    }
+
+    /// As [`Flat`], but what 11 sends 13 takes 3 s.
+    struct SlowTo13;
+    impl Wire for SlowTo13 {
+        fn latency(&self, _: NodeId, _: NodeId) -> f64 {
+            0.01
+        }
+        fn send_secs(&self, a: NodeId, b: NodeId, _: f64, _: f64) -> f64 {
+            if (a, b) == (11, 13) {
+                3.0
+            } else {
+                1.0
+            }
+        }
+    }
+
+    /// The butterfly of 10..=13, each member started at its time (s), for
+    /// 4 s, its task numbered as the member.
+    fn butterfly(starts: &[(NodeId, Time)]) -> Rings {
+        let mut rings = Rings::default();
+        for &(m, at) in starts {
+            let shape = Shape::Butterfly { part: 4.0 };
+            let end = rings.start(KEY, &RING, shape, m, m as TaskId, at * SEC, 4.0);
+            assert_eq!(end, Some((at + 4) * SEC));
+        }
+        rings
+    }
+
+    fn failures(ch: &[Change]) -> BTreeMap<NodeId, Time> {
+        (ch.iter())
+            .map(|c| match c {
+                Change::FailsAt { node, at, .. } => (*node, *at),
+                c => panic!("{c:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_butterfly_member_lost_before_everyone_holds_its_parts_aborts_it() {
+        // Slices sent at 0 arrive at 1 s; 11 holds every slice of its part
+        // at 1 s, its reduced part arrives at 2 s. Lost at 0.5 s or 1.5 s:
+        // every survivor lacks something and hears of it when its
+        // connection with 11 breaks.
+        for at in [SEC / 2, 3 * SEC / 2] {
+            let mut rings = butterfly(&RING.map(|m| (m, 0)));
+            let ch = rings.lose(11, at, &|m| m != 11, &Flat);
+            let want: BTreeMap<NodeId, Time> = [10, 12, 13].map(|m| (m, at + secs(0.01))).into();
+            assert_eq!(failures(&ch), want);
+            assert_eq!((rings.bypassed, rings.aborted), (0, 1));
+            assert_eq!(
+                rings.start(KEY, &RING, Shape::Butterfly { part: 4.0 }, 12, 9, at, 4.0),
+                None
+            );
+        }
+        // Lost at 2.5 s: every survivor holds all it needed of 11.
+        let mut rings = butterfly(&RING.map(|m| (m, 0)));
+        assert!(rings.lose(11, 5 * SEC / 2, &|m| m != 11, &Flat).is_empty());
+        assert_eq!((rings.bypassed, rings.aborted), (0, 0));
+        // 13 started at 1 s: its slice reaches 11 at 2 s, 11's reduced part
+        // the others at 3 s; lost at 2.5 s, it aborts.
+        let mut rings = butterfly(&[(10, 0), (11, 0), (12, 0), (13, 1)]);
+        assert_eq!(
+            failures(&rings.lose(11, 5 * SEC / 2, &|m| m != 11, &Flat)).len(),
+            3
+        );
+        // A member that has not started: nobody can hold 11's reduced part.
+        let mut rings = butterfly(&[(10, 0), (11, 0), (12, 0)]);
+        assert_eq!(
+            failures(&rings.lose(11, 3 * SEC, &|m| m != 11, &Flat)).len(),
+            2
+        );
+    }
+
+    #[test]
+    fn a_butterfly_member_whose_reduced_part_reached_some_aborts_the_others_by_them() {
+        // 11's reduced part reaches 10 and 12 at 2 s and 13 at 4 s. Lost at
+        // 2.5 s: 13 lacks it and hears at once (2.51 s); 10 and 12 hold
+        // everything and hear of the abort from 13 (2.52 s).
+        let mut rings = butterfly(&RING.map(|m| (m, 0)));
+        let ch = rings.lose(11, 5 * SEC / 2, &|m| m != 11, &SlowTo13);
+        let t = |s: f64| 5 * SEC / 2 + secs(s);
+        let want: BTreeMap<NodeId, Time> = [(10, t(0.02)), (12, t(0.02)), (13, t(0.01))].into();
+        assert_eq!(failures(&ch), want);
+        // A member that ended already keeps its result.
+        let mut rings = butterfly(&[(10, 0), (11, 0), (12, 0), (13, 0)]);
+        rings
+            .map
+            .get_mut(&KEY)
+            .unwrap()
+            .runs
+            .get_mut(&10)
+            .unwrap()
+            .end = 2 * SEC;
+        let ch = rings.lose(11, 5 * SEC / 2, &|m| m != 11, &SlowTo13);
+        assert_eq!(failures(&ch).keys().copied().collect::<Vec<_>>(), [12, 13]);
     }
 }

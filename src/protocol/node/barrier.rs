@@ -142,12 +142,13 @@ impl Node {
         }
         if (0..=self.s()).all(|s| b.stage_done.contains(&s)) {
             let ended = b.ended.clone().unwrap();
+            let next = b.iter + 1;
+            let holders = self.live_members();
             self.event(Event::IterFinalized {
                 iter: b.iter,
                 holders: ended,
+                next: holders.clone(),
             });
-            let next = b.iter + 1;
-            let holders = self.live_members();
             self.barrier = Some(Barrier {
                 iter: next,
                 participants: holders.clone(),

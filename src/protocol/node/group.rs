@@ -31,6 +31,14 @@ pub struct AggregatePlan {
     pub granted: Vec<MbId>,
 }
 
+/// Stage groups of at most this many members all-reduce by the butterfly
+/// (`crate::swarm::butterfly`: every member reduces one part of the
+/// gradients, two message rounds over all of a member's links at once);
+/// larger ones around the ring both ways (`crate::swarm::allreduce`), which
+/// needs two connections per member where a butterfly needs one to every
+/// other member, and pays `2 (n-1)` message latencies in sequence.
+pub const BUTTERFLY_MAX_MEMBERS: usize = 64;
+
 /// Syncs kept for a coordinator role not yet taken over, at most.
 pub(super) const MAX_EARLY_SYNCS: usize = 1024;
 

@@ -21,7 +21,7 @@ mod costs;
 mod deputy;
 mod flow;
 mod group;
-pub use group::AggregatePlan;
+pub use group::{AggregatePlan, BUTTERFLY_MAX_MEMBERS};
 mod holder;
 mod iterations;
 mod join;
