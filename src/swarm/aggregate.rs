@@ -40,8 +40,9 @@ const LOST_MAX: usize = 1024;
 const EARLY_BYTES_MAX: usize = 64 << 20;
 
 /// One all-reduce state machine of an operation (a ring direction, or the
-/// butterfly), as the operation drives it.
-trait Machine: Send {
+/// butterfly), as the operation drives it (and the tests' network,
+/// `allreduce_testnet`).
+pub(super) trait Machine: Send {
     fn op(&self) -> u64;
     fn on_message(&mut self, from: MemberId, msg: Message);
     fn on_peer_lost(&mut self, member: MemberId);

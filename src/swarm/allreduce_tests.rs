@@ -2,189 +2,35 @@
 //! links interleaved at random, members lost at random moments.
 use super::*;
 use crate::protocol::rng::Rng;
-use std::collections::{BTreeSet, VecDeque};
+use crate::swarm::allreduce_testnet::{
+    self, assert_same_bits_in_every_order, four_members, inputs, reference, run_again_without,
+    Input, TestMachine,
+};
+use std::collections::BTreeSet;
 
-/// Members and the links between them.
-struct Net {
-    nodes: BTreeMap<MemberId, RingAllReduce>,
-    /// (from, to) -> messages in flight, in order.
-    links: BTreeMap<(MemberId, MemberId), VecDeque<Message>>,
-    dead: BTreeSet<MemberId>,
-    /// Losses not yet reported: (the survivor to tell, the lost member),
-    /// each reported at a random moment of the delivery.
-    news: Vec<(MemberId, MemberId)>,
-    /// (survivor, lost member) for each loss reported while the survivor
-    /// was still running.
-    heard: BTreeSet<(MemberId, MemberId)>,
-}
+/// The shared in-memory network, of rings.
+type Net = allreduce_testnet::Net<RingAllReduce>;
 
-impl Net {
-    fn new(op: u64, inputs: &[(MemberId, Vec<f32>, u64)]) -> Net {
-        let ids: Vec<MemberId> = inputs.iter().map(|x| x.0).collect();
-        let mut net = Net {
-            nodes: BTreeMap::new(),
-            links: BTreeMap::new(),
-            dead: BTreeSet::new(),
-            news: Vec::new(),
-            heard: BTreeSet::new(),
-        };
-        for (id, sum, mbs) in inputs {
-            let r = RingAllReduce::new(op, *id, &ids, sum, *mbs).unwrap();
-            net.nodes.insert(*id, r);
-        }
-        net.collect();
-        net
+impl TestMachine for RingAllReduce {
+    fn start(op: u64, me: MemberId, members: &[MemberId], sum: &[f32], mbs: u64) -> Self {
+        RingAllReduce::new(op, me, members, sum, mbs).unwrap()
     }
 
-    fn collect(&mut self) {
-        for (&id, node) in self.nodes.iter_mut() {
-            for (to, msg) in node.take_outbox() {
-                self.links.entry((id, to)).or_default().push_back(msg);
-            }
-        }
-    }
-
-    /// Delivers one message of a random non-empty link, or reports one
-    /// pending loss; false when nothing is left.
-    fn step(&mut self, rng: &mut Rng) -> bool {
-        self.step_where(rng, |_, _| true)
-    }
-
-    /// As [`Net::step`], choosing only among the links `(from, to)` that
-    /// `ok` accepts (and the pending losses).
-    fn step_where(&mut self, rng: &mut Rng, ok: impl Fn(MemberId, MemberId) -> bool) -> bool {
-        let busy: Vec<(MemberId, MemberId)> = self
-            .links
-            .iter()
-            .filter(|((from, to), q)| !q.is_empty() && ok(*from, *to))
-            .map(|(k, _)| *k)
-            .collect();
-        let k = busy.len() + self.news.len();
-        if k == 0 {
-            return false;
-        }
-        let pick = rng.below(k as u64) as usize;
-        if pick >= busy.len() {
-            let (who, lost) = self.news.swap_remove(pick - busy.len());
-            self.tell(who, lost);
-            return true;
-        }
-        let (from, to) = busy[pick];
-        let msg = self
-            .links
-            .get_mut(&(from, to))
-            .unwrap()
-            .pop_front()
-            .unwrap();
-        if !self.dead.contains(&to) {
-            self.nodes.get_mut(&to).unwrap().on_message(from, msg);
-            self.collect();
-        }
+    /// A ring member needs every other until its end: any loss it hears
+    /// of while running counts.
+    fn needs(&self, _: MemberId) -> bool {
         true
     }
-
-    /// Delivers at random until `stop` holds (checked before each
-    /// delivery); false if the exchange ended first.
-    fn run_until(&mut self, rng: &mut Rng, stop: impl Fn(&Net) -> bool) -> bool {
-        loop {
-            if stop(self) {
-                return true;
-            }
-            if !self.step(rng) {
-                return false;
-            }
-        }
-    }
-
-    fn survivors(&self) -> Vec<MemberId> {
-        self.nodes
-            .keys()
-            .copied()
-            .filter(|m| !self.dead.contains(m))
-            .collect()
-    }
-
-    /// `id` crashes, and nobody is told yet: what it sent may still arrive
-    /// (it is in the kernel's buffers), what is sent to it is lost.
-    fn kill_silently(&mut self, id: MemberId) {
-        self.dead.insert(id);
-        self.links.retain(|(_, to), _| *to != id);
-    }
-
-    /// The runtime reports to `who` that `lost` is gone.
-    fn tell(&mut self, who: MemberId, lost: MemberId) {
-        if self.outcome(who) == &Outcome::Running {
-            self.heard.insert((who, lost));
-        }
-        self.nodes.get_mut(&who).unwrap().on_peer_lost(lost);
-        self.collect();
-    }
-
-    /// `id` crashes and every survivor is told at once.
-    fn kill(&mut self, id: MemberId) {
-        self.kill_silently(id);
-        for m in self.survivors() {
-            self.tell(m, id);
-        }
-    }
-
-    /// `id` crashes; each survivor is told at its own random later moment.
-    fn kill_later(&mut self, id: MemberId) {
-        self.kill_silently(id);
-        for m in self.survivors() {
-            self.news.push((m, id));
-        }
-    }
-
-    fn run(&mut self, rng: &mut Rng) {
-        let mut budget = 1_000_000;
-        while self.step(rng) {
-            budget -= 1;
-            assert!(budget > 0, "the exchange does not end");
-        }
-    }
-
-    fn outcome(&self, id: MemberId) -> &Outcome {
-        self.nodes[&id].outcome()
-    }
-
-    fn is_done(&self, id: MemberId) -> bool {
-        matches!(self.outcome(id), Outcome::Done { .. })
-    }
 }
 
-/// A member's id, contribution (sum) and microbatches.
-type Input = (MemberId, Vec<f32>, u64);
-
-fn inputs(rng: &mut Rng, n: usize, len: usize) -> Vec<(MemberId, Vec<f32>, u64)> {
-    (0..n)
-        .map(|k| {
-            let id = 1000 + rng.below(1 << 40) * 16 + k as u64;
-            let sum = (0..len)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) as f32)
-                .collect();
-            (id, sum, 1 + rng.below(4))
-        })
-        .collect()
-}
-
-/// The weighted mean in f64.
-fn reference(inputs: &[(MemberId, Vec<f32>, u64)]) -> Vec<f64> {
-    let total: u64 = inputs.iter().map(|x| x.2).sum();
-    let len = inputs[0].1.len();
-    (0..len)
-        .map(|i| inputs.iter().map(|x| x.1[i] as f64).sum::<f64>() / total as f64)
-        .collect()
-}
-
-fn assert_done_and_identical(net: &Net, ins: &[(MemberId, Vec<f32>, u64)]) {
+fn assert_done_and_identical(net: &Net, ins: &[Input]) {
     let all: Vec<MemberId> = ins.iter().map(|x| x.0).collect();
     assert_done_with_everyone(net, &all, ins);
 }
 
 /// Every one of `members` is done with bit-identical means: the weighted
 /// mean over all of `ins` (lost members included) and their microbatches.
-fn assert_done_with_everyone(net: &Net, members: &[MemberId], ins: &[(MemberId, Vec<f32>, u64)]) {
+fn assert_done_with_everyone(net: &Net, members: &[MemberId], ins: &[Input]) {
     let want = reference(ins);
     let total: u64 = ins.iter().map(|x| x.2).sum();
     let first = net.outcome(members[0]).clone();
@@ -235,19 +81,7 @@ fn every_member_gets_the_same_weighted_mean() {
 fn the_result_does_not_depend_on_delivery_order() {
     let mut rng = Rng::new(11);
     let ins = inputs(&mut rng, 5, 333);
-    let mut bits: Option<Vec<u32>> = None;
-    for seed in 0..20 {
-        let mut net = Net::new(9, &ins);
-        net.run(&mut Rng::new(seed));
-        let Outcome::Done { mean, .. } = net.outcome(ins[2].0) else {
-            panic!()
-        };
-        let b: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
-        match &bits {
-            None => bits = Some(b),
-            Some(prev) => assert_eq!(prev, &b, "delivery order {seed} changed the result"),
-        }
-    }
+    assert_same_bits_in_every_order::<RingAllReduce>(&ins, &[ins[2].0]);
 }
 
 #[test]
@@ -307,12 +141,7 @@ fn a_member_lost_after_its_successor_got_all_gather_step_0_is_bypassed_and_befor
             let had_step_0 = net.nodes[&successor].next_recv >= n as u32;
             let done_before: BTreeSet<MemberId> =
                 ids.iter().copied().filter(|m| net.is_done(*m)).collect();
-            let late = rng.below(2) == 0;
-            if late {
-                net.kill_later(victim);
-            } else {
-                net.kill(victim);
-            }
+            let late = net.kill_now_or_later(&mut rng, victim);
             net.run(&mut rng);
             let ctx = format!("n {n} seed {seed} late {late}");
             let survivors = net.survivors();
@@ -328,7 +157,7 @@ fn a_member_lost_after_its_successor_got_all_gather_step_0_is_bypassed_and_befor
                 // Two members: nothing to bypass. The survivor is done only
                 // if it finished before it heard of the loss.
                 assert!(net.nodes.values().all(|r| r.bypassed.is_none()), "{ctx}");
-                let heard = net.heard.contains(&(survivors[0], victim));
+                let heard = net.lacked.contains(&(survivors[0], victim));
                 assert_eq!(done == 1, !heard, "{ctx}");
                 if !late {
                     assert_eq!(done == 1, done_before.contains(&survivors[0]), "{ctx}");
@@ -371,14 +200,6 @@ fn a_member_lost_after_its_successor_got_all_gather_step_0_is_bypassed_and_befor
             assert!(tally.bypassed > 0, "n {n}: {tally:?}");
         }
     }
-}
-
-/// Four members; the victim `d` is the second, so its predecessor `p` is
-/// the first, its successor `q` the third, and `r` the fourth.
-fn four_members() -> (Vec<Input>, [MemberId; 4]) {
-    let ins = inputs(&mut Rng::new(21), 4, 101);
-    let ids = [ins[0].0, ins[1].0, ins[2].0, ins[3].0];
-    (ins, ids)
 }
 
 #[test]
@@ -548,12 +369,7 @@ fn a_second_loss_aborts_every_survivor_still_running() {
                 net.step(&mut rng);
             }
             let a = ids[rng.below(n as u64) as usize];
-            let late = rng.below(2) == 0;
-            if late {
-                net.kill_later(a);
-            } else {
-                net.kill(a);
-            }
+            let late = net.kill_now_or_later(&mut rng, a);
             for _ in 0..rng.below(total / 2 + 1) {
                 net.step(&mut rng);
             }
@@ -564,7 +380,7 @@ fn a_second_loss_aborts_every_survivor_still_running() {
             let ctx = format!("n {n} seed {seed} late {late}");
             let survivors = net.survivors();
             for m in &survivors {
-                let both = net.heard.contains(&(*m, a)) && net.heard.contains(&(*m, b));
+                let both = net.lacked.contains(&(*m, a)) && net.lacked.contains(&(*m, b));
                 match net.outcome(*m) {
                     Outcome::Done { .. } => assert!(!both, "{ctx}: {m:x} heard of both"),
                     Outcome::Lost { member } => assert!([a, b].contains(member), "{ctx}"),
@@ -590,13 +406,8 @@ fn a_second_loss_aborts_every_survivor_still_running() {
 fn the_survivors_run_it_again_without_the_lost_member() {
     let mut rng = Rng::new(99);
     let ins = inputs(&mut rng, 4, 257);
-    let mut net = Net::new(1, &ins);
-    net.step(&mut rng);
-    net.kill(ins[1].0);
-    net.run(&mut rng);
-    let survivors: Vec<_> = ins.iter().filter(|x| x.0 != ins[1].0).cloned().collect();
+    let (survivors, mut again) = run_again_without::<RingAllReduce>(&mut rng, &ins, ins[1].0);
     // Late chunks of the aborted operation are ignored by the new one.
-    let mut again = Net::new(2, &survivors);
     for (id, ..) in &survivors {
         let stale = Message::Chunk {
             op: 1,

@@ -3,187 +3,27 @@
 use super::*;
 use crate::protocol::rng::Rng;
 use crate::swarm::allreduce::RingAllReduce;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use crate::swarm::allreduce_testnet::{
+    self, assert_same_bits_in_every_order, four_members, ids_of, inputs, reference,
+    run_again_without, Input, TestMachine,
+};
+use std::collections::BTreeSet;
 
-/// Members and the links between them.
-struct Net {
-    nodes: BTreeMap<MemberId, ButterflyAllReduce>,
-    /// (from, to) -> messages in flight, in order.
-    links: BTreeMap<(MemberId, MemberId), VecDeque<Message>>,
-    dead: BTreeSet<MemberId>,
-    /// Losses not yet reported: (the survivor to tell, the lost member),
-    /// each reported at a random moment of the delivery.
-    news: Vec<(MemberId, MemberId)>,
-    /// (survivor, lost member) for each loss reported while the survivor
-    /// was running and still needed something from the lost member.
-    lacked: BTreeSet<(MemberId, MemberId)>,
-    /// Everything each member sent, in order: (to, message).
-    sent: BTreeMap<MemberId, Vec<(MemberId, Message)>>,
+/// The shared in-memory network, of butterflies.
+type Net = allreduce_testnet::Net<ButterflyAllReduce>;
+
+impl TestMachine for ButterflyAllReduce {
+    fn start(op: u64, me: MemberId, members: &[MemberId], sum: &[f32], mbs: u64) -> Self {
+        ButterflyAllReduce::new(op, me, members, sum, mbs).unwrap()
+    }
+
+    /// Its slice of the node's part, or its reduced part.
+    fn needs(&self, m: MemberId) -> bool {
+        self.lacks(self.index(m).unwrap())
+    }
 }
 
 impl Net {
-    fn new(op: u64, inputs: &[Input]) -> Net {
-        let ids: Vec<MemberId> = inputs.iter().map(|x| x.0).collect();
-        let mut net = Net {
-            nodes: BTreeMap::new(),
-            links: BTreeMap::new(),
-            dead: BTreeSet::new(),
-            news: Vec::new(),
-            lacked: BTreeSet::new(),
-            sent: BTreeMap::new(),
-        };
-        for (id, sum, mbs) in inputs {
-            let b = ButterflyAllReduce::new(op, *id, &ids, sum, *mbs).unwrap();
-            net.nodes.insert(*id, b);
-        }
-        net.collect();
-        net
-    }
-
-    /// Moves every live member's outbox onto its links (a dead member sends
-    /// nothing).
-    fn collect(&mut self) {
-        for (&id, node) in self.nodes.iter_mut() {
-            if self.dead.contains(&id) {
-                continue;
-            }
-            for (to, msg) in node.take_outbox() {
-                self.sent.entry(id).or_default().push((to, msg.clone()));
-                if !self.dead.contains(&to) {
-                    self.links.entry((id, to)).or_default().push_back(msg);
-                }
-            }
-        }
-    }
-
-    /// Delivers one message of a random non-empty link, or reports one
-    /// pending loss; false when nothing is left.
-    fn step(&mut self, rng: &mut Rng) -> bool {
-        self.step_where(rng, |_, _| true)
-    }
-
-    /// As [`Net::step`], choosing only among the links `(from, to)` that
-    /// `ok` accepts (and the pending losses).
-    fn step_where(&mut self, rng: &mut Rng, ok: impl Fn(MemberId, MemberId) -> bool) -> bool {
-        let busy: Vec<(MemberId, MemberId)> = self
-            .links
-            .iter()
-            .filter(|((from, to), q)| !q.is_empty() && ok(*from, *to))
-            .map(|(k, _)| *k)
-            .collect();
-        let k = busy.len() + self.news.len();
-        if k == 0 {
-            return false;
-        }
-        let pick = rng.below(k as u64) as usize;
-        if pick >= busy.len() {
-            let (who, lost) = self.news.swap_remove(pick - busy.len());
-            self.tell(who, lost);
-            return true;
-        }
-        let (from, to) = busy[pick];
-        let msg = self
-            .links
-            .get_mut(&(from, to))
-            .unwrap()
-            .pop_front()
-            .unwrap();
-        self.deliver(from, to, msg);
-        true
-    }
-
-    fn deliver(&mut self, from: MemberId, to: MemberId, msg: Message) {
-        if !self.dead.contains(&to) {
-            self.nodes.get_mut(&to).unwrap().on_message(from, msg);
-            self.collect();
-        }
-    }
-
-    /// One round: delivers every message in flight now (what they cause
-    /// waits for the next round).
-    fn round(&mut self) {
-        let now = std::mem::take(&mut self.links);
-        for ((from, to), q) in now {
-            for msg in q {
-                self.deliver(from, to, msg);
-            }
-        }
-    }
-
-    /// Delivers at random until `stop` holds (checked before each
-    /// delivery); false if the exchange ended first.
-    fn run_until(&mut self, rng: &mut Rng, stop: impl Fn(&Net) -> bool) -> bool {
-        loop {
-            if stop(self) {
-                return true;
-            }
-            if !self.step(rng) {
-                return false;
-            }
-        }
-    }
-
-    fn run(&mut self, rng: &mut Rng) {
-        let mut budget = 1_000_000;
-        while self.step(rng) {
-            budget -= 1;
-            assert!(budget > 0, "the exchange does not end");
-        }
-    }
-
-    fn survivors(&self) -> Vec<MemberId> {
-        self.nodes
-            .keys()
-            .copied()
-            .filter(|m| !self.dead.contains(m))
-            .collect()
-    }
-
-    /// `id` crashes, and nobody is told yet: what it sent may still arrive
-    /// (it is in the kernel's buffers), what is sent to it is lost.
-    fn kill_silently(&mut self, id: MemberId) {
-        self.dead.insert(id);
-        self.links.retain(|(_, to), _| *to != id);
-        self.news.retain(|(who, _)| *who != id);
-    }
-
-    /// The runtime reports to `who` that `lost` is gone.
-    fn tell(&mut self, who: MemberId, lost: MemberId) {
-        if self.dead.contains(&who) {
-            return;
-        }
-        let node = &self.nodes[&who];
-        if node.outcome() == &Outcome::Running && needs(node, lost) {
-            self.lacked.insert((who, lost));
-        }
-        self.nodes.get_mut(&who).unwrap().on_peer_lost(lost);
-        self.collect();
-    }
-
-    /// `id` crashes and every survivor is told at once.
-    fn kill(&mut self, id: MemberId) {
-        self.kill_silently(id);
-        for m in self.survivors() {
-            self.tell(m, id);
-        }
-    }
-
-    /// `id` crashes; each survivor is told at its own random later moment.
-    fn kill_later(&mut self, id: MemberId) {
-        self.kill_silently(id);
-        for m in self.survivors() {
-            self.news.push((m, id));
-        }
-    }
-
-    fn outcome(&self, id: MemberId) -> &Outcome {
-        self.nodes[&id].outcome()
-    }
-
-    fn is_done(&self, id: MemberId) -> bool {
-        matches!(self.outcome(id), Outcome::Done { .. })
-    }
-
     /// `m` sent all its 2 (n-1) chunks and every one arrived.
     fn all_delivered_from(&self, m: MemberId) -> bool {
         let n = self.nodes.len();
@@ -196,43 +36,9 @@ impl Net {
     }
 }
 
-/// Whether `node` still needs something from `m`: its slice of the node's
-/// part, or its reduced part.
-fn needs(node: &ButterflyAllReduce, m: MemberId) -> bool {
-    node.lacks(node.index(m).unwrap())
-}
-
 /// Whether `node` holds `m`'s slice of the node's own part.
 fn has_slice_of(node: &ButterflyAllReduce, m: MemberId) -> bool {
     node.got[node.index(m).unwrap()]
-}
-
-/// A member's id, contribution (sum) and microbatches.
-type Input = (MemberId, Vec<f32>, u64);
-
-fn inputs(rng: &mut Rng, n: usize, len: usize) -> Vec<Input> {
-    (0..n)
-        .map(|k| {
-            let id = 1000 + rng.below(1 << 40) * 16 + k as u64;
-            let sum = (0..len)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) as f32)
-                .collect();
-            (id, sum, 1 + rng.below(4))
-        })
-        .collect()
-}
-
-fn ids_of(ins: &[Input]) -> Vec<MemberId> {
-    ins.iter().map(|x| x.0).collect()
-}
-
-/// The weighted mean in f64.
-fn reference(ins: &[Input]) -> Vec<f64> {
-    let total: u64 = ins.iter().map(|x| x.2).sum();
-    let len = ins[0].1.len();
-    (0..len)
-        .map(|i| ins.iter().map(|x| x.1[i] as f64).sum::<f64>() / total as f64)
-        .collect()
 }
 
 /// The bits the butterfly must give: each element summed in member order
@@ -326,21 +132,7 @@ fn the_result_does_not_depend_on_delivery_order() {
     let mut rng = Rng::new(11);
     for n in [2, 5, 8] {
         let ins = inputs(&mut rng, n, 333);
-        let mut bits: Option<Vec<u32>> = None;
-        for seed in 0..20 {
-            let mut net = Net::new(9, &ins);
-            net.run(&mut Rng::new(seed));
-            for id in ids_of(&ins) {
-                let Outcome::Done { mean, .. } = net.outcome(id) else {
-                    panic!()
-                };
-                let b: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
-                match &bits {
-                    None => bits = Some(b),
-                    Some(prev) => assert_eq!(prev, &b, "order {seed} changed the result"),
-                }
-            }
-        }
+        assert_same_bits_in_every_order::<ButterflyAllReduce>(&ins, &ids_of(&ins));
     }
 }
 
@@ -456,12 +248,7 @@ fn one_member_lost_at_a_random_moment() {
             }
             let victim = ids[rng.below(n as u64) as usize];
             let delivered = net.all_delivered_from(victim);
-            let late = rng.below(2) == 0;
-            if late {
-                net.kill_later(victim);
-            } else {
-                net.kill(victim);
-            }
+            let late = net.kill_now_or_later(&mut rng, victim);
             net.run(&mut rng);
             let ctx = format!("n {n} seed {seed} late {late}");
             let done = check_survivors(&net, &ins, &[victim], &ctx);
@@ -484,13 +271,6 @@ fn one_member_lost_at_a_random_moment() {
         mixed > 0,
         "a loss in the all-gather round splits the survivors"
     );
-}
-
-/// Four members; the victim `d` is the second.
-fn four_members() -> (Vec<Input>, [MemberId; 4]) {
-    let ins = inputs(&mut Rng::new(21), 4, 101);
-    let ids = [ins[0].0, ins[1].0, ins[2].0, ins[3].0];
-    (ins, ids)
 }
 
 #[test]
@@ -593,7 +373,7 @@ fn a_loss_after_its_reduced_part_reached_some_splits_the_survivors() {
                 if held.contains(m) {
                     assert_eq!(net.outcome(*m), &Outcome::Lost { member: d }, "{ctx}");
                     let node = &net.nodes[m];
-                    assert!(has_slice_of(node, d) && needs(node, d), "{ctx}");
+                    assert!(has_slice_of(node, d) && node.needs(d), "{ctx}");
                 }
             }
             let done: Vec<MemberId> = others
@@ -628,11 +408,7 @@ fn two_or_more_losses_still_end_every_survivor() {
                 let rest = net.survivors();
                 let v = rest[rng.below(rest.len() as u64) as usize];
                 victims.push(v);
-                if rng.below(2) == 0 {
-                    net.kill_later(v);
-                } else {
-                    net.kill(v);
-                }
+                net.kill_now_or_later(&mut rng, v);
             }
             net.run(&mut rng);
             let ctx = format!("n {n} seed {seed} victims {victims:x?}");
@@ -832,12 +608,7 @@ fn messages_of_another_op_or_from_non_members_are_ignored() {
     // the survivors' next run change nothing.
     let mut rng = Rng::new(99);
     let ins = inputs(&mut rng, 4, 257);
-    let mut net = Net::new(1, &ins);
-    net.step(&mut rng);
-    net.kill(ins[1].0);
-    net.run(&mut rng);
-    let survivors: Vec<Input> = ins.iter().filter(|x| x.0 != ins[1].0).cloned().collect();
-    let mut again = Net::new(2, &survivors);
+    let (survivors, mut again) = run_again_without::<ButterflyAllReduce>(&mut rng, &ins, ins[1].0);
     for (id, ..) in &survivors {
         let node = again.nodes.get_mut(id).unwrap();
         node.on_message(ins[1].0, Message::Abort { op: 2, lost: *id });

@@ -9,6 +9,8 @@
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
+#[cfg(test)]
+mod allreduce_testnet;
 pub mod bulk;
 pub mod butterfly;
 pub mod directory;
