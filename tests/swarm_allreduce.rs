@@ -1,14 +1,17 @@
-//! The stage all-reduce between engine nodes over loopback TCP: every member
-//! ends with the same bits; a member that dies in the reduce-scatter ends
-//! the operation for the survivors within seconds (broken connection, not a
-//! timeout), and they finish it again without it; one that dies in the
-//! all-gather is bypassed, and the survivors end with the full result, its
+//! The stage all-reduce between engine nodes over loopback TCP, around the
+//! ring and by the butterfly: every member ends with the same bits; a
+//! member that dies before the survivors hold what they need of it ends the
+//! operation for them within seconds (broken connection, not a timeout),
+//! and they finish it again without it; a ring member that dies in the
+//! all-gather is bypassed, and a butterfly member that dies after sending
+//! everything is not missed: the survivors end with the full result, its
 //! contribution in it; a member that sends a malformed chunk is reported,
 //! nothing is added.
 use gwtf::engine::{Node, NodeOptions};
 use gwtf::protocol::rng::Rng;
-use gwtf::swarm::allreduce::{Message, Outcome, RingAllReduce};
+use gwtf::swarm::allreduce::{Machine, Message, Outcome, RingAllReduce};
 use gwtf::swarm::allreduce_net;
+use gwtf::swarm::butterfly::ButterflyAllReduce;
 use std::time::{Duration, Instant};
 
 const KEY: &[u8] = b"0123456789abcdef-allreduce-test-key";
@@ -53,15 +56,34 @@ fn contribution(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Runs operation `op` among `ring` on every given node at once.
-fn run_members(nodes: &[&Node], ring: &[u64], op: u64, inputs: &[(Vec<f32>, u64)]) -> Vec<Outcome> {
+/// Member `me`'s side of operation `op` among `members` with its
+/// contribution: a ring's or a butterfly's.
+type Make<M> = fn(u64, u64, &[u64], &[f32], u64) -> M;
+
+fn ring(op: u64, me: u64, members: &[u64], sum: &[f32], mbs: u64) -> RingAllReduce {
+    RingAllReduce::new(op, me, members, sum, mbs).unwrap()
+}
+
+fn butterfly(op: u64, me: u64, members: &[u64], sum: &[f32], mbs: u64) -> ButterflyAllReduce {
+    ButterflyAllReduce::new(op, me, members, sum, mbs).unwrap()
+}
+
+/// Runs operation `op` among `members` (machines made by `make`, a ring in
+/// the members' order) on every given node at once.
+fn run_members<M: Machine>(
+    make: Make<M>,
+    nodes: &[&Node],
+    members: &[u64],
+    op: u64,
+    inputs: &[(Vec<f32>, u64)],
+) -> Vec<Outcome> {
     std::thread::scope(|s| {
         let handles: Vec<_> = nodes
             .iter()
             .zip(inputs)
             .map(|(node, (sum, mbs))| {
                 s.spawn(move || {
-                    let r = RingAllReduce::new(op, node.node_id(), ring, sum, *mbs).unwrap();
+                    let r = make(op, node.node_id(), members, sum, *mbs);
                     allreduce_net::run(node, STAGE, r, Instant::now() + T).unwrap()
                 })
             })
@@ -71,9 +93,14 @@ fn run_members(nodes: &[&Node], ring: &[u64], op: u64, inputs: &[(Vec<f32>, u64)
 }
 
 /// Runs one operation among exactly the given nodes.
-fn all_reduce(nodes: &[&Node], op: u64, inputs: &[(Vec<f32>, u64)]) -> Vec<Outcome> {
+fn all_reduce<M: Machine>(
+    make: Make<M>,
+    nodes: &[&Node],
+    op: u64,
+    inputs: &[(Vec<f32>, u64)],
+) -> Vec<Outcome> {
     let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
-    run_members(nodes, &ids, op, inputs)
+    run_members(make, nodes, &ids, op, inputs)
 }
 
 fn weighted_mean(inputs: &[(Vec<f32>, u64)]) -> Vec<f64> {
@@ -100,16 +127,17 @@ fn assert_identical_and_right(outcomes: &[Outcome], inputs: &[(Vec<f32>, u64)]) 
     }
 }
 
-#[test]
-fn four_members_reduce_a_large_buffer_to_identical_bits() {
+/// Four members reduce a large buffer to identical bits, the weighted
+/// mean; each sent 2(n-1)/n of the buffer, not the whole buffer n times
+/// (a butterfly: its slices, then its reduced part to each other member).
+fn four_members_reduce_a_large_buffer<M: Machine>(make: Make<M>, seed: u64) {
     let nodes = mesh(4);
     let refs: Vec<&Node> = nodes.iter().collect();
     let inputs: Vec<(Vec<f32>, u64)> = (0..4)
-        .map(|k| (contribution(k, 1_000_003), k + 1))
+        .map(|k| (contribution(seed + k, 1_000_003), k + 1))
         .collect();
-    let out = all_reduce(&refs, 1, &inputs);
+    let out = all_reduce(make, &refs, 1, &inputs);
     assert_identical_and_right(&out, &inputs);
-    // Each member sent 2(n-1)/n of the buffer, not the whole buffer n times.
     let sent: u64 = nodes[0].stats().bytes_sent;
     let buffer = 4 * 1_000_004u64;
     assert!(
@@ -118,17 +146,28 @@ fn four_members_reduce_a_large_buffer_to_identical_bits() {
     );
 }
 
+#[test]
+fn four_members_reduce_a_large_buffer_to_identical_bits() {
+    four_members_reduce_a_large_buffer(ring, 0);
+}
+
+#[test]
+fn a_butterfly_of_four_reduces_a_large_buffer_to_identical_bits() {
+    four_members_reduce_a_large_buffer(butterfly, 30);
+}
+
 /// Runs operation `op` among all of `nodes` (ring in their order, one
 /// input each) but member `v`, which plays its part with `victim` (its
 /// node, its side of the operation), waits `linger` for its last frames to
 /// leave, and is gone (taken out of `nodes`). The survivors run it to its
 /// end: their outcomes, and how long they took.
-fn run_with_a_victim(
+fn run_with_a_victim<M: Machine>(
+    make: Make<M>,
     nodes: &mut Vec<Node>,
     op: u64,
     inputs: &[(Vec<f32>, u64)],
     v: usize,
-    victim: impl FnOnce(&Node, &mut RingAllReduce) + Send,
+    victim: impl FnOnce(&Node, &mut M) + Send,
     linger: Duration,
 ) -> (Vec<Outcome>, Duration) {
     let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
@@ -142,7 +181,7 @@ fn run_with_a_victim(
         let ring = &ids;
         s.spawn(move || {
             let (sum, mbs) = &inputs[v];
-            let mut r = RingAllReduce::new(op, victim_node.node_id(), ring, sum, *mbs).unwrap();
+            let mut r = make(op, victim_node.node_id(), ring, sum, *mbs);
             victim(&victim_node, &mut r);
             std::thread::sleep(linger);
             drop(victim_node);
@@ -152,7 +191,7 @@ fn run_with_a_victim(
             .zip(survivors)
             .map(|(node, (sum, mbs))| {
                 s.spawn(move || {
-                    let r = RingAllReduce::new(op, node.node_id(), ring, sum, *mbs).unwrap();
+                    let r = make(op, node.node_id(), ring, sum, *mbs);
                     allreduce_net::run(node, STAGE, r, Instant::now() + T).unwrap()
                 })
             })
@@ -166,7 +205,7 @@ fn run_with_a_victim(
 }
 
 /// Sends what `r` asks to send, from `node`.
-fn send_outbox(node: &Node, r: &mut RingAllReduce) -> Vec<Message> {
+fn send_outbox(node: &Node, r: &mut impl Machine) -> Vec<Message> {
     let mut sent = Vec::new();
     for (to, msg) in r.take_outbox() {
         let f = allreduce_net::frame_of(node, STAGE, &msg, T).unwrap();
@@ -176,17 +215,40 @@ fn send_outbox(node: &Node, r: &mut RingAllReduce) -> Vec<Message> {
     sent
 }
 
-#[test]
-fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
+/// `node` plays its part of `r` (sends what it asks, feeds it what comes)
+/// until `stop` says so (given what the last round sent).
+fn take_part_until<M: Machine>(node: &Node, r: &mut M, stop: impl Fn(&[Message], &M) -> bool) {
+    let deadline = Instant::now() + T;
+    loop {
+        let sent = send_outbox(node, r);
+        if stop(&sent, r) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the victim got stuck");
+        if let Ok(f) = node.recv(Duration::from_millis(20)) {
+            if let Some(Ok(msg)) = allreduce_net::message_of(STAGE, &f) {
+                r.on_message(f.peer(), msg);
+            }
+        }
+    }
+}
+
+/// Member 2 of four plays its first sends (a ring's first chunk, a
+/// butterfly's slices) and its process is gone: every survivor still needs
+/// something only it had and ends Lost within seconds (the broken
+/// connection, not a timeout); they finish again without it, with a new
+/// operation id.
+fn a_member_that_dies_mid_way<M: Machine>(make: Make<M>, seed: u64) {
     let mut nodes = mesh(4);
     let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
-    let inputs: Vec<(Vec<f32>, u64)> = (0..4).map(|k| (contribution(10 + k, 50_000), 2)).collect();
-    // The victim sends its first chunk, then its process is gone.
-    let first_chunk = |node: &Node, r: &mut RingAllReduce| {
+    let inputs: Vec<(Vec<f32>, u64)> = (0..4)
+        .map(|k| (contribution(seed + k, 50_000), 2))
+        .collect();
+    let first_sends = |node: &Node, r: &mut M| {
         send_outbox(node, r);
     };
     let linger = Duration::from_millis(50);
-    let (outcomes, took) = run_with_a_victim(&mut nodes, 7, &inputs, 2, first_chunk, linger);
+    let (outcomes, took) = run_with_a_victim(make, &mut nodes, 7, &inputs, 2, first_sends, linger);
     for o in &outcomes {
         assert_eq!(o, &Outcome::Lost { member: ids[2] });
     }
@@ -194,11 +256,22 @@ fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() 
         took < Duration::from_secs(5),
         "the loss took {took:?} to notice"
     );
-    // Again among the survivors, with a new operation id.
     let survivors_inputs: Vec<(Vec<f32>, u64)> = [0, 1, 3].map(|k| inputs[k].clone()).to_vec();
     let refs: Vec<&Node> = nodes.iter().collect();
-    let again = all_reduce(&refs, 8, &survivors_inputs);
+    let again = all_reduce(make, &refs, 8, &survivors_inputs);
     assert_identical_and_right(&again, &survivors_inputs);
+}
+
+#[test]
+fn a_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
+    a_member_that_dies_mid_way(ring, 10);
+}
+
+/// The victim sends its slices and is gone before it could send its
+/// reduced part: every survivor lacks it.
+#[test]
+fn a_butterfly_member_that_dies_mid_way_ends_it_for_the_survivors_who_finish_without_it() {
+    a_member_that_dies_mid_way(butterfly, 40);
 }
 
 #[test]
@@ -216,7 +289,7 @@ fn a_malformed_chunk_is_refused_and_reported_as_its_senders_loss() {
     nodes[bad].send(right, f, T).unwrap();
     let honest: Vec<&Node> = nodes.iter().filter(|x| x.node_id() != ids[0]).collect();
     let ones: Vec<(Vec<f32>, u64)> = honest.iter().map(|_| (vec![1.0; 1000], 1)).collect();
-    let outcomes = run_members(&honest, &ids, 3, &ones);
+    let outcomes = run_members(ring, &honest, &ids, 3, &ones);
     for (node, o) in honest.iter().zip(&outcomes) {
         if node.node_id() == right {
             assert!(
@@ -242,28 +315,45 @@ fn a_member_that_dies_in_the_all_gather_is_bypassed_and_its_gradients_kept() {
         .collect();
     let until_reduced_chunk_sent = |node: &Node, r: &mut RingAllReduce| {
         let all_gather_start = n as u32 - 1;
-        let deadline = Instant::now() + T;
-        loop {
-            let sent = send_outbox(node, r);
-            if sent
-                .iter()
+        take_part_until(node, r, |sent, _| {
+            sent.iter()
                 .any(|m| matches!(m, Message::Chunk { step, .. } if *step == all_gather_start))
-            {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the victim got stuck");
-            if let Ok(f) = node.recv(Duration::from_millis(20)) {
-                if let Some(Ok(msg)) = allreduce_net::message_of(STAGE, &f) {
-                    r.on_message(f.peer(), msg);
-                }
-            }
-        }
+        });
+    };
+    // Its last frames leave its machine before the process is gone.
+    let linger = Duration::from_millis(200);
+    let (outcomes, took) = run_with_a_victim(
+        ring,
+        &mut nodes,
+        9,
+        &inputs,
+        1,
+        until_reduced_chunk_sent,
+        linger,
+    );
+    // Everyone's contribution, the victim's included.
+    assert_identical_and_right(&outcomes, &inputs);
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
+/// The victim takes part until it holds the result (its slices and its
+/// reduced part sent), then its process is gone: nobody needs anything
+/// more of it, and the survivors end with the full result, its gradients
+/// and microbatches in it, bit-identical.
+#[test]
+fn a_butterfly_member_that_dies_after_sending_everything_is_not_missed() {
+    let n = 4;
+    let mut nodes = mesh(n);
+    let inputs: Vec<(Vec<f32>, u64)> = (0..n as u64)
+        .map(|k| (contribution(50 + k, 200_003), k + 1))
+        .collect();
+    let until_done = |node: &Node, r: &mut ButterflyAllReduce| {
+        take_part_until(node, r, |_, r| matches!(r.outcome(), Outcome::Done { .. }));
     };
     // Its last frames leave its machine before the process is gone.
     let linger = Duration::from_millis(200);
     let (outcomes, took) =
-        run_with_a_victim(&mut nodes, 9, &inputs, 1, until_reduced_chunk_sent, linger);
-    // Everyone's contribution, the victim's included.
+        run_with_a_victim(butterfly, &mut nodes, 9, &inputs, 1, until_done, linger);
     assert_identical_and_right(&outcomes, &inputs);
     assert!(took < Duration::from_secs(5), "took {took:?}");
 }

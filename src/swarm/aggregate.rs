@@ -24,7 +24,7 @@
 //! mean is kept while it serves (`RingAllReduce::serving`: a neighbour's
 //! neighbour may still ask it to stand in for a lost member) or has
 //! messages to send, until it stops or the next operation starts.
-use super::allreduce::{MemberId, Message, Outcome, RingAllReduce, SetupError};
+use super::allreduce::{Machine, Message, Outcome, RingAllReduce, SetupError};
 use super::allreduce_net::{frame_of, message_of};
 use super::butterfly::ButterflyAllReduce;
 use crate::engine::{Frame, Node as Net};
@@ -38,61 +38,6 @@ const EARLY_MAX: usize = 256;
 const LOST_MAX: usize = 1024;
 /// Bytes of them kept, unless set ([`Aggregation::with_early_budget`]).
 const EARLY_BYTES_MAX: usize = 64 << 20;
-
-/// One all-reduce state machine of an operation (a ring direction, or the
-/// butterfly), as the operation drives it (and the tests' network,
-/// `allreduce_testnet`).
-pub(super) trait Machine: Send {
-    fn op(&self) -> u64;
-    fn on_message(&mut self, from: MemberId, msg: Message);
-    fn on_peer_lost(&mut self, member: MemberId);
-    fn take_outbox(&mut self) -> Vec<(MemberId, Message)>;
-    fn outcome(&self) -> &Outcome;
-    /// Whether it must be kept after its end (to serve, or to send).
-    fn keep(&self) -> bool;
-}
-
-impl Machine for RingAllReduce {
-    fn op(&self) -> u64 {
-        RingAllReduce::op(self)
-    }
-    fn on_message(&mut self, from: MemberId, msg: Message) {
-        RingAllReduce::on_message(self, from, msg)
-    }
-    fn on_peer_lost(&mut self, member: MemberId) {
-        RingAllReduce::on_peer_lost(self, member)
-    }
-    fn take_outbox(&mut self) -> Vec<(MemberId, Message)> {
-        RingAllReduce::take_outbox(self)
-    }
-    fn outcome(&self) -> &Outcome {
-        RingAllReduce::outcome(self)
-    }
-    fn keep(&self) -> bool {
-        self.serving()
-    }
-}
-
-impl Machine for ButterflyAllReduce {
-    fn op(&self) -> u64 {
-        ButterflyAllReduce::op(self)
-    }
-    fn on_message(&mut self, from: MemberId, msg: Message) {
-        ButterflyAllReduce::on_message(self, from, msg)
-    }
-    fn on_peer_lost(&mut self, member: MemberId) {
-        ButterflyAllReduce::on_peer_lost(self, member)
-    }
-    fn take_outbox(&mut self) -> Vec<(MemberId, Message)> {
-        ButterflyAllReduce::take_outbox(self)
-    }
-    fn outcome(&self) -> &Outcome {
-        ButterflyAllReduce::outcome(self)
-    }
-    fn keep(&self) -> bool {
-        self.has_outbox()
-    }
-}
 
 struct Running {
     task: TaskId,

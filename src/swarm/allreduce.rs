@@ -180,6 +180,43 @@ impl std::fmt::Display for SetupError {
 
 impl std::error::Error for SetupError {}
 
+/// An all-reduce state machine as a driver runs it (the ring's or the
+/// butterfly's, [`super::butterfly`]): the stage aggregation
+/// (`super::aggregate`), [`super::allreduce_net::run`] and the tests drive
+/// either through it.
+pub trait Machine: Send {
+    fn op(&self) -> u64;
+    fn on_message(&mut self, from: MemberId, msg: Message);
+    fn on_peer_lost(&mut self, member: MemberId);
+    fn take_outbox(&mut self) -> Vec<(MemberId, Message)>;
+    fn outcome(&self) -> &Outcome;
+    /// Whether the driver must keep it after its end: it may still serve a
+    /// peer (the ring's [`RingAllReduce::serving`]) or has messages to send
+    /// (the butterfly's reduced part, made by the call that ended it).
+    fn keep(&self) -> bool;
+}
+
+impl Machine for RingAllReduce {
+    fn op(&self) -> u64 {
+        RingAllReduce::op(self)
+    }
+    fn on_message(&mut self, from: MemberId, msg: Message) {
+        RingAllReduce::on_message(self, from, msg)
+    }
+    fn on_peer_lost(&mut self, member: MemberId) {
+        RingAllReduce::on_peer_lost(self, member)
+    }
+    fn take_outbox(&mut self) -> Vec<(MemberId, Message)> {
+        RingAllReduce::take_outbox(self)
+    }
+    fn outcome(&self) -> &Outcome {
+        RingAllReduce::outcome(self)
+    }
+    fn keep(&self) -> bool {
+        self.serving()
+    }
+}
+
 /// One member's side of one all-reduce.
 #[derive(Debug)]
 pub struct RingAllReduce {

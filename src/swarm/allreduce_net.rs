@@ -16,7 +16,7 @@
 //! Chunks are written straight into pool slots (one copy, from the
 //! trainer's gradient into the frame) and read out of the received slot
 //! without another.
-use super::allreduce::{Message, Outcome, RingAllReduce};
+use super::allreduce::{Machine, Message, Outcome};
 use crate::engine::{EngineError, Event, Frame, Node};
 use crate::wire::Dtype;
 use std::time::{Duration, Instant};
@@ -163,17 +163,18 @@ fn chunk_of(f: &Frame) -> Result<Message, String> {
     })
 }
 
-/// Runs `op` to its end over `node`: sends what the machine asks, feeds it
-/// the frames of `stage` and the engine's lost-peer events, until it is no
-/// longer running nor serving (`RingAllReduce::serving`: done, but a
-/// neighbour's neighbour may still ask it to stand in for a lost member)
-/// or `deadline` passes (a done operation's outcome is returned then).
+/// Runs `op` (a ring's or a butterfly's side) to its end over `node`: sends
+/// what the machine asks, feeds it the frames of `stage` and the engine's
+/// lost-peer events, until it is no longer running nor kept
+/// ([`Machine::keep`]: done, but a ring's neighbour's neighbour may still
+/// ask it to stand in for a lost member) or `deadline` passes (a done
+/// operation's outcome is returned then).
 /// Frames of other stages or other operations are dropped (this driver
 /// owns the node while it runs).
-pub fn run(
+pub fn run<M: Machine>(
     node: &Node,
     stage: u32,
-    mut op: RingAllReduce,
+    mut op: M,
     deadline: Instant,
 ) -> Result<Outcome, NetError> {
     let send_timeout = Duration::from_secs(5);
@@ -188,7 +189,7 @@ pub fn run(
                 }
             }
         }
-        if op.outcome() != &Outcome::Running && !op.serving() {
+        if op.outcome() != &Outcome::Running && !op.keep() {
             // Aborts still queued above were sent before we return.
             return Ok(op.outcome().clone());
         }
@@ -208,11 +209,11 @@ pub fn run(
                 op.on_peer_lost(peer);
             }
         }
-        if op.outcome() != &Outcome::Running && !op.serving() {
+        if op.outcome() != &Outcome::Running && !op.keep() {
             continue;
         }
         let now = Instant::now();
-        if now >= deadline && op.serving() {
+        if now >= deadline && op.keep() {
             return Ok(op.outcome().clone());
         }
         if now >= deadline {
@@ -229,7 +230,7 @@ pub fn run(
 
 /// Gives `op` the message frame `f` carries (a malformed one is its
 /// sender's loss).
-fn feed(stage: u32, op: &mut RingAllReduce, f: &Frame) {
+fn feed<M: Machine>(stage: u32, op: &mut M, f: &Frame) {
     let from = f.peer();
     match message_of(stage, f) {
         Some(Ok(msg)) => op.on_message(from, msg),

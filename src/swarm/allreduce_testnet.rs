@@ -2,7 +2,7 @@
 //! and the butterfly's alike): FIFO per link (as TCP is), links interleaved
 //! at random, members lost at random moments and told at once, later or
 //! never; and the inputs and the reference mean they are checked against.
-use super::aggregate::Machine;
+use super::allreduce::Machine;
 use super::allreduce::{MemberId, Message, Outcome};
 use crate::protocol::rng::Rng;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

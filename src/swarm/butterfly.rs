@@ -75,7 +75,7 @@
 //! applied: the stage coordinator decides, and otherwise runs the operation
 //! again among the survivors. The whole operation takes two message rounds,
 //! so a redo is short.
-use super::allreduce::{done_with, MemberId, Message, Outcome, SetupError};
+use super::allreduce::{done_with, Machine, MemberId, Message, Outcome, SetupError};
 
 /// One member's side of one butterfly all-reduce.
 #[derive(Debug)]
@@ -386,6 +386,27 @@ impl ButterflyAllReduce {
     /// The members in the order given (part `k` is `members()[k]`'s).
     pub fn members(&self) -> &[MemberId] {
         &self.members
+    }
+}
+
+impl Machine for ButterflyAllReduce {
+    fn op(&self) -> u64 {
+        ButterflyAllReduce::op(self)
+    }
+    fn on_message(&mut self, from: MemberId, msg: Message) {
+        ButterflyAllReduce::on_message(self, from, msg)
+    }
+    fn on_peer_lost(&mut self, member: MemberId) {
+        ButterflyAllReduce::on_peer_lost(self, member)
+    }
+    fn take_outbox(&mut self) -> Vec<(MemberId, Message)> {
+        ButterflyAllReduce::take_outbox(self)
+    }
+    fn outcome(&self) -> &Outcome {
+        ButterflyAllReduce::outcome(self)
+    }
+    fn keep(&self) -> bool {
+        self.has_outbox()
     }
 }
 
