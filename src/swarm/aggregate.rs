@@ -329,21 +329,64 @@ mod tests {
     /// six elements each with the count: chunks of two. The operation ids,
     /// in that order.
     fn started(agg: &mut Aggregation) -> [u64; 2] {
-        let plan = AggregatePlan {
+        let sum: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        agg.start(4, 1, 77, plan(2), &sum).unwrap();
+        op_ids(4, 0, 1)
+    }
+
+    /// The commit of stage 4, iteration 0, epoch 1 among members 1, 2, 3,
+    /// with `granted` microbatches granted to this member.
+    fn plan(granted: u32) -> AggregatePlan {
+        AggregatePlan {
             iter: 0,
             epoch: 1,
             members: Arc::new(vec![1, 2, 3]),
-            granted: (0..2)
+            granted: (0..granted)
                 .map(|idx| MbId {
                     holder: 9,
                     iter: 0,
                     idx,
                 })
                 .collect(),
-        };
-        let sum: Vec<f32> = (0..10).map(|i| i as f32).collect();
-        agg.start(4, 1, 77, plan, &sum).unwrap();
-        op_ids(4, 0, 1)
+        }
+    }
+
+    /// Members 1, 2, 3 (by `new`) started, member `m` with `m` microbatches
+    /// and its own sums of 11 gradients: the aggregations and the sums.
+    fn three_started(new: fn() -> Aggregation) -> (Vec<Aggregation>, Vec<Vec<f32>>) {
+        let sums: Vec<Vec<f32>> = (1..=3)
+            .map(|m| (0..11).map(|i| (m * 100 + i) as f32).collect())
+            .collect();
+        let mut aggs: Vec<Aggregation> = (0..3).map(|_| new()).collect();
+        for (i, agg) in aggs.iter_mut().enumerate() {
+            let m = i as u32 + 1;
+            agg.start(4, m, 70 + m as u64, plan(m), &sums[i]).unwrap();
+        }
+        (aggs, sums)
+    }
+
+    /// Member `i + 1`'s frame `f` to member `to`, which takes it.
+    fn deliver(aggs: &mut [Aggregation], i: usize, to: u64, f: &Frame) {
+        let msg = message_of(4, f);
+        let taken = aggs[to as usize - 1].route(i as u64 + 1, f.header.microbatch, 4, || msg);
+        assert!(taken);
+    }
+
+    /// Every member ended with the mean, the same bits, the weighted mean
+    /// of the three sums (6 microbatches).
+    fn assert_the_mean(ends: Vec<Option<Finished>>, sums: &[Vec<f32>]) {
+        let mut means = Vec::new();
+        for e in ends {
+            let (_, _, end) = e.expect("done");
+            means.push(end.expect("the mean"));
+        }
+        assert!(means.iter().all(|m| *m == means[0]), "the same bits");
+        let (mean, microbatches) = &means[0];
+        assert_eq!(*microbatches, 6);
+        for (j, x) in mean.iter().enumerate() {
+            let want = (sums[0][j] + sums[1][j] + sums[2][j]) / 6.0;
+            assert!((x - want).abs() < 1e-4, "element {j}: {x} against {want}");
+        }
     }
 
     fn chunk(op: u64, step: u32) -> Message {
@@ -369,26 +412,7 @@ mod tests {
     #[test]
     fn both_directions_make_the_mean() {
         let net = net();
-        let plan = |granted: u32| AggregatePlan {
-            iter: 0,
-            epoch: 1,
-            members: Arc::new(vec![1, 2, 3]),
-            granted: (0..granted)
-                .map(|idx| MbId {
-                    holder: 9,
-                    iter: 0,
-                    idx,
-                })
-                .collect(),
-        };
-        let sums: Vec<Vec<f32>> = (1..=3)
-            .map(|m| (0..11).map(|i| (m * 100 + i) as f32).collect())
-            .collect();
-        let mut aggs: Vec<Aggregation> = (0..3).map(|_| ring_only()).collect();
-        for (i, agg) in aggs.iter_mut().enumerate() {
-            let m = i as u32 + 1;
-            agg.start(4, m, 70 + m as u64, plan(m), &sums[i]).unwrap();
-        }
+        let (mut aggs, sums) = three_started(ring_only);
         let [op, back] = op_ids(4, 0, 1);
         assert_ne!(op, back);
         let mut ends = vec![None, None, None];
@@ -404,13 +428,7 @@ mod tests {
                         };
                         assert_eq!(to as usize, next % 3 + 1, "first steps");
                     }
-                    let msg = message_of(4, &f);
-                    assert!(aggs[to as usize - 1].route(
-                        i as u64 + 1,
-                        f.header.microbatch,
-                        4,
-                        || msg
-                    ));
+                    deliver(&mut aggs, i, to, &f);
                     sent += 1;
                 }
                 if let Some(e) = aggs[i].finished() {
@@ -421,18 +439,7 @@ mod tests {
                 break;
             }
         }
-        let mut means = Vec::new();
-        for e in ends {
-            let (_, _, end) = e.expect("done");
-            means.push(end.expect("the mean"));
-        }
-        assert!(means.iter().all(|m| *m == means[0]), "the same bits");
-        let (mean, microbatches) = &means[0];
-        assert_eq!(*microbatches, 6);
-        for (j, x) in mean.iter().enumerate() {
-            let want = (sums[0][j] + sums[1][j] + sums[2][j]) / 6.0;
-            assert!((x - want).abs() < 1e-4, "element {j}: {x} against {want}");
-        }
+        assert_the_mean(ends, &sums);
     }
 
     /// Member 1 ends with the mean, and stays to serve member 3 (two to its
@@ -514,26 +521,7 @@ mod tests {
     #[test]
     fn a_butterfly_makes_the_mean() {
         let net = net();
-        let plan = |granted: u32| AggregatePlan {
-            iter: 0,
-            epoch: 1,
-            members: Arc::new(vec![1, 2, 3]),
-            granted: (0..granted)
-                .map(|idx| MbId {
-                    holder: 9,
-                    iter: 0,
-                    idx,
-                })
-                .collect(),
-        };
-        let sums: Vec<Vec<f32>> = (1..=3)
-            .map(|m| (0..11).map(|i| (m * 100 + i) as f32).collect())
-            .collect();
-        let mut aggs: Vec<Aggregation> = (0..3).map(|_| Aggregation::default()).collect();
-        for (i, agg) in aggs.iter_mut().enumerate() {
-            let m = i as u32 + 1;
-            agg.start(4, m, 70 + m as u64, plan(m), &sums[i]).unwrap();
-        }
+        let (mut aggs, sums) = three_started(Aggregation::default);
         let [op, _] = op_ids(4, 0, 1);
         let mut ends = vec![None, None, None];
         for round in 0..100 {
@@ -555,13 +543,7 @@ mod tests {
                     );
                 }
                 for (to, f) in out {
-                    let msg = message_of(4, &f);
-                    assert!(aggs[to as usize - 1].route(
-                        i as u64 + 1,
-                        f.header.microbatch,
-                        4,
-                        || msg
-                    ));
+                    deliver(&mut aggs, i, to, &f);
                     sent += 1;
                 }
             }
@@ -569,19 +551,12 @@ mod tests {
                 break;
             }
         }
-        let mut means = Vec::new();
-        for (i, e) in ends.into_iter().enumerate() {
-            let e = e.or_else(|| aggs[i].finished());
-            let (_, _, end) = e.expect("done");
-            means.push(end.expect("the mean"));
+        for (i, e) in ends.iter_mut().enumerate() {
+            if e.is_none() {
+                *e = aggs[i].finished();
+            }
         }
-        assert!(means.iter().all(|m| *m == means[0]), "the same bits");
-        let (mean, microbatches) = &means[0];
-        assert_eq!(*microbatches, 6);
-        for (j, x) in mean.iter().enumerate() {
-            let want = (sums[0][j] + sums[1][j] + sums[2][j]) / 6.0;
-            assert!((x - want).abs() < 1e-4, "element {j}: {x} against {want}");
-        }
+        assert_the_mean(ends, &sums);
         assert!(aggs
             .iter()
             .all(|a| a.running.is_none() && a.serving.is_none()));
