@@ -167,6 +167,14 @@ pub struct SimReport {
     pub gpu_time_total_s: f64,
     pub gpu_time_useful_s: f64,
     pub gpu_time_wasted_s: f64,
+    /// Seconds compute tasks of microbatches waited for a busy GPU, and
+    /// activations and gradients for a busy link before their own
+    /// transfer, in all: where a policy's microbatches queue.
+    pub gpu_queue_s: f64,
+    pub link_queue_s: f64,
+    /// Those waits per microbatch trained (s).
+    pub gpu_queue_per_microbatch_s: f64,
+    pub link_queue_per_microbatch_s: f64,
     pub lost_microbatches: u64,
     pub dropped_with_holder: u64,
     /// Microbatches a relay stage's coordinator dropped (SWARM aggregates
@@ -276,6 +284,9 @@ struct Xfer {
     /// The link's source: `from`, or the data holder relaying the message.
     src: NodeId,
     remaining: f64,
+    /// When it was handed to the link (its wait: until it was done, less
+    /// its own transfer).
+    sent: Time,
     msg: Msg,
     /// The message goes on from `to` to this node (SWARM's trainer hop).
     then: Option<NodeId>,
@@ -293,8 +304,9 @@ struct SimNode {
     region: usize,
     flops: f64,
     /// Compute tasks waiting for the GPU, run in the order given (the
-    /// runtime's work queue hands its trainer work in order).
-    gpu_queue: VecDeque<Task>,
+    /// runtime's work queue hands its trainer work in order), each with
+    /// the time it was queued.
+    gpu_queue: VecDeque<(Task, Time)>,
     running: Option<(Task, Time)>,
     gpu_gen: u64,
     timer_at: Option<Time>,
@@ -817,6 +829,7 @@ impl Sim {
             to,
             src,
             remaining: bytes,
+            sent: self.now,
             msg,
             then,
         });
@@ -861,6 +874,10 @@ impl Sim {
         let tol = bw * 2e-6 + 1.0;
         let head_done = l.active.front().is_some_and(|x| x.remaining <= tol);
         if let Some(x) = head_done.then(|| l.active.pop_front()).flatten() {
+            if matches!(x.msg, Msg::Forward { .. } | Msg::Backward { .. }) {
+                let own = x.msg.wire_bytes(&self.pcfg) as f64 / bw;
+                self.rep.link_queue_s += (to_secs(self.now - x.sent) - own).max(0.0);
+            }
             let t = self.now + secs(lat);
             let ev = match x.then {
                 Some(next) => Ev::Relay {
@@ -1037,7 +1054,7 @@ impl Sim {
             return;
         }
         let n = &mut self.nodes[node as usize];
-        n.gpu_queue.push_back(task);
+        n.gpu_queue.push_back((task, self.now));
         if n.running.is_none() {
             self.gpu_next(node);
         }
@@ -1130,9 +1147,12 @@ impl Sim {
 
     fn gpu_next(&mut self, node: NodeId) {
         let n = &mut self.nodes[node as usize];
-        let Some(task) = n.gpu_queue.pop_front() else {
+        let Some((task, queued)) = n.gpu_queue.pop_front() else {
             return;
         };
+        if task.mb.is_some() {
+            self.rep.gpu_queue_s += to_secs(self.now - queued);
+        }
         n.running = Some((task, self.now));
         n.gpu_gen += 1;
         let gen = n.gpu_gen;
@@ -1615,7 +1635,10 @@ impl Sim {
                 r.microbatches_trained as f64 / r.training_time_s * 3600.0;
         }
         if r.microbatches_trained > 0 {
-            r.time_per_microbatch_s = r.training_time_s / r.microbatches_trained as f64;
+            let trained = r.microbatches_trained as f64;
+            r.time_per_microbatch_s = r.training_time_s / trained;
+            r.gpu_queue_per_microbatch_s = r.gpu_queue_s / trained;
+            r.link_queue_per_microbatch_s = r.link_queue_s / trained;
         }
         let mut it = r.iteration_times_s.clone();
         it.sort_by(f64::total_cmp);
@@ -1779,9 +1802,50 @@ mod tests {
         }
     }
 
+    /// The report's link queue counts what an activation waits behind
+    /// others on its link, not its own transfer: of two sent to one peer at
+    /// once the second waits one transfer, one to a third node none.
+    #[test]
+    fn an_activation_queued_on_a_link_is_counted_once() {
+        let mut s = sim();
+        let (a, b, c) = (s.new_node(1, 0), s.new_node(2, 1), s.new_node(2, 1));
+        let forward = |idx: u32| Msg::Forward {
+            mb: MbId {
+                holder: a,
+                iter: 0,
+                idx,
+            },
+            attempt: 0,
+            path: Arc::new(vec![a]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        s.now = SEC;
+        for (to, idx) in [(b, 0), (b, 1), (c, 2)] {
+            s.send(a, to, forward(idx));
+        }
+        while let Some((t, ev)) = s.queue.pop() {
+            s.now = t;
+            if let Ev::LinkDone { key, gen } = ev {
+                s.link_done(key, gen);
+            }
+        }
+        let (_, bw) = s.link_params(a, b);
+        let one = forward(0).wire_bytes(&s.pcfg) as f64 / bw;
+        assert!(
+            (s.rep.link_queue_s - one).abs() < 1e-5,
+            "{} against {one}",
+            s.rep.link_queue_s
+        );
+    }
+
     /// A GPU runs its tasks in the order given, as the runtime's work
     /// queue hands them to its trainer: a backward that comes after two
-    /// forwards waits for both.
+    /// forwards waits for both (and the report's GPU queue counts the
+    /// waits of microbatches' tasks: the second forward's and the
+    /// backward's).
     #[test]
     fn a_gpu_runs_its_tasks_in_the_order_given() {
         let mut s = sim();
@@ -1790,7 +1854,11 @@ mod tests {
             id,
             kind,
             stage: 1,
-            mb: None,
+            mb: Some(MbId {
+                holder: 0,
+                iter: 0,
+                idx: id as u32,
+            }),
             attempt: 0,
             recompute: false,
         };
@@ -1808,6 +1876,13 @@ mod tests {
             }
         }
         assert_eq!(order, [1, 2, 3]);
+        let fwd = s.task_time(relay, &task(1, TaskKind::Forward));
+        let want = fwd + 2.0 * fwd;
+        assert!(
+            (s.rep.gpu_queue_s - want).abs() < 1e-5,
+            "{} against {want}",
+            s.rep.gpu_queue_s
+        );
     }
 
     /// The peer-lost notices in the queue: (time, to, peer).

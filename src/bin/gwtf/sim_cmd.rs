@@ -197,7 +197,7 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
         a.seed
     );
     println!(
-        "{:<12} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6} {:>7} {:>6} {:>10} {:>17}",
+        "{:<12} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16}",
         "policy",
         "train_s",
         "mb/hour",
@@ -210,7 +210,8 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
         "recomp",
         "crash",
         "flow/mcmf",
-        "critpath/mcmf_s"
+        "critpath/mcmf_s",
+        "queue_gpu/link_s"
     );
     if let Some(r) = reports.first() {
         let b = BoundRow::of(r, a.iterations);
@@ -227,7 +228,7 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
     }
     for r in reports {
         println!(
-            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>7.2} {:>6} {:>7} {:>6} {:>10} {:>17}",
+            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>7.2} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16}",
             r.policy,
             r.training_time_s,
             r.throughput_microbatches_per_hour,
@@ -241,6 +242,10 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
             r.crashes,
             format!("{:.0}/{:.0}", r.flow_value, r.optimal_flow_value),
             format!("{:.2}/{:.2}", r.critical_path_s, r.optimal_critical_path_s),
+            format!(
+                "{:.3}/{:.3}",
+                r.gpu_queue_per_microbatch_s, r.link_queue_per_microbatch_s
+            ),
         );
     }
     println!(
