@@ -290,3 +290,167 @@ fn sim_plot_is_readable() {
         "a tick label ends in .0: {texts:?}"
     );
 }
+
+/// `gwtf bench policies` on a small grid: a row per run and one per
+/// (scenario, churn), the `t/bound` printed is the run's (its JSON), the
+/// tables do not depend on how many runs go at once, and the grid's runs are
+/// those of `gwtf sim` with the same scenario, churn and seed.
+#[test]
+fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
+    let dir = scratch("bench-policies");
+    let json = dir.join("runs.json");
+    let grid = |jobs: &str, json: Option<&std::path::Path>| {
+        let mut c = gwtf();
+        c.args([
+            "bench",
+            "policies",
+            "--scenarios",
+            "homogeneous,geo10",
+            "--churn",
+            "0,0.5",
+            "--seeds",
+            "1,2",
+            "--iterations",
+            "3",
+            "--model",
+            "llama-124m",
+            "--jobs",
+            jobs,
+        ]);
+        if let Some(j) = json {
+            c.arg("--json").arg(j);
+        }
+        let out = c.output().expect("runs gwtf");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = grid("3", Some(&json));
+    assert_eq!(table, grid("1", None), "the tables depend on --jobs");
+    let rows: Vec<Vec<String>> = (table.lines())
+        .filter(|l| l.starts_with("| homogeneous") || l.starts_with("| geo10"))
+        .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+        .collect();
+    // 2 scenarios x 2 rates x 2 seeds runs, then 2 x 2 ranges.
+    assert_eq!(rows.len(), 8 + 4, "{table}");
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(runs.len(), 8 * 4, "a report per run and policy");
+    let report = |sc: &str, churn: f64, seed: u64, policy: &str| {
+        (runs.iter())
+            .find(|r| {
+                r["scenario"] == sc
+                    && r["churn_per_hour"].as_f64() == Some(churn)
+                    && r["seed"] == seed
+                    && r["policy"] == policy
+            })
+            .unwrap_or_else(|| panic!("no report of {sc} {churn} {seed} {policy}"))
+    };
+    for row in &rows[..8] {
+        let (sc, churn, seed) = (&row[1], row[2].parse().unwrap(), row[3].parse().unwrap());
+        for (col, policy) in [
+            (5, "gwtf"),
+            (6, "swarm"),
+            (7, "swarm-plus"),
+            (8, "central-mcmf"),
+        ] {
+            let r = report(sc, churn, seed, policy);
+            let printed: f64 = row[col].split(' ').next().unwrap().parse().unwrap();
+            assert!(
+                (printed - r["time_over_bound"].as_f64().unwrap()).abs() < 6e-4,
+                "{row:?} {policy}"
+            );
+        }
+        let (g, s) = (
+            report(sc, churn, seed, "gwtf"),
+            report(sc, churn, seed, "swarm"),
+        );
+        let want = g["training_time_s"].as_f64().unwrap() / s["training_time_s"].as_f64().unwrap();
+        assert!(
+            (row[9].parse::<f64>().unwrap() - want).abs() < 6e-4,
+            "{row:?}"
+        );
+    }
+    // A range covers its seeds' values.
+    for row in &rows[8..] {
+        assert_eq!(row[3], "2", "{row:?}");
+        let (sc, churn) = (&row[1], row[2].parse::<f64>().unwrap());
+        let vals: Vec<f64> = [1, 2]
+            .iter()
+            .map(|&s| {
+                report(sc, churn, s, "gwtf")["time_over_bound"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        let lo = vals.iter().copied().fold(f64::INFINITY, f64::min);
+        assert!(row[4].starts_with(&format!("{lo:.3}")), "{row:?} {vals:?}");
+    }
+    // The same run as `gwtf sim` with that scenario, churn and seed.
+    let sim_json = dir.join("sim.json");
+    let out = gwtf()
+        .args([
+            "sim",
+            "--scenario",
+            "geo10",
+            "--churn-per-hour",
+            "0.5",
+            "--seed",
+            "2",
+            "--iterations",
+            "3",
+            "--model",
+            "llama-124m",
+            "--policy",
+            "gwtf",
+            "--json",
+        ])
+        .arg(&sim_json)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let sim: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&sim_json).unwrap()).unwrap();
+    assert_eq!(
+        sim[0]["training_time_s"],
+        report("geo10", 0.5, 2, "gwtf")["training_time_s"]
+    );
+}
+
+#[test]
+fn bench_policies_refuses_bad_arguments_before_running() {
+    // 100,000 iterations: a check made after the runs would time out.
+    let long = ["bench", "policies", "--iterations", "100000"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        long.iter().chain(extra).copied().collect()
+    };
+    let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
+        (with(&["--scenarios", "geo10,nowhere"]), vec!["nowhere"]),
+        (
+            with(&["--churn", "0,-1"]),
+            vec!["--churn", "must be >= 0, got -1"],
+        ),
+        (with(&["--churn", "0,NaN"]), vec!["--churn", "finite"]),
+        (
+            with(&["--seeds", "1,x"]),
+            vec!["--seeds", "`x` is not a whole number"],
+        ),
+        (with(&["--jobs", "0"]), vec!["--jobs", "got 0"]),
+        (with(&["--model", "nope"]), vec!["--model nope"]),
+        (with(&["--seeds", "1,"]), vec!["--seeds"]),
+        (
+            with(&["--json", "/nonexistent/dir/x.json"]),
+            vec!["cannot write --json /nonexistent/dir/x.json"],
+        ),
+        (
+            vec!["bench", "policies", "--iterations", "0"],
+            vec!["--iterations", "must be >= 1, got 0"],
+        ),
+    ];
+    for (args, names) in cases {
+        gwtf_refuses(&args, &names);
+    }
+}

@@ -1,6 +1,8 @@
 //! `gwtf`: the libgwtf command-line tool.
 use clap::{Parser, Subcommand};
 
+#[path = "gwtf/bench_policies.rs"]
+mod bench_policies;
 #[path = "gwtf/bench_swarm.rs"]
 mod bench_swarm;
 #[path = "gwtf/checks.rs"]
@@ -97,6 +99,12 @@ enum BenchCmd {
     Flow(flow_cmd::BenchFlowArgs),
     /// Simulator: events per second and wall time of 1,000 / 10,000-node geo10 runs.
     Sim(sim_cmd::BenchSimArgs),
+    /// Routing policies: every policy's training time over the lower bound
+    /// computed in the same run (`t/bound`) and GWTF's over the baselines',
+    /// for each scenario x churn rate x seed, as markdown tables (a row per
+    /// run, then the range over the seeds). The evaluation's tables
+    /// (docs/EVALUATION.md) are its output.
+    Policies(bench_policies::BenchPoliciesArgs),
     /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
     Kernels(kernels_cmd::BenchKernelsArgs),
     /// Transport: framed zero-copy path against raw TCP (interleaved), GB/s,
@@ -191,6 +199,7 @@ fn main() {
         Cmd::Bench { what } => match what {
             BenchCmd::Flow(args) => flow_cmd::bench(args),
             BenchCmd::Sim(args) => sim_cmd::bench(args),
+            BenchCmd::Policies(args) => bench_policies::run(args),
             BenchCmd::Kernels(args) => kernels_cmd::run(args),
             BenchCmd::Transport(args) => transport_cmd::bench(args),
             BenchCmd::Swarm(args) => bench_swarm::run(args),

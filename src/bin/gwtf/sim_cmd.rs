@@ -82,7 +82,7 @@ fn policies(p: &str) -> Result<Vec<Policy>, String> {
     })
 }
 
-fn model(name: &str) -> Result<ModelPreset, String> {
+pub(super) fn model(name: &str) -> Result<ModelPreset, String> {
     ModelPreset::by_name(name).ok_or_else(|| {
         format!("--model {name}: unknown model (llama-124m, llama-500m, llama-1.5b)")
     })
