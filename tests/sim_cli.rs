@@ -309,7 +309,7 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
             "--churn",
             "0,0.5",
             "--seeds",
-            "1,2",
+            "1,2,1",
             "--iterations",
             "3",
             "--model",
@@ -334,7 +334,8 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
         .filter(|l| l.starts_with("| homogeneous") || l.starts_with("| geo10"))
         .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
         .collect();
-    // 2 scenarios x 2 rates x 2 seeds runs, then 2 x 2 ranges.
+    // 2 scenarios x 2 rates x 2 seeds runs (seed 1 given twice runs once),
+    // then 2 x 2 ranges.
     assert_eq!(rows.len(), 8 + 4, "{table}");
     let runs: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

@@ -73,11 +73,31 @@ struct Cell {
     seed: u64,
 }
 
-pub fn run(a: BenchPoliciesArgs) -> super::CliResult {
+/// `xs` without repeats, in their first order (a value given twice would
+/// run twice and count twice in its range).
+fn distinct<T: PartialEq + Clone>(xs: &[T]) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(xs.len());
+    for x in xs {
+        if !out.contains(x) {
+            out.push(x.clone());
+        }
+    }
+    out
+}
+
+pub fn run(mut a: BenchPoliciesArgs) -> super::CliResult {
     // Everything that can be refused is refused before the first run.
     let model = sim_cmd::model(&a.model)?;
+    a.scenarios = distinct(
+        &a.scenarios
+            .iter()
+            .map(|s| s.trim().to_string())
+            .collect::<Vec<_>>(),
+    );
+    a.churn = distinct(&a.churn);
+    a.seeds = distinct(&a.seeds);
     let scenarios = (a.scenarios.iter())
-        .map(|s| Scenario::by_name(s.trim()))
+        .map(|s| Scenario::by_name(s))
         .collect::<Result<Vec<_>, _>>()?;
     if scenarios.is_empty() || a.churn.is_empty() || a.seeds.is_empty() {
         return Err("--scenarios, --churn and --seeds each need at least one value".into());
