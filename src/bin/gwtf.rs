@@ -99,11 +99,14 @@ enum BenchCmd {
     Flow(flow_cmd::BenchFlowArgs),
     /// Simulator: events per second and wall time of 1,000 / 10,000-node geo10 runs.
     Sim(sim_cmd::BenchSimArgs),
-    /// Routing policies: every policy's training time over the lower bound
-    /// computed in the same run (`t/bound`) and GWTF's over the baselines',
-    /// for each scenario x churn rate x seed, as markdown tables (a row per
-    /// run, then the range over the seeds). The evaluation's tables
-    /// (docs/EVALUATION.md) are its output.
+    /// Routing policies in the simulator: each one's time over the lower
+    /// bound, and GWTF's over the baselines', per scenario x churn x seed.
+    ///
+    /// Every policy runs on every scenario x churn rate x seed (the runs of
+    /// `gwtf sim`); the markdown tables give each run's training time over
+    /// the lower bound computed in the same run (`t/bound`) and GWTF's over
+    /// `swarm`'s and `swarm-plus`'s, a row per run, then the range over the
+    /// seeds. The evaluation's tables (docs/EVALUATION.md) are its output.
     Policies(bench_policies::BenchPoliciesArgs),
     /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
     Kernels(kernels_cmd::BenchKernelsArgs),
