@@ -638,6 +638,68 @@ fn an_agg_done_that_comes_before_the_take_over_is_kept_for_it() {
     assert_eq!(redone, 0, "nothing rerun, no new ring");
 }
 
+/// The coordinator (1) dies during its commit's all-reduce, and a member's
+/// part fails first: the member's `AggFailed` goes to 1, which is gone. The
+/// member tells the successor (2) again when it syncs with it, and the
+/// successor, when it is that member itself, tells itself: it reruns 1's
+/// grant at once. (Before, the successor took the commit over as whole and
+/// waited `redo_timeout` for an all-reduce that had failed: the demo's
+/// swarm stood still 5 s after such a crash.)
+#[test]
+fn an_all_reduce_that_failed_before_the_take_over_is_told_to_the_successor() {
+    let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
+    let mut all = BTreeMap::new();
+    all.insert(m0, (1, 10, 30));
+    all.insert(m1, (3, 10, 30));
+    let epoch = (1 << 32) | 1;
+    let commit = Msg::Commit {
+        iter: 0,
+        epoch,
+        members: Arc::new(vec![1, 2, 3]),
+        digest: commit_digest(&all, &BTreeSet::new()),
+    };
+    let fails = |n: &mut Node, commit: Msg| {
+        let agg = runs(&deliver(n, 1, commit))[0].id;
+        let now = n.now;
+        let acts = n.handle(now, Input::TaskFailed { id: agg });
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 1 && matches!(m, Msg::AggFailed { .. })));
+    };
+    // A member (3): its sync to the successor says it again.
+    let mut n = started(Policy::Gwtf, 3, 2, &[1, 2], &[(0, 0), (10, 1), (30, 3)]);
+    fails(&mut n, commit.clone());
+    let now = n.now;
+    let acts = n.handle(now, Input::PeerLost { peer: 1 });
+    assert_eq!(n.group.coord, Some(2));
+    let told = sends(&acts)
+        .into_iter()
+        .any(|(to, m)| to == 2 && matches!(m, Msg::AggFailed { iter: 0, epoch: e } if *e == epoch));
+    assert!(told, "{acts:?}");
+    // The successor (2) itself: 1's grant is rerun at once.
+    let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
+    let granted = vec![(m0, 10, 30)];
+    deliver(&mut n, 1, Msg::Deputy { iter: 0, granted });
+    fails(&mut n, commit);
+    let sync = Msg::Sync {
+        iter: 0,
+        granted: vec![(m1, 10, 30)],
+        end: None,
+    };
+    deliver(&mut n, 3, sync);
+    let now = n.now;
+    let acts = n.handle(now, Input::PeerLost { peer: 1 });
+    assert_eq!(n.group.coord, Some(2));
+    let redone = sends(&acts)
+        .iter()
+        .any(|(_, m)| matches!(m, Msg::Redo { mb, .. } if *mb == m0));
+    assert!(redone, "1's grant rerun at once: {acts:?}");
+    assert!(
+        n.coordinating.coord_iters[&0].commit.is_none(),
+        "not taken over"
+    );
+}
+
 /// The end of an iteration is passed along the pipeline once per heartbeat
 /// period, but at once when another origin announces it: the holders'
 /// coordinator died after the end and its successor announced it again;

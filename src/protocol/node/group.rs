@@ -59,6 +59,11 @@ pub(super) struct Acc {
     /// The epoch whose all-reduce ended here with the mean (told again to
     /// a new coordinator, which may take the commit over: see `deputy`).
     pub(super) agg_finished: Option<u64>,
+    /// The epoch whose all-reduce failed here (told again to a new
+    /// coordinator: the `AggFailed` may have gone to one that died, and a
+    /// successor taking its commit over would wait `redo_timeout` for a
+    /// result that never comes).
+    pub(super) agg_failed: Option<u64>,
 }
 
 /// Each microbatch of `claims` with the hop it came from and went to.
@@ -139,22 +144,25 @@ impl Node {
                 },
             );
         }
-        // An all-reduce that ended here with the mean is told again: the
-        // new coordinator may take its commit over (see `deputy`).
+        // An all-reduce that ended here, with the mean or failed, is told
+        // again: the new coordinator may take its commit over (see
+        // `deputy`), and a failure it does not hear of would keep that
+        // commit waiting `redo_timeout`.
         for &k in &iters {
             let a = &self.member.acc[&k];
-            if let (Some(epoch), Some((_, e))) = (a.agg_finished, a.agg_task) {
-                if epoch == e {
-                    let weights = self.member.weights;
-                    self.send(
-                        c,
-                        Msg::AggDone {
-                            iter: k,
-                            epoch,
-                            weights,
-                        },
-                    );
-                }
+            let Some((_, e)) = a.agg_task else { continue };
+            if a.agg_finished == Some(e) {
+                let weights = self.member.weights;
+                self.send(
+                    c,
+                    Msg::AggDone {
+                        iter: k,
+                        epoch: e,
+                        weights,
+                    },
+                );
+            } else if a.agg_failed == Some(e) {
+                self.send(c, Msg::AggFailed { iter: k, epoch: e });
             }
         }
         if iters.is_empty() {
@@ -296,6 +304,7 @@ impl Node {
         a.agg_members = Some(members);
         a.agg_digest = digest;
         a.agg_finished = None;
+        a.agg_failed = None;
     }
 }
 

@@ -313,7 +313,13 @@ impl Node {
         if self.phase != Phase::Active || !matches!(kind, TaskKind::Aggregate { .. }) {
             return;
         }
-        if let (Some((iter, epoch)), Some(c)) = (self.commit_of(id), self.group.coord) {
+        let Some((iter, epoch)) = self.commit_of(id) else {
+            return;
+        };
+        if let Some(a) = self.member.acc.get_mut(&iter) {
+            a.agg_failed = Some(epoch);
+        }
+        if let Some(c) = self.group.coord {
             self.send(c, Msg::AggFailed { iter, epoch });
         }
     }
