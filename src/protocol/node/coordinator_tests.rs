@@ -497,6 +497,23 @@ fn a_dead_coordinators_own_grants_are_rerun_one_stage_by_its_deputy() {
     }
 }
 
+/// Coordinator 1's commit of iteration 0 to members 1, 2 and 3: holder 0's
+/// microbatch 0 granted to 1, microbatch 1 to 3 (its digest off by one when
+/// `wrong_digest`), and its epoch.
+fn commit_by_1(wrong_digest: bool) -> (Msg, u64) {
+    let mut all = BTreeMap::new();
+    all.insert(mb(0, 0, 0), (1, 10, 30));
+    all.insert(mb(0, 0, 1), (3, 10, 30));
+    let epoch = (1 << 32) | 1;
+    let commit = Msg::Commit {
+        iter: 0,
+        epoch,
+        members: Arc::new(vec![1, 2, 3]),
+        digest: commit_digest(&all, &BTreeSet::new()) ^ wrong_digest as u64,
+    };
+    (commit, epoch)
+}
+
 /// The coordinator (1) dies while its commit's all-reduce runs; its deputy
 /// (2) takes over. When the members' syncs and the copy of 1's own grants
 /// are all the commit covered (its digest), the deputy applies the
@@ -510,18 +527,7 @@ fn a_successor_takes_over_its_dead_coordinators_commit_only_when_it_knows_all_of
         let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
         let granted = vec![(m0, 10, 30)];
         deliver(&mut n, 1, Msg::Deputy { iter: 0, granted });
-        let mut all = BTreeMap::new();
-        all.insert(m0, (1, 10, 30));
-        all.insert(m1, (3, 10, 30));
-        let digest = commit_digest(&all, &BTreeSet::new()) ^ (case == "partial") as u64;
-        let epoch = (1 << 32) | 1;
-        let members = Arc::new(vec![1, 2, 3]);
-        let commit = Msg::Commit {
-            iter: 0,
-            epoch,
-            members,
-            digest,
-        };
+        let (commit, epoch) = commit_by_1(case == "partial");
         let acts = deliver(&mut n, 1, commit);
         let agg = runs(&acts)[0].id;
         let redone = |acts: &[Action]| {
@@ -592,16 +598,7 @@ fn an_agg_done_that_comes_before_the_take_over_is_kept_for_it() {
             granted: vec![(m0, 10, 30)],
         },
     );
-    let mut all = BTreeMap::new();
-    all.insert(m0, (1, 10, 30));
-    all.insert(m1, (3, 10, 30));
-    let epoch = (1 << 32) | 1;
-    let commit = Msg::Commit {
-        iter: 0,
-        epoch,
-        members: Arc::new(vec![1, 2, 3]),
-        digest: commit_digest(&all, &BTreeSet::new()),
-    };
+    let (commit, epoch) = commit_by_1(false);
     let acts = deliver(&mut n, 1, commit);
     let agg = runs(&acts)[0].id;
     let now = n.now;
@@ -648,16 +645,7 @@ fn an_agg_done_that_comes_before_the_take_over_is_kept_for_it() {
 #[test]
 fn an_all_reduce_that_failed_before_the_take_over_is_told_to_the_successor() {
     let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
-    let mut all = BTreeMap::new();
-    all.insert(m0, (1, 10, 30));
-    all.insert(m1, (3, 10, 30));
-    let epoch = (1 << 32) | 1;
-    let commit = Msg::Commit {
-        iter: 0,
-        epoch,
-        members: Arc::new(vec![1, 2, 3]),
-        digest: commit_digest(&all, &BTreeSet::new()),
-    };
+    let (commit, epoch) = commit_by_1(false);
     let fails = |n: &mut Node, commit: Msg| {
         let agg = runs(&deliver(n, 1, commit))[0].id;
         let now = n.now;
