@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -109,7 +109,7 @@ fn wait_with_timeout(demo: &mut Child, within: Duration) -> std::process::ExitSt
 
 /// Runs `gwtf demo` with a crash a second and a join every 1.5 s over 12
 /// iterations in `scratch(name)`: its output, its --json and its --report.
-fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, String) {
+fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, String, PathBuf) {
     let dir = scratch(name);
     let (json, report, logs) = (dir.join("run.json"), dir.join("run.html"), dir.join("logs"));
     let out = gwtf()
@@ -147,7 +147,7 @@ fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, Stri
         }))
         .unwrap();
     let html = std::fs::read_to_string(&report).unwrap();
-    (out, v, html)
+    (out, v, html, logs)
 }
 
 /// The demo's own job, whatever the swarm does: it runs the swarm to the end
@@ -158,7 +158,7 @@ fn the_demo_runs_a_swarm_through_crashes_and_joins_and_reports() {
     if !node_command_exists() {
         return;
     }
-    let (out, v, html) = demo_with_churn("demo-e2e-report");
+    let (out, v, html, logs) = demo_with_churn("demo-e2e-report");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.success(), v["ok"] == true, "{stdout}\n{v}");
     assert_eq!(v["finished"], true, "{stdout}");
@@ -184,6 +184,28 @@ fn the_demo_runs_a_swarm_through_crashes_and_joins_and_reports() {
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(html.matches("</svg>").count(), 3);
     assert!(stdout.contains("crash: SIGKILL node"), "{stdout}");
+    // events.log: every node's lines, each once, in the order read, with
+    // the time and the node.
+    let events = std::fs::read_to_string(logs.join("events.log")).unwrap();
+    let mut last = 0.0;
+    let mut per_node: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for l in events.lines() {
+        let mut f = l.splitn(4, ' ');
+        let t: f64 = f.next().unwrap().parse().unwrap();
+        assert!(t >= last, "not in order: {l}");
+        last = t;
+        assert_eq!(f.next(), Some("node"), "{l}");
+        let node = f.next().unwrap().to_string();
+        per_node
+            .entry(node)
+            .or_default()
+            .push(f.next().unwrap().to_string());
+    }
+    assert!(per_node.len() >= 6, "{per_node:?}");
+    for (node, lines) in per_node {
+        let own = std::fs::read_to_string(logs.join(format!("node-{node}.stdout"))).unwrap();
+        assert_eq!(own.lines().collect::<Vec<_>>(), lines, "node {node}");
+    }
 }
 
 /// The swarm's job: through the same crashes and joins every microbatch is
@@ -194,7 +216,7 @@ fn the_swarm_trains_exactly_through_crashes_and_joins() {
     if !node_command_exists() {
         return;
     }
-    let (out, v, _) = demo_with_churn("demo-e2e-exact");
+    let (out, v, _, _) = demo_with_churn("demo-e2e-exact");
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),

@@ -105,8 +105,10 @@ pub struct DemoArgs {
     /// Write a self-contained HTML page with plots of the run.
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
-    /// Keep each node's stdout and stderr (node-ID.stdout, node-ID.stderr) and
-    /// the demo's own actions (demo.log) in this directory.
+    /// Keep each node's stdout and stderr (node-ID.stdout, node-ID.stderr),
+    /// the demo's own actions (demo.log), and every node's event lines in
+    /// the order the demo read them, each with its time in seconds and the
+    /// node (events.log: `12.525 node 8 {...}`), in this directory.
     #[arg(long, value_name = "DIR")]
     pub keep_logs: Option<PathBuf>,
     /// Give up after this many seconds (every node is killed, the run fails).
@@ -192,6 +194,8 @@ pub struct Swarm<'a> {
     pub procs: Procs,
     pub facts: Facts,
     pub log: Option<std::fs::File>,
+    /// events.log: every node's event lines, in the order they were read.
+    pub events: Option<std::io::BufWriter<std::fs::File>>,
     pub rng: Rng,
     pub next_id: NodeId,
     pub next_region: usize,
@@ -201,6 +205,13 @@ pub struct Swarm<'a> {
 impl Swarm<'_> {
     pub fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
+    }
+
+    /// Keeps node `id`'s line read at `t` in events.log (with --keep-logs).
+    fn keep_line(&mut self, id: NodeId, t: f64, line: &str) {
+        if let Some(f) = &mut self.events {
+            let _ = writeln!(f, "{t:.3} node {id} {line}");
+        }
     }
 
     fn record(&mut self, what: What) {
@@ -593,6 +604,12 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         Some(d) => Some(std::fs::File::create(d.join("demo.log"))?),
         None => None,
     };
+    let events = match &a.keep_logs {
+        Some(d) => Some(std::io::BufWriter::new(std::fs::File::create(
+            d.join("events.log"),
+        )?)),
+        None => None,
+    };
     catch_interrupts();
 
     println!(
@@ -618,6 +635,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         procs: Procs::default(),
         facts: Facts::new(a.stages),
         log,
+        events,
         rng: Rng(a.seed ^ 0x6777_7466_6465_6d6f),
         next_id: 0,
         next_region: 0,
@@ -628,6 +646,9 @@ pub fn run(a: DemoArgs) -> super::CliResult {
     // Every node is stopped before anything else happens (the guard would too).
     let ended = sw.procs.kill_all();
     drain(&mut sw, &rx, Duration::from_millis(200));
+    if let Some(f) = &mut sw.events {
+        let _ = f.flush();
+    }
     for (id, code) in ended {
         sw.record(What::Exited { node: id, code });
     }
@@ -767,13 +788,16 @@ fn drain(sw: &mut Swarm, rx: &Receiver<Msg>, wait: Duration) {
     let until = Instant::now() + wait;
     while let Ok(m) = rx.recv_deadline(until) {
         match m {
-            Msg::Line(id, t, line) => sw.facts.push(&Entry {
-                t,
-                what: What::Line {
-                    node: id,
-                    event: parse_line(&line),
-                },
-            }),
+            Msg::Line(id, t, line) => {
+                sw.keep_line(id, t, &line);
+                sw.facts.push(&Entry {
+                    t,
+                    what: What::Line {
+                        node: id,
+                        event: parse_line(&line),
+                    },
+                })
+            }
             Msg::Eof(id) => {
                 if let Some(p) = sw.procs.get(id) {
                     p.stdout_closed = true;
@@ -787,6 +811,7 @@ fn drain(sw: &mut Swarm, rx: &Receiver<Msg>, wait: Duration) {
 /// notes worth a line of their own, and the kills waiting for an event.
 fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: f64, line: &str) {
     use super::demo_events::Event;
+    sw.keep_line(id, t, line);
     let ev = parse_line(line);
     sw.facts.push(&Entry {
         t,
