@@ -487,14 +487,9 @@ mod tests {
     #[test]
     fn an_operation_started_after_a_loss_learns_of_it() {
         let (net, mut agg) = (net(), ring_only());
-        agg.on_peer_lost(3);
-        let [op, _] = started(&mut agg);
-        let out = decoded(agg.outgoing(&net));
         // Around the ring the abort goes on to 2; the way back, 1's next
         // member is 3 itself (2, its last, hears of 3 on its own).
-        assert_eq!(out, vec![(2, Message::Abort { op, lost: 3 })]);
-        let (_, _, end) = agg.finished().expect("ended");
-        assert!(end.unwrap_err().contains("lost"));
+        ends_at_once_without_3(&net, &mut agg);
         agg.on_peer_back(3);
         started(&mut agg);
         let out = decoded(agg.outgoing(&net));
@@ -567,9 +562,15 @@ mod tests {
     #[test]
     fn a_butterfly_started_after_a_loss_ends_at_once() {
         let (net, mut agg) = (net(), Aggregation::default());
+        ends_at_once_without_3(&net, &mut agg);
+    }
+
+    /// Member 3 is lost before `agg` starts: the operation tells member 2
+    /// it aborts and ends at once, lost.
+    fn ends_at_once_without_3(net: &Net, agg: &mut Aggregation) {
         agg.on_peer_lost(3);
-        let [op, _] = started(&mut agg);
-        let out = decoded(agg.outgoing(&net));
+        let [op, _] = started(agg);
+        let out = decoded(agg.outgoing(net));
         assert_eq!(out, vec![(2, Message::Abort { op, lost: 3 })]);
         let (_, _, end) = agg.finished().expect("ended");
         assert!(end.unwrap_err().contains("lost"));
