@@ -11,6 +11,16 @@
 //! - Back-pressure: each peer has a bounded send queue; [`Node::send`] waits
 //!   up to its timeout for room (timeout 0: would-block). Receiving stops when
 //!   the pool is full, so memory stays bounded and TCP pushes back.
+//! - Two lanes per connection: control frames (heartbeats, control
+//!   messages) never wait behind data. They have a queue of their own
+//!   ([`CONTROL_QUEUE_DEPTH`] frames, apart from the data frames' room) and
+//!   go out first; a data payload longer than a slice (at most 256 KiB, and
+//!   about 10 ms of an emulated link's bandwidth) is sent as a sliced frame
+//!   ([`crate::wire::conn`]), so control frames wait at most one slice. Data
+//!   frames stay in order among themselves, as do control frames; a control
+//!   message sent after a data frame may arrive before it (the simulator's
+//!   links behave the same way). A goodbye goes after the data queued before
+//!   it. Any byte received counts as a sign of life for the dead-peer timeout.
 //! - Connections start with the authenticated handshake of [`crate::wire`];
 //!   heartbeats, dead-peer detection, handshake and frame deadlines, graceful
 //!   goodbye, and an optional user-space link emulation (delay, bandwidth).
@@ -228,6 +238,10 @@ pub enum Event {
     Control { peer: u64, msg: ControlEnvelope },
 }
 
+/// Control frames queued per peer before [`Node::send_control`] waits (apart
+/// from the data frames' `send_queue_depth`: control never waits for data).
+pub const CONTROL_QUEUE_DEPTH: usize = 256;
+
 /// Events a node queues for its caller. Past `EVENT_QUEUE - EVENT_ROOM`
 /// queued events the poll thread stops reading control messages (TCP pushes
 /// back on the peers) instead of dropping them; the room left is for
@@ -440,8 +454,11 @@ pub(crate) struct PeerSlot {
 
 #[derive(Default)]
 struct SendQueue {
+    /// Data frames queued.
     queued: usize,
     waiting: usize,
+    /// Control frames queued (their own room, see [`CONTROL_QUEUE_DEPTH`]).
+    control: usize,
 }
 
 impl PeerSlot {
@@ -454,10 +471,16 @@ impl PeerSlot {
             write_blocked: AtomicBool::new(false),
         }
     }
-    pub(crate) fn done(&self, n: usize) {
+    /// `n` frames of a lane left the queue (sent or dropped).
+    pub(crate) fn done(&self, n: usize, control: bool) {
         let mut q = self.queued.lock();
-        q.queued = q.queued.saturating_sub(n);
-        let wake = q.waiting > 0 && q.queued <= self.resume_at;
+        let wake = if control {
+            q.control = q.control.saturating_sub(n);
+            q.waiting > 0 && q.control < CONTROL_QUEUE_DEPTH
+        } else {
+            q.queued = q.queued.saturating_sub(n);
+            q.waiting > 0 && q.queued <= self.resume_at
+        };
         drop(q);
         if wake {
             self.room.notify_all();
@@ -517,6 +540,8 @@ pub(crate) enum Cmd {
         head: Box<[u8; crate::wire::HEADER_LEN]>,
         payload: OutPayload,
         data_len: u64,
+        /// The control lane (heartbeats, control messages): ahead of data.
+        control: bool,
     },
     Disconnect {
         peer: u64,
@@ -715,7 +740,12 @@ impl Node {
         Ok(f)
     }
 
-    fn reserve(&self, peer: u64, timeout: Duration) -> Result<Arc<PeerSlot>, EngineError> {
+    fn reserve(
+        &self,
+        peer: u64,
+        timeout: Duration,
+        control: bool,
+    ) -> Result<Arc<PeerSlot>, EngineError> {
         let slot = self
             .shared
             .peers
@@ -724,14 +754,23 @@ impl Node {
             .cloned()
             .ok_or_else(|| EngineError::NotFound(format!("no connected peer {peer:x}")))?;
         let deadline = Instant::now().checked_add(timeout);
-        let depth = self.shared.opts.send_queue_depth;
+        let depth = if control {
+            CONTROL_QUEUE_DEPTH
+        } else {
+            self.shared.opts.send_queue_depth
+        };
         let mut q = slot.queued.lock();
         loop {
             if !slot.open.load(Ordering::SeqCst) {
                 return Err(EngineError::Closed(format!("peer {peer:x} is gone")));
             }
-            if q.queued < depth {
-                q.queued += 1;
+            let n = if control {
+                &mut q.control
+            } else {
+                &mut q.queued
+            };
+            if *n < depth {
+                *n += 1;
                 break;
             }
             q.waiting += 1;
@@ -743,9 +782,11 @@ impl Node {
                 }
             };
             q.waiting -= 1;
-            if timed_out && q.queued >= depth {
+            let n = if control { q.control } else { q.queued };
+            if timed_out && n >= depth {
                 return Err(EngineError::Timeout(format!(
-                    "send queue to peer {peer:x} is full ({depth} frames)"
+                    "{} queue to peer {peer:x} is full ({depth} frames)",
+                    if control { "control" } else { "send" }
                 )));
             }
         }
@@ -814,15 +855,16 @@ impl Node {
         header
             .validate(self.shared.opts.max_payload)
             .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
-        let slot = self.reserve(peer, timeout)?;
+        let slot = self.reserve(peer, timeout, false)?;
         let cmd = Cmd::Send {
             peer,
             head: Box::new(header.encode()),
             payload,
             data_len: len,
+            control: false,
         };
         if self.stopped.load(Ordering::SeqCst) || self.cmd_tx.send(cmd).is_err() {
-            slot.done(1);
+            slot.done(1, false);
             return Err(EngineError::Closed("node is shut down".into()));
         }
         // A peer whose socket is full gets its frames picked up by the
@@ -841,7 +883,11 @@ impl Node {
         self.send(peer, frame, timeout)
     }
 
-    /// Sends a typed control message.
+    /// Sends a typed control message. It goes out ahead of the data frames
+    /// queued to `peer` (and between the slices of a long one), so it may
+    /// arrive before data frames sent earlier; control messages stay in
+    /// order among themselves. Waits up to `timeout` for room in the peer's
+    /// control queue ([`CONTROL_QUEUE_DEPTH`]), never for data.
     pub fn send_control(
         &self,
         peer: u64,
@@ -853,15 +899,16 @@ impl Node {
             crate::wire::encode_control_frame(FrameKind::Control, self.shared.node_id, &body);
         let mut head = Box::new([0u8; crate::wire::HEADER_LEN]);
         head.copy_from_slice(&frame[..crate::wire::HEADER_LEN]);
-        let slot = self.reserve(peer, timeout)?;
+        let slot = self.reserve(peer, timeout, true)?;
         let cmd = Cmd::Send {
             peer,
             head,
             payload: OutPayload::Bytes(frame[crate::wire::HEADER_LEN..].to_vec()),
             data_len: 0,
+            control: true,
         };
         if let Err(e) = self.command(cmd) {
-            slot.done(1);
+            slot.done(1, true);
             return Err(e);
         }
         Ok(())

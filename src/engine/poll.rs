@@ -15,8 +15,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::{add, CloseReason, Cmd, Event, Frame, OutPayload, PeerSlot, Shared};
 use crate::pool::Lease;
 use crate::wire::{
-    encode_control_frame, ConnEvent, Connection, FrameKind, Goodbye, GoodbyeReason, Heartbeat,
-    ReadTarget, Role, SwarmKey, HEADER_LEN,
+    encode_control_frame, slice_head, sliced_head, ConnEvent, Connection, FrameKind, Goodbye,
+    GoodbyeReason, Heartbeat, ReadTarget, Role, SwarmKey, HEADER_LEN, MAX_SLICE_LEN,
 };
 
 pub(crate) const WAKER: Token = Token(0);
@@ -30,6 +30,19 @@ const GOODBYE_FLUSH: Duration = Duration::from_secs(2);
 /// being read: the poll thread then wakes once per this many bytes, not once
 /// per segment (fewer epoll round trips per frame).
 const RCVLOWAT_MAX: usize = 1 << 20;
+/// Largest slice of a sliced data frame: a data payload longer than the
+/// slice length goes out in slices, and a control frame waits at most one.
+const SLICE_MAX: usize = 256 << 10;
+const SLICE_MIN: usize = 16 << 10;
+const _: () = assert!(SLICE_MAX <= MAX_SLICE_LEN);
+/// Units (whole frames, slices) planned per write round.
+const MAX_UNITS: usize = MAX_IOV / 2 - 1;
+/// Most bytes written to one connection per turn before serving the
+/// others (the rest goes out on the next turn, at once).
+const WRITE_BUDGET: usize = 8 << 20;
+/// Unsent bytes the kernel may hold per socket (TCP_NOTSENT_LOWAT): what a
+/// control frame may still wait behind once it is written.
+const NOTSENT_LOWAT: usize = 256 << 10;
 
 struct OutItem {
     head: Box<[u8; HEADER_LEN]>,
@@ -37,7 +50,46 @@ struct OutItem {
     data_len: u64,
     /// Counts against the peer's send queue (user frames).
     counted: bool,
+    /// A control frame (counted in the control lane's room); else a data frame.
+    control: bool,
     ready_at: Option<Instant>,
+}
+
+/// A piece of the byte stream, planned in order: a whole frame, the header
+/// that opens a sliced data frame, or one slice of it.
+enum Unit {
+    Item(OutItem),
+    Open(Box<[u8; HEADER_LEN]>),
+    Slice {
+        head: [u8; HEADER_LEN],
+        start: usize,
+        len: usize,
+        last: bool,
+    },
+}
+
+impl Unit {
+    /// Its bytes; a slice's payload is in `sliced`, the open sliced frame.
+    fn parts<'a>(&'a self, sliced: Option<&'a OutItem>) -> [&'a [u8]; 2] {
+        match self {
+            Unit::Item(i) => [&i.head[..], i.payload()],
+            Unit::Open(h) => [&h[..], &[]],
+            Unit::Slice {
+                head, start, len, ..
+            } => [
+                &head[..],
+                sliced.map_or(&[][..], |s| &s.payload()[*start..*start + *len]),
+            ],
+        }
+    }
+    fn total(&self) -> usize {
+        HEADER_LEN
+            + match self {
+                Unit::Item(i) => i.payload().len(),
+                Unit::Open(_) => 0,
+                Unit::Slice { len, .. } => *len,
+            }
+    }
 }
 
 impl OutItem {
@@ -49,8 +101,8 @@ impl OutItem {
             OutPayload::Bytes(b) => b,
         }
     }
-    fn total(&self) -> usize {
-        HEADER_LEN + self.payload().len()
+    fn ready(&self, now: Instant) -> bool {
+        self.ready_at.is_none_or(|r| r <= now)
     }
     fn control(kind: FrameKind, sender: u64, body: &[u8]) -> Self {
         let bytes = encode_control_frame(kind, sender, body);
@@ -61,6 +113,7 @@ impl OutItem {
             payload: OutPayload::Bytes(bytes[HEADER_LEN..].to_vec()),
             data_len: 0,
             counted: false,
+            control: true,
             ready_at: None,
         }
     }
@@ -89,13 +142,26 @@ struct Conn {
     slot: Option<Arc<PeerSlot>>,
     hs_out: Vec<u8>,
     hs_off: usize,
-    sendq: VecDeque<OutItem>,
-    head_off: usize,
+    /// Control frames to send: ahead of data, between slices.
+    ctrlq: VecDeque<OutItem>,
+    /// Data frames (and a goodbye, after them) to send, in order.
+    dataq: VecDeque<OutItem>,
+    /// What is being written, in order; `wire_off` bytes of the first are out.
+    wire: VecDeque<Unit>,
+    wire_off: usize,
+    /// The data frame being sent in slices (its slices are in `wire` or
+    /// still to plan).
+    sliced: Option<OutItem>,
+    /// Payload bytes of `sliced` already planned into slices.
+    sliced_next: usize,
     rx_lease: Option<Lease>,
     rx_filled: usize,
     awaiting_slot: bool,
     started: Instant,
+    /// Deadline of the header or control frame being received.
     frame_deadline: Option<Instant>,
+    /// Deadline of the data frame being received (sliced or not).
+    data_deadline: Option<Instant>,
     last_rx: Instant,
     last_tx: Instant,
     hb_seq: u64,
@@ -117,6 +183,127 @@ struct Conn {
     /// connection has heard from the peer, so the peer never sees the end
     /// of its only connection).
     heard: bool,
+}
+
+impl Conn {
+    /// Nothing to send.
+    fn idle(&self) -> bool {
+        self.ctrlq.is_empty()
+            && self.dataq.is_empty()
+            && self.wire.is_empty()
+            && self.sliced.is_none()
+    }
+
+    /// Length of a slice: at most `SLICE_MAX`, and about 10 ms of an
+    /// emulated link's bandwidth (a control frame waits at most that long).
+    fn slice_len(&self) -> usize {
+        match &self.bucket {
+            Some(b) => ((b.rate / 100.0) as usize).clamp(SLICE_MIN, SLICE_MAX),
+            None => SLICE_MAX,
+        }
+    }
+
+    /// Plans the next units when none is left to write: every ready
+    /// control frame first, then data, up to one slice's worth. Returns
+    /// when a frame that is not ready yet (link delay) will be.
+    fn plan(&mut self, sender: u64, now: Instant) -> Option<Instant> {
+        if !self.wire.is_empty() {
+            return None;
+        }
+        let mut later: Option<Instant> = None;
+        let mut note = |i: &OutItem| {
+            if let Some(r) = i.ready_at.filter(|r| *r > now) {
+                later = Some(later.map_or(r, |l: Instant| l.min(r)));
+            }
+        };
+        while self.wire.len() < MAX_UNITS {
+            match self.ctrlq.front() {
+                Some(i) if i.ready(now) => {
+                    let i = self.ctrlq.pop_front().expect("non-empty");
+                    self.wire.push_back(Unit::Item(i));
+                }
+                Some(i) => {
+                    note(i);
+                    break;
+                }
+                None => break,
+            }
+        }
+        let slice = self.slice_len();
+        let mut budget = slice;
+        while self.wire.len() < MAX_UNITS && budget > 0 {
+            if let Some(s) = &self.sliced {
+                let total = s.payload().len();
+                let len = (total - self.sliced_next).min(slice);
+                let start = self.sliced_next;
+                self.sliced_next += len;
+                self.wire.push_back(Unit::Slice {
+                    head: slice_head(sender, len as u64),
+                    start,
+                    len,
+                    last: self.sliced_next == total,
+                });
+                // One slice per round; a sliced frame's last slice must be
+                // out before the next data frame is planned.
+                break;
+            }
+            let Some(front) = self.dataq.front() else {
+                break;
+            };
+            if !front.ready(now) {
+                note(front);
+                break;
+            }
+            let item = self.dataq.pop_front().expect("non-empty");
+            if item.payload().len() > slice {
+                self.wire
+                    .push_back(Unit::Open(Box::new(sliced_head(&item.head))));
+                self.sliced = Some(item);
+                self.sliced_next = 0;
+                continue;
+            }
+            budget = budget.saturating_sub(item.payload().len() + HEADER_LEN);
+            self.wire.push_back(Unit::Item(item));
+        }
+        if self.wire.is_empty() {
+            later
+        } else {
+            None
+        }
+    }
+}
+
+/// What leaving the send queue means for an item: its lane's room, and the
+/// counters of data frames sent (`sent`) or dropped.
+fn item_done(shared: &Shared, slot: Option<&Arc<PeerSlot>>, item: &OutItem, sent: bool) {
+    if !item.counted {
+        return;
+    }
+    if let Some(s) = slot {
+        s.done(1, item.control);
+    }
+    if sent && !item.control {
+        add(&shared.counters.frames_sent, 1);
+        add(&shared.counters.bytes_sent, item.data_len);
+    }
+}
+
+/// Best effort: the kernel keeps at most `NOTSENT_LOWAT` unsent bytes of
+/// this socket, so a control frame never waits behind megabytes queued in
+/// the kernel (a socket that refuses only costs that bound).
+fn set_notsent_lowat(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let v = NOTSENT_LOWAT as libc::c_int;
+    // SAFETY: a valid socket descriptor owned by `stream`, and a c_int option value.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
 }
 
 pub(crate) struct Driver {
@@ -313,6 +500,7 @@ impl Driver {
         let token = Token(self.next_token);
         self.next_token += 1;
         let mut stream = stream;
+        set_notsent_lowat(&stream);
         if let Err(e) = self.poll.registry().register(
             &mut stream,
             token,
@@ -352,13 +540,18 @@ impl Driver {
             slot: None,
             hs_out,
             hs_off: 0,
-            sendq: VecDeque::new(),
-            head_off: 0,
+            ctrlq: VecDeque::new(),
+            dataq: VecDeque::new(),
+            wire: VecDeque::new(),
+            wire_off: 0,
+            sliced: None,
+            sliced_next: 0,
             rx_lease: None,
             rx_filled: 0,
             awaiting_slot: false,
             started: now,
             frame_deadline: None,
+            data_deadline: None,
             last_rx: now,
             last_tx: now,
             hb_seq: 0,
@@ -457,6 +650,7 @@ impl Driver {
                     head,
                     payload,
                     data_len,
+                    control,
                 } => {
                     let Some(&t) = self.by_peer.get(&peer) else {
                         // The peer left after the sender reserved room; the slot is closed.
@@ -469,13 +663,19 @@ impl Driver {
                         .map(|l| l.delay)
                         .filter(|d| !d.is_zero());
                     let c = self.conns.get_mut(&t).expect("by_peer is consistent");
-                    c.sendq.push_back(OutItem {
+                    let item = OutItem {
                         head,
                         payload,
                         data_len,
                         counted: true,
+                        control,
                         ready_at: delay.map(|d| Instant::now() + d),
-                    });
+                    };
+                    if control {
+                        c.ctrlq.push_back(item);
+                    } else {
+                        c.dataq.push_back(item);
+                    }
                     self.flush(t);
                 }
                 Cmd::Disconnect { peer } => {
@@ -510,7 +710,8 @@ impl Driver {
                 message: msg.into(),
             }
             .encode();
-            c.sendq
+            // After the data queued before it (a goodbye ends the stream).
+            c.dataq
                 .push_back(OutItem::control(FrameKind::Goodbye, id, &body));
             c.closing = Some(Instant::now() + GOODBYE_FLUSH);
             self.flush(t);
@@ -582,95 +783,94 @@ impl Driver {
             c.hs_off = 0;
         }
         let mut blocked = false;
-        while failure.is_none() && c.machine.is_established() && !c.sendq.is_empty() {
+        let mut written = 0usize;
+        let sender = shared.node_id;
+        while failure.is_none() && c.machine.is_established() {
             let now = Instant::now();
-            if let Some(ra) = c.sendq[0].ready_at {
-                if ra > now {
-                    c.write_at = Some(ra);
+            if c.wire.is_empty() {
+                if let Some(at) = c.plan(sender, now) {
+                    c.write_at = Some(at);
+                }
+                if c.wire.is_empty() {
                     break;
                 }
+            }
+            if written >= WRITE_BUDGET {
+                // Serve the other connections; go on at the next turn.
+                c.write_at = Some(now);
+                break;
             }
             let mut allowed = usize::MAX;
             if let Some(b) = c.bucket.as_mut() {
                 b.tokens =
                     (b.tokens + now.duration_since(b.last).as_secs_f64() * b.rate).min(b.burst);
                 b.last = now;
-                if b.tokens < 1.0 {
-                    c.write_at = Some(
-                        now + Duration::from_secs_f64((1.0 - b.tokens).max(0.0) / b.rate + 0.001),
-                    );
+                // Write once a useful amount is allowed (a quarter of the
+                // burst, or all that is planned), never byte by byte: the
+                // poll thread must not spin here, pacing one connection.
+                let pending: usize = c.wire.iter().map(Unit::total).sum::<usize>() - c.wire_off;
+                let need = (pending as f64).min((b.burst / 4.0).max(1.0));
+                if b.tokens < need {
+                    c.write_at =
+                        Some(now + Duration::from_secs_f64((need - b.tokens) / b.rate + 0.0005));
                     break;
                 }
                 allowed = b.tokens as usize;
             }
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(8);
-            let mut total = 0usize;
-            for (i, item) in c.sendq.iter().enumerate() {
-                if iov.len() + 2 > MAX_IOV || total >= allowed {
+            let r = {
+                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(8);
+                let mut total = 0usize;
+                let mut skip = c.wire_off;
+                for u in c.wire.iter() {
+                    if iov.len() + 2 > MAX_IOV || total >= allowed {
+                        break;
+                    }
+                    for p in u.parts(c.sliced.as_ref()) {
+                        let cut = skip.min(p.len());
+                        skip -= cut;
+                        let p = &p[cut..];
+                        if p.is_empty() || total >= allowed {
+                            continue;
+                        }
+                        let take = p.len().min(allowed - total);
+                        iov.push(IoSlice::new(&p[..take]));
+                        total += take;
+                    }
+                }
+                if iov.is_empty() {
                     break;
                 }
-                if i > 0 {
-                    if let Some(ra) = item.ready_at {
-                        if ra > now {
-                            break;
-                        }
-                    }
-                }
-                let skip = if i == 0 { c.head_off } else { 0 };
-                let head: &[u8] = &item.head[..];
-                let payload = item.payload();
-                let mut parts = [head, payload];
-                let mut s = skip;
-                for p in parts.iter_mut() {
-                    let cut = s.min(p.len());
-                    *p = &p[cut..];
-                    s -= cut;
-                }
-                for p in parts {
-                    if p.is_empty() || total >= allowed {
-                        continue;
-                    }
-                    let take = p.len().min(allowed - total);
-                    iov.push(IoSlice::new(&p[..take]));
-                    total += take;
-                }
-            }
-            if iov.is_empty() {
-                break;
-            }
-            add(&shared.counters.write_calls, 1);
-            let r = send_vectored(&c.stream, &iov);
-            drop(iov);
+                add(&shared.counters.write_calls, 1);
+                send_vectored(&c.stream, &iov)
+            };
             match r {
                 Ok(0) => {
                     failure = Some(CloseReason::Io("write returned 0".into()));
                 }
                 Ok(mut n) => {
                     add(&shared.counters.wire_bytes_sent, n as u64);
+                    written += n;
                     c.last_tx = now;
                     if let Some(b) = c.bucket.as_mut() {
                         b.tokens -= n as f64;
                     }
                     while n > 0 {
-                        let left = c.sendq[0].total() - c.head_off;
-                        if n >= left {
-                            n -= left;
-                            c.head_off = 0;
-                            let item = c.sendq.pop_front().expect("non-empty");
-                            if item.counted {
-                                if let Some(s) = &c.slot {
-                                    s.done(1);
+                        let left = c.wire[0].total() - c.wire_off;
+                        if n < left {
+                            c.wire_off += n;
+                            break;
+                        }
+                        n -= left;
+                        c.wire_off = 0;
+                        match c.wire.pop_front().expect("non-empty") {
+                            Unit::Item(item) => item_done(&shared, c.slot.as_ref(), &item, true),
+                            Unit::Slice { last: true, .. } => {
+                                if let Some(item) = c.sliced.take() {
+                                    item_done(&shared, c.slot.as_ref(), &item, true);
                                 }
-                                if matches!(item.payload, OutPayload::Bytes(_)) {
-                                    // control message
-                                } else {
-                                    add(&shared.counters.frames_sent, 1);
-                                    add(&shared.counters.bytes_sent, item.data_len);
-                                }
+                                c.sliced_next = 0;
                             }
-                        } else {
-                            c.head_off += n;
-                            n = 0;
+                            Unit::Open(_) | Unit::Slice { .. } => {}
                         }
                     }
                 }
@@ -683,9 +883,9 @@ impl Driver {
             }
         }
         if let Some(s) = c.slot.as_ref().filter(|_| !c.retired) {
-            s.set_write_blocked(blocked && !c.sendq.is_empty());
+            s.set_write_blocked(blocked && !c.idle());
         }
-        if failure.is_none() && c.closing.is_some() && c.sendq.is_empty() && !c.shut && may_shut {
+        if failure.is_none() && c.closing.is_some() && c.idle() && !c.shut && may_shut {
             // Half-close after the goodbye and wait for the peer's EOF, so
             // that closing never turns into a reset that loses the goodbye.
             c.shut = true;
@@ -741,7 +941,7 @@ impl Driver {
                 seq: c.hb_seq,
                 sent_at_us: now.duration_since(c.started).as_micros() as u64,
             };
-            c.sendq
+            c.ctrlq
                 .push_back(OutItem::control(FrameKind::Heartbeat, id, &hb.encode()));
             c.last_tx = now;
             add(&self.shared.counters.heartbeats_sent, 1);
@@ -888,12 +1088,12 @@ impl Driver {
                             let allowance = Duration::from_secs_f64(
                                 h.payload_len as f64 / shared.opts.min_frame_rate.max(1) as f64,
                             );
-                            c.frame_deadline =
+                            c.data_deadline =
                                 Some(Instant::now() + shared.opts.frame_timeout + allowance);
                         }
                         ConnEvent::Data(h) => {
                             newly_heard |= !std::mem::replace(&mut c.heard, true);
-                            c.frame_deadline = None;
+                            c.data_deadline = None;
                             let lease = c.rx_lease.take();
                             c.rx_filled = 0;
                             add(&shared.counters.frames_received, 1);
@@ -926,6 +1126,11 @@ impl Driver {
                         outcome = Err(CloseReason::Protocol(e));
                         break;
                     }
+                }
+                if c.machine.is_established() && !c.machine.in_small_frame() {
+                    // Between frames, in a payload or between the slices
+                    // of a sliced frame: the data frame's deadline holds.
+                    c.frame_deadline = None;
                 }
                 if established.is_some() {
                     // Register the peer before reading its frames.
@@ -1031,15 +1236,16 @@ impl Driver {
             return;
         }
         // Frames the old connection has not started writing move, in order,
-        // to the kept one; it finishes the one it is in the middle of.
-        let moved: Vec<OutItem> = {
+        // to the kept one; it finishes what it has started (`wire`, and a
+        // sliced frame to its last slice).
+        let (ctrl, data): (Vec<OutItem>, Vec<OutItem>) = {
             let o = self.conns.get_mut(&other).expect("present");
-            let keep = usize::from(o.head_off > 0).min(o.sendq.len());
-            o.sendq.drain(keep..).collect()
+            (o.ctrlq.drain(..).collect(), o.dataq.drain(..).collect())
         };
         self.by_peer.insert(peer, t);
         let c = self.conns.get_mut(&t).expect("present");
-        c.sendq.extend(moved);
+        c.ctrlq.extend(ctrl);
+        c.dataq.extend(data);
         self.queue_heartbeat(t, Instant::now());
         self.shared.log(format!(
             "peer {peer:x}: duplicate connection, now using the {} one",
@@ -1068,12 +1274,19 @@ impl Driver {
             return;
         };
         let _ = self.poll.registry().deregister(&mut c.stream);
-        for item in c.sendq.drain(..) {
-            if item.counted {
-                if let Some(s) = &c.slot {
-                    s.done(1);
-                }
-            }
+        let units = c.wire.drain(..).filter_map(|u| match u {
+            Unit::Item(i) => Some(i),
+            _ => None,
+        });
+        let items: Vec<OutItem> = c
+            .ctrlq
+            .drain(..)
+            .chain(c.dataq.drain(..))
+            .chain(units)
+            .chain(c.sliced.take())
+            .collect();
+        for item in &items {
+            item_done(&self.shared, c.slot.as_ref(), item, false);
         }
         drop(c.rx_lease.take());
         if c.retired {
@@ -1211,7 +1424,10 @@ impl Driver {
                 // Our own back-pressure (no pool slot, or no room for
                 // events): the peer is not at fault.
                 c.last_rx = now;
-                if let Some(d) = c.frame_deadline.as_mut() {
+                for d in [c.frame_deadline.as_mut(), c.data_deadline.as_mut()]
+                    .into_iter()
+                    .flatten()
+                {
                     *d = (*d).max(now + opts.frame_timeout);
                 }
             }
@@ -1226,8 +1442,19 @@ impl Driver {
                 continue;
             }
             min(dead_at, &mut next);
+            if let Some(d) = c.data_deadline {
+                if c.machine.data_open() {
+                    if now >= d {
+                        to_close.push((t, CloseReason::FrameTimeout));
+                        continue;
+                    }
+                    min(d, &mut next);
+                } else {
+                    c.data_deadline = None;
+                }
+            }
             if let Some(d) = c.frame_deadline {
-                if c.machine.in_frame() {
+                if c.machine.in_small_frame() {
                     if now >= d {
                         to_close.push((t, CloseReason::FrameTimeout));
                         continue;
@@ -1238,7 +1465,7 @@ impl Driver {
                 }
             }
             let hb_at = c.last_tx + opts.heartbeat_interval;
-            if c.sendq.is_empty() && c.closing.is_none() {
+            if c.idle() && c.closing.is_none() {
                 if now >= hb_at {
                     heartbeats.push(t);
                     min(now + opts.heartbeat_interval, &mut next);
@@ -1264,6 +1491,10 @@ impl Driver {
         }
         for t in flushes {
             self.flush(t);
+            // A flush paced by the link emulation goes on later.
+            if let Some(w) = self.conns.get(&t).and_then(|c| c.write_at) {
+                min(w, &mut next);
+            }
         }
         next
     }

@@ -6,6 +6,14 @@
 //! their final place). The driver then reports what it read. Handshake bytes
 //! to send come out of [`Connection::take_outgoing`].
 //!
+//! A data frame's payload comes either right after its header (kind
+//! `Data`), or in slices: a `Sliced` header opens the frame, and `Slice`
+//! frames carry its payload, at most [`MAX_SLICE_LEN`] bytes each, with
+//! heartbeats, control messages and a goodbye allowed between them (never
+//! another data frame: one data frame at a time, in order). The driver
+//! sees the same thing either way: a `DataHeader`, payload reads into one
+//! lease, then `Data`.
+//!
 //! The same machine is driven by the engine over TCP and by the fuzzer over
 //! arbitrary byte streams.
 
@@ -15,6 +23,9 @@ use super::handshake::{
 };
 use super::header::{crc32c_append, FrameHeader, FrameKind, HEADER_LEN};
 use super::WireError;
+
+/// Largest slice of a sliced data frame's payload.
+pub const MAX_SLICE_LEN: usize = 1 << 20;
 
 /// Where the driver must put the next bytes it reads.
 pub enum ReadTarget<'a> {
@@ -51,12 +62,24 @@ enum State {
     Auth,
     Header,
     Control(FrameHeader),
+    /// Payload bytes of the open data frame: `remaining` of this segment
+    /// (the whole payload, or one slice).
     Payload {
-        header: FrameHeader,
         remaining: u64,
-        crc: u32,
     },
     Failed,
+}
+
+/// The data frame whose payload is being received.
+#[derive(Debug)]
+struct OpenData {
+    /// As delivered: kind `Data`.
+    header: FrameHeader,
+    /// Payload bytes still to come (all segments).
+    remaining: u64,
+    crc: u32,
+    /// Sliced: its payload comes in `Slice` frames.
+    sliced: bool,
 }
 
 /// One end of a connection.
@@ -73,6 +96,7 @@ pub struct Connection {
     outgoing: Vec<u8>,
     peer: Option<Hello>,
     peer_id: Option<u64>,
+    data: Option<OpenData>,
 }
 
 impl Connection {
@@ -104,6 +128,7 @@ impl Connection {
             outgoing: hello.encode().to_vec(),
             peer: None,
             peer_id: None,
+            data: None,
         }
     }
 
@@ -128,25 +153,36 @@ impl Connection {
         self.peer_id
     }
 
-    /// True while a frame is partly received (a header, control or data payload).
+    /// True while a frame is partly received (a header, control or data
+    /// payload, or a sliced data frame between its slices).
     pub fn in_frame(&self) -> bool {
+        self.data.is_some() || self.in_small_frame()
+    }
+
+    /// True while a header or a control payload is partly received.
+    pub fn in_small_frame(&self) -> bool {
         match self.state {
             State::Header => self.filled > 0,
-            State::Control(_) | State::Payload { .. } => true,
+            State::Control(_) => true,
             _ => false,
         }
     }
 
+    /// True from a data frame's header to its last payload byte (sliced
+    /// or not).
+    pub fn data_open(&self) -> bool {
+        self.data.is_some()
+    }
+
     /// Where the next bytes go.
     pub fn read_target(&mut self) -> ReadTarget<'_> {
-        match &self.state {
-            State::Failed => ReadTarget::Closed,
-            State::Payload {
-                header, remaining, ..
-            } => ReadTarget::Payload {
-                header: *header,
+        match (&self.state, &self.data) {
+            (State::Failed, _) => ReadTarget::Closed,
+            (State::Payload { remaining }, Some(d)) => ReadTarget::Payload {
+                header: d.header,
                 remaining: *remaining,
             },
+            (State::Payload { .. }, None) => ReadTarget::Closed,
             _ => ReadTarget::Small(&mut self.buf[self.filled..self.need]),
         }
     }
@@ -249,24 +285,16 @@ impl Connection {
                     Err(e) => return self.fail(e),
                 };
                 let kind = h.frame_kind().expect("decode checks the kind");
-                if kind == FrameKind::Data {
-                    self.expect(HEADER_LEN);
-                    if h.payload_len == 0 {
-                        if h.payload_crc != 0 && h.payload_crc != crc32c_append(0, &[]) {
-                            return self.fail(WireError::PayloadChecksum {
-                                expected: h.payload_crc,
-                                computed: 0,
-                            });
-                        }
-                        self.state = State::Header;
-                        return Ok(Some(ConnEvent::Data(h)));
+                match kind {
+                    FrameKind::Data | FrameKind::Sliced if self.data.is_some() => {
+                        return self.fail(WireError::Unexpected(
+                            "a data frame inside a sliced data frame".into(),
+                        ))
                     }
-                    self.state = State::Payload {
-                        header: h,
-                        remaining: h.payload_len,
-                        crc: 0,
-                    };
-                    return Ok(Some(ConnEvent::DataHeader(h)));
+                    FrameKind::Data => return self.data_header(h),
+                    FrameKind::Sliced => return self.sliced_header(h),
+                    FrameKind::Slice => return self.slice_header(h),
+                    FrameKind::Heartbeat | FrameKind::Goodbye | FrameKind::Control => {}
                 }
                 if h.payload_len > MAX_CONTROL_PAYLOAD as u64 {
                     return self.fail(WireError::PayloadTooLarge {
@@ -284,6 +312,81 @@ impl Connection {
             State::Control(h) => self.finish_control(h),
             State::Payload { .. } | State::Failed => unreachable!("checked above"),
         }
+    }
+
+    /// A whole data frame's header: its payload follows at once.
+    fn data_header(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
+        self.expect(HEADER_LEN);
+        self.state = State::Header;
+        if h.payload_len == 0 {
+            if h.payload_crc != 0 && h.payload_crc != crc32c_append(0, &[]) {
+                return self.fail(WireError::PayloadChecksum {
+                    expected: h.payload_crc,
+                    computed: 0,
+                });
+            }
+            return Ok(Some(ConnEvent::Data(h)));
+        }
+        self.state = State::Payload {
+            remaining: h.payload_len,
+        };
+        self.data = Some(OpenData {
+            header: h,
+            remaining: h.payload_len,
+            crc: 0,
+            sliced: false,
+        });
+        Ok(Some(ConnEvent::DataHeader(h)))
+    }
+
+    /// A sliced data frame opens: its payload comes in `Slice` frames.
+    fn sliced_header(&mut self, mut h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
+        if h.payload_len == 0 {
+            return self.fail(WireError::Unexpected(
+                "a sliced data frame without payload".into(),
+            ));
+        }
+        // Delivered as the data frame it is (with a header checksum
+        // that matches its fields).
+        h.kind = FrameKind::Data as u16;
+        let enc = h.encode();
+        h.header_crc = u32::from_le_bytes([enc[92], enc[93], enc[94], enc[95]]);
+        self.expect(HEADER_LEN);
+        self.state = State::Header;
+        self.data = Some(OpenData {
+            header: h,
+            remaining: h.payload_len,
+            crc: 0,
+            sliced: true,
+        });
+        Ok(Some(ConnEvent::DataHeader(h)))
+    }
+
+    /// The next slice of the open sliced frame.
+    fn slice_header(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
+        let Some(d) = self.data.as_ref().filter(|d| d.sliced) else {
+            return self.fail(WireError::Unexpected(
+                "a slice without an open sliced data frame".into(),
+            ));
+        };
+        let len = h.payload_len;
+        if len == 0 || len > d.remaining || len > MAX_SLICE_LEN as u64 {
+            return self.fail(WireError::BadField {
+                field: "slice payload_len",
+                value: len,
+            });
+        }
+        if h.flags != 0
+            || h.payload_crc != 0
+            || h.stage != 0
+            || h.microbatch != 0
+            || h.iteration != 0
+        {
+            return self.fail(WireError::ReservedNotZero("slice header fields"));
+        }
+        self.expect(HEADER_LEN);
+        self.state = State::Payload { remaining: len };
+        Ok(None)
     }
 
     fn finish_control(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
@@ -319,42 +422,41 @@ impl Connection {
     /// Reports payload bytes just read into the lease (`chunk` is exactly
     /// those bytes); returns `Data` when the payload is complete and verified.
     pub fn payload_read(&mut self, chunk: &[u8]) -> Result<Option<ConnEvent>, WireError> {
-        let ok = match &self.state {
-            State::Payload { remaining, .. } => chunk.len() as u64 <= *remaining,
-            _ => false,
+        let n = chunk.len() as u64;
+        let (seg, d) = match (&mut self.state, &mut self.data) {
+            (State::Payload { remaining }, Some(d)) if n <= *remaining => (remaining, d),
+            _ => {
+                return self.fail(WireError::Unexpected(format!(
+                    "driver reported {} payload bytes in state {:?}",
+                    chunk.len(),
+                    self.state
+                )))
+            }
         };
-        if !ok {
-            return self.fail(WireError::Unexpected(format!(
-                "driver reported {} payload bytes in state {:?}",
-                chunk.len(),
-                self.state
-            )));
+        if d.header.has_payload_crc() {
+            d.crc = crc32c_append(d.crc, chunk);
         }
-        let State::Payload {
-            header,
-            remaining,
-            crc,
-        } = &mut self.state
-        else {
-            unreachable!("checked above")
-        };
-        if header.has_payload_crc() {
-            *crc = crc32c_append(*crc, chunk);
-        }
-        *remaining -= chunk.len() as u64;
-        if *remaining > 0 {
+        *seg -= n;
+        d.remaining -= n;
+        if *seg > 0 {
             return Ok(None);
         }
-        let (h, computed) = (*header, *crc);
-        if h.has_payload_crc() && computed != h.payload_crc {
-            return self.fail(WireError::PayloadChecksum {
-                expected: h.payload_crc,
-                computed,
-            });
+        if d.remaining > 0 {
+            // Between slices: the next header is a slice or a control frame.
+            self.state = State::Header;
+            self.expect(HEADER_LEN);
+            return Ok(None);
         }
+        let d = self.data.take().expect("matched above");
         self.state = State::Header;
         self.expect(HEADER_LEN);
-        Ok(Some(ConnEvent::Data(h)))
+        if d.header.has_payload_crc() && d.crc != d.header.payload_crc {
+            return self.fail(WireError::PayloadChecksum {
+                expected: d.header.payload_crc,
+                computed: d.crc,
+            });
+        }
+        Ok(Some(ConnEvent::Data(d.header)))
     }
 }
 
@@ -368,6 +470,22 @@ pub fn encode_control_frame(kind: FrameKind, sender: u64, payload: &[u8]) -> Vec
     v.extend_from_slice(&h.encode());
     v.extend_from_slice(payload);
     v
+}
+
+/// The header that opens `data_head`'s frame as a sliced one (the same
+/// fields, kind `Sliced`, its checksum recomputed). `data_head` is an
+/// encoded data frame header.
+pub fn sliced_head(data_head: &[u8; HEADER_LEN]) -> [u8; HEADER_LEN] {
+    let mut h = *data_head;
+    h[6..8].copy_from_slice(&(FrameKind::Sliced as u16).to_le_bytes());
+    let crc = super::header::crc32c(&h[..HEADER_LEN - 4]);
+    h[HEADER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// The header of a slice of `len` payload bytes (1..=[`MAX_SLICE_LEN`]).
+pub fn slice_head(sender: u64, len: u64) -> [u8; HEADER_LEN] {
+    FrameHeader::new(FrameKind::Slice, sender, len).encode()
 }
 
 /// Drives a connection over an in-memory byte stream (`input`), cutting reads
@@ -531,5 +649,166 @@ mod tests {
         let (ev, e) = drive_bytes(&mut b, &h.encode(), &[]);
         assert!(ev.is_empty());
         assert!(e.is_some());
+    }
+
+    /// A data header for `payload` (with its checksum) from node 1.
+    fn data_head(payload: &[u8]) -> [u8; HEADER_LEN] {
+        let mut h = FrameHeader::data();
+        h.sender = 1;
+        h.stage = 3;
+        h.microbatch = 77;
+        h.payload_len = payload.len() as u64;
+        h.flags = FLAG_PAYLOAD_CRC;
+        h.payload_crc = crc32c_append(0, payload);
+        h.encode()
+    }
+
+    fn heartbeat(seq: u64) -> Vec<u8> {
+        encode_control_frame(
+            FrameKind::Heartbeat,
+            1,
+            &Heartbeat { seq, sent_at_us: 0 }.encode(),
+        )
+    }
+
+    /// `payload` as a sliced frame in slices of `slice` bytes, a heartbeat
+    /// between every two slices.
+    fn sliced_stream(payload: &[u8], slice: usize) -> Vec<u8> {
+        let mut v = sliced_head(&data_head(payload)).to_vec();
+        for (i, part) in payload.chunks(slice).enumerate() {
+            v.extend(heartbeat(i as u64));
+            v.extend(slice_head(1, part.len() as u64));
+            v.extend_from_slice(part);
+        }
+        v
+    }
+
+    #[test]
+    fn sliced_frame_with_control_frames_between_slices() {
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let stream = sliced_stream(&payload, 3000);
+        for cuts in [&[][..], &[1], &[7, 1, 300], &[96, 4096]] {
+            let (_, mut b, _) = pair(key(7), key(7));
+            let (ev, e) = drive_bytes(&mut b, &stream, cuts);
+            assert!(e.is_none(), "{e:?}");
+            // DataHeader, 4 heartbeats (one before each slice), Data.
+            assert_eq!(ev.len(), 6, "{ev:?}");
+            let ConnEvent::DataHeader(h) = &ev[0] else {
+                panic!("{ev:?}")
+            };
+            assert_eq!(h.frame_kind(), Some(FrameKind::Data));
+            assert_eq!((h.payload_len, h.stage, h.microbatch), (10_000, 3, 77));
+            assert!(ev[1..5]
+                .iter()
+                .all(|e| matches!(e, ConnEvent::Heartbeat(_))));
+            let ConnEvent::Data(d) = &ev[5] else {
+                panic!("{ev:?}")
+            };
+            assert_eq!(d, h);
+            // The delivered header is a valid data header.
+            assert_eq!(FrameHeader::decode(&d.encode(), 1 << 20).unwrap(), *d);
+            assert!(!b.in_frame());
+        }
+        // The payload checksum covers every slice.
+        let mut bad = stream.clone();
+        let n = bad.len();
+        bad[n - 1] ^= 1;
+        let (_, mut b, _) = pair(key(7), key(7));
+        let (_, e) = drive_bytes(&mut b, &bad, &[]);
+        assert!(
+            matches!(e, Some(WireError::PayloadChecksum { .. })),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn sliced_frame_violations_are_refused() {
+        let payload = vec![5u8; 4000];
+        let open = sliced_head(&data_head(&payload)).to_vec();
+        let refuse = |stream: Vec<u8>, what: &str| {
+            let (_, mut b, _) = pair(key(7), key(7));
+            let (ev, e) = drive_bytes(&mut b, &stream, &[]);
+            assert!(e.is_some(), "{what}: accepted, {ev:?}");
+            assert!(
+                !ev.iter().any(|e| matches!(e, ConnEvent::Data(_))),
+                "{what}: {ev:?}"
+            );
+        };
+        // A slice with no open sliced frame, and inside a whole data frame's place.
+        let mut s = slice_head(1, 10).to_vec();
+        s.extend([0u8; 10]);
+        refuse(s, "stray slice");
+        // A data frame (whole or sliced) while a sliced one is open.
+        let mut s = open.clone();
+        s.extend(data_head(&[1, 2, 3]));
+        s.extend([1, 2, 3]);
+        refuse(s, "data inside sliced");
+        let mut s = open.clone();
+        s.extend(open.clone());
+        refuse(s, "sliced inside sliced");
+        // Slices of 0 bytes, beyond the payload, beyond the largest slice.
+        for len in [0u64, 4001, MAX_SLICE_LEN as u64 + 1] {
+            let mut s = open.clone();
+            s.extend(slice_head(1, len));
+            s.extend(vec![5u8; 4001]);
+            refuse(s, &format!("slice of {len}"));
+        }
+        // A slice header with fields that must be 0.
+        let mut h = FrameHeader::new(FrameKind::Slice, 1, 100);
+        h.microbatch = 1;
+        let mut s = open.clone();
+        s.extend(h.encode());
+        s.extend([5u8; 100]);
+        refuse(s, "slice with a microbatch");
+        // A sliced frame without payload.
+        refuse(sliced_head(&data_head(&[])).to_vec(), "empty sliced");
+        // A slice may not carry a shape.
+        let mut h = FrameHeader::new(FrameKind::Slice, 1, 4);
+        h.dtype = Dtype::U8 as u16;
+        h.ndim = 1;
+        h.shape[0] = 4;
+        let mut s = open;
+        s.extend(h.encode());
+        s.extend([5u8; 4]);
+        refuse(s, "slice with a shape");
+    }
+
+    #[test]
+    fn mangled_sliced_streams_never_panic() {
+        // A small deterministic fuzz of the sliced path: flip, drop and
+        // repeat bytes of a valid stream and drive it with odd cuts.
+        let payload: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let stream = sliced_stream(&payload, 700);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..400 {
+            let mut s = stream.clone();
+            let at = (next() % s.len() as u64) as usize;
+            match next() % 3 {
+                0 => s[at] ^= 1 << (next() % 8),
+                1 => {
+                    s.drain(at..(at + (next() % 200) as usize).min(s.len()));
+                }
+                _ => {
+                    let piece = s[at..(at + 300).min(s.len())].to_vec();
+                    s.splice(at..at, piece);
+                }
+            }
+            let cuts = [(next() % 500) as usize + 1, (next() % 7) as usize + 1];
+            let (_, mut b, _) = pair(key(7), key(7));
+            let (ev, e) = drive_bytes(&mut b, &s, &cuts);
+            // Whatever happens, a delivered frame is the right one.
+            for ev in &ev {
+                if let ConnEvent::Data(h) = ev {
+                    assert_eq!(h.payload_len, 5000);
+                }
+            }
+            let _ = e;
+        }
     }
 }

@@ -78,6 +78,16 @@ pub enum FrameKind {
     Goodbye = 3,
     /// A typed control message; payload is a [`super::ControlEnvelope`].
     Control = 4,
+    /// Opens a data frame whose payload follows in [`FrameKind::Slice`]
+    /// frames, between which control frames may travel (so that a long
+    /// payload never holds back heartbeats and control messages). Its
+    /// header is the data frame's (payload length, checksum, shape); no
+    /// payload bytes follow it directly. The engine's own; never handed to
+    /// a user (the frame is delivered as `Data`).
+    Sliced = 5,
+    /// The next `payload_len` bytes (1..=`MAX_SLICE_LEN`) of the open
+    /// sliced frame's payload; every other header field is 0.
+    Slice = 6,
 }
 
 impl FrameKind {
@@ -87,6 +97,8 @@ impl FrameKind {
             2 => Self::Heartbeat,
             3 => Self::Goodbye,
             4 => Self::Control,
+            5 => Self::Sliced,
+            6 => Self::Slice,
             _ => return None,
         })
     }
@@ -268,7 +280,8 @@ impl FrameHeader {
                 "dimensions past ndim must be 0".to_string(),
             ));
         }
-        if kind == FrameKind::Data && ndim > 0 {
+        let data = matches!(kind, FrameKind::Data | FrameKind::Sliced);
+        if data && ndim > 0 {
             let elems = self.shape[..ndim]
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -281,7 +294,7 @@ impl FrameHeader {
                     self.payload_len
                 )));
             }
-        } else if kind != FrameKind::Data && (ndim != 0 || self.dtype != 0) {
+        } else if !data && (ndim != 0 || self.dtype != 0) {
             return Err(WireError::BadShape(
                 "control frames carry no shape or dtype".to_string(),
             ));

@@ -8,7 +8,9 @@ mod error;
 pub mod handshake;
 pub mod header;
 
-pub use conn::{encode_control_frame, ConnEvent, Connection, ReadTarget};
+pub use conn::{
+    encode_control_frame, slice_head, sliced_head, ConnEvent, Connection, ReadTarget, MAX_SLICE_LEN,
+};
 pub use control::{ControlEnvelope, Goodbye, GoodbyeReason, Heartbeat};
 pub use error::WireError;
 pub use handshake::{Role, SwarmKey};
