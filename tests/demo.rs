@@ -184,6 +184,12 @@ fn the_demo_runs_a_swarm_through_crashes_and_joins_and_reports() {
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(html.matches("</svg>").count(), 3);
     assert!(stdout.contains("crash: SIGKILL node"), "{stdout}");
+    // Each kill says what it hit: the microbatches in flight on its victim.
+    assert!(stdout.contains("in flight"), "{stdout}");
+    for k in v["kills"].as_array().unwrap() {
+        assert!(k["carrying"].is_u64(), "{k}");
+    }
+    assert_eq!(v["pause_count"], 0, "{v}");
     // events.log: every node's lines, each once, in the order read, with
     // the time and the node.
     let events = std::fs::read_to_string(logs.join("events.log")).unwrap();
@@ -303,4 +309,21 @@ fn a_killed_demo_takes_its_nodes_along() {
     demo.kill().unwrap();
     demo.wait().unwrap();
     assert_no_node_left(&logs, Duration::from_secs(10));
+}
+
+/// `--pause-every` and `--pause-for` are checked before any node starts.
+#[test]
+fn pause_flags_are_refused_before_a_node_starts() {
+    for (args, says) in [
+        (["--pause-every", "-1"], "must be >= 0, got -1"),
+        (["--pause-every", "often"], "`often` is not a number"),
+        (["--pause-every", "NaN"], "must be a finite number"),
+        (["--pause-for", "0"], "must be > 0, got 0"),
+        (["--pause-for", "-2"], "must be > 0, got -2"),
+        (["--pause-for", "inf"], "must be a finite number"),
+        (["--pause-for", "7200"], "must be <= 3600, got 7200"),
+    ] {
+        let all: Vec<&str> = std::iter::once("demo").chain(args).collect();
+        gwtf_refuses(&all, &[args[0], says]);
+    }
 }

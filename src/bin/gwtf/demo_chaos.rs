@@ -1,8 +1,8 @@
 //! When and whom `gwtf demo` kills: every `--crash-every` seconds a kill is
 //! due, aimed in turn at a phase of training, and waits for its moment:
 //!
-//! - forward: right after a relay printed `applied` (it starts the next
-//!   iteration's forward passes), that relay;
+//! - forward: right after a holder printed `iteration` (its next iteration
+//!   opens: the forward passes start);
 //! - backward: halfway through an iteration by the last iterations' pace;
 //! - aggregation: right after a stage's coordinator printed `committed` (its
 //!   all-reduce runs), a member of that stage;
@@ -14,17 +14,35 @@
 //!   state ([`predict_join`]). Whether the kill came in time is in the report;
 //! - random.
 //!
+//! Whom: a node carrying microbatches in flight at that moment, when one may
+//! be killed (a kill of a node that carries none shows no recovery). The
+//! holders' `mb_done` lines name each microbatch's path; a microbatch of a
+//! holder's open iteration not reported done yet is in flight, on the path
+//! its index took last ([`Facts::in_flight`]). Forward, backward and random
+//! kills wait (up to [`patience`]) for a carrier; an aggregation kill takes a
+//! member of the stage that committed (a carrier among them if any), a
+//! state-download kill the predicted state server. Each kill says how many
+//! microbatches its victim carried.
+//!
 //! An aim whose moment does not come within [`patience`] becomes a random
 //! kill (and is named so). The last live member of a stage is never a victim
-//! unless `--allow-empty-stage`.
+//! unless `--allow-empty-stage` (a paused member does not count as live).
+//!
+//! Pauses (`--pause-every`, `--pause-for`): every `--pause-every` seconds a
+//! carrier (by the same rules; any allowed node after [`patience`]) is
+//! stopped with SIGSTOP and continued with SIGCONT `--pause-for` seconds
+//! later: a node that stalls, then comes back with stale timers and
+//! connections, unlike a crash.
 use super::demo_cmd::{DemoArgs, Swarm};
-use super::demo_events::{Event, Facts, NodeId};
+use super::demo_events::{Event, Facts, InFlight, NodeId};
+use super::demo_procs::Rng;
+use std::collections::BTreeMap;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Aim {
-    /// Right after a relay printed `applied`: the next iteration's forward.
+    /// Right after a holder printed `iteration`: the next iteration's forward.
     Forward,
     /// Halfway through an iteration (by the last iterations' pace): backward.
     Backward,
@@ -38,7 +56,7 @@ pub enum Aim {
 impl Aim {
     pub fn name(self) -> &'static str {
         match self {
-            Aim::Forward => "forward (right after applied)",
+            Aim::Forward => "forward (right after an iteration opened)",
             Aim::Backward => "backward (mid-iteration)",
             Aim::Aggregation => "aggregation (right after committed)",
             Aim::StateDownload => "state download (a joiner of its stage starting)",
@@ -70,6 +88,16 @@ pub struct Chaos {
     turn: usize,
     armed: Option<Armed>,
     aims: Vec<Aim>,
+    /// Microbatches per holder per iteration.
+    microbatches: u64,
+    pause_every: f64,
+    pause_for: f64,
+    next_pause_at: f64,
+    /// Paused nodes and when they are continued.
+    paused: Vec<(NodeId, f64)>,
+    /// When each node was last continued: it runs at least as long as it was
+    /// stopped before it is paused again.
+    resumed_at: BTreeMap<NodeId, f64>,
 }
 
 impl Chaos {
@@ -85,7 +113,112 @@ impl Chaos {
             turn: 0,
             armed: None,
             aims,
+            microbatches: a.microbatches,
+            pause_every: a.pause_every,
+            pause_for: a.pause_for,
+            next_pause_at: if a.pause_every > 0.0 {
+                a.pause_every
+            } else {
+                f64::INFINITY
+            },
+            paused: Vec::new(),
+            resumed_at: BTreeMap::new(),
         }
+    }
+
+    /// Continues every paused node (at the end of the run).
+    pub fn resume_all(&mut self, sw: &mut Swarm) {
+        for (id, _) in std::mem::take(&mut self.paused) {
+            sw.resume(id);
+        }
+    }
+}
+
+/// Microbatches in flight per node on their expected paths.
+pub fn carried(in_flight: &[InFlight]) -> BTreeMap<NodeId, u64> {
+    let mut c = BTreeMap::new();
+    for m in in_flight {
+        for &id in &m.path {
+            *c.entry(id).or_default() += 1;
+        }
+    }
+    c
+}
+
+/// A victim among `allowed` that carries microbatches in flight (uniformly
+/// among those that do), with how many; None when none of them carries any.
+pub fn pick_carrier(
+    allowed: &[NodeId],
+    carried: &BTreeMap<NodeId, u64>,
+    rng: &mut Rng,
+) -> Option<(NodeId, u64)> {
+    let carriers: Vec<(NodeId, u64)> = allowed
+        .iter()
+        .filter_map(|id| carried.get(id).filter(|&&n| n > 0).map(|&n| (*id, n)))
+        .collect();
+    rng.pick(&carriers)
+}
+
+/// A carrier among `allowed` if any, else (when `fallback`) any of them.
+fn pick_victim(
+    sw: &mut Swarm,
+    allowed: &[NodeId],
+    microbatches: u64,
+    fallback: bool,
+) -> Option<NodeId> {
+    let c = carried(&sw.facts.in_flight(microbatches));
+    match pick_carrier(allowed, &c, &mut sw.rng) {
+        Some((id, _)) => Some(id),
+        None if fallback => sw.rng.pick(allowed),
+        None => None,
+    }
+}
+
+/// Continues the paused nodes that are due, and pauses the next one.
+fn pause_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) {
+    let due: Vec<NodeId> = ch
+        .paused
+        .iter()
+        .filter(|p| now >= p.1)
+        .map(|p| p.0)
+        .collect();
+    ch.paused.retain(|p| now < p.1);
+    for id in due {
+        sw.resume(id);
+        ch.resumed_at.insert(id, now);
+    }
+    if now < ch.next_pause_at {
+        return;
+    }
+    let late = now - ch.next_pause_at > patience(ch.pause_every);
+    let allowed: Vec<NodeId> = sw
+        .victims(None)
+        .into_iter()
+        .filter(|id| {
+            ch.resumed_at
+                .get(id)
+                .is_none_or(|&t| now - t >= ch.pause_for)
+        })
+        .collect();
+    match pick_victim(sw, &allowed, ch.microbatches, late) {
+        Some(id) => {
+            let aim = if late {
+                "random (no node carried microbatches in time)"
+            } else {
+                "microbatches in flight"
+            };
+            sw.pause(id, ch.pause_for, aim);
+            ch.paused.push((id, now + ch.pause_for));
+            ch.next_pause_at = now + ch.pause_every;
+        }
+        None if late => {
+            sw.out.note(&format!(
+                "{now:>7.1}s  no pause: every stage is down to its last available member (or \
+                 its others were just continued)"
+            ));
+            ch.next_pause_at = now + ch.pause_every;
+        }
+        None => {}
     }
 }
 
@@ -123,6 +256,7 @@ pub fn predict_join(f: &Facts) -> Option<(u32, NodeId)> {
 }
 
 pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
+    pause_tick(sw, ch, now);
     if ch.every <= 0.0 {
         return Ok(());
     }
@@ -181,7 +315,18 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
             Aim::StateDownload => armed.joiner.is_none() || armed.at.is_some_and(|at| now >= at),
             _ => false,
         };
-        if strike || late {
+        // Forward, backward and random kills take a node carrying
+        // microbatches: at their moment, or as soon after as one does.
+        let needs_carrier = matches!(armed.aim, Aim::Random | Aim::Backward)
+            || (armed.aim == Aim::StateDownload && armed.joiner.is_none());
+        let no_carrier = || {
+            let allowed = sw.victims(None);
+            let c = carried(&sw.facts.in_flight(ch.microbatches));
+            allowed
+                .iter()
+                .all(|id| c.get(id).copied().unwrap_or(0) == 0)
+        };
+        if (strike && !(needs_carrier && no_carrier())) || late {
             let victim = match (armed.aim, armed.joiner) {
                 (Aim::StateDownload, Some((joiner, server)))
                     if !late && sw.victims(None).contains(&server) =>
@@ -213,7 +358,7 @@ pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
                         armed.aim.name().to_string()
                     };
                     let v = sw.victims(None);
-                    sw.rng.pick(&v).map(|id| (id, aim, None))
+                    pick_victim(sw, &v, ch.microbatches, true).map(|id| (id, aim, None))
                 }
             };
             match victim {
@@ -233,13 +378,17 @@ pub fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &Event) 
     let Some(armed) = &mut ch.armed else {
         return;
     };
+    let microbatches = ch.microbatches;
     let target = match (armed.aim, ev) {
-        (Aim::Forward, Event::Applied { stage, .. }) if *stage > 0 => {
-            sw.victims(Some(*stage)).contains(&node).then_some(node)
+        (Aim::Forward, Event::Iteration { .. })
+            if sw.facts.nodes.get(&node).is_some_and(|n| n.holder) =>
+        {
+            let v = sw.victims(None);
+            pick_victim(sw, &v, microbatches, false)
         }
         (Aim::Aggregation, Event::Committed { stage, .. }) if *stage > 0 => {
             let v = sw.victims(Some(*stage));
-            sw.rng.pick(&v)
+            pick_victim(sw, &v, microbatches, true)
         }
         (Aim::StateDownload, Event::Listening { .. })
             if armed.joiner.is_some_and(|j| j.0 == node) =>
@@ -261,6 +410,134 @@ mod tests {
     use super::super::demo_events::{parse_line, Entry, What};
     use super::*;
 
+    fn mb(holder: NodeId, index: u64, path: &[NodeId]) -> InFlight {
+        InFlight {
+            holder,
+            iteration: 3,
+            index,
+            path: path.to_vec(),
+        }
+    }
+
+    #[test]
+    fn victims_are_picked_among_the_nodes_carrying_microbatches_in_flight() {
+        // Relays 3, 4 (stage 1) and 5, 6 (stage 2); 7 is in stage 2 too.
+        let in_flight = [
+            mb(1, 0, &[3, 5]),
+            mb(1, 1, &[3, 6]),
+            mb(2, 0, &[4, 5]),
+            mb(2, 1, &[]), // never done before: no path known
+        ];
+        let c = carried(&in_flight);
+        assert_eq!(
+            c.into_iter().collect::<Vec<_>>(),
+            vec![(3, 2), (4, 1), (5, 2), (6, 1)]
+        );
+        let c = carried(&in_flight);
+        let mut rng = Rng(11);
+        let mut seen = BTreeMap::new();
+        for _ in 0..200 {
+            // 3 may not go (say, the last in sync of its stage): never picked.
+            let (id, n) = pick_carrier(&[4, 5, 6, 7], &c, &mut rng).expect("carriers");
+            assert!([4, 5, 6].contains(&id), "{id}");
+            assert_eq!(n, c[&id]);
+            *seen.entry(id).or_insert(0) += 1;
+        }
+        // Uniform among the carriers allowed: each is picked.
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        // None of the allowed carries anything: no carrier.
+        assert_eq!(pick_carrier(&[7], &c, &mut rng), None);
+        assert_eq!(pick_carrier(&[], &c, &mut rng), None);
+        assert_eq!(pick_carrier(&[3, 4], &carried(&[]), &mut rng), None);
+    }
+
+    /// What the demo sees of a founding member `id` of `stage`: its launch
+    /// and its `active` line.
+    fn founded(id: NodeId, stage: u32) -> [What; 2] {
+        [
+            What::Launched {
+                node: id,
+                holder: stage == 0,
+                joiner: false,
+                stage: Some(stage),
+            },
+            What::Line {
+                node: id,
+                event: parse_line(&format!(
+                    r#"{{"event":"active","node":{id},"stage":{stage}}}"#
+                )),
+            },
+        ]
+    }
+
+    /// The holders' `mb_done` lines give the paths; the open iteration's
+    /// microbatches not done yet are in flight on the path their index took
+    /// last, the dead relays left out.
+    #[test]
+    fn microbatches_in_flight_follow_the_paths_of_mb_done_lines() {
+        let mut f = Facts::new(4); // relay stages 1, 2
+        let mut t = 0.0;
+        let mut push = |f: &mut Facts, what: What| {
+            t += 0.1;
+            f.push(&Entry { t, what });
+        };
+        let line = |node: NodeId, text: String| What::Line {
+            node,
+            event: parse_line(&text),
+        };
+        for (id, stage) in [(1, 0), (3, 1), (4, 1), (5, 2), (6, 2)] {
+            for what in founded(id, stage) {
+                push(&mut f, what);
+            }
+        }
+        let done = |i: u64, idx: u64, path: &str| {
+            line(
+                1,
+                format!(
+                    r#"{{"event":"mb_done","node":1,"holder":1,"index":{idx},"iteration":{i},"path":{path}}}"#
+                ),
+            )
+        };
+        // Iteration 0 open, no path known yet: two in flight, on no one.
+        let paths = |f: &Facts| -> Vec<(u64, u64, Vec<NodeId>)> {
+            f.in_flight(2)
+                .into_iter()
+                .map(|m| (m.iteration, m.index, m.path))
+                .collect()
+        };
+        assert_eq!(paths(&f), vec![(0, 0, vec![]), (0, 1, vec![])]);
+        push(&mut f, done(0, 0, "[1,3,5]"));
+        assert_eq!(paths(&f), vec![(0, 1, vec![])]);
+        push(&mut f, done(0, 1, "[1,4,6]"));
+        assert_eq!(paths(&f), vec![], "all done: the aggregation runs");
+        push(
+            &mut f,
+            line(
+                1,
+                r#"{"event":"iteration","node":1,"iteration":0,"loss":5.0,"microbatches":2,"tokens":256}"#
+                    .into(),
+            ),
+        );
+        // Iteration 1 opened: both in flight where their index went last.
+        assert_eq!(paths(&f), vec![(1, 0, vec![3, 5]), (1, 1, vec![4, 6])]);
+        assert_eq!(
+            carried(&f.in_flight(2)).into_iter().collect::<Vec<_>>(),
+            vec![(3, 1), (4, 1), (5, 1), (6, 1)]
+        );
+        push(
+            &mut f,
+            What::Killed {
+                node: 5,
+                aim: "x".into(),
+                joiner: None,
+                carrying: Some(1),
+            },
+        );
+        assert_eq!(paths(&f), vec![(1, 0, vec![3]), (1, 1, vec![4, 6])]);
+        push(&mut f, done(1, 1, "[1,4,6]"));
+        assert_eq!(paths(&f), vec![(1, 0, vec![3])]);
+    }
+
     #[test]
     fn a_joiner_is_predicted_into_the_smallest_stage_served_by_its_lowest_id() {
         let mut f = Facts::new(5); // relay stages 1, 2, 3
@@ -270,24 +547,9 @@ mod tests {
             f.push(&Entry { t, what });
         };
         for (id, stage) in [(1, 0), (4, 1), (5, 1), (7, 2), (6, 2), (8, 3), (9, 3)] {
-            push(
-                &mut f,
-                What::Launched {
-                    node: id,
-                    holder: stage == 0,
-                    joiner: false,
-                    stage: Some(stage),
-                },
-            );
-            push(
-                &mut f,
-                What::Line {
-                    node: id,
-                    event: parse_line(&format!(
-                        r#"{{"event":"active","node":{id},"stage":{stage}}}"#
-                    )),
-                },
-            );
+            for what in founded(id, stage) {
+                push(&mut f, what);
+            }
         }
         // 2 members everywhere: the lowest stage, its lowest id.
         assert_eq!(predict_join(&f), Some((1, 4)));
@@ -297,6 +559,7 @@ mod tests {
                 node: 7,
                 aim: "x".into(),
                 joiner: None,
+                carrying: None,
             },
         );
         assert_eq!(predict_join(&f), Some((2, 6)));
@@ -306,6 +569,7 @@ mod tests {
                 node: 6,
                 aim: "x".into(),
                 joiner: None,
+                carrying: None,
             },
         );
         // An empty stage takes no joiner by this rule (nobody answers for it).

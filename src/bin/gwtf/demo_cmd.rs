@@ -5,12 +5,14 @@
 //! the relay stages) as separate processes of this same executable, reads each
 //! one's `--json` event lines on a thread of its own, and keeps the run's
 //! facts (`demo_events`). Every `--crash-every` seconds it kills a relay,
-//! timed to hit a phase in turn: right after the node applied an aggregate
-//! (forward of the next iteration), in the middle of an iteration (backward),
-//! right after its stage committed (the aggregation), while a joiner of its
-//! stage downloads the stage's state, or at random; never the last member of
-//! a stage unless `--allow-empty-stage`. Every `--join-every` seconds it starts
-//! a node with `--join`. It stops when the holders print `done` (or at the
+//! timed to hit a phase in turn: right after a holder's iteration opened
+//! (forward), in the middle of an iteration (backward), right after its stage
+//! committed (the aggregation), while a joiner of its stage downloads the
+//! stage's state, or at random; the victim carries microbatches in flight
+//! where the aim allows (`demo_chaos`); never the last member of a stage
+//! unless `--allow-empty-stage`. Every `--pause-every` seconds it stops a
+//! relay (SIGSTOP) for `--pause-for` seconds. Every `--join-every` seconds it
+//! starts a node with `--join`. It stops when the holders print `done` (or at the
 //! deadline), then trains the single-process reference, prints the facts,
 //! writes `--json` and `--report`, and fails when a microbatch was lost or
 //! counted twice, replicas disagreed or the run did not finish.
@@ -85,6 +87,18 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2.5, value_name = "SEC",
           value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
     pub join_every: f64,
+    /// Pause (SIGSTOP) a relay every SEC seconds, and continue it (SIGCONT)
+    /// --pause-for seconds later (0: never). Victims are chosen as for
+    /// crashes: among the nodes carrying microbatches in flight, never the
+    /// last available member of a stage.
+    #[arg(long, default_value_t = 0.0, value_name = "SEC",
+          value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
+    pub pause_every: f64,
+    /// How long a paused relay stays stopped (seconds; longer than the
+    /// nodes' 5 s peer timeout and its peers give it up as lost).
+    #[arg(long, default_value_t = 3.0, value_name = "SEC",
+          value_parser = pause_length, allow_negative_numbers = true)]
+    pub pause_for: f64,
     /// Let a crash take the last live member of a stage.
     #[arg(long)]
     pub allow_empty_stage: bool,
@@ -118,6 +132,15 @@ pub struct DemoArgs {
     /// Skip the single-process reference run.
     #[arg(long)]
     pub no_reference: bool,
+}
+
+/// A pause length: more than 0, at most an hour.
+fn pause_length(s: &str) -> Result<f64, String> {
+    let v = checks::positive_float(s)?;
+    if v > 3600.0 {
+        return Err(format!("must be <= 3600, got {s}"));
+    }
+    Ok(v)
 }
 
 /// Checks every argument and output path; nothing is started before this.
@@ -417,12 +440,14 @@ impl Swarm<'_> {
     /// keeps a member that holds its current state, unless empty stages are
     /// allowed).
     pub fn victims(&self, stage: Option<u32>) -> Vec<NodeId> {
-        let members = self.facts.members_per_stage();
+        // Paused members do not serve their stage meanwhile: they count as
+        // neither members nor victims.
+        let members = self.facts.available_per_stage();
         let in_sync = self.facts.in_sync_per_stage();
         self.facts
             .nodes
             .iter()
-            .filter(|(_, n)| !n.holder && n.member())
+            .filter(|(_, n)| !n.holder && n.available())
             .filter(|(_, n)| stage.is_none() || n.stage == stage)
             .filter(|(_, n)| {
                 // A stage keeps a member, and one known to hold its current
@@ -437,19 +462,73 @@ impl Swarm<'_> {
             .collect()
     }
 
+    /// Microbatches in flight on node `id` now (see `Facts::in_flight`).
+    fn carrying(&self, id: NodeId) -> u64 {
+        let in_flight = self.facts.in_flight(self.a.microbatches);
+        super::demo_chaos::carried(&in_flight)
+            .get(&id)
+            .copied()
+            .unwrap_or(0)
+    }
+
     pub fn kill(&mut self, id: NodeId, aim: &str, joiner: Option<NodeId>) {
+        let carrying = self.carrying(id);
         self.procs.signal(id, libc::SIGKILL);
         let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
         self.record(What::Killed {
             node: id,
             aim: aim.to_string(),
             joiner,
+            carrying: Some(carrying),
         });
         self.out.note(&format!(
-            "{:>7.1}s  crash: SIGKILL node {id} (stage {}), timed to hit {aim}",
+            "{:>7.1}s  crash: SIGKILL node {id} (stage {}), timed to hit {aim}, {}",
             self.now(),
-            stage.map_or("?".into(), |s| s.to_string())
+            stage.map_or("?".into(), |s| s.to_string()),
+            carrying_words(carrying)
         ));
+    }
+
+    /// Stops node `id` (SIGSTOP) for `for_s` seconds (the chaos continues it).
+    pub fn pause(&mut self, id: NodeId, for_s: f64, aim: &str) {
+        let carrying = self.carrying(id);
+        self.procs.signal(id, libc::SIGSTOP);
+        let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
+        self.record(What::Paused {
+            node: id,
+            aim: aim.to_string(),
+            for_s,
+            carrying: Some(carrying),
+        });
+        self.out.note(&format!(
+            "{:>7.1}s  pause: SIGSTOP node {id} (stage {}) for {for_s} s, timed to hit {aim}, {}",
+            self.now(),
+            stage.map_or("?".into(), |s| s.to_string()),
+            carrying_words(carrying)
+        ));
+    }
+
+    /// Continues a paused node (SIGCONT), unless it is gone.
+    pub fn resume(&mut self, id: NodeId) {
+        let Some(n) = self.facts.nodes.get(&id) else {
+            return;
+        };
+        if !n.paused || !n.alive() {
+            return;
+        }
+        self.procs.signal(id, libc::SIGCONT);
+        self.record(What::Resumed { node: id });
+        self.out
+            .note(&format!("{:>7.1}s  resume: SIGCONT node {id}", self.now()));
+    }
+}
+
+/// "carrying N microbatches in flight" or "carrying none".
+fn carrying_words(n: u64) -> String {
+    match n {
+        0 => "carrying no microbatch in flight".into(),
+        1 => "carrying 1 microbatch in flight".into(),
+        n => format!("carrying {n} microbatches in flight"),
     }
 }
 
@@ -523,9 +602,13 @@ fn status(f: &Facts) -> String {
     };
     let members = f.members_per_stage();
     let relays: Vec<String> = members.iter().skip(1).map(|m| m.to_string()).collect();
+    let pauses = match f.pause_count() {
+        0 => String::new(),
+        n => format!("pauses {n}  "),
+    };
     format!(
         "loss {loss}  {tps} tok/s  holders {}  relays per stage [{}]  crashes {}  \
-         recovered {}  joins {}",
+         {pauses}recovered {}  joins {}",
         members.first().copied().unwrap_or(0),
         relays.join(" "),
         f.crashes(),
@@ -614,7 +697,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
 
     println!(
         "gwtf demo: {}, {} stages, {} holders + {} relays, {} iterations of {} microbatches per \
-         holder; crash every {}, join every {}, links {}",
+         holder; crash every {}, join every {}, {}links {}",
         a.model,
         a.stages,
         a.holders,
@@ -623,6 +706,15 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         a.microbatches,
         every(a.crash_every),
         every(a.join_every),
+        if a.pause_every > 0.0 {
+            format!(
+                "pause every {} for {} s, ",
+                every(a.pause_every),
+                a.pause_for
+            )
+        } else {
+            String::new()
+        },
         links_name(a.links)
     );
     let (tx, rx) = crossbeam_channel::unbounded();
@@ -700,6 +792,8 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         v["links"] = serde_json::json!(links_name(a.links));
         v["crash_every_s"] = serde_json::json!(a.crash_every);
         v["join_every_s"] = serde_json::json!(a.join_every);
+        v["pause_every_s"] = serde_json::json!(a.pause_every);
+        v["pause_for_s"] = serde_json::json!(a.pause_for);
         std::fs::write(p, serde_json::to_string_pretty(&v)? + "\n")
             .map_err(|e| format!("cannot write --json {}: {e}", p.display()))?;
     }
@@ -855,6 +949,16 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
                 "{t:>7.1}s  node {id}: stage {stage} stalled in iteration {iteration}"
             ));
         }
+        Event::Fenced {
+            reason,
+            incarnation,
+            ..
+        } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id} fenced itself ({reason}): it joins again as \
+                 incarnation {incarnation}"
+            ));
+        }
         Event::StageEmpty { stage, .. } => {
             sw.out
                 .note(&format!("{t:>7.1}s  node {id}: stage {stage} is empty"));
@@ -965,7 +1069,9 @@ fn drive(sw: &mut Swarm, rx: &Receiver<Msg>) -> Res<Option<String>> {
             }
         }
     }
-    // The holders are done: the relays leave gracefully, then the stragglers die.
+    // The holders are done: the paused come back, the relays leave
+    // gracefully, then the stragglers die.
+    chaos.resume_all(sw);
     let ids: Vec<NodeId> = sw
         .procs
         .0

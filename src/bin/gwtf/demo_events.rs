@@ -82,8 +82,24 @@ pub enum Event {
         stage: u32,
         iteration: u64,
     },
+    /// A holder finished the backward of one of its microbatches; `path`:
+    /// the nodes it went through (the holder, then one node per relay stage).
+    MbDone {
+        node: NodeId,
+        holder: NodeId,
+        index: u64,
+        iteration: u64,
+        path: Vec<NodeId>,
+    },
     Done {
         node: NodeId,
+    },
+    /// The node stopped serving its stage group (it was paused, cut off or
+    /// evicted) and joins again with a fresh state download.
+    Fenced {
+        node: NodeId,
+        reason: String,
+        incarnation: u32,
     },
     Left {
         node: NodeId,
@@ -112,7 +128,9 @@ impl Event {
             Event::Stats { .. } => "stats",
             Event::Committed { .. } => "committed",
             Event::Stalled { .. } => "stalled",
+            Event::MbDone { .. } => "mb_done",
             Event::Done { .. } => "done",
+            Event::Fenced { .. } => "fenced",
             Event::Left { .. } => "left",
             Event::Error { .. } => "error",
             Event::Unknown => "unknown",
@@ -147,12 +165,24 @@ pub enum What {
     /// A line on the node's stdout (`None`: garbage).
     Line { node: NodeId, event: Option<Event> },
     /// The orchestrator sent SIGKILL; `aim` says what the kill was timed to
-    /// hit; `joiner`: the joiner whose state download it was timed to hit.
+    /// hit; `joiner`: the joiner whose state download it was timed to hit;
+    /// `carrying`: microbatches in flight on the victim then (see
+    /// [`Facts::in_flight`]; None: not known).
     Killed {
         node: NodeId,
         aim: String,
         joiner: Option<NodeId>,
+        carrying: Option<u64>,
     },
+    /// The orchestrator sent SIGSTOP, to send SIGCONT `for_s` seconds later.
+    Paused {
+        node: NodeId,
+        aim: String,
+        for_s: f64,
+        carrying: Option<u64>,
+    },
+    /// The orchestrator sent SIGCONT to a paused node.
+    Resumed { node: NodeId },
     /// The orchestrator sent SIGTERM (a graceful leave, at the end of the run).
     Stopped { node: NodeId },
     /// The process ended (`code` None: by a signal).
@@ -182,6 +212,8 @@ pub struct NodeFacts {
     pub exit_code: Option<i32>,
     pub done: bool,
     pub left: bool,
+    /// Stopped by the orchestrator (SIGSTOP) now.
+    pub paused: bool,
     /// The last `stats` (cumulative compute and useful milliseconds).
     pub compute_ms: f64,
     pub useful_ms: f64,
@@ -199,6 +231,10 @@ impl NodeFacts {
     /// Running and a member of its stage.
     pub fn member(&self) -> bool {
         self.alive() && self.active_s.is_some() && !self.left
+    }
+    /// A member that is not paused (SIGSTOP): one that can serve its stage.
+    pub fn available(&self) -> bool {
+        self.member() && !self.paused
     }
     /// A member whose state is known current: a founding one, or a joiner
     /// that applied an iteration since (a joiner whose download missed an
@@ -236,6 +272,32 @@ struct Kill {
     stage: Option<u32>,
     aim: String,
     joiner: Option<NodeId>,
+    carrying: Option<u64>,
+}
+
+/// One pause (SIGSTOP, then SIGCONT).
+#[derive(Clone, Debug)]
+struct Pause {
+    t: f64,
+    node: NodeId,
+    stage: Option<u32>,
+    aim: String,
+    for_s: f64,
+    carrying: Option<u64>,
+    resumed: Option<f64>,
+}
+
+/// A microbatch a holder started and has not reported done (`mb_done`), with
+/// the relays it is expected on: those of the path the same holder's
+/// microbatch of the same index took last (the holders route a microbatch
+/// index much the same way from one iteration to the next), the dead ones
+/// left out. Empty before any of that index was done.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InFlight {
+    pub holder: NodeId,
+    pub iteration: u64,
+    pub index: u64,
+    pub path: Vec<NodeId>,
 }
 
 /// The run's record, updated line by line.
@@ -250,8 +312,17 @@ pub struct Facts {
     /// (t, reporting node, kind, stage, iteration)
     recovered: Vec<(f64, NodeId, String, u32, u64)>,
     kills: Vec<Kill>,
+    pauses: Vec<Pause>,
+    /// The last path of each (holder, microbatch index).
+    mb_paths: BTreeMap<(NodeId, u64), Vec<NodeId>>,
+    /// (holder, iteration, index) of every microbatch reported done.
+    mb_done: BTreeSet<(NodeId, u64, u64)>,
+    /// Each holder's last iteration reported final.
+    holder_iteration: BTreeMap<NodeId, u64>,
     /// (t, reporting node, stage, iteration)
     stalls: Vec<(f64, NodeId, u32, u64)>,
+    /// Times a node fenced itself (paused, cut off, evicted).
+    pub fences: u64,
     /// (t, joiner)
     joins: Vec<(f64, NodeId)>,
     /// (t, joiner, from, bytes, ms)
@@ -297,11 +368,17 @@ impl Facts {
                     self.joins.push((t, *node));
                 }
             }
-            What::Killed { node, aim, joiner } => {
+            What::Killed {
+                node,
+                aim,
+                joiner,
+                carrying,
+            } => {
                 let was_member = self.nodes.get(node).is_some_and(|n| n.member());
                 let stage = self.nodes.get(node).and_then(|n| n.stage);
                 if let Some(n) = self.nodes.get_mut(node) {
                     n.killed_s.get_or_insert(t);
+                    n.paused = false;
                 }
                 self.kills.push(Kill {
                     t,
@@ -309,9 +386,43 @@ impl Facts {
                     stage,
                     aim: aim.clone(),
                     joiner: *joiner,
+                    carrying: *carrying,
                 });
                 if was_member {
                     self.record_membership(t);
+                }
+            }
+            What::Paused {
+                node,
+                aim,
+                for_s,
+                carrying,
+            } => {
+                let stage = self.nodes.get(node).and_then(|n| n.stage);
+                if let Some(n) = self.nodes.get_mut(node) {
+                    n.paused = true;
+                }
+                self.pauses.push(Pause {
+                    t,
+                    node: *node,
+                    stage,
+                    aim: aim.clone(),
+                    for_s: *for_s,
+                    carrying: *carrying,
+                    resumed: None,
+                });
+            }
+            What::Resumed { node } => {
+                if let Some(n) = self.nodes.get_mut(node) {
+                    n.paused = false;
+                }
+                if let Some(p) = self
+                    .pauses
+                    .iter_mut()
+                    .rev()
+                    .find(|p| p.node == *node && p.resumed.is_none())
+                {
+                    p.resumed = Some(t);
                 }
             }
             What::Stopped { .. } => {}
@@ -367,6 +478,10 @@ impl Facts {
                 tokens,
                 ..
             } => {
+                if n.holder {
+                    let last = self.holder_iteration.entry(node).or_insert(*iteration);
+                    *last = (*last).max(*iteration);
+                }
                 let v = self.iterations.entry(*iteration).or_default();
                 v.retain(|h| h.node != node);
                 v.push(HolderIteration {
@@ -427,6 +542,16 @@ impl Facts {
             Event::Stalled {
                 stage, iteration, ..
             } => self.stalls.push((t, node, *stage, *iteration)),
+            Event::MbDone {
+                holder,
+                index,
+                iteration,
+                path,
+                ..
+            } => {
+                self.mb_done.insert((*holder, *iteration, *index));
+                self.mb_paths.insert((*holder, *index), path.clone());
+            }
             Event::Done { .. } => n.done = true,
             Event::Left { .. } => {
                 let was = n.member();
@@ -436,6 +561,7 @@ impl Facts {
                 }
             }
             Event::Error { message, .. } => n.errors.push(message.clone()),
+            Event::Fenced { .. } => self.fences += 1,
             Event::Unknown => {}
         }
     }
@@ -458,15 +584,62 @@ impl Facts {
         c
     }
 
-    /// Members known to hold their stage's current state, per stage.
-    pub fn in_sync_per_stage(&self) -> Vec<u32> {
+    /// Members that are not paused, per stage.
+    pub fn available_per_stage(&self) -> Vec<u32> {
         let mut c = vec![0u32; self.protocol_stages as usize];
-        for n in self.nodes.values().filter(|n| n.in_sync()) {
+        for n in self.nodes.values().filter(|n| n.available()) {
             if let Some(s) = n.stage.filter(|&s| s < self.protocol_stages) {
                 c[s as usize] += 1;
             }
         }
         c
+    }
+
+    /// Members known to hold their stage's current state (and not paused:
+    /// able to serve it), per stage.
+    pub fn in_sync_per_stage(&self) -> Vec<u32> {
+        let mut c = vec![0u32; self.protocol_stages as usize];
+        for n in self.nodes.values().filter(|n| n.in_sync() && !n.paused) {
+            if let Some(s) = n.stage.filter(|&s| s < self.protocol_stages) {
+                c[s as usize] += 1;
+            }
+        }
+        c
+    }
+
+    /// The microbatches in flight now, `microbatches` per holder and
+    /// iteration: those of each running holder's open iteration (the one
+    /// after the last it reported final) it has not reported done.
+    pub fn in_flight(&self, microbatches: u64) -> Vec<InFlight> {
+        let mut v = Vec::new();
+        for (&h, n) in self.holders() {
+            if !n.alive() || n.done || n.active_s.is_none() {
+                continue;
+            }
+            let iteration = self.holder_iteration.get(&h).map_or(0, |i| i + 1);
+            for index in 0..microbatches {
+                if self.mb_done.contains(&(h, iteration, index)) {
+                    continue;
+                }
+                let path = self
+                    .mb_paths
+                    .get(&(h, index))
+                    .map(|p| {
+                        p.iter()
+                            .copied()
+                            .filter(|id| self.nodes.get(id).is_some_and(|x| !x.holder && x.alive()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                v.push(InFlight {
+                    holder: h,
+                    iteration,
+                    index,
+                    path,
+                });
+            }
+        }
+        v
     }
 
     pub fn holders(&self) -> impl Iterator<Item = (&NodeId, &NodeFacts)> {
@@ -510,6 +683,9 @@ impl Facts {
     /// Crashes so far and microbatch hops recovered so far.
     pub fn crashes(&self) -> usize {
         self.kills.len()
+    }
+    pub fn pause_count(&self) -> usize {
+        self.pauses.len()
     }
     pub fn recovered_count(&self) -> usize {
         self.recovered.len()
@@ -761,8 +937,39 @@ impl Facts {
                 recovery_ms: rec,
                 joiner: k.joiner,
                 join_outcome: k.joiner.map(|j| self.join_outcome(k, j)),
+                carrying: k.carrying,
             });
         }
+        let pauses: Vec<PauseRow> = self
+            .pauses
+            .iter()
+            .map(|p| {
+                let next_same = self
+                    .kills
+                    .iter()
+                    .map(|k| (k.t, k.stage))
+                    .chain(self.pauses.iter().map(|q| (q.t, q.stage)))
+                    .filter(|&(t, s)| t > p.t && s == p.stage)
+                    .map(|(t, _)| t)
+                    .fold(f64::INFINITY, f64::min);
+                let rec = p.stage.and_then(|s| {
+                    self.recovered
+                        .iter()
+                        .find(|r| (r.3 == s || r.2 == "restarted") && r.0 >= p.t && r.0 < next_same)
+                        .map(|r| (r.0 - p.t) * 1000.0)
+                });
+                PauseRow {
+                    t_s: p.t,
+                    node: p.node,
+                    stage: p.stage,
+                    aim: p.aim.clone(),
+                    for_s: p.for_s,
+                    resumed_s: p.resumed,
+                    carrying: p.carrying,
+                    recovery_ms: rec,
+                }
+            })
+            .collect();
         let mut rec: Vec<f64> = kills.iter().filter_map(|k| k.recovery_ms).collect();
         rec.sort_by(f64::total_cmp);
         let recovery_ms_median = median(&rec);
@@ -887,6 +1094,13 @@ impl Facts {
             recovery_ms_median,
             recovery_ms_max: rec.last().copied(),
             kills_without_recovery: kills.iter().filter(|k| k.recovery_ms.is_none()).count() as u64,
+            kills_carrying: kills.iter().filter(|k| k.carrying.unwrap_or(0) > 0).count() as u64,
+            pause_count: pauses.len() as u64,
+            pauses_carrying: pauses
+                .iter()
+                .filter(|p| p.carrying.unwrap_or(0) > 0)
+                .count() as u64,
+            fences: self.fences,
             tokens_per_s,
             tokens,
             training_start_s: founders_active,
@@ -902,6 +1116,7 @@ impl Facts {
                 })
                 .collect(),
             kills,
+            pauses,
             join_times_s: self.joins.iter().map(|j| j.0).collect(),
             accounting,
             nodes: self.nodes.clone(),
@@ -966,6 +1181,26 @@ pub struct KillRow {
     /// became of that download.
     pub joiner: Option<NodeId>,
     pub join_outcome: Option<String>,
+    /// Microbatches in flight on the victim when it was killed (None: not
+    /// known).
+    pub carrying: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PauseRow {
+    pub t_s: f64,
+    pub node: NodeId,
+    pub stage: Option<u32>,
+    pub aim: String,
+    /// How long the node was to stay stopped, and when it was resumed (None:
+    /// killed, or the run ended, first).
+    pub for_s: f64,
+    pub resumed_s: Option<f64>,
+    /// Microbatches in flight on the node when it was stopped.
+    pub carrying: Option<u64>,
+    /// From the pause to the first `recovered` line for its stage (before
+    /// the next kill or pause of that stage).
+    pub recovery_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -1059,6 +1294,16 @@ pub struct Summary {
     /// Kills after which no hop of that stage was recovered (the node held no
     /// work in flight, or the run ended first).
     pub kills_without_recovery: u64,
+    /// Kills whose victim carried microbatches in flight (by the paths the
+    /// holders reported; see `Facts::in_flight`).
+    pub kills_carrying: u64,
+    /// Pauses (SIGSTOP, then SIGCONT) and those whose node carried
+    /// microbatches in flight.
+    pub pause_count: u64,
+    pub pauses_carrying: u64,
+    /// Times a node fenced itself (paused, cut off, evicted) and joined
+    /// again.
+    pub fences: u64,
     /// Tokens of the completed iterations over the time from the last founding
     /// member's `active` to the last iteration.
     pub tokens_per_s: f64,
@@ -1070,6 +1315,7 @@ pub struct Summary {
     pub throughput: Vec<(f64, f64)>,
     pub membership: Vec<MembershipRow>,
     pub kills: Vec<KillRow>,
+    pub pauses: Vec<PauseRow>,
     pub join_times_s: Vec<f64>,
     pub accounting: Vec<StageAccount>,
     pub nodes: BTreeMap<NodeId, NodeFacts>,
@@ -1229,6 +1475,10 @@ mod tests {
                 r#"{"event":"committed","node":3,"stage":1,"iteration":0,"microbatches":8,"dropped":0}"#,
                 "committed",
             ),
+            (
+                r#"{"event":"mb_done","node":1,"holder":1,"index":2,"iteration":0,"path":[1,7,8]}"#,
+                "mb_done",
+            ),
             (r#"{"event":"done","node":0}"#, "done"),
             (r#"{"event":"left","node":5}"#, "left"),
             (r#"{"event":"error","node":5,"message":"boom"}"#, "error"),
@@ -1313,6 +1563,7 @@ mod tests {
                 node: 4,
                 aim: "forward".into(),
                 joiner: None,
+                carrying: None,
             },
         ));
         assert!(f.summary(&plan, None, 4.0).replicas_agree);
@@ -1334,6 +1585,7 @@ mod tests {
                 node: 4,
                 aim: "forward".into(),
                 joiner: None,
+                carrying: None,
             },
         ));
         let s = f.summary(&plan, None, 4.0);
@@ -1415,6 +1667,7 @@ mod tests {
                 node: 5,
                 aim: "aggregation".into(),
                 joiner: None,
+                carrying: None,
             },
         ));
         let s = f.summary(&plan, None, 4.0);
@@ -1463,6 +1716,7 @@ mod tests {
                 node: 3,
                 aim: "random".into(),
                 joiner: None,
+                carrying: None,
             },
         ));
         f.push(&at(
@@ -1491,6 +1745,7 @@ mod tests {
                     node,
                     aim: "forward".into(),
                     joiner: None,
+                    carrying: None,
                 },
             )
         };
@@ -1526,6 +1781,54 @@ mod tests {
     }
 
     #[test]
+    fn pauses_are_reported_like_kills_and_a_paused_member_is_not_available() {
+        let (mut f, plan) = healthy(1);
+        // Stage 1: nodes 2 and 4.
+        assert_eq!(f.available_per_stage()[1], 2);
+        f.push(&at(
+            10.0,
+            What::Paused {
+                node: 2,
+                aim: "microbatches in flight".into(),
+                for_s: 3.0,
+                carrying: Some(2),
+            },
+        ));
+        assert!(f.nodes[&2].member() && !f.nodes[&2].available());
+        assert_eq!(f.available_per_stage()[1], 1);
+        assert_eq!(f.in_sync_per_stage()[1], 1);
+        assert_eq!(f.members_per_stage()[1], 2, "still a member");
+        f.push(&line(
+            10.3,
+            0,
+            r#"{"event":"recovered","node":0,"kind":"rerouted","stage":1,"iteration":1}"#,
+        ));
+        f.push(&at(13.0, What::Resumed { node: 2 }));
+        assert!(f.nodes[&2].available());
+        f.push(&at(
+            14.0,
+            What::Paused {
+                node: 3,
+                aim: "random".into(),
+                for_s: 3.0,
+                carrying: Some(0),
+            },
+        ));
+        let s = f.summary(&plan, None, 20.0);
+        assert_eq!((s.pause_count, s.pauses_carrying), (2, 1));
+        let p = &s.pauses[0];
+        assert_eq!((p.node, p.stage, p.carrying), (2, Some(1), Some(2)));
+        assert_eq!(p.resumed_s, Some(13.0));
+        assert_eq!(p.recovery_ms.map(f64::round), Some(300.0));
+        // Not resumed (the run ended first), no recovery in its stage.
+        assert_eq!(
+            (s.pauses[1].resumed_s, s.pauses[1].recovery_ms),
+            (None, None)
+        );
+        assert_eq!(s.crashes, 0, "a pause is no crash");
+    }
+
+    #[test]
     fn membership_follows_activity_kills_and_leaves() {
         let mut f = Facts::new(4);
         f.push(&launched(0.0, 0, true, Some(0)));
@@ -1550,6 +1853,7 @@ mod tests {
                 node: 1,
                 aim: "x".into(),
                 joiner: None,
+                carrying: None,
             },
         ));
         f.push(&at(

@@ -4,7 +4,8 @@
 //!
 //! - the loss per iteration of the swarm against the single-process reference;
 //! - throughput (tokens/s of each iteration, at the time it ended) with every
-//!   crash (red, pointing down) and join (cyan, pointing up) marked;
+//!   crash (red, pointing down), pause (purple, pointing down; its length
+//!   shaded) and join (cyan, pointing up) marked;
 //! - live members of each stage over time (holders and each relay stage).
 use super::demo_events::Summary;
 use super::sim_plot::tick;
@@ -20,6 +21,7 @@ const SWARM: RGBColor = RGBColor(31, 119, 180);
 const REFERENCE: RGBColor = RGBColor(0, 0, 0);
 const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
+const PAUSE: RGBColor = RGBColor(148, 103, 189);
 const STAGES: [RGBColor; 8] = [
     RGBColor(90, 90, 90),
     RGBColor(31, 119, 180),
@@ -143,6 +145,7 @@ pub fn throughput_svg(s: &Summary) -> Res<String> {
             .iter()
             .map(|p| p.0)
             .chain(s.kills.iter().map(|k| k.t_s))
+            .chain(s.pauses.iter().map(|p| p.t_s + p.for_s))
             .chain(s.join_times_s.iter().copied())
             .fold(1.0, f64::max);
         let ymax = s.throughput.iter().map(|p| p.1).fold(1.0, f64::max) * 1.15;
@@ -162,15 +165,27 @@ pub fn throughput_svg(s: &Summary) -> Res<String> {
             .label_style(font(14))
             .axis_desc_style(font(15))
             .draw()?;
-        for (times, color, down, name) in [
-            (
-                s.kills.iter().map(|k| k.t_s).collect::<Vec<_>>(),
-                CRASH,
+        // Each pause's length, shaded.
+        chart.draw_series(s.pauses.iter().map(|p| {
+            let end = p.resumed_s.unwrap_or(p.t_s + p.for_s);
+            Rectangle::new([(p.t_s, 0.0), (end, ymax)], PAUSE.mix(0.08).filled())
+        }))?;
+        let mut marks = vec![(
+            s.kills.iter().map(|k| k.t_s).collect::<Vec<_>>(),
+            CRASH,
+            true,
+            "crash (SIGKILL)",
+        )];
+        if !s.pauses.is_empty() {
+            marks.push((
+                s.pauses.iter().map(|p| p.t_s).collect(),
+                PAUSE,
                 true,
-                "crash (SIGKILL)",
-            ),
-            (s.join_times_s.clone(), JOIN, false, "join"),
-        ] {
+                "pause (SIGSTOP, then SIGCONT)",
+            ));
+        }
+        marks.push((s.join_times_s.clone(), JOIN, false, "join"));
+        for (times, color, down, name) in marks {
             let n = times.len();
             chart
                 .draw_series(times.iter().map(|&t| {
@@ -312,7 +327,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 /// The rows of the facts table.
 pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
-    vec![
+    let mut rows = vec![
         (
             "result",
             if s.ok {
@@ -379,6 +394,10 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
             ),
         ),
         (
+            "kills of a node carrying microbatches",
+            format!("{} of {}", s.kills_carrying, s.kills.len()),
+        ),
+        (
             "recovery after a kill, median / max",
             format!(
                 "{} ms / {} ms ({} kills without a recovery)",
@@ -394,7 +413,28 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         ("tokens/s", format!("{:.0}", s.tokens_per_s)),
         ("state downloads", format!("{}", s.state_downloads.len())),
         ("wall time", format!("{:.1} s", s.wall_s)),
-    ]
+    ];
+    if s.pause_count > 0 {
+        // After the recovery after a kill.
+        let at = rows
+            .iter()
+            .position(|r| r.0.starts_with("recovery after a kill"))
+            .map_or(rows.len(), |i| i + 1);
+        rows.insert(
+            at,
+            (
+                "pauses (SIGSTOP, then SIGCONT)",
+                format!(
+                    "{} ({} carrying microbatches, {} without a recovery; {} fences)",
+                    s.pause_count,
+                    s.pauses_carrying,
+                    s.pauses.iter().filter(|p| p.recovery_ms.is_none()).count(),
+                    s.fences
+                ),
+            ),
+        );
+    }
+    rows
 }
 
 /// The whole page.
@@ -455,17 +495,42 @@ pub fn render_html(s: &Summary, command: &str) -> Res<String> {
     if !s.kills.is_empty() {
         h.push_str(
             "<h2>Crashes</h2>\n<table>\n<tr><th>t (s)</th><th>node</th><th>stage</th>\
-             <th>timed to hit</th><th>recovery (ms)</th></tr>\n",
+             <th>timed to hit</th><th>microbatches in flight on it</th>\
+             <th>recovery (ms)</th></tr>\n",
         );
         for k in &s.kills {
             let _ = writeln!(
                 h,
-                "<tr><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 k.t_s,
                 k.node,
                 k.stage.map_or("-".into(), |x| x.to_string()),
                 esc(&k.aim),
+                k.carrying.map_or("-".into(), |x| x.to_string()),
                 opt(k.recovery_ms, 0)
+            );
+        }
+        h.push_str("</table>\n");
+    }
+    if !s.pauses.is_empty() {
+        h.push_str(
+            "<h2>Pauses</h2>\n<table>\n<tr><th>t (s)</th><th>node</th><th>stage</th>\
+             <th>for (s)</th><th>resumed at (s)</th><th>timed to hit</th>\
+             <th>microbatches in flight on it</th><th>recovery (ms)</th></tr>\n",
+        );
+        for p in &s.pauses {
+            let _ = writeln!(
+                h,
+                "<tr><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td>{}</td><td>{}</td></tr>",
+                p.t_s,
+                p.node,
+                p.stage.map_or("-".into(), |x| x.to_string()),
+                p.for_s,
+                p.resumed_s.map_or("-".into(), |x| format!("{x:.2}")),
+                esc(&p.aim),
+                p.carrying.map_or("-".into(), |x| x.to_string()),
+                opt(p.recovery_ms, 0)
             );
         }
         h.push_str("</table>\n");
@@ -543,8 +608,20 @@ mod tests {
                 node: 3,
                 aim: "backward <&>".into(),
                 joiner: None,
+                carrying: Some(2),
             },
         );
+        push(
+            &mut f,
+            1.6,
+            What::Paused {
+                node: 2,
+                aim: "microbatches in flight".into(),
+                for_s: 0.5,
+                carrying: Some(1),
+            },
+        );
+        push(&mut f, 2.1, What::Resumed { node: 2 });
         line(
             &mut f,
             1.7,
@@ -619,6 +696,7 @@ mod tests {
             "single process",
             "Throughput over time",
             "crash (SIGKILL) (1)",
+            "pause (SIGSTOP, then SIGCONT) (1)",
             "join (1)",
             "Live members per stage",
             "stage 2 relays",
@@ -641,6 +719,10 @@ mod tests {
         let html = render_html(&s, "gwtf demo").unwrap();
         assert_eq!(html.matches("</svg>").count(), 3);
         assert!(html.contains("did not finish"));
+        assert!(
+            !html.contains("pause (SIGSTOP"),
+            "no pause, no legend entry"
+        );
     }
 
     /// With `GWTF_DEMO_REPORT_SAMPLES=DIR`, writes the test run's SVGs and page
