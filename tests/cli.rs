@@ -349,3 +349,182 @@ fn demo_refuses_bad_arguments_before_starting_a_node() {
     // Nothing was written.
     assert!(!std::path::Path::new(same).exists());
 }
+
+/// A swarm key file in `scratch(name)`.
+fn key_file(name: &str) -> std::path::PathBuf {
+    let key = scratch(name).join("swarm.key");
+    std::fs::write(&key, "00112233445566778899aabbccddeeff\n").unwrap();
+    key
+}
+
+#[test]
+fn node_refuses_a_bad_join_timeout() {
+    let key = key_file("cli-node-join-timeout");
+    let key = key.to_str().unwrap();
+    for (value, says) in [
+        ("0", "must be > 0, got 0"),
+        ("-3", "must be > 0, got -3"),
+        ("NaN", "must be a finite number"),
+        ("inf", "must be a finite number"),
+        ("1e9", "must be <= 604800"),
+        ("soon", "`soon` is not a number"),
+    ] {
+        gwtf_refuses(
+            &[
+                "node",
+                "--listen",
+                "127.0.0.1:0",
+                "--swarm-key-file",
+                key,
+                "--join",
+                "127.0.0.1:9",
+                "--join-timeout",
+                value,
+            ],
+            &["--join-timeout", says],
+        );
+    }
+}
+
+/// Runs `gwtf node` with `args` (and --json) until it ends on its own
+/// (within a generous 30 s; it is killed and the test fails otherwise):
+/// its exit status, stdout's events and stderr, and how long it ran.
+fn node_until_it_gives_up(
+    args: &[String],
+) -> (
+    std::process::ExitStatus,
+    Vec<serde_json::Value>,
+    String,
+    std::time::Duration,
+) {
+    use std::time::{Duration, Instant};
+    let t = Instant::now();
+    let mut child = gwtf()
+        .arg("node")
+        .args(args)
+        .arg("--json")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the node still runs {:?} after it started", t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ran = t.elapsed();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (stdout_of(&out), stderr_of(&out));
+    let events = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}\n{stderr}")))
+        .collect();
+    (out.status, events, stderr, ran)
+}
+
+/// The node gave up after 3 s with an error naming `given` (`--join ADDR`
+/// or `--peer ID/STAGE/ADDR`), which it reported as refused: on stderr, and
+/// as exactly one `connect_failed` event for `dead`.
+fn assert_gave_up_on(
+    (status, events, stderr, ran): (
+        std::process::ExitStatus,
+        Vec<serde_json::Value>,
+        String,
+        std::time::Duration,
+    ),
+    given: &str,
+    dead: &str,
+    what: &str,
+) {
+    let shown = format!("{events:?}\n{stderr}");
+    assert!(!status.success(), "{shown}");
+    assert!(
+        ran >= std::time::Duration::from_secs(3),
+        "gave up before --join-timeout: {ran:?}"
+    );
+    // The reason is the system's (e.g. "Connection refused (os error 111)").
+    let lower = stderr.to_lowercase();
+    assert!(
+        lower.contains(&format!("cannot reach {given} (connection refused"))
+            && stderr.contains(&format!(
+                "gwtf: error: no {what} was reached within --join-timeout 3 s"
+            ))
+            && lower.contains(&format!("{given} (connection refused")),
+        "{stderr}"
+    );
+    let failed: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["event"] == "connect_failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "{shown}");
+    assert_eq!(failed[0]["addr"], dead, "{shown}");
+    assert_eq!(failed[0]["given"], given, "{shown}");
+    let reason = failed[0]["reason"].as_str().unwrap_or("").to_lowercase();
+    assert!(reason.contains("connection refused"), "{shown}");
+    let last = events.last().unwrap();
+    assert_eq!(last["event"], "error", "{shown}");
+    assert!(last["message"].as_str().unwrap().contains(given), "{shown}");
+}
+
+/// A joiner whose only --join address refuses every connection reports it
+/// (a `connect_failed` event, a line on stderr) and gives up after
+/// --join-timeout with an error naming it, instead of waiting forever.
+#[test]
+fn a_joiner_that_reaches_nobody_reports_the_address_and_exits() {
+    let key = key_file("cli-node-unreachable");
+    // Bound and released: nobody listens there.
+    let dead = free_addr().to_string();
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--swarm-key-file",
+        key.to_str().unwrap(),
+        "--join",
+        &dead,
+        "--join-timeout",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec();
+    assert_gave_up_on(
+        node_until_it_gives_up(&args),
+        &format!("--join {dead}"),
+        &dead,
+        "--join address",
+    );
+}
+
+/// The same for a founding member none of whose fellow founding members
+/// (--peer) is there.
+#[test]
+fn a_founding_member_that_reaches_no_other_reports_it_and_exits() {
+    let key = key_file("cli-node-unreachable-founder");
+    let (me, dead) = (free_addr().to_string(), free_addr().to_string());
+    let args: Vec<String> = [
+        "--listen".into(),
+        me.clone(),
+        "--swarm-key-file".into(),
+        key.to_str().unwrap().to_string(),
+        "--id".into(),
+        "1".into(),
+        "--holder".into(),
+        "--stages".into(),
+        "3".into(),
+        "--peer".into(),
+        format!("1/0/{me}"),
+        "--peer".into(),
+        format!("2/1/{dead}"),
+        "--join-timeout".into(),
+        "3".into(),
+    ]
+    .to_vec();
+    assert_gave_up_on(
+        node_until_it_gives_up(&args),
+        &format!("--peer 2/1/{dead}"),
+        &dead,
+        "founding member (--peer)",
+    );
+}

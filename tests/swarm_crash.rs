@@ -7,7 +7,7 @@
 //! single-process reference's.
 mod common;
 
-use common::swarm_procs::{check_run, Swarm};
+use common::swarm_procs::{check_run, llama_tiny_args, two_holders_and_two_by_three_relays, Swarm};
 use gwtf::model::dataset::Dataset;
 use gwtf::model::preset;
 use gwtf::protocol::NodeId;
@@ -18,34 +18,11 @@ const MB: u32 = 3;
 const SEED: u64 = 5;
 
 fn common_args(iterations: u32) -> Vec<String> {
-    [
-        "--model",
-        "llama-tiny",
-        "--stages",
-        "4",
-        "--iterations",
-        &iterations.to_string(),
-        "--microbatches",
-        &MB.to_string(),
-        "--seed",
-        &SEED.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    llama_tiny_args(iterations, MB, SEED, &[])
 }
 
 fn layout() -> Vec<(u32, u16)> {
-    vec![
-        (1, 0),
-        (2, 0),
-        (11, 1),
-        (12, 1),
-        (13, 1),
-        (21, 2),
-        (22, 2),
-        (23, 2),
-    ]
+    two_holders_and_two_by_three_relays()
 }
 
 fn start(extra: &[(u32, &[&str])]) -> Swarm {

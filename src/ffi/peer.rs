@@ -961,6 +961,9 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             )
         }
         NodeEvent::Error(m) => (gwtf_task_kind::EventError, m),
+        // A peer that died is reported lost; the address it listened on is
+        // the runtime's business (it is logged), not the trainer's.
+        NodeEvent::ConnectFailed { .. } => return None,
         NodeEvent::Refused {
             peer,
             reason,

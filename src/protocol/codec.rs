@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 45;
+pub const MSG_KINDS: u16 = 46;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -78,6 +78,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::AggFailed { .. } => 42,
         Msg::LinkReport { .. } => 43,
         Msg::Deputy { .. } => 44,
+        Msg::Evicted { .. } => 45,
     }
 }
 
@@ -340,7 +341,11 @@ fn write_body(w: &mut W, m: &Msg) {
         }
         Msg::Heartbeat { members } => w.opt(members, |w, m| w.ids(m)),
         Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
-        Msg::GroupJoin { stage } => w.u16(*stage),
+        Msg::GroupJoin { stage, incarnation } => {
+            w.u16(*stage);
+            w.u32(*incarnation);
+        }
+        Msg::Evicted { diverged } => w.bool(*diverged),
         Msg::Change {
             spare,
             compute_s,
@@ -630,7 +635,10 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             members: r.opt("heartbeat.members", |r| r.ids().map(Arc::new))?,
         },
         4 => Msg::Goodbye,
-        5 => Msg::GroupJoin { stage: r.u16()? },
+        5 => Msg::GroupJoin {
+            stage: r.u16()?,
+            incarnation: r.u32()?,
+        },
         6 => {
             let spare = r.u32()?;
             let compute_s = r.f64("change.compute_s")?;
@@ -812,6 +820,9 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             iter: r.u32()?,
             granted: r.hops()?,
         },
+        45 => Msg::Evicted {
+            diverged: r.bool("evicted.diverged")?,
+        },
         43 => Msg::LinkReport {
             links: {
                 let n = r.len(20)?;
@@ -882,7 +893,11 @@ pub fn samples() -> Vec<Msg> {
             members: Some(ids.clone()),
         },
         Msg::Goodbye,
-        Msg::GroupJoin { stage: 2 },
+        Msg::GroupJoin {
+            stage: 2,
+            incarnation: 7,
+        },
+        Msg::Evicted { diverged: true },
         Msg::Change {
             spare: 1,
             compute_s: 0.25,

@@ -18,6 +18,7 @@
 //! | --- | --- | --- |
 //! | membership | `peers.rs`, `membership.rs` | the peer view (RTT, bandwidth, liveness, suspicion); the stage group: members, the coordinator (the live member with the smallest id), heartbeats |
 //! | join | `join.rs` | start; stage queries, the bottleneck choice, the state download |
+//! | fencing | `fencing.rs` | a node that was paused, cut off or evicted stops serving its group and joins again as its next incarnation; the coordinator's evictions (silent, lost or diverged members) and the digest comparison before an apply |
 //! | flow protocol (GWTF) | `costs.rs`, `flow.rs`, `search.rs` | the cost model and CHANGE gossip; reservations (request, response, idle expiry, push-back, cancel, reroute); the local search (swaps, redirects) |
 //! | routing | `routing.rs`, `balancer.rs` | the next hop, and what the GWTF, SWARM, SWARM-plus and planned policies decide differently ([`Policy`] behind one trait); SWARM's cumulative-work heap, its ban on failure and fixed timeouts |
 //! | microbatch lifecycle | `holder.rs`, `lifecycle.rs`, `acks.rs`, `recovery.rs` | iterations at a holder and its launches; forward and backward hops with their snapshots; acks, deadlines, queued notices; forward rerouting, stage-only re-runs, restarts (section 5) |
@@ -33,6 +34,7 @@
 //! | --- | --- |
 //! | `Introduce`, `Probe`, `ProbeAck` | membership (`on_introduce`, dispatcher, `on_probe_ack`) |
 //! | `Heartbeat`, `Goodbye`, `GroupJoin` | membership (`on_heartbeat`, `peer_dead`, `on_group_join`) |
+//! | `Evicted` | fencing (`on_evicted`: the node stops serving its group and joins again) |
 //! | `Change` | flow protocol, costs (`on_change`) |
 //! | `FlowRequest`, `FlowResponse` | flow protocol, reservations (`on_flow_request`, `on_flow_response`) |
 //! | `NotifySwitch`, `NotifyRedirect`, `PushBack`, `Cancel` | flow protocol, reservations (`on_notify_switch`, `on_notify_redirect`, `on_push_back`, `on_cancel`) |

@@ -82,6 +82,38 @@ impl Policy {
     }
 }
 
+/// Why a node fenced itself off its stage group ([`Event::Fenced`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FenceReason {
+    /// Its own clock jumped: it ran none of its timers for this many
+    /// microseconds, longer than the suspicion time (it was paused or
+    /// starved), so its view of the group is stale and the group has
+    /// dropped it.
+    Paused { gap: Time },
+    /// Its coordinator told it that it is no longer a member
+    /// ([`Msg::Evicted`]).
+    Evicted { diverged: bool },
+    /// It heard from nobody at all for the isolation time while its
+    /// coordinator went silent: it is the node cut off, not its group.
+    Isolated,
+    /// It coordinated a commit whose members held different weights and
+    /// its own were in the minority.
+    Diverged,
+}
+
+impl FenceReason {
+    /// A short name for logs and JSON events.
+    pub fn name(&self) -> &'static str {
+        match self {
+            FenceReason::Paused { .. } => "paused",
+            FenceReason::Evicted { diverged: false } => "evicted",
+            FenceReason::Evicted { diverged: true } => "evicted_diverged",
+            FenceReason::Isolated => "isolated",
+            FenceReason::Diverged => "diverged",
+        }
+    }
+}
+
 /// Protocol configuration. Every constant of docs/SPEC.md section 4 is here.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -188,6 +220,18 @@ pub struct Config {
     /// one forward more of GPU time against a wait of a pipeline round
     /// trip. Off: the forward waits.
     pub recompute: bool,
+    /// Fencing: a node that finds its own timers late by more than the
+    /// suspicion time (`suspect_ticks` ticks: it was paused or starved, and
+    /// its group has dropped it) stops serving its group and rejoins
+    /// ([`FenceReason::Paused`]); one that heard from nobody for
+    /// `isolation_ticks` while its coordinator went silent does the same
+    /// instead of coordinating a group of its own
+    /// ([`FenceReason::Isolated`]). Off in the simulator (its nodes are
+    /// never paused nor cut off; crashes are clean).
+    pub fence_on_pause: bool,
+    /// See `fence_on_pause`: ticks without a word from any peer after which
+    /// a node whose coordinator is silent takes itself for the one cut off.
+    pub isolation_ticks: u32,
 }
 
 impl Config {
@@ -234,6 +278,8 @@ impl Config {
             e2e_timeout: 180 * SEC,
             start_delay: 6 * SEC,
             recompute: false,
+            fence_on_pause: false,
+            isolation_ticks: 8,
         }
     }
 
@@ -311,8 +357,24 @@ pub enum Msg {
     /// Graceful leave: peers drop the sender at once.
     Goodbye,
     /// Ask a group member (or coordinator) to be added to the group.
+    /// `incarnation` counts the sender's passes through the join path (0
+    /// for a founding member): a coordinator that evicted incarnation `k`
+    /// admits the sender again only as `k + 1` or later, so a member that
+    /// was dropped cannot slip back with its old state (see
+    /// [`Msg::Evicted`]).
     GroupJoin {
         stage: Stage,
+        incarnation: u32,
+    },
+    /// Fencing: the coordinator no longer counts the receiver as a member
+    /// of its stage group (it was silent for the suspicion time, or its
+    /// weights differed from the commit's): it stops serving the group at
+    /// once and comes back through the join path (stage choice, state
+    /// download) as its next incarnation.
+    Evicted {
+        /// Its weights' digest differed from the other members' (else: it
+        /// was silent).
+        diverged: bool,
     },
 
     // ---- decentralized flow protocol
@@ -555,6 +617,7 @@ impl Msg {
             Msg::Heartbeat { .. } => "Heartbeat",
             Msg::Goodbye => "Goodbye",
             Msg::GroupJoin { .. } => "GroupJoin",
+            Msg::Evicted { .. } => "Evicted",
             Msg::Change { .. } => "Change",
             Msg::FlowRequest { .. } => "FlowRequest",
             Msg::FlowResponse { .. } => "FlowResponse",
@@ -757,6 +820,15 @@ pub enum Event {
     },
     /// A coordinator removed `peer` from its stage's group.
     MemberRemoved { peer: NodeId },
+    /// This node stopped serving its stage group (fencing): what it held of
+    /// the group (claims, grants, commits, flows, microbatches in flight)
+    /// is dropped, and it comes back through the join path as incarnation
+    /// `incarnation`. Its runtime must drop every result of work given
+    /// before (see [`crate::protocol::Node::task_live`]).
+    Fenced {
+        reason: FenceReason,
+        incarnation: u32,
+    },
     /// The coordinator of `stage` found that the members of the aggregate of
     /// `iter` did not hold the same weights (digest per member): an error,
     /// replicas must be bit-identical after every apply.

@@ -1359,6 +1359,14 @@ impl Sim {
 
     fn on_event(&mut self, node: NodeId, e: Event) {
         match e {
+            // Nodes of the simulator are never paused nor cut off, and
+            // hold no weights digest: a fence means a false suspicion.
+            Event::Fenced { reason, .. } => {
+                self.rep.violations.push(format!(
+                    "node {node} fenced itself ({}): a false suspicion",
+                    reason.name()
+                ));
+            }
             Event::Active { .. } => {
                 self.population_version += 1;
                 if self.now > 0 {

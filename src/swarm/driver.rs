@@ -11,8 +11,8 @@ use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
 use crate::protocol::{
-    codec, Action, AggregatePlan, Config, Event, Input, MbId, Msg, Node, NodeId, Task, TaskId,
-    TaskKind, Time,
+    codec, Action, AggregatePlan, Config, Event, FenceReason, Input, MbId, Msg, Node, NodeId, Task,
+    TaskId, TaskKind, Time,
 };
 use crossbeam_channel::{Receiver, Sender};
 use sha2::{Digest, Sha256};
@@ -141,6 +141,10 @@ pub(super) struct Driver {
     /// Peers not in the directory that sent data frames: strangers unless
     /// introduced by then.
     pub(super) strangers: HashMap<NodeId, Instant>,
+    /// Peers this node asked for the stage's state and that have not sent
+    /// one since: a state from them that is no longer needed (a second one
+    /// after a retry) is dropped, not taken for a hostile peer's.
+    pub(super) state_asked: HashSet<NodeId>,
 }
 
 /// The peers whose time in `m` has come by `now`.
@@ -149,6 +153,12 @@ fn due(m: &HashMap<NodeId, Instant>, now: Instant) -> Vec<NodeId> {
         .filter(|(_, t)| **t <= now)
         .map(|(id, _)| *id)
         .collect()
+}
+
+/// The longest a state of `bytes` may take to arrive: at the slowest rate
+/// the engine lets a frame take (1 MiB/s; see `NodeOptions::min_frame_rate`).
+fn state_transfer_allowance(bytes: u64) -> Duration {
+    Duration::from_secs_f64(bytes as f64 / (1u64 << 20) as f64)
 }
 
 /// The first 8 bytes of a digest, as the protocol compares them.
@@ -437,6 +447,10 @@ impl Driver {
                 self.give(kind, None, None, Pending::Init);
             }
             Event::Applied { iter, .. } => self.apply(*iter),
+            Event::Fenced {
+                reason,
+                incarnation,
+            } => self.fenced(*reason, *incarnation),
             Event::Claimed { mb, tasks } => {
                 let t: Duration = tasks
                     .iter()
@@ -466,6 +480,27 @@ impl Driver {
         self.emit(NodeEvent::Protocol(e));
     }
 
+    /// The protocol stopped serving the stage group (fencing): everything
+    /// this node held for it is dropped, so that nothing of the old view is
+    /// sent, applied or counted again; the node comes back through the join
+    /// path (its state download replaces the weights).
+    fn fenced(&mut self, reason: FenceReason, incarnation: u32) {
+        self.log(format!(
+            "fenced ({}): leaving the stage group, joining again as incarnation {incarnation}",
+            reason.name()
+        ));
+        self.joiner = true;
+        self.means.clear();
+        self.gated.clear();
+        self.resync = None;
+        self.losses.clear();
+        self.task_time.clear();
+        self.claimed_time.clear();
+        self.store.forget_before(u32::MAX);
+        let budget = self.net.options().pool_bytes / 4;
+        self.agg = Aggregation::with_early_budget(budget);
+    }
+
     /// Holder: iterations up to `iter` are final: report their losses.
     fn iteration_final(&mut self, iter: u32) {
         let mut by_iter: BTreeMap<u32, Vec<f32>> = BTreeMap::new();
@@ -493,6 +528,20 @@ impl Driver {
             return;
         }
         match self.means.remove(&iter) {
+            // A commit of no microbatch (nothing was granted at this
+            // stage): no optimizer step, which would still move the
+            // weights (momentum); the weights stand for this iteration's.
+            Some((_, 0)) => {
+                self.means.retain(|k, _| *k > iter);
+                self.log(format!(
+                    "iteration {iter} committed no microbatch here: the weights stay as they are"
+                ));
+                self.applied_through = Some(iter);
+                let gated = std::mem::take(&mut self.gated);
+                for g in gated {
+                    self.dispatch(g);
+                }
+            }
             Some((mean, microbatches)) => {
                 self.means.retain(|k, _| *k > iter);
                 let kind = WorkKind::Apply {
@@ -558,6 +607,16 @@ impl Driver {
                 return;
             }
         };
+        let stale = match &p {
+            Pending::Task(task) | Pending::Recompute(task) => !self.node.task_live(task.id),
+            Pending::Gradient { task, .. } => !self.node.task_live(*task),
+            _ => false,
+        };
+        if stale {
+            // Given before this node fenced itself: its result belongs to
+            // a view of the group that is gone.
+            return;
+        }
         match p {
             Pending::Task(task) => self.task_done(task, out, c.took),
             Pending::Gradient { task, plan } => {
@@ -694,6 +753,9 @@ impl Driver {
     // ---- sending
 
     fn send(&mut self, to: NodeId, msg: Msg) {
+        if matches!(msg, Msg::StateRequest) && self.state_asked.len() < PENDING_MAX {
+            self.state_asked.insert(to);
+        }
         if matches!(msg, Msg::StateResponse { .. }) {
             // The state goes out once the trainer has exported it (after
             // every update queued before this request).
@@ -995,7 +1057,19 @@ impl Driver {
                     }
                 }
             }
-            NetEvent::ConnectFailed { addr, .. } => {
+            NetEvent::ConnectFailed {
+                addr,
+                attempts,
+                reason,
+            } => {
+                self.log(format!(
+                    "cannot reach {addr} after {attempts} attempts: {reason}"
+                ));
+                self.emit(NodeEvent::ConnectFailed {
+                    addr,
+                    attempts,
+                    reason,
+                });
                 let ids: Vec<NodeId> = self
                     .dir
                     .values()
@@ -1040,12 +1114,35 @@ impl Driver {
                 }
                 match decoded {
                     Ok(m) if m.is_bulk() => {
+                        if let (Msg::StateResponse { bytes, .. }, Some(r)) =
+                            (&m, self.resync.as_mut())
+                        {
+                            // Its data is on the way (control messages go
+                            // ahead of data): no new request before it could
+                            // have come at the slowest rate a frame may take.
+                            let allowance = RESYNC_RETRY + state_transfer_allowance(*bytes);
+                            r.retry_at = r.retry_at.max(Instant::now() + allowance);
+                        }
                         let key = bulk::key_of_msg(from, &m);
                         if let Some((m, data)) = self.pairing.on_msg(key, m) {
                             self.on_bulk(from, m, data);
                         }
                     }
-                    Ok(m) => self.input(Input::Message { from, msg: m }),
+                    Ok(m) => {
+                        if matches!(m, Msg::Goodbye) {
+                            // A peer that leaves or fences itself keeps its
+                            // connection open for a while (or for good, if
+                            // it joins again): the all-reduce in progress
+                            // must not wait for its part until then.
+                            self.agg.on_peer_lost(from as u64);
+                            self.drive_aggregation();
+                        } else {
+                            // Heard again after a goodbye (a fenced node
+                            // that joins again): a commit may count on it.
+                            self.agg.on_peer_back(from as u64);
+                        }
+                        self.input(Input::Message { from, msg: m })
+                    }
                     Err(e) => {
                         let e = format!("a message from {from:x}: {e}");
                         self.refuse_and_cut(from, Refusal::Message, e);
@@ -1080,7 +1177,8 @@ impl Driver {
             let due = Instant::now() + STRANGER_GRACE;
             self.strangers.entry(from).or_insert(due);
         }
-        let want_state = !self.node.is_active() || self.resync.is_some();
+        let want_state =
+            !self.node.is_active() || self.resync.is_some() || self.state_asked.contains(&from);
         let sizes = self.port.sizes();
         match intake::check_frame(
             &f.header,
@@ -1121,9 +1219,19 @@ impl Driver {
             Msg::Backward { mb, attempt, .. } => {
                 self.store.put(*mb, *attempt, Slot::GradIn, data);
             }
+            Msg::StateResponse { .. }
+                if self.node.is_active()
+                    && self.resync.is_none()
+                    && self.state_asked.remove(&from) =>
+            {
+                // Asked for, and no longer needed (a retry's answer came
+                // first): dropped, its slot back to the pool.
+                self.log(format!("a state from {from:x} no longer needed: dropped"));
+            }
             Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
+                self.state_asked.remove(&from);
                 match self.verify_state(data, *bytes) {
                     Ok(state) => {
                         let bytes = state.len();
@@ -1167,6 +1275,12 @@ impl Driver {
         }
         for id in due(&self.suspects, now) {
             self.suspects.remove(&id);
+            if self.state_asked.remove(&id) {
+                // The state it was sending will not come: ask again now.
+                if let Some(r) = self.resync.as_mut() {
+                    r.retry_at = now;
+                }
+            }
             // Not passed on to joiners in directory messages any more.
             self.dir.remove(&id);
             self.agg.on_peer_lost(id as u64);

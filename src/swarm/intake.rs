@@ -174,9 +174,9 @@ pub fn check_frame(
 /// The stage a protocol message says its sender serves, if it says one.
 pub fn stage_claim(msg: &Msg) -> Option<Stage> {
     match msg {
-        Msg::Introduce { stage, .. } | Msg::GroupJoin { stage } | Msg::StageDone { stage, .. } => {
-            Some(*stage)
-        }
+        Msg::Introduce { stage, .. }
+        | Msg::GroupJoin { stage, .. }
+        | Msg::StageDone { stage, .. } => Some(*stage),
         Msg::StageInfo { summary } => Some(summary.stage),
         _ => None,
     }

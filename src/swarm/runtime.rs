@@ -147,6 +147,14 @@ pub enum NodeEvent {
     },
     /// The connection to `peer` broke (it crashed, left, or is unreachable).
     PeerLost { peer: NodeId },
+    /// Every attempt to connect to `addr` failed (nobody listens there, or
+    /// it did not answer): a joiner's contact, a founding member, or a
+    /// peer the directory named.
+    ConnectFailed {
+        addr: std::net::SocketAddr,
+        attempts: u32,
+        reason: String,
+    },
     /// A joiner imported the stage's state from `from`.
     StateDownloaded { from: NodeId, bytes: u64, ms: f64 },
     /// Something a peer sent was refused (see [`super::intake`]): from
@@ -183,6 +191,7 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     c.e2e_timeout = 30 * crate::protocol::SEC;
     c.probe_bytes = 64 << 10;
     c.restart_empty_stages = true;
+    c.fence_on_pause = true;
     c.recompute = true;
     c
 }
@@ -359,6 +368,7 @@ impl Runtime {
             gated: VecDeque::new(),
             cut_off: Default::default(),
             strangers: HashMap::new(),
+            state_asked: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap

@@ -15,6 +15,43 @@ use std::time::{Duration, Instant};
 
 pub const KEY: &str = "0123456789abcdef-process-swarm-key";
 
+/// The swarm most process tests start: 2 data holders (1, 2) and 3 relays
+/// for each of the 2 relay stages (11-13, 21-23) of a model cut into 4.
+pub fn two_holders_and_two_by_three_relays() -> Vec<(u32, u16)> {
+    vec![
+        (1, 0),
+        (2, 0),
+        (11, 1),
+        (12, 1),
+        (13, 1),
+        (21, 2),
+        (22, 2),
+        (23, 2),
+    ]
+}
+
+/// Arguments every node of such a swarm gets: llama-tiny in 4 stages,
+/// `iterations`, `mb` microbatches per holder, `seed`, then `more`.
+pub fn llama_tiny_args(iterations: u32, mb: u32, seed: u64, more: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "--model",
+        "llama-tiny",
+        "--stages",
+        "4",
+        "--iterations",
+        &iterations.to_string(),
+        "--microbatches",
+        &mb.to_string(),
+        "--seed",
+        &seed.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(more.iter().map(|s| s.to_string()));
+    v
+}
+
 /// One event line of one node.
 #[derive(Clone, Debug)]
 pub struct Seen {
@@ -176,6 +213,28 @@ impl Swarm {
         let _ = c.kill();
         let _ = c.wait();
         panic!("node {id} did not leave within 30 s of SIGTERM");
+    }
+
+    /// SIGSTOP, then SIGCONT after `pause`: a process that stops running
+    /// (a laptop lid closed, a debugger, a starved VM) with its sockets
+    /// open. Returns when it runs again.
+    pub fn pause(&mut self, id: u32, pause: Duration) {
+        let n = self.nodes.iter().find(|n| n.id == id).unwrap();
+        let pid = n.child.as_ref().expect("alive").id() as i32;
+        // SAFETY: plain kill(2) on our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGSTOP);
+        }
+        std::thread::sleep(pause);
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(pid, libc::SIGCONT);
+        }
+    }
+
+    /// What node `id` wrote on stderr so far (its log with `GWTF_LOG=1`).
+    pub fn stderr(&self, id: u32) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("node-{id}.err"))).unwrap_or_default()
     }
 
     pub fn snapshot(&self) -> Vec<Seen> {

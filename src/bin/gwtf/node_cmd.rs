@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use gwtf::engine::{LinkEmulation, NodeOptions};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
-use gwtf::protocol::{Event, NodeId, Stage};
+use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
     realtime_config, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work, WorkPort,
@@ -45,6 +45,15 @@ pub struct NodeArgs {
     /// chooses the stage).
     #[arg(long, value_name = "ADDR")]
     join: Vec<SocketAddr>,
+    /// Give up, with an error naming the addresses, when no peer has been
+    /// reached within SECONDS: for a joiner, none of its --join addresses;
+    /// for a founding member, none of the other founding members (--peer).
+    /// Reached: a peer completed the authenticated handshake with this node
+    /// (it then sends the swarm's directory). Each address that refuses or
+    /// does not answer is reported as it fails (a `connect_failed` event).
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS",
+          value_parser = parse_join_timeout, allow_negative_numbers = true)]
+    join_timeout: f64,
     /// Model preset (gpt-tiny, llama-tiny or llama-small).
     #[arg(long, default_value = "llama-tiny")]
     model: String,
@@ -170,6 +179,17 @@ impl Trainer for Traced {
         }
         r
     }
+}
+
+/// Longest --join-timeout (a week).
+const JOIN_TIMEOUT_MAX: f64 = 7.0 * 86400.0;
+
+fn parse_join_timeout(s: &str) -> Result<f64, String> {
+    let v = checks::positive_float(s)?;
+    if v > JOIN_TIMEOUT_MAX {
+        return Err(format!("must be <= {JOIN_TIMEOUT_MAX} (a week), got {s}"));
+    }
+    Ok(v)
 }
 
 fn parse_peer(s: &str) -> Result<Peer, String> {
@@ -434,6 +454,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
     };
     out.emit(json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string())}));
+    let (targets, what) = reach_targets(&a, &r);
+    let mut reach = Reach::start(targets, what, Duration::from_secs_f64(a.join_timeout));
     let mut last_stats = Instant::now();
     loop {
         if STOP.load(Ordering::SeqCst) {
@@ -446,6 +468,10 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             out.emit(json!({"event": "error", "message": "the node stopped"}));
             return Err("the node stopped (see the errors above)".into());
         }
+        if let Err(e) = reach.poll(&rt) {
+            out.emit(json!({"event": "error", "message": e}));
+            return Err(e.into());
+        }
         if last_stats.elapsed() >= Duration::from_secs(1) {
             last_stats = Instant::now();
             out.stats(&rt);
@@ -453,6 +479,10 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         let Ok(ev) = rt.events().recv_timeout(Duration::from_millis(100)) else {
             continue;
         };
+        if let NodeEvent::ConnectFailed { addr, reason, .. } = &ev {
+            reach.failed(*addr, reason, &mut out);
+            continue;
+        }
         if let Some(done) = out.event(ev, a.iterations) {
             if done {
                 out.stats(&rt);
@@ -461,6 +491,142 @@ pub fn node(a: NodeArgs) -> super::CliResult {
                 return Ok(());
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Reaching the swarm (--join-timeout)
+
+/// What became of connecting to an address.
+#[derive(Clone, Debug, PartialEq)]
+enum Probe {
+    /// Every attempt of the engine failed: why.
+    Failed(String),
+}
+
+/// One address this node starts from.
+struct Target {
+    /// As given: `--join ADDR` or `--peer ID/STAGE/ADDR`.
+    shown: String,
+    addr: SocketAddr,
+    last: Option<Probe>,
+}
+
+/// Whether this node has reached any of the addresses it starts from, and
+/// what became of each (--join-timeout): the engine reports every address
+/// whose connection attempts all failed ([`NodeEvent::ConnectFailed`]);
+/// reached means that it completed an authenticated handshake with some
+/// peer (its counters).
+struct Reach {
+    targets: Vec<Target>,
+    /// "--join address" or "founding member (--peer)".
+    what: &'static str,
+    started: Instant,
+    timeout: Duration,
+    reached: bool,
+}
+
+impl Reach {
+    /// Watches `targets` (none: nothing to reach, never times out).
+    fn start(targets: Vec<Target>, what: &'static str, timeout: Duration) -> Reach {
+        Reach {
+            reached: targets.is_empty(),
+            targets,
+            what,
+            started: Instant::now(),
+            timeout,
+        }
+    }
+
+    /// The engine gave up connecting to `addr`: reported (a log line and a
+    /// `connect_failed` event), once per address and reason.
+    fn failed(&mut self, addr: SocketAddr, why: &str, out: &mut Printer) {
+        let t = self.targets.iter_mut().find(|t| t.addr == addr);
+        let shown = t.as_ref().map(|t| t.shown.clone());
+        if let Some(t) = t {
+            let p = Probe::Failed(why.to_string());
+            if t.last.as_ref() == Some(&p) {
+                return;
+            }
+            t.last = Some(p);
+        }
+        match (&shown, self.reached) {
+            (Some(shown), false) => eprintln!(
+                "gwtf node {:x}: cannot reach {shown} ({why}); it gives up after \
+                 --join-timeout {} s unless a peer is reached",
+                out.id,
+                self.timeout.as_secs_f64()
+            ),
+            _ => eprintln!("gwtf node {:x}: cannot reach {addr} ({why})", out.id),
+        }
+        out.emit(json!({
+            "event": "connect_failed", "addr": addr.to_string(),
+            "given": shown, "reason": why,
+        }));
+    }
+
+    /// Errs when nothing was reached within the timeout, naming what became
+    /// of each address.
+    fn poll(&mut self, rt: &Runtime) -> Result<(), String> {
+        if self.reached {
+            return Ok(());
+        }
+        let s = rt.net_stats();
+        if s.peers_connected + s.peers_lost > 0 {
+            self.reached = true;
+            return Ok(());
+        }
+        if self.started.elapsed() < self.timeout {
+            return Ok(());
+        }
+        let each: Vec<String> = self
+            .targets
+            .iter()
+            .map(|t| {
+                let state = match &t.last {
+                    Some(Probe::Failed(why)) => why.clone(),
+                    None => "no authenticated connection (still trying, or another \
+                             swarm key?)"
+                        .into(),
+                };
+                format!("{} ({state})", t.shown)
+            })
+            .collect();
+        Err(format!(
+            "no {} was reached within --join-timeout {} s: {}",
+            self.what,
+            self.timeout.as_secs_f64(),
+            each.join(", ")
+        ))
+    }
+}
+
+/// The addresses a node starts from: a joiner's --join, or the founding
+/// members other than itself.
+fn reach_targets(a: &NodeArgs, r: &Role) -> (Vec<Target>, &'static str) {
+    if r.join {
+        let t = a
+            .join
+            .iter()
+            .map(|&addr| Target {
+                shown: format!("--join {addr}"),
+                addr,
+                last: None,
+            })
+            .collect();
+        (t, "--join address")
+    } else {
+        let t = a
+            .peers
+            .iter()
+            .filter(|p| p.id != r.id && p.addr != a.listen)
+            .map(|p| Target {
+                shown: format!("--peer {}/{}/{}", p.id, p.stage, p.addr),
+                addr: p.addr,
+                last: None,
+            })
+            .collect();
+        (t, "founding member (--peer)")
     }
 }
 
@@ -577,6 +743,18 @@ impl Printer {
                 Event::StageResumed { stage } => {
                     self.emit(json!({"event": "stage_resumed", "stage": stage}))
                 }
+                Event::Fenced {
+                    reason,
+                    incarnation,
+                } => self.emit(json!({
+                    "event": "fenced", "reason": reason.name(), "incarnation": incarnation,
+                    "gap_ms": match reason {
+                        FenceReason::Paused { gap } => Some(gap / 1000),
+                        _ => None,
+                    },
+                    "why": "this node's view of its stage group may be stale: it stops serving \
+                            the group and joins again with a fresh state download",
+                })),
                 Event::StageRestarted { stage, applied } => self.emit(json!({
                     "event": "stage_restarted", "stage": stage, "applied": applied,
                     "why": "no live node held this stage: it starts again from the initial weights",
@@ -610,6 +788,10 @@ impl Printer {
                 "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
             })),
             NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
+            // Reported by `Reach::failed`, which knows the addresses given.
+            NodeEvent::ConnectFailed { addr, reason, .. } => self.emit(json!({
+                "event": "connect_failed", "addr": addr.to_string(), "reason": reason,
+            })),
             NodeEvent::Refused {
                 peer,
                 reason,

@@ -178,6 +178,10 @@ impl Node {
             );
             return;
         }
+        if self.refuse_evicted(from) {
+            self.send(from, Msg::ClaimReply { mb, granted: false });
+            return;
+        }
         if iter + 1 < self.iters.min_iter {
             self.send(from, Msg::ClaimReply { mb, granted: false });
             return;
@@ -406,7 +410,7 @@ impl Node {
     /// all-reduce failed, or every member is gone): the grants of its
     /// members that are gone are lost with them, and the live members
     /// commit again, under a new epoch, once those are recomputed.
-    fn abandon_commit(&mut self, iter: u32) {
+    pub(super) fn abandon_commit(&mut self, iter: u32) {
         let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) else {
             return;
         };
@@ -789,10 +793,17 @@ impl Node {
         {
             return;
         }
+        let diverged = self.diverged_members(iter);
+        if !diverged.is_empty() {
+            self.evict_diverged(iter, diverged);
+            return;
+        }
+        let ci = &self.coordinating.coord_iters[&iter];
         if !ci.agg_failed.is_empty() {
             // SWARM: the all-reduce failed; the live members step on what
             // each has, and the gone members' contributions are gone with
             // them (dropped).
+            let commit = ci.commit.as_ref().unwrap();
             let gone: Vec<NodeId> = commit.iter().copied().filter(|m| !self.alive(*m)).collect();
             for m in gone {
                 self.lose_grants(iter, m);
@@ -911,6 +922,9 @@ impl Node {
         granted: Vec<(MbId, NodeId, NodeId)>,
         end: Option<(NodeId, Arc<Vec<NodeId>>)>,
     ) {
+        if self.refuse_evicted(from) {
+            return;
+        }
         if self.group.coord == Some(self.id) {
             for (mb, prev, next) in granted {
                 self.on_claim(from, iter, mb, prev, next);
@@ -972,6 +986,9 @@ impl Node {
             );
             return;
         }
+        if self.refuse_evicted(from) {
+            return;
+        }
         if self.takeover_report(from, iter, epoch, Some(weights)) {
             return;
         }
@@ -991,6 +1008,9 @@ impl Node {
     pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
         if self.group.coord != Some(self.id) {
             self.keep_early(from, Msg::AggFailed { iter, epoch });
+            return;
+        }
+        if self.refuse_evicted(from) {
             return;
         }
         if self.takeover_report(from, iter, epoch, None) {

@@ -183,7 +183,18 @@ impl Node {
                 }
             }
         }
-        self.send(c, Msg::GroupJoin { stage: self.stage });
+        // The last update applied here: a new coordinator that lacks it (it
+        // joined again while the stage applied it) learns that its own
+        // weights are behind, and downloads them again before its next
+        // gradient, instead of aggregating on stale weights.
+        if c != self.id {
+            if let Some(iter) = self.iters.last_applied {
+                let version = self.iters.version.1;
+                self.send(c, Msg::Applied { iter, version });
+            }
+        }
+        let (stage, incarnation) = (self.stage, self.incarnation);
+        self.send(c, Msg::GroupJoin { stage, incarnation });
         // A new coordinator knows no member's links: without them it would
         // order its first ring blind (the slowest ring there is).
         if c != self.id && self.group.coord == Some(c) {

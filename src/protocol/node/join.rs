@@ -35,6 +35,7 @@ impl Node {
 
     pub(super) fn become_active(&mut self) {
         self.phase = Phase::Active;
+        self.last_heard_any = self.now;
         self.next_tick = self.now + self.cfg.tick;
         self.recompute_coord();
         self.introduce_all(None);
@@ -43,8 +44,8 @@ impl Node {
         self.measure_group_links();
         if let Some(c) = self.group.coord {
             if c != self.id {
-                let st = self.stage;
-                self.send(c, Msg::GroupJoin { stage: st });
+                let (stage, incarnation) = (self.stage, self.incarnation);
+                self.send(c, Msg::GroupJoin { stage, incarnation });
             }
         }
         let st = self.stage;
@@ -160,7 +161,7 @@ impl Node {
         self.become_active();
     }
 
-    fn download(&mut self, stage: Stage, src: NodeId) {
+    pub(super) fn download(&mut self, stage: Stage, src: NodeId) {
         self.phase = Phase::Downloading {
             stage,
             src,
@@ -183,6 +184,16 @@ impl Node {
             .next();
         match next {
             Some(n) => self.download(stage, n),
+            // A data holder stays one (it holds the data): it asks the
+            // holders it knows again rather than choose a relay stage.
+            None if stage == 0 => {
+                let again = (self.peers.iter())
+                    .filter(|(id, p)| p.stage == 0 && !p.dead && **id != self.id)
+                    .map(|(id, _)| *id)
+                    .next()
+                    .unwrap_or(src);
+                self.download(0, again);
+            }
             None => {
                 // Nobody of that stage is left: choose again from fresh
                 // summaries.
@@ -223,6 +234,12 @@ impl Node {
 
     /// A joiner downloads this stage's state (with the member list).
     pub(super) fn on_state_request(&mut self, from: NodeId) {
+        if self.phase != Phase::Active {
+            // Fenced or joining itself: its state is not the stage's. The
+            // goodbye has the joiner ask another member at once.
+            self.send(from, Msg::Goodbye);
+            return;
+        }
         // The joiners served before (still downloading, or whose
         // GroupJoin may have reached nobody alive) go with the member
         // list: if every member this joiner hears of dies before it
@@ -271,7 +288,8 @@ impl Node {
             self.become_active();
             if let Some(c) = self.group.coord {
                 if c != self.id {
-                    self.send(c, Msg::GroupJoin { stage });
+                    let incarnation = self.incarnation;
+                    self.send(c, Msg::GroupJoin { stage, incarnation });
                 }
             }
         }

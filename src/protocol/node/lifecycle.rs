@@ -130,6 +130,12 @@ impl Node {
         if self.phase != Phase::Active || mb.iter < self.iters.min_iter {
             return;
         }
+        if self.stage != 0 && self.iters.last_applied.is_some_and(|a| mb.iter < a) {
+            // Its iteration is final (this stage applied a later one): a
+            // stale hop (sent before its sender was paused, say). Its
+            // weights are gone; nobody waits for it.
+            return;
+        }
         if mb.iter > self.iters.min_iter && self.stage != 0 {
             self.forget_before(mb.iter);
         }

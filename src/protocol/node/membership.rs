@@ -14,6 +14,12 @@ pub(super) struct Group {
     pub(super) last_coord_heard: Time,
     /// Coordinator: when each member was last heard from.
     pub(super) member_heard: BTreeMap<NodeId, Time>,
+    /// Coordinator: the incarnation each member joined as (see
+    /// [`Msg::GroupJoin`]; 0 when it never said).
+    pub(super) incarnations: BTreeMap<NodeId, u32>,
+    /// Coordinator: members it dropped, with the first incarnation it
+    /// admits again (see `fencing`).
+    pub(super) evicted: BTreeMap<NodeId, u32>,
 }
 
 impl Default for Group {
@@ -24,6 +30,8 @@ impl Default for Group {
             coord: Default::default(),
             last_coord_heard: Default::default(),
             member_heard: Default::default(),
+            incarnations: Default::default(),
+            evicted: Default::default(),
         }
     }
 }
@@ -218,7 +226,9 @@ impl Node {
         }
     }
 
-    pub(super) fn leave(&mut self) {
+    /// Every live peer and member drops this node at once (a leave, a
+    /// fence): the flows and hops through it are recovered now.
+    pub(super) fn goodbye_to_all(&mut self) {
         let all: BTreeSet<NodeId> = self
             .peers
             .iter()
@@ -230,6 +240,10 @@ impl Node {
         for p in all {
             self.send(p, Msg::Goodbye);
         }
+    }
+
+    pub(super) fn leave(&mut self) {
+        self.goodbye_to_all();
         self.phase = Phase::Left;
         self.event(Event::Left);
     }
@@ -243,11 +257,16 @@ impl Node {
             if c == Some(self.id) {
                 self.group.members_changed = true;
                 // Members heartbeated the old coordinator, not us: each gets
-                // a full suspicion period from now (what we heard while not
-                // coordinating is stale).
-                let now = self.now;
+                // a full suspicion period from the moment it may itself
+                // notice the change (up to one suspicion period after us),
+                // so that a member still following the old coordinator is
+                // not dropped, and evicted, for it.
+                let grace = match old {
+                    Some(_) => self.now + self.suspicion(),
+                    None => self.now,
+                };
                 for &m in &self.group.members {
-                    self.group.member_heard.insert(m, now);
+                    self.group.member_heard.insert(m, grace);
                 }
                 self.take_over(old);
             } else if let Some(c) = c {
@@ -296,7 +315,20 @@ impl Node {
                 .copied()
                 .filter(|&m| m != self.id && self.group.member_heard[&m] + limit < now)
                 .collect();
+            if !silent.is_empty() && self.isolated() {
+                // Nobody at all was heard: this node is the one cut off,
+                // not its members.
+                self.fence(FenceReason::Isolated);
+                return;
+            }
             for m in silent {
+                // Dropped: told so when it speaks again (see `fencing`).
+                self.remember_evicted(m);
+                // A silent member is not lost to the others' transport:
+                // an all-reduce running with it would wait for its part
+                // until the last resort, so its commit is given up now
+                // (its grants are then recomputed like any lost member's).
+                self.abandon_commits_with(m);
                 self.peer_dead(m);
             }
             for m in self.group.members.clone() {
@@ -311,6 +343,12 @@ impl Node {
             }
         } else {
             if self.group.last_coord_heard + limit < self.now {
+                if self.isolated() {
+                    // Nobody at all was heard: this node is the one cut
+                    // off; it does not coordinate a group of its own.
+                    self.fence(FenceReason::Isolated);
+                    return;
+                }
                 self.peer_dead(c);
                 if let Some(nc) = self.group.coord {
                     if nc != self.id {
@@ -348,6 +386,7 @@ impl Node {
     /// peer heard (a suspected one was alive after all, unless it says
     /// goodbye), the coordinator heard by a member.
     pub(super) fn heard_from(&mut self, from: NodeId, goodbye: bool) {
+        self.last_heard_any = self.now;
         if self.group.coord == Some(self.id) {
             self.group.member_heard.insert(from, self.now);
         }
@@ -442,10 +481,10 @@ impl Node {
                 self.group.members.assign(&ms, self.id);
                 self.recompute_coord();
             }
-        } else if self.group.coord != Some(self.id)
-            && self.phase == Phase::Active
-            && self.group.members.contains(&from)
-        {
+        } else if self.group.coord == Some(self.id) {
+            // A member we dropped (silent, lost) that went on as one.
+            self.heartbeat_from_outsider(from);
+        } else if self.phase == Phase::Active && self.group.members.contains(&from) {
             // A member takes us for its coordinator (a joiner that
             // reached us while our own coordinator was failing): tell
             // it who is, so it does not suspect a live member and
@@ -461,9 +500,19 @@ impl Node {
     }
 
     /// A node joins (or rejoins) this stage's group.
-    pub(super) fn on_group_join(&mut self, from: NodeId, stage: Stage) {
+    pub(super) fn on_group_join(&mut self, from: NodeId, stage: Stage, incarnation: u32) {
         let st = self.stage;
         if stage == st {
+            if let Some(&min) = self.group.evicted.get(&from) {
+                if incarnation < min {
+                    // The incarnation this coordinator dropped: it comes
+                    // back only through the join path.
+                    self.refuse_evicted(from);
+                    return;
+                }
+                self.group.evicted.remove(&from);
+            }
+            self.group.incarnations.insert(from, incarnation);
             if let Some(p) = self.peers.get_mut(&from) {
                 p.dead = false;
             }
@@ -527,6 +576,9 @@ impl Node {
         }
         peer.dead = true;
         peer.queued = 0;
+        if self.group.members.contains(&p) && self.group.coord == Some(self.id) {
+            self.remember_evicted(p);
+        }
         if self.group.members.remove(&p) {
             self.member_gone(p);
         }

@@ -19,6 +19,7 @@ mod barrier;
 mod coordinator;
 mod costs;
 mod deputy;
+mod fencing;
 mod flow;
 mod group;
 pub use group::{AggregatePlan, BUTTERFLY_MAX_MEMBERS};
@@ -112,6 +113,10 @@ pub struct Node {
     /// Coordinator: the links between members, for the all-reduce ring.
     ring_links: ring_links::RingLinks,
     barrier: Option<Barrier>,
+    /// Passes through the join path after a fence (0: the first life).
+    incarnation: u32,
+    /// When this node last heard from any peer (see `fencing`).
+    last_heard_any: Time,
 }
 
 const INF: f64 = 1e12;
@@ -171,6 +176,8 @@ impl Node {
             adjacent: AdjacentStages::default(),
             iters: Iterations::default(),
             group: Group::default(),
+            incarnation: 0,
+            last_heard_any: 0,
         }
     }
 
@@ -200,6 +207,19 @@ impl Node {
     /// The weights version (iteration, hash) this node holds.
     pub fn version(&self) -> (u32, u64) {
         self.iters.version
+    }
+
+    /// How many times this node fenced itself and came back through the
+    /// join path (0: its first life).
+    pub fn incarnation(&self) -> u32 {
+        self.incarnation
+    }
+
+    /// Whether trainer task `id` still belongs to this node's current
+    /// state: after a fence ([`Event::Fenced`]) the results of the tasks
+    /// given before are dropped.
+    pub fn task_live(&self, id: TaskId) -> bool {
+        self.tasks.contains_key(&id)
     }
 
     /// The coordinator this node believes in.
@@ -280,6 +300,7 @@ impl Node {
     /// [`Node::on_timeout`] appending its actions to `out` (a driver reuses
     /// one buffer instead of allocating one per call).
     pub fn on_timeout_into(&mut self, now: Time, out: &mut Vec<Action>) {
+        self.check_own_clock(now);
         self.now = self.now.max(now);
         if self.phase == Phase::Left || self.phase == Phase::Idle {
             return;
@@ -306,6 +327,7 @@ impl Node {
 
     /// [`Node::handle`] appending its actions to `out`.
     pub fn handle_into(&mut self, now: Time, input: Input, out: &mut Vec<Action>) {
+        self.check_own_clock(now);
         self.now = self.now.max(now);
         if self.phase == Phase::Left {
             return;
@@ -524,7 +546,8 @@ impl Node {
             Msg::ProbeAck { bytes, sent_at } => self.on_probe_ack(from, bytes, sent_at),
             Msg::Heartbeat { members } => self.on_heartbeat(from, members),
             Msg::Goodbye => self.peer_dead(from),
-            Msg::GroupJoin { stage } => self.on_group_join(from, stage),
+            Msg::GroupJoin { stage, incarnation } => self.on_group_join(from, stage, incarnation),
+            Msg::Evicted { diverged } => self.on_evicted(from, diverged),
             Msg::Change {
                 spare,
                 compute_s,

@@ -16,7 +16,18 @@ pub(super) fn started(
     members: &[NodeId],
     peers: &[(NodeId, Stage)],
 ) -> Node {
-    let mut n = Node::new(config(policy), id, stage, 0.5, 4, 1);
+    started_with(config(policy), id, stage, members, peers)
+}
+
+/// [`started`] with configuration `cfg`.
+pub(super) fn started_with(
+    cfg: Arc<Config>,
+    id: NodeId,
+    stage: Stage,
+    members: &[NodeId],
+    peers: &[(NodeId, Stage)],
+) -> Node {
+    let mut n = Node::new(cfg, id, stage, 0.5, 4, 1);
     let mut all: Vec<(NodeId, Stage)> = members.iter().map(|&m| (m, stage)).collect();
     all.extend_from_slice(peers);
     n.handle(SEC, Input::Start { peers: all });
