@@ -228,7 +228,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     procs.0.push(spawn(&exe, dir.path(), JOINER, &args, &seen));
     // Both holders finish every iteration, the surviving relays leave on
     // SIGTERM, and all exit cleanly (ASan included).
-    finish(&mut procs, dir.path(), deadline, &[victim]);
+    finish(&mut procs, dir.path(), deadline, &[victim], &seen);
     std::thread::sleep(Duration::from_millis(200));
     let seen = seen.lock().unwrap().clone();
     // Every holder: every iteration's loss, then done.
@@ -366,11 +366,40 @@ fn wait_ok(p: &mut Proc, dir: &Path, deadline: Instant) {
 
 /// Waits for the holders (ids 1 and 2) to finish, then has every other
 /// process but `killed` leave with SIGTERM; each must exit cleanly.
-fn finish(procs: &mut Procs, dir: &Path, deadline: Instant, killed: &[u32]) {
+fn finish(
+    procs: &mut Procs,
+    dir: &Path,
+    deadline: Instant,
+    killed: &[u32],
+    seen: &Mutex<Vec<(u32, Value)>>,
+) {
     for p in procs.0.iter_mut().filter(|p| p.id <= 2) {
         wait_ok(p, dir, deadline);
     }
     let relays = |p: &&mut Proc| p.id > 2 && !killed.contains(&p.id);
+    // Each process prints on its own: a relay may apply the last update
+    // after the holders are done (its coordinator tells the holders and
+    // the members at once). It gets up to 10 s to print it before SIGTERM.
+    let last = |ev: &[(u32, Value)]| {
+        ev.iter()
+            .filter(|(_, v)| v["event"] == "applied")
+            .filter_map(|(_, v)| v["iteration"].as_u64())
+            .max()
+    };
+    let ids: Vec<u32> = procs.0.iter_mut().filter(relays).map(|p| p.id).collect();
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        let ev = seen.lock().unwrap().clone();
+        let top = last(&ev);
+        let settled = ids.iter().all(|id| {
+            let mine: Vec<(u32, Value)> = ev.iter().filter(|(i, _)| i == id).cloned().collect();
+            mine.is_empty() || last(&mine) == top
+        });
+        if settled {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for p in procs.0.iter_mut().filter(relays) {
         // SAFETY: signalling our own child by its pid.
         unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
@@ -435,6 +464,7 @@ fn mixed_swarm(
         dir,
         Instant::now() + Duration::from_secs(240),
         &[],
+        &seen,
     );
     std::thread::sleep(Duration::from_millis(200));
     let events = seen.lock().unwrap().clone();
