@@ -320,7 +320,14 @@ pub(crate) struct Driver {
     retries: Vec<(Instant, Outbound)>,
     readable: HashSet<Token>,
     shutting_down: Option<Instant>,
+    /// When the poll thread expected to run its timers again; a turn that
+    /// comes much later means this node itself did not run (paused, a
+    /// starved host, a long stop of the process).
+    due_back: Option<Instant>,
 }
+
+/// A turn later than this is this node's own stall, not its peers'.
+const OWN_STALL_MIN: Duration = Duration::from_millis(250);
 
 fn nonce() -> [u8; 32] {
     let mut n = [0u8; 32];
@@ -389,6 +396,7 @@ impl Driver {
             retries: Vec::new(),
             readable: HashSet::new(),
             shutting_down: None,
+            due_back: None,
         })
     }
 
@@ -425,6 +433,7 @@ impl Driver {
             if !self.cmd_rx.is_empty() {
                 timeout = Some(Duration::ZERO);
             }
+            self.due_back = timeout.map(|t| Instant::now() + t);
             let r = self.poll.poll(&mut events, timeout);
             self.shared.parked.store(false, Ordering::SeqCst);
             if let Err(e) = r {
@@ -1364,8 +1373,38 @@ impl Driver {
         }
     }
 
+    /// This node did not run for `late` (its poll thread came back that
+    /// much after it was due): whatever its peers sent meanwhile still
+    /// waits unread in the sockets, so their silence is measured in the
+    /// time this node ran. Without this, a node waking from a pause longer
+    /// than the peer timeout declared every peer dead before reading what
+    /// they had sent, and forgot them (one notion of "gone": the peers'
+    /// own timers judge the paused node, not the other way round).
+    fn credit_own_stall(&mut self, now: Instant, late: Duration) {
+        self.shared.log(format!(
+            "this node did not run for {late:?}: its peers' silence meanwhile is not held against them"
+        ));
+        let later = |t: Instant| (t + late).min(now);
+        for c in self.conns.values_mut() {
+            c.started = later(c.started);
+            c.last_rx = later(c.last_rx);
+            for d in [c.frame_deadline.as_mut(), c.data_deadline.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                *d += late;
+            }
+        }
+    }
+
     /// Runs due timers; returns the next deadline.
     fn timers(&mut self, now: Instant) -> Option<Instant> {
+        if let Some(due) = self.due_back.take() {
+            let late = now.saturating_duration_since(due);
+            if late >= OWN_STALL_MIN.max(self.shared.opts.heartbeat_interval) {
+                self.credit_own_stall(now, late);
+            }
+        }
         let mut next: Option<Instant> = self.shutting_down;
         let min = |t: Instant, next: &mut Option<Instant>| {
             *next = Some(next.map_or(t, |n| n.min(t)));
