@@ -757,6 +757,7 @@ fn bad_state_server(h: Net, cut: bool) -> std::thread::JoinHandle<Option<Net>> {
                 version: (0, 0),
                 members: Arc::new(vec![21]),
                 bytes: announced,
+                coord: 21,
             };
             let _ = send_msg(&h, peer, &m);
             let _ = h.send(peer, data_frame(&h, sent, header_fields(&m), 2), T);

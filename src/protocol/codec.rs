@@ -339,7 +339,10 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u64(*bytes);
             w.u64(*sent_at);
         }
-        Msg::Heartbeat { members } => w.opt(members, |w, m| w.ids(m)),
+        Msg::Heartbeat { members, coord } => {
+            w.opt(members, |w, m| w.ids(m));
+            w.u32(*coord);
+        }
         Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
         Msg::GroupJoin { stage, incarnation } => {
             w.u16(*stage);
@@ -592,11 +595,13 @@ fn write_body(w: &mut W, m: &Msg) {
             version,
             members,
             bytes,
+            coord,
         } => {
             w.u32(version.0);
             w.u64(version.1);
             w.ids(members);
             w.u64(*bytes);
+            w.u32(*coord);
         }
     }
 }
@@ -633,6 +638,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         },
         3 => Msg::Heartbeat {
             members: r.opt("heartbeat.members", |r| r.ids().map(Arc::new))?,
+            coord: r.u32()?,
         },
         4 => Msg::Goodbye,
         5 => Msg::GroupJoin {
@@ -804,6 +810,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             version: (r.u32()?, r.u64()?),
             members: Arc::new(r.ids()?),
             bytes: r.u64()?,
+            coord: r.u32()?,
         },
         40 => Msg::Restarting { mb: r.mb()? },
         41 => Msg::Queued {
@@ -891,6 +898,7 @@ pub fn samples() -> Vec<Msg> {
         },
         Msg::Heartbeat {
             members: Some(ids.clone()),
+            coord: 3,
         },
         Msg::Goodbye,
         Msg::GroupJoin {
@@ -1051,6 +1059,7 @@ pub fn samples() -> Vec<Msg> {
             version: (4, 79),
             members: ids,
             bytes: 1 << 30,
+            coord: 5,
         },
         Msg::Restarting { mb },
         Msg::Queued {
@@ -1155,6 +1164,7 @@ mod tests {
     fn a_list_too_long_for_one_message_is_an_error_not_a_truncation() {
         let m = Msg::Heartbeat {
             members: Some(Arc::new((0..20_000).collect())),
+            coord: 0,
         };
         assert!(encode(&m).is_err());
     }

@@ -350,9 +350,14 @@ pub enum Msg {
         sent_at: Time,
     },
     /// Liveness of a group link; `members` is set when the coordinator
-    /// announces the group (only when it changed).
+    /// announces the group (only when it changed), or when a member tells
+    /// a node that took it for its coordinator who is. `coord` is the
+    /// coordinator the sender follows (itself when it coordinates): with
+    /// a coordinator that stays while it lives, the smallest id of a list
+    /// is not the coordinator.
     Heartbeat {
         members: Option<Arc<Vec<NodeId>>>,
+        coord: NodeId,
     },
     /// Graceful leave: peers drop the sender at once.
     Goodbye,
@@ -604,6 +609,10 @@ pub enum Msg {
         version: (u32, u64),
         members: Arc<Vec<NodeId>>,
         bytes: u64,
+        /// The server's coordinator (the server itself when it has none):
+        /// the joiner follows it instead of taking coordination over
+        /// because its id is smaller.
+        coord: NodeId,
     },
 }
 

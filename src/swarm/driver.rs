@@ -894,11 +894,15 @@ impl Driver {
         };
         let msg = match msg {
             Msg::StateResponse {
-                version, members, ..
+                version,
+                members,
+                coord,
+                ..
             } => Msg::StateResponse {
                 version,
                 members,
                 bytes: (n + DIGEST_LEN) as u64,
+                coord,
             },
             m => m,
         };

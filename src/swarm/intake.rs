@@ -150,6 +150,7 @@ pub fn check_frame(
         version: (0, 0),
         members: Default::default(),
         bytes: 0,
+        coord: 0,
     });
     let want = sizes.incoming_tensor(kind == codec::KIND_FORWARD, stage);
     match kind {

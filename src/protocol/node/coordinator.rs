@@ -170,10 +170,12 @@ impl Node {
                 },
             );
             let members = self.group.members.list();
+            let coord = self.group.coord.unwrap_or(self.id);
             self.send(
                 from,
                 Msg::Heartbeat {
                     members: Some(members),
+                    coord,
                 },
             );
             return;

@@ -236,9 +236,14 @@ fn a_committed_or_final_iteration_grants_nothing_new() {
     let mut m = started(Policy::Gwtf, 2, 2, &[1, 3], &[]);
     let acts = deliver(&mut m, 3, claim(0, a));
     assert!(granted(&acts).is_none());
-    assert!(sends(&acts)
-        .iter()
-        .any(|(to, m)| *to == 3 && matches!(m, Msg::Heartbeat { members: Some(_) })));
+    assert!(sends(&acts).iter().any(|(to, m)| *to == 3
+        && matches!(
+            m,
+            Msg::Heartbeat {
+                members: Some(_),
+                ..
+            }
+        )));
 }
 
 /// A member whose part of the all-reduce failed (every member alive) tells

@@ -372,11 +372,25 @@ mod tests {
         let mut t = SEC;
         for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
             t += cfg.tick;
-            deliver(&mut c, 3, Msg::Heartbeat { members: None });
+            deliver(
+                &mut c,
+                3,
+                Msg::Heartbeat {
+                    members: None,
+                    coord: 1,
+                },
+            );
             c.on_timeout(t);
         }
         assert!(!c.group.members.contains(&2));
-        let a = deliver(&mut c, 2, Msg::Heartbeat { members: None });
+        let a = deliver(
+            &mut c,
+            2,
+            Msg::Heartbeat {
+                members: None,
+                coord: 1,
+            },
+        );
         assert_eq!(evictions(&a), vec![(2, false)]);
         let mb = MbId {
             holder: 0,
@@ -436,7 +450,14 @@ mod tests {
             n.on_timeout(t);
         }
         assert!(n.group.members.contains(&7), "dropped during the grace");
-        let a = deliver(&mut n, 7, Msg::Heartbeat { members: None });
+        let a = deliver(
+            &mut n,
+            7,
+            Msg::Heartbeat {
+                members: None,
+                coord: 5,
+            },
+        );
         assert!(evictions(&a).is_empty());
     }
 

@@ -264,23 +264,38 @@ impl Node {
         self.joining.joiners.insert(from, now);
         let bytes = self.own_state_bytes();
         let version = self.iters.version;
+        let coord = self.group.coord.unwrap_or(self.id);
         self.send(
             from,
             Msg::StateResponse {
                 version,
                 members,
                 bytes,
+                coord,
             },
         );
     }
 
     /// The state download is done: join the group.
-    pub(super) fn on_state_response(&mut self, version: (u32, u64), members: Arc<Vec<NodeId>>) {
+    pub(super) fn on_state_response(
+        &mut self,
+        version: (u32, u64),
+        members: Arc<Vec<NodeId>>,
+        coord: NodeId,
+    ) {
         if let Phase::Downloading { stage, .. } = self.phase {
             self.iters.downloaded(version);
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
             self.group.adopt(members.iter().copied(), self.id);
+            // The group's coordinator stays while it lives: a joiner (a
+            // fenced node coming back among them) follows it, whatever
+            // its own id, instead of taking coordination over in the
+            // middle of an iteration it knows nothing of.
+            if coord != self.id && self.group.members.contains(&coord) && self.alive(coord) {
+                self.group.coord = Some(coord);
+                self.group.last_coord_heard = self.now;
+            }
             // Keep only the views that matter to this stage.
             let (ps, ns) = (self.prev_stage(), self.next_stage());
             self.peers
@@ -328,11 +343,101 @@ mod tests {
             version: (3, 9),
             members,
             bytes: 0,
+            coord: 21,
         };
         deliver(&mut n, 21, done);
         assert!(n.is_active());
         assert_eq!(n.version(), (3, 9));
         assert_eq!(n.coordinator(), Some(21));
+    }
+
+    /// A joiner whose id is the smallest (a fenced node coming back) follows
+    /// the coordinator its state server names instead of taking over; the
+    /// coordinator and the members keep it when they admit the joiner.
+    #[test]
+    fn a_joiner_with_the_smallest_id_does_not_take_coordination_over() {
+        let mut j = Node::new(config(Policy::Gwtf), 11, 0, 0.5, 4, 1);
+        let acts = j.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(12, 1), (13, 1)],
+            },
+        );
+        assert!(!sends(&acts).is_empty());
+        for from in [12, 13] {
+            let summary = StageSummary {
+                stage: 1,
+                members: 2,
+                throughput: 1.0,
+                open_iter: 0,
+                empty_neighbors: Vec::new(),
+            };
+            deliver(&mut j, from, Msg::StageInfo { summary });
+        }
+        j.on_timeout(3 * SEC);
+        assert_eq!(j.stage(), 1);
+        let done = Msg::StateResponse {
+            version: (3, 9),
+            members: Arc::new(vec![12, 13]),
+            bytes: 0,
+            coord: 12,
+        };
+        let acts = deliver(&mut j, 13, done);
+        assert!(j.is_active());
+        assert_eq!(j.coordinator(), Some(12));
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 12 && matches!(m, Msg::GroupJoin { stage: 1, .. })));
+        // Its coordinator's plain heartbeat is not a member taking it for
+        // the coordinator: no member list goes back (a list from a smaller
+        // id took coordination over, and two nodes followed each other).
+        let hb = Msg::Heartbeat {
+            members: None,
+            coord: 12,
+        };
+        let acts = deliver(&mut j, 12, hb);
+        assert!(!sends(&acts).iter().any(|(_, m)| matches!(
+            m,
+            Msg::Heartbeat {
+                members: Some(_),
+                ..
+            }
+        )));
+        // The coordinator admits it and stays; a member hears the list.
+        let mut c = started(Policy::Gwtf, 12, 1, &[13], &[]);
+        assert_eq!(c.coordinator(), Some(12));
+        deliver(
+            &mut c,
+            11,
+            Msg::GroupJoin {
+                stage: 1,
+                incarnation: 1,
+            },
+        );
+        assert_eq!(c.coordinator(), Some(12));
+        assert!(c.stage_members().contains(&11));
+        // A member's list naming the coordinator changes nothing there.
+        let naming_12 = Msg::Heartbeat {
+            members: Some(Arc::new(vec![11, 12, 13])),
+            coord: 12,
+        };
+        deliver(&mut c, 11, naming_12);
+        assert_eq!(c.coordinator(), Some(12));
+        let mut m = started(Policy::Gwtf, 13, 1, &[12], &[]);
+        let list = Arc::new(vec![11, 12, 13]);
+        deliver(
+            &mut m,
+            12,
+            Msg::Heartbeat {
+                members: Some(list),
+                coord: 12,
+            },
+        );
+        assert_eq!(m.coordinator(), Some(12));
+        // Without the coordinator the smallest live id takes over, as every
+        // member computes it.
+        m.handle(2 * SEC, Input::PeerLost { peer: 12 });
+        assert_eq!(m.coordinator(), Some(11));
     }
 
     /// Stage 2's neighbours say it has no live node: a joiner of the real

@@ -248,9 +248,20 @@ impl Node {
         self.event(Event::Left);
     }
 
+    /// The coordinator stays while it lives and is a member (a joiner with
+    /// a smaller id, or a fenced node coming back, does not take over in
+    /// the middle of an iteration); when it is gone, the live member with
+    /// the smallest id takes over, which every member computes alike.
     pub(super) fn recompute_coord(&mut self) {
+        let keep = (self.group.coord).filter(|&c| self.group.members.contains(&c) && self.alive(c));
+        let c = keep.or_else(|| self.group.members.iter().copied().find(|&m| self.alive(m)));
+        self.set_coord(c);
+    }
+
+    /// Follows `c` as the coordinator: a new coordinator takes over what
+    /// the old one left; a member tells a new coordinator everything.
+    pub(super) fn set_coord(&mut self, c: Option<NodeId>) {
         let old = self.group.coord;
-        let c = self.group.members.iter().copied().find(|&m| self.alive(m));
         self.group.coord = c;
         if old != c {
             self.group.last_coord_heard = self.now;
@@ -337,6 +348,7 @@ impl Node {
                         m,
                         Msg::Heartbeat {
                             members: list.clone(),
+                            coord: c,
                         },
                     );
                 }
@@ -352,12 +364,20 @@ impl Node {
                 self.peer_dead(c);
                 if let Some(nc) = self.group.coord {
                     if nc != self.id {
-                        self.send(nc, Msg::Heartbeat { members: None });
+                        let m = Msg::Heartbeat {
+                            members: None,
+                            coord: nc,
+                        };
+                        self.send(nc, m);
                     }
                 }
                 return;
             }
-            self.send(c, Msg::Heartbeat { members: None });
+            let m = Msg::Heartbeat {
+                members: None,
+                coord: c,
+            };
+            self.send(c, m);
             self.resend_stale_claims(c);
         }
     }
@@ -475,25 +495,51 @@ impl Node {
 
     /// A heartbeat: from the coordinator (with the member list when it
     /// changed) or from a member.
-    pub(super) fn on_heartbeat(&mut self, from: NodeId, members: Option<Arc<Vec<NodeId>>>) {
+    pub(super) fn on_heartbeat(
+        &mut self,
+        from: NodeId,
+        members: Option<Arc<Vec<NodeId>>>,
+        coord: NodeId,
+    ) {
+        let mine = self.group.coord;
         if let Some(ms) = members {
-            if Some(from) == self.group.coord || from < self.group.coord.unwrap_or(NodeId::MAX) {
+            // A coordinator's list (`coord == from`) is followed when it
+            // is ours, or smaller than ours (of two coordinators that hear
+            // of each other, the smaller id wins); a member's answer
+            // naming the coordinator when we took that member for it.
+            // The node we follow naming us closes a loop of two nodes each
+            // taking the other for the coordinator: we coordinate.
+            let follow = if coord == from {
+                Some(from) == mine || from < mine.unwrap_or(NodeId::MAX)
+            } else {
+                Some(from) == mine
+            };
+            if follow {
                 self.group.members.assign(&ms, self.id);
-                self.recompute_coord();
+                if coord == self.id || self.group.members.contains(&coord) && self.alive(coord) {
+                    self.set_coord(Some(coord));
+                } else {
+                    self.recompute_coord();
+                }
             }
-        } else if self.group.coord == Some(self.id) {
+        } else if mine == Some(self.id) {
             // A member we dropped (silent, lost) that went on as one.
             self.heartbeat_from_outsider(from);
-        } else if self.phase == Phase::Active && self.group.members.contains(&from) {
+        } else if coord == self.id
+            && self.phase == Phase::Active
+            && self.group.members.contains(&from)
+        {
             // A member takes us for its coordinator (a joiner that
             // reached us while our own coordinator was failing): tell
             // it who is, so it does not suspect a live member and
             // coordinate a group of its own.
             let members = self.group.members.list();
+            let coord = mine.unwrap_or(self.id);
             self.send(
                 from,
                 Msg::Heartbeat {
                     members: Some(members),
+                    coord,
                 },
             );
         }
@@ -637,7 +683,14 @@ mod tests {
         let mut t = SEC;
         for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
             t += cfg.tick;
-            deliver(&mut n, 3, Msg::Heartbeat { members: None });
+            deliver(
+                &mut n,
+                3,
+                Msg::Heartbeat {
+                    members: None,
+                    coord: 1,
+                },
+            );
             n.on_timeout(t);
         }
         assert!(!n.group.members.contains(&2));

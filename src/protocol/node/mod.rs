@@ -544,7 +544,7 @@ impl Node {
             } => self.on_introduce(from, iter, stage, spare, compute_s, sent_at, echo),
             Msg::Probe { bytes, sent_at } => self.send(from, Msg::ProbeAck { bytes, sent_at }),
             Msg::ProbeAck { bytes, sent_at } => self.on_probe_ack(from, bytes, sent_at),
-            Msg::Heartbeat { members } => self.on_heartbeat(from, members),
+            Msg::Heartbeat { members, coord } => self.on_heartbeat(from, members, coord),
             Msg::Goodbye => self.peer_dead(from),
             Msg::GroupJoin { stage, incarnation } => self.on_group_join(from, stage, incarnation),
             Msg::Evicted { diverged } => self.on_evicted(from, diverged),
@@ -659,8 +659,11 @@ impl Node {
             Msg::StageInfo { summary } => self.on_stage_info(from, summary),
             Msg::StateRequest => self.on_state_request(from),
             Msg::StateResponse {
-                version, members, ..
-            } => self.on_state_response(version, members),
+                version,
+                members,
+                coord,
+                ..
+            } => self.on_state_response(version, members, coord),
         }
     }
 }
