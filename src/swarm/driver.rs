@@ -99,6 +99,12 @@ pub(super) struct Driver {
     pub(super) start: Instant,
     pub(super) me: Peer,
     pub(super) dir: BTreeMap<NodeId, Peer>,
+    /// The last known entries of peers taken out of `dir` when their
+    /// connection broke: no longer passed on to others, but still dialled
+    /// when the protocol sends to them (a peer that was only unreachable
+    /// for a while, or this node's own pause, does not make an address
+    /// wrong, and a message with no address would be lost).
+    pub(super) last_known: BTreeMap<NodeId, Peer>,
     /// What waits for a connection being set up.
     pub(super) pending: HashMap<NodeId, VecDeque<Out>>,
     /// Peers found unreachable, to tell the protocol.
@@ -835,7 +841,7 @@ impl Driver {
         for &m in members {
             if m != self.me.id && !connected.contains(&(m as u64)) && !self.pending.contains_key(&m)
             {
-                if let Some(p) = self.dir.get(&m) {
+                if let Some(p) = self.address_of(m) {
                     if self.net.connect(p.addr).is_ok() {
                         self.pending.entry(m).or_default();
                     }
@@ -918,7 +924,7 @@ impl Driver {
         // Two nodes dialling each other at once make two connections; the
         // engine keeps one and winds the other down without losing what
         // travelled on it.
-        match self.dir.get(&to) {
+        match self.address_of(to) {
             Some(p) => {
                 if self.net.connect(p.addr).is_ok() {
                     self.pending.entry(to).or_default().push_back(first);
@@ -934,6 +940,22 @@ impl Driver {
                 self.pending.entry(to).or_default().push_back(first);
             }
         }
+    }
+
+    /// Whether `id` is in the directory; a peer whose broken connection
+    /// took it out and that connects again is put back (what it sends may
+    /// overtake its directory message: its queued messages go out as soon
+    /// as the connection is up).
+    fn known(&mut self, id: NodeId) -> bool {
+        if let Some(p) = self.last_known.remove(&id) {
+            self.dir.insert(id, p);
+        }
+        self.dir.contains_key(&id)
+    }
+
+    /// Where to dial `id`: its directory entry, or the last one known.
+    fn address_of(&self, id: NodeId) -> Option<&Peer> {
+        self.dir.get(&id).or_else(|| self.last_known.get(&id))
     }
 
     // ---- receiving
@@ -973,6 +995,7 @@ impl Driver {
                 .is_some_and(|k| k.stage == directory::NO_STAGE && p.stage != directory::NO_STAGE);
             if known.is_none() || staged || (p.id == from && known != Some(&p)) {
                 news.push(p.clone());
+                self.last_known.remove(&p.id);
                 self.dir.insert(p.id, p);
             }
         }
@@ -1077,6 +1100,7 @@ impl Driver {
                 let ids: Vec<NodeId> = self
                     .dir
                     .values()
+                    .chain(self.last_known.values())
                     .filter(|p| p.addr == addr)
                     .map(|p| p.id)
                     .collect();
@@ -1099,7 +1123,7 @@ impl Driver {
                     self.on_directory(from, &msg.body);
                     return;
                 }
-                if !self.dir.contains_key(&from) {
+                if !self.known(from) {
                     let what = codec::decode(&msg).map_or("an undecodable message", |m| m.name());
                     let e = format!("{what} from {from:x}, which is not in the swarm's directory");
                     self.refuse_and_cut(from, Refusal::Stranger, e);
@@ -1174,7 +1198,7 @@ impl Driver {
         if self.cut_off.contains(&from) {
             return;
         }
-        if !self.dir.contains_key(&from) {
+        if !self.known(from) {
             // Its directory may be among the control messages read with
             // this frame; a frame never reaches the protocol without a
             // message, which strangers do not get past.
@@ -1285,8 +1309,11 @@ impl Driver {
                     r.retry_at = now;
                 }
             }
-            // Not passed on to joiners in directory messages any more.
-            self.dir.remove(&id);
+            // Not passed on to joiners in directory messages any more,
+            // but still dialled if the protocol sends to it again.
+            if let Some(p) = self.dir.remove(&id) {
+                self.last_known.insert(id, p);
+            }
             self.agg.on_peer_lost(id as u64);
             self.drive_aggregation();
             self.emit(NodeEvent::PeerLost { peer: id });
@@ -1315,8 +1342,7 @@ impl Driver {
             self.address_waits.remove(&id);
             if self.pending.contains_key(&id) && !self.net.is_connected(id as u64) {
                 let ok = self
-                    .dir
-                    .get(&id)
+                    .address_of(id)
                     .is_some_and(|p| self.net.connect(p.addr).is_ok());
                 if !ok {
                     self.pending.remove(&id);

@@ -341,6 +341,7 @@ impl Runtime {
                 .filter(|p| p.id != 0)
                 .map(|p| (p.id, p.clone()))
                 .collect(),
+            last_known: BTreeMap::new(),
             me,
             pending: HashMap::new(),
             lost: VecDeque::new(),
