@@ -10,13 +10,12 @@
 //! visibly (tests/common/skip.rs) with the reason.
 mod common;
 
+use common::netns::{wait_exit, Lab, Unavailable};
 use common::skip;
+use common::swarm_procs::Seen;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 const ITERATIONS: u32 = 10;
@@ -24,7 +23,8 @@ const MICROBATCHES: u32 = 4;
 const HOLDERS: [u32; 2] = [1, 2];
 /// (id, stage) of the relays.
 const RELAYS: [(u32, u32); 4] = [(11, 1), (12, 1), (21, 2), (22, 2)];
-const PORT: u16 = 7000;
+/// The nodes' /24.
+const SUBNET: &str = "10.77.0";
 /// Every link, in each direction: a token bucket (tbf; netem is not
 /// available everywhere).
 const TBF: &[&str] = &["rate", "20mbit", "burst", "32kb", "latency", "200ms"];
@@ -33,123 +33,6 @@ const KILL_AFTER_ITERATION: u64 = 2;
 /// Generous bounds: a debug build on a loaded 2-core machine.
 const RUN_DEADLINE: Duration = Duration::from_secs(300);
 const EXIT_DEADLINE: Duration = Duration::from_secs(30);
-/// Namespaces of this test are named `PREFIX<pid>...`.
-const PREFIX: &str = "gwtfns";
-
-/// Runs a command to completion; Err with its output when it fails.
-fn sh(args: &[&str]) -> Result<(), String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", args[0]))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`{}` failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// The namespaces and processes of one run; dropping it kills every
-/// process still running and deletes every namespace, whatever happened.
-struct Lab {
-    namespaces: Vec<String>,
-    children: Vec<(u32, Child)>,
-}
-
-impl Lab {
-    fn add_ns(&mut self, name: &str) -> Result<(), String> {
-        sh(&["ip", "netns", "add", name])?;
-        self.namespaces.push(name.to_string());
-        sh(&["ip", "-n", name, "link", "set", "lo", "up"])
-    }
-
-    fn child(&mut self, id: u32) -> &mut Child {
-        &mut self
-            .children
-            .iter_mut()
-            .find(|(i, _)| *i == id)
-            .expect("a started node")
-            .1
-    }
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for ns in self.namespaces.iter().rev() {
-            let _ = sh(&["ip", "netns", "del", ns]);
-        }
-    }
-}
-
-/// Deletes namespaces left by an earlier run of this test that was itself
-/// killed (its pid is gone).
-fn remove_stale_namespaces() {
-    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
-        return;
-    };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix(PREFIX) else {
-            continue;
-        };
-        let pid: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-        if !pid.is_empty() && !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = sh(&["ip", "netns", "del", name]);
-        }
-    }
-}
-
-/// A hub namespace with a bridge, and one namespace per node linked to it
-/// by a veth pair shaped on both ends. Returns each node's address.
-fn build_network(lab: &mut Lab, hub: &str, ids: &[u32]) -> Result<BTreeMap<u32, String>, String> {
-    let pid = std::process::id();
-    let hub = hub.to_string();
-    sh(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"])?;
-    sh(&["ip", "-n", &hub, "link", "set", "br0", "up"])?;
-    let mut addrs = BTreeMap::new();
-    for (k, &id) in ids.iter().enumerate() {
-        let ns = format!("{PREFIX}{pid}n{id}");
-        lab.add_ns(&ns)?;
-        let port = format!("p{id}");
-        let ip = format!("10.77.0.{}", k + 1);
-        sh(&[
-            "ip", "-n", &ns, "link", "add", "e0", "type", "veth", "peer", "name", &port, "netns",
-            &hub,
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            &format!("{ip}/24"),
-            "dev",
-            "e0",
-        ])?;
-        sh(&["ip", "-n", &ns, "link", "set", "e0", "up"])?;
-        sh(&["ip", "-n", &hub, "link", "set", &port, "master", "br0"])?;
-        sh(&["ip", "-n", &hub, "link", "set", &port, "up"])?;
-        for (side, dev) in [(&ns, "e0"), (&hub, port.as_str())] {
-            let mut tc = vec![
-                "ip", "netns", "exec", side, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-            ];
-            tc.extend_from_slice(TBF);
-            sh(&tc)?;
-        }
-        addrs.insert(id, format!("{ip}:{PORT}"));
-    }
-    Ok(addrs)
-}
 
 /// What one node printed (a JSON object per line), in order.
 type Line = (u32, Value);
@@ -161,56 +44,35 @@ struct Launch {
     key: std::path::PathBuf,
     /// Where each node's stderr goes.
     log_dir: std::path::PathBuf,
-    tx: std::sync::mpsc::Sender<Line>,
+    tx: Sender<Seen>,
 }
 
 fn spawn_node(lab: &mut Lab, l: &Launch, id: u32, role: &[String], addr: &str) {
-    let (peers, key, log_dir, tx) = (&l.peers, &l.key, &l.log_dir, &l.tx);
-    let ns = format!("{PREFIX}{}n{id}", std::process::id());
-    let stderr = std::fs::File::create(log_dir.join(format!("node-{id}.stderr"))).unwrap();
-    let mut c = Command::new("ip")
-        .args(["netns", "exec", &ns, env!("CARGO_BIN_EXE_gwtf"), "node"])
-        .args(["--listen", addr, "--id", &id.to_string()])
-        .arg("--swarm-key-file")
-        .arg(key)
-        .args(peers)
-        .args(role)
-        .args(["--stages", "4", "--model", "llama-tiny"])
-        .args(["--iterations", &ITERATIONS.to_string()])
-        .args(["--microbatches", &MICROBATCHES.to_string()])
-        .args(["--json", "--log"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(stderr))
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start node {id}: {e}"));
-    let out = c.stdout.take().unwrap();
-    let tx = tx.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            let v = serde_json::from_str(&line)
-                .unwrap_or_else(|_| serde_json::json!({"event": "unparsed", "line": line}));
-            if tx.send((id, v)).is_err() {
-                break;
-            }
-        }
-    });
-    lab.children.push((id, c));
-}
-
-/// Waits for `c` to exit, at most `within`.
-fn wait_exit(c: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
-    let t = Instant::now();
-    loop {
-        if let Ok(Some(s)) = c.try_wait() {
-            return Some(s);
-        }
-        if t.elapsed() > within {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let mut args: Vec<String> = vec![
+        "--listen".into(),
+        addr.into(),
+        "--id".into(),
+        id.to_string(),
+        "--swarm-key-file".into(),
+        l.key.display().to_string(),
+    ];
+    args.extend(l.peers.iter().cloned());
+    args.extend(role.iter().cloned());
+    for a in [
+        "--stages",
+        "4",
+        "--model",
+        "llama-tiny",
+        "--iterations",
+        &ITERATIONS.to_string(),
+        "--microbatches",
+        &MICROBATCHES.to_string(),
+        "--json",
+        "--log",
+    ] {
+        args.push(a.to_string());
     }
+    lab.spawn(id, &args, &l.log_dir, &l.tx);
 }
 
 fn u(v: &Value, k: &str) -> u64 {
@@ -224,44 +86,21 @@ fn ev(v: &Value) -> &str {
 
 #[test]
 fn a_swarm_across_namespaces_survives_a_killed_relay() {
-    for tool in ["ip", "tc"] {
-        if Command::new(tool)
-            .arg("-V")
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            skip::skipped(&format!("`{tool}` (iproute2) is not installed"));
-            return;
-        }
-    }
-    remove_stale_namespaces();
-    let mut lab = Lab {
-        namespaces: Vec::new(),
-        children: Vec::new(),
-    };
     let ids: Vec<u32> = HOLDERS
         .iter()
         .copied()
         .chain(RELAYS.iter().map(|r| r.0))
         .collect();
-    // The first namespace tells whether we may create them at all.
-    let pid = std::process::id();
-    let hub = format!("{PREFIX}{pid}hub");
-    if let Err(e) = lab.add_ns(&hub) {
-        skip::skipped(&format!(
-            "cannot create a network namespace (root is needed): {e}"
-        ));
-        return;
-    }
-    let addrs = match build_network(&mut lab, &hub, &ids) {
-        Ok(a) => a,
-        Err(e) if e.contains("tbf") || e.contains("qdisc") => {
-            skip::skipped(&format!("cannot shape links with tbf here: {e}"));
+    let mut lab = match Lab::start("", SUBNET, &ids, TBF) {
+        Ok(lab) => lab,
+        Err(Unavailable::Skip(why)) => {
+            skip::skipped(&why);
             return;
         }
-        Err(e) => panic!("cannot build the network: {e}"),
+        Err(Unavailable::Fail(e)) => panic!("{e}"),
     };
+    let addrs = lab.addrs.clone();
+    let pid = std::process::id();
     let dir = common::scratch(&format!("swarm-netns-{pid}"));
     let key = dir.join("key");
     std::fs::write(&key, "0123456789abcdef-netns-swarm-key\n").unwrap();
@@ -271,7 +110,7 @@ fn a_swarm_across_namespaces_survives_a_killed_relay() {
         peers.push("--peer".to_string());
         peers.push(format!("{id}/{}/{}", stage_of(id), addrs[&id]));
     }
-    let (tx, rx) = channel::<Line>();
+    let (tx, rx) = channel::<Seen>();
     let launch = Launch {
         peers,
         key,
@@ -302,7 +141,7 @@ fn a_swarm_across_namespaces_survives_a_killed_relay() {
     while done.len() < HOLDERS.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         let (id, v) = match rx.recv_timeout(left) {
-            Ok(l) => l,
+            Ok(l) => (l.node, l.v),
             Err(RecvTimeoutError::Timeout) => panic!(
                 "the holders did not finish within {RUN_DEADLINE:?} (done: {done:?}); \
                  node logs in {}; last lines:{}",
@@ -369,7 +208,7 @@ fn a_swarm_across_namespaces_survives_a_killed_relay() {
     let rest_deadline = Instant::now() + EXIT_DEADLINE;
     loop {
         match rx.recv_timeout(rest_deadline.saturating_duration_since(Instant::now())) {
-            Ok(l) => lines.push(l),
+            Ok(l) => lines.push((l.node, l.v)),
             Err(RecvTimeoutError::Disconnected) => break,
             Err(RecvTimeoutError::Timeout) => panic!("node output did not end"),
         }

@@ -10,6 +10,7 @@ mod common;
 use common::swarm_procs::{
     check_run, llama_tiny_args, two_holders_and_two_by_three_relays, Seen, Swarm,
 };
+use common::timeline::{longest_gap, stall_bound, timeline};
 use std::time::{Duration, Instant};
 
 const ITERATIONS: u32 = 40;
@@ -32,40 +33,6 @@ fn start(extra: &[(u32, &[&str])]) -> Swarm {
     swarm
 }
 
-/// The longest time between two iterations becoming final (any holder's
-/// `iteration` line), from the first one on.
-fn longest_gap(ev: &[Seen]) -> Duration {
-    let mut finals: Vec<(u64, Instant)> = Vec::new();
-    for e in ev.iter().filter(|e| e.event() == "iteration") {
-        let k = e.u("iteration");
-        if !finals.iter().any(|(j, _)| *j == k) {
-            finals.push((k, e.at));
-        }
-    }
-    finals.sort();
-    finals
-        .windows(2)
-        .map(|w| w[1].1.saturating_duration_since(w[0].1))
-        .max()
-        .unwrap_or_default()
-}
-
-/// The stall bound of the issue: 5 s, or three of the run's own
-/// iteration times where those are longer (this machine is shared).
-fn stall_bound(ev: &[Seen]) -> Duration {
-    let mut finals: Vec<Instant> = ev
-        .iter()
-        .filter(|e| e.event() == "iteration" && e.u("iteration") <= 2)
-        .map(|e| e.at)
-        .collect();
-    finals.sort();
-    let normal = match (finals.first(), finals.last()) {
-        (Some(a), Some(b)) if finals.len() > 1 => b.saturating_duration_since(*a) / 2,
-        _ => Duration::ZERO,
-    };
-    Duration::from_secs(5).max(3 * normal)
-}
-
 /// Pauses `victim` for `pause` right after the swarm applied iteration
 /// `after`, then checks the run.
 fn pause_after_applied(victim: u32, after: u64, pause: Duration) -> Vec<Seen> {
@@ -80,7 +47,7 @@ fn pause_after_applied(victim: u32, after: u64, pause: Duration) -> Vec<Seen> {
     swarm.pause(victim, pause);
     let ev = swarm.until_done(&[1, 2]);
     check_run(&ev, ITERATIONS, MB, 2);
-    let gap = longest_gap(&ev);
+    let (gap, _) = longest_gap(&ev);
     let bound = stall_bound(&ev);
     eprintln!("paused node {victim} {pause:?}: longest gap {gap:?} (bound {bound:?})");
     if gap > bound {
@@ -94,25 +61,6 @@ fn pause_after_applied(victim: u32, after: u64, pause: Duration) -> Vec<Seen> {
         timeline(&ev)
     );
     ev
-}
-
-/// The run's event lines in time order, without the chatty ones: what a
-/// failure report shows.
-fn timeline(ev: &[Seen]) -> String {
-    let Some(t0) = ev.iter().map(|e| e.at).min() else {
-        return String::new();
-    };
-    let mut v: Vec<&Seen> = ev
-        .iter()
-        .filter(|e| !matches!(e.event(), "work" | "stats" | "mb_done"))
-        .collect();
-    v.sort_by_key(|e| e.at);
-    v.iter()
-        .map(|e| {
-            let t = e.at.saturating_duration_since(t0).as_secs_f64();
-            format!("{t:8.3} node {:>2} {}\n", e.node, e.v)
-        })
-        .collect()
 }
 
 /// Pauses `victim` as [`pause_after_applied`] does and checks that it

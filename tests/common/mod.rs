@@ -2,9 +2,11 @@
 //! against the built `libgwtf.so`.
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod skip;
 pub mod swarm_inproc;
 pub mod swarm_procs;
+pub mod timeline;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -271,6 +271,9 @@ impl Swarm {
             let err: Vec<&str> = err.lines().rev().take(40).collect();
             s += &format!("node {}: {last:?} stderr {err:?}\n", n.id);
         }
+        // The whole run in time order: where it stood still and why.
+        s += "timeline:\n";
+        s += &super::timeline::timeline(ev);
         s
     }
 
