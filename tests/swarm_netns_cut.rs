@@ -3,8 +3,8 @@
 //! (tests/common/netns.rs): 2 data holders and 2 relays for each of the 2
 //! relay stages of llama-tiny cut into 4.
 //!
-//! - A relay's link goes down for 3 s once it applied iteration 2, then up
-//!   again. The run must finish (every holder prints
+//! - A relay's link goes down for 3 s, and for 15 s, once it applied
+//!   iteration 2, then up again. The run must finish (every holder prints
 //!   `done` and exits; every relay leaves on SIGTERM); no node reports an
 //!   error, every (stage, iteration) that nodes applied has one weights
 //!   digest and every microbatch is counted once per stage (`check_run`);
@@ -192,4 +192,12 @@ fn cut_and_restore(tag: &str, subnet: &str, victim: u32, cut: Duration, iteratio
 #[test]
 fn a_relay_cut_off_for_3_s_is_a_member_again_and_nothing_diverges() {
     cut_and_restore("cutthree", "10.77.1", 12, Duration::from_secs(3), 80);
+}
+
+#[test]
+fn a_relay_cut_off_for_15_s_is_a_member_again_and_nothing_diverges() {
+    // Longer than the transport's peer timeout (5 s): every connection of
+    // the relay fails and its dialling gives up while the link is down; as
+    // a joiner that takes every peer for dead it asks them all again.
+    cut_and_restore("cutfifteen", "10.77.2", 22, Duration::from_secs(15), 120);
 }

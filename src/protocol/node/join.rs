@@ -12,6 +12,9 @@ pub(super) struct JoinState {
     /// members: told to later joiners with the member list, so that two
     /// joiners whose only live contact dies meanwhile still find each other.
     pub(super) joiners: BTreeMap<NodeId, Time>,
+    /// When a joiner that takes every relay peer for dead asks them all
+    /// again.
+    pub(super) redial_at: Time,
 }
 
 impl Node {
@@ -82,6 +85,22 @@ impl Node {
         }
     }
 
+    /// A joiner that takes every relay peer for dead was most likely the
+    /// one cut off (its own connections failed while its link was down):
+    /// every suspicion period or two it gives them all another chance, so
+    /// it comes back once the link does instead of waiting for ever.
+    fn redial_if_all_dead(&mut self) {
+        let any_live = self.peers.iter().any(|(_, p)| p.stage > 0 && !p.dead);
+        if any_live || self.now < self.joining.redial_at {
+            return;
+        }
+        self.joining.redial_at = self.now + 2 * self.suspicion();
+        self.peers.retain(|_, p| {
+            p.dead = false;
+            true
+        });
+    }
+
     pub(super) fn choose_stage(&mut self) {
         // A stage its neighbours know empty first: training waits for it.
         let infos = &self.joining.stage_infos;
@@ -115,6 +134,7 @@ impl Node {
             // Nobody answered (the peers asked may have died): ask the live
             // ones again, and choose at the next tick.
             self.phase = Phase::Querying { since: self.now };
+            self.redial_if_all_dead();
             self.query_stages();
             return;
         };
@@ -349,6 +369,47 @@ mod tests {
         assert!(n.is_active());
         assert_eq!(n.version(), (3, 9));
         assert_eq!(n.coordinator(), Some(21));
+    }
+
+    /// A joiner whose every peer failed (its own link was down: a fenced
+    /// node cut off) asks them all again after a while instead of waiting
+    /// for ever, at most once per redial period.
+    #[test]
+    fn a_joiner_that_lost_every_peer_asks_them_again() {
+        let mut n = Node::new(config(Policy::Gwtf), 50, 0, 0.5, 4, 1);
+        let tick = n.cfg.tick;
+        let period = 2 * n.suspicion();
+        n.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(11, 1), (21, 2)],
+            },
+        );
+        let lose_all = |n: &mut Node| {
+            n.handle(n.now, Input::PeerLost { peer: 11 });
+            n.handle(n.now, Input::PeerLost { peer: 21 });
+        };
+        let queried = |acts: &[Action]| -> Vec<NodeId> {
+            sends(acts)
+                .iter()
+                .filter(|(_, m)| matches!(m, Msg::StageQuery))
+                .map(|(to, _)| *to)
+                .collect()
+        };
+        lose_all(&mut n);
+        let mut t = SEC + tick;
+        assert_eq!(queried(&n.on_timeout(t)), vec![11, 21]);
+        let redialled = t;
+        lose_all(&mut n);
+        while t + tick < redialled + period {
+            t += tick;
+            assert!(
+                queried(&n.on_timeout(t)).is_empty(),
+                "asked before the period"
+            );
+        }
+        t = redialled + period;
+        assert_eq!(queried(&n.on_timeout(t)), vec![11, 21]);
     }
 
     /// A joiner whose id is the smallest (a fenced node coming back) follows

@@ -222,6 +222,15 @@ impl Node {
         self.tasks.contains_key(&id)
     }
 
+    /// The member this node is downloading its stage's state from (a
+    /// joiner, or a fenced node coming back); None when it is not.
+    pub fn downloading_from(&self) -> Option<NodeId> {
+        match self.phase {
+            Phase::Downloading { src, .. } => Some(src),
+            _ => None,
+        }
+    }
+
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
         self.group.coord
