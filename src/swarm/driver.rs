@@ -1256,6 +1256,23 @@ impl Driver {
                 // first): dropped, its slot back to the pool.
                 self.log(format!("a state from {from:x} no longer needed: dropped"));
             }
+            Msg::StateResponse { .. }
+                if (!self.node.is_active()
+                    && self.resync.is_none()
+                    && self.node.downloading_from() != Some(from))
+                    || data.header.stage != self.node.stage() as u32 =>
+            {
+                // Not the download this node waits for: one asked before
+                // a fence, of the stage it served then (importing it in
+                // another stage failed the trainer), or of a source it
+                // gave up.
+                self.state_asked.remove(&from);
+                self.log(format!(
+                    "a state of stage {} from {from:x} not waited for: dropped",
+                    data.header.stage
+                ));
+                return;
+            }
             Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
