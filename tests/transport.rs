@@ -514,3 +514,62 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
     }
     assert!(st.pool.high_water_bytes <= st.pool.capacity_bytes);
 }
+
+/// A node that did not run for a while (SIGSTOP, a starved host) does not
+/// hold its own stall against its peers: on waking it reads what they sent
+/// meanwhile before judging them, so a pause longer than its own peer
+/// timeout, but shorter than theirs, costs no connection.
+#[test]
+fn a_node_paused_longer_than_its_peer_timeout_keeps_its_peers() {
+    // The echo node judges its peers after 1 s of silence.
+    let echo = Echo::start(
+        "pause",
+        &["--heartbeat-ms", "100", "--peer-timeout-ms", "1000"],
+    );
+    // This node is patient: any connection loss comes from the echo node.
+    let me = Node::new(NodeOptions {
+        listen: None,
+        swarm_key: KEY.to_vec(),
+        max_payload: 1 << 20,
+        pool_bytes: 8 << 20,
+        heartbeat_interval: Duration::from_millis(100),
+        peer_timeout: Duration::from_secs(60),
+        ..NodeOptions::default()
+    })
+    .unwrap();
+    let peer = me.connect_wait(echo.addr, T).unwrap();
+    let round_trip = |n: u64| {
+        let mut f = me.alloc(64, T).unwrap();
+        f.header.microbatch = n;
+        me.send(peer, f, T).unwrap();
+        let back = me.recv(T).unwrap();
+        assert_eq!(back.header.microbatch, n);
+    };
+    round_trip(1);
+    let pid = echo.child.id() as libc::pid_t;
+    // SAFETY: plain kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    // Time for the echo node to run its timers many times over.
+    std::thread::sleep(Duration::from_millis(1500));
+    round_trip(2);
+    let mut lost = Vec::new();
+    for _ in 0..1000 {
+        let Some(ev) = me.poll_event(Duration::from_millis(200)) else {
+            break;
+        };
+        if matches!(ev, Event::PeerLost { .. }) {
+            lost.push(format!("{ev:?}"));
+        }
+    }
+    let stderr = echo.stop();
+    assert!(
+        lost.is_empty(),
+        "the connection was lost: {lost:?}\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("lost"),
+        "the paused node dropped its peer:\n{stderr}"
+    );
+}
