@@ -369,19 +369,7 @@ mod tests {
     fn a_dropped_member_is_told_and_comes_back_only_as_a_new_incarnation() {
         let cfg = fencing();
         let mut c = started_with(cfg.clone(), 1, 2, &[2, 3], &[]);
-        let mut t = SEC;
-        for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
-            t += cfg.tick;
-            deliver(
-                &mut c,
-                3,
-                Msg::Heartbeat {
-                    members: None,
-                    coord: 1,
-                },
-            );
-            c.on_timeout(t);
-        }
+        hear_only_from(&mut c, 3, SEC);
         assert!(!c.group.members.contains(&2));
         let a = deliver(
             &mut c,

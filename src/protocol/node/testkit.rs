@@ -40,6 +40,24 @@ pub(super) fn deliver(n: &mut Node, from: NodeId, msg: Msg) -> Vec<Action> {
     n.handle(now, Input::Message { from, msg })
 }
 
+/// Coordinator `n` hears heartbeats from member `m` only, tick after tick
+/// from `t`, for longer than the suspicion time (the other members fall
+/// silent); returns the time reached.
+pub(super) fn hear_only_from(n: &mut Node, m: NodeId, mut t: Time) -> Time {
+    let cfg = n.cfg.clone();
+    let coord = n.id;
+    for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
+        t += cfg.tick;
+        let hb = Msg::Heartbeat {
+            members: None,
+            coord,
+        };
+        deliver(n, m, hb);
+        n.on_timeout(t);
+    }
+    t
+}
+
 /// The messages among `actions`, with their destination.
 pub(super) fn sends(actions: &[Action]) -> Vec<(NodeId, &Msg)> {
     actions
