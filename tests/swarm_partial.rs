@@ -95,3 +95,10 @@ fn a_data_holder_paused_2_s_trains_on_and_ends_with_done() {
     // for it beyond the detection time, and it prints `done` (until_done).
     pause_and_come_back(2, Duration::from_secs(2));
 }
+
+#[test]
+fn a_stage_coordinator_paused_2_s_rejoins_and_nothing_diverges() {
+    // Node 11 coordinates stage 1 (the smallest id of the founding group) and
+    // serves its state; the stage goes on under another coordinator.
+    pause_and_come_back(11, Duration::from_secs(2));
+}

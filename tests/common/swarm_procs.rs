@@ -344,6 +344,43 @@ impl Drop for Swarm {
                 let _ = c.wait();
             }
         }
+        self.keep_logs();
+    }
+}
+
+impl Swarm {
+    /// With `GWTF_TEST_KEEP=DIR`, the run's logs stay for a reader: every
+    /// node's stderr (`GWTF_LOG=1` makes it a log) and `events.log`, every
+    /// event line with its time, `work` included; into a fresh folder of
+    /// DIR named after the process and the time.
+    fn keep_logs(&self) {
+        let Some(root) = std::env::var_os("GWTF_TEST_KEEP") else {
+            return;
+        };
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let to = std::path::Path::new(&root).join(format!("{}-{stamp}", std::process::id()));
+        if std::fs::create_dir_all(&to).is_err() {
+            return;
+        }
+        for n in &self.nodes {
+            let name = format!("node-{}.err", n.id);
+            let _ = std::fs::copy(self.dir.path().join(&name), to.join(&name));
+        }
+        let mut ev = self.snapshot();
+        ev.sort_by_key(|e| e.at);
+        // Wall-clock seconds, to be read beside the nodes' logs.
+        let (now, wall) = (Instant::now(), stamp as f64 / 1000.0);
+        let lines: String = ev
+            .iter()
+            .map(|e| {
+                let t = wall - now.duration_since(e.at).as_secs_f64();
+                format!("{t:.3} node {:>2} {}\n", e.node, e.v)
+            })
+            .collect();
+        let _ = std::fs::write(to.join("events.log"), lines);
+        eprintln!("swarm logs kept in {}", to.display());
     }
 }
 

@@ -169,15 +169,7 @@ impl Node {
                     next,
                 },
             );
-            let members = self.group.members.list();
-            let coord = self.group.coord.unwrap_or(self.id);
-            self.send(
-                from,
-                Msg::Heartbeat {
-                    members: Some(members),
-                    coord,
-                },
-            );
+            self.name_the_coordinator_to(from);
             return;
         }
         if self.refuse_evicted(from) {
@@ -760,6 +752,21 @@ impl Node {
                 .copied()
                 .filter(|m| self.alive(*m))
                 .collect();
+            // Every grant's owner reduces in the commit: a grant of a node
+            // outside it would be counted in the commit and left out of the
+            // mean. Such grants (a view that changed without a death being
+            // noticed here) are recomputed first.
+            let outside: BTreeSet<NodeId> = (ci.granted.values())
+                .map(|g| g.0)
+                .filter(|o| !members.contains(o))
+                .collect();
+            if !outside.is_empty() {
+                for o in outside {
+                    self.lose_grants(iter, o);
+                }
+                self.redo_lost(iter);
+                return;
+            }
             let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
             // Epochs are unique across coordinators.
             ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);

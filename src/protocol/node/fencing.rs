@@ -520,4 +520,52 @@ mod tests {
         c.coordinating.coord_iters.get_mut(&4).unwrap().agg_done = BTreeMap::from([(1, 5), (2, 6)]);
         assert_eq!(c.diverged_members(4), vec![2]);
     }
+
+    /// A coordinator paused and fenced gets a member's claim sent before it
+    /// woke: it names no coordinator (its group is forgotten), and a member
+    /// handed a list that lacks the coordinator it names, or lacks the
+    /// member, by a smaller id that is not its coordinator, keeps its group
+    /// (in a swarm, member 13 took such an answer from the fenced node 11
+    /// for a smaller coordinator's and ran alone as a group of one).
+    #[test]
+    fn a_fenced_node_draws_no_member_into_a_group_of_its_own() {
+        let cfg = fencing();
+        let mut old = started_with(cfg.clone(), 11, 2, &[12, 13], &[(30, 3), (10, 1)]);
+        let t = old.timeout().unwrap() + old.suspicion() + 1;
+        assert!(fenced(&old.on_timeout(t)).is_some());
+        let claim = Msg::Claim {
+            iter: 3,
+            mb: mb(1, 3, 0),
+            prev: 10,
+            next: 30,
+        };
+        let a = deliver(&mut old, 13, claim);
+        assert!(
+            !sends(&a)
+                .iter()
+                .any(|(_, m)| matches!(m, Msg::Heartbeat { .. })),
+            "a fenced node answers as if it knew a group: {:?}",
+            sends(&a)
+        );
+
+        // Member 13 follows 12; lists from 11 that are no group it is in.
+        let mut m = started_with(cfg, 13, 2, &[12], &[(30, 3)]);
+        assert_eq!(m.coordinator(), Some(12));
+        for members in [vec![], vec![11, 12], vec![12, 13]] {
+            let hb = Msg::Heartbeat {
+                members: Some(Arc::new(members.clone())),
+                coord: 11,
+            };
+            deliver(&mut m, 11, hb);
+            assert_eq!(m.coordinator(), Some(12), "followed 11's list {members:?}");
+            assert!(m.group.members.contains(&12));
+        }
+        // A smaller coordinator's group that holds it is still joined.
+        let hb = Msg::Heartbeat {
+            members: Some(Arc::new(vec![11, 12, 13])),
+            coord: 11,
+        };
+        deliver(&mut m, 11, hb);
+        assert_eq!(m.coordinator(), Some(11));
+    }
 }

@@ -509,11 +509,17 @@ impl Node {
             // naming the coordinator when we took that member for it.
             // The node we follow naming us closes a loop of two nodes each
             // taking the other for the coordinator: we coordinate.
-            let follow = if coord == from {
-                Some(from) == mine || from < mine.unwrap_or(NodeId::MAX)
-            } else {
-                Some(from) == mine
-            };
+            // A list that lacks the coordinator it names is no group's;
+            // one from a coordinator that is not ours and lacks this node
+            // is a group this node is not in: neither is followed.
+            let ours = Some(from) == mine;
+            let well_formed = ms.contains(&coord) && (ours || ms.contains(&self.id));
+            let follow = well_formed
+                && if coord == from {
+                    ours || from < mine.unwrap_or(NodeId::MAX)
+                } else {
+                    ours
+                };
             if follow {
                 self.group.members.assign(&ms, self.id);
                 if coord == self.id || self.group.members.contains(&coord) && self.alive(coord) {
@@ -533,10 +539,19 @@ impl Node {
             // reached us while our own coordinator was failing): tell
             // it who is, so it does not suspect a live member and
             // coordinate a group of its own.
+            self.name_the_coordinator_to(from);
+        }
+    }
+
+    /// Tells `to`, which takes this node for its coordinator, who is, with
+    /// the member list. Only an active member that knows its coordinator
+    /// answers: a node joining again (fenced, its group forgotten) naming
+    /// itself would draw `to` into a group of its own.
+    pub(super) fn name_the_coordinator_to(&mut self, to: NodeId) {
+        if let (Phase::Active, Some(coord)) = (&self.phase, self.group.coord) {
             let members = self.group.members.list();
-            let coord = mine.unwrap_or(self.id);
             self.send(
-                from,
+                to,
                 Msg::Heartbeat {
                     members: Some(members),
                     coord,
