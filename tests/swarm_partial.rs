@@ -102,3 +102,46 @@ fn a_stage_coordinator_paused_2_s_rejoins_and_nothing_diverges() {
     // serves its state; the stage goes on under another coordinator.
     pause_and_come_back(11, Duration::from_secs(2));
 }
+
+#[test]
+fn the_holders_coordinator_paused_10_s_trains_on_and_ends_with_done() {
+    // Node 1 coordinates the holders' stage (its barrier opens and closes
+    // every iteration): the other holder trains on under its own
+    // coordination, and node 1 comes back or ends with an error.
+    pause_and_come_back(1, Duration::from_secs(10));
+}
+
+#[test]
+fn a_data_holder_paused_past_the_end_of_the_run_ends_with_an_error() {
+    // Node 2 sleeps until the other holder has finished the run and left:
+    // on waking it fences itself and finds no holder to download the
+    // holders' state from; it must not wait for ever (the probe:
+    // it never printed `done` and never ended).
+    let mut swarm = start(&[]);
+    swarm.until("iteration 2 applied at node 2", |ev| {
+        ev.iter()
+            .any(|e| e.node == 2 && e.event() == "applied" && e.u("iteration") >= 2)
+    });
+    swarm.signal_pause(2, true);
+    swarm.until("node 1's done", |ev| {
+        ev.iter().any(|e| e.node == 1 && e.event() == "done")
+    });
+    let woke = Instant::now();
+    swarm.signal_pause(2, false);
+    let status = swarm.wait_exit(2);
+    let ev = swarm.snapshot();
+    let error = ev
+        .iter()
+        .find(|e| e.node == 2 && e.event() == "error")
+        .map(|e| e.v["message"].as_str().unwrap_or("").to_string());
+    eprintln!(
+        "node 2 woke after the run and exited {status} {:.1} s later: {error:?}",
+        woke.elapsed().as_secs_f64()
+    );
+    assert!(!status.success(), "node 2 exited 0 without training on");
+    let error = error.expect("node 2 printed an error");
+    assert!(
+        error.contains("no live node of stage 0"),
+        "the error says why: {error}"
+    );
+}

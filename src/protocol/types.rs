@@ -820,6 +820,10 @@ pub enum Event {
     StageRestarted { stage: Stage, applied: Option<u32> },
     /// The node has left (goodbye sent).
     Left,
+    /// A data holder that fenced itself found no live holder to download
+    /// the holders' state from for `waited` microseconds (the others
+    /// finished and left, or are gone): it cannot train on and stops.
+    Stranded { stage: Stage, waited: Time },
     /// The all-reduce of `iter` at `stage` failed at `member` (see
     /// [`Msg::AggFailed`]): its coordinator commits again.
     AggregateFailed {

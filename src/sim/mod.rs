@@ -1472,7 +1472,8 @@ impl Sim {
                 }
                 self.rep.stalls.push((to_secs(self.now), iter, stage))
             }
-            Event::Left => {}
+            // The simulator never fences a node: never raised.
+            Event::Left | Event::Stranded { .. } => {}
             // The simulator finds empty stages from its global view.
             Event::StageEmpty { .. }
             | Event::StageResumed { .. }

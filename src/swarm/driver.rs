@@ -453,6 +453,14 @@ impl Driver {
                 self.give(kind, None, None, Pending::Init);
             }
             Event::Applied { iter, .. } => self.apply(*iter),
+            Event::Stranded { stage, waited } => {
+                self.error(format!(
+                    "fenced, and no live node of stage {stage} to download its state from \
+                     for {:.1} s (the others finished or are gone): this node cannot train on",
+                    crate::protocol::to_secs(*waited)
+                ));
+                self.failed = true;
+            }
             Event::Fenced {
                 reason,
                 incarnation,
@@ -1074,7 +1082,19 @@ impl Driver {
                 // Lost, unless it connects again at once (a connection that
                 // broke while both ends live, e.g. on a frame timeout).
                 if let Ok(id) = NodeId::try_from(peer) {
-                    self.pending.remove(&id);
+                    if self.pending.contains_key(&id) {
+                        // What waits for it was queued for a connection
+                        // dialled after this one broke (a node waking from
+                        // a pause sends before it reads that its old
+                        // connections closed): dialled again, so that it
+                        // goes out, or fails with the dial.
+                        match self.address_of(id).map(|p| p.addr) {
+                            Some(addr) if self.net.connect(addr).is_ok() => {}
+                            _ => {
+                                self.pending.remove(&id);
+                            }
+                        }
+                    }
                     self.pairing.forget(id);
                     self.strangers.remove(&id);
                     // A peer never in the directory (cut off as a

@@ -232,6 +232,34 @@ impl Swarm {
         }
     }
 
+    /// SIGSTOP (`stop`) or SIGCONT: a pause whose end the test chooses.
+    pub fn signal_pause(&mut self, id: u32, stop: bool) {
+        let n = self.nodes.iter().find(|n| n.id == id).unwrap();
+        let pid = n.child.as_ref().expect("alive").id() as i32;
+        let sig = if stop { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: plain kill(2) on our own child.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+
+    /// Waits (until the deadline) for node `id` to exit; its exit status.
+    pub fn wait_exit(&mut self, id: u32) -> std::process::ExitStatus {
+        let n = self.nodes.iter_mut().find(|n| n.id == id).unwrap();
+        let c = n.child.as_mut().expect("alive");
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                n.child = None;
+                return st;
+            }
+            if Instant::now() > self.deadline {
+                let ev = self.snapshot();
+                panic!("node {id} did not exit\n{}", self.tail(&ev));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// What node `id` wrote on stderr so far (its log with `GWTF_LOG=1`).
     pub fn stderr(&self, id: u32) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("node-{id}.err"))).unwrap_or_default()

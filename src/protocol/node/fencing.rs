@@ -108,6 +108,11 @@ impl Node {
             // Holders hold the embedding and the head: another holder's
             // state, then training from the iteration open then.
             let src = others[0];
+            // The other holders are the sources to ask (and whose loss
+            // strands it): in its peer view from now on.
+            for &o in &others {
+                self.learn(o, 0);
+            }
             self.next_tick = self.now + self.cfg.tick;
             self.download(0, src);
         } else {
@@ -567,5 +572,46 @@ mod tests {
         };
         deliver(&mut m, 11, hb);
         assert_eq!(m.coordinator(), Some(11));
+    }
+
+    /// A data holder that fenced itself waits for another holder's state
+    /// only while one lives: with every other holder gone for
+    /// `e2e_timeout` it is stranded (an event; the runtime ends it with an
+    /// error) instead of asking a dead address for ever.
+    #[test]
+    fn a_fenced_holder_with_no_live_holder_left_is_stranded() {
+        let cfg = fencing();
+        let mut h = started_with(cfg.clone(), 1, 0, &[2], &[(10, 1), (20, 2)]);
+        let t = h.timeout().unwrap() + h.suspicion() + 1;
+        assert!(fenced(&h.on_timeout(t)).is_some());
+        assert_eq!(h.downloading_from(), Some(2));
+        let stranded = |a: &[Action]| {
+            a.iter()
+                .any(|x| matches!(x, Action::Event(Event::Stranded { stage: 0, .. })))
+        };
+        // Holder 2 finished and left.
+        let mut t = t + cfg.tick;
+        assert!(!stranded(&h.handle(t, Input::PeerLost { peer: 2 })));
+        let until = t + cfg.e2e_timeout + 2 * cfg.tick;
+        let mut seen = None;
+        while t < until && seen.is_none() {
+            t += cfg.tick;
+            if stranded(&h.on_timeout(t)) {
+                seen = Some(t);
+            }
+        }
+        let at = seen.expect("stranded");
+        assert!(at >= until - 2 * cfg.tick, "stranded before e2e_timeout");
+        assert!(!h.is_active());
+        // While another holder lives, it waits for its state.
+        let mut w = started_with(cfg.clone(), 1, 0, &[2, 3], &[(10, 1)]);
+        let t = w.timeout().unwrap() + w.suspicion() + 1;
+        assert!(fenced(&w.on_timeout(t)).is_some());
+        let mut t = t + cfg.tick;
+        w.handle(t, Input::PeerLost { peer: 2 });
+        for _ in 0..(cfg.e2e_timeout / cfg.tick + 5) {
+            t += cfg.tick;
+            assert!(!stranded(&w.on_timeout(t)), "stranded with holder 3 alive");
+        }
     }
 }

@@ -15,6 +15,9 @@ pub(super) struct JoinState {
     /// When a joiner that takes every relay peer for dead asks them all
     /// again.
     pub(super) redial_at: Time,
+    /// Since when a data holder downloading the holders' state has known
+    /// no live holder to download it from (see [`Node::holder_stranded`]).
+    pub(super) no_source_since: Option<Time>,
 }
 
 impl Node {
@@ -188,6 +191,28 @@ impl Node {
             since: self.now,
         };
         self.send(src, Msg::StateRequest);
+    }
+
+    /// A data holder that fenced itself downloads the holders' state from
+    /// another holder; with no live holder known for `e2e_timeout` (the
+    /// others finished the run and left, or are all gone) it cannot train
+    /// on: [`Event::Stranded`], and it stops waiting (the runtime ends it
+    /// with an error) instead of asking the same dead address for ever.
+    pub(super) fn holder_stranded(&mut self) {
+        let Phase::Downloading { stage: 0, .. } = self.phase else {
+            return;
+        };
+        let any_live = (self.peers.iter()).any(|(id, p)| p.stage == 0 && !p.dead && *id != self.id);
+        if any_live {
+            self.joining.no_source_since = None;
+            return;
+        }
+        let since = *self.joining.no_source_since.get_or_insert(self.now);
+        if since + self.cfg.e2e_timeout <= self.now {
+            self.phase = Phase::Idle;
+            let waited = self.now - since;
+            self.event(Event::Stranded { stage: 0, waited });
+        }
     }
 
     /// The download's source died or did not answer: another live member of

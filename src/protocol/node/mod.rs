@@ -487,6 +487,7 @@ impl Node {
                 if self.now >= since + self.cfg.e2e_timeout {
                     self.download_from_another();
                 }
+                self.holder_stranded();
                 return;
             }
             Phase::Idle | Phase::Left => return,
