@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 const ITERATIONS: u32 = 40;
 const MB: u32 = 3;
 
-/// As in the probes: about 7 iterations/s on this machine.
+/// As in the probes (about 7 iterations/s in a release build).
 fn common_args(iterations: u32) -> Vec<String> {
     llama_tiny_args(iterations, MB, 5, &["--link-delay-ms", "8"])
 }
@@ -25,28 +25,44 @@ fn layout() -> Vec<(u32, u16)> {
     two_holders_and_two_by_three_relays()
 }
 
-fn start(extra: &[(u32, &[&str])]) -> Swarm {
-    let args = common_args(ITERATIONS);
+fn start(iterations: u32) -> Swarm {
+    let args = common_args(iterations);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut swarm = Swarm::start(&layout(), &args, extra);
-    swarm.deadline = Instant::now() + Duration::from_secs(240);
+    let mut swarm = Swarm::start(&layout(), &args, &[]);
+    // Longer runs get longer (at least 2 iterations/s on a loaded host).
+    swarm.deadline = Instant::now() + Duration::from_secs(240.max(iterations as u64 / 2));
     swarm
 }
 
 /// Pauses `victim` for `pause` right after the swarm applied iteration
 /// `after`, then checks the run.
-fn pause_after_applied(victim: u32, after: u64, pause: Duration) -> Vec<Seen> {
-    let mut swarm = start(&[]);
-    swarm.until(
+fn pause_after_applied(victim: u32, after: u64, pause: Duration, iterations: u32) -> Vec<Seen> {
+    pause_when(
+        victim,
+        iterations,
         &format!("iteration {after} applied at node {victim}"),
         |ev| {
             ev.iter()
                 .any(|e| e.node == victim && e.event() == "applied" && e.u("iteration") >= after)
         },
-    );
+        pause,
+    )
+}
+
+/// Pauses `victim` for `pause` as soon as the events so far satisfy `at`
+/// (`what` says how), then checks the run.
+fn pause_when(
+    victim: u32,
+    iterations: u32,
+    what: &str,
+    at: impl Fn(&[Seen]) -> bool,
+    pause: Duration,
+) -> Vec<Seen> {
+    let mut swarm = start(iterations);
+    swarm.until(what, at);
     swarm.pause(victim, pause);
     let ev = swarm.until_done(&[1, 2]);
-    check_run(&ev, ITERATIONS, MB, 2);
+    check_run(&ev, iterations, MB, 2);
     let (gap, _) = longest_gap(&ev);
     let bound = stall_bound(&ev);
     eprintln!("paused node {victim} {pause:?}: longest gap {gap:?} (bound {bound:?})");
@@ -67,7 +83,16 @@ fn pause_after_applied(victim: u32, after: u64, pause: Duration) -> Vec<Seen> {
 /// fenced itself and came back (applied an update or downloaded the state
 /// after its fence).
 fn pause_and_come_back(victim: u32, pause: Duration) {
-    let ev = pause_after_applied(victim, 2, pause);
+    // The run outlasts the pause (a debug build trains 2-3 iterations/s
+    // here): the node comes back to a swarm still training.
+    let iterations = ITERATIONS.max(4 * pause.as_secs() as u32 + 40);
+    let ev = pause_after_applied(victim, 2, pause, iterations);
+    came_back(&ev, victim);
+}
+
+/// Checks that `victim` fenced itself and came back (applied an update or
+/// downloaded the state after its fence).
+fn came_back(ev: &[Seen], victim: u32) {
     let fence = ev
         .iter()
         .position(|e| e.node == victim && e.event() == "fenced");
@@ -87,6 +112,37 @@ fn a_relay_paused_2_s_after_an_update_rejoins_and_nothing_diverges() {
 #[test]
 fn a_relay_paused_10_s_after_an_update_rejoins_and_nothing_diverges() {
     pause_and_come_back(22, Duration::from_secs(10));
+}
+
+#[test]
+fn a_relay_paused_60_s_after_an_update_rejoins_and_nothing_diverges() {
+    pause_and_come_back(13, Duration::from_secs(60));
+}
+
+#[test]
+fn a_relay_paused_10_s_in_its_stages_all_reduce_rejoins_and_nothing_diverges() {
+    // Its gradient sum is done: the all-reduce of that commit is running
+    // (a few milliseconds on loopback) when it stops.
+    let ev = pause_when(
+        21,
+        ITERATIONS,
+        "node 21's gradient sum after it applied iteration 2",
+        |ev| {
+            let applied = ev
+                .iter()
+                .position(|e| e.node == 21 && e.event() == "applied" && e.u("iteration") >= 2);
+            applied.is_some_and(|i| {
+                ev[i..].iter().any(|e| {
+                    e.node == 21
+                        && e.event() == "work"
+                        && e.s("kind") == "gradient"
+                        && e.s("phase") == "end"
+                })
+            })
+        },
+        Duration::from_secs(10),
+    );
+    came_back(&ev, 21);
 }
 
 #[test]
@@ -117,7 +173,7 @@ fn a_data_holder_paused_past_the_end_of_the_run_ends_with_an_error() {
     // on waking it fences itself and finds no holder to download the
     // holders' state from; it must not wait for ever (the probe:
     // it never printed `done` and never ended).
-    let mut swarm = start(&[]);
+    let mut swarm = start(ITERATIONS);
     swarm.until("iteration 2 applied at node 2", |ev| {
         ev.iter()
             .any(|e| e.node == 2 && e.event() == "applied" && e.u("iteration") >= 2)

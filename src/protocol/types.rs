@@ -833,6 +833,11 @@ pub enum Event {
     },
     /// A coordinator removed `peer` from its stage's group.
     MemberRemoved { peer: NodeId },
+    /// This node takes `peer` for gone (a failed connection, a goodbye, a
+    /// suspicion): work it shares with it outside the protocol (an
+    /// all-reduce in progress) must not wait for it any longer than the
+    /// group does (the transport's own timeout is longer).
+    PeerDead { peer: NodeId },
     /// This node stopped serving its stage group (fencing): what it held of
     /// the group (claims, grants, commits, flows, microbatches in flight)
     /// is dropped, and it comes back through the join path as incarnation

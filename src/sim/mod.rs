@@ -1472,8 +1472,9 @@ impl Sim {
                 }
                 self.rep.stalls.push((to_secs(self.now), iter, stage))
             }
-            // The simulator never fences a node: never raised.
-            Event::Left | Event::Stranded { .. } => {}
+            // The simulator never fences a node: never raised. Its
+            // all-reduce learns of deaths from its global view.
+            Event::Left | Event::Stranded { .. } | Event::PeerDead { .. } => {}
             // The simulator finds empty stages from its global view.
             Event::StageEmpty { .. }
             | Event::StageResumed { .. }

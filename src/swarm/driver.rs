@@ -453,6 +453,13 @@ impl Driver {
                 self.give(kind, None, None, Pending::Init);
             }
             Event::Applied { iter, .. } => self.apply(*iter),
+            // The group took it for gone (a suspicion comes well before
+            // the transport's dead-peer timeout): an all-reduce waiting for
+            // its part ends now, and its coordinator commits again.
+            Event::PeerDead { peer } => {
+                self.agg.on_peer_lost(*peer as u64);
+                self.drive_aggregation();
+            }
             Event::Stranded { stage, waited } => {
                 self.error(format!(
                     "fenced, and no live node of stage {stage} to download its state from \

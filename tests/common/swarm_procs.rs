@@ -67,6 +67,9 @@ impl Seen {
     pub fn u(&self, k: &str) -> u64 {
         self.v[k].as_u64().unwrap_or(u64::MAX)
     }
+    pub fn s(&self, k: &str) -> &str {
+        self.v[k].as_str().unwrap_or("")
+    }
 }
 
 pub struct Node {
