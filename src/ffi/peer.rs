@@ -28,8 +28,8 @@ use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
 use crate::swarm::runtime::{
-    realtime_config, CompleteError, NodeEvent, Output, Peer, Runtime, RuntimeOptions, TensorSizes,
-    Work, WorkId, WorkKind, WorkPort,
+    realtime_config, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions,
+    TensorSizes, Work, WorkId, WorkKind, WorkPort,
 };
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
@@ -688,8 +688,8 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         net: NodeOptions {
             max_payload,
             pool_bytes: pool,
-            heartbeat_interval: Duration::from_millis(300),
-            peer_timeout: Duration::from_secs(5),
+            heartbeat_interval: Liveness::RUNTIME.heartbeat(),
+            peer_timeout: Liveness::RUNTIME.transport_timeout(),
             log: o.log_to_stderr != 0,
             ..NodeOptions::default()
         },

@@ -170,6 +170,56 @@ pub enum NodeEvent {
     Error(String),
 }
 
+/// How a node on real time decides that a peer is gone: the one setting
+/// from which the protocol's tick, the group's heartbeat and suspicion and
+/// the transport's keepalive and dead-peer timeout all follow, so that
+/// they are changed together and cannot drift apart.
+///
+/// The group's verdict is the one work waits on: a member silent for the
+/// suspicion time is dropped by its coordinator (and told so when it speaks
+/// again), a coordinator silent as long is replaced, and a peer the
+/// protocol takes for gone leaves any all-reduce at once
+/// (`Event::PeerDead`). The transport's timeout is a backstop for
+/// connections only, several suspicions long: a connection carrying a long
+/// bulk frame on a slow link can go that long without a keepalive getting
+/// through, and closing it would throw the transfer away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    /// The protocol's tick.
+    pub tick: Duration,
+    /// Ticks between two heartbeats: the group's, and the transport's
+    /// keepalive on an idle connection.
+    pub heartbeat_ticks: u32,
+    /// Ticks of silence after which the group takes a peer for gone (and
+    /// a node whose own tick is that late knows it was paused).
+    pub suspect_ticks: u32,
+    /// Ticks of silence after which the transport closes a connection.
+    pub transport_ticks: u32,
+}
+
+impl Liveness {
+    /// The runtime's: a 100 ms tick, heartbeats every 300 ms, a peer
+    /// suspected after 0.8 s, a connection closed after 5 s.
+    pub const RUNTIME: Liveness = Liveness {
+        tick: Duration::from_millis(100),
+        heartbeat_ticks: 3,
+        suspect_ticks: 8,
+        transport_ticks: 50,
+    };
+
+    pub fn heartbeat(&self) -> Duration {
+        self.tick * self.heartbeat_ticks
+    }
+
+    pub fn suspicion(&self) -> Duration {
+        self.tick * self.suspect_ticks
+    }
+
+    pub fn transport_timeout(&self) -> Duration {
+        self.tick * self.transport_ticks
+    }
+}
+
 /// The protocol's settings for nodes on real time, scaled for hosts a
 /// few milliseconds apart (the simulator's defaults are for a planet):
 /// a 100 ms tick, and timeouts of seconds rather than tens of seconds.
@@ -182,7 +232,10 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
         relay_stages,
         activation_bytes,
     );
-    c.tick = crate::protocol::SEC / 10;
+    let l = Liveness::RUNTIME;
+    c.tick = l.tick.as_micros() as crate::protocol::Time;
+    c.heartbeat_ticks = l.heartbeat_ticks;
+    c.suspect_ticks = l.suspect_ticks;
     c.start_delay = crate::protocol::SEC / 2;
     c.min_ack_timeout = crate::protocol::SEC;
     c.initial_ack_timeout = 2 * crate::protocol::SEC;
@@ -467,5 +520,26 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.join_threads();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runtime's protocol configuration follows its liveness setting;
+    /// the group hears at least two heartbeats within a suspicion time, and
+    /// the transport's backstop is longer than the group's verdict.
+    #[test]
+    fn the_group_and_the_transport_follow_one_liveness_setting() {
+        let l = Liveness::RUNTIME;
+        let c = realtime_config(2, 1 << 20);
+        assert_eq!(c.tick, l.tick.as_micros() as crate::protocol::Time);
+        assert_eq!(c.heartbeat_ticks, l.heartbeat_ticks);
+        assert_eq!(c.suspect_ticks, l.suspect_ticks);
+        assert!(2 * l.heartbeat() < l.suspicion());
+        assert!(l.transport_timeout() > l.suspicion());
+        assert_eq!(l.heartbeat(), Duration::from_millis(300));
+        assert_eq!(l.suspicion(), Duration::from_millis(800));
     }
 }

@@ -10,7 +10,8 @@ use gwtf::model::preset;
 use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
-    realtime_config, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work, WorkPort,
+    realtime_config, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work,
+    WorkPort,
 };
 use serde_json::json;
 use std::io::Write;
@@ -418,8 +419,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         net: NodeOptions {
             max_payload,
             pool_bytes: (budget as usize).max(4 * max_payload as usize),
-            heartbeat_interval: Duration::from_millis(300),
-            peer_timeout: Duration::from_secs(5),
+            heartbeat_interval: Liveness::RUNTIME.heartbeat(),
+            peer_timeout: Liveness::RUNTIME.transport_timeout(),
             link,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             ..NodeOptions::default()
