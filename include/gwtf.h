@@ -646,6 +646,21 @@ enum gwtf_task_kind
    * refused; `message` says what and why. Nothing was lost.
    */
   GWTF_TASK_KIND_EVENT_REFUSED = 112,
+  /**
+   * Event: this peer stopped serving its stage group (`stage`): it was
+   * paused or starved longer than the group's suspicion time, cut off,
+   * or told it is no longer a member (`message` says which). What it
+   * held of the group is dropped (tasks given before are stale: their
+   * answers are refused), and it joins again: its next task for that
+   * stage is an `IMPORT_STATE` with a fresh download.
+   */
+  GWTF_TASK_KIND_EVENT_FENCED = 113,
+  /**
+   * Event: an address this peer was given (`bootstrap`) or dialled
+   * could not be reached after several attempts; `message` names it and
+   * the reason. The peer goes on trying the others.
+   */
+  GWTF_TASK_KIND_EVENT_CONNECT_FAILED = 114,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

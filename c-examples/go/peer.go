@@ -93,6 +93,8 @@ const (
 	EventStageEmpty      = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_EMPTY)
 	EventStageResumed    = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESUMED)
 	EventInputRefused    = TaskKind(C.GWTF_TASK_KIND_EVENT_REFUSED)
+	EventFenced          = TaskKind(C.GWTF_TASK_KIND_EVENT_FENCED)
+	EventUnreachable     = TaskKind(C.GWTF_TASK_KIND_EVENT_CONNECT_FAILED)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.

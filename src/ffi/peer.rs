@@ -175,6 +175,17 @@ pub enum gwtf_task_kind {
     /// Event: bad input from peer `peer` (0: before it said who it is) was
     /// refused; `message` says what and why. Nothing was lost.
     EventRefused = 112,
+    /// Event: this peer stopped serving its stage group (`stage`): it was
+    /// paused or starved longer than the group's suspicion time, cut off,
+    /// or told it is no longer a member (`message` says which). What it
+    /// held of the group is dropped (tasks given before are stale: their
+    /// answers are refused), and it joins again: its next task for that
+    /// stage is an `IMPORT_STATE` with a fresh download.
+    EventFenced = 113,
+    /// Event: an address this peer was given (`bootstrap`) or dialled
+    /// could not be reached after several attempts; `message` names it and
+    /// the reason. The peer goes on trying the others.
+    EventConnectFailed = 114,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -961,9 +972,16 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             )
         }
         NodeEvent::Error(m) => (gwtf_task_kind::EventError, m),
-        // A peer that died is reported lost; the address it listened on is
-        // the runtime's business (it is logged), not the trainer's.
-        NodeEvent::ConnectFailed { .. } => return None,
+        // Reported as it happens: a trainer whose bootstrap addresses are
+        // all wrong learns it instead of waiting in silence.
+        NodeEvent::ConnectFailed {
+            addr,
+            attempts,
+            reason,
+        } => (
+            gwtf_task_kind::EventConnectFailed,
+            format!("cannot reach {addr} after {attempts} attempts: {reason}"),
+        ),
         NodeEvent::Refused {
             peer,
             reason,
@@ -976,6 +994,17 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             )
         }
         NodeEvent::Protocol(p) => match p {
+            Event::Fenced {
+                reason,
+                incarnation,
+            } => (
+                gwtf_task_kind::EventFenced,
+                format!(
+                    "fenced ({}): this peer's view of its stage group may be stale; it stops \
+                     serving the group and joins again as incarnation {incarnation}",
+                    reason.name()
+                ),
+            ),
             Event::Active { stage } => {
                 t.stage = stage as u32;
                 (
@@ -1593,4 +1622,42 @@ pub extern "C" fn gwtf_peer_leave(
 pub extern "C" fn gwtf_peer_free(peer: *mut gwtf_peer) {
     // SAFETY: the caller passes NULL or a peer from gwtf_peer_new, once.
     unsafe { free_handle(peer) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::FenceReason;
+
+    fn message(t: &gwtf_peer_task) -> String {
+        // SAFETY: `fill` always NUL-terminates within the array.
+        unsafe { std::ffi::CStr::from_ptr(t.message.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// A trainer sees its peer fence itself and each address that cannot
+    /// be reached, with what happened in `message`.
+    #[test]
+    fn fences_and_unreachable_addresses_reach_the_trainer() {
+        let fenced = NodeEvent::Protocol(Event::Fenced {
+            reason: FenceReason::Paused { gap: 2_000_000 },
+            incarnation: 1,
+        });
+        let t = event_of(fenced, 2).expect("told");
+        assert_eq!(t.kind, gwtf_task_kind::EventFenced as i32);
+        assert_eq!(t.stage, 2);
+        let m = message(&t);
+        assert!(m.contains("paused") && m.contains("incarnation 1"), "{m}");
+
+        let failed = NodeEvent::ConnectFailed {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            attempts: 5,
+            reason: "Connection refused".into(),
+        };
+        let t = event_of(failed, 0).expect("told");
+        assert_eq!(t.kind, gwtf_task_kind::EventConnectFailed as i32);
+        let m = message(&t);
+        assert!(m.contains("127.0.0.1:9") && m.contains("refused"), "{m}");
+    }
 }
