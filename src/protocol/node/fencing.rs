@@ -482,6 +482,62 @@ mod tests {
         assert_eq!(n.coordinator(), Some(5));
     }
 
+    /// A node cut off just after it heard a neighbour (its coordinator's
+    /// or its member's last heartbeat came earlier) is not isolated yet
+    /// when the group peer's silence trips: it must not take that peer for
+    /// dead and run on as a group of one (alone, it could never fence
+    /// itself; in a swarm the cut relay never came back). It waits, and
+    /// fences itself once isolated; hearing anyone after the peer's
+    /// silence began shows that the peer is the silent one.
+    #[test]
+    fn a_node_cut_off_after_hearing_a_neighbour_does_not_run_alone() {
+        let cfg = fencing();
+        // (this node, its group, the group peer that falls silent, the
+        // neighbour heard just before the cut, whether it hears one after)
+        let run = |id: NodeId, group: &[NodeId], peer: NodeId, later: bool| {
+            let mut n = started_with(cfg.clone(), id, 2, group, &[(30, 3), (10, 1)]);
+            let coord = n.coordinator().unwrap();
+            let mut t = n.now;
+            let mut alone_at = None;
+            let mut reason = None;
+            for i in 0..(3 * cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
+                t += cfg.tick;
+                if i == 0 {
+                    let hb = Msg::Heartbeat {
+                        members: None,
+                        coord,
+                    };
+                    deliver(&mut n, peer, hb);
+                }
+                if i == cfg.suspect_ticks / 2 || (later && i > cfg.suspect_ticks) {
+                    deliver(&mut n, 30, Msg::QueryFlows);
+                }
+                reason = reason.or(fenced(&n.on_timeout(t)));
+                if reason.is_none() && n.group.members.len() == 1 {
+                    alone_at = alone_at.or(Some(i));
+                }
+            }
+            (reason, alone_at, n)
+        };
+        // A member whose coordinator 21 falls silent.
+        let (reason, alone, n) = run(22, &[21], 21, false);
+        assert_eq!(alone, None, "took its coordinator for dead while cut off");
+        assert_eq!(reason, Some(FenceReason::Isolated));
+        assert_eq!(n.coordinator(), None);
+        // A coordinator whose member 22 falls silent.
+        let (reason, alone, _) = run(21, &[22], 22, false);
+        assert_eq!(alone, None, "dropped its member while cut off");
+        assert_eq!(reason, Some(FenceReason::Isolated));
+        // Heard from after the silence: the peer is the silent one.
+        let (reason, alone, n) = run(22, &[21], 21, true);
+        assert_eq!(reason, None);
+        assert!(alone.is_some());
+        assert_eq!(n.coordinator(), Some(22));
+        let (reason, _, n) = run(21, &[22], 22, true);
+        assert_eq!(reason, None);
+        assert_eq!(n.group.members.iter().copied().collect::<Vec<_>>(), [21]);
+    }
+
     /// The members' digests after the all-reduce: a member in the minority
     /// is evicted before anything is applied, and the others commit again
     /// without it; its grants are recomputed.

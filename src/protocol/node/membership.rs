@@ -324,9 +324,11 @@ impl Node {
             let silent: Vec<NodeId> = members
                 .iter()
                 .copied()
-                .filter(|&m| m != self.id && self.group.member_heard[&m] + limit < now)
+                .filter(|&m| m != self.id && self.silent_for_sure(self.group.member_heard[&m]))
                 .collect();
-            if !silent.is_empty() && self.isolated() {
+            let suspected = (members.iter())
+                .any(|&m| m != self.id && self.group.member_heard[&m] + limit < now);
+            if suspected && self.isolated() {
                 // Nobody at all was heard: this node is the one cut off,
                 // not its members.
                 self.fence(FenceReason::Isolated);
@@ -361,6 +363,17 @@ impl Node {
                     self.fence(FenceReason::Isolated);
                     return;
                 }
+                if !self.silent_for_sure(self.group.last_coord_heard) {
+                    // Not known yet whether the coordinator or this node
+                    // went silent: it keeps following until either
+                    // someone else is heard or it is isolated.
+                    let m = Msg::Heartbeat {
+                        members: None,
+                        coord: c,
+                    };
+                    self.send(c, m);
+                    return;
+                }
                 self.peer_dead(c);
                 if let Some(nc) = self.group.coord {
                     if nc != self.id {
@@ -380,6 +393,19 @@ impl Node {
             self.send(c, m);
             self.resend_stale_claims(c);
         }
+    }
+
+    /// Whether a group peer last heard at `heard` is silent, and silent on
+    /// its side: suspected for the suspicion time, and, where fencing is
+    /// on, someone else was heard after that time. A node cut off just
+    /// after hearing a neighbour would otherwise take its coordinator (or
+    /// its members) for dead before it finds itself isolated, and run
+    /// alone as a group of one that nothing fences; waiting costs at most
+    /// the isolation time, after which it fences itself instead.
+    pub(super) fn silent_for_sure(&self, heard: Time) -> bool {
+        let limit = self.suspicion();
+        heard + limit < self.now
+            && (!self.cfg.fence_on_pause || self.last_heard_any > heard + limit)
     }
 
     pub(super) fn peer_suspect(&mut self, p: NodeId) {
