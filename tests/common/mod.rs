@@ -88,6 +88,36 @@ pub fn lib_dir() -> PathBuf {
     dir
 }
 
+/// The `gwtf` executable of a release build of this tree, built once per
+/// test process with `cargo build --release --bin gwtf` (a few minutes from
+/// scratch; a no-op when it is fresh): for swarm tests whose model is too
+/// large for a debug build's kernels (llama-small: seconds per microbatch).
+pub fn release_gwtf() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let t = std::time::Instant::now();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        run_ok(Command::new(cargo).current_dir(repo_root()).args([
+            "build",
+            "--release",
+            "--bin",
+            "gwtf",
+        ]));
+        // target/<profile>/ of this run: its sibling release/.
+        let bin = target_profile_dir()
+            .parent()
+            .expect("target/")
+            .join("release/gwtf");
+        assert!(bin.exists(), "{} missing after the build", bin.display());
+        eprintln!(
+            "release gwtf built (or fresh) in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        bin
+    })
+    .clone()
+}
+
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);

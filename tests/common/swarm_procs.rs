@@ -9,6 +9,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -91,12 +92,25 @@ pub struct Swarm {
     founders: String,
     common: Vec<String>,
     pub deadline: Instant,
+    /// The `gwtf` executable the nodes run.
+    bin: PathBuf,
 }
 
 impl Swarm {
     /// Founding members `layout` (id, stage; stage 0 = holder), started with
     /// `common` arguments (model, stages, iterations, ...).
     pub fn start(layout: &[(u32, u16)], common: &[&str], extra: &[(u32, &[&str])]) -> Swarm {
+        Self::start_with(env!("CARGO_BIN_EXE_gwtf").into(), layout, common, extra)
+    }
+
+    /// [`Swarm::start`] with the `gwtf` executable `bin` (e.g. a release
+    /// build, [`super::release_gwtf`]).
+    pub fn start_with(
+        bin: PathBuf,
+        layout: &[(u32, u16)],
+        common: &[&str],
+        extra: &[(u32, &[&str])],
+    ) -> Swarm {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("key"), KEY).unwrap();
         let peers: Vec<(u32, u16, SocketAddr)> =
@@ -115,6 +129,7 @@ impl Swarm {
             founders,
             common: common.iter().map(|s| s.to_string()).collect(),
             deadline: Instant::now() + Duration::from_secs(150),
+            bin,
         };
         for (id, stage, addr) in peers {
             let mut args: Vec<String> = Vec::new();
@@ -137,7 +152,7 @@ impl Swarm {
     }
 
     fn spawn(&mut self, id: u32, stage: u16, addr: SocketAddr, args: Vec<String>) {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gwtf"));
+        let mut cmd = Command::new(&self.bin);
         cmd.arg("node")
             .arg("--listen")
             .arg(addr.to_string())

@@ -1,0 +1,133 @@
+//! Joins over home uplinks: a llama-small swarm of `gwtf node` processes
+//! (2 data holders, 1 relay in each of the 2 relay stages of the model cut
+//! into 4) whose every link is capped at 100 Mbit/s (`--link-mbps 100`),
+//! and ten relays that join it one after the other. Each joiner downloads
+//! its stage's state (85 MB: about 7 s at that rate) from a member busy
+//! training, applies an update as a member, and leaves (SIGTERM) before
+//! the next one starts.
+//!
+//! Asserted: 10 of 10 joiners apply an update within [`JOIN_WITHIN`]; no
+//! node restarts a stage from its initial weights (`stage_restarted`: the
+//! founding relays live throughout) or fences itself; every (stage,
+//! iteration) applied has one weights digest, every microbatch is counted
+//! once (`check_run`); the holders keep training (the longest time without
+//! a final iteration stays under [`STILL_AT_MOST`]). Printed: each join's
+//! time to its first update, the longest gap, the iterations/s.
+//!
+//! Runs a release build of `gwtf` (built by the test when stale): a debug
+//! build's kernels take seconds per llama-small microbatch.
+mod common;
+
+use common::swarm_procs::{check_run, Seen, Swarm};
+use common::timeline::{iterations_per_s, longest_gap};
+use std::time::{Duration, Instant};
+
+const JOINS: u32 = 10;
+const MB: u32 = 2;
+/// (id, stage): the founding members.
+const LAYOUT: [(u32, u16); 4] = [(1, 0), (2, 0), (11, 1), (21, 2)];
+/// From a joiner's start to its first update: two state downloads of 85 MB
+/// at 100 Mbit/s (its stage's, then again when an update was applied
+/// meanwhile) and the iterations it waits for, on a loaded 2-core machine.
+const JOIN_WITHIN: Duration = Duration::from_secs(90);
+/// The holders keep training: never this long without a final iteration
+/// (a state download of 7 s shares the serving member's link with its
+/// activations and its all-reduce).
+const STILL_AT_MOST: Duration = Duration::from_secs(30);
+
+fn final_iterations(ev: &[Seen]) -> u64 {
+    ev.iter()
+        .filter(|e| e.node == 1 && e.event() == "iteration")
+        .count() as u64
+}
+
+#[test]
+fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
+    let bin = common::release_gwtf();
+    let common: Vec<String> = [
+        "--model",
+        "llama-small",
+        "--stages",
+        "4",
+        // More than the joins take: the test ends the run itself.
+        "--iterations",
+        "100000",
+        "--microbatches",
+        &MB.to_string(),
+        "--seed",
+        "3",
+        "--threads",
+        "1",
+        "--link-mbps",
+        "100",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
+    let started = Instant::now();
+    let mut swarm = Swarm::start_with(bin, &LAYOUT, &common, &[]);
+    swarm.deadline = Instant::now() + Duration::from_secs(900);
+    swarm.until("the first iteration", |ev| final_iterations(ev) >= 1);
+
+    let mut took = Vec::new();
+    for j in 0..JOINS {
+        let id = 31 + j;
+        let before = final_iterations(&swarm.snapshot());
+        swarm.until("one more final iteration", |ev| {
+            final_iterations(ev) > before
+        });
+        let via = LAYOUT[(j % 2) as usize].0;
+        let t = Instant::now();
+        swarm.join(id, via, &[]);
+        let until = t + JOIN_WITHIN;
+        let ev = loop {
+            let ev = swarm.snapshot();
+            if ev.iter().any(|e| e.node == id && e.event() == "applied") {
+                break ev;
+            }
+            assert!(
+                Instant::now() < until,
+                "joiner {id} applied no update within {JOIN_WITHIN:?} (joins so far: {took:?})"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        took.push(t.elapsed());
+        let restarted: Vec<String> = (ev.iter())
+            .filter(|e| matches!(e.event(), "stage_restarted" | "fenced"))
+            .map(|e| e.v.to_string())
+            .collect();
+        assert!(restarted.is_empty(), "join of {id}: {restarted:?}");
+        swarm.terminate(id);
+    }
+    // One more iteration with the founding members only, then the checks.
+    let before = final_iterations(&swarm.snapshot());
+    let ev = swarm.until("an iteration after the last join", |ev| {
+        final_iterations(ev) > before
+    });
+    let done = final_iterations(&ev) as u32;
+    let (gap, gap_at) = longest_gap(&ev);
+    let secs: Vec<String> = took
+        .iter()
+        .map(|d| format!("{:.1}", d.as_secs_f64()))
+        .collect();
+    eprintln!(
+        "swarm_slow_join: {JOINS} llama-small joins at 100 Mbit/s: to the first update [{}] s; \
+         {done} iterations, longest gap without a final iteration {:.2} s (ending at iteration \
+         {gap_at}), {:.3} iterations/s; test wall time {:.0} s",
+        secs.join(", "),
+        gap.as_secs_f64(),
+        iterations_per_s(&ev).unwrap_or(0.0),
+        started.elapsed().as_secs_f64()
+    );
+    let bad: Vec<String> = (ev.iter())
+        .filter(|e| matches!(e.event(), "stage_restarted" | "fenced" | "error"))
+        .map(|e| e.v.to_string())
+        .collect();
+    assert!(bad.is_empty(), "{bad:?}");
+    check_run(&ev, done, MB, 2);
+    assert!(
+        gap <= STILL_AT_MOST,
+        "the holders went {gap:?} without a final iteration (at most {STILL_AT_MOST:?})"
+    );
+}
