@@ -381,3 +381,59 @@ fn a_shared_frame_is_sent_several_times_without_a_copy() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// The emulated cut (`set_link_cut`): while cut, a node neither delivers
+/// what its peer sends nor sends anything, its connection stays (a short
+/// cut costs none), and what was sent both ways arrives once the link is
+/// back. A cut longer than the peer timeout loses the peer on both sides;
+/// the cut side's close reaches the other only after link-up, as over a
+/// real cut, and the two connect again then.
+#[test]
+fn a_cut_link_delivers_nothing_until_it_is_restored() {
+    let a = Node::new(opts()).unwrap();
+    let b = Node::new(opts()).unwrap();
+    let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+    wait_event(&b, |e| matches!(e, Event::PeerConnected { .. }));
+    let frame = |n: &Node, tag: u64| {
+        let mut f = n.alloc(1000, T).unwrap();
+        f.header.microbatch = tag;
+        f
+    };
+    // Shorter than the 2 s peer timeout.
+    a.set_link_cut(true);
+    b.send(a.node_id(), frame(&b, 1), T).unwrap();
+    a.send(peer, frame(&a, 2), T).unwrap();
+    assert!(
+        a.recv(Duration::from_millis(700)).is_err(),
+        "read while cut"
+    );
+    assert!(
+        b.recv(Duration::from_millis(700)).is_err(),
+        "sent while cut"
+    );
+    a.set_link_cut(false);
+    assert_eq!(a.recv(T).unwrap().header.microbatch, 1);
+    assert_eq!(b.recv(T).unwrap().header.microbatch, 2);
+    let lost = |n: &Node| {
+        std::iter::from_fn(|| n.poll_event(Duration::from_millis(50)))
+            .any(|e| matches!(e, Event::PeerLost { .. }))
+    };
+    assert!(!lost(&a) && !lost(&b), "a short cut cost the connection");
+
+    // Longer than the peer timeout: each side gives the other up, b
+    // through its own timer, not through a's close (held until link-up).
+    a.set_link_cut(true);
+    let t = Instant::now();
+    wait_event(&b, |e| matches!(e, Event::PeerLost { .. }));
+    let b_lost = t.elapsed();
+    assert!(b_lost >= Duration::from_millis(1500), "{b_lost:?}");
+    wait_event(&a, |e| matches!(e, Event::PeerLost { .. }));
+    // While cut, a dial fails.
+    assert!(a
+        .connect_wait(b.local_addr().unwrap(), Duration::from_secs(1))
+        .is_err());
+    a.set_link_cut(false);
+    let again = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+    a.send(again, frame(&a, 3), T).unwrap();
+    assert_eq!(b.recv(T).unwrap().header.microbatch, 3);
+}

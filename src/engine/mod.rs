@@ -505,6 +505,8 @@ pub(crate) struct Shared {
     pub(crate) counters: Counters,
     parked: AtomicBool,
     waker: mio::Waker,
+    /// The emulated cut of this node's link ([`Node::set_link_cut`]).
+    pub(crate) link_cut: AtomicBool,
 }
 
 impl Shared {
@@ -625,6 +627,7 @@ impl Node {
             counters: Counters::default(),
             parked: AtomicBool::new(false),
             waker,
+            link_cut: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&shared);
         shared.pool.set_release_hook(Box::new(move || {
@@ -998,6 +1001,28 @@ impl Node {
             events_dropped: l(&c.events_dropped),
             duplicates_retired: l(&c.duplicates_retired),
             pool: self.shared.pool.stats(),
+        }
+    }
+
+    /// Test and demo aid: cuts this node's link (`true`) or restores it,
+    /// in user space, as a cable pulled out and put back would: while cut
+    /// the node writes and reads none of its sockets, accepts no
+    /// connection and dials none (a dial fails as unreachable and is
+    /// retried as usual); what its peers sent meanwhile waits in its
+    /// kernel buffers (TCP would resend it after a real cut), and a
+    /// connection it closes meanwhile (its peer timed out) reaches the
+    /// peer closed only once the link is back. Its timers run on: its
+    /// peers fall silent for it, and it for them.
+    pub fn set_link_cut(&self, cut: bool) {
+        let was = self.shared.link_cut.swap(cut, Ordering::SeqCst);
+        if was != cut {
+            self.shared.log(if cut {
+                "link cut (emulated)"
+            } else {
+                "link restored (emulated)"
+            });
+            self.shared.parked.store(true, Ordering::SeqCst);
+            self.shared.wake();
         }
     }
 

@@ -324,6 +324,11 @@ pub(crate) struct Driver {
     /// comes much later means this node itself did not run (paused, a
     /// starved host, a long stop of the process).
     due_back: Option<Instant>,
+    /// Whether the link was cut (emulated) at the last turn.
+    was_cut: bool,
+    /// Connections closed while the link was cut: a duplicate of each
+    /// socket keeps it open (no FIN leaves) until the link is back.
+    held_closed: Vec<std::os::fd::OwnedFd>,
 }
 
 /// A turn later than this is this node's own stall, not its peers'.
@@ -397,6 +402,8 @@ impl Driver {
             readable: HashSet::new(),
             shutting_down: None,
             due_back: None,
+            was_cut: false,
+            held_closed: Vec::new(),
         })
     }
 
@@ -420,7 +427,8 @@ impl Driver {
                 }
             }
             let mut timeout = next.map(|t| t.saturating_duration_since(now));
-            if !self.readable.is_empty() {
+            // (Nothing is read while the link is cut: no busy turn.)
+            if !self.readable.is_empty() && !self.cut() {
                 timeout = Some(Duration::ZERO);
             }
             if self.conns.values().any(|c| c.awaiting_slot) {
@@ -457,6 +465,9 @@ impl Driver {
                 }
             }
             self.commands();
+            if self.link_turn() {
+                continue;
+            }
             // Connections waiting for a pool slot retry (a release may have woken us).
             let waiting: Vec<Token> = self
                 .conns
@@ -581,7 +592,38 @@ impl Driver {
         }
     }
 
+    fn cut(&self) -> bool {
+        self.shared.link_cut.load(Ordering::Relaxed)
+    }
+
+    /// The emulated cut ([`super::Node::set_link_cut`]): true while the
+    /// link is cut (nothing is read this turn). On restore every
+    /// connection is read and flushed again (readiness is edge-triggered:
+    /// what came meanwhile raised no new event), the listener accepts, and
+    /// the connections closed meanwhile close for their peers.
+    fn link_turn(&mut self) -> bool {
+        let cut = self.cut();
+        if cut == self.was_cut {
+            return cut;
+        }
+        self.was_cut = cut;
+        if cut {
+            return true;
+        }
+        self.held_closed.clear();
+        let tokens: Vec<Token> = self.conns.keys().copied().collect();
+        for t in tokens {
+            self.readable.insert(t);
+            self.on_writable(t);
+        }
+        self.accept();
+        false
+    }
+
     fn accept(&mut self) {
+        if self.cut() {
+            return;
+        }
         loop {
             let Some(l) = self.listener.as_ref() else {
                 return;
@@ -604,6 +646,10 @@ impl Driver {
     }
 
     fn start_connect(&mut self, ob: Outbound) {
+        if self.cut() {
+            self.connect_failed(ob, "network is unreachable (link cut, emulated)".into());
+            return;
+        }
         match TcpStream::connect(ob.addr) {
             Ok(stream) => {
                 let addr = ob.addr;
@@ -728,6 +774,9 @@ impl Driver {
     }
 
     fn on_writable(&mut self, t: Token) {
+        if self.cut() {
+            return;
+        }
         let Some(c) = self.conns.get_mut(&t) else {
             return;
         };
@@ -763,6 +812,9 @@ impl Driver {
 
     /// Writes handshake bytes and queued frames until the socket would block.
     fn flush(&mut self, t: Token) {
+        if self.cut() {
+            return;
+        }
         let shared = self.shared.clone();
         let may_shut = self.may_shut(t);
         let Some(c) = self.conns.get_mut(&t) else {
@@ -958,6 +1010,9 @@ impl Driver {
     }
 
     fn on_readable(&mut self, t: Token) {
+        if self.cut() {
+            return;
+        }
         let shared = self.shared.clone();
         let mut budget = READ_BUDGET;
         let mut outcome: Result<(), CloseReason> = Ok(());
@@ -1283,6 +1338,12 @@ impl Driver {
             return;
         };
         let _ = self.poll.registry().deregister(&mut c.stream);
+        if self.cut() {
+            use std::os::fd::AsFd;
+            if let Ok(fd) = c.stream.as_fd().try_clone_to_owned() {
+                self.held_closed.push(fd);
+            }
+        }
         let units = c.wire.drain(..).filter_map(|u| match u {
             Unit::Item(i) => Some(i),
             _ => None,

@@ -498,6 +498,12 @@ impl Runtime {
         self.port.is_stopped()
     }
 
+    /// Test and demo aid: cuts this node's link or restores it, emulated in
+    /// user space (see [`crate::engine::Node::set_link_cut`]).
+    pub fn set_link_cut(&self, cut: bool) {
+        self.net.set_link_cut(cut);
+    }
+
     /// Leaves gracefully (the protocol says goodbye) and waits until done.
     pub fn leave(mut self) {
         let _ = self.leave.send(());

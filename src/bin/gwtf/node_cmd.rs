@@ -1,6 +1,8 @@
 //! `gwtf node`: one process = one swarm node (a data holder or a relay)
 //! that trains libgwtf's model with the others over TCP. SIGTERM or Ctrl-C
-//! leaves gracefully; SIGKILL is a crash the others survive.
+//! leaves gracefully; SIGKILL is a crash the others survive; SIGUSR1 cuts
+//! its link and SIGUSR2 restores it (emulated in user space: a test and
+//! demo aid, printed as `link_cut` / `link_restored`).
 use super::checks;
 use super::transport_cmd::read_key;
 use clap::{Args, ValueEnum};
@@ -219,9 +221,16 @@ fn parse_peer(s: &str) -> Result<Peer, String> {
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
+/// SIGUSR1 cuts this node's link, SIGUSR2 restores it (emulated in user
+/// space: `gwtf demo --cut-every`, tests).
+static LINK_CUT: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
+}
+
+extern "C" fn on_link_signal(sig: libc::c_int) {
+    LINK_CUT.store(sig == libc::SIGUSR1, Ordering::SeqCst);
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -444,7 +453,16 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(
+            libc::SIGUSR1,
+            on_link_signal as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGUSR2,
+            on_link_signal as *const () as libc::sighandler_t,
+        );
     }
+    let mut link_cut = false;
     let mut out = Printer {
         json: a.json,
         id: r.id,
@@ -464,6 +482,12 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             rt.leave();
             out.emit(json!({"event": "left"}));
             return Ok(());
+        }
+        let cut = LINK_CUT.load(Ordering::SeqCst);
+        if cut != link_cut {
+            link_cut = cut;
+            rt.set_link_cut(cut);
+            out.emit(json!({"event": if cut { "link_cut" } else { "link_restored" }}));
         }
         if rt.is_stopped() {
             out.emit(json!({"event": "error", "message": "the node stopped"}));
