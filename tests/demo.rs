@@ -223,6 +223,12 @@ fn the_swarm_trains_exactly_through_crashes_and_joins() {
         return;
     }
     let (out, v, _, _) = demo_with_churn("demo-e2e-exact");
+    trained_exactly(&out, &v);
+}
+
+/// A demo run that trained exactly: it passed, no microbatch was lost or
+/// counted twice, the replicas agree, and the loss is the reference's.
+fn trained_exactly(out: &std::process::Output, v: &serde_json::Value) {
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -311,7 +317,8 @@ fn a_killed_demo_takes_its_nodes_along() {
     assert_no_node_left(&logs, Duration::from_secs(10));
 }
 
-/// `--pause-every` and `--pause-for` are checked before any node starts.
+/// `--pause-every`, `--pause-for`, `--cut-every` and `--cut-for` are
+/// checked before any node starts.
 #[test]
 fn pause_flags_are_refused_before_a_node_starts() {
     for (args, says) in [
@@ -322,8 +329,78 @@ fn pause_flags_are_refused_before_a_node_starts() {
         (["--pause-for", "-2"], "must be > 0, got -2"),
         (["--pause-for", "inf"], "must be a finite number"),
         (["--pause-for", "7200"], "must be <= 3600, got 7200"),
+        (["--cut-every", "-1"], "must be >= 0, got -1"),
+        (["--cut-for", "0"], "must be > 0, got 0"),
+        (["--cut-for", "7200"], "must be <= 3600, got 7200"),
     ] {
         let all: Vec<&str> = std::iter::once("demo").chain(args).collect();
         gwtf_refuses(&all, &[args[0], says]);
     }
+}
+
+/// `--cut-every`: relays' links are cut (emulated by the node) and restored
+/// while the swarm trains; the run still finishes exactly (no microbatch
+/// lost or counted twice, replicas agree), every cut is reported with what
+/// it hit and marked in the report, and a cut-off relay comes back.
+#[test]
+fn the_demo_cuts_links_and_the_swarm_trains_exactly() {
+    if !node_command_exists() {
+        return;
+    }
+    let dir = scratch("demo-cut");
+    let (json, report) = (dir.join("run.json"), dir.join("run.html"));
+    let out = gwtf()
+        .args([
+            "demo",
+            "--nodes",
+            "6",
+            "--holders",
+            "2",
+            "--iterations",
+            "24",
+            "--microbatches",
+            "2",
+            "--crash-every",
+            "0",
+            "--join-every",
+            "0",
+            "--cut-every",
+            "2",
+            "--cut-for",
+            "2",
+            "--seed",
+            "2",
+            "--deadline",
+            "400",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--report")
+        .arg(&report)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("no --json: {e}\n{stderr}")),
+    )
+    .unwrap();
+    trained_exactly(&out, &v);
+    assert_eq!(v["cut_every_s"], 2.0);
+    let cuts = v["cut_count"].as_u64().unwrap();
+    assert!(cuts >= 1, "no link was cut: {stdout}");
+    assert_eq!(v["pause_count"], 0, "{v}");
+    assert!(stdout.contains("cut: link of node"), "{stdout}");
+    assert!(stdout.contains("restore: link of node"), "{stdout}");
+    for p in v["pauses"].as_array().unwrap() {
+        assert_eq!(p["kind"], "cut", "{p}");
+        assert!(p["carrying"].is_u64(), "{p}");
+    }
+    // A node cut off longer than the suspicion time fences itself.
+    assert!(v["fences"].as_u64().unwrap() >= 1, "{stdout}");
+    let html = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        html.contains("link cut, then restored"),
+        "no cut in the report's legend"
+    );
 }

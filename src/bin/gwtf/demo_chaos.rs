@@ -32,7 +32,10 @@
 //! carrier (by the same rules; any allowed node after [`patience`]) is
 //! stopped with SIGSTOP and continued with SIGCONT `--pause-for` seconds
 //! later: a node that stalls, then comes back with stale timers and
-//! connections, unlike a crash.
+//! connections, unlike a crash. Cuts (`--cut-every`, `--cut-for`): the same,
+//! with the victim's link cut (SIGUSR1: `gwtf node` stops reading and
+//! writing its sockets, emulated in user space) and restored (SIGUSR2): a
+//! node that runs on, alone, while nobody hears it.
 use super::demo_cmd::{DemoArgs, Swarm};
 use super::demo_events::{Event, Facts, InFlight, NodeId};
 use super::demo_procs::Rng;
@@ -90,14 +93,44 @@ pub struct Chaos {
     aims: Vec<Aim>,
     /// Microbatches per holder per iteration.
     microbatches: u64,
-    pause_every: f64,
-    pause_for: f64,
-    next_pause_at: f64,
-    /// Paused nodes and when they are continued.
-    paused: Vec<(NodeId, f64)>,
-    /// When each node was last continued: it runs at least as long as it was
-    /// stopped before it is paused again.
+    /// `--pause-every` / `--pause-for` (SIGSTOP, SIGCONT).
+    pauses: Stops,
+    /// `--cut-every` / `--cut-for` (the link cut and restored, emulated).
+    cuts: Stops,
+    /// When each node was last continued (or its link restored): it runs at
+    /// least as long as it was stopped before it is stopped again.
     resumed_at: BTreeMap<NodeId, f64>,
+}
+
+/// One kind of stop the chaos deals out: every `every` seconds a node is
+/// stopped for `for_s` seconds (a pause, or a cut of its link).
+struct Stops {
+    cut: bool,
+    every: f64,
+    for_s: f64,
+    next_at: f64,
+    /// Stopped nodes and when they run again.
+    active: Vec<(NodeId, f64)>,
+}
+
+impl Stops {
+    fn new(cut: bool, every: f64, for_s: f64) -> Stops {
+        Stops {
+            cut,
+            every,
+            for_s,
+            next_at: if every > 0.0 { every } else { f64::INFINITY },
+            active: Vec::new(),
+        }
+    }
+
+    fn word(&self) -> &'static str {
+        if self.cut {
+            "cut"
+        } else {
+            "pause"
+        }
+    }
 }
 
 impl Chaos {
@@ -114,22 +147,19 @@ impl Chaos {
             armed: None,
             aims,
             microbatches: a.microbatches,
-            pause_every: a.pause_every,
-            pause_for: a.pause_for,
-            next_pause_at: if a.pause_every > 0.0 {
-                a.pause_every
-            } else {
-                f64::INFINITY
-            },
-            paused: Vec::new(),
+            pauses: Stops::new(false, a.pause_every, a.pause_for),
+            cuts: Stops::new(true, a.cut_every, a.cut_for),
             resumed_at: BTreeMap::new(),
         }
     }
 
-    /// Continues every paused node (at the end of the run).
+    /// Continues every paused node and restores every cut link (at the end
+    /// of the run).
     pub fn resume_all(&mut self, sw: &mut Swarm) {
-        for (id, _) in std::mem::take(&mut self.paused) {
-            sw.resume(id);
+        for stops in [&mut self.pauses, &mut self.cuts] {
+            for (id, _) in std::mem::take(&mut stops.active) {
+                sw.resume(id);
+            }
         }
     }
 }
@@ -174,49 +204,49 @@ fn pick_victim(
     }
 }
 
-/// Continues the paused nodes that are due, and pauses the next one.
-fn pause_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) {
-    let due: Vec<NodeId> = ch
-        .paused
-        .iter()
+/// Continues the paused nodes (restores the cut links) that are due, and
+/// stops the next one.
+fn stop_tick(
+    sw: &mut Swarm,
+    st: &mut Stops,
+    resumed_at: &mut BTreeMap<NodeId, f64>,
+    mb: u64,
+    now: f64,
+) {
+    let due: Vec<NodeId> = (st.active.iter())
         .filter(|p| now >= p.1)
         .map(|p| p.0)
         .collect();
-    ch.paused.retain(|p| now < p.1);
+    st.active.retain(|p| now < p.1);
     for id in due {
         sw.resume(id);
-        ch.resumed_at.insert(id, now);
+        resumed_at.insert(id, now);
     }
-    if now < ch.next_pause_at {
+    if now < st.next_at {
         return;
     }
-    let late = now - ch.next_pause_at > patience(ch.pause_every);
-    let allowed: Vec<NodeId> = sw
-        .victims(None)
-        .into_iter()
-        .filter(|id| {
-            ch.resumed_at
-                .get(id)
-                .is_none_or(|&t| now - t >= ch.pause_for)
-        })
+    let late = now - st.next_at > patience(st.every);
+    let allowed: Vec<NodeId> = (sw.victims(None).into_iter())
+        .filter(|id| resumed_at.get(id).is_none_or(|&t| now - t >= st.for_s))
         .collect();
-    match pick_victim(sw, &allowed, ch.microbatches, late) {
+    match pick_victim(sw, &allowed, mb, late) {
         Some(id) => {
             let aim = if late {
                 "random (no node carried microbatches in time)"
             } else {
                 "microbatches in flight"
             };
-            sw.pause(id, ch.pause_for, aim);
-            ch.paused.push((id, now + ch.pause_for));
-            ch.next_pause_at = now + ch.pause_every;
+            sw.pause(id, st.for_s, aim, st.cut);
+            st.active.push((id, now + st.for_s));
+            st.next_at = now + st.every;
         }
         None if late => {
             sw.out.note(&format!(
-                "{now:>7.1}s  no pause: every stage is down to its last available member (or \
-                 its others were just continued)"
+                "{now:>7.1}s  no {}: every stage is down to its last available member (or \
+                 its others were just continued)",
+                st.word()
             ));
-            ch.next_pause_at = now + ch.pause_every;
+            st.next_at = now + st.every;
         }
         None => {}
     }
@@ -256,7 +286,8 @@ pub fn predict_join(f: &Facts) -> Option<(u32, NodeId)> {
 }
 
 pub fn chaos_tick(sw: &mut Swarm, ch: &mut Chaos, now: f64) -> Res<()> {
-    pause_tick(sw, ch, now);
+    stop_tick(sw, &mut ch.pauses, &mut ch.resumed_at, ch.microbatches, now);
+    stop_tick(sw, &mut ch.cuts, &mut ch.resumed_at, ch.microbatches, now);
     if ch.every <= 0.0 {
         return Ok(());
     }

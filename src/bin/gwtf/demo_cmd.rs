@@ -11,7 +11,8 @@
 //! stage's state, or at random; the victim carries microbatches in flight
 //! where the aim allows (`demo_chaos`); never the last member of a stage
 //! unless `--allow-empty-stage`. Every `--pause-every` seconds it stops a
-//! relay (SIGSTOP) for `--pause-for` seconds. Every `--join-every` seconds it
+//! relay (SIGSTOP) for `--pause-for` seconds; every `--cut-every` seconds it
+//! cuts a relay's link (emulated by the node) for `--cut-for` seconds. Every `--join-every` seconds it
 //! starts a node with `--join`. It stops when the holders print `done` (or at the
 //! deadline), then trains the single-process reference, prints the facts,
 //! writes `--json` and `--report`, and fails when a microbatch was lost or
@@ -99,6 +100,17 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 3.0, value_name = "SEC",
           value_parser = pause_length, allow_negative_numbers = true)]
     pub pause_for: f64,
+    /// Cut a relay's link every SEC seconds, and restore it --cut-for
+    /// seconds later (0: never): the node runs on but reads and writes none
+    /// of its sockets meanwhile (emulated in user space: `gwtf node` on
+    /// SIGUSR1 and SIGUSR2). Victims are chosen as for pauses.
+    #[arg(long, default_value_t = 0.0, value_name = "SEC",
+          value_parser = checks::float_in(0.0, 86400.0), allow_negative_numbers = true)]
+    pub cut_every: f64,
+    /// How long a cut link stays down (seconds).
+    #[arg(long, default_value_t = 3.0, value_name = "SEC",
+          value_parser = pause_length, allow_negative_numbers = true)]
+    pub cut_for: f64,
     /// Let a crash take the last live member of a stage.
     #[arg(long)]
     pub allow_empty_stage: bool,
@@ -489,26 +501,35 @@ impl Swarm<'_> {
         ));
     }
 
-    /// Stops node `id` (SIGSTOP) for `for_s` seconds (the chaos continues it).
-    pub fn pause(&mut self, id: NodeId, for_s: f64, aim: &str) {
+    /// Stops node `id` for `for_s` seconds (the chaos continues it): pauses
+    /// it (SIGSTOP), or with `cut` cuts its link (SIGUSR1, emulated).
+    pub fn pause(&mut self, id: NodeId, for_s: f64, aim: &str, cut: bool) {
         let carrying = self.carrying(id);
-        self.procs.signal(id, libc::SIGSTOP);
+        self.procs
+            .signal(id, if cut { libc::SIGUSR1 } else { libc::SIGSTOP });
         let stage = self.facts.nodes.get(&id).and_then(|n| n.stage);
         self.record(What::Paused {
             node: id,
             aim: aim.to_string(),
             for_s,
             carrying: Some(carrying),
+            cut,
         });
+        let what = if cut {
+            format!("cut: link of node {id} cut (SIGUSR1, emulated)")
+        } else {
+            format!("pause: SIGSTOP node {id}")
+        };
         self.out.note(&format!(
-            "{:>7.1}s  pause: SIGSTOP node {id} (stage {}) for {for_s} s, timed to hit {aim}, {}",
+            "{:>7.1}s  {what} (stage {}) for {for_s} s, timed to hit {aim}, {}",
             self.now(),
             stage.map_or("?".into(), |s| s.to_string()),
             carrying_words(carrying)
         ));
     }
 
-    /// Continues a paused node (SIGCONT), unless it is gone.
+    /// Continues a paused node (SIGCONT) or restores its cut link
+    /// (SIGUSR2), unless it is gone.
     pub fn resume(&mut self, id: NodeId) {
         let Some(n) = self.facts.nodes.get(&id) else {
             return;
@@ -516,10 +537,16 @@ impl Swarm<'_> {
         if !n.paused || !n.alive() {
             return;
         }
-        self.procs.signal(id, libc::SIGCONT);
+        let cut = n.cut;
+        self.procs
+            .signal(id, if cut { libc::SIGUSR2 } else { libc::SIGCONT });
         self.record(What::Resumed { node: id });
-        self.out
-            .note(&format!("{:>7.1}s  resume: SIGCONT node {id}", self.now()));
+        let what = if cut {
+            format!("restore: link of node {id} back (SIGUSR2)")
+        } else {
+            format!("resume: SIGCONT node {id}")
+        };
+        self.out.note(&format!("{:>7.1}s  {what}", self.now()));
     }
 }
 
@@ -605,6 +632,10 @@ fn status(f: &Facts) -> String {
     let pauses = match f.pause_count() {
         0 => String::new(),
         n => format!("pauses {n}  "),
+    };
+    let pauses = match f.cut_count() {
+        0 => pauses,
+        n => format!("{pauses}cuts {n}  "),
     };
     format!(
         "loss {loss}  {tps} tok/s  holders {}  relays per stage [{}]  crashes {}  \
@@ -714,6 +745,10 @@ pub fn run(a: DemoArgs) -> super::CliResult {
             )
         } else {
             String::new()
+        } + &if a.cut_every > 0.0 {
+            format!("cut every {} for {} s, ", every(a.cut_every), a.cut_for)
+        } else {
+            String::new()
         },
         links_name(a.links)
     );
@@ -794,6 +829,8 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         v["join_every_s"] = serde_json::json!(a.join_every);
         v["pause_every_s"] = serde_json::json!(a.pause_every);
         v["pause_for_s"] = serde_json::json!(a.pause_for);
+        v["cut_every_s"] = serde_json::json!(a.cut_every);
+        v["cut_for_s"] = serde_json::json!(a.cut_for);
         std::fs::write(p, serde_json::to_string_pretty(&v)? + "\n")
             .map_err(|e| format!("cannot write --json {}: {e}", p.display()))?;
     }

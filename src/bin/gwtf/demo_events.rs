@@ -174,12 +174,14 @@ pub enum What {
         joiner: Option<NodeId>,
         carrying: Option<u64>,
     },
-    /// The orchestrator sent SIGSTOP, to send SIGCONT `for_s` seconds later.
+    /// The orchestrator sent SIGSTOP, to send SIGCONT `for_s` seconds later;
+    /// with `cut`, SIGUSR1 (the node's link cut), to send SIGUSR2.
     Paused {
         node: NodeId,
         aim: String,
         for_s: f64,
         carrying: Option<u64>,
+        cut: bool,
     },
     /// The orchestrator sent SIGCONT to a paused node.
     Resumed { node: NodeId },
@@ -212,8 +214,17 @@ pub struct NodeFacts {
     pub exit_code: Option<i32>,
     pub done: bool,
     pub left: bool,
-    /// Stopped by the orchestrator (SIGSTOP) now.
+    /// Stopped by the orchestrator (SIGSTOP, or its link cut) now.
     pub paused: bool,
+    /// Its link cut by the orchestrator now (`paused` too).
+    pub cut: bool,
+    /// It fenced itself and is not active again yet: no member meanwhile.
+    pub fenced: bool,
+    /// Updates applied since it last became active (a node back from a
+    /// fence holds a downloaded state, like a joiner).
+    pub applied_since_active: u64,
+    /// It fenced itself at least once.
+    pub ever_fenced: bool,
     /// The last `stats` (cumulative compute and useful milliseconds).
     pub compute_ms: f64,
     pub useful_ms: f64,
@@ -230,7 +241,7 @@ impl NodeFacts {
     }
     /// Running and a member of its stage.
     pub fn member(&self) -> bool {
-        self.alive() && self.active_s.is_some() && !self.left
+        self.alive() && self.active_s.is_some() && !self.left && !self.fenced
     }
     /// A member that is not paused (SIGSTOP): one that can serve its stage.
     pub fn available(&self) -> bool {
@@ -240,7 +251,7 @@ impl NodeFacts {
     /// that applied an iteration since (a joiner whose download missed an
     /// update until it applies one may hold a stale state).
     pub fn in_sync(&self) -> bool {
-        self.member() && (!self.joiner || self.events.get("applied").is_some_and(|&a| a > 0))
+        self.member() && ((!self.joiner && !self.ever_fenced) || self.applied_since_active > 0)
     }
 }
 
@@ -285,6 +296,8 @@ struct Pause {
     for_s: f64,
     carrying: Option<u64>,
     resumed: Option<f64>,
+    /// A cut link (not a pause).
+    cut: bool,
 }
 
 /// A microbatch a holder started and has not reported done (`mb_done`), with
@@ -397,10 +410,12 @@ impl Facts {
                 aim,
                 for_s,
                 carrying,
+                cut,
             } => {
                 let stage = self.nodes.get(node).and_then(|n| n.stage);
                 if let Some(n) = self.nodes.get_mut(node) {
                     n.paused = true;
+                    n.cut = *cut;
                 }
                 self.pauses.push(Pause {
                     t,
@@ -410,11 +425,13 @@ impl Facts {
                     for_s: *for_s,
                     carrying: *carrying,
                     resumed: None,
+                    cut: *cut,
                 });
             }
             What::Resumed { node } => {
                 if let Some(n) = self.nodes.get_mut(node) {
                     n.paused = false;
+                    n.cut = false;
                 }
                 if let Some(p) = self
                     .pauses
@@ -453,9 +470,11 @@ impl Facts {
             Event::Listening { addr, .. } => n.addr = Some(addr.clone()),
             Event::Active { stage, .. } => {
                 let stage = if n.holder { 0 } else { *stage };
-                let became = n.active_s.is_none() || n.stage != Some(stage);
+                let became = n.active_s.is_none() || n.stage != Some(stage) || n.fenced;
                 n.stage = Some(stage);
                 n.active_s.get_or_insert(t);
+                n.fenced = false;
+                n.applied_since_active = 0;
                 if became && n.alive() {
                     self.record_membership(t);
                 }
@@ -466,6 +485,7 @@ impl Facts {
                 weights_sha256,
                 ..
             } => {
+                n.applied_since_active += 1;
                 self.applied
                     .entry((*stage, *iteration))
                     .or_default()
@@ -561,7 +581,17 @@ impl Facts {
                 }
             }
             Event::Error { message, .. } => n.errors.push(message.clone()),
-            Event::Fenced { .. } => self.fences += 1,
+            Event::Fenced { .. } => {
+                self.fences += 1;
+                // Not a member, nor one to keep its stage, until it is
+                // active again and applied an update since.
+                let was_member = n.member();
+                n.fenced = true;
+                n.ever_fenced = true;
+                if was_member {
+                    self.record_membership(t);
+                }
+            }
             Event::Unknown => {}
         }
     }
@@ -685,7 +715,12 @@ impl Facts {
         self.kills.len()
     }
     pub fn pause_count(&self) -> usize {
-        self.pauses.len()
+        self.pauses.iter().filter(|p| !p.cut).count()
+    }
+
+    /// Links cut so far.
+    pub fn cut_count(&self) -> usize {
+        self.pauses.iter().filter(|p| p.cut).count()
     }
     pub fn recovered_count(&self) -> usize {
         self.recovered.len()
@@ -967,6 +1002,7 @@ impl Facts {
                     resumed_s: p.resumed,
                     carrying: p.carrying,
                     recovery_ms: rec,
+                    kind: if p.cut { "cut" } else { "pause" },
                 }
             })
             .collect();
@@ -1095,7 +1131,8 @@ impl Facts {
             recovery_ms_max: rec.last().copied(),
             kills_without_recovery: kills.iter().filter(|k| k.recovery_ms.is_none()).count() as u64,
             kills_carrying: kills.iter().filter(|k| k.carrying.unwrap_or(0) > 0).count() as u64,
-            pause_count: pauses.len() as u64,
+            pause_count: pauses.iter().filter(|p| p.kind == "pause").count() as u64,
+            cut_count: pauses.iter().filter(|p| p.kind == "cut").count() as u64,
             pauses_carrying: pauses
                 .iter()
                 .filter(|p| p.carrying.unwrap_or(0) > 0)
@@ -1201,6 +1238,8 @@ pub struct PauseRow {
     /// From the pause to the first `recovered` line for its stage (before
     /// the next kill or pause of that stage).
     pub recovery_ms: Option<f64>,
+    /// "pause" (SIGSTOP, SIGCONT) or "cut" (its link cut and restored).
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -1297,9 +1336,10 @@ pub struct Summary {
     /// Kills whose victim carried microbatches in flight (by the paths the
     /// holders reported; see `Facts::in_flight`).
     pub kills_carrying: u64,
-    /// Pauses (SIGSTOP, then SIGCONT) and those whose node carried
-    /// microbatches in flight.
+    /// Pauses (SIGSTOP, then SIGCONT), links cut (then restored), and
+    /// those of either whose node carried microbatches in flight.
     pub pause_count: u64,
+    pub cut_count: u64,
     pub pauses_carrying: u64,
     /// Times a node fenced itself (paused, cut off, evicted) and joined
     /// again.
@@ -1781,7 +1821,7 @@ mod tests {
     }
 
     #[test]
-    fn pauses_are_reported_like_kills_and_a_paused_member_is_not_available() {
+    fn pauses_and_cuts_are_reported_like_kills_and_their_member_is_not_available() {
         let (mut f, plan) = healthy(1);
         // Stage 1: nodes 2 and 4.
         assert_eq!(f.available_per_stage()[1], 2);
@@ -1792,9 +1832,11 @@ mod tests {
                 aim: "microbatches in flight".into(),
                 for_s: 3.0,
                 carrying: Some(2),
+                cut: false,
             },
         ));
         assert!(f.nodes[&2].member() && !f.nodes[&2].available());
+        assert!(!f.nodes[&2].cut);
         assert_eq!(f.available_per_stage()[1], 1);
         assert_eq!(f.in_sync_per_stage()[1], 1);
         assert_eq!(f.members_per_stage()[1], 2, "still a member");
@@ -1812,10 +1854,16 @@ mod tests {
                 aim: "random".into(),
                 for_s: 3.0,
                 carrying: Some(0),
+                cut: true,
             },
         ));
+        // A cut link: not available either, and restored with SIGUSR2.
+        assert!(f.nodes[&3].cut && !f.nodes[&3].available());
+        assert_eq!(f.cut_count(), 1);
+        assert_eq!(f.pause_count(), 1);
         let s = f.summary(&plan, None, 20.0);
-        assert_eq!((s.pause_count, s.pauses_carrying), (2, 1));
+        assert_eq!((s.pause_count, s.cut_count, s.pauses_carrying), (1, 1, 1));
+        assert_eq!((s.pauses[0].kind, s.pauses[1].kind), ("pause", "cut"));
         let p = &s.pauses[0];
         assert_eq!((p.node, p.stage, p.carrying), (2, Some(1), Some(2)));
         assert_eq!(p.resumed_s, Some(13.0));

@@ -4,8 +4,8 @@
 //!
 //! - the loss per iteration of the swarm against the single-process reference;
 //! - throughput (tokens/s of each iteration, at the time it ended) with every
-//!   crash (red, pointing down), pause (purple, pointing down; its length
-//!   shaded) and join (cyan, pointing up) marked;
+//!   crash (red, pointing down), pause (purple) and cut link (brown; both
+//!   pointing down, their length shaded) and join (cyan, pointing up) marked;
 //! - live members of each stage over time (holders and each relay stage).
 use super::demo_events::Summary;
 use super::sim_plot::tick;
@@ -22,6 +22,7 @@ const REFERENCE: RGBColor = RGBColor(0, 0, 0);
 const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
 const PAUSE: RGBColor = RGBColor(148, 103, 189);
+const CUT: RGBColor = RGBColor(140, 86, 75);
 const STAGES: [RGBColor; 8] = [
     RGBColor(90, 90, 90),
     RGBColor(31, 119, 180),
@@ -165,10 +166,11 @@ pub fn throughput_svg(s: &Summary) -> Res<String> {
             .label_style(font(14))
             .axis_desc_style(font(15))
             .draw()?;
-        // Each pause's length, shaded.
+        // Each pause's (cut's) length, shaded.
         chart.draw_series(s.pauses.iter().map(|p| {
             let end = p.resumed_s.unwrap_or(p.t_s + p.for_s);
-            Rectangle::new([(p.t_s, 0.0), (end, ymax)], PAUSE.mix(0.08).filled())
+            let color = if p.kind == "cut" { CUT } else { PAUSE };
+            Rectangle::new([(p.t_s, 0.0), (end, ymax)], color.mix(0.08).filled())
         }))?;
         let mut marks = vec![(
             s.kills.iter().map(|k| k.t_s).collect::<Vec<_>>(),
@@ -176,13 +178,17 @@ pub fn throughput_svg(s: &Summary) -> Res<String> {
             true,
             "crash (SIGKILL)",
         )];
-        if !s.pauses.is_empty() {
-            marks.push((
-                s.pauses.iter().map(|p| p.t_s).collect(),
-                PAUSE,
-                true,
-                "pause (SIGSTOP, then SIGCONT)",
-            ));
+        for (kind, color, name) in [
+            ("pause", PAUSE, "pause (SIGSTOP, then SIGCONT)"),
+            ("cut", CUT, "link cut, then restored"),
+        ] {
+            let times: Vec<f64> = (s.pauses.iter())
+                .filter(|p| p.kind == kind)
+                .map(|p| p.t_s)
+                .collect();
+            if !times.is_empty() {
+                marks.push((times, color, true, name));
+            }
         }
         marks.push((s.join_times_s.clone(), JOIN, false, "join"));
         for (times, color, down, name) in marks {
@@ -414,7 +420,7 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         ("state downloads", format!("{}", s.state_downloads.len())),
         ("wall time", format!("{:.1} s", s.wall_s)),
     ];
-    if s.pause_count > 0 {
+    if s.pause_count + s.cut_count > 0 {
         // After the recovery after a kill.
         let at = rows
             .iter()
@@ -423,10 +429,12 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         rows.insert(
             at,
             (
-                "pauses (SIGSTOP, then SIGCONT)",
+                "pauses (SIGSTOP, then SIGCONT) and cut links",
                 format!(
-                    "{} ({} carrying microbatches, {} without a recovery; {} fences)",
+                    "{} pauses, {} cuts ({} carrying microbatches, {} without a recovery; \
+                     {} fences)",
                     s.pause_count,
+                    s.cut_count,
                     s.pauses_carrying,
                     s.pauses.iter().filter(|p| p.recovery_ms.is_none()).count(),
                     s.fences
@@ -514,16 +522,17 @@ pub fn render_html(s: &Summary, command: &str) -> Res<String> {
     }
     if !s.pauses.is_empty() {
         h.push_str(
-            "<h2>Pauses</h2>\n<table>\n<tr><th>t (s)</th><th>node</th><th>stage</th>\
-             <th>for (s)</th><th>resumed at (s)</th><th>timed to hit</th>\
+            "<h2>Pauses and cut links</h2>\n<table>\n<tr><th>t (s)</th><th>what</th>\
+             <th>node</th><th>stage</th><th>for (s)</th><th>resumed at (s)</th><th>timed to hit</th>\
              <th>microbatches in flight on it</th><th>recovery (ms)</th></tr>\n",
         );
         for p in &s.pauses {
             let _ = writeln!(
                 h,
                 "<tr><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-                 <td>{}</td><td>{}</td></tr>",
+                 <td>{}</td><td>{}</td><td>{}</td></tr>",
                 p.t_s,
+                p.kind,
                 p.node,
                 p.stage.map_or("-".into(), |x| x.to_string()),
                 p.for_s,
@@ -619,6 +628,7 @@ mod tests {
                 aim: "microbatches in flight".into(),
                 for_s: 0.5,
                 carrying: Some(1),
+                cut: false,
             },
         );
         push(&mut f, 2.1, What::Resumed { node: 2 });
