@@ -37,6 +37,8 @@ const LOST_GRACE: Duration = Duration::from_millis(200);
 const ADDRESS_WAIT: Duration = Duration::from_secs(2);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
+/// A wait in the engine this long is logged ([`Driver::waited`]).
+const SLOW_WAIT: Duration = Duration::from_millis(200);
 /// A peer whose data frames came before its directory message (the engine
 /// hands frames over before the control messages read with them) is a
 /// stranger if the directory has not come within this.
@@ -742,13 +744,19 @@ impl Driver {
         // Sending can find a peer gone, which aborts the operation and
         // queues aborts to send in turn.
         for _ in 0..4 {
+            let t = Instant::now();
             let out = self.agg.outgoing(&self.net);
+            self.waited(t, || "the all-reduce's frames (pool)".into());
             if out.is_empty() {
                 break;
             }
             for (to, f) in out {
                 match NodeId::try_from(to) {
-                    Ok(id) => self.send_frame(id, f),
+                    Ok(id) => {
+                        let t = Instant::now();
+                        self.send_frame(id, f);
+                        self.waited(t, || format!("an all-reduce frame to {id:x}"));
+                    }
                     Err(_) => self.agg.on_peer_lost(to),
                 }
             }
@@ -808,7 +816,24 @@ impl Driver {
         self.send_now(to, msg, data);
     }
 
+    /// Logs a wait of this thread in the engine (a full send queue, an
+    /// exhausted pool) long enough to matter: it hears and sends nothing
+    /// meanwhile, its own timers run late (fencing takes a wait beyond the
+    /// suspicion time for a pause).
+    fn waited(&self, since: Instant, what: impl FnOnce() -> String) {
+        let w = since.elapsed();
+        if w >= SLOW_WAIT {
+            self.log(format!("waited {} ms for {}", w.as_millis(), what()));
+        }
+    }
+
     fn send_now(&mut self, to: NodeId, msg: Msg, data: Option<SharedFrame>) {
+        let (t, name) = (Instant::now(), msg.name());
+        self.send_now_inner(to, msg, data);
+        self.waited(t, || format!("{name} to {to:x}"));
+    }
+
+    fn send_now_inner(&mut self, to: NodeId, msg: Msg, data: Option<SharedFrame>) {
         let env = match codec::encode(&msg) {
             Ok(env) => env,
             Err(e) => {
@@ -898,7 +923,7 @@ impl Driver {
 
     /// Sends the exported state, followed by its SHA-256.
     fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame) {
-        let n = state.len();
+        let (n, t) = (state.len(), Instant::now());
         let f = self.net.alloc(n + DIGEST_LEN, SEND_WAIT).map(|mut f| {
             let p = f.payload_mut();
             p[..n].copy_from_slice(state.payload());
@@ -906,6 +931,7 @@ impl Driver {
             p[n..].copy_from_slice(&d);
             f
         });
+        self.waited(t, || "the state's frame, its copy and its digest".into());
         let mut f = match f {
             Ok(f) => f,
             Err(e) => {
