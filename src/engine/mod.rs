@@ -335,6 +335,12 @@ impl Frame {
             l.truncate(len);
         }
     }
+    /// Lengthens the payload to `len` bytes within its pool slot (the added
+    /// bytes are not cleared); false, and unchanged, where the slot is
+    /// shorter or there is no payload.
+    pub fn grow_within_slot(&mut self, len: usize) -> bool {
+        self.lease.as_mut().is_some_and(|l| l.grow_within_slot(len))
+    }
     /// Pointer to the payload (NULL for an empty one).
     pub fn payload_ptr(&self) -> *mut u8 {
         self.lease
@@ -362,6 +368,14 @@ impl fmt::Debug for SharedFrame {
 }
 
 impl SharedFrame {
+    /// A frame with no payload (a default header), for tests and for
+    /// messages whose data is empty.
+    pub fn empty() -> SharedFrame {
+        SharedFrame {
+            header: FrameHeader::default(),
+            lease: None,
+        }
+    }
     pub fn len(&self) -> usize {
         self.lease.as_ref().map_or(0, |l| l.len())
     }
@@ -370,6 +384,14 @@ impl SharedFrame {
     }
     pub fn payload(&self) -> &[u8] {
         self.lease.as_ref().map_or(&[], |l| l.as_slice())
+    }
+    /// Whether another holder still has this payload: a send queue that
+    /// has not written it out yet (the engine lets go of its share once
+    /// the frame is on the socket, or dropped with its connection).
+    pub fn held_elsewhere(&self) -> bool {
+        self.lease
+            .as_ref()
+            .is_some_and(|l| Arc::strong_count(l) > 1)
     }
 }
 

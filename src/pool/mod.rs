@@ -348,6 +348,16 @@ impl Lease {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
+    /// Lengthens the lease to `len` within its slot (the added bytes hold
+    /// whatever the slot held); false, and unchanged, if the slot is
+    /// shorter. Lets a trailer follow a payload without a second buffer.
+    pub fn grow_within_slot(&mut self, len: usize) -> bool {
+        if len > self.slot_len() {
+            return false;
+        }
+        self.len = self.len.max(len);
+        true
+    }
 }
 
 impl Drop for Lease {
@@ -393,6 +403,22 @@ mod tests {
             pool.try_alloc((1 << 20) + 1),
             Err(PoolError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_lease_grows_within_its_slot_and_no_further() {
+        let pool = Pool::new(1 << 20, 1 << 20).unwrap();
+        let mut a = pool.try_alloc(5000).unwrap().unwrap();
+        a.as_mut_slice().fill(1);
+        assert!(a.grow_within_slot(5032));
+        assert_eq!(a.len(), 5032);
+        assert_eq!(&a.as_slice()[..5000], &[1u8; 5000][..]);
+        assert!(a.grow_within_slot(8192));
+        assert!(!a.grow_within_slot(8193));
+        assert_eq!(a.len(), 8192);
+        // Growing never shortens.
+        assert!(a.grow_within_slot(10));
+        assert_eq!(a.len(), 8192);
     }
 
     #[test]
