@@ -177,7 +177,8 @@ pub enum gwtf_task_kind {
     EventRefused = 112,
     /// Event: this peer stopped serving its stage group (`stage`): it was
     /// paused or starved longer than the group's suspicion time, cut off,
-    /// or told it is no longer a member (`message` says which). What it
+    /// told it is no longer a member, or its group fell behind another
+    /// node of its stage (`message` says which). What it
     /// held of the group is dropped (tasks given before are stale: their
     /// answers are refused), and it joins again: its next task for that
     /// stage is an `IMPORT_STATE` with a fresh download.

@@ -339,16 +339,24 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u64(*bytes);
             w.u64(*sent_at);
         }
-        Msg::Heartbeat { members, coord } => {
+        Msg::Heartbeat {
+            members,
+            coord,
+            updates,
+        } => {
             w.opt(members, |w, m| w.ids(m));
             w.u32(*coord);
+            w.u32(*updates);
         }
         Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
         Msg::GroupJoin { stage, incarnation } => {
             w.u16(*stage);
             w.u32(*incarnation);
         }
-        Msg::Evicted { diverged } => w.bool(*diverged),
+        Msg::Evicted { diverged, updates } => {
+            w.bool(*diverged);
+            w.u32(*updates);
+        }
         Msg::Change {
             spare,
             compute_s,
@@ -639,6 +647,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         3 => Msg::Heartbeat {
             members: r.opt("heartbeat.members", |r| r.ids().map(Arc::new))?,
             coord: r.u32()?,
+            updates: r.u32()?,
         },
         4 => Msg::Goodbye,
         5 => Msg::GroupJoin {
@@ -829,6 +838,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         },
         45 => Msg::Evicted {
             diverged: r.bool("evicted.diverged")?,
+            updates: r.u32()?,
         },
         43 => Msg::LinkReport {
             links: {
@@ -899,13 +909,17 @@ pub fn samples() -> Vec<Msg> {
         Msg::Heartbeat {
             members: Some(ids.clone()),
             coord: 3,
+            updates: 12,
         },
         Msg::Goodbye,
         Msg::GroupJoin {
             stage: 2,
             incarnation: 7,
         },
-        Msg::Evicted { diverged: true },
+        Msg::Evicted {
+            diverged: true,
+            updates: 4,
+        },
         Msg::Change {
             spare: 1,
             compute_s: 0.25,
@@ -1165,6 +1179,7 @@ mod tests {
         let m = Msg::Heartbeat {
             members: Some(Arc::new((0..20_000).collect())),
             coord: 0,
+            updates: 0,
         };
         assert!(encode(&m).is_err());
     }

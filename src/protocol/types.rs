@@ -99,6 +99,11 @@ pub enum FenceReason {
     /// It coordinated a commit whose members held different weights and
     /// its own were in the minority.
     Diverged,
+    /// A node of its stage outside its group holds weights with more
+    /// updates (`updates`) than its own: its group was left behind (a
+    /// split while links were cut), so it joins again and downloads the
+    /// newer state rather than evict the node that holds it.
+    Behind { updates: u32, holder: NodeId },
 }
 
 impl FenceReason {
@@ -110,6 +115,7 @@ impl FenceReason {
             FenceReason::Evicted { diverged: true } => "evicted_diverged",
             FenceReason::Isolated => "isolated",
             FenceReason::Diverged => "diverged",
+            FenceReason::Behind { .. } => "behind",
         }
     }
 }
@@ -355,9 +361,15 @@ pub enum Msg {
     /// coordinator the sender follows (itself when it coordinates): with
     /// a coordinator that stays while it lives, the smallest id of a list
     /// is not the coordinator.
+    ///
+    /// `updates` is how many iterations' updates the sender's weights
+    /// hold (the last one applied plus one; 0: none): of two groups of one
+    /// stage that hear of each other, the one behind dissolves and joins
+    /// again, never the one ahead (see `fencing`).
     Heartbeat {
         members: Option<Arc<Vec<NodeId>>>,
         coord: NodeId,
+        updates: u32,
     },
     /// Graceful leave: peers drop the sender at once.
     Goodbye,
@@ -380,6 +392,11 @@ pub enum Msg {
         /// Its weights' digest differed from the other members' (else: it
         /// was silent).
         diverged: bool,
+        /// The updates the sender's weights hold (as in
+        /// [`Msg::Heartbeat`]): a silent member that holds more than its
+        /// evictor does not fence itself; it answers in kind, and the
+        /// group that is behind dissolves instead.
+        updates: u32,
     },
 
     // ---- decentralized flow protocol

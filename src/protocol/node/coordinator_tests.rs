@@ -840,3 +840,62 @@ fn a_commit_counts_no_grant_of_a_node_outside_it() {
         .iter()
         .any(|(_, m)| matches!(m, Msg::Redo { .. } | Msg::Restart { .. })));
 }
+
+/// The coordinator (1) falls silent right after its commit's all-reduce
+/// ended (its link cut, or it was paused) instead of its connection
+/// breaking: its deputy (2) takes over once the silence is sure, and with
+/// the member's sync and `AggDone` it applies the ring's result as is, the
+/// commit that 1 may have applied before it fell silent: no replica holds
+/// other weights for that iteration.
+#[test]
+fn a_coordinator_that_falls_silent_after_its_all_reduce_has_its_commit_applied_as_is() {
+    let mut cfg = (*config(Policy::Gwtf)).clone();
+    cfg.fence_on_pause = true;
+    let cfg = Arc::new(cfg);
+    let mut n = started_with(cfg.clone(), 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
+    let (m0, m1) = (mb(0, 0, 0), mb(0, 0, 1));
+    let granted = vec![(m0, 10, 30)];
+    deliver(&mut n, 1, Msg::Deputy { iter: 0, granted });
+    let (commit, epoch) = commit_by_1(false);
+    let acts = deliver(&mut n, 1, commit);
+    let agg = runs(&acts)[0].id;
+    let now = n.now;
+    n.handle(now, Input::TaskDone { id: agg });
+    // 1 says nothing more; a neighbour is heard every tick.
+    let mut t = n.now;
+    let mut all = Vec::new();
+    for _ in 0..4 * cfg.suspect_ticks {
+        t += cfg.tick;
+        deliver(&mut n, 30, Msg::QueryFlows);
+        all.extend(n.on_timeout(t));
+        if n.group.coord == Some(2) {
+            break;
+        }
+    }
+    assert_eq!(n.group.coord, Some(2), "the deputy took over");
+    let sync = Msg::Sync {
+        iter: 0,
+        granted: vec![(m1, 10, 30)],
+        end: None,
+    };
+    all.extend(deliver(&mut n, 3, sync));
+    let done = Msg::AggDone {
+        iter: 0,
+        epoch,
+        weights: 0,
+    };
+    all.extend(deliver(&mut n, 3, done));
+    for _ in 0..2 * cfg.heartbeat_ticks {
+        t += cfg.tick;
+        deliver(&mut n, 30, Msg::QueryFlows);
+        all.extend(n.on_timeout(t));
+    }
+    let committed: Vec<_> = (all.iter())
+        .filter_map(|a| match a {
+            Action::Event(Event::StageCommitted { mbs, .. }) => Some(mbs.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(committed.len(), 1, "{committed:?}");
+    assert_eq!(*committed[0], vec![(m0, 1), (m1, 3)], "1's commit, as is");
+}

@@ -104,10 +104,14 @@ impl Node {
         });
         self.forget_all();
         self.last_heard_any = self.now;
+        if let FenceReason::Behind { updates, holder } = reason {
+            // The state to download is the newer one it heard of.
+            self.joining.newer = Some((self.stage, updates, holder));
+        }
         if self.stage == 0 {
             // Holders hold the embedding and the head: another holder's
             // state, then training from the iteration open then.
-            let src = others[0];
+            let src = self.newest_source(0).unwrap_or(others[0]);
             // The other holders are the sources to ask (and whose loss
             // strands it): in its peer view from now on.
             for &o in &others {
@@ -201,7 +205,14 @@ impl Node {
         {
             return false;
         }
-        self.send(from, Msg::Evicted { diverged: false });
+        let updates = self.iters.updates();
+        self.send(
+            from,
+            Msg::Evicted {
+                diverged: false,
+                updates,
+            },
+        );
         true
     }
 
@@ -217,17 +228,177 @@ impl Node {
         let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
         if of_stage || self.group.evicted.contains_key(&from) {
             self.remember_evicted(from);
-            self.send(from, Msg::Evicted { diverged: false });
+            let updates = self.iters.updates();
+            self.send(
+                from,
+                Msg::Evicted {
+                    diverged: false,
+                    updates,
+                },
+            );
         }
+    }
+
+    /// Whether `from`, a node of this stage outside this node's group,
+    /// holds weights with more `updates` than this node's: then this
+    /// node's group is the one left behind (the stage split while links
+    /// were cut, and the other side trained on). It dissolves: a
+    /// coordinator tells its members they are evicted (they join again
+    /// and download from whoever serves the stage), and this node fences
+    /// itself and downloads `from`'s state. Evicting `from` instead would
+    /// throw away the only weights that hold those updates.
+    pub(super) fn behind_outsider(&mut self, from: NodeId, updates: u32) -> bool {
+        // A coordinator applies each update first: anyone ahead of it is
+        // in another group. A member may lag its own group by the update
+        // in flight (a joiner that downloaded it from the coordinator
+        // speaks to a member that has not applied it yet): it gives way
+        // only to two updates more.
+        let slack = u32::from(self.group.coord != Some(self.id));
+        let mine = self.iters.updates().saturating_add(slack);
+        if self.phase != Phase::Active
+            || updates <= mine
+            || from == self.id
+            || self.group.coord == Some(from)
+            || self.group.members.contains(&from)
+        {
+            return false;
+        }
+        let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
+        if !of_stage && !self.group.evicted.contains_key(&from) {
+            return false;
+        }
+        self.fall_behind(from, updates);
+        true
+    }
+
+    /// This node's group is behind `holder`'s weights (`updates`): a
+    /// coordinator tells its members (they fence and join again), and
+    /// this node fences itself and downloads `holder`'s state.
+    fn fall_behind(&mut self, holder: NodeId, updates: u32) {
+        if self.group.coord == Some(self.id) {
+            for m in self.group.members.clone() {
+                if m != self.id && m != holder {
+                    self.send(
+                        m,
+                        Msg::Evicted {
+                            diverged: false,
+                            updates,
+                        },
+                    );
+                }
+            }
+        }
+        // A source to come back to, should the group hold nobody else.
+        let (from, st) = (holder, self.stage);
+        self.learn(from, st);
+        self.group.evicted.remove(&from);
+        self.fence(FenceReason::Behind {
+            updates,
+            holder: from,
+        });
+    }
+
+    /// A heartbeat from `from`, a node outside this node's group that
+    /// follows another coordinator, whose weights hold fewer updates than
+    /// this node's ([`Node::announce_gap`]: a group behind looking for the
+    /// stage's state): it is told this node's updates with an eviction,
+    /// and dissolves. A node known to serve another stage is not answered.
+    pub(super) fn answer_a_group_behind(&mut self, from: NodeId, coord: NodeId, updates: u32) {
+        let mine = self.iters.updates();
+        if self.phase != Phase::Active
+            || updates >= mine
+            || from == self.id
+            || coord == self.id
+            || self.group.coord == Some(coord)
+            || self.group.members.contains(&from)
+            || self.peers.get(&from).is_some_and(|p| p.stage != self.stage)
+        {
+            return;
+        }
+        self.send(
+            from,
+            Msg::Evicted {
+                diverged: false,
+                updates: mine,
+            },
+        );
+    }
+
+    /// A node whose weights miss an update its group applied (it came
+    /// back on a stale state, and so did its group: nobody in it can serve
+    /// the current one) tells every node of its stage it knows outside its
+    /// group, once per suspicion time, how many updates it holds. A
+    /// coordinator ahead of it answers with an eviction carrying its own,
+    /// and this node's group, the one behind, dissolves and downloads from
+    /// it. Without this, a node ahead that came back alone from a cut link
+    /// and a group behind would never hear of each other again (neither
+    /// has the other in its group), and the stage would stand still.
+    pub(super) fn announce_gap(&mut self) {
+        if !self.cfg.fence_on_pause
+            || self.phase != Phase::Active
+            || !self.iters.gap()
+            || self.tick_no % self.cfg.suspect_ticks.max(1) as u64 != 0
+        {
+            return;
+        }
+        let st = self.stage;
+        let targets: Vec<NodeId> = (self.peers.iter())
+            .filter(|(id, p)| p.stage == st && **id != self.id)
+            .map(|(id, _)| *id)
+            .filter(|id| !self.group.members.contains(id))
+            .collect();
+        let coord = self.group.coord.unwrap_or(self.id);
+        let updates = self.iters.updates();
+        for t in targets {
+            let m = Msg::Heartbeat {
+                members: None,
+                coord,
+                updates,
+            };
+            self.send(t, m);
+        }
+    }
+
+    /// The live node of `stage` known to hold newer weights than this
+    /// node had when it fenced itself ([`FenceReason::Behind`]): the state
+    /// to download.
+    pub(super) fn newest_source(&self, stage: Stage) -> Option<NodeId> {
+        let (st, _, holder) = self.joining.newer?;
+        (st == stage && holder != self.id && self.alive(holder)).then_some(holder)
     }
 
     /// The coordinator (or a node of this stage that coordinates: this
     /// node's view may be the stale one) says this node is not a member.
-    pub(super) fn on_evicted(&mut self, from: NodeId, diverged: bool) {
+    /// A silent member whose weights hold more updates than the evictor's
+    /// keeps them: it answers with an eviction of its own, so that the
+    /// group behind dissolves ([`Node::behind_outsider`]'s rule).
+    pub(super) fn on_evicted(&mut self, from: NodeId, diverged: bool, updates: u32) {
         let of_stage = self.group.coord == Some(from)
             || self.group.members.contains(&from)
+            || self.group.evicted.contains_key(&from)
             || self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
         if !of_stage || self.phase != Phase::Active {
+            return;
+        }
+        let mine = self.iters.updates();
+        if !diverged && updates < mine {
+            self.send(
+                from,
+                Msg::Evicted {
+                    diverged: false,
+                    updates: mine,
+                },
+            );
+            return;
+        }
+        if !diverged && self.behind_outsider(from, updates) {
+            return;
+        }
+        if !diverged && updates > mine && self.group.coord != Some(from) {
+            // A member of this node's group that holds newer weights
+            // refused to follow it (see `on_heartbeat`): this group is the
+            // one behind, and that member's state is the one to download.
+            self.fall_behind(from, updates);
             return;
         }
         self.fence(FenceReason::Evicted { diverged });
@@ -290,9 +461,16 @@ impl Node {
             self.fence(FenceReason::Diverged);
             return;
         }
+        let updates = self.iters.updates();
         for m in diverged {
             self.remember_evicted(m);
-            self.send(m, Msg::Evicted { diverged: true });
+            self.send(
+                m,
+                Msg::Evicted {
+                    diverged: true,
+                    updates,
+                },
+            );
             // Gone from the group: its grants are recomputed, its flows and
             // hops recovered, and it is not in the next commit.
             self.peer_dead(m);
@@ -320,13 +498,21 @@ mod tests {
         })
     }
 
-    fn evictions(a: &[Action]) -> Vec<(NodeId, bool)> {
+    /// The `Evicted` messages among `a`: receiver, diverged, updates.
+    fn evicted_msgs(a: &[Action]) -> Vec<(NodeId, bool, u32)> {
         sends(a)
             .into_iter()
             .filter_map(|(to, m)| match m {
-                Msg::Evicted { diverged } => Some((to, *diverged)),
+                Msg::Evicted { diverged, updates } => Some((to, *diverged, *updates)),
                 _ => None,
             })
+            .collect()
+    }
+
+    fn evictions(a: &[Action]) -> Vec<(NodeId, bool)> {
+        evicted_msgs(a)
+            .into_iter()
+            .map(|(t, d, _)| (t, d))
             .collect()
     }
 
@@ -371,6 +557,30 @@ mod tests {
     /// messages with `Evicted` (its claims are refused) until it comes back
     /// as a later incarnation; the member that hears it fences itself.
     #[test]
+    fn a_member_lost_that_introduces_itself_again_is_no_member() {
+        let mut c = started_with(fencing(), 1, 2, &[2, 3], &[]);
+        assert!(c.group.members.contains(&2));
+        deliver(&mut c, 2, Msg::Goodbye);
+        assert!(!c.group.members.contains(&2));
+        // Fenced, it joins again and introduces itself with its old stage
+        // before it chose one: still no member (it may choose another).
+        let intro = Msg::Introduce {
+            iter: 0,
+            stage: 2,
+            spare: 1,
+            compute_s: 0.5,
+            sent_at: SEC,
+            echo: None,
+        };
+        deliver(&mut c, 2, intro.clone());
+        assert!(!c.group.members.contains(&2));
+        assert!(!c.stage_members().contains(&2));
+        // A node never dropped that introduces itself is one.
+        deliver(&mut c, 4, intro);
+        assert!(c.group.members.contains(&4));
+    }
+
+    #[test]
     fn a_dropped_member_is_told_and_comes_back_only_as_a_new_incarnation() {
         let cfg = fencing();
         let mut c = started_with(cfg.clone(), 1, 2, &[2, 3], &[]);
@@ -382,6 +592,7 @@ mod tests {
             Msg::Heartbeat {
                 members: None,
                 coord: 1,
+                updates: 0,
             },
         );
         assert_eq!(evictions(&a), vec![(2, false)]);
@@ -418,7 +629,14 @@ mod tests {
 
         // The member's side: told by its coordinator, it fences itself.
         let mut m = started_with(cfg, 2, 2, &[1, 3], &[(30, 3)]);
-        let a = deliver(&mut m, 1, Msg::Evicted { diverged: false });
+        let a = deliver(
+            &mut m,
+            1,
+            Msg::Evicted {
+                diverged: false,
+                updates: 0,
+            },
+        );
         assert_eq!(fenced(&a), Some(FenceReason::Evicted { diverged: false }));
         assert!(!m.is_active());
     }
@@ -449,6 +667,7 @@ mod tests {
             Msg::Heartbeat {
                 members: None,
                 coord: 5,
+                updates: 0,
             },
         );
         assert!(evictions(&a).is_empty());
@@ -506,6 +725,7 @@ mod tests {
                     let hb = Msg::Heartbeat {
                         members: None,
                         coord,
+                        updates: 0,
                     };
                     deliver(&mut n, peer, hb);
                 }
@@ -616,6 +836,7 @@ mod tests {
             let hb = Msg::Heartbeat {
                 members: Some(Arc::new(members.clone())),
                 coord: 11,
+                updates: 0,
             };
             deliver(&mut m, 11, hb);
             assert_eq!(m.coordinator(), Some(12), "followed 11's list {members:?}");
@@ -625,6 +846,7 @@ mod tests {
         let hb = Msg::Heartbeat {
             members: Some(Arc::new(vec![11, 12, 13])),
             coord: 11,
+            updates: 0,
         };
         deliver(&mut m, 11, hb);
         assert_eq!(m.coordinator(), Some(11));
@@ -668,6 +890,291 @@ mod tests {
         for _ in 0..(cfg.e2e_timeout / cfg.tick + 5) {
             t += cfg.tick;
             assert!(!stranded(&w.on_timeout(t)), "stranded with holder 3 alive");
+        }
+    }
+
+    /// A member's heartbeat naming coordinator `coord`.
+    fn heartbeat(coord: NodeId, updates: u32) -> Msg {
+        Msg::Heartbeat {
+            members: None,
+            coord,
+            updates,
+        }
+    }
+
+    /// A stage split while links were cut: the group that stayed behind
+    /// hears a node of its stage outside it whose weights hold more
+    /// updates. It dissolves (its members are told, its coordinator
+    /// fences itself) instead of evicting that node, and downloads that
+    /// node's state, refusing an older one while that node lives. An
+    /// outsider that is not ahead is evicted as before.
+    #[test]
+    fn a_group_left_behind_dissolves_instead_of_evicting_the_node_ahead() {
+        let cfg = fencing();
+        let mut c = started_with(cfg.clone(), 1, 2, &[3], &[(30, 3)]);
+        c.learn(2, 2);
+        c.iters.downloaded((4, 77));
+        let hb = |updates| heartbeat(2, updates);
+        // Not ahead (5 updates, as many as the group's): evicted.
+        let a = deliver(&mut c, 2, hb(5));
+        assert_eq!(evicted_msgs(&a), vec![(2, false, 5)]);
+        assert!(c.is_active());
+        // Ahead (8 updates): the group dissolves and nobody evicts node 2.
+        let a = deliver(&mut c, 2, hb(8));
+        assert_eq!(evicted_msgs(&a), vec![(3, false, 8)]);
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 8,
+                holder: 2
+            })
+        );
+        assert!(!c.is_active());
+        assert_eq!(c.newest_source(2), Some(2));
+        // A download from another node of the stage that serves weights
+        // older than node 2's is refused: node 2 is asked.
+        c.download(2, 3);
+        let old = Msg::StateResponse {
+            version: (4, 77),
+            members: Arc::new(vec![3]),
+            bytes: 0,
+            coord: 3,
+        };
+        let a = deliver(&mut c, 3, old);
+        assert!(!c.is_active());
+        assert!(sends(&a)
+            .iter()
+            .any(|(to, m)| *to == 2 && matches!(m, Msg::StateRequest)));
+        let new = Msg::StateResponse {
+            version: (7, 99),
+            members: Arc::new(vec![2]),
+            bytes: 0,
+            coord: 2,
+        };
+        deliver(&mut c, 2, new);
+        assert!(c.is_active());
+        assert_eq!((c.version(), c.newest_source(2)), ((7, 99), None));
+
+        // A member may lag by the update in flight: a node outside its
+        // group one update ahead is no sign of a split, two are.
+        let mut m = started_with(cfg.clone(), 3, 2, &[1], &[(30, 3)]);
+        m.learn(4, 2);
+        m.iters.downloaded((4, 77));
+        let hb = |updates| heartbeat(1, updates);
+        assert_eq!(fenced(&deliver(&mut m, 4, hb(6))), None);
+        let a = deliver(&mut m, 4, hb(7));
+        assert!(matches!(
+            fenced(&a),
+            Some(FenceReason::Behind { holder: 4, .. })
+        ));
+
+        // A member of the dissolved group, told by its coordinator that
+        // weights with 8 updates exist, fences itself too.
+        let mut m = started_with(cfg, 3, 2, &[1], &[(30, 3)]);
+        m.iters.downloaded((4, 77));
+        let a = deliver(
+            &mut m,
+            1,
+            Msg::Evicted {
+                diverged: false,
+                updates: 8,
+            },
+        );
+        assert!(fenced(&a).is_some() && !m.is_active());
+    }
+
+    /// A member dropped as silent whose weights hold more updates than its
+    /// evictor's (the evictor's group fell behind while this node's link
+    /// was cut) keeps them and answers in kind: the evictor, now behind,
+    /// fences itself. An eviction for diverged weights is always obeyed.
+    #[test]
+    fn a_member_ahead_of_its_evictor_keeps_its_weights() {
+        let cfg = fencing();
+        let evicted = |diverged, updates| Msg::Evicted { diverged, updates };
+        let mut m = started_with(cfg.clone(), 2, 2, &[1, 3], &[(30, 3)]);
+        m.iters.downloaded((7, 99));
+        let a = deliver(&mut m, 1, evicted(false, 5));
+        assert_eq!((fenced(&a), evicted_msgs(&a)), (None, vec![(1, false, 8)]));
+        assert!(m.is_active());
+        // Equal weights: the coordinator's word stands.
+        let a = deliver(&mut m, 1, evicted(false, 8));
+        assert_eq!(fenced(&a), Some(FenceReason::Evicted { diverged: false }));
+        let mut d = started_with(cfg.clone(), 2, 2, &[1, 3], &[(30, 3)]);
+        d.iters.downloaded((7, 99));
+        let a = deliver(&mut d, 1, evicted(true, 5));
+        assert_eq!(fenced(&a), Some(FenceReason::Evicted { diverged: true }));
+
+        // The evictor's side: the answer says it is behind.
+        let mut c = started_with(cfg, 1, 2, &[3], &[(30, 3)]);
+        c.learn(2, 2);
+        c.iters.downloaded((4, 77));
+        let a = deliver(&mut c, 2, evicted(false, 8));
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 8,
+                holder: 2
+            })
+        );
+    }
+
+    /// A node ahead never joins a group behind it: of two coordinators
+    /// that hear of each other the smaller id's list is followed, but not
+    /// when its group's weights hold fewer updates (the newer weights
+    /// would be the minority of its digests, and evicted as diverged).
+    /// Told by a member of its list that holds more, the group behind
+    /// dissolves and downloads from it.
+    #[test]
+    fn a_node_ahead_never_follows_a_group_behind_it() {
+        let cfg = fencing();
+        let mut ahead = started_with(cfg.clone(), 7, 2, &[], &[(30, 3)]);
+        ahead.learn(3, 2);
+        ahead.iters.downloaded((7, 99));
+        let list = |updates| Msg::Heartbeat {
+            members: Some(Arc::new(vec![3, 5, 7])),
+            coord: 3,
+            updates,
+        };
+        deliver(&mut ahead, 3, list(5));
+        assert_eq!(ahead.group.coord, Some(7));
+        assert!(!ahead.group.members.contains(&3) && ahead.is_active());
+        // As many updates: the smaller id's group is followed, as before.
+        let a = deliver(&mut ahead, 3, list(8));
+        assert!(evicted_msgs(&a).is_empty());
+        assert_eq!(ahead.group.coord, Some(3));
+
+        // The group behind: its coordinator, told by a member of its list
+        // that holds 8 updates, tells its other members and downloads
+        // from that member.
+        let mut behind = started_with(cfg, 3, 2, &[5, 7], &[(30, 3)]);
+        behind.iters.downloaded((4, 77));
+        let a = deliver(
+            &mut behind,
+            7,
+            Msg::Evicted {
+                diverged: false,
+                updates: 8,
+            },
+        );
+        assert_eq!(evicted_msgs(&a), vec![(5, false, 8)]);
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 8,
+                holder: 7
+            })
+        );
+        assert_eq!(behind.newest_source(2), Some(7));
+    }
+
+    /// A node whose weights miss an update the stage applied (it joined on
+    /// a stale state; its runtime downloads again) counts the updates it
+    /// holds, not the iterations it was told of, and serves no state
+    /// meanwhile: a joiner would take that state for the stage's.
+    #[test]
+    fn a_node_whose_weights_miss_an_update_serves_no_state() {
+        let mut m = started_with(fencing(), 3, 2, &[1], &[(30, 3)]);
+        m.iters.downloaded((11, 7));
+        deliver(
+            &mut m,
+            1,
+            Msg::Applied {
+                iter: 18,
+                version: 9,
+            },
+        );
+        assert_eq!(m.iters.updates(), 12, "{:?}", m.iters);
+        assert!(m.iters.gap(), "{:?}", m.iters);
+        let a = deliver(&mut m, 40, Msg::StateRequest);
+        let to_40: Vec<&str> = (sends(&a).into_iter())
+            .filter(|(to, _)| *to == 40)
+            .map(|(_, m)| m.name())
+            .collect();
+        assert_eq!(to_40, ["Goodbye"]);
+        // The state downloaded again closes the gap: it serves again.
+        deliver(
+            &mut m,
+            1,
+            Msg::StateResponse {
+                version: (18, 9),
+                members: Arc::new(vec![1, 3]),
+                bytes: 0,
+                coord: 1,
+            },
+        );
+        assert_eq!(m.iters.updates(), 19);
+        let a = deliver(&mut m, 40, Msg::StateRequest);
+        assert!(sends(&a)
+            .iter()
+            .any(|(to, m)| *to == 40 && matches!(m, Msg::StateResponse { .. })));
+    }
+
+    /// A group behind (its weights miss updates its coordinator committed:
+    /// it came back on a stale state) looks for the stage's state: it
+    /// tells the nodes of its stage outside its group how many updates it
+    /// holds; a node ahead, a member of another group, answers with an
+    /// eviction carrying its own, and the group behind downloads from it.
+    #[test]
+    fn a_group_behind_finds_the_node_ahead() {
+        let cfg = fencing();
+        let mut behind = started_with(cfg.clone(), 3, 2, &[], &[(30, 3)]);
+        behind.learn(7, 2);
+        behind.iters.downloaded((11, 7));
+        let applied = Msg::Applied {
+            iter: 18,
+            version: 9,
+        };
+        deliver(&mut behind, 3, applied);
+        assert!(behind.iters.gap());
+        let mut t = behind.now;
+        let mut told = None;
+        for _ in 0..2 * cfg.suspect_ticks {
+            t += cfg.tick;
+            // A neighbour heard: not cut off.
+            deliver(&mut behind, 30, Msg::QueryFlows);
+            let a = behind.on_timeout(t);
+            told = told.or(sends(&a).into_iter().find_map(|(to, m)| match m {
+                Msg::Heartbeat { updates, .. } if to == 7 => Some(*updates),
+                _ => None,
+            }));
+        }
+        assert_eq!(told, Some(12));
+
+        // Node 7, a member of another group, holds 18 updates.
+        let mut ahead = started_with(cfg.clone(), 7, 2, &[5], &[(30, 3)]);
+        ahead.iters.downloaded((17, 9));
+        let hb = |updates| heartbeat(3, updates);
+        let a = deliver(&mut ahead, 3, hb(12));
+        assert_eq!(evicted_msgs(&a), vec![(3, false, 18)]);
+        // Not behind: nothing to say.
+        let a = deliver(&mut ahead, 3, hb(18));
+        assert!(evicted_msgs(&a).is_empty());
+
+        let a = deliver(
+            &mut behind,
+            7,
+            Msg::Evicted {
+                diverged: false,
+                updates: 18,
+            },
+        );
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 18,
+                holder: 7
+            })
+        );
+        assert_eq!(behind.newest_source(2), Some(7));
+        // Without a gap, no announcement.
+        let mut fine = started_with(cfg.clone(), 3, 2, &[], &[(30, 3)]);
+        fine.learn(7, 2);
+        let mut t = fine.now;
+        for _ in 0..2 * cfg.suspect_ticks {
+            t += cfg.tick;
+            deliver(&mut fine, 30, Msg::QueryFlows);
+            let a = fine.on_timeout(t);
+            assert!(!sends(&a).iter().any(|(to, _)| *to == 7));
         }
     }
 }

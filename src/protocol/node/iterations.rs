@@ -12,6 +12,13 @@ pub(super) struct Iterations {
     pub(super) version: (u32, u64),
     /// Last iteration whose aggregate this node applied.
     pub(super) last_applied: Option<u32>,
+    /// The last iteration whose update the weights hold together with
+    /// every one before it. An update the stage applies on top of weights
+    /// that missed the one before (a node that downloaded a stale state)
+    /// is not applied by the runtime (it downloads again), so the weights
+    /// hold no more than before the gap: this is what `updates` counts,
+    /// not `last_applied`.
+    pub(super) held: Option<u32>,
     /// Iterations before this one are final (their state is forgotten).
     pub(super) min_iter: u32,
     /// When the end of each iteration was last passed on.
@@ -115,6 +122,23 @@ impl Iterations {
     pub(super) fn applied(&mut self, iter: u32, version: u64) {
         self.version = (iter, version);
         self.last_applied = Some(self.last_applied.map_or(iter, |a| a.max(iter)));
+        if self.held.map_or(iter == 0, |h| h + 1 >= iter) {
+            self.held = Some(self.held.map_or(iter, |h| h.max(iter)));
+        }
+    }
+
+    /// How many iterations' updates the weights hold: the last one applied
+    /// plus one (0: none). What heartbeats and evictions carry, so that
+    /// of two groups of one stage the one behind gives way.
+    pub(super) fn updates(&self) -> u32 {
+        self.held.map_or(0, |a| a + 1)
+    }
+
+    /// Whether the weights miss an update the stage applied (see
+    /// `held`): they are not the stage's state, and are not served.
+    pub(super) fn gap(&self) -> bool {
+        self.last_applied
+            .is_some_and(|a| self.held.is_none_or(|h| h < a))
     }
 
     /// A joining node downloaded weights `version`.
@@ -122,6 +146,19 @@ impl Iterations {
         self.version = version;
         if version != (0, 0) {
             self.last_applied = Some(version.0);
+            self.held = Some(version.0);
+        }
+    }
+
+    /// A member that missed an update downloaded the stage's state again:
+    /// weights `version` (an older state than held changes nothing).
+    pub(super) fn resynced(&mut self, version: (u32, u64)) {
+        if version != (0, 0) && self.held.is_none_or(|h| h <= version.0) {
+            self.held = Some(version.0);
+            if self.last_applied.is_none_or(|a| a <= version.0) {
+                self.version = version;
+                self.last_applied = Some(version.0);
+            }
         }
     }
 
@@ -145,6 +182,29 @@ impl Iterations {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weights' updates count only those applied without a gap: a
+    /// stale download followed by the stage's next update holds the
+    /// download's, and a download again closes the gap.
+    #[test]
+    fn updates_applied_over_a_gap_are_not_counted() {
+        let mut k = Iterations::default();
+        k.applied(0, 5);
+        k.applied(1, 6);
+        assert_eq!((k.updates(), k.gap()), (2, false));
+        let mut j = Iterations::default();
+        j.downloaded((11, 7));
+        assert_eq!(j.updates(), 12);
+        j.applied(12, 8);
+        assert_eq!((j.updates(), j.gap()), (13, false));
+        // The stage applied 13..17 elsewhere: 18 is applied over a gap.
+        j.applied(18, 9);
+        assert_eq!((j.updates(), j.gap(), j.last_applied), (13, true, Some(18)));
+        j.resynced((10, 1));
+        assert_eq!((j.updates(), j.gap()), (13, true));
+        j.resynced((18, 9));
+        assert_eq!((j.updates(), j.gap(), j.version), (19, false, (18, 9)));
+    }
 
     /// The iteration in progress is the latest one opened, and never one
     /// before the oldest kept.
@@ -172,6 +232,7 @@ mod tests {
         assert_eq!((k.next_hint(), k.version), (5, (4, 77)));
         k.applied(2, 9);
         assert_eq!(k.last_applied, Some(4));
+        assert_eq!((k.held, k.updates(), k.gap()), (None, 0, true));
         assert!(k.pass_on_end(6, 10 * SEC, SEC, false));
         assert!(!k.pass_on_end(6, 10 * SEC + SEC / 2, SEC, false));
         assert!(k.pass_on_end(6, 10 * SEC + SEC / 2, SEC, true));

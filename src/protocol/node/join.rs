@@ -18,6 +18,11 @@ pub(super) struct JoinState {
     /// Since when a data holder downloading the holders' state has known
     /// no live holder to download it from (see [`Node::holder_stranded`]).
     pub(super) no_source_since: Option<Time>,
+    /// A node of a stage (stage, updates, node) known to hold weights with
+    /// more updates than this node's group had when it fenced itself
+    /// ([`FenceReason::Behind`]): that stage's state is downloaded from it,
+    /// and an older one is refused while it lives.
+    pub(super) newer: Option<(Stage, u32, NodeId)>,
 }
 
 impl Node {
@@ -141,12 +146,12 @@ impl Node {
             self.query_stages();
             return;
         };
-        let src = self
-            .peers
-            .iter()
-            .filter(|(_, p)| p.stage == stage && !p.dead)
-            .map(|(id, _)| *id)
-            .next();
+        let src = self.newest_source(stage).or_else(|| {
+            (self.peers.iter())
+                .filter(|(_, p)| p.stage == stage && !p.dead)
+                .map(|(id, _)| *id)
+                .next()
+        });
         match src {
             Some(src) => {
                 self.stage = stage;
@@ -221,12 +226,12 @@ impl Node {
         let Phase::Downloading { stage, src, .. } = self.phase else {
             return;
         };
-        let next = self
-            .peers
-            .iter()
-            .filter(|(id, p)| p.stage == stage && !p.dead && **id != src)
-            .map(|(id, _)| *id)
-            .next();
+        let next = self.newest_source(stage).filter(|&n| n != src).or_else(|| {
+            (self.peers.iter())
+                .filter(|(id, p)| p.stage == stage && !p.dead && **id != src)
+                .map(|(id, _)| *id)
+                .next()
+        });
         match next {
             Some(n) => self.download(stage, n),
             // A data holder stays one (it holds the data): it asks the
@@ -279,9 +284,10 @@ impl Node {
 
     /// A joiner downloads this stage's state (with the member list).
     pub(super) fn on_state_request(&mut self, from: NodeId) {
-        if self.phase != Phase::Active {
-            // Fenced or joining itself: its state is not the stage's. The
-            // goodbye has the joiner ask another member at once.
+        if self.phase != Phase::Active || self.iters.gap() {
+            // Fenced or joining itself, or its weights miss an update the
+            // stage applied: its state is not the stage's. The goodbye has
+            // the joiner ask another member at once.
             self.send(from, Msg::Goodbye);
             return;
         }
@@ -328,7 +334,25 @@ impl Node {
         members: Arc<Vec<NodeId>>,
         coord: NodeId,
     ) {
-        if let Phase::Downloading { stage, .. } = self.phase {
+        if self.phase == Phase::Active {
+            // A member that missed an update downloaded the state again.
+            self.iters.resynced(version);
+            return;
+        }
+        if let Phase::Downloading { stage, src, .. } = self.phase {
+            let got = if version == (0, 0) { 0 } else { version.0 + 1 };
+            if let Some((st, need, _)) = self.joining.newer {
+                if st == stage && got < need {
+                    // Older than weights known to exist: asked again of
+                    // the node that holds them, while it lives.
+                    if let Some(h) = self.newest_source(stage).filter(|&h| h != src) {
+                        self.download(stage, h);
+                        return;
+                    }
+                } else if st == stage {
+                    self.joining.newer = None;
+                }
+            }
             self.iters.downloaded(version);
             // Members that joined us while we downloaded (a later
             // joiner that took us for its coordinator) stay.
@@ -480,6 +504,7 @@ mod tests {
         let hb = Msg::Heartbeat {
             members: None,
             coord: 12,
+            updates: 0,
         };
         let acts = deliver(&mut j, 12, hb);
         assert!(!sends(&acts).iter().any(|(_, m)| matches!(
@@ -506,6 +531,7 @@ mod tests {
         let naming_12 = Msg::Heartbeat {
             members: Some(Arc::new(vec![11, 12, 13])),
             coord: 12,
+            updates: 0,
         };
         deliver(&mut c, 11, naming_12);
         assert_eq!(c.coordinator(), Some(12));
@@ -517,6 +543,7 @@ mod tests {
             Msg::Heartbeat {
                 members: Some(list),
                 coord: 12,
+                updates: 0,
             },
         );
         assert_eq!(m.coordinator(), Some(12));

@@ -344,6 +344,7 @@ impl Node {
                 self.abandon_commits_with(m);
                 self.peer_dead(m);
             }
+            let updates = self.iters.updates();
             for m in self.group.members.clone() {
                 if m != self.id {
                     self.send(
@@ -351,6 +352,7 @@ impl Node {
                         Msg::Heartbeat {
                             members: list.clone(),
                             coord: c,
+                            updates,
                         },
                     );
                 }
@@ -370,6 +372,7 @@ impl Node {
                     let m = Msg::Heartbeat {
                         members: None,
                         coord: c,
+                        updates: self.iters.updates(),
                     };
                     self.send(c, m);
                     return;
@@ -380,6 +383,7 @@ impl Node {
                         let m = Msg::Heartbeat {
                             members: None,
                             coord: nc,
+                            updates: self.iters.updates(),
                         };
                         self.send(nc, m);
                     }
@@ -389,6 +393,7 @@ impl Node {
             let m = Msg::Heartbeat {
                 members: None,
                 coord: c,
+                updates: self.iters.updates(),
             };
             self.send(c, m);
             self.resend_stale_claims(c);
@@ -497,7 +502,18 @@ impl Node {
                 self.send(from, m);
             }
         }
-        if stage == self.stage && self.group.coord == Some(self.id) && self.phase == Phase::Active {
+        // A node of this stage that introduces itself is a member, unless
+        // this coordinator dropped it: a fenced node joining again still
+        // names its old stage (and its old incarnation's introductions may
+        // come late over a slow link); only its GroupJoin, of a newer
+        // incarnation, brings it back. Admitted, it held the stage's next
+        // commit for good while it joined another stage, whose claims this
+        // node then refused as a member's.
+        if stage == self.stage
+            && self.group.coord == Some(self.id)
+            && self.phase == Phase::Active
+            && !self.group.evicted.contains_key(&from)
+        {
             self.group.admit(from);
         }
     }
@@ -526,7 +542,14 @@ impl Node {
         from: NodeId,
         members: Option<Arc<Vec<NodeId>>>,
         coord: NodeId,
+        updates: u32,
     ) {
+        if self.behind_outsider(from, updates) {
+            return;
+        }
+        if members.is_none() {
+            self.answer_a_group_behind(from, coord, updates);
+        }
         let mine = self.group.coord;
         if let Some(ms) = members {
             // A coordinator's list (`coord == from`) is followed when it
@@ -546,6 +569,15 @@ impl Node {
                 } else {
                     ours
                 };
+            if follow && !ours && updates < self.iters.updates() && self.phase == Phase::Active {
+                // Another group of this stage, behind this node's weights:
+                // joining it would put the newer weights in the minority
+                // of its digests (and evict them). Not answered: the list
+                // may be one a node sent before it was paused, and an
+                // eviction would hit its next incarnation; a group behind
+                // finds this node through its gap (`announce_gap`).
+                return;
+            }
             if follow {
                 self.group.members.assign(&ms, self.id);
                 if coord == self.id || self.group.members.contains(&coord) && self.alive(coord) {
@@ -576,11 +608,13 @@ impl Node {
     pub(super) fn name_the_coordinator_to(&mut self, to: NodeId) {
         if let (Phase::Active, Some(coord)) = (&self.phase, self.group.coord) {
             let members = self.group.members.list();
+            let updates = self.iters.updates();
             self.send(
                 to,
                 Msg::Heartbeat {
                     members: Some(members),
                     coord,
+                    updates,
                 },
             );
         }
@@ -742,6 +776,7 @@ mod tests {
             let hb = Msg::Heartbeat {
                 members: None,
                 coord: 1,
+                updates: 0,
             };
             let mut a = deliver(&mut n, 3, hb);
             a.extend(n.on_timeout(t));

@@ -493,6 +493,7 @@ impl Node {
             Phase::Idle | Phase::Left => return,
             Phase::Active => {}
         }
+        self.announce_gap();
         let hb = self.cfg.heartbeat_ticks as u64;
         if self.tick_no % hb == 0 {
             self.watch_adjacent_stages();
@@ -554,10 +555,14 @@ impl Node {
             } => self.on_introduce(from, iter, stage, spare, compute_s, sent_at, echo),
             Msg::Probe { bytes, sent_at } => self.send(from, Msg::ProbeAck { bytes, sent_at }),
             Msg::ProbeAck { bytes, sent_at } => self.on_probe_ack(from, bytes, sent_at),
-            Msg::Heartbeat { members, coord } => self.on_heartbeat(from, members, coord),
+            Msg::Heartbeat {
+                members,
+                coord,
+                updates,
+            } => self.on_heartbeat(from, members, coord, updates),
             Msg::Goodbye => self.peer_dead(from),
             Msg::GroupJoin { stage, incarnation } => self.on_group_join(from, stage, incarnation),
-            Msg::Evicted { diverged } => self.on_evicted(from, diverged),
+            Msg::Evicted { diverged, updates } => self.on_evicted(from, diverged, updates),
             Msg::Change {
                 spare,
                 compute_s,

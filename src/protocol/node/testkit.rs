@@ -51,6 +51,7 @@ pub(super) fn hear_only_from(n: &mut Node, m: NodeId, mut t: Time) -> Time {
         let hb = Msg::Heartbeat {
             members: None,
             coord,
+            updates: 0,
         };
         deliver(n, m, hb);
         n.on_timeout(t);
