@@ -171,9 +171,10 @@ pub enum NodeEvent {
 }
 
 /// How a node on real time decides that a peer is gone: the one setting
-/// from which the protocol's tick, the group's heartbeat and suspicion and
-/// the transport's keepalive and dead-peer timeout all follow, so that
-/// they are changed together and cannot drift apart.
+/// from which the protocol's tick, the group's heartbeat and suspicion, the
+/// transport's keepalive and dead-peer timeout, and the hops' timeouts
+/// (ack, redo, last resort) all follow, so that they are changed together
+/// and cannot drift apart.
 ///
 /// The group's verdict is the one work waits on: a member silent for the
 /// suspicion time is dropped by its coordinator (and told so when it speaks
@@ -218,6 +219,42 @@ impl Liveness {
     pub fn transport_timeout(&self) -> Duration {
         self.tick * self.transport_ticks
     }
+
+    /// The shortest a hop waits for its ack before it is sent elsewhere:
+    /// the suspicion time and two ticks, so that a hop is never given up
+    /// on a peer the group still counts alive (the ack of a hop whose
+    /// transfer took longer is waited for: the timeout grows with the
+    /// link's measured ack delay).
+    pub fn min_ack_timeout(&self) -> Duration {
+        self.suspicion() + 2 * self.tick
+    }
+
+    /// The ack timeout on a link whose delay was never measured: twice
+    /// the shortest.
+    pub fn initial_ack_timeout(&self) -> Duration {
+        2 * self.min_ack_timeout()
+    }
+
+    /// A microbatch missing at aggregation is asked for again after the
+    /// transport's timeout: by then a peer that held it and died is known
+    /// dead to every layer.
+    pub fn redo_timeout(&self) -> Duration {
+        self.transport_timeout()
+    }
+
+    /// The iteration barrier reports a stage that applied nothing for two
+    /// transport timeouts.
+    pub fn stall_report(&self) -> Duration {
+        2 * self.transport_timeout()
+    }
+
+    /// The last resort of a holder for a microbatch in flight, and how
+    /// long a fenced holder waits for another holder alive: six transport
+    /// timeouts (a slow state download or a long recomputation is not cut
+    /// short by it).
+    pub fn e2e_timeout(&self) -> Duration {
+        6 * self.transport_timeout()
+    }
 }
 
 /// The protocol's settings for nodes on real time, scaled for hosts a
@@ -237,11 +274,12 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     c.heartbeat_ticks = l.heartbeat_ticks;
     c.suspect_ticks = l.suspect_ticks;
     c.start_delay = crate::protocol::SEC / 2;
-    c.min_ack_timeout = crate::protocol::SEC;
-    c.initial_ack_timeout = 2 * crate::protocol::SEC;
-    c.redo_timeout = 5 * crate::protocol::SEC;
-    c.stall_report = 10 * crate::protocol::SEC;
-    c.e2e_timeout = 30 * crate::protocol::SEC;
+    let us = |d: Duration| d.as_micros() as crate::protocol::Time;
+    c.min_ack_timeout = us(l.min_ack_timeout());
+    c.initial_ack_timeout = us(l.initial_ack_timeout());
+    c.redo_timeout = us(l.redo_timeout());
+    c.stall_report = us(l.stall_report());
+    c.e2e_timeout = us(l.e2e_timeout());
     c.probe_bytes = 64 << 10;
     c.restart_empty_stages = true;
     c.fence_on_pause = true;
@@ -547,5 +585,23 @@ mod tests {
         assert!(l.transport_timeout() > l.suspicion());
         assert_eq!(l.heartbeat(), Duration::from_millis(300));
         assert_eq!(l.suspicion(), Duration::from_millis(800));
+        // The hop timeouts follow from it too: no hop is given up on a
+        // peer the group counts alive, and nothing is asked again before
+        // every layer knows a dead peer dead.
+        let us = |d: Duration| d.as_micros() as crate::protocol::Time;
+        assert_eq!(c.min_ack_timeout, us(l.min_ack_timeout()));
+        assert_eq!(c.initial_ack_timeout, us(l.initial_ack_timeout()));
+        assert_eq!(c.redo_timeout, us(l.redo_timeout()));
+        assert_eq!(c.stall_report, us(l.stall_report()));
+        assert_eq!(c.e2e_timeout, us(l.e2e_timeout()));
+        assert!(l.min_ack_timeout() > l.suspicion());
+        assert!(l.initial_ack_timeout() > l.min_ack_timeout());
+        assert!(l.redo_timeout() >= l.transport_timeout());
+        assert!(l.e2e_timeout() > l.redo_timeout() && l.stall_report() > l.redo_timeout());
+        // The values the runtime ran with before they were derived.
+        assert_eq!(c.min_ack_timeout, crate::protocol::SEC);
+        assert_eq!(c.initial_ack_timeout, 2 * crate::protocol::SEC);
+        assert_eq!(c.redo_timeout, 5 * crate::protocol::SEC);
+        assert_eq!(c.e2e_timeout, 30 * crate::protocol::SEC);
     }
 }
