@@ -41,21 +41,22 @@ fn final_iterations(ev: &[Seen]) -> u64 {
         .count() as u64
 }
 
-#[test]
-fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
-    let bin = common::release_gwtf();
-    let common: Vec<String> = [
+/// llama-small cut into 4, every link at 100 Mbit/s, more iterations than
+/// the test takes (it ends the run itself).
+fn llama_small_args(seed: u64) -> Vec<String> {
+    let mb = MB.to_string();
+    let seed = seed.to_string();
+    [
         "--model",
         "llama-small",
         "--stages",
         "4",
-        // More than the joins take: the test ends the run itself.
         "--iterations",
         "100000",
         "--microbatches",
-        &MB.to_string(),
+        &mb,
         "--seed",
-        "3",
+        &seed,
         "--threads",
         "1",
         "--link-mbps",
@@ -63,7 +64,13 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
     ]
     .iter()
     .map(|s| s.to_string())
-    .collect();
+    .collect()
+}
+
+#[test]
+fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
+    let bin = common::release_gwtf();
+    let common = llama_small_args(3);
     let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
     let started = Instant::now();
     let mut swarm = Swarm::start_with(bin, &LAYOUT, &common, &[]);
@@ -130,4 +137,72 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
         gap <= STILL_AT_MOST,
         "the holders went {gap:?} without a final iteration (at most {STILL_AT_MOST:?})"
     );
+}
+
+/// The member serving a joiner's state download stops (SIGSTOP) 2 s into
+/// the 7 s transfer for 3 s, past its group's suspicion time: it comes back
+/// fenced and downloads its stage again, while the joiner goes on with the
+/// state already on its way or asks another member.
+///
+/// Asserted: the joiner applies an update as a member; the paused server
+/// applies an update after it runs again (it rejoined); two more
+/// iterations become final; nobody restarts a stage from initial weights;
+/// only the server fences itself; every (stage, iteration) applied has one
+/// weights digest and every microbatch is counted once (`check_run`).
+#[test]
+fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
+    let bin = common::release_gwtf();
+    // Two members in each relay stage: the joiner has another to ask.
+    let layout = [(1, 0), (2, 0), (11, 1), (12, 1), (21, 2), (22, 2)];
+    let common = llama_small_args(5);
+    let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
+    let mut swarm = Swarm::start_with(bin, &layout, &common, &[]);
+    swarm.deadline = Instant::now() + Duration::from_secs(600);
+    swarm.until("the first iteration", |ev| final_iterations(ev) >= 1);
+    let joiner = 31;
+    let after = swarm.count();
+    swarm.join(joiner, 1, &[]);
+    // The first state exported after the join is the joiner's.
+    let ev = swarm.until("a state exported for the joiner", |ev| {
+        ev.iter()
+            .skip(after)
+            .any(|e| e.event() == "work" && e.v["kind"] == "export_state" && e.v["phase"] == "end")
+    });
+    let server = (ev.iter().skip(after))
+        .find(|e| e.event() == "work" && e.v["kind"] == "export_state" && e.v["phase"] == "end")
+        .map(|e| e.node)
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let before_pause = swarm.count();
+    swarm.pause(server, Duration::from_secs(3));
+    let woke = swarm.count();
+    swarm.until("the joiner's first update", |ev| {
+        ev.iter()
+            .any(|e| e.node == joiner && e.event() == "applied")
+    });
+    swarm.until("an update the paused server applied after it woke", |ev| {
+        ev.iter()
+            .skip(woke)
+            .any(|e| e.node == server && e.event() == "applied")
+    });
+    let before = final_iterations(&swarm.snapshot());
+    let ev = swarm.until("two more iterations", |ev| {
+        final_iterations(ev) >= before + 2
+    });
+    let done = final_iterations(&ev) as u32;
+    let restarted: Vec<String> = (ev.iter())
+        .filter(|e| e.event() == "stage_restarted")
+        .map(|e| e.v.to_string())
+        .collect();
+    assert!(restarted.is_empty(), "{restarted:?}");
+    let fenced: Vec<String> = (ev.iter().skip(before_pause))
+        .filter(|e| e.event() == "fenced" && e.node != server)
+        .map(|e| e.v.to_string())
+        .collect();
+    assert!(fenced.is_empty(), "server {server}: {fenced:?}");
+    eprintln!(
+        "swarm_slow_join: server {server} paused 3 s in a state download; joiner {joiner} \
+         applied an update; {done} iterations"
+    );
+    check_run(&ev, done, MB, 2);
 }

@@ -7,6 +7,7 @@ use super::bulk::{self, Pairing};
 use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
+use super::serving::{self, Admit, StateServer, DIGEST_LEN};
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
@@ -25,8 +26,6 @@ use std::time::{Duration, Instant};
 const PENDING_MAX: usize = 4096;
 /// How long a joiner waits for its bootstrap peers' directories.
 pub(super) const JOIN_DIRECTORY_WAIT: Duration = Duration::from_secs(10);
-/// Bytes of the digest that ends a state transfer.
-const DIGEST_LEN: usize = 32;
 /// How long a node waits for a state it asked for again before asking anew.
 const RESYNC_RETRY: Duration = Duration::from_secs(3);
 /// A broken connection that comes back within this is not a lost peer.
@@ -35,6 +34,8 @@ const LOST_GRACE: Duration = Duration::from_millis(200);
 /// joiner announced by its coordinator connects to its stage's members
 /// just after): it goes when the peer connects, or the peer is lost.
 const ADDRESS_WAIT: Duration = Duration::from_secs(2);
+/// How long a state's copy waits for a pool slot (see [`Driver::send_state`]).
+const COPY_WAIT: Duration = Duration::from_millis(50);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
 /// A wait in the engine this long is logged ([`Driver::waited`]).
@@ -153,6 +154,8 @@ pub(super) struct Driver {
     /// one since: a state from them that is no longer needed (a second one
     /// after a retry) is dropped, not taken for a hostile peer's.
     pub(super) state_asked: HashSet<NodeId>,
+    /// The states this node serves (one per requester, a few at once).
+    pub(super) serving: StateServer,
 }
 
 /// The peers whose time in `m` has come by `now`.
@@ -337,6 +340,11 @@ impl Driver {
     /// The state is in again: the held work goes to the trainer.
     fn end_resync(&mut self) {
         if let Some(r) = self.resync.take() {
+            self.log(format!(
+                "the state holds the update of iteration {}: {} works held go on",
+                r.need,
+                r.held.len()
+            ));
             for w in r.held {
                 self.dispatch(w);
             }
@@ -550,6 +558,15 @@ impl Driver {
             self.means.remove(&iter);
             return;
         }
+        if self.applied_through.map_or(iter > 0, |a| a + 1 < iter) {
+            // The weights miss an update before this one (a state
+            // downloaded stale): applying it, or taking a commit of no
+            // microbatch for it, would leave weights that hold neither.
+            // The state is downloaded again instead.
+            self.means.remove(&iter);
+            self.start_resync(iter);
+            return;
+        }
         match self.means.remove(&iter) {
             // A commit of no microbatch (nothing was granted at this
             // stage): no optimizer step, which would still move the
@@ -625,6 +642,8 @@ impl Driver {
                     // The coordinator commits again (and the gradient is
                     // asked for again).
                     Pending::Gradient { task, .. } => self.input(Input::TaskFailed { id: task }),
+                    // A request again is served afresh.
+                    Pending::Export { to, .. } => self.serving.failed(to),
                     _ => {}
                 }
                 return;
@@ -665,11 +684,10 @@ impl Driver {
                     });
                 }
             }
-            Pending::Export { to, msg } => {
-                if let Output::State(f) = out {
-                    self.send_state(to, msg, f);
-                }
-            }
+            Pending::Export { to, msg } => match out {
+                Output::State(f) => self.send_state(to, msg, f),
+                _ => self.serving.failed(to),
+            },
             Pending::Import {
                 from,
                 bytes,
@@ -686,8 +704,20 @@ impl Driver {
                 }
                 // A state older than the update that was missed does not
                 // end a download again (the one asked for is on its way).
-                if self.resync.as_ref().is_some_and(|r| iteration >= r.need) {
-                    self.end_resync();
+                if let Some(r) = self.resync.as_mut() {
+                    if iteration >= r.need {
+                        self.end_resync();
+                    } else {
+                        // An update was applied while it came (its server
+                        // answered the retries with the state on its way,
+                        // not with newer ones): asked again at once, not
+                        // after the transfer allowance its arrival set.
+                        r.retry_at = Instant::now();
+                        let need = r.need;
+                        self.log(format!(
+                            "the state from {from:x} holds iteration {iteration}: the update of {need} is still missing"
+                        ));
+                    }
                 }
             }
             Pending::Init => {
@@ -786,6 +816,17 @@ impl Driver {
             self.state_asked.insert(to);
         }
         if matches!(msg, Msg::StateResponse { .. }) {
+            match self.serving.admit(to, Instant::now()) {
+                Admit::Export => {}
+                Admit::OnItsWay => {
+                    self.log(format!("a state for {to:x} is on its way already"));
+                    return;
+                }
+                Admit::Queued => {
+                    self.log(format!("a state for {to:x} waits for its turn"));
+                    return;
+                }
+            }
             // The state goes out once the trainer has exported it (after
             // every update queued before this request).
             self.give(
@@ -924,18 +965,17 @@ impl Driver {
     /// Sends the exported state, followed by its SHA-256.
     fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame) {
         let (n, t) = (state.len(), Instant::now());
-        let f = self.net.alloc(n + DIGEST_LEN, SEND_WAIT).map(|mut f| {
-            let p = f.payload_mut();
-            p[..n].copy_from_slice(state.payload());
-            let d = Sha256::digest(state.payload());
-            p[n..].copy_from_slice(&d);
-            f
-        });
-        self.waited(t, || "the state's frame, its copy and its digest".into());
+        // A copy only where the digest does not fit the state's slot: a
+        // full pool is not waited for (this thread would hear nothing).
+        let f = serving::append_digest(state, |len| self.net.alloc(len, COPY_WAIT));
+        self.waited(t, || "the state's digest".into());
         let mut f = match f {
             Ok(f) => f,
             Err(e) => {
-                self.error(format!("cannot send the state ({n} bytes) to {to:x}: {e}"));
+                // Its request again (a joiner's next source, a retry) is
+                // served afresh.
+                self.serving.failed(to);
+                self.log(format!("cannot send the state ({n} bytes) to {to:x}: {e}"));
                 return;
             }
         };
@@ -957,7 +997,9 @@ impl Driver {
         f.header.stage = self.me.stage as u32;
         f.header.microbatch = microbatch;
         f.header.iteration = iteration;
-        self.send_now(to, msg, Some(f.into()));
+        let f = SharedFrame::from(f);
+        self.serving.sending(to, f.clone());
+        self.send_now(to, msg, Some(f));
     }
 
     /// Opens a connection to `to` and keeps `first` until it is up.
@@ -1150,20 +1192,7 @@ impl Driver {
                     attempts,
                     reason,
                 });
-                let ids: Vec<NodeId> = self
-                    .dir
-                    .values()
-                    .chain(self.last_known.values())
-                    .filter(|p| p.addr == addr)
-                    .map(|p| p.id)
-                    .collect();
-                for id in ids {
-                    if self.pending.remove(&id).is_some() {
-                        self.agg.on_peer_lost(id as u64);
-                        self.drive_aggregation();
-                        self.input(Input::PeerLost { peer: id });
-                    }
-                }
+                self.dial_failed(addr);
             }
             NetEvent::Control { peer, msg } => {
                 let Ok(from) = NodeId::try_from(peer) else {
@@ -1238,6 +1267,31 @@ impl Driver {
                 let way = if inbound { "from" } else { "to" };
                 let e = format!("a connection {way} {addr}: {reason}");
                 self.refuse(None, Refusal::Connection, e);
+                if !inbound {
+                    // A dial whose handshake failed (the peer was paused
+                    // meanwhile) is not retried by the engine: what waited
+                    // for it would wait for ever, and every later message
+                    // to that peer behind it.
+                    self.dial_failed(addr);
+                }
+            }
+        }
+    }
+
+    /// A dial to `addr` failed for good: what waited for it is dropped and
+    /// the peer lost (the protocol recovers what went through it; a later
+    /// message to it dials again).
+    fn dial_failed(&mut self, addr: std::net::SocketAddr) {
+        let ids: Vec<NodeId> = (self.dir.values())
+            .chain(self.last_known.values())
+            .filter(|p| p.addr == addr)
+            .map(|p| p.id)
+            .collect();
+        for id in ids {
+            if self.pending.remove(&id).is_some() {
+                self.agg.on_peer_lost(id as u64);
+                self.drive_aggregation();
+                self.input(Input::PeerLost { peer: id });
             }
         }
     }
@@ -1385,6 +1439,7 @@ impl Driver {
                 self.last_known.insert(id, p);
             }
             self.agg.on_peer_lost(id as u64);
+            self.serving.lost(id);
             self.drive_aggregation();
             self.emit(NodeEvent::PeerLost { peer: id });
             self.input(Input::PeerLost { peer: id });
@@ -1458,6 +1513,14 @@ impl Driver {
                 self.input(Input::Leave);
             }
             self.on_completions();
+            if let Some(to) = self.serving.next_turn(Instant::now()) {
+                // Its request, put to the protocol again: the answer
+                // describes the state exported now.
+                self.input(Input::Message {
+                    from: to,
+                    msg: Msg::StateRequest,
+                });
+            }
             if self
                 .resync
                 .as_ref()

@@ -5,7 +5,7 @@
 //! butterfly and the ring as sans-I/O machines ([`butterfly`],
 //! [`allreduce`]), their frames ([`allreduce_net`]) and the operation a
 //! node runs for its stage ([`aggregate`]); what a node refuses of what its
-//! peers send ([`intake`]).
+//! peers send ([`intake`]); the states it serves to joiners ([`serving`]).
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
@@ -18,5 +18,6 @@ mod driver;
 pub mod intake;
 pub mod model_trainer;
 pub mod runtime;
+mod serving;
 pub mod store;
 pub mod work;

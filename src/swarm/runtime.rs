@@ -461,6 +461,7 @@ impl Runtime {
             cut_off: Default::default(),
             strangers: HashMap::new(),
             state_asked: Default::default(),
+            serving: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
             .bootstrap

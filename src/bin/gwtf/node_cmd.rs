@@ -427,7 +427,10 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         seed: a.seed ^ r.id as u64,
         net: NodeOptions {
             max_payload,
-            pool_bytes: (budget as usize).max(4 * max_payload as usize),
+            // The activations' budget, and at least four of the largest
+            // slots (a pool slot is a power of two): two states served at
+            // once, one received, and one carved up by the small frames.
+            pool_bytes: (budget as usize).max(4 * max_payload.next_power_of_two() as usize),
             heartbeat_interval: Liveness::RUNTIME.heartbeat(),
             peer_timeout: Liveness::RUNTIME.transport_timeout(),
             link,
