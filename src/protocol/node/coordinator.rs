@@ -838,12 +838,7 @@ impl Node {
         let mbs: Vec<(MbId, NodeId)> = ci.granted.iter().map(|(m, g)| (*m, g.0)).collect();
         // Replicas aggregate on the same weights, or something is wrong:
         // every member reports the digest of what it holds (0: unknown).
-        let digests: Vec<(NodeId, u64)> = ci
-            .agg_done
-            .iter()
-            .filter(|(_, d)| **d != 0)
-            .map(|(m, d)| (*m, *d))
-            .collect();
+        let digests = self.compared_digests(ci);
         let diverged = digests.windows(2).any(|w| w[0].1 != w[1].1);
         let dropped: Vec<MbId> = ci.dropped.iter().copied().collect();
         let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();

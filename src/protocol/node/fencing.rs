@@ -404,17 +404,31 @@ impl Node {
         self.fence(FenceReason::Evicted { diverged });
     }
 
+    /// The weights digests of `iter`'s all-reduce that are compared: those
+    /// of the members whose gradients are in its mean (they own a grant)
+    /// and the coordinator's own. A member that granted nothing added a
+    /// zero share: its weights change nothing in the mean, and may be
+    /// behind for a good reason (a joiner whose state was exported just
+    /// before an update it has not heard of yet); it learns of the gap
+    /// when the update is applied and downloads the state again instead
+    /// of applying it. 0: unknown.
+    pub(super) fn compared_digests(&self, ci: &CoordIter) -> Vec<(NodeId, u64)> {
+        let owners: BTreeSet<NodeId> = ci.granted.values().map(|g| g.0).collect();
+        (ci.agg_done.iter())
+            .filter(|(m, d)| **d != 0 && (owners.contains(m) || **m == self.id))
+            .map(|(m, d)| (*m, *d))
+            .collect()
+    }
+
     /// The members of a commit whose weights differ from the majority's
-    /// (ties: the coordinator's own, else the smallest digest): empty when
-    /// every member that reported a digest holds the same weights.
+    /// (ties: the coordinator's own, else the smallest digest), among those
+    /// compared ([`Node::compared_digests`]): empty when they all hold the
+    /// same weights.
     pub(super) fn diverged_members(&self, iter: u32) -> Vec<NodeId> {
         let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
             return Vec::new();
         };
-        let known: Vec<(NodeId, u64)> = (ci.agg_done.iter())
-            .filter(|(_, d)| **d != 0)
-            .map(|(m, d)| (*m, *d))
-            .collect();
+        let known = self.compared_digests(ci);
         if known.windows(2).all(|w| w[0].1 == w[1].1) {
             return Vec::new();
         }
@@ -765,12 +779,19 @@ mod tests {
     fn a_member_whose_weights_differ_is_evicted_before_the_apply() {
         let cfg = fencing();
         let mut c = started_with(cfg, 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
+        // Each member's gradients are in the mean.
+        let granted = BTreeMap::from([
+            (mb(10, 4, 0), (1, 10, 30)),
+            (mb(10, 4, 1), (2, 10, 30)),
+            (mb(10, 4, 2), (3, 10, 30)),
+        ]);
         c.coordinating.coord_iters.insert(
             4,
             CoordIter {
                 epoch: 9,
                 commit: Some(BTreeSet::from([1, 2, 3])),
                 agg_done: BTreeMap::from([(1, 77), (2, 77)]),
+                granted,
                 ..Default::default()
             },
         );
@@ -800,6 +821,45 @@ mod tests {
         // A tie goes to the coordinator's own weights.
         c.coordinating.coord_iters.get_mut(&4).unwrap().agg_done = BTreeMap::from([(1, 5), (2, 6)]);
         assert_eq!(c.diverged_members(4), vec![2]);
+    }
+
+    /// A member that granted nothing in a commit (a zero share) is not
+    /// compared: its weights may be behind by an update it has not heard
+    /// of yet (a joiner's state exported just before it); the commit is
+    /// applied and the member stays. In a swarm such a joiner was evicted
+    /// as diverged and had to download the state a third time.
+    #[test]
+    fn a_member_that_granted_nothing_is_not_taken_for_diverged() {
+        let mut c = started_with(fencing(), 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
+        let granted = BTreeMap::from([(mb(10, 4, 0), (1, 10, 30)), (mb(10, 4, 1), (2, 10, 30))]);
+        c.coordinating.coord_iters.insert(
+            4,
+            CoordIter {
+                epoch: 9,
+                commit: Some(BTreeSet::from([1, 2, 3])),
+                agg_done: BTreeMap::from([(1, 77), (2, 77)]),
+                granted,
+                ..Default::default()
+            },
+        );
+        let a = deliver(
+            &mut c,
+            3,
+            Msg::AggDone {
+                iter: 4,
+                epoch: 9,
+                weights: 55,
+            },
+        );
+        assert!(evictions(&a).is_empty(), "{:?}", evictions(&a));
+        assert!(c.group.members.contains(&3));
+        assert!(c.coordinating.coord_iters[&4].applied);
+        assert!(!a
+            .iter()
+            .any(|x| matches!(x, Action::Event(Event::ReplicasDiverged { .. }))));
+        assert!(sends(&a)
+            .iter()
+            .any(|(to, m)| *to == 3 && matches!(m, Msg::Applied { iter: 4, .. })));
     }
 
     /// A coordinator paused and fenced gets a member's claim sent before it
