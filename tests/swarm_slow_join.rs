@@ -132,6 +132,7 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
         .map(|e| e.v.to_string())
         .collect();
     assert!(bad.is_empty(), "{bad:?}");
+    let ev = swarm.until_committed(done, 2);
     check_run(&ev, done, MB, 2);
     assert!(
         gap <= STILL_AT_MOST,
@@ -204,5 +205,6 @@ fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
         "swarm_slow_join: server {server} paused 3 s in a state download; joiner {joiner} \
          applied an update; {done} iterations"
     );
+    let ev = swarm.until_committed(done, 2);
     check_run(&ev, done, MB, 2);
 }

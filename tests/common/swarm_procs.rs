@@ -302,6 +302,21 @@ impl Swarm {
         }
     }
 
+    /// Waits until every stage (0..=`stages`) printed its `committed` line
+    /// for each of the first `iterations`: a live run's events come from
+    /// each node's own stream, so a holder's final `iteration` line may be
+    /// read before a coordinator's `committed` line of that iteration
+    /// ([`check_run`] over a snapshot taken at once then finds it missing).
+    pub fn until_committed(&self, iterations: u32, stages: u16) -> Vec<Seen> {
+        self.until("every stage's committed line of those iterations", |ev| {
+            let seen: std::collections::HashSet<(u64, u64)> = (ev.iter())
+                .filter(|e| e.event() == "committed")
+                .map(|e| (e.u("stage"), e.u("iteration")))
+                .collect();
+            (0..iterations as u64).all(|k| (0..=stages as u64).all(|s| seen.contains(&(s, k))))
+        })
+    }
+
     fn tail(&self, ev: &[Seen]) -> String {
         let mut s = String::new();
         for n in &self.nodes {
