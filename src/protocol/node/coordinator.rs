@@ -742,7 +742,7 @@ impl Node {
                 // that leaves or dies makes the stage wait for the end).
                 None => self.own_work_done(iter),
             };
-            if !done || self.now < ci.retry_at {
+            if !done || self.now < ci.retry_at || self.nobody_to_commit_for(iter) {
                 return;
             }
             let members: BTreeSet<NodeId> = self
@@ -865,6 +865,24 @@ impl Node {
         if let Some(origin) = origin {
             self.send(origin, Msg::StageDone { iter, stage: st });
         }
+    }
+
+    /// Whether a relays' commit of `iter` would apply nothing (no grant)
+    /// and tell nobody: every holder of the iteration is gone. Such a
+    /// commit only gives up the microbatches its holders took with them,
+    /// and a node cut off from its stage's group (a relay behind a slow
+    /// link that lost its connections) committed them as a group of its
+    /// own once the holders finished and said goodbye, iterations the
+    /// real group had committed long before.
+    fn nobody_to_commit_for(&self, iter: u32) -> bool {
+        let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
+            return false;
+        };
+        let holders =
+            (ci.end.as_ref().map(|e| &e.1)).or_else(|| self.iters.participants.get(&iter));
+        self.stage != 0
+            && ci.granted.is_empty()
+            && holders.is_some_and(|h| !h.is_empty() && h.iter().all(|&h| !self.alive(h)))
     }
 
     /// Whether every microbatch of the participants of `iter` is granted

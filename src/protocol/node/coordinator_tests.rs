@@ -899,3 +899,46 @@ fn a_coordinator_that_falls_silent_after_its_all_reduce_has_its_commit_applied_a
     assert_eq!(committed.len(), 1, "{committed:?}");
     assert_eq!(*committed[0], vec![(m0, 1), (m1, 3)], "1's commit, as is");
 }
+
+/// A relay that coordinates a group of one and holds no grant of an
+/// ended iteration commits nothing once every holder of it is gone: such
+/// a commit would apply nothing and tell nobody, only give up the
+/// microbatches. In a swarm, a relay behind a 1 Mbit/s link that had lost
+/// its connections to its stage's group committed, after the holders
+/// finished and left, every iteration the group had committed before it
+/// with all its microbatches given up. With a holder alive the commit is
+/// not held back (that holder needs the stage's word to end the
+/// iteration).
+#[test]
+fn a_relay_commits_nothing_for_holders_all_gone() {
+    for alive_holder in [false, true] {
+        let mut n = started(Policy::Gwtf, 1, 2, &[], &[(0, 0), (5, 0), (10, 1), (30, 3)]);
+        let holders = Arc::new(vec![0, 5]);
+        let open = Msg::StartIter {
+            iter: 0,
+            holders: holders.clone(),
+        };
+        deliver(&mut n, 10, open);
+        let end = Msg::EndIter {
+            iter: 0,
+            origin: 0,
+            holders,
+        };
+        deliver(&mut n, 10, end);
+        let now = n.now;
+        n.handle(now, Input::PeerLost { peer: 0 });
+        if !alive_holder {
+            let now = n.now;
+            n.handle(now, Input::PeerLost { peer: 5 });
+        }
+        let mut t = n.now;
+        for _ in 0..2000 {
+            t += n.cfg.tick;
+            n.on_timeout(t);
+        }
+        assert_eq!(n.nobody_to_commit_for(0), !alive_holder);
+        // The commit (its all-reduce not run here, so nothing is applied).
+        let committed = n.coordinating.coord_iters[&0].commit.is_some();
+        assert_eq!(committed, alive_holder, "a holder alive: {alive_holder}");
+    }
+}
