@@ -391,6 +391,23 @@ impl Node {
             );
             return;
         }
+        if !diverged && updates == mine && self.group.coord == Some(self.id) && self.id < from {
+            // Two coordinators of one stage, neither behind: the smaller
+            // id keeps its group, as when their heartbeats meet. The
+            // evictor took this one for silent: a node behind a slow link
+            // hears everyone late and did so for every faster member of
+            // its stage (in a swarm, a relay at 1 Mbit/s evicted the other
+            // relay of its stage and served the stage alone, at a sixth of
+            // the swarm's pace). It gives way instead.
+            self.send(
+                from,
+                Msg::Evicted {
+                    diverged: false,
+                    updates: mine,
+                },
+            );
+            return;
+        }
         if !diverged && self.behind_outsider(from, updates) {
             return;
         }
@@ -860,6 +877,32 @@ mod tests {
         assert!(sends(&a)
             .iter()
             .any(|(to, m)| *to == 3 && matches!(m, Msg::Applied { iter: 4, .. })));
+    }
+
+    /// Two coordinators of one stage whose weights hold as many updates:
+    /// the one with the larger id that evicts the other is evicted in
+    /// return and the smaller keeps its group; an eviction from a smaller
+    /// coordinator is obeyed.
+    #[test]
+    fn of_two_coordinators_even_in_updates_the_smaller_keeps_its_group() {
+        let mut c = started_with(fencing(), 1, 2, &[3], &[(30, 3)]);
+        c.learn(2, 2);
+        c.iters.downloaded((4, 77));
+        assert_eq!(c.coordinator(), Some(1));
+        let evict = |updates| Msg::Evicted {
+            diverged: false,
+            updates,
+        };
+        let a = deliver(&mut c, 2, evict(5));
+        assert_eq!(fenced(&a), None);
+        assert_eq!(evicted_msgs(&a), vec![(2, false, 5)]);
+        assert!(c.is_active() && c.group.members.contains(&3));
+        // The larger one obeys the smaller's eviction.
+        let mut d = started_with(fencing(), 2, 2, &[4], &[(30, 3)]);
+        d.learn(1, 2);
+        d.iters.downloaded((4, 77));
+        let a = deliver(&mut d, 1, evict(5));
+        assert!(fenced(&a).is_some());
     }
 
     /// A coordinator paused and fenced gets a member's claim sent before it
