@@ -205,15 +205,21 @@ impl Node {
         {
             return false;
         }
+        self.evict_for_silence(from);
+        true
+    }
+
+    /// Tells `to` it is no member (not for diverged weights), with the
+    /// updates this node's weights hold: an evictee ahead answers in kind.
+    fn evict_for_silence(&mut self, to: NodeId) {
         let updates = self.iters.updates();
         self.send(
-            from,
+            to,
             Msg::Evicted {
                 diverged: false,
                 updates,
             },
         );
-        true
     }
 
     /// Coordinator: a heartbeat from a node of this stage that is not a
@@ -228,14 +234,7 @@ impl Node {
         let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
         if of_stage || self.group.evicted.contains_key(&from) {
             self.remember_evicted(from);
-            let updates = self.iters.updates();
-            self.send(
-                from,
-                Msg::Evicted {
-                    diverged: false,
-                    updates,
-                },
-            );
+            self.evict_for_silence(from);
         }
     }
 
@@ -315,13 +314,7 @@ impl Node {
         {
             return;
         }
-        self.send(
-            from,
-            Msg::Evicted {
-                diverged: false,
-                updates: mine,
-            },
-        );
+        self.evict_for_silence(from);
     }
 
     /// A node whose weights miss an update its group applied (it came
@@ -381,31 +374,16 @@ impl Node {
             return;
         }
         let mine = self.iters.updates();
-        if !diverged && updates < mine {
-            self.send(
-                from,
-                Msg::Evicted {
-                    diverged: false,
-                    updates: mine,
-                },
-            );
-            return;
-        }
-        if !diverged && updates == mine && self.group.coord == Some(self.id) && self.id < from {
-            // Two coordinators of one stage, neither behind: the smaller
-            // id keeps its group, as when their heartbeats meet. The
-            // evictor took this one for silent: a node behind a slow link
-            // hears everyone late and did so for every faster member of
-            // its stage (in a swarm, a relay at 1 Mbit/s evicted the other
-            // relay of its stage and served the stage alone, at a sixth of
-            // the swarm's pace). It gives way instead.
-            self.send(
-                from,
-                Msg::Evicted {
-                    diverged: false,
-                    updates: mine,
-                },
-            );
+        // Ahead of the evictor, or (two coordinators of one stage, neither
+        // behind) the smaller id, which keeps its group as when their
+        // heartbeats meet: evicted in return. An evictor that took this
+        // node for silent may be the one behind a slow link, hearing
+        // everyone late (in a swarm, a relay at 1 Mbit/s evicted the other
+        // relay of its stage and served the stage alone, at a sixth of the
+        // swarm's pace).
+        let smaller_coordinator = self.group.coord == Some(self.id) && self.id < from;
+        if !diverged && (updates < mine || (updates == mine && smaller_coordinator)) {
+            self.evict_for_silence(from);
             return;
         }
         if !diverged && self.behind_outsider(from, updates) {
