@@ -767,19 +767,14 @@ mod tests {
         assert_eq!(n.group.members.iter().copied().collect::<Vec<_>>(), [21]);
     }
 
-    /// The members' digests after the all-reduce: a member in the minority
-    /// is evicted before anything is applied, and the others commit again
-    /// without it; its grants are recomputed.
-    #[test]
-    fn a_member_whose_weights_differ_is_evicted_before_the_apply() {
-        let cfg = fencing();
-        let mut c = started_with(cfg, 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
-        // Each member's gradients are in the mean.
-        let granted = BTreeMap::from([
-            (mb(10, 4, 0), (1, 10, 30)),
-            (mb(10, 4, 1), (2, 10, 30)),
-            (mb(10, 4, 2), (3, 10, 30)),
-        ]);
+    /// Coordinator 1 of members 2 and 3, its commit of iteration 4 (epoch
+    /// 9) all-reduced, with one grant per owner in `owners`; 1 and 2 report
+    /// weights 77, then 3 reports 55: the coordinator and what it did.
+    fn commit_with_digests_77_77_55(owners: &[NodeId]) -> (Node, Vec<Action>) {
+        let mut c = started_with(fencing(), 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
+        let granted = (owners.iter().enumerate())
+            .map(|(i, &o)| (mb(10, 4, i as u32), (o, 10, 30)))
+            .collect();
         c.coordinating.coord_iters.insert(
             4,
             CoordIter {
@@ -791,15 +786,22 @@ mod tests {
             },
         );
         assert!(c.diverged_members(4).is_empty());
-        let a = deliver(
-            &mut c,
-            3,
-            Msg::AggDone {
-                iter: 4,
-                epoch: 9,
-                weights: 55,
-            },
-        );
+        let done = Msg::AggDone {
+            iter: 4,
+            epoch: 9,
+            weights: 55,
+        };
+        let a = deliver(&mut c, 3, done);
+        (c, a)
+    }
+
+    /// The members' digests after the all-reduce: a member in the minority
+    /// is evicted before anything is applied, and the others commit again
+    /// without it; its grants are recomputed.
+    #[test]
+    fn a_member_whose_weights_differ_is_evicted_before_the_apply() {
+        // Each member's gradients are in the mean.
+        let (mut c, a) = commit_with_digests_77_77_55(&[1, 2, 3]);
         assert_eq!(evictions(&a), vec![(3, true)]);
         assert!(!a.iter().any(|x| matches!(
             x,
@@ -825,27 +827,8 @@ mod tests {
     /// as diverged and had to download the state a third time.
     #[test]
     fn a_member_that_granted_nothing_is_not_taken_for_diverged() {
-        let mut c = started_with(fencing(), 1, 2, &[2, 3], &[(10, 1), (30, 3)]);
-        let granted = BTreeMap::from([(mb(10, 4, 0), (1, 10, 30)), (mb(10, 4, 1), (2, 10, 30))]);
-        c.coordinating.coord_iters.insert(
-            4,
-            CoordIter {
-                epoch: 9,
-                commit: Some(BTreeSet::from([1, 2, 3])),
-                agg_done: BTreeMap::from([(1, 77), (2, 77)]),
-                granted,
-                ..Default::default()
-            },
-        );
-        let a = deliver(
-            &mut c,
-            3,
-            Msg::AggDone {
-                iter: 4,
-                epoch: 9,
-                weights: 55,
-            },
-        );
+        // Member 3 granted nothing.
+        let (c, a) = commit_with_digests_77_77_55(&[1, 2]);
         assert!(evictions(&a).is_empty(), "{:?}", evictions(&a));
         assert!(c.group.members.contains(&3));
         assert!(c.coordinating.coord_iters[&4].applied);
