@@ -835,6 +835,11 @@ pub enum Event {
     /// of iteration `applied` (None: before any). The stage's trained
     /// weights were lost with its last node.
     StageRestarted { stage: Stage, applied: Option<u32> },
+    /// This fenced node serves `stage` again with the weights it kept at
+    /// its fence (the update of iteration `applied`): the members left
+    /// miss that update and none holds a newer state. The trainer keeps
+    /// its weights; the members behind download them.
+    StateKept { stage: Stage, applied: u32 },
     /// The node has left (goodbye sent).
     Left,
     /// A data holder that fenced itself found no live holder to download

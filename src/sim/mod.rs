@@ -1478,7 +1478,8 @@ impl Sim {
             // The simulator finds empty stages from its global view.
             Event::StageEmpty { .. }
             | Event::StageResumed { .. }
-            | Event::StageRestarted { .. } => {}
+            | Event::StageRestarted { .. }
+            | Event::StateKept { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}
             // Counted where the ring aborts (`Rings::aborted`).

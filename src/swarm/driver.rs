@@ -462,6 +462,16 @@ impl Driver {
                 let kind = WorkKind::InitState { applied: *applied };
                 self.give(kind, None, None, Pending::Init);
             }
+            // The weights kept since the fence are the stage's newest:
+            // the trainer goes on with them (nothing to load).
+            Event::StateKept { stage, applied } => {
+                self.me.stage = *stage;
+                self.announce_stage();
+                self.log(format!(
+                    "stage {stage}'s members miss the update of iteration {applied}: \
+                     serving the weights kept since the fence again"
+                ));
+            }
             Event::Applied { iter, .. } => self.apply(*iter),
             // The group took it for gone (a suspicion comes well before
             // the transport's dead-peer timeout): an all-reduce waiting for
@@ -521,6 +531,13 @@ impl Driver {
             reason.name()
         ));
         self.joiner = true;
+        // The weights the protocol keeps to serve again must be the
+        // trainer's: not while an update is missing or on its way.
+        let whole =
+            self.resync.is_none() && self.node.kept_version().map(|v| v.0) == self.applied_through;
+        if !whole {
+            self.node.forget_kept();
+        }
         self.means.clear();
         self.gated.clear();
         self.resync = None;

@@ -787,6 +787,11 @@ impl Printer {
                     "event": "stage_restarted", "stage": stage, "applied": applied,
                     "why": "no live node held this stage: it starts again from the initial weights",
                 })),
+                Event::StateKept { stage, applied } => self.emit(json!({
+                    "event": "state_kept", "stage": stage, "applied": applied,
+                    "why": "the members left miss the update this node kept at its fence: \
+                            it serves its weights again",
+                })),
                 _ => {}
             },
             NodeEvent::Applied {

@@ -94,6 +94,15 @@ impl Node {
             self.introduce_all(None);
             return;
         }
+        // Weights whole and not known wrong are kept (the trainer holds
+        // them until a state is imported): they may be the stage's newest.
+        let known_wrong = matches!(
+            reason,
+            FenceReason::Diverged | FenceReason::Evicted { diverged: true }
+        );
+        let kept =
+            (self.stage > 0 && !known_wrong && !self.iters.gap() && self.iters.updates() > 0)
+                .then(|| (self.stage, self.iters.updates(), self.iters.version));
         // Everyone it may have dealt with drops it at once, as at a leave.
         self.goodbye_to_all();
         self.incarnation += 1;
@@ -103,6 +112,7 @@ impl Node {
             incarnation,
         });
         self.forget_all();
+        self.joining.kept = kept;
         self.last_heard_any = self.now;
         if let FenceReason::Behind { updates, holder } = reason {
             // The state to download is the newer one it heard of.
@@ -1154,7 +1164,18 @@ mod tests {
             .filter(|(to, _)| *to == 40)
             .map(|(_, m)| m.name())
             .collect();
-        assert_eq!(to_40, ["Goodbye"]);
+        // It says how many updates it holds instead (the joiner asks
+        // another member, or serves newer weights it kept).
+        assert_eq!(to_40, ["Heartbeat"]);
+        assert!(sends(&a).iter().any(|(to, m)| *to == 40
+            && matches!(
+                m,
+                Msg::Heartbeat {
+                    members: None,
+                    updates: 12,
+                    coord: 1
+                }
+            )));
         // The state downloaded again closes the gap: it serves again.
         deliver(
             &mut m,
@@ -1240,5 +1261,66 @@ mod tests {
             let a = fine.on_timeout(t);
             assert!(!sends(&a).iter().any(|(to, _)| *to == 7));
         }
+    }
+
+    /// The members holding a stage's latest update were all cut off and
+    /// fenced; the member left missed that update. A fenced node keeps its
+    /// weights (whole, not known wrong): when the member it downloads from
+    /// answers with fewer updates, coordinates its group and no other live
+    /// node of the stage is known, it serves the kept weights again, and
+    /// the member behind, announcing its gap, is told to download them.
+    #[test]
+    fn a_fenced_node_serves_its_kept_weights_when_the_stage_is_behind_them() {
+        let cfg = fencing();
+        let fenced_node = |reason| {
+            let mut n = started_with(cfg.clone(), 3, 2, &[5], &[(30, 3)]);
+            n.iters.downloaded((13, 77));
+            n.fence(reason);
+            let v = n.kept_version();
+            n.download(2, 5);
+            (n, v)
+        };
+        let kept_event = |a: &[Action]| {
+            a.iter().find_map(|x| match x {
+                Action::Event(Event::StateKept { stage, applied }) => Some((*stage, *applied)),
+                _ => None,
+            })
+        };
+        let (mut n, kept) = fenced_node(FenceReason::Isolated);
+        assert_eq!(kept, Some((13, 77)));
+        assert_eq!(n.downloading_from(), Some(5));
+        let a = deliver(&mut n, 5, heartbeat(5, 13));
+        assert_eq!(kept_event(&a), Some((2, 13)));
+        assert!(n.is_active() && n.group.coord == Some(3), "{:?}", n.phase);
+        assert_eq!(
+            (n.iters.version, n.iters.updates(), n.iters.gap()),
+            ((13, 77), 14, false)
+        );
+        assert_eq!(n.kept_version(), None);
+        // The member behind announces its gap: told to download ours.
+        let a = deliver(&mut n, 5, heartbeat(5, 13));
+        assert_eq!(evicted_msgs(&a), vec![(5, false, 14)]);
+
+        // The source holds as many updates: the stage has them, asked of
+        // another member (none here: the stages are asked again).
+        let (mut n, _) = fenced_node(FenceReason::Isolated);
+        let a = deliver(&mut n, 5, heartbeat(5, 14));
+        assert_eq!(kept_event(&a), None);
+        assert!(!n.is_active() && n.downloading_from().is_none());
+        // The source's coordinator is another node (it may hold more).
+        let (mut n, _) = fenced_node(FenceReason::Paused { gap: SEC });
+        let a = deliver(&mut n, 5, heartbeat(9, 13));
+        assert_eq!(kept_event(&a), None);
+        // Another live node of the stage is known: it may serve more.
+        let (mut n, _) = fenced_node(FenceReason::Isolated);
+        n.learn(6, 2);
+        let a = deliver(&mut n, 5, heartbeat(5, 13));
+        assert_eq!(kept_event(&a), None);
+        assert_eq!(n.downloading_from(), Some(6));
+        // Weights known wrong are never kept.
+        let (_, kept) = fenced_node(FenceReason::Diverged);
+        assert_eq!(kept, None);
+        let (_, kept) = fenced_node(FenceReason::Evicted { diverged: true });
+        assert_eq!(kept, None);
     }
 }

@@ -23,6 +23,13 @@ pub(super) struct JoinState {
     /// ([`FenceReason::Behind`]): that stage's state is downloaded from it,
     /// and an older one is refused while it lives.
     pub(super) newer: Option<(Stage, u32, NodeId)>,
+    /// The weights this node held when it fenced itself, whole and not
+    /// known wrong: (stage, updates, version). The trainer keeps them until
+    /// a state is imported; they are served again only when the stage's
+    /// members hold fewer updates and none can serve a newer state (its
+    /// last holders of an update were all fenced), see
+    /// [`Node::source_behind`].
+    pub(super) kept: Option<(Stage, u32, (u32, u64))>,
 }
 
 impl Node {
@@ -189,6 +196,55 @@ impl Node {
         self.become_active();
     }
 
+    /// The member this node downloads from answered that its weights miss
+    /// an update (`updates`: what they hold; `coord`: its group's
+    /// coordinator). When this node kept weights of that stage with more
+    /// updates, and the answer comes from a coordinator (nobody in its
+    /// group holds more) while no other live node of the stage is known,
+    /// the stage's newest state is the one kept: this node serves it
+    /// again ([`Event::StateKept`]), and the group behind finds it through
+    /// its gap and downloads it. Otherwise another member is asked.
+    pub(super) fn source_behind(&mut self, from: NodeId, coord: NodeId, updates: u32) {
+        let Phase::Downloading { stage, .. } = self.phase else {
+            return;
+        };
+        let others =
+            (self.peers.of_stage(stage)).any(|(id, p)| !p.dead && *id != from && *id != self.id);
+        match self.joining.kept {
+            Some((st, kept, version))
+                if st == stage && kept > updates && coord == from && !others =>
+            {
+                self.resume_kept(stage, version)
+            }
+            _ => self.download_from_another(),
+        }
+    }
+
+    /// Serves `stage` again with the weights kept at the fence (`version`),
+    /// as a stage restarted from them: the iteration in progress is the
+    /// latest any member told of, and what is missing of it is recomputed
+    /// after a grace, as by a coordinator that took over.
+    fn resume_kept(&mut self, stage: Stage, version: (u32, u64)) {
+        self.joining.kept = None;
+        self.stage = stage;
+        let told = self
+            .joining
+            .stage_infos
+            .get(&stage)
+            .map_or(0, |i| i.open_iter);
+        let next = (version.0 + 1).max(told).max(self.iters.known_iter);
+        self.iters.downloaded(version);
+        self.iters.hear_next(next, false);
+        self.coordinating.inherited = Some((self.now, next));
+        self.coordinating.synced.clear();
+        self.group.adopt([], self.id);
+        self.event(Event::StateKept {
+            stage,
+            applied: version.0,
+        });
+        self.become_active();
+    }
+
     pub(super) fn download(&mut self, stage: Stage, src: NodeId) {
         self.phase = Phase::Downloading {
             stage,
@@ -284,11 +340,24 @@ impl Node {
 
     /// A joiner downloads this stage's state (with the member list).
     pub(super) fn on_state_request(&mut self, from: NodeId) {
-        if self.phase != Phase::Active || self.iters.gap() {
-            // Fenced or joining itself, or its weights miss an update the
-            // stage applied: its state is not the stage's. The goodbye has
-            // the joiner ask another member at once.
+        if self.phase != Phase::Active {
+            // Fenced or joining itself: its state is not the stage's. The
+            // goodbye has the joiner ask another member at once.
             self.send(from, Msg::Goodbye);
+            return;
+        }
+        if self.iters.gap() {
+            // Its weights miss an update the stage applied: not the
+            // stage's state. It says how many updates it holds instead
+            // (as to a group ahead, `announce_gap`): the joiner asks
+            // another member, or serves the newer weights it kept.
+            let (coord, updates) = (self.group.coord.unwrap_or(self.id), self.iters.updates());
+            let m = Msg::Heartbeat {
+                members: None,
+                coord,
+                updates,
+            };
+            self.send(from, m);
             return;
         }
         // The joiners served before (still downloading, or whose

@@ -544,6 +544,11 @@ impl Node {
         coord: NodeId,
         updates: u32,
     ) {
+        if members.is_none() && self.downloading_from() == Some(from) {
+            // The answer of a member whose weights miss an update.
+            self.source_behind(from, coord, updates);
+            return;
+        }
         if self.behind_outsider(from, updates) {
             return;
         }

@@ -231,6 +231,19 @@ impl Node {
         }
     }
 
+    /// The weights version (iteration, hash) this node kept at its fence,
+    /// to serve again if its stage's members turn out to miss updates it
+    /// holds (see [`Event::StateKept`]).
+    pub fn kept_version(&self) -> Option<(u32, u64)> {
+        self.joining.kept.map(|k| k.2)
+    }
+
+    /// The runtime's weights are not the version kept at the fence (an
+    /// update was still missing): they are never served again.
+    pub fn forget_kept(&mut self) {
+        self.joining.kept = None;
+    }
+
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
         self.group.coord
