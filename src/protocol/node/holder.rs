@@ -13,8 +13,14 @@ pub(super) struct HolderState {
     pub(super) reported: bool,
     /// Microbatches an aggregate asked to restart while their attempt in
     /// flight was already in its backward: that attempt may have passed
-    /// the stage that lost it, so it is restarted once it is done.
-    pub(super) recheck: BTreeSet<MbId>,
+    /// the stage that lost it, so once it is done that stage is re-run
+    /// (see [`Node::redo_a_stage`]; the coordinator that asked, when
+    /// known) or the microbatch restarted.
+    pub(super) recheck: BTreeMap<MbId, Option<NodeId>>,
+    /// The node asked to re-run a stage of each microbatch (see
+    /// [`Node::redo_a_stage`]): its own restart request for it (it holds
+    /// no activation any more) restarts the microbatch instead.
+    pub(super) redo_asked: BTreeMap<MbId, NodeId>,
 }
 
 impl Node {
@@ -211,7 +217,7 @@ impl Node {
             };
             if stale {
                 if failed.is_none() && self.lifecycle.snaps.get(&mb).is_some_and(|s| s.grad_ready) {
-                    self.dh.recheck.insert(mb);
+                    self.dh.recheck.entry(mb).or_insert(None);
                 }
                 return;
             }
@@ -244,7 +250,15 @@ impl Node {
 
     /// A microbatch of ours must start again (its path or its aggregate lost it).
     pub(super) fn on_restart_request(&mut self, from: NodeId, mb: MbId, attempt: Option<u32>) {
+        if attempt.is_none() && self.redo_a_stage(from, mb) {
+            return;
+        }
         self.restart(mb, attempt);
+        if attempt.is_none() {
+            if let Some(asker) = self.dh.recheck.get_mut(&mb) {
+                *asker = Some(from);
+            }
+        }
         // An aggregate lost its contribution: tell that stage's
         // coordinator we are alive and on it (queued restarts wait
         // for a free in-flight slot, which can take long).
@@ -257,6 +271,46 @@ impl Node {
         {
             self.send(from, Msg::Restarting { mb });
         }
+    }
+
+    /// The coordinator of a relay stage (`from`) lost that stage's
+    /// contribution to `mb`, which is done here: its loss is counted and
+    /// the holders may have applied its iteration, so restarting it would
+    /// recompute it on other weights and report its loss twice. This holder
+    /// knows the whole path: the node before that stage re-runs it from its
+    /// stored activation on a replacement (`Redo`), and the node after
+    /// re-sends its stored gradient, as when the coordinator knows the
+    /// hops. False (the caller restarts it) when `mb` is not done here, the
+    /// asker's stage is not known, or the node before is gone.
+    pub(super) fn redo_a_stage(&mut self, from: NodeId, mb: MbId) -> bool {
+        if self.stage != 0 || mb.holder != self.id {
+            return false;
+        }
+        if !self.policy().reruns_crashed_stage() || self.dh.redo_asked.get(&mb) == Some(&from) {
+            // The node asked holds no activation of it any more.
+            return false;
+        }
+        let Some(st) = self.peers.get(&from).map(|p| p.stage as usize) else {
+            return false;
+        };
+        let Some(s) = self.lifecycle.snaps.get(&mb).filter(|s| s.done) else {
+            return false;
+        };
+        let (path, last) = (s.path.clone(), self.s() as usize);
+        if st == 0 || st > last || path.len() != last + 1 {
+            return false;
+        }
+        let (prev, dead) = (path[st - 1], path[st]);
+        let next = if st == last { self.id } else { path[st + 1] };
+        if prev == self.id {
+            self.redo(mb, dead, next);
+        } else if self.alive(prev) {
+            self.dh.redo_asked.insert(mb, prev);
+            self.send(prev, Msg::Redo { mb, dead, next });
+        } else {
+            return false;
+        }
+        true
     }
 
     /// The holder's periodic work: the last resort (every policy), a
@@ -395,5 +449,101 @@ mod tests {
                 .any(|t| t.kind == TaskKind::Embed && t.mb == Some(m));
             assert_eq!(again, in_backward, "restarted when done: {in_backward}");
         }
+    }
+
+    /// A relay stage's coordinator lost its contribution to a microbatch
+    /// that is done at its holder (the holders may have applied its
+    /// iteration): the holder, which knows the path, has the node before
+    /// that stage re-run it (`Redo`, the node after re-sending its stored
+    /// gradient) instead of restarting it on other weights and reporting
+    /// its loss twice. The node asked that holds no activation any more
+    /// asks for a restart: then the microbatch is restarted.
+    #[test]
+    fn a_stage_that_lost_a_done_microbatch_is_rerun_from_the_node_before() {
+        let peers = [(10, 1), (11, 1), (20, 2), (30, 3), (40, 4), (41, 4)];
+        let done_holder = || {
+            let mut n = started(Policy::Gwtf, 0, 0, &[], &peers);
+            let start = Msg::StartIter {
+                iter: 0,
+                holders: Arc::new(vec![0]),
+            };
+            let acts = deliver(&mut n, 0, start);
+            let m = mb(0, 0, 0);
+            let embed = runs(&acts).iter().find(|t| t.mb == Some(m)).unwrap().id;
+            n.handle(2 * SEC, Input::TaskDone { id: embed });
+            let path = Arc::new(vec![0, 10, 20, 30, 40]);
+            let fwd = Msg::Forward {
+                mb: m,
+                attempt: 0,
+                path: path.clone(),
+                label: None,
+                hint: None,
+                need_grad: true,
+                plan: None,
+            };
+            let loss = runs(&deliver(&mut n, 40, fwd))[0].id;
+            n.handle(3 * SEC, Input::TaskDone { id: loss });
+            let back = Msg::Backward {
+                mb: m,
+                attempt: 0,
+                path,
+            };
+            let bwd = runs(&deliver(&mut n, 10, back))[0].id;
+            n.handle(4 * SEC, Input::TaskDone { id: bwd });
+            assert!(n.lifecycle.snaps[&m].done);
+            (n, m)
+        };
+        let restart = |m| Msg::Restart {
+            mb: m,
+            attempt: None,
+        };
+        let redos = |a: &[Action]| -> Vec<(NodeId, NodeId, NodeId)> {
+            (sends(a).into_iter())
+                .filter_map(|(to, m)| match m {
+                    Msg::Redo { dead, next, .. } => Some((to, *dead, *next)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // Restarted (launched when the in-flight bound allows).
+        let embeds = |a: &[Action]| {
+            (a.iter())
+                .filter(|x| matches!(x, Action::Event(Event::Restarted { .. })))
+                .count()
+        };
+
+        // Stage 3's coordinator (30): node 20 re-runs stage 3 (not 30) and
+        // the result goes to 40, which holds the gradient.
+        let (mut n, m) = done_holder();
+        let a = deliver(&mut n, 30, restart(m));
+        assert_eq!(redos(&a), vec![(20, 30, 40)]);
+        assert_eq!(embeds(&a), 0, "not restarted");
+        // Node 20 holds no activation any more: it asks for a restart.
+        let a = deliver(&mut n, 20, restart(m));
+        assert_eq!(redos(&a), vec![]);
+        assert_eq!(embeds(&a), 1, "restarted");
+
+        // The last stage's: its result comes back to the holder.
+        let (mut n, m) = done_holder();
+        let a = deliver(&mut n, 41, restart(m));
+        assert_eq!(redos(&a), vec![(30, 40, 0)]);
+        // Stage 1's: the holder re-sends its own output to another node of
+        // stage 1, on to 20.
+        let (mut n, m) = done_holder();
+        let a = deliver(&mut n, 11, restart(m));
+        let fwd: Vec<(NodeId, Option<NodeId>, bool)> = (sends(&a).into_iter())
+            .filter_map(|(to, m)| match m {
+                Msg::Forward {
+                    hint, need_grad, ..
+                } => Some((to, *hint, *need_grad)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fwd, vec![(11, Some(20), false)]);
+        assert_eq!(embeds(&a), 0);
+        // An asker of no known stage: restarted, as before.
+        let (mut n, m) = done_holder();
+        let a = deliver(&mut n, 99, restart(m));
+        assert_eq!((redos(&a).len(), embeds(&a)), (0, 1));
     }
 }

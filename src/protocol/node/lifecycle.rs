@@ -459,10 +459,12 @@ impl Node {
                     }
                     self.claim(mb, self.id, next, used);
                     self.holder_progress();
-                    if self.dh.recheck.remove(&mb) {
+                    if let Some(asker) = self.dh.recheck.remove(&mb) {
                         // A stage lost this microbatch's contribution while
                         // its backward ran: perhaps this attempt's own.
-                        self.restart(mb, None);
+                        if !asker.is_some_and(|a| self.redo_a_stage(a, mb)) {
+                            self.restart(mb, None);
+                        }
                     }
                     self.launch();
                 } else {
