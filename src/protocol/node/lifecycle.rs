@@ -136,6 +136,23 @@ impl Node {
             // weights are gone; nobody waits for it.
             return;
         }
+        // The sender put itself at its stage's index (the path may go on:
+        // a node that re-sends its output after the backward came through
+        // sends the whole path).
+        let sender_at = if self.stage == 0 {
+            self.s() as usize
+        } else {
+            self.stage as usize - 1
+        };
+        if path.get(sender_at) != Some(&from) {
+            // A hop for another stage: the sender takes this node for a
+            // member of the stage it served before it fenced itself and
+            // joined another. Its weights are not that stage's: not run.
+            // The sender learns this node's stage and fails the hop over.
+            let m = self.intro_msg(None);
+            self.send(from, m);
+            return;
+        }
         if mb.iter > self.iters.min_iter && self.stage != 0 {
             self.forget_before(mb.iter);
         }
@@ -882,5 +899,53 @@ mod tests {
             };
             assert_eq!(to, want, "{policy:?}");
         }
+    }
+
+    /// A node that fenced itself and joined another stage still gets hops
+    /// from senders that take it for a member of its old stage: it runs
+    /// none (its weights are not that stage's) and introduces itself; the
+    /// sender, learning its new stage, fails the hop over at once to
+    /// another node of the stage it was meant for.
+    #[test]
+    fn a_hop_for_another_stage_is_not_run_and_fails_over() {
+        // Node 10 serves stage 3 now; node 20 sent it a hop for stage 2.
+        let mut n = started(Policy::Gwtf, 10, 3, &[], &[(20, 2), (30, 4)]);
+        let acts = deliver(&mut n, 20, forward_from_20(0, 0, true));
+        assert!(runs(&acts).is_empty(), "a stage-2 hop ran at stage 3");
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 20 && matches!(m, Msg::Introduce { stage: 3, .. })));
+        // Its own stage's hop runs.
+        let fwd3 = Msg::Forward {
+            mb: mb(0, 0, 1),
+            attempt: 0,
+            path: Arc::new(vec![0, 5, 20]),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        assert_eq!(runs(&deliver(&mut n, 20, fwd3)).len(), 1);
+
+        // The sender: stage-1 node 20 forwarded to 10 (then of stage 2).
+        let mut s = started(Policy::Gwtf, 20, 1, &[], &[(0, 0), (10, 2), (11, 2)]);
+        let m = mb(0, 0, 0);
+        let now = s.now;
+        s.lifecycle.snaps.insert(m, forwarded(&[0, 20], 10, now));
+        awaiting_ack(&mut s, m, false, 10);
+        let intro = Msg::Introduce {
+            iter: 0,
+            stage: 3,
+            spare: 1,
+            compute_s: 0.1,
+            sent_at: now,
+            echo: None,
+        };
+        let acts = deliver(&mut s, 10, intro);
+        let to: Vec<NodeId> = (sends(&acts).into_iter())
+            .filter(|(_, m)| matches!(m, Msg::Forward { .. }))
+            .map(|(to, _)| to)
+            .collect();
+        assert_eq!(to, vec![11], "failed over to the other node of stage 2");
     }
 }

@@ -470,6 +470,7 @@ impl Node {
         let now = self.now;
         let a = self.cfg.ema_alpha;
         let bytes = self.cfg.probe_bytes;
+        let moved = self.peers.get(&from).is_some_and(|p| p.stage != stage);
         let p = self.learn(from, stage);
         p.spare = spare;
         p.compute_s = compute_s;
@@ -501,6 +502,13 @@ impl Node {
                 };
                 self.send(from, m);
             }
+        }
+        if moved {
+            // It serves another stage now (it fenced itself and joined
+            // that one): what went to it for the old one is lost, and
+            // fails over now, not at its ack timeout.
+            self.release_flows_through(from);
+            self.hops_lost_to(from);
         }
         // A node of this stage that introduces itself is a member, unless
         // this coordinator dropped it: a fenced node joining again still
