@@ -1230,8 +1230,25 @@ impl Driver {
                 }
                 let decoded = codec::decode(&msg);
                 if let Some(claim) = decoded.as_ref().ok().and_then(intake::stage_claim) {
-                    let members = self.node.stage_members();
+                    let mut members = self.node.stage_members();
                     let last = self.cfg.relay_stages;
+                    if intake::left_for_another_stage(from, claim, last, self.me.stage, &members) {
+                        // A member says it serves another stage now: it
+                        // fenced itself and joined that one. It left this
+                        // node's group (as with a goodbye); its message is
+                        // taken. Only a third party's word about a member
+                        // (a directory entry) is refused.
+                        self.log(format!(
+                            "member {from:x} serves stage {claim} now: it left the group"
+                        ));
+                        self.agg.on_peer_lost(from as u64);
+                        self.drive_aggregation();
+                        self.input(Input::Message {
+                            from,
+                            msg: Msg::Goodbye,
+                        });
+                        members.retain(|&m| m != from);
+                    }
                     if let Err(e) = intake::check_stage(from, claim, last, self.me.stage, &members)
                     {
                         let name = decoded.as_ref().map_or("", |m| m.name());

@@ -183,6 +183,21 @@ pub fn stage_claim(msg: &Msg) -> Option<Stage> {
     }
 }
 
+/// Whether `id`'s own message, claiming stage `claim`, says it left this
+/// node's stage group (`my_stage`, `members`): a member that serves another
+/// of the swarm's stages now (it fenced itself and joined that one). It is
+/// dropped from the group and its message taken; a third party's word about
+/// a member (a directory entry) is still refused ([`check_stage`]).
+pub fn left_for_another_stage(
+    id: NodeId,
+    claim: Stage,
+    last: Stage,
+    my_stage: Stage,
+    members: &[NodeId],
+) -> bool {
+    claim <= last && claim != my_stage && members.contains(&id)
+}
+
 /// Why `id` may not claim `claim`: outside the swarm's stages (`0..=last`),
 /// or a member of this node's stage group (`my_stage`, `members`) claiming
 /// another stage.
@@ -332,5 +347,22 @@ mod tests {
         assert_eq!(c.get().get(Refusal::Frame), 10_000);
         assert_eq!(c.get().total(), 10_000);
         assert!(reported < 80, "{reported}");
+    }
+
+    /// A member's own message naming another stage: it left the group
+    /// (then its claim passes); a stage outside the swarm, or a node that
+    /// is no member, is not a departure.
+    #[test]
+    fn a_member_naming_another_stage_for_itself_left_the_group() {
+        let members = [3, 4];
+        assert!(left_for_another_stage(3, 2, 2, 1, &members));
+        assert!(check_stage(3, 2, 2, 1, &members).is_err());
+        assert!(check_stage(3, 2, 2, 1, &[4]).is_ok());
+        assert!(!left_for_another_stage(3, 1, 2, 1, &members), "same stage");
+        assert!(
+            !left_for_another_stage(3, 7, 2, 1, &members),
+            "no such stage"
+        );
+        assert!(!left_for_another_stage(9, 2, 2, 1, &members), "no member");
     }
 }
