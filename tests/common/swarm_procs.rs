@@ -164,6 +164,8 @@ impl Swarm {
             .arg("--trace-work")
             .args(&self.common)
             .args(&args)
+            // Its log: the last lines of each node's come with a failure.
+            .env("GWTF_LOG", "1")
             .stdout(Stdio::piped())
             .stderr(Stdio::from(
                 std::fs::File::create(self.dir.path().join(format!("node-{id}.err"))).unwrap(),
