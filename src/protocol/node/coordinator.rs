@@ -45,6 +45,10 @@ pub(super) struct CoordIter {
     pub(super) dropped: BTreeSet<MbId>,
     pub(super) epoch: u64,
     pub(super) commit: Option<BTreeSet<NodeId>>,
+    /// The commit's member list as sent (the ring's order) and its digest,
+    /// and when it was last sent: a member that has not reported its
+    /// all-reduce a heartbeat period later is sent it again.
+    pub(super) commit_sent: Option<(Arc<Vec<NodeId>>, u64, Time)>,
     /// Members done with the commit's all-reduce, with their weights digest.
     pub(super) agg_done: BTreeMap<NodeId, u64>,
     /// Members whose part of it failed, under a policy that then steps
@@ -605,9 +609,49 @@ impl Node {
         for k in iters {
             self.settle_missing(k);
             self.give_up_bypass(k);
+            self.commit_again_to_the_silent(k);
         }
         if self.stage == 0 {
             self.barrier_tick();
+        }
+    }
+
+    /// A commit whose all-reduce a live member has not reported a
+    /// heartbeat period after it was sent goes to that member again: the
+    /// commit or its report may have been lost (a connection replaced as
+    /// the member came back), and nothing else would end the wait. A
+    /// member that ran that epoch's all-reduce answers with its result
+    /// again; one that never got the commit starts it.
+    fn commit_again_to_the_silent(&mut self, iter: u32) {
+        let period = self.cfg.heartbeat_ticks as Time * self.cfg.tick;
+        let now = self.now;
+        let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
+            return;
+        };
+        let (Some(commit), Some((list, digest, at))) = (&ci.commit, &ci.commit_sent) else {
+            return;
+        };
+        if ci.applied || at + period > now {
+            return;
+        }
+        let silent: Vec<NodeId> = (commit.iter().copied())
+            .filter(|m| !ci.agg_done.contains_key(m) && !ci.agg_failed.contains(m))
+            .filter(|&m| self.alive(m))
+            .collect();
+        let (list, digest, epoch) = (list.clone(), *digest, ci.epoch);
+        let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
+        ci.commit_sent = Some((list.clone(), digest, now));
+        for m in silent {
+            let members = list.clone();
+            self.send(
+                m,
+                Msg::Commit {
+                    iter,
+                    epoch,
+                    members,
+                    digest,
+                },
+            );
         }
     }
 
@@ -779,6 +823,9 @@ impl Node {
             let list = Arc::new(self.ring_order(&members));
             let ci = &self.coordinating.coord_iters[&iter];
             let digest = commit_digest(&ci.granted, &ci.dropped);
+            let now = self.now;
+            let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
+            ci.commit_sent = Some((list.clone(), digest, now));
             for m in members {
                 self.send(
                     m,

@@ -942,3 +942,82 @@ fn a_relay_commits_nothing_for_holders_all_gone() {
         assert_eq!(committed, alive_holder, "a holder alive: {alive_holder}");
     }
 }
+
+/// A commit whose all-reduce a live member has not reported a heartbeat
+/// period later goes to that member again, same epoch (the commit or the
+/// report may have been lost): not before, and not to a member that
+/// reported. A member asked again answers with its result once its
+/// all-reduce ended, and stays quiet while it runs.
+#[test]
+fn a_commit_goes_again_to_a_member_that_did_not_report() {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+    let per = n.cfg.mb_per_iter;
+    let open = Msg::StartIter {
+        iter: 0,
+        holders: Arc::new(vec![0]),
+    };
+    deliver(&mut n, 10, open);
+    let (epoch, _) = claims_until_committed(&mut n, per);
+    let done = |weights| Msg::AggDone {
+        iter: 0,
+        epoch,
+        weights,
+    };
+    deliver(&mut n, 2, done(7));
+    let again = |acts: &[Action]| -> Vec<NodeId> {
+        (sends(acts).into_iter())
+            .filter_map(|(to, m)| match m {
+                Msg::Commit {
+                    iter: 0, epoch: e, ..
+                } if *e == epoch => Some(to),
+                _ => None,
+            })
+            .collect()
+    };
+    let period = n.cfg.heartbeat_ticks as Time * n.cfg.tick;
+    let mut t = n.now;
+    let end = t + period - n.cfg.tick;
+    let mut sent = Vec::new();
+    // Members 2 and 3 stay alive (heard every tick).
+    while t < end {
+        t += n.cfg.tick;
+        deliver(&mut n, 2, Msg::QueryFlows);
+        deliver(&mut n, 3, Msg::QueryFlows);
+        sent.extend(again(&n.on_timeout(t)));
+    }
+    assert!(sent.is_empty(), "before a heartbeat period: {sent:?}");
+    for _ in 0..2 {
+        t += n.cfg.tick;
+        deliver(&mut n, 2, Msg::QueryFlows);
+        deliver(&mut n, 3, Msg::QueryFlows);
+        sent.extend(again(&n.on_timeout(t)));
+    }
+    // Member 3, and this node itself (its own all-reduce still runs).
+    sent.retain(|&m| m != 1);
+    assert_eq!(sent, vec![3]);
+
+    // The member's side: member 3 of coordinator 1, asked again while its
+    // all-reduce runs, says nothing; once done, it tells its result again.
+    let mut m = started(Policy::Gwtf, 3, 2, &[1, 2], &[(10, 1)]);
+    let commit = Msg::Commit {
+        iter: 0,
+        epoch,
+        members: Arc::new(vec![1, 2, 3]),
+        digest: 5,
+    };
+    let acts = deliver(&mut m, 1, commit.clone());
+    let task = runs(&acts)
+        .iter()
+        .find(|t| matches!(t.kind, TaskKind::Aggregate { .. }))
+        .expect("an aggregate task")
+        .id;
+    let reports = |acts: &[Action]| {
+        (sends(acts).into_iter())
+            .filter(|(to, m)| *to == 1 && matches!(m, Msg::AggDone { .. }))
+            .count()
+    };
+    assert_eq!(reports(&deliver(&mut m, 1, commit.clone())), 0);
+    let t = m.now;
+    assert_eq!(reports(&m.handle(t, Input::TaskDone { id: task })), 1);
+    assert_eq!(reports(&deliver(&mut m, 1, commit)), 1);
+}

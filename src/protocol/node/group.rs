@@ -149,21 +149,7 @@ impl Node {
         // `deputy`), and a failure it does not hear of would keep that
         // commit waiting `redo_timeout`.
         for &k in &iters {
-            let a = &self.member.acc[&k];
-            let Some((_, e)) = a.agg_task else { continue };
-            if a.agg_finished == Some(e) {
-                let weights = self.member.weights;
-                self.send(
-                    c,
-                    Msg::AggDone {
-                        iter: k,
-                        epoch: e,
-                        weights,
-                    },
-                );
-            } else if a.agg_failed == Some(e) {
-                self.send(c, Msg::AggFailed { iter: k, epoch: e });
-            }
+            self.tell_agg_result(c, k);
         }
         if iters.is_empty() {
             let iter = self.iters.next_hint();
@@ -287,6 +273,28 @@ impl Node {
     }
 
     /// The coordinator commits `iter`: run the all-reduce (once per epoch).
+    /// Tells `c` how the all-reduce of this member's last commit of `iter`
+    /// ended, if it did (nothing while it runs).
+    fn tell_agg_result(&mut self, c: NodeId, k: u32) {
+        let Some(a) = self.member.acc.get(&k) else {
+            return;
+        };
+        let Some((_, e)) = a.agg_task else { return };
+        if a.agg_finished == Some(e) {
+            let weights = self.member.weights;
+            self.send(
+                c,
+                Msg::AggDone {
+                    iter: k,
+                    epoch: e,
+                    weights,
+                },
+            );
+        } else if a.agg_failed == Some(e) {
+            self.send(c, Msg::AggFailed { iter: k, epoch: e });
+        }
+    }
+
     pub(super) fn on_commit(
         &mut self,
         from: NodeId,
@@ -296,6 +304,8 @@ impl Node {
         digest: u64,
     ) {
         if self.member.last_commit == Some((iter, epoch)) {
+            // Sent again: the coordinator has not heard how it ended.
+            self.tell_agg_result(from, iter);
             return;
         }
         if self.iters.last_applied.is_some_and(|a| a >= iter) {
