@@ -11,7 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
-use gwtf::wire::{crc32c, Connection, FrameHeader, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC};
+use gwtf::wire::{
+    crc32c, Connection, FrameHeader, FrameKind, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC,
+    HEADER_LEN,
+};
 
 const KEY: &[u8] = b"transport-test-swarm-key-0123456";
 const T: Duration = Duration::from_secs(60);
@@ -272,7 +275,11 @@ fn echo_logs_refused_connections_with_their_reason() {
 // ------------------------------------------------------------ hostile streams
 
 fn server() -> Node {
-    Node::new(NodeOptions {
+    Node::new(server_opts()).unwrap()
+}
+
+fn server_opts() -> NodeOptions {
+    NodeOptions {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         handshake_timeout: Duration::from_millis(800),
         frame_timeout: Duration::from_millis(800),
@@ -280,8 +287,7 @@ fn server() -> Node {
         peer_timeout: Duration::from_millis(1500),
         log: true,
         ..opts(1 << 20, 8 << 20)
-    })
-    .unwrap()
+    }
 }
 
 /// Authenticates a raw socket the honest way; returns the stream.
@@ -572,4 +578,84 @@ fn a_node_paused_longer_than_its_peer_timeout_keeps_its_peers() {
         !stderr.contains("lost"),
         "the paused node dropped its peer:\n{stderr}"
     );
+}
+
+/// A node holds two connections to a peer and keeps the one the peer has
+/// already given up on (the peer's dial reached this node while it was
+/// paused; the handshake timed out at the peer, finished here on waking,
+/// and this node's own dial came after). The peer uses the other one, which
+/// this node retired. When the dead one ends, the duplicate takes over:
+/// the peer is not lost, and frames go both ways on it. Before, the peer
+/// was reported lost, and the peer timed the retired connection out as
+/// silent (a live swarm member lost, mid-commit, 5 s after a rejoin).
+#[test]
+fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
+    use std::net::TcpListener;
+    // The raw peer has the smaller id: of a connection it dialled and one
+    // the node dialled, the node keeps the first.
+    const PEER: u64 = 0x10;
+    let node = Node::new(NodeOptions {
+        node_id: 0x50,
+        peer_timeout: T,
+        ..server_opts()
+    })
+    .unwrap();
+    let addr = node.local_addr().unwrap();
+    let kept = raw_authenticated(addr, PEER);
+    wait_event(&node, "the first connection", |e| {
+        matches!(e, Event::PeerConnected { peer: PEER, .. })
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    node.connect(listener.local_addr().unwrap()).unwrap();
+    let (s, _) = listener.accept().unwrap();
+    let mut dup = common::raw_handshake(s, Role::Acceptor, PEER, KEY, T);
+    let deadline = Instant::now() + T;
+    while node.stats().duplicates_retired == 0 {
+        assert!(Instant::now() < deadline, "the node never retired its dial");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The peer had given up on the kept connection.
+    drop(kept);
+    while node.stats().duplicates_promoted == 0 {
+        assert!(
+            node.is_connected(PEER),
+            "the peer was lost with the connection it had given up on"
+        );
+        assert!(Instant::now() < deadline, "the duplicate never took over");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut f = node.alloc(64, T).unwrap();
+    f.header.microbatch = 7;
+    node.send(PEER, f, T).unwrap();
+    // What the node sends reaches the peer on the duplicate (after
+    // heartbeats, maybe).
+    let mut got = false;
+    for _ in 0..100 {
+        let mut hb = [0u8; HEADER_LEN];
+        dup.read_exact(&mut hb).unwrap();
+        let h = FrameHeader::decode(&hb, 1 << 20).unwrap();
+        let mut payload = vec![0u8; h.payload_len as usize];
+        dup.read_exact(&mut payload).unwrap();
+        if h.kind == FrameKind::Data as u16 && h.microbatch == 7 {
+            got = true;
+            break;
+        }
+    }
+    assert!(got, "no data frame on the duplicate");
+    // And what the peer sends on it reaches the node.
+    let mut h = header(16);
+    h.sender = PEER;
+    h.microbatch = 9;
+    let mut bytes = h.encode().to_vec();
+    bytes.extend_from_slice(&[3u8; 16]);
+    dup.write_all(&bytes).unwrap();
+    let back = node.recv(T).unwrap();
+    assert_eq!((back.peer(), back.header.microbatch), (PEER, 9));
+    let mut lost = Vec::new();
+    while let Some(ev) = node.poll_event(Duration::from_millis(300)) {
+        if matches!(ev, Event::PeerLost { .. }) {
+            lost.push(ev);
+        }
+    }
+    assert!(lost.is_empty(), "the peer was reported lost: {lost:?}");
 }

@@ -431,6 +431,9 @@ pub struct NodeStats {
     /// Duplicate connections (both sides dialled at once) wound down
     /// without losing what travelled on them.
     pub duplicates_retired: u64,
+    /// Retired duplicates that took over when the kept connection to
+    /// their peer failed (the two sides had kept different ones).
+    pub duplicates_promoted: u64,
     pub pool: PoolStats,
 }
 
@@ -453,6 +456,7 @@ pub(crate) struct Counters {
     connections_refused: AtomicU64,
     events_dropped: AtomicU64,
     duplicates_retired: AtomicU64,
+    duplicates_promoted: AtomicU64,
 }
 
 fn add(c: &AtomicU64, v: u64) {
@@ -1022,6 +1026,7 @@ impl Node {
             connections_refused: l(&c.connections_refused),
             events_dropped: l(&c.events_dropped),
             duplicates_retired: l(&c.duplicates_retired),
+            duplicates_promoted: l(&c.duplicates_promoted),
             pool: self.shared.pool.stats(),
         }
     }

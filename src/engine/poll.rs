@@ -1333,6 +1333,57 @@ impl Driver {
         self.flush(t);
     }
 
+    /// The connection `t` (already out of `conns`), kept for its peer, is
+    /// closing: a retired duplicate of it that is still whole (this side
+    /// has not ended it, the peer has not either) takes over instead of the
+    /// peer being lost. Both sides pick the same connection only when both
+    /// see the same two; a side whose kept one was already dead at the
+    /// peer (the peer gave up on its handshake while this node was paused,
+    /// then this node dialled) retired the one the peer uses, and without
+    /// this the peer times it out as silent and the swarm sees a live
+    /// member lost. Frames not yet started move to the duplicate, in
+    /// order. Returns whether it did.
+    fn promote_duplicate(&mut self, t: Token, c: &mut Conn, reason: &CloseReason) -> bool {
+        // Only a connection that failed under it: not one this node ended
+        // (a disconnect, a goodbye, a shutdown) or that broke the protocol.
+        let failed = matches!(
+            reason,
+            CloseReason::Eof { .. } | CloseReason::Io(_) | CloseReason::PeerTimeout { .. }
+        );
+        let Some(peer) = c
+            .peer
+            .filter(|_| failed && !c.retired && c.closing.is_none())
+        else {
+            return false;
+        };
+        if self.by_peer.get(&peer) != Some(&t) {
+            return false;
+        }
+        let Some((&d, _)) = self.conns.iter().find(|(_, o)| {
+            o.retired && o.peer == Some(peer) && !o.shut && !o.peer_eof && !o.connecting
+        }) else {
+            return false;
+        };
+        let (ctrl, data): (Vec<OutItem>, Vec<OutItem>) =
+            (c.ctrlq.drain(..).collect(), c.dataq.drain(..).collect());
+        let now = Instant::now();
+        let o = self.conns.get_mut(&d).expect("present");
+        o.retired = false;
+        o.closing = None;
+        o.ctrlq.extend(ctrl);
+        o.dataq.extend(data);
+        let addr = o.addr;
+        self.by_peer.insert(peer, d);
+        add(&self.shared.counters.duplicates_promoted, 1);
+        self.shared.log(format!(
+            "peer {peer:x}: kept connection ({}) closed: {reason}; now using its duplicate ({addr})",
+            c.addr
+        ));
+        self.queue_heartbeat(d, now);
+        self.flush(d);
+        true
+    }
+
     fn close(&mut self, t: Token, reason: CloseReason) {
         let Some(mut c) = self.conns.remove(&t) else {
             return;
@@ -1344,6 +1395,7 @@ impl Driver {
                 self.held_closed.push(fd);
             }
         }
+        let promoted = self.promote_duplicate(t, &mut c, &reason);
         let units = c.wire.drain(..).filter_map(|u| match u {
             Unit::Item(i) => Some(i),
             _ => None,
@@ -1359,6 +1411,9 @@ impl Driver {
             item_done(&self.shared, c.slot.as_ref(), item, false);
         }
         drop(c.rx_lease.take());
+        if promoted {
+            return;
+        }
         if c.retired {
             // The peer stays connected through its other connection.
             if let Some(peer) = c.peer {
