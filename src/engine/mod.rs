@@ -216,7 +216,10 @@ pub enum Event {
         addr: SocketAddr,
         outbound: bool,
     },
-    /// An authenticated peer is gone (its queued frames were dropped).
+    /// An authenticated peer is gone (its queued frames were dropped). A
+    /// `PeerConnected` for it follows at once when another connection to
+    /// it takes over (both had dialled; what was on the wire of the broken
+    /// one may be lost).
     PeerLost {
         peer: u64,
         addr: SocketAddr,

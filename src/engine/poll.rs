@@ -1342,7 +1342,8 @@ impl Driver {
     /// then this node dialled) retired the one the peer uses, and without
     /// this the peer times it out as silent and the swarm sees a live
     /// member lost. Frames not yet started move to the duplicate, in
-    /// order. Returns whether it did.
+    /// order; the caller is told of a lost peer connected again (what was
+    /// on the wire may be gone). Returns whether it did.
     fn promote_duplicate(&mut self, t: Token, c: &mut Conn, reason: &CloseReason) -> bool {
         // Only a connection that failed under it: not one this node ended
         // (a disconnect, a goodbye, a shutdown) or that broke the protocol.
@@ -1372,13 +1373,26 @@ impl Driver {
         o.closing = None;
         o.ctrlq.extend(ctrl);
         o.dataq.extend(data);
-        let addr = o.addr;
+        let (addr, outbound) = (o.addr, o.outbound.is_some());
         self.by_peer.insert(peer, d);
         add(&self.shared.counters.duplicates_promoted, 1);
         self.shared.log(format!(
             "peer {peer:x}: kept connection ({}) closed: {reason}; now using its duplicate ({addr})",
             c.addr
         ));
+        // What was on the wire of the failed one may be lost: the caller
+        // sees the peer lost and connected again at once (an all-reduce
+        // that had chunks on it starts over, see `Aggregation`).
+        self.emit(Event::PeerLost {
+            peer,
+            addr: c.addr,
+            reason: reason.clone(),
+        });
+        self.emit(Event::PeerConnected {
+            peer,
+            addr,
+            outbound,
+        });
         self.queue_heartbeat(d, now);
         self.flush(d);
         true
