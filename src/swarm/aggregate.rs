@@ -47,6 +47,13 @@ struct Running {
     /// the second half the other way. Each holds its part of the buffer,
     /// in order.
     machines: Vec<Box<dyn Machine>>,
+    /// The other members.
+    members: Vec<u64>,
+    /// Members whose connection broke while it ran (they may be back at
+    /// once: a connection that failed under live ends).
+    broken: Vec<u64>,
+    /// Why it ended without the mean, whatever its machines say.
+    failed: Option<String>,
 }
 
 impl Running {
@@ -63,6 +70,9 @@ impl Running {
     /// parts joined in order, the microbatch count once), without it when
     /// one did not; `None` while one still runs.
     fn end(&self) -> Option<Result<(Vec<f32>, u64), String>> {
+        if let Some(why) = &self.failed {
+            return Some(Err(why.clone()));
+        }
         for r in &self.machines {
             match r.outcome() {
                 Outcome::Failed { reason } => return Some(Err(reason.clone())),
@@ -185,6 +195,9 @@ impl Aggregation {
             iter: plan.iter,
             stage,
             machines,
+            members: ring.iter().copied().filter(|&m| m != me as u64).collect(),
+            broken: Vec::new(),
+            failed: None,
         });
         // Chunks that came before we started.
         let early: Vec<Frame> = std::mem::take(&mut self.early).into();
@@ -265,10 +278,36 @@ impl Aggregation {
         }
     }
 
+    /// The connection to `peer` broke. It may be back at once (both ends
+    /// live; the driver waits a grace before it calls the peer lost, see
+    /// [`Aggregation::on_peer_lost`]): the operation running remembers it.
+    pub fn on_link_broken(&mut self, peer: u64) {
+        if let Some(r) = self.running.as_mut() {
+            if r.members.contains(&peer) && !r.broken.contains(&peer) && r.end().is_none() {
+                r.broken.push(peer);
+            }
+        }
+    }
+
     /// `peer` is connected (again): it is not lost for operations that
-    /// start from now on.
-    pub fn on_peer_back(&mut self, peer: u64) {
+    /// start from now on. An operation it was in when its connection
+    /// broke ends without the mean: chunks on the broken connection may
+    /// be gone at either end, and nobody would send them again (the
+    /// coordinator commits again when told, the stuck members with it).
+    /// Returns whether that ended it.
+    pub fn on_peer_back(&mut self, peer: u64) -> bool {
         self.lost.retain(|&p| p != peer);
+        let Some(r) = self.running.as_mut() else {
+            return false;
+        };
+        if !r.broken.contains(&peer) || r.end().is_some() {
+            return false;
+        }
+        r.failed = Some(format!(
+            "the connection to member {peer:x} broke and came back during the all-reduce: \
+             chunks on it may be lost"
+        ));
+        true
     }
 
     /// The frames the operation asks to send (to, frame); a frame that
@@ -563,6 +602,31 @@ mod tests {
     fn a_butterfly_started_after_a_loss_ends_at_once() {
         let (net, mut agg) = (net(), Aggregation::default());
         ends_at_once_without_3(&net, &mut agg);
+    }
+
+    /// A member's connection breaks during the operation and comes back
+    /// (both ends live): chunks on it may be gone and nobody would send
+    /// them again, so the operation ends without the mean (the coordinator
+    /// commits again). A break of a non-member, a member back without a
+    /// break, a break before the start, or one still not back end nothing.
+    #[test]
+    fn a_member_whose_connection_broke_and_came_back_ends_the_operation() {
+        let (net, mut agg) = (net(), Aggregation::default());
+        agg.on_link_broken(2);
+        assert!(!agg.on_peer_back(2));
+        started(&mut agg);
+        let _ = agg.outgoing(&net);
+        agg.on_link_broken(7);
+        assert!(!agg.on_peer_back(7));
+        assert!(!agg.on_peer_back(3));
+        agg.on_link_broken(3);
+        assert!(agg.finished().is_none(), "a broken link alone ends nothing");
+        assert!(agg.on_peer_back(3));
+        let (task, iter, end) = agg.finished().expect("ended");
+        assert_eq!((task, iter), (77, 0));
+        let why = end.unwrap_err();
+        assert!(why.contains("member 3 broke and came back"), "{why}");
+        assert!(!agg.on_peer_back(3), "ended once");
     }
 
     /// Member 3 is lost before `agg` starts: the operation tells member 2

@@ -1149,7 +1149,9 @@ impl Driver {
     fn on_net(&mut self, ev: NetEvent) {
         match ev {
             NetEvent::PeerConnected { peer, .. } => {
-                self.agg.on_peer_back(peer);
+                if self.agg.on_peer_back(peer) {
+                    self.drive_aggregation();
+                }
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.suspects.remove(&id);
                     self.address_waits.remove(&id);
@@ -1173,6 +1175,7 @@ impl Driver {
             NetEvent::PeerLost { peer, .. } => {
                 // Lost, unless it connects again at once (a connection that
                 // broke while both ends live, e.g. on a frame timeout).
+                self.agg.on_link_broken(peer);
                 if let Ok(id) = NodeId::try_from(peer) {
                     if self.pending.contains_key(&id) {
                         // What waits for it was queued for a connection
@@ -1283,7 +1286,9 @@ impl Driver {
                         } else {
                             // Heard again after a goodbye (a fenced node
                             // that joins again): a commit may count on it.
-                            self.agg.on_peer_back(from as u64);
+                            if self.agg.on_peer_back(from as u64) {
+                                self.drive_aggregation();
+                            }
                         }
                         self.input(Input::Message { from, msg: m })
                     }
