@@ -580,6 +580,37 @@ fn a_node_paused_longer_than_its_peer_timeout_keeps_its_peers() {
     );
 }
 
+/// The raw peer of the duplicate tests: its id is smaller than the node's.
+const PEER: u64 = 0x10;
+
+/// A node that never times its peers out on its own (the raw peer of
+/// these tests sends no heartbeats).
+fn patient_node() -> Node {
+    Node::new(NodeOptions {
+        node_id: 0x50,
+        peer_timeout: T,
+        ..server_opts()
+    })
+    .unwrap()
+}
+
+fn wait_connected(node: &Node) {
+    wait_event(node, "the first connection", |e| {
+        matches!(e, Event::PeerConnected { peer: PEER, .. })
+    });
+}
+
+/// Waits until `node` retired one of two connections to the peer; returns
+/// the deadline it waited under.
+fn wait_retired(node: &Node) -> Instant {
+    let deadline = Instant::now() + T;
+    while node.stats().duplicates_retired == 0 {
+        assert!(Instant::now() < deadline, "the node never retired one");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    deadline
+}
+
 /// A node holds two connections to a peer and keeps the one the peer has
 /// already given up on (the peer's dial reached this node while it was
 /// paused; the handshake timed out at the peer, finished here on waking,
@@ -594,27 +625,15 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
     use std::net::TcpListener;
     // The raw peer has the smaller id: of a connection it dialled and one
     // the node dialled, the node keeps the first.
-    const PEER: u64 = 0x10;
-    let node = Node::new(NodeOptions {
-        node_id: 0x50,
-        peer_timeout: T,
-        ..server_opts()
-    })
-    .unwrap();
+    let node = patient_node();
     let addr = node.local_addr().unwrap();
     let kept = raw_authenticated(addr, PEER);
-    wait_event(&node, "the first connection", |e| {
-        matches!(e, Event::PeerConnected { peer: PEER, .. })
-    });
+    wait_connected(&node);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     node.connect(listener.local_addr().unwrap()).unwrap();
     let (s, _) = listener.accept().unwrap();
     let mut dup = common::raw_handshake(s, Role::Acceptor, PEER, KEY, T);
-    let deadline = Instant::now() + T;
-    while node.stats().duplicates_retired == 0 {
-        assert!(Instant::now() < deadline, "the node never retired its dial");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let deadline = wait_retired(&node);
     // The peer had given up on the kept connection.
     drop(kept);
     while node.stats().duplicates_promoted == 0 {
@@ -628,21 +647,11 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
     let mut f = node.alloc(64, T).unwrap();
     f.header.microbatch = 7;
     node.send(PEER, f, T).unwrap();
-    // What the node sends reaches the peer on the duplicate (after
-    // heartbeats, maybe).
-    let mut got = false;
-    for _ in 0..100 {
-        let mut hb = [0u8; HEADER_LEN];
-        dup.read_exact(&mut hb).unwrap();
-        let h = FrameHeader::decode(&hb, 1 << 20).unwrap();
-        let mut payload = vec![0u8; h.payload_len as usize];
-        dup.read_exact(&mut payload).unwrap();
-        if h.kind == FrameKind::Data as u16 && h.microbatch == 7 {
-            got = true;
-            break;
-        }
-    }
-    assert!(got, "no data frame on the duplicate");
+    // What the node sends reaches the peer on the duplicate.
+    assert!(
+        reads_data_frame(&mut dup, 7),
+        "no data frame on the duplicate"
+    );
     // And what the peer sends on it reaches the node.
     let mut h = header(16);
     h.sender = PEER;
@@ -664,4 +673,67 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
         }
     }
     assert_eq!(told, ["lost", "connected"]);
+}
+
+/// Reads frames from `s` (heartbeats first, maybe) until a data frame of
+/// `microbatch`: whether one came before the stream ended or timed out.
+fn reads_data_frame(s: &mut TcpStream, microbatch: u64) -> bool {
+    for _ in 0..100 {
+        let mut hb = [0u8; HEADER_LEN];
+        if s.read_exact(&mut hb).is_err() {
+            return false;
+        }
+        let h = FrameHeader::decode(&hb, 1 << 20).unwrap();
+        let mut payload = vec![0u8; h.payload_len as usize];
+        if s.read_exact(&mut payload).is_err() {
+            return false;
+        }
+        if h.kind == FrameKind::Data as u16 && h.microbatch == microbatch {
+            return true;
+        }
+    }
+    false
+}
+
+/// A peer that dials a node twice: both ends keep the connection with the
+/// smaller handshake nonces, whichever finished its handshake first (the
+/// ends may see the two finish in either order; keeping the older one,
+/// each end kept its own, and each timed out the one it kept as silent).
+#[test]
+fn of_two_connections_dialled_by_one_side_the_smaller_nonces_are_kept() {
+    use common::raw_handshake_with_nonce;
+    let nonce = |first: u8| {
+        let mut n = [first; 32];
+        // Never the same twice (the node refuses a replayed handshake).
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        n[16..24].copy_from_slice(&now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes());
+        n
+    };
+    for small_first in [false, true] {
+        let node = patient_node();
+        let addr = node.local_addr().unwrap();
+        let dial = |first: u8| {
+            let s = TcpStream::connect(addr).unwrap();
+            let s = raw_handshake_with_nonce(s, Role::Connector, PEER, KEY, nonce(first), T);
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s
+        };
+        let order = if small_first {
+            [0x01, 0xf0]
+        } else {
+            [0xf0, 0x01]
+        };
+        let a = dial(order[0]);
+        wait_connected(&node);
+        let b = dial(order[1]);
+        wait_retired(&node);
+        let (mut small, _big) = if small_first { (a, b) } else { (b, a) };
+        let mut f = node.alloc(64, T).unwrap();
+        f.header.microbatch = 7;
+        node.send(PEER, f, T).unwrap();
+        assert!(
+            reads_data_frame(&mut small, 7),
+            "the node kept the connection with the larger nonces (smaller dialled first: {small_first})"
+        );
+    }
 }

@@ -1256,7 +1256,12 @@ impl Driver {
 
     /// Takes `t` into use for `peer`. When the peer has another connection
     /// (both dialled at once), both sides keep the one whose connector has
-    /// the smaller id and retire the other.
+    /// the smaller id and retire the other; of two dialled by the same
+    /// side, the one with the smaller handshake nonces. Both ends decide
+    /// the same from what both know: the order in which two connections
+    /// finish their handshakes may differ between the ends ("keep the
+    /// older" had the ends keep different ones, each silent on the one the
+    /// other kept until the peer timeout).
     fn connected(&mut self, t: Token, peer: u64) {
         let outbound = self.conns[&t].outbound.is_some();
         let Some(&other) = self.by_peer.get(&peer) else {
@@ -1279,12 +1284,15 @@ impl Driver {
             });
             return;
         };
-        // The same side twice: keep the older.
         let me = self.shared.node_id;
         let other_outbound = self.conns[&other].outbound.is_some();
         let connector = |ob: bool| if ob { me } else { peer };
-        let keep_new =
-            outbound != other_outbound && connector(outbound) < connector(other_outbound);
+        let keep_new = if outbound != other_outbound {
+            connector(outbound) < connector(other_outbound)
+        } else {
+            let nonces = |k: Token| self.conns[&k].machine.nonces();
+            nonces(t) < nonces(other)
+        };
         // One peer, one send-queue account: the kept connection takes over
         // the slot (senders waiting for room keep waiting, nothing fails).
         let slot = self.conns[&other].slot.clone();

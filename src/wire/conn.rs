@@ -153,6 +153,14 @@ impl Connection {
         self.peer_id
     }
 
+    /// The connector's and the acceptor's nonces, the same at both ends
+    /// (once the peer's hello is in): two connections between the same
+    /// pair of nodes are told apart by them in the same way at both ends.
+    pub fn nonces(&self) -> Option<([u8; NONCE_LEN], [u8; NONCE_LEN])> {
+        let t = self.transcript(self.peer.as_ref()?);
+        Some((t.connector_nonce, t.acceptor_nonce))
+    }
+
     /// True while a frame is partly received (a header, control or data
     /// payload, or a sliced data frame between its slices).
     pub fn in_frame(&self) -> bool {

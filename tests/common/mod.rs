@@ -263,20 +263,32 @@ pub fn raw_authenticated(
 /// Takes `s` through the handshake in `role` as node `id` with `key`
 /// (reads time out after `timeout`); returns it established.
 pub fn raw_handshake(
-    mut s: std::net::TcpStream,
+    s: std::net::TcpStream,
     role: gwtf::wire::Role,
     id: u64,
     key: &[u8],
     timeout: std::time::Duration,
 ) -> std::net::TcpStream {
-    use gwtf::wire::{ConnEvent, Connection, ReadTarget, SwarmKey};
-    use std::io::{Read, Write};
-    s.set_read_timeout(Some(timeout)).unwrap();
     let mut nonce = [0u8; 32];
     nonce[..8].copy_from_slice(&id.to_le_bytes());
     // Never the same twice (the node refuses a replayed handshake).
     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
     nonce[8..16].copy_from_slice(&now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes());
+    raw_handshake_with_nonce(s, role, id, key, nonce, timeout)
+}
+
+/// [`raw_handshake`] with this side's handshake nonce given.
+pub fn raw_handshake_with_nonce(
+    mut s: std::net::TcpStream,
+    role: gwtf::wire::Role,
+    id: u64,
+    key: &[u8],
+    nonce: [u8; 32],
+    timeout: std::time::Duration,
+) -> std::net::TcpStream {
+    use gwtf::wire::{ConnEvent, Connection, ReadTarget, SwarmKey};
+    use std::io::{Read, Write};
+    s.set_read_timeout(Some(timeout)).unwrap();
     let mut c = Connection::new(role, id, SwarmKey::new(key).unwrap(), nonce, 4 << 20);
     for _ in 0..10 {
         s.write_all(&c.take_outgoing()).unwrap();
