@@ -12,6 +12,20 @@ fn claim_of(idx: u32) -> Msg {
     }
 }
 
+/// Coordinator 1 of stage 2 (members 2 and 3, node 10 in stage 1) with
+/// iteration 0 open (holder 0, passed on from stage 1), and the
+/// microbatches per iteration.
+fn opened() -> (Node, u32) {
+    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+    let per = n.cfg.mb_per_iter;
+    let open = Msg::StartIter {
+        iter: 0,
+        holders: Arc::new(vec![0]),
+    };
+    deliver(&mut n, 10, open);
+    (n, per)
+}
+
 /// Members 2 and 3 claim holder 0's microbatches `0..per` in turn: the
 /// coordinator commits; its epoch, and the aggregate task its own commit
 /// starts here.
@@ -252,8 +266,7 @@ fn a_committed_or_final_iteration_grants_nothing_new() {
 /// epoch's failure; the member's failed aggregate task reports it.
 #[test]
 fn a_failed_all_reduce_is_committed_again() {
-    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
-    let per = n.cfg.mb_per_iter;
+    let (mut n, per) = opened();
     let commits = |acts: &[Action]| -> Vec<u64> {
         sends(acts)
             .iter()
@@ -263,11 +276,6 @@ fn a_failed_all_reduce_is_committed_again() {
             })
             .collect()
     };
-    let open = Msg::StartIter {
-        iter: 0,
-        holders: Arc::new(vec![0]),
-    };
-    deliver(&mut n, 10, open);
     let (mut first, mut agg) = (Vec::new(), None);
     for idx in 0..per {
         let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
@@ -814,13 +822,7 @@ fn swarm_steps_without_the_failed_all_reduce() {
 /// coordinator committed six microbatches and applied the mean of four).
 #[test]
 fn a_commit_counts_no_grant_of_a_node_outside_it() {
-    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
-    let per = n.cfg.mb_per_iter;
-    let open = Msg::StartIter {
-        iter: 0,
-        holders: Arc::new(vec![0]),
-    };
-    deliver(&mut n, 10, open);
+    let (mut n, per) = opened();
     for idx in 0..per - 1 {
         deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
     }
@@ -950,13 +952,7 @@ fn a_relay_commits_nothing_for_holders_all_gone() {
 /// all-reduce ended, and stays quiet while it runs.
 #[test]
 fn a_commit_goes_again_to_a_member_that_did_not_report() {
-    let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
-    let per = n.cfg.mb_per_iter;
-    let open = Msg::StartIter {
-        iter: 0,
-        holders: Arc::new(vec![0]),
-    };
-    deliver(&mut n, 10, open);
+    let (mut n, per) = opened();
     let (epoch, _) = claims_until_committed(&mut n, per);
     let done = |weights| Msg::AggDone {
         iter: 0,

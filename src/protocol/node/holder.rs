@@ -393,6 +393,37 @@ mod tests {
         assert!(n.dh.in_flight.is_empty());
     }
 
+    /// Holder 0 (peers: `peers`) in iteration 0, its microbatch (0, 0, 0)
+    /// embedded and its forward back from the last stage along 0, 10, 20,
+    /// 30, 40: the node, the microbatch, its path and the loss task (not
+    /// done yet).
+    fn at_the_loss(
+        policy: Policy,
+        peers: &[(NodeId, Stage)],
+    ) -> (Node, MbId, Arc<Vec<NodeId>>, TaskId) {
+        let mut n = started(policy, 0, 0, &[], peers);
+        let start = Msg::StartIter {
+            iter: 0,
+            holders: Arc::new(vec![0]),
+        };
+        let acts = deliver(&mut n, 0, start);
+        let m = mb(0, 0, 0);
+        let embed = runs(&acts).iter().find(|t| t.mb == Some(m)).unwrap().id;
+        n.handle(2 * SEC, Input::TaskDone { id: embed });
+        let path = Arc::new(vec![0, 10, 20, 30, 40]);
+        let fwd = Msg::Forward {
+            mb: m,
+            attempt: 0,
+            path: path.clone(),
+            label: None,
+            hint: None,
+            need_grad: true,
+            plan: None,
+        };
+        let loss = runs(&deliver(&mut n, 40, fwd))[0].id;
+        (n, m, path, loss)
+    }
+
     /// A stage's coordinator lost a contribution of a microbatch whose
     /// attempt is in flight: before its backward began, that attempt will
     /// contribute it (nothing restarted); once its backward began, it may
@@ -402,26 +433,8 @@ mod tests {
     #[test]
     fn a_restart_asked_during_the_backward_follows_the_attempt() {
         for in_backward in [false, true] {
-            let mut n = started(Policy::SwarmPlus, 0, 0, &[], &[(10, 1), (20, 2), (40, 4)]);
-            let start = Msg::StartIter {
-                iter: 0,
-                holders: Arc::new(vec![0]),
-            };
-            let acts = deliver(&mut n, 0, start);
-            let m = mb(0, 0, 0);
-            let embed = runs(&acts).iter().find(|t| t.mb == Some(m)).unwrap().id;
-            n.handle(2 * SEC, Input::TaskDone { id: embed });
-            let path = Arc::new(vec![0, 10, 20, 30, 40]);
-            let fwd = Msg::Forward {
-                mb: m,
-                attempt: 0,
-                path: path.clone(),
-                label: None,
-                hint: None,
-                need_grad: true,
-                plan: None,
-            };
-            let loss = runs(&deliver(&mut n, 40, fwd))[0].id;
+            let peers = [(10, 1), (20, 2), (40, 4)];
+            let (mut n, m, path, loss) = at_the_loss(Policy::SwarmPlus, &peers);
             let restart = Msg::Restart {
                 mb: m,
                 attempt: None,
@@ -462,26 +475,7 @@ mod tests {
     fn a_stage_that_lost_a_done_microbatch_is_rerun_from_the_node_before() {
         let peers = [(10, 1), (11, 1), (20, 2), (30, 3), (40, 4), (41, 4)];
         let done_holder = || {
-            let mut n = started(Policy::Gwtf, 0, 0, &[], &peers);
-            let start = Msg::StartIter {
-                iter: 0,
-                holders: Arc::new(vec![0]),
-            };
-            let acts = deliver(&mut n, 0, start);
-            let m = mb(0, 0, 0);
-            let embed = runs(&acts).iter().find(|t| t.mb == Some(m)).unwrap().id;
-            n.handle(2 * SEC, Input::TaskDone { id: embed });
-            let path = Arc::new(vec![0, 10, 20, 30, 40]);
-            let fwd = Msg::Forward {
-                mb: m,
-                attempt: 0,
-                path: path.clone(),
-                label: None,
-                hint: None,
-                need_grad: true,
-                plan: None,
-            };
-            let loss = runs(&deliver(&mut n, 40, fwd))[0].id;
+            let (mut n, m, path, loss) = at_the_loss(Policy::Gwtf, &peers);
             n.handle(3 * SEC, Input::TaskDone { id: loss });
             let back = Msg::Backward {
                 mb: m,
