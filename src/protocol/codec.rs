@@ -142,6 +142,12 @@ impl W {
         self.u32(m.iter);
         self.u32(m.idx);
     }
+    fn mbs(&mut self, v: &[MbId]) {
+        self.len(v.len());
+        for mb in v {
+            self.mb(mb);
+        }
+    }
     /// Microbatches with the hop each came from and went to.
     fn hops(&mut self, v: &[(MbId, NodeId, NodeId)]) {
         self.len(v.len());
@@ -251,6 +257,11 @@ impl<'a> R<'a> {
             iter: self.u32()?,
             idx: self.u32()?,
         })
+    }
+    /// As written by `W::mbs` (12 bytes each, checked before allocating).
+    fn mbs(&mut self) -> Result<Vec<MbId>, WireError> {
+        let n = self.len(12)?;
+        (0..n).map(|_| self.mb()).collect()
     }
     /// As written by `W::hops` (20 bytes each, checked before allocating).
     fn hops(&mut self) -> Result<Vec<(MbId, NodeId, NodeId)>, WireError> {
@@ -550,11 +561,13 @@ fn write_body(w: &mut W, m: &Msg) {
             epoch,
             members,
             digest,
+            mine,
         } => {
             w.u32(*iter);
             w.u64(*epoch);
             w.ids(members);
             w.u64(*digest);
+            w.mbs(mine);
         }
         Msg::AggDone {
             iter,
@@ -783,6 +796,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             epoch: r.u64()?,
             members: Arc::new(r.ids()?),
             digest: r.u64()?,
+            mine: Arc::new(r.mbs()?),
         },
         32 => Msg::AggDone {
             iter: r.u32()?,
@@ -1035,6 +1049,7 @@ pub fn samples() -> Vec<Msg> {
             epoch: 77,
             members: ids.clone(),
             digest: 0xd1,
+            mine: Arc::new(vec![mb]),
         },
         Msg::AggDone {
             iter: 4,

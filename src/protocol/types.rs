@@ -575,11 +575,16 @@ pub enum Msg {
     /// in this order. `digest` names exactly what the commit covers (its
     /// grants with their owners, and what it gave up), so that a successor
     /// can tell whether what it knows of it is all of it (see `deputy`).
+    /// `mine` lists the microbatches the commit counts as the receiving
+    /// member's: exactly what its contribution sums (a grant it holds that
+    /// the coordinator counts as another member's is left out, so no
+    /// microbatch is summed twice).
     Commit {
         iter: u32,
         epoch: u64,
         members: Arc<Vec<NodeId>>,
         digest: u64,
+        mine: Arc<Vec<MbId>>,
     },
     /// A member finished its part of the all-reduce of `iter` (commit
     /// `epoch`); `weights` digests the weights it aggregated on (0: not

@@ -93,6 +93,16 @@ impl Coordinator {
     }
 }
 
+/// The microbatches of a commit that `m` owns: its part of the sum.
+fn owned_by(ci: &CoordIter, m: NodeId) -> Arc<Vec<MbId>> {
+    Arc::new(
+        (ci.granted.iter())
+            .filter(|(_, g)| g.0 == m)
+            .map(|(mb, _)| *mb)
+            .collect(),
+    )
+}
+
 /// What a commit covers, as one number: its grants with their owners, then
 /// what it gave up (a successor that knows the same digests the same).
 pub(super) fn commit_digest(
@@ -639,9 +649,10 @@ impl Node {
             .filter(|&m| self.alive(m))
             .collect();
         let (list, digest, epoch) = (list.clone(), *digest, ci.epoch);
+        let mine: Vec<Arc<Vec<MbId>>> = silent.iter().map(|&m| owned_by(ci, m)).collect();
         let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
         ci.commit_sent = Some((list.clone(), digest, now));
-        for m in silent {
+        for (m, mine) in silent.into_iter().zip(mine) {
             let members = list.clone();
             self.send(
                 m,
@@ -650,6 +661,7 @@ impl Node {
                     epoch,
                     members,
                     digest,
+                    mine,
                 },
             );
         }
@@ -824,9 +836,10 @@ impl Node {
             let ci = &self.coordinating.coord_iters[&iter];
             let digest = commit_digest(&ci.granted, &ci.dropped);
             let now = self.now;
+            let mine: Vec<Arc<Vec<MbId>>> = members.iter().map(|&m| owned_by(ci, m)).collect();
             let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
             ci.commit_sent = Some((list.clone(), digest, now));
-            for m in members {
+            for (m, mine) in members.into_iter().zip(mine) {
                 self.send(
                     m,
                     Msg::Commit {
@@ -834,6 +847,7 @@ impl Node {
                         epoch,
                         members: list.clone(),
                         digest,
+                        mine,
                     },
                 );
             }

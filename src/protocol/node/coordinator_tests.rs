@@ -523,6 +523,8 @@ fn commit_by_1(wrong_digest: bool) -> (Msg, u64) {
         epoch,
         members: Arc::new(vec![1, 2, 3]),
         digest: commit_digest(&all, &BTreeSet::new()) ^ wrong_digest as u64,
+        // Delivered to node 2, which owns none of it.
+        mine: Arc::new(Vec::new()),
     };
     (commit, epoch)
 }
@@ -815,6 +817,34 @@ fn swarm_steps_without_the_failed_all_reduce() {
     }
 }
 
+/// The commit tells each member which microbatches it counts as that
+/// member's: exactly its grants (members 2 and 3 claimed every other one;
+/// the coordinator, 1, claimed none).
+#[test]
+fn a_commit_tells_each_member_its_own_grants() {
+    let (mut n, per) = opened();
+    let mut mine = BTreeMap::new();
+    for idx in 0..per {
+        let acts = deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
+        for (to, m) in sends(&acts) {
+            if let Msg::Commit { mine: list, .. } = m {
+                mine.insert(to, list.to_vec());
+            }
+        }
+    }
+    let owned = |m: u32| -> Vec<MbId> {
+        (0..per)
+            .filter(|i| i % 2 == m)
+            .map(|i| mb(0, 0, i))
+            .collect()
+    };
+    assert_eq!(mine.get(&2), Some(&owned(0)));
+    assert_eq!(mine.get(&3), Some(&owned(1)));
+    // Its own commit reaches it inside: it sums nothing.
+    assert!(n.member.acc[&0].agg_task.is_some());
+    assert!(n.member.acc[&0].agg_mine.is_empty());
+}
+
 /// A grant's owner that left the member set without its death being
 /// noticed here (a view change) is not left out of the all-reduce while
 /// its microbatch is counted in: its grants are redone before the commit,
@@ -1000,6 +1030,7 @@ fn a_commit_goes_again_to_a_member_that_did_not_report() {
         epoch,
         members: Arc::new(vec![1, 2, 3]),
         digest: 5,
+        mine: Arc::new(Vec::new()),
     };
     let acts = deliver(&mut m, 1, commit.clone());
     let task = runs(&acts)

@@ -56,6 +56,9 @@ pub(super) struct Acc {
     /// The members of the commit `agg_task` runs, and its digest.
     pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
     pub(super) agg_digest: u64,
+    /// What that commit counts as this member's: its contribution sums
+    /// exactly these (see `Msg::Commit`).
+    pub(super) agg_mine: Arc<Vec<MbId>>,
     /// The epoch whose all-reduce ended here with the mean (told again to
     /// a new coordinator, which may take the commit over: see `deputy`).
     pub(super) agg_finished: Option<u64>,
@@ -81,7 +84,7 @@ impl Node {
                 iter: *iter,
                 epoch,
                 members: a.agg_members.clone().unwrap_or_default(),
-                granted: a.granted.keys().copied().collect(),
+                granted: a.agg_mine.iter().copied().collect(),
             })
         })
     }
@@ -302,6 +305,7 @@ impl Node {
         epoch: u64,
         members: Arc<Vec<NodeId>>,
         digest: u64,
+        mine: Arc<Vec<MbId>>,
     ) {
         if self.member.last_commit == Some((iter, epoch)) {
             // Sent again: the coordinator has not heard how it ended.
@@ -317,13 +321,30 @@ impl Node {
             return;
         }
         self.member.last_commit = Some((iter, epoch));
-        self.member.acc.entry(iter).or_default();
+        let a = self.member.acc.entry(iter).or_default();
+        // The commit counts these as ours: a claim not answered yet or
+        // refused is granted (a reply may be on its way or lost). What it
+        // does not count as ours stays out of the sum: another member
+        // sums it (two members each granted the same microbatch by a
+        // coordinator and its successor summed it twice, the update
+        // counting 8 microbatches of 4). One it counts that this node
+        // never computed cannot be summed: the mean then counts fewer.
+        let mut summed = Vec::with_capacity(mine.len());
+        for mb in mine.iter() {
+            if let Some(c) = (a.pending.remove(mb)).or_else(|| a.refused.remove(mb)) {
+                a.granted.insert(*mb, c);
+            }
+            if a.granted.contains_key(mb) {
+                summed.push(*mb);
+            }
+        }
         let n = members.len() as u32;
         let t = self.run(TaskKind::Aggregate { members: n }, None, 0);
         let a = self.member.acc.get_mut(&iter).unwrap();
         a.agg_task = Some((t, epoch));
         a.agg_members = Some(members);
         a.agg_digest = digest;
+        a.agg_mine = Arc::new(summed);
         a.agg_finished = None;
         a.agg_failed = None;
     }
@@ -374,6 +395,37 @@ mod tests {
         assert!(!n.member.acc[&3].granted.contains_key(&other));
     }
 
+    /// A member sums exactly what the commit counts as its own: a grant
+    /// it holds that the coordinator counts as another member's stays out
+    /// (two members, each granted a microbatch by a coordinator and its
+    /// successor, summed it twice); a claim whose grant has not come yet
+    /// is in; a microbatch it never computed cannot be.
+    #[test]
+    fn a_member_sums_exactly_what_the_commit_counts_as_its_own() {
+        let mut n = started(Policy::Gwtf, 5, 2, &[3, 7], &[]);
+        let a = n.member.acc.entry(4).or_default();
+        for idx in [0, 1] {
+            a.granted.insert(mb(9, 4, idx), (1, 2, vec![]));
+        }
+        a.pending.insert(mb(9, 4, 2), (1, 2, vec![]));
+        let commit = Msg::Commit {
+            iter: 4,
+            epoch: 1,
+            members: Arc::new(vec![3, 5, 7]),
+            digest: 0,
+            mine: Arc::new(vec![mb(9, 4, 1), mb(9, 4, 2), mb(9, 4, 3)]),
+        };
+        let acts = deliver(&mut n, 3, commit);
+        let task = runs(&acts)
+            .iter()
+            .find(|t| t.kind == TaskKind::Aggregate { members: 3 })
+            .unwrap()
+            .id;
+        let plan = n.aggregate_plan(task).unwrap();
+        assert_eq!(plan.granted, vec![mb(9, 4, 1), mb(9, 4, 2)]);
+        assert!(n.member.acc[&4].granted.contains_key(&mb(9, 4, 2)));
+    }
+
     /// A commit runs the all-reduce once per (iteration, epoch): a repeated
     /// commit is ignored, a new epoch (a member was lost) runs it again.
     #[test]
@@ -385,6 +437,7 @@ mod tests {
             epoch: e,
             members: members.clone(),
             digest: 0,
+            mine: Arc::new(Vec::new()),
         };
         let aggregates = |a: &[Action]| {
             runs(a)

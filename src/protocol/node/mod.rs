@@ -673,7 +673,8 @@ impl Node {
                 epoch,
                 members,
                 digest,
-            } => self.on_commit(from, iter, epoch, members, digest),
+                mine,
+            } => self.on_commit(from, iter, epoch, members, digest, mine),
             Msg::AggDone {
                 iter,
                 epoch,
