@@ -479,6 +479,10 @@ pub(crate) struct PeerSlot {
     /// frames still queued: the coming writable event will pick up new
     /// frames, so a sender need not wake the poll thread for them.
     write_blocked: AtomicBool,
+    /// Bytes read from this peer (its frames' too, as they come in): a
+    /// peer whose large frame streams in over a slow link is alive though
+    /// none of its messages got through yet ([`Node::received_from`]).
+    pub(crate) received: AtomicU64,
 }
 
 #[derive(Default)]
@@ -498,6 +502,7 @@ impl PeerSlot {
             open: AtomicBool::new(true),
             resume_at: depth / 2,
             write_blocked: AtomicBool::new(false),
+            received: AtomicU64::new(0),
         }
     }
     /// `n` frames of a lane left the queue (sent or dropped).
@@ -1000,6 +1005,15 @@ impl Node {
     /// Whether `peer` is connected now (cheaper than [`Node::peers`]).
     pub fn is_connected(&self, peer: u64) -> bool {
         self.shared.peers.read().contains_key(&peer)
+    }
+
+    /// Bytes read so far from each connected peer (counted from its
+    /// current connection's start): what changed since the last call says
+    /// who is sending, frames still in flight included.
+    pub fn received_from(&self) -> Vec<(u64, u64)> {
+        (self.shared.peers.read().iter())
+            .map(|(p, s)| (*p, s.received.load(Ordering::Relaxed)))
+            .collect()
     }
 
     pub fn peers(&self) -> Vec<u64> {

@@ -1069,6 +1069,9 @@ impl Driver {
                                 budget = budget.saturating_sub(n);
                                 add(&shared.counters.wire_bytes_received, n as u64);
                                 c.last_rx = Instant::now();
+                                if let Some(s) = &c.slot {
+                                    s.received.fetch_add(n as u64, Ordering::Relaxed);
+                                }
                                 if c.frame_deadline.is_none() && c.machine.is_established() {
                                     c.frame_deadline = Some(c.last_rx + shared.opts.frame_timeout);
                                 }
@@ -1119,6 +1122,9 @@ impl Driver {
                                 budget = budget.saturating_sub(n);
                                 add(&shared.counters.wire_bytes_received, n as u64);
                                 c.last_rx = Instant::now();
+                                if let Some(s) = &c.slot {
+                                    s.received.fetch_add(n as u64, Ordering::Relaxed);
+                                }
                                 c.rx_filled += n;
                                 let chunk = &lease.as_slice()[start..start + n];
                                 c.machine.payload_read(chunk)
