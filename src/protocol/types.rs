@@ -238,7 +238,25 @@ pub struct Config {
     /// See `fence_on_pause`: ticks without a word from any peer after which
     /// a node whose coordinator is silent takes itself for the one cut off.
     pub isolation_ticks: u32,
+    /// A relay stage's coordinator leaves out of a commit the members
+    /// with no grant in it whose best measured link is far slower than
+    /// its usual ones ([`crate::protocol::SLOW_LINK_RATIO`]): their
+    /// all-reduce would hold the stage up for nothing of theirs. A member
+    /// that did not step with a commit (left out, or its all-reduce
+    /// failed) counts its weights without that update (its heartbeats
+    /// say so, and it serves no state) until its runtime downloads the
+    /// state again ([`crate::protocol::Node::caught_up`]). Off in the
+    /// simulator, whose nodes download no state after joining.
+    pub leave_out_stragglers: bool,
 }
+
+/// `Config::leave_out_stragglers`: a member whose best measured link is
+/// this many times slower than the median of its coordinator's links is
+/// far slower than the others...
+pub const SLOW_LINK_RATIO: f64 = 4.0;
+/// ...when its share of the stage's all-reduce over that link takes at
+/// least this long (seconds): a slow link that costs less is waited for.
+pub const SLOW_LINK_MIN_S: f64 = 0.1;
 
 impl Config {
     /// Defaults from docs/SPEC.md (prototype constants where they exist).
@@ -286,6 +304,7 @@ impl Config {
             recompute: false,
             fence_on_pause: false,
             isolation_ticks: 8,
+            leave_out_stragglers: false,
         }
     }
 
@@ -773,6 +792,10 @@ pub enum Input {
     TaskFailed { id: TaskId },
     /// The connection to `peer` broke (or the driver knows it is gone).
     PeerLost { peer: NodeId },
+    /// Bytes came from these peers since the driver last said so, with no
+    /// message yet perhaps (a large frame streaming in over a slow link
+    /// keeps the messages queued behind it): signs of life, like messages.
+    Heard { peers: Vec<NodeId> },
     /// Leave gracefully.
     Leave,
     /// Central-mcmf policy: the routes of this data holder (full paths, stage
@@ -873,6 +896,15 @@ pub enum Event {
     Fenced {
         reason: FenceReason,
         incarnation: u32,
+    },
+    /// The coordinator of `stage` committed `iter` without the members
+    /// `slow`, which had no grant in it and are behind links far slower
+    /// than the others' (`Config::leave_out_stragglers`): they download
+    /// the state again. Raised when that set changes.
+    LeftOut {
+        stage: Stage,
+        iter: u32,
+        slow: Vec<NodeId>,
     },
     /// The coordinator of `stage` found that the members of the aggregate of
     /// `iter` did not hold the same weights (digest per member): an error,

@@ -1482,6 +1482,8 @@ impl Sim {
             | Event::StateKept { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}
+            // Off in the simulator (`Config::leave_out_stragglers`).
+            Event::LeftOut { .. } => {}
             // Counted where the ring aborts (`Rings::aborted`).
             Event::AggregateFailed { .. } => {}
             Event::MemberRemoved { peer } => {

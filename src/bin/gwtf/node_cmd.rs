@@ -768,6 +768,11 @@ impl Printer {
                     "member": member,
                     "why": "a member's all-reduce ended without the mean: the stage commits again",
                 })),
+                Event::LeftOut { stage, iter, slow } => self.emit(json!({
+                    "event": "left_out", "stage": stage, "iteration": iter, "slow": slow,
+                    "why": "members with no grant behind links far slower than the others' \
+                            are left out of the stage's all-reduce: they download the state again",
+                })),
                 Event::StageResumed { stage } => {
                     self.emit(json!({"event": "stage_resumed", "stage": stage}))
                 }

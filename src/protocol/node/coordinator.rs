@@ -24,6 +24,8 @@ pub(super) struct Coordinator {
     /// none: that iteration keeps its grace, time for this node's own
     /// apply.)
     pub(super) synced: BTreeMap<u32, BTreeSet<NodeId>>,
+    /// The members the last commit left out (see `without_stragglers`).
+    pub(super) left_out: BTreeSet<NodeId>,
 }
 
 #[derive(Clone, Debug)]
@@ -801,7 +803,7 @@ impl Node {
             if !done || self.now < ci.retry_at || self.nobody_to_commit_for(iter) {
                 return;
             }
-            let members: BTreeSet<NodeId> = self
+            let alive: BTreeSet<NodeId> = self
                 .group
                 .members
                 .iter()
@@ -814,7 +816,7 @@ impl Node {
             // noticed here) are recomputed first.
             let outside: BTreeSet<NodeId> = (ci.granted.values())
                 .map(|g| g.0)
-                .filter(|o| !members.contains(o))
+                .filter(|o| !alive.contains(o))
                 .collect();
             if !outside.is_empty() {
                 for o in outside {
@@ -823,6 +825,8 @@ impl Node {
                 self.redo_lost(iter);
                 return;
             }
+            // Every grant's owner is among them still.
+            let members = self.without_stragglers(iter, alive);
             let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();
             // Epochs are unique across coordinators.
             ci.epoch = ((self.id as u64) << 32) | ((ci.epoch & 0xffff_ffff) + 1);
@@ -884,6 +888,38 @@ impl Node {
             }
         }
         self.apply_commit(iter, origin);
+    }
+
+    /// The members of `alive` to commit `iter` with: with
+    /// `Config::leave_out_stragglers`, a relay stage's members with no
+    /// grant in it whose links are far slower than the others'
+    /// ([`Node::slow_members`]) are left out. Their all-reduce would hold
+    /// the stage up for nothing of theirs to sum; left out, they download
+    /// the state again, off the stage's path. (A member whose weights are
+    /// behind, a joiner downloading the state again, stays in: its zero
+    /// share needs no weights, and the means it gets bring it up to date
+    /// after the download.)
+    fn without_stragglers(&mut self, iter: u32, alive: BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+        if !self.cfg.leave_out_stragglers || self.stage == 0 {
+            return alive;
+        }
+        let ci = &self.coordinating.coord_iters[&iter];
+        let granted: BTreeSet<NodeId> = ci.granted.values().map(|g| g.0).collect();
+        let slow = self.slow_members(&alive);
+        let (members, left_out): (BTreeSet<NodeId>, BTreeSet<NodeId>) = (alive.into_iter())
+            .partition(|m| *m == self.id || granted.contains(m) || !slow.contains(m));
+        // Told when the set changes, not at every commit (a member behind
+        // a slow link stays out for as long as it is).
+        let told = std::mem::replace(&mut self.coordinating.left_out, left_out.clone());
+        if !left_out.is_empty() && told != left_out {
+            let st = self.stage;
+            self.event(Event::LeftOut {
+                stage: st,
+                iter,
+                slow: left_out.into_iter().collect(),
+            });
+        }
+        members
     }
 
     /// Applies `iter`'s commit: the new weights version follows from the
@@ -966,7 +1002,16 @@ impl Node {
         if self.iters.last_applied.is_some_and(|a| a >= iter) {
             return;
         }
-        self.iters.applied(iter, version);
+        // Only a member whose all-reduce of the commit ended with the mean
+        // steps with it; one left out of the commit (or whose part failed)
+        // downloads the state again (the runtime), and holds no more
+        // updates meanwhile: what its heartbeats tell the coordinator.
+        let ran = (self.member.acc.get(&iter)).is_some_and(|a| a.agg_finished.is_some());
+        if self.cfg.leave_out_stragglers && !ran {
+            self.iters.missed(iter, version);
+        } else {
+            self.iters.applied(iter, version);
+        }
         let mut adopted = None;
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
             if !ci.applied && self.group.coord == Some(self.id) {

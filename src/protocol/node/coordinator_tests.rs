@@ -1048,3 +1048,153 @@ fn a_commit_goes_again_to_a_member_that_did_not_report() {
     assert_eq!(reports(&m.handle(t, Input::TaskDone { id: task })), 1);
     assert_eq!(reports(&deliver(&mut m, 1, commit)), 1);
 }
+
+/// Coordinator 1 of stage 2 with members 2, 3 and 4, leaving stragglers
+/// out (`Config::leave_out_stragglers` as `on`), its weights holding 5
+/// updates (iteration 4 applied), iteration 5 open, and the links it
+/// measured: 2.5 MB/s to everyone, 4 at `bw_4`.
+fn opened_with_straggler(on: bool, bw_4: f64) -> (Node, u32) {
+    let mut cfg = (*config(Policy::Gwtf)).clone();
+    cfg.leave_out_stragglers = on;
+    cfg.stage_state_bytes[2] = 4 << 20;
+    let mut n = started_with(Arc::new(cfg), 1, 2, &[2, 3, 4], &[(10, 1)]);
+    n.iters.downloaded((4, 9));
+    for (p, bw) in [(2, 2.5e6), (3, 2.5e6), (10, 2.5e6), (4, bw_4)] {
+        n.learn(p, if p == 10 { 1 } else { 2 });
+        let v = n.peers.get_mut(&p).unwrap();
+        (v.lat, v.bw) = (Some(0.01), Some(bw));
+    }
+    let open = Msg::StartIter {
+        iter: 5,
+        holders: Arc::new(vec![0]),
+    };
+    deliver(&mut n, 10, open);
+    let per = n.cfg.mb_per_iter;
+    (n, per)
+}
+
+/// The first `claimants` of members 2, 3 and 4 claim all of iteration 5's
+/// microbatches in turn: the members of the commit sent, and the `LeftOut`
+/// events raised.
+fn commit_of_5(n: &mut Node, per: u32, claimants: u32) -> (Vec<NodeId>, Vec<Event>) {
+    let (mut members, mut left_out) = (None, Vec::new());
+    for idx in 0..per {
+        let claim = Msg::Claim {
+            iter: 5,
+            mb: mb(0, 5, idx),
+            prev: 10,
+            next: 30,
+        };
+        let acts = deliver(n, 2 + (idx % claimants) as NodeId, claim);
+        for a in &acts {
+            match a {
+                Action::Send {
+                    msg: Msg::Commit { members: m, .. },
+                    ..
+                } => members = Some(m.to_vec()),
+                Action::Event(e @ Event::LeftOut { .. }) => left_out.push(e.clone()),
+                _ => {}
+            }
+        }
+    }
+    let mut members = members.expect("committed");
+    members.sort();
+    (members, left_out)
+}
+
+/// A member with no grant behind a link 20 times slower than the
+/// coordinator's others (its share of the all-reduce: 8 s) is left out;
+/// one twice as slow is waited for.
+#[test]
+fn a_member_far_slower_than_the_others_is_left_out_while_it_has_no_grant() {
+    let (mut n, per) = opened_with_straggler(true, 1.25e5);
+    let (members, left_out) = commit_of_5(&mut n, per, 2);
+    assert_eq!(members, vec![1, 2, 3]);
+    assert_eq!(
+        left_out,
+        vec![Event::LeftOut {
+            stage: 2,
+            iter: 5,
+            slow: vec![4]
+        }]
+    );
+    let (mut n, per) = opened_with_straggler(true, 1.25e6);
+    assert_eq!(commit_of_5(&mut n, per, 2), (vec![1, 2, 3, 4], vec![]));
+    // Off (the simulator): waited for.
+    let (mut n, per) = opened_with_straggler(false, 1.25e5);
+    assert_eq!(commit_of_5(&mut n, per, 2), (vec![1, 2, 3, 4], vec![]));
+}
+
+/// A slow member with grants is in the commit: its gradients are summed.
+#[test]
+fn a_slow_member_with_grants_is_waited_for() {
+    let (mut n, per) = opened_with_straggler(true, 1.25e5);
+    assert_eq!(commit_of_5(&mut n, per, 3), (vec![1, 2, 3, 4], vec![]));
+}
+
+/// A member left out of a commit holds weights without its update: it
+/// serves no state, and its heartbeats tell fewer updates, until the
+/// state it downloads again comes, or its runtime applied the updates
+/// after that state from the means it kept.
+#[test]
+fn a_member_left_out_holds_fewer_updates_until_it_downloads_the_state() {
+    let mut cfg = (*config(Policy::Gwtf)).clone();
+    cfg.leave_out_stragglers = true;
+    let mut n = started_with(Arc::new(cfg), 4, 2, &[1, 2], &[(10, 1)]);
+    n.iters.downloaded((4, 9));
+    deliver(
+        &mut n,
+        1,
+        Msg::Applied {
+            iter: 5,
+            version: 11,
+        },
+    );
+    assert_eq!((n.iters.updates(), n.iters.gap()), (5, true));
+    let acts = deliver(&mut n, 7, Msg::StateRequest);
+    assert!(
+        matches!(sends(&acts)[..], [(7, Msg::Heartbeat { updates: 5, .. })]),
+        "{acts:?}"
+    );
+    let acts = n.handle(
+        n.now,
+        Input::Message {
+            from: 1,
+            msg: Msg::StateResponse {
+                version: (5, 11),
+                members: Arc::new(vec![1, 2, 4]),
+                bytes: 0,
+                coord: 1,
+            },
+        },
+    );
+    assert!(sends(&acts).is_empty(), "{acts:?}");
+    assert_eq!((n.iters.updates(), n.iters.gap()), (6, false));
+    // Left out again; the state that comes is older than the update,
+    // which the runtime applies from the mean it kept.
+    deliver(
+        &mut n,
+        1,
+        Msg::Applied {
+            iter: 6,
+            version: 12,
+        },
+    );
+    assert_eq!((n.iters.updates(), n.iters.gap()), (6, true));
+    n.caught_up(6);
+    assert_eq!((n.iters.updates(), n.iters.gap()), (7, false));
+    let acts = deliver(&mut n, 7, Msg::StateRequest);
+    assert!(
+        matches!(
+            sends(&acts)[..],
+            [(
+                7,
+                Msg::StateResponse {
+                    version: (6, 12),
+                    ..
+                }
+            )]
+        ),
+        "{acts:?}"
+    );
+}

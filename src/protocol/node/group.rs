@@ -89,6 +89,14 @@ impl Node {
         })
     }
 
+    /// The runtime applied, after downloading the stage's state again, the
+    /// updates through `iter` that the stage applied meanwhile, from the
+    /// means it kept (see `Config::leave_out_stragglers`): its weights
+    /// hold them all, and it may serve them.
+    pub fn caught_up(&mut self, iter: u32) {
+        self.iters.caught_up(iter);
+    }
+
     /// Sets the digest of the weights this member holds (see `Msg::AggDone`).
     pub fn set_weights_digest(&mut self, digest: u64) {
         self.member.weights = digest;

@@ -127,6 +127,23 @@ impl Iterations {
         }
     }
 
+    /// The stage applied the aggregate of `iter` without this node (it was
+    /// left out of the commit, or its part of the all-reduce failed): the
+    /// weights do not hold that update, and the runtime downloads the
+    /// state again ([`Self::resynced`]).
+    pub(super) fn missed(&mut self, iter: u32, version: u64) {
+        self.version = (iter, version);
+        self.last_applied = Some(self.last_applied.map_or(iter, |a| a.max(iter)));
+    }
+
+    /// The runtime applied, after a state download, the updates through
+    /// `iter` from the means it kept: the weights hold them all.
+    pub(super) fn caught_up(&mut self, iter: u32) {
+        if self.last_applied.is_some_and(|a| a >= iter) && self.held.is_none_or(|h| h < iter) {
+            self.held = Some(iter);
+        }
+    }
+
     /// How many iterations' updates the weights hold: the last one applied
     /// plus one (0: none). What heartbeats and evictions carry, so that
     /// of two groups of one stage the one behind gives way.
@@ -204,6 +221,31 @@ mod tests {
         assert_eq!((j.updates(), j.gap()), (13, true));
         j.resynced((18, 9));
         assert_eq!((j.updates(), j.gap(), j.version), (19, false, (18, 9)));
+    }
+
+    /// An update applied without this node leaves a gap that the next
+    /// update does not close; the state downloaded again does.
+    #[test]
+    fn an_update_missed_is_not_counted_until_the_state_is_downloaded_again() {
+        let mut k = Iterations::default();
+        k.applied(0, 5);
+        k.applied(1, 6);
+        k.missed(2, 7);
+        assert_eq!((k.updates(), k.gap(), k.last_applied), (2, true, Some(2)));
+        k.applied(3, 8);
+        assert_eq!((k.updates(), k.gap(), k.last_applied), (2, true, Some(3)));
+        k.resynced((3, 8));
+        assert_eq!((k.updates(), k.gap(), k.version), (4, false, (3, 8)));
+        // A state of update 3, then the means of 4 and 5 kept while it came.
+        k.missed(4, 9);
+        k.applied(5, 10);
+        k.resynced((3, 8));
+        assert_eq!((k.updates(), k.gap()), (4, true));
+        k.caught_up(5);
+        assert_eq!((k.updates(), k.gap(), k.version), (6, false, (5, 10)));
+        // Never past what the stage applied.
+        k.caught_up(9);
+        assert_eq!(k.updates(), 6);
     }
 
     /// The iteration in progress is the latest one opened, and never one

@@ -361,6 +361,14 @@ impl Node {
             Input::TaskDone { id } => self.task_done(id),
             Input::TaskFailed { id } => self.task_failed(id),
             Input::PeerLost { peer } => self.peer_dead(peer),
+            Input::Heard { peers } => {
+                if self.phase != Phase::Left {
+                    let me = self.id;
+                    for p in peers.into_iter().filter(|&p| p != me) {
+                        self.heard_from(p, false);
+                    }
+                }
+            }
             Input::Leave => self.leave(),
             Input::SetPlan { paths } => {
                 self.plan = paths;

@@ -250,6 +250,49 @@ impl Node {
     }
 }
 
+impl Node {
+    /// Coordinator: the members of `members` (not itself) whose best
+    /// measured link (its own to them, or one a member reported) is
+    /// [`SLOW_LINK_RATIO`] times slower than the median of this node's
+    /// measured links to all its peers, and over which a member's share
+    /// of the stage's all-reduce takes at least [`SLOW_LINK_MIN_S`]. A
+    /// coordinator that is itself the slow one finds nobody slower.
+    pub(super) fn slow_members(&self, members: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+        let mut bws: Vec<f64> = (self.peers.values()).filter_map(|p| p.bw).collect();
+        if bws.len() < 2 || members.len() < 2 {
+            return BTreeSet::new();
+        }
+        bws.sort_by(f64::total_cmp);
+        let median = bws[bws.len() / 2];
+        let share = self.ring_chunk_bytes(1) * 2.0;
+        let mut best: BTreeMap<NodeId, f64> = BTreeMap::new();
+        let mut saw = |m: NodeId, bw: f64| {
+            let b = best.entry(m).or_insert(0.0);
+            *b = b.max(bw);
+        };
+        for &m in members {
+            if let Some(bw) = self.peers.get(&m).and_then(|p| p.bw) {
+                saw(m, bw);
+            }
+        }
+        for (&r, links) in &self.ring_links.reported {
+            for &(m, _, bw) in links {
+                saw(m, bw);
+                saw(r, bw);
+            }
+        }
+        (best.into_iter())
+            .filter(|&(m, bw)| {
+                m != self.id
+                    && members.contains(&m)
+                    && bw * SLOW_LINK_RATIO < median
+                    && share / bw >= SLOW_LINK_MIN_S
+            })
+            .map(|(m, _)| m)
+            .collect()
+    }
+}
+
 /// Each measured pair once, at the dearer of its two ways.
 fn both_ways(sent: &HashMap<(usize, usize), f64>) -> Vec<(usize, usize, f64)> {
     let mut pairs: HashMap<(usize, usize), f64> = HashMap::new();
