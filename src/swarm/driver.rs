@@ -8,6 +8,7 @@ use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
 use super::serving::{self, Admit, StateServer, DIGEST_LEN};
+use super::states_asked::StatesAsked;
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
@@ -45,14 +46,31 @@ const SLOW_WAIT: Duration = Duration::from_millis(200);
 /// stranger if the directory has not come within this.
 const STRANGER_GRACE: Duration = Duration::from_secs(5);
 
-/// A state download again after a missed update.
+/// A state download again after a missed update. The node stays in its
+/// stage's all-reduces meanwhile (a zero share: it has no grant while its
+/// work is held), and keeps their means: a state older than the stage's
+/// latest update ends it when the means of every update after the state's
+/// are kept (applied after the import, in order), so a download longer
+/// than an iteration still ends, and the stage never waits for it.
 pub(super) struct Resync {
     /// Work held until the state is in.
     held: VecDeque<Work>,
     retry_at: Instant,
-    /// The update missed: a state of this iteration or later ends it.
+    /// The latest update the stage applied: the weights must hold it.
     need: u32,
+    /// Since when no other member could be asked for the state (reported
+    /// as an error after [`NO_SOURCE_ERROR`]: a member that leaves at the
+    /// end of a run is no loss, and one that joins brings the state).
+    no_source_since: Option<Instant>,
 }
+
+/// A node that missed an update and finds no member to download the state
+/// from this long reports an error.
+const NO_SOURCE_ERROR: Duration = Duration::from_secs(10);
+
+/// Means kept for updates to apply after a state download, at most (the
+/// oldest go first: a state newer than them is then needed).
+const MEANS_KEPT_MAX: usize = 32;
 
 /// Something to send once the connection is up.
 pub(super) enum Out {
@@ -150,13 +168,31 @@ pub(super) struct Driver {
     /// Peers not in the directory that sent data frames: strangers unless
     /// introduced by then.
     pub(super) strangers: HashMap<NodeId, Instant>,
-    /// Peers this node asked for the stage's state and that have not sent
-    /// one since: a state from them that is no longer needed (a second one
-    /// after a retry) is dropped, not taken for a hostile peer's.
-    pub(super) state_asked: HashSet<NodeId>,
+    /// Peers this node asked for the stage's state, with the answers still
+    /// to come (a request and its retries: a peer that had sent the first
+    /// answer already sends one per request): a state from them that is no
+    /// longer needed is dropped, not taken for a hostile peer's.
+    pub(super) state_asked: StatesAsked,
     /// The states this node serves (one per requester, a few at once).
     pub(super) serving: StateServer,
+    /// Bytes read from each peer when last told to the protocol, and when
+    /// ([`Driver::tell_bytes_heard`]).
+    pub(super) rx_seen: HashMap<NodeId, u64>,
+    pub(super) rx_told: Option<Instant>,
+    /// Data frames waiting for room in a peer's send queue, in order (what
+    /// each is, for the log): this thread never waits for a slow peer. It
+    /// heard nothing while it waited (up to 5 s for a joiner's queue behind
+    /// an 85 MB state), and took itself for paused.
+    pub(super) backlog: HashMap<NodeId, VecDeque<(SharedFrame, &'static str)>>,
 }
+
+/// Data frames waiting for one peer, at most (beyond, the newest are
+/// dropped: its hops and all-reduce chunks are recovered as lost).
+const BACKLOG_MAX: usize = 1024;
+
+/// How often the bytes read from peers are told to the protocol (a tick
+/// of the runtime's, at most: what its suspicion counts in).
+const RX_TELL_EVERY: Duration = Duration::from_millis(50);
 
 /// The peers whose time in `m` has come by `now`.
 fn due(m: &HashMap<NodeId, Instant>, now: Instant) -> Vec<NodeId> {
@@ -259,10 +295,13 @@ impl Driver {
     /// different nodes, in either order).
     fn dispatch(&mut self, w: Work) {
         if let Some(r) = self.resync.as_mut() {
-            if !matches!(
-                w.kind,
-                WorkKind::ImportState { .. } | WorkKind::InitState { .. }
-            ) {
+            // A gradient of no grant is a zero share: it needs no weights.
+            let passes = match &w.kind {
+                WorkKind::ImportState { .. } | WorkKind::InitState { .. } => true,
+                WorkKind::Gradient { granted, .. } => granted.is_empty(),
+                _ => false,
+            };
+            if !passes {
                 r.held.push_back(w);
                 return;
             }
@@ -320,6 +359,7 @@ impl Driver {
                     held: VecDeque::new(),
                     retry_at: now + RESYNC_RETRY,
                     need: iter,
+                    no_source_since: None,
                 });
             }
         }
@@ -329,22 +369,57 @@ impl Driver {
             .coordinator()
             .filter(|&c| c != me)
             .or_else(|| self.node.stage_members().into_iter().find(|&m| m != me));
-        match src {
-            Some(c) => self.send(c, Msg::StateRequest),
-            None => self.error(format!(
-                "missed the update of iteration {iter} and no other member can serve the state"
-            )),
+        let Some(r) = self.resync.as_mut() else {
+            return;
+        };
+        match (src, r.no_source_since) {
+            (Some(c), _) => {
+                r.no_source_since = None;
+                self.send(c, Msg::StateRequest);
+            }
+            (None, None) => {
+                r.no_source_since = Some(now);
+                self.log(format!(
+                    "missed the update of iteration {iter} and no other member can serve the state now"
+                ));
+            }
+            (None, Some(t)) if now.duration_since(t) >= NO_SOURCE_ERROR => {
+                r.no_source_since = Some(now);
+                self.error(format!(
+                    "missed the update of iteration {iter} and no other member could serve the state for {} s",
+                    NO_SOURCE_ERROR.as_secs()
+                ));
+            }
+            (None, Some(_)) => {}
         }
     }
 
-    /// The state is in again: the held work goes to the trainer.
+    /// Whether the state imported, with the means kept, holds every update
+    /// through `need`.
+    fn caught_up_to(&self, need: u32) -> bool {
+        let after = self.applied_through.map_or(0, |a| a + 1);
+        (after..=need).all(|k| self.means.contains_key(&k))
+    }
+
+    /// The state is in again: the updates after it are applied from their
+    /// means, and the held work goes to the trainer.
     fn end_resync(&mut self) {
         if let Some(r) = self.resync.take() {
+            let after = self.applied_through.map_or(0, |a| a + 1);
             self.log(format!(
-                "the state holds the update of iteration {}: {} works held go on",
+                "the state holds the update of iteration {}{}: {} works held go on",
                 r.need,
+                if after <= r.need {
+                    format!(" with the means of {after}..={} kept", r.need)
+                } else {
+                    String::new()
+                },
                 r.held.len()
             ));
+            for k in after..=r.need {
+                self.apply(k);
+            }
+            self.node.caught_up(r.need);
             for w in r.held {
                 self.dispatch(w);
             }
@@ -575,12 +650,18 @@ impl Driver {
             self.means.remove(&iter);
             return;
         }
+        if let Some(r) = self.resync.as_mut() {
+            // A state is on its way: this update is applied after it (from
+            // its mean, kept) unless the state holds it.
+            r.need = r.need.max(iter);
+            self.keep_means_bounded();
+            return;
+        }
         if self.applied_through.map_or(iter > 0, |a| a + 1 < iter) {
             // The weights miss an update before this one (a state
             // downloaded stale): applying it, or taking a commit of no
             // microbatch for it, would leave weights that hold neither.
-            // The state is downloaded again instead.
-            self.means.remove(&iter);
+            // The state is downloaded again (this mean is kept for after).
             self.start_resync(iter);
             return;
         }
@@ -618,6 +699,13 @@ impl Driver {
                 .fetch_add(t.as_nanos() as u64, Ordering::Relaxed);
         }
         self.claimed_time.retain(|k, _| *k > iter);
+    }
+
+    /// At most [`MEANS_KEPT_MAX`] means wait for a state download.
+    fn keep_means_bounded(&mut self) {
+        while self.means.len() > MEANS_KEPT_MAX {
+            self.means.pop_first();
+        }
     }
 
     /// Frees what the protocol no longer keeps.
@@ -721,10 +809,11 @@ impl Driver {
                 }
                 // A state older than the update that was missed does not
                 // end a download again (the one asked for is on its way).
-                if let Some(r) = self.resync.as_mut() {
-                    if iteration >= r.need {
+                let need = self.resync.as_ref().map(|r| r.need);
+                if let Some(need) = need {
+                    if iteration >= need || self.caught_up_to(need) {
                         self.end_resync();
-                    } else {
+                    } else if let Some(r) = self.resync.as_mut() {
                         // An update was applied while it came (its server
                         // answered the retries with the state on its way,
                         // not with newer ones): asked again at once, not
@@ -829,8 +918,8 @@ impl Driver {
     // ---- sending
 
     fn send(&mut self, to: NodeId, msg: Msg) {
-        if matches!(msg, Msg::StateRequest) && self.state_asked.len() < PENDING_MAX {
-            self.state_asked.insert(to);
+        if matches!(msg, Msg::StateRequest) {
+            self.state_asked.asked(to);
         }
         if matches!(msg, Msg::StateResponse { .. }) {
             match self.serving.admit(to, Instant::now()) {
@@ -902,7 +991,7 @@ impl Driver {
         match self.net.send_control(to as u64, &env, SEND_WAIT) {
             Ok(()) => {
                 if let Some(f) = data {
-                    if let Err(e) = self.net.send_shared(to as u64, f.header, &f, SEND_WAIT) {
+                    if let Err(e) = self.send_data(to, f, msg.name()) {
                         self.log(format!("data of {} to {to:x}: {e}", msg.name()));
                     }
                 }
@@ -927,8 +1016,67 @@ impl Driver {
             self.connect(to, Out::Frame(f));
             return;
         }
-        if let Err(e) = self.net.send(to as u64, f, SEND_WAIT) {
+        if let Err(e) = self.send_data(to, f.into(), "an all-reduce chunk") {
             self.log(format!("all-reduce frame to {to:x}: {e}"));
+            self.agg.on_peer_lost(to as u64);
+        }
+    }
+
+    /// Queues data frame `f` to `to` without waiting: behind the frames
+    /// already waiting for it, or in its backlog when its send queue is
+    /// full ([`Driver::flush_backlog`] sends it on).
+    fn send_data(
+        &mut self,
+        to: NodeId,
+        f: SharedFrame,
+        what: &'static str,
+    ) -> Result<(), EngineError> {
+        if let Some(q) = self.backlog.get_mut(&to) {
+            if q.len() >= BACKLOG_MAX {
+                return Err(EngineError::Timeout(format!(
+                    "{BACKLOG_MAX} data frames wait for room already"
+                )));
+            }
+            q.push_back((f, what));
+            return Ok(());
+        }
+        match self
+            .net
+            .send_shared(to as u64, f.header, &f, Duration::ZERO)
+        {
+            Err(EngineError::Timeout(_)) => {
+                self.backlog.entry(to).or_default().push_back((f, what));
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Sends what waits in the backlogs as far as the peers' send queues
+    /// have room; a peer gone takes its backlog with it.
+    fn flush_backlog(&mut self) {
+        if self.backlog.is_empty() {
+            return;
+        }
+        let mut gone = Vec::new();
+        for (&to, q) in self.backlog.iter_mut() {
+            while let Some((f, what)) = q.front() {
+                match self.net.send_shared(to as u64, f.header, f, Duration::ZERO) {
+                    Ok(()) => {
+                        q.pop_front();
+                    }
+                    Err(EngineError::Timeout(_)) => break,
+                    Err(e) => {
+                        gone.push((to, format!("{} frames ({what} first): {e}", q.len())));
+                        break;
+                    }
+                }
+            }
+        }
+        self.backlog.retain(|_, q| !q.is_empty());
+        for (to, why) in gone {
+            self.backlog.remove(&to);
+            self.log(format!("dropped the data frames waiting for {to:x}: {why}"));
             self.agg.on_peer_lost(to as u64);
         }
     }
@@ -1177,6 +1325,12 @@ impl Driver {
                 // broke while both ends live, e.g. on a frame timeout).
                 self.agg.on_link_broken(peer);
                 if let Ok(id) = NodeId::try_from(peer) {
+                    if let Some(q) = self.backlog.remove(&id) {
+                        self.log(format!(
+                            "{} data frames waiting for {id:x} dropped with its connection",
+                            q.len()
+                        ));
+                    }
                     if self.pending.contains_key(&id) {
                         // What waits for it was queued for a connection
                         // dialled after this one broke (a node waking from
@@ -1352,7 +1506,7 @@ impl Driver {
             self.strangers.entry(from).or_insert(due);
         }
         let want_state =
-            !self.node.is_active() || self.resync.is_some() || self.state_asked.contains(&from);
+            !self.node.is_active() || self.resync.is_some() || self.state_asked.awaits(from);
         let sizes = self.port.sizes();
         match intake::check_frame(
             &f.header,
@@ -1396,7 +1550,7 @@ impl Driver {
             Msg::StateResponse { .. }
                 if self.node.is_active()
                     && self.resync.is_none()
-                    && self.state_asked.remove(&from) =>
+                    && self.state_asked.answered(from) =>
             {
                 // Asked for, and no longer needed (a retry's answer came
                 // first): dropped, its slot back to the pool.
@@ -1412,7 +1566,7 @@ impl Driver {
                 // a fence, of the stage it served then (importing it in
                 // another stage failed the trainer), or of a source it
                 // gave up.
-                self.state_asked.remove(&from);
+                self.state_asked.answered(from);
                 self.log(format!(
                     "a state of stage {} from {from:x} not waited for: dropped",
                     data.header.stage
@@ -1422,7 +1576,7 @@ impl Driver {
             Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
-                self.state_asked.remove(&from);
+                self.state_asked.answered(from);
                 match self.verify_state(data, *bytes) {
                     Ok(state) => {
                         let bytes = state.len();
@@ -1466,7 +1620,7 @@ impl Driver {
         }
         for id in due(&self.suspects, now) {
             self.suspects.remove(&id);
-            if self.state_asked.remove(&id) {
+            if self.state_asked.gone(id) {
                 // The state it was sending will not come: ask again now.
                 if let Some(r) = self.resync.as_mut() {
                     r.retry_at = now;
@@ -1513,6 +1667,34 @@ impl Driver {
                     self.lost.push_back(id);
                 }
             }
+        }
+    }
+
+    /// Tells the protocol which peers sent bytes since it was last told
+    /// (liveness counts any bytes, not only messages: a heartbeat queued
+    /// behind a state streaming over a slow link arrives seconds late, and
+    /// its sender was taken for silent). Peers cut off are not heard.
+    fn tell_bytes_heard(&mut self) {
+        let now = Instant::now();
+        if self.rx_told.is_some_and(|t| now < t + RX_TELL_EVERY) {
+            return;
+        }
+        self.rx_told = Some(now);
+        let mut heard = Vec::new();
+        let mut seen = HashMap::with_capacity(self.rx_seen.len());
+        for (peer, bytes) in self.net.received_from() {
+            let Ok(id) = NodeId::try_from(peer) else {
+                continue;
+            };
+            if bytes > 0 && self.rx_seen.get(&id) != Some(&bytes) && !self.cut_off.contains(&id) {
+                heard.push(id);
+            }
+            seen.insert(id, bytes);
+        }
+        self.rx_seen = seen;
+        if !heard.is_empty() {
+            heard.sort_unstable();
+            self.input(Input::Heard { peers: heard });
         }
     }
 
@@ -1568,6 +1750,8 @@ impl Driver {
                 let v = self.node.version().0;
                 self.start_resync(v);
             }
+            self.tell_bytes_heard();
+            self.flush_backlog();
             let now = self.now();
             if let Some(t) = self.node.timeout() {
                 if t <= now {

@@ -19,5 +19,6 @@ pub mod intake;
 pub mod model_trainer;
 pub mod runtime;
 mod serving;
+mod states_asked;
 pub mod store;
 pub mod work;

@@ -283,6 +283,7 @@ pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
     c.probe_bytes = 64 << 10;
     c.restart_empty_stages = true;
     c.fence_on_pause = true;
+    c.leave_out_stragglers = true;
     c.recompute = true;
     c
 }
@@ -461,6 +462,9 @@ impl Runtime {
             cut_off: Default::default(),
             strangers: HashMap::new(),
             state_asked: Default::default(),
+            rx_seen: Default::default(),
+            rx_told: None,
+            backlog: Default::default(),
             serving: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
