@@ -563,6 +563,8 @@ pub(crate) enum OutPayload {
     None,
     Lease(Lease),
     Shared(Arc<Lease>),
+    /// `len` bytes of a shared payload from `start` ([`Node::send_shared_range`]).
+    Range(Arc<Lease>, usize, usize),
     Bytes(Vec<u8>),
 }
 
@@ -859,6 +861,42 @@ impl Node {
         self.send_payload(peer, header, payload, timeout)
     }
 
+    /// Sends bytes `range` of `frame`'s payload under `header` as a data
+    /// frame of its own, without copying (the caller keeps its share): a
+    /// large payload in several frames, so that other data frames can go
+    /// between them. As [`Node::send_shared`] otherwise; a range outside
+    /// the payload is `InvalidArgument`.
+    pub fn send_shared_range(
+        &self,
+        peer: u64,
+        header: FrameHeader,
+        frame: &SharedFrame,
+        range: std::ops::Range<usize>,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let Some(lease) = frame.lease.clone() else {
+            return Err(EngineError::InvalidArgument(
+                "a range of a frame without payload".into(),
+            ));
+        };
+        if range.start > range.end || range.end > lease.as_slice().len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "bytes {range:?} of a payload of {} bytes",
+                lease.as_slice().len()
+            )));
+        }
+        let payload = OutPayload::Range(lease, range.start, range.end - range.start);
+        self.send_payload(peer, header, payload, timeout)
+    }
+
+    /// Data frames queued to `peer` and not written out yet (None: not
+    /// connected).
+    pub fn queued_data(&self, peer: u64) -> Option<usize> {
+        let slot = self.shared.peers.read().get(&peer).cloned()?;
+        let n = slot.queued.lock().queued;
+        Some(n)
+    }
+
     fn send_payload(
         &self,
         peer: u64,
@@ -869,6 +907,7 @@ impl Node {
         let bytes: &[u8] = match &payload {
             OutPayload::Lease(l) => l.as_slice(),
             OutPayload::Shared(l) => l.as_slice(),
+            OutPayload::Range(l, start, len) => &l.as_slice()[*start..*start + *len],
             OutPayload::None | OutPayload::Bytes(_) => &[],
         };
         let len = bytes.len() as u64;

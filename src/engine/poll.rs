@@ -98,6 +98,7 @@ impl OutItem {
             OutPayload::None => &[],
             OutPayload::Lease(l) => l.as_slice(),
             OutPayload::Shared(l) => l.as_slice(),
+            OutPayload::Range(l, start, len) => &l.as_slice()[*start..*start + *len],
             OutPayload::Bytes(b) => b,
         }
     }

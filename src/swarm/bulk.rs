@@ -86,6 +86,18 @@ pub fn key_of_frame(peer: NodeId, microbatch: u64, iteration: u64) -> Key {
 /// the abort, resume or complete marker near 2^64) rather than the second
 /// half of a bulk message (whose `iteration` names its message kind in the
 /// high 32 bits, never 0 and at most 2^16 - 1).
+/// Whether `h` is a frame of a state download's data (one chunk of it,
+/// see `state_stream`).
+pub fn is_state_frame(h: &crate::wire::FrameHeader) -> bool {
+    let state = codec::msg_type(&Msg::StateResponse {
+        version: (0, 0),
+        members: Default::default(),
+        bytes: 0,
+        coord: 0,
+    });
+    (h.iteration >> 32) == state as u64
+}
+
 pub fn is_allreduce_frame(h: &crate::wire::FrameHeader) -> bool {
     let kind = h.iteration >> 32;
     kind == 0 || kind > u16::MAX as u64

@@ -8,6 +8,7 @@ use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
 use super::serving::{self, Admit, StateServer, DIGEST_LEN};
+use super::state_stream::{ChunkError, StateReceiver, StateSender};
 use super::states_asked::StatesAsked;
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
@@ -184,6 +185,9 @@ pub(super) struct Driver {
     /// heard nothing while it waited (up to 5 s for a joiner's queue behind
     /// an 85 MB state), and took itself for paused.
     pub(super) backlog: HashMap<NodeId, VecDeque<(SharedFrame, &'static str)>>,
+    /// The states this node sends, chunk by chunk, and those it receives.
+    pub(super) state_sender: StateSender,
+    pub(super) state_receiver: StateReceiver,
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -420,7 +424,25 @@ impl Driver {
                 self.apply(k);
             }
             self.node.caught_up(r.need);
-            for w in r.held {
+            // A microbatch of iteration j runs on the weights of update
+            // j - 1: held past a later update, those weights are gone. The
+            // work is dropped (as a trainer's failure would be): the
+            // protocol sends the hop elsewhere.
+            let through = self.applied_through;
+            let (stale, held): (Vec<Work>, Vec<Work>) = r.held.into_iter().partition(|w| {
+                w.kind.is_microbatch_compute()
+                    && w.mb.is_some_and(|mb| through.is_some_and(|a| a >= mb.iter))
+            });
+            if !stale.is_empty() {
+                self.log(format!(
+                    "{} works held for microbatches whose weights are gone: dropped",
+                    stale.len()
+                ));
+            }
+            for w in stale {
+                self.works.remove(&w.id);
+            }
+            for w in held {
                 self.dispatch(w);
             }
         }
@@ -1163,8 +1185,31 @@ impl Driver {
         f.header.microbatch = microbatch;
         f.header.iteration = iteration;
         let f = SharedFrame::from(f);
+        if !self.net.is_connected(to as u64) {
+            self.serving.failed(to);
+            self.log(format!(
+                "the state for {to:x} not sent: it is not connected"
+            ));
+            return;
+        }
         self.serving.sending(to, f.clone());
-        self.send_now(to, msg, Some(f));
+        // The message, then its bytes in chunks (`state_stream`): the other
+        // data frames to `to` go between them.
+        self.send_now(to, msg, None);
+        self.state_sender.start(to, f);
+        self.pump_states();
+    }
+
+    /// Queues the next chunk of the states being sent where the peer's
+    /// data lane is empty.
+    fn pump_states(&mut self) {
+        if self.state_sender.is_empty() {
+            return;
+        }
+        for (to, why) in self.state_sender.pump(&self.net) {
+            self.serving.failed(to);
+            self.log(format!("the state for {to:x} went no further: {why}"));
+        }
     }
 
     /// Opens a connection to `to` and keeps `first` until it is up.
@@ -1325,6 +1370,8 @@ impl Driver {
                 // broke while both ends live, e.g. on a frame timeout).
                 self.agg.on_link_broken(peer);
                 if let Ok(id) = NodeId::try_from(peer) {
+                    self.state_sender.forget(id);
+                    self.state_receiver.forget(id);
                     if let Some(q) = self.backlog.remove(&id) {
                         self.log(format!(
                             "{} data frames waiting for {id:x} dropped with its connection",
@@ -1415,6 +1462,9 @@ impl Driver {
                 }
                 match decoded {
                     Ok(m) if m.is_bulk() => {
+                        if let Msg::StateResponse { bytes, .. } = &m {
+                            self.state_receiver.expect(from, *bytes);
+                        }
                         if let (Msg::StateResponse { bytes, .. }, Some(r)) =
                             (&m, self.resync.as_mut())
                         {
@@ -1522,6 +1572,31 @@ impl Driver {
                 self.drive_aggregation();
             }
             Ok(FrameUse::Bulk) => {
+                let f = if bulk::is_state_frame(&f.header) {
+                    let net = &self.net;
+                    match self
+                        .state_receiver
+                        .chunk(from, f, |len| net.alloc(len, COPY_WAIT))
+                    {
+                        Ok(Some(whole)) => whole,
+                        Ok(None) => return,
+                        Err(ChunkError::NoRoom(e)) => {
+                            // Asked for again (a joiner's retry, a resync's).
+                            self.log(format!("the state from {from:x} dropped: {e}"));
+                            return;
+                        }
+                        Err(ChunkError::Refused(e)) => {
+                            // Refused, not cut off: chunks split over a
+                            // connection and its duplicate come out of
+                            // order. The state is asked for again.
+                            let e = format!("the state from {from:x}: {e}");
+                            self.refuse(Some(from), Refusal::State, e);
+                            return;
+                        }
+                    }
+                } else {
+                    f
+                };
                 let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
                 let dropped = self.pairing.dropped;
                 if let Some((msg, data)) = self.pairing.on_data(key, f) {
@@ -1752,6 +1827,7 @@ impl Driver {
             }
             self.tell_bytes_heard();
             self.flush_backlog();
+            self.pump_states();
             let now = self.now();
             if let Some(t) = self.node.timeout() {
                 if t <= now {

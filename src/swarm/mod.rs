@@ -19,6 +19,7 @@ pub mod intake;
 pub mod model_trainer;
 pub mod runtime;
 mod serving;
+mod state_stream;
 mod states_asked;
 pub mod store;
 pub mod work;

@@ -465,6 +465,8 @@ impl Runtime {
             rx_seen: Default::default(),
             rx_told: None,
             backlog: Default::default(),
+            state_sender: Default::default(),
+            state_receiver: Default::default(),
             serving: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts

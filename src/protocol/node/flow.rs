@@ -119,7 +119,14 @@ impl Reservations {
 const FLOW_CAPACITY_MAX: u32 = 64;
 
 impl Node {
+    /// Flows this node can still take. None while its weights miss an
+    /// update the stage applied (a joiner downloading the state again,
+    /// with `Config::leave_out_stragglers`): a microbatch routed here would
+    /// wait for the download, and its iteration with it.
     pub(super) fn spare(&self) -> u32 {
+        if self.cfg.leave_out_stragglers && self.stage != 0 && self.iters.gap() {
+            return 0;
+        }
         let used = self.reservations.in_use();
         self.flow_capacity().saturating_sub(used as u32)
     }
@@ -731,5 +738,45 @@ mod tests {
         r.lifecycle.hold_s = Some(1e6);
         assert_eq!(r.flow_capacity(), FLOW_CAPACITY_MAX);
         assert_eq!(r.spare(), FLOW_CAPACITY_MAX);
+    }
+
+    /// A relay whose weights miss an update (it downloads the state again)
+    /// takes no flow until it holds it: a reservation is refused.
+    #[test]
+    fn a_relay_behind_an_update_takes_no_flow_until_it_catches_up() {
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.leave_out_stragglers = true;
+        let mut n = Node::new(Arc::new(cfg), 10, 2, 0.5, 4, 1);
+        n.handle(
+            SEC,
+            Input::Start {
+                peers: vec![(20, 1), (30, 3)],
+            },
+        );
+        n.iters.downloaded((4, 9));
+        assert_eq!(n.spare(), 4);
+        n.iters.missed(5, 10);
+        assert_eq!(n.spare(), 0);
+        let ask = Msg::FlowRequest {
+            label: 1,
+            sink: 30,
+            cost_from_source: 0.0,
+            expected_cost: 1.0,
+        };
+        let acts = deliver(&mut n, 20, ask);
+        assert!(
+            (sends(&acts).iter()).any(|(to, m)| *to == 20
+                && matches!(
+                    m,
+                    Msg::FlowResponse {
+                        accept: false,
+                        spare: 0,
+                        ..
+                    }
+                )),
+            "{acts:?}"
+        );
+        n.caught_up(5);
+        assert_eq!(n.spare(), 4);
     }
 }

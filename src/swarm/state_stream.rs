@@ -1,0 +1,315 @@
+//! A state sent in chunks, and put together again. A stage's state is one
+//! payload as large as its weights and optimizer state (85 MB for
+//! llama-small, gigabytes for the paper's models). Sent as one data frame
+//! it took its connection's data lane for the whole transfer (7 s at
+//! 100 Mbit/s): every data frame queued behind it waited that long, the
+//! all-reduce chunks among them, and a stage whose member was downloading
+//! the state stood still. Sent in chunks of [`CHUNK`] bytes, each queued
+//! only once the peer's data lane is empty, the other data frames go
+//! between two chunks: they wait one chunk at most.
+//!
+//! On the wire: the `StateResponse` message, then its bytes in data frames
+//! of the same kind whose `microbatch` field is the chunk's offset, in
+//! order. The receiver puts them together in a frame of the message's
+//! `bytes` and hands that on as the message's data; a state in one frame
+//! is a single chunk and goes on as it is.
+use crate::engine::{EngineError, Frame, Node as Net, SharedFrame};
+use crate::protocol::NodeId;
+use std::collections::HashMap;
+
+/// Bytes of one chunk: 0.3 s at 100 Mbit/s, what a frame queued behind it
+/// waits at most.
+pub(super) const CHUNK: usize = 4 << 20;
+
+/// States being sent, by requester.
+pub(super) struct StateSender {
+    /// (requester, the state, the offset of its next chunk).
+    streams: Vec<(NodeId, SharedFrame, usize)>,
+    /// Bytes of a chunk ([`CHUNK`]).
+    chunk: usize,
+}
+
+impl Default for StateSender {
+    fn default() -> StateSender {
+        StateSender::with_chunk(CHUNK)
+    }
+}
+
+impl StateSender {
+    pub(super) fn with_chunk(chunk: usize) -> StateSender {
+        StateSender {
+            streams: Vec::new(),
+            chunk: chunk.max(1),
+        }
+    }
+
+    /// Sends `state` to `to` from now on (one sent to it before is given
+    /// up: its answer is this one).
+    pub(super) fn start(&mut self, to: NodeId, state: SharedFrame) {
+        self.forget(to);
+        self.streams.push((to, state, 0));
+    }
+
+    /// `to` is gone: its state goes no further.
+    pub(super) fn forget(&mut self, to: NodeId) {
+        self.streams.retain(|s| s.0 != to);
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// Queues the next chunk of each state whose peer's data lane is
+    /// empty; the states that could not go on (peer gone), with why.
+    pub(super) fn pump(&mut self, net: &Net) -> Vec<(NodeId, String)> {
+        let mut failed = Vec::new();
+        let chunk = self.chunk;
+        self.streams.retain_mut(|(to, state, next)| {
+            match net.queued_data(*to as u64) {
+                None => {
+                    failed.push((*to, "not connected".to_string()));
+                    return false;
+                }
+                Some(0) => {}
+                Some(_) => return true,
+            }
+            let end = (*next + chunk).min(state.len());
+            let mut header = state.header;
+            header.microbatch = *next as u64;
+            match net.send_shared_range(*to as u64, header, state, *next..end, Default::default()) {
+                Ok(()) => {
+                    *next = end;
+                    end < state.len()
+                }
+                Err(EngineError::Timeout(_)) => true,
+                Err(e) => {
+                    failed.push((*to, e.to_string()));
+                    false
+                }
+            }
+        });
+        failed
+    }
+}
+
+/// A state being put together.
+struct Assembly {
+    /// Its bytes, as its message says.
+    total: usize,
+    /// Where the chunks go (allocated at the first chunk shorter than the
+    /// whole).
+    frame: Option<Frame>,
+    filled: usize,
+}
+
+/// Why a chunk was not taken.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum ChunkError {
+    /// Out of order, beyond the length announced, or of no state
+    /// announced: the sender breaks the rules.
+    Refused(String),
+    /// The frame pool has no room for the whole state now: it is dropped
+    /// (asked for again).
+    NoRoom(String),
+}
+
+/// States being received, by sender.
+#[derive(Default)]
+pub(super) struct StateReceiver {
+    by_peer: HashMap<NodeId, Assembly>,
+}
+
+impl StateReceiver {
+    /// `from`'s message announces a state of `bytes` (before its chunks).
+    pub(super) fn expect(&mut self, from: NodeId, bytes: u64) {
+        let total = bytes as usize;
+        self.by_peer.insert(
+            from,
+            Assembly {
+                total,
+                frame: None,
+                filled: 0,
+            },
+        );
+    }
+
+    /// `from` is gone: what came of its state is dropped.
+    pub(super) fn forget(&mut self, from: NodeId) {
+        self.by_peer.remove(&from);
+    }
+
+    /// A chunk of `from`'s state: the whole state once its last chunk is
+    /// in (None before). A chunk out of order or beyond the announced
+    /// length is an error (the state is dropped); a chunk of a state not
+    /// announced goes on as it is when it starts at offset 0 (the
+    /// message's length check then judges it). `alloc` gives the frame
+    /// the chunks go into.
+    pub(super) fn chunk(
+        &mut self,
+        from: NodeId,
+        f: Frame,
+        alloc: impl FnOnce(usize) -> Result<Frame, EngineError>,
+    ) -> Result<Option<Frame>, ChunkError> {
+        let offset = f.header.microbatch as usize;
+        let Some(a) = self.by_peer.get_mut(&from) else {
+            if offset == 0 {
+                return Ok(Some(f));
+            }
+            return Err(ChunkError::Refused(format!(
+                "a state chunk at byte {offset} of no state announced"
+            )));
+        };
+        let n = f.len();
+        if offset != a.filled || n == 0 || n > a.total - a.filled {
+            let (total, filled) = (a.total, a.filled);
+            self.by_peer.remove(&from);
+            return Err(ChunkError::Refused(format!(
+                "a state chunk of {n} bytes at byte {offset} (expected byte {filled} of {total})"
+            )));
+        }
+        if offset == 0 && n == a.total {
+            self.by_peer.remove(&from);
+            return Ok(Some(f));
+        }
+        if a.frame.is_none() {
+            match alloc(a.total) {
+                Ok(mut whole) => {
+                    whole.header = f.header;
+                    whole.header.microbatch = 0;
+                    whole.header.payload_len = a.total as u64;
+                    a.frame = Some(whole);
+                }
+                Err(e) => {
+                    let total = a.total;
+                    self.by_peer.remove(&from);
+                    return Err(ChunkError::NoRoom(format!(
+                        "no room for a state of {total} bytes: {e}"
+                    )));
+                }
+            }
+        }
+        let whole = a.frame.as_mut().expect("allocated");
+        whole.payload_mut()[offset..offset + n].copy_from_slice(f.payload());
+        a.filled += n;
+        if a.filled < a.total {
+            return Ok(None);
+        }
+        let a = self.by_peer.remove(&from).expect("present");
+        Ok(a.frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::NodeOptions;
+    use std::time::{Duration, Instant};
+
+    const T: Duration = Duration::from_secs(10);
+
+    fn net(listen: bool) -> Net {
+        let opts = NodeOptions {
+            listen: listen.then(|| "127.0.0.1:0".parse().unwrap()),
+            node_id: if listen { 2 } else { 1 },
+            max_payload: 1 << 20,
+            pool_bytes: 16 << 20,
+            swarm_key: b"state-stream-unit-test-key".to_vec(),
+            ..NodeOptions::default()
+        };
+        Net::new(opts).unwrap()
+    }
+
+    fn frame(net: &Net, bytes: &[u8], microbatch: u64) -> Frame {
+        let mut f = net.alloc_copy(bytes, T).unwrap();
+        f.header.microbatch = microbatch;
+        f.header.iteration = 39 << 32;
+        f
+    }
+
+    /// A state in chunks is put together; one in a single frame goes on as
+    /// it is; chunks out of order, or beyond the length announced, or of a
+    /// state never announced, are refused.
+    #[test]
+    fn chunks_are_put_together_in_order_only() {
+        let n = net(false);
+        let state: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        let mut r = StateReceiver::default();
+        r.expect(7, 1000);
+        let alloc = |len| n.alloc(len, T);
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[400..800], 400), alloc),
+            Ok(None)
+        ));
+        let whole = r
+            .chunk(7, frame(&n, &state[800..], 800), alloc)
+            .unwrap()
+            .unwrap();
+        assert_eq!((whole.payload(), whole.header.microbatch), (&state[..], 0));
+        assert_eq!(whole.header.iteration, 39 << 32);
+
+        r.expect(7, 1000);
+        let one = r.chunk(7, frame(&n, &state, 0), alloc).unwrap().unwrap();
+        assert_eq!(one.payload(), &state[..]);
+
+        r.expect(7, 1000);
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        let e = r.chunk(7, frame(&n, &state[..400], 0), alloc).unwrap_err();
+        assert!(
+            matches!(&e, ChunkError::Refused(m) if m.contains("expected byte 400 of 1000")),
+            "{e:?}"
+        );
+        // Dropped with the error: a chunk after it belongs to nothing.
+        assert!(r.chunk(7, frame(&n, &state[400..800], 400), alloc).is_err());
+
+        r.expect(7, 500);
+        assert!(r.chunk(7, frame(&n, &state[..600], 0), alloc).is_err());
+        // Not announced: a whole frame goes on (its message judges it).
+        let f = r
+            .chunk(8, frame(&n, &state[..10], 0), alloc)
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.len(), 10);
+    }
+
+    /// A state goes out one chunk at a time, each once the peer's data
+    /// lane is empty: a data frame sent while it streams arrives before the
+    /// state's next chunk, not after the whole state.
+    #[test]
+    fn a_data_frame_goes_between_two_chunks_of_a_state() {
+        let (a, b) = (net(false), net(true));
+        let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
+        let state: Vec<u8> = (0..256u32 * 1024).map(|i| (i % 251) as u8).collect();
+        let state = SharedFrame::from(frame(&a, &state, 0));
+        let mut s = StateSender::with_chunk(64 << 10);
+        s.start(peer as NodeId, state.clone());
+        assert_eq!(s.pump(&a), vec![]);
+        a.send(peer, frame(&a, b"between", 0), T).unwrap();
+        let deadline = Instant::now() + T;
+        while !s.is_empty() {
+            assert!(Instant::now() < deadline, "the state never went out");
+            assert!(s.pump(&a).is_empty());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut r = StateReceiver::default();
+        r.expect(1, state.len() as u64);
+        let mut got = Vec::new();
+        let mut whole = None;
+        while whole.is_none() {
+            let f = b.recv(T).unwrap();
+            got.push(f.len());
+            if f.len() == 7 {
+                continue;
+            }
+            whole = r.chunk(1, f, |len| b.alloc(len, T)).unwrap();
+        }
+        assert_eq!(got, vec![64 << 10, 7, 64 << 10, 64 << 10, 64 << 10]);
+        assert_eq!(whole.unwrap().payload(), state.payload());
+    }
+}
