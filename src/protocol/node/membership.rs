@@ -453,6 +453,27 @@ impl Node {
         }
     }
 
+    /// Bytes came from `from` (`Input::Heard`): a sign of life that keeps a
+    /// live peer from being suspected, and this node from taking itself
+    /// for cut off. Unlike a message it revives no peer taken for gone:
+    /// the bytes may be those of its goodbye, or of a frame it sent before
+    /// it was dropped.
+    pub(super) fn heard_bytes_from(&mut self, from: NodeId) {
+        self.last_heard_any = self.now;
+        if self.peers.get(&from).is_some_and(|p| p.dead) {
+            return;
+        }
+        if self.group.coord == Some(self.id) && self.group.members.contains(&from) {
+            self.group.member_heard.insert(from, self.now);
+        }
+        if let Some(p) = self.peers.get_mut(&from) {
+            p.last_heard = self.now;
+        }
+        if Some(from) == self.group.coord {
+            self.group.last_coord_heard = self.now;
+        }
+    }
+
     /// INTRODUCE: learns the peer, measures the RTT (an echo answers ours; a
     /// first introduction is echoed) and probes the bandwidth on first contact.
     #[allow(clippy::too_many_arguments)]
@@ -772,6 +793,35 @@ mod tests {
         assert!(!n.group.members.contains(&2));
         assert!(n.group.members.contains(&3));
         assert!(!n.alive(2) && n.alive(3));
+    }
+
+    /// Bytes streaming in from a member whose messages are queued behind
+    /// them (a state over a slow link) keep it a member; bytes from a peer
+    /// that said goodbye do not bring it back.
+    #[test]
+    fn bytes_keep_a_member_alive_but_revive_no_peer_gone() {
+        let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(10, 1)]);
+        let cfg = n.cfg.clone();
+        let mut t = SEC;
+        for _ in 0..(cfg.suspect_ticks + 2 * cfg.heartbeat_ticks) {
+            t += cfg.tick;
+            deliver(
+                &mut n,
+                3,
+                Msg::Heartbeat {
+                    members: None,
+                    coord: 1,
+                    updates: 0,
+                },
+            );
+            n.handle(t, Input::Heard { peers: vec![2] });
+            n.on_timeout(t);
+        }
+        assert!(n.group.members.contains(&2) && n.alive(2));
+        deliver(&mut n, 10, Msg::Goodbye);
+        assert!(!n.alive(10));
+        n.handle(t + cfg.tick, Input::Heard { peers: vec![10] });
+        assert!(!n.alive(10));
     }
 
     /// A peer taken for dead is said so (`PeerDead`), once: the runtime's

@@ -365,7 +365,7 @@ impl Node {
                 if self.phase != Phase::Left {
                     let me = self.id;
                     for p in peers.into_iter().filter(|&p| p != me) {
-                        self.heard_from(p, false);
+                        self.heard_bytes_from(p);
                     }
                 }
             }
