@@ -10,9 +10,11 @@
 //!
 //! On the wire: the `StateResponse` message, then its bytes in data frames
 //! of the same kind whose `microbatch` field is the chunk's offset, in
-//! order. The receiver puts them together in a frame of the message's
-//! `bytes` and hands that on as the message's data; a state in one frame
-//! is a single chunk and goes on as it is.
+//! order, the low half of `iteration` [`MORE`] on every chunk but the last.
+//! The receiver puts them together in a frame of the message's `bytes` and
+//! hands that on as the message's data; a state in one frame is a single
+//! chunk and goes on as it is. A last chunk that leaves the state short
+//! hands on what came, and the length check refuses it as cut off.
 use crate::engine::{EngineError, Frame, Node as Net, SharedFrame};
 use crate::protocol::NodeId;
 use std::collections::HashMap;
@@ -20,6 +22,10 @@ use std::collections::HashMap;
 /// Bytes of one chunk: 0.3 s at 100 Mbit/s, what a frame queued behind it
 /// waits at most.
 pub(super) const CHUNK: usize = 4 << 20;
+/// The low half of a chunk's `iteration` field: more chunks follow.
+pub(super) const MORE: u64 = 1;
+/// The low half of the `iteration` field.
+const LOW: u64 = 0xffff_ffff;
 
 /// States being sent, by requester.
 pub(super) struct StateSender {
@@ -76,6 +82,10 @@ impl StateSender {
             let end = (*next + chunk).min(state.len());
             let mut header = state.header;
             header.microbatch = *next as u64;
+            header.iteration &= !LOW;
+            if end < state.len() {
+                header.iteration |= MORE;
+            }
             match net.send_shared_range(*to as u64, header, state, *next..end, Default::default()) {
                 Ok(()) => {
                     *next = end;
@@ -151,6 +161,7 @@ impl StateReceiver {
         alloc: impl FnOnce(usize) -> Result<Frame, EngineError>,
     ) -> Result<Option<Frame>, ChunkError> {
         let offset = f.header.microbatch as usize;
+        let more = f.header.iteration & LOW != 0;
         let Some(a) = self.by_peer.get_mut(&from) else {
             if offset == 0 {
                 return Ok(Some(f));
@@ -167,7 +178,9 @@ impl StateReceiver {
                 "a state chunk of {n} bytes at byte {offset} (expected byte {filled} of {total})"
             )));
         }
-        if offset == 0 && n == a.total {
+        if offset == 0 && (n == a.total || !more) {
+            // Whole in one frame, or a single frame short of it (refused
+            // as cut off by the length check).
             self.by_peer.remove(&from);
             return Ok(Some(f));
         }
@@ -176,6 +189,7 @@ impl StateReceiver {
                 Ok(mut whole) => {
                     whole.header = f.header;
                     whole.header.microbatch = 0;
+                    whole.header.iteration &= !LOW;
                     whole.header.payload_len = a.total as u64;
                     a.frame = Some(whole);
                 }
@@ -191,11 +205,16 @@ impl StateReceiver {
         let whole = a.frame.as_mut().expect("allocated");
         whole.payload_mut()[offset..offset + n].copy_from_slice(f.payload());
         a.filled += n;
-        if a.filled < a.total {
+        if a.filled < a.total && more {
             return Ok(None);
         }
+        // Whole, or its last chunk came short: what came goes on, and the
+        // length check refuses it as cut off.
         let a = self.by_peer.remove(&from).expect("present");
-        Ok(a.frame)
+        Ok(a.frame.map(|mut whole| {
+            whole.truncate(a.filled);
+            whole
+        }))
     }
 }
 
@@ -219,41 +238,55 @@ mod tests {
         Net::new(opts).unwrap()
     }
 
-    fn frame(net: &Net, bytes: &[u8], microbatch: u64) -> Frame {
+    /// A chunk at `microbatch`, the last one unless `more`.
+    fn chunk_at(net: &Net, bytes: &[u8], microbatch: u64, more: bool) -> Frame {
         let mut f = net.alloc_copy(bytes, T).unwrap();
         f.header.microbatch = microbatch;
-        f.header.iteration = 39 << 32;
+        f.header.iteration = (39 << 32) | if more { MORE } else { 0 };
         f
     }
 
+    fn frame(net: &Net, bytes: &[u8], microbatch: u64) -> Frame {
+        chunk_at(net, bytes, microbatch, true)
+    }
+
     /// A state in chunks is put together; one in a single frame goes on as
-    /// it is; chunks out of order, or beyond the length announced, or of a
-    /// state never announced, are refused.
+    /// it is; a last chunk short of the length announced hands on what
+    /// came (the length check refuses it); chunks out of order, or beyond
+    /// the length announced, or of a state never announced, are refused.
     #[test]
     fn chunks_are_put_together_in_order_only() {
         let n = net(false);
         let state: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
         let mut r = StateReceiver::default();
-        r.expect(7, 1000);
         let alloc = |len| n.alloc(len, T);
+        r.expect(7, 1000);
         assert!(matches!(
             r.chunk(7, frame(&n, &state[..400], 0), alloc),
             Ok(None)
         ));
-        assert!(matches!(
-            r.chunk(7, frame(&n, &state[400..800], 400), alloc),
-            Ok(None)
-        ));
-        let whole = r
-            .chunk(7, frame(&n, &state[800..], 800), alloc)
-            .unwrap()
-            .unwrap();
+        let mid = frame(&n, &state[400..800], 400);
+        assert!(matches!(r.chunk(7, mid, alloc), Ok(None)));
+        let last = chunk_at(&n, &state[800..], 800, false);
+        let whole = r.chunk(7, last, alloc).unwrap().unwrap();
         assert_eq!((whole.payload(), whole.header.microbatch), (&state[..], 0));
         assert_eq!(whole.header.iteration, 39 << 32);
 
         r.expect(7, 1000);
-        let one = r.chunk(7, frame(&n, &state, 0), alloc).unwrap().unwrap();
-        assert_eq!(one.payload(), &state[..]);
+        let one = r.chunk(7, chunk_at(&n, &state, 0, false), alloc);
+        assert_eq!(one.unwrap().unwrap().payload(), &state[..]);
+
+        // Cut off, in one frame or more.
+        r.expect(7, 1000);
+        let short = r.chunk(7, chunk_at(&n, &state[..40], 0, false), alloc);
+        assert_eq!(short.unwrap().unwrap().len(), 40);
+        r.expect(7, 1000);
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        let short = chunk_at(&n, &state[400..500], 400, false);
+        assert_eq!(r.chunk(7, short, alloc).unwrap().unwrap().len(), 500);
 
         r.expect(7, 1000);
         assert!(matches!(
@@ -271,11 +304,8 @@ mod tests {
         r.expect(7, 500);
         assert!(r.chunk(7, frame(&n, &state[..600], 0), alloc).is_err());
         // Not announced: a whole frame goes on (its message judges it).
-        let f = r
-            .chunk(8, frame(&n, &state[..10], 0), alloc)
-            .unwrap()
-            .unwrap();
-        assert_eq!(f.len(), 10);
+        let f = r.chunk(8, chunk_at(&n, &state[..10], 0, false), alloc);
+        assert_eq!(f.unwrap().unwrap().len(), 10);
     }
 
     /// A state goes out one chunk at a time, each once the peer's data
