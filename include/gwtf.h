@@ -41,7 +41,7 @@
 /**
  * The wire version this library speaks (`gwtf_frame_header.version`).
  */
-#define GWTF_WIRE_VERSION 1
+#define GWTF_WIRE_VERSION 2
 
 /**
  * Size of the encoded frame header in bytes (== sizeof(gwtf_frame_header)).
@@ -72,7 +72,7 @@
 /**
  * Current version of `gwtf_peer_options` (what `_init` writes).
  */
-#define GWTF_PEER_OPTIONS_VERSION 2
+#define GWTF_PEER_OPTIONS_VERSION 3
 
 /**
  * Current version of `gwtf_peer_stats`.
@@ -418,6 +418,16 @@ enum gwtf_close_reason
   GWTF_CLOSE_REASON_DUPLICATE = 9,
   GWTF_CLOSE_REASON_TOO_MANY_CONNECTIONS = 10,
   GWTF_CLOSE_REASON_LOCAL = 11,
+  /**
+   * A frame's tag did not verify (changed, replayed or reordered on
+   * the way).
+   */
+  GWTF_CLOSE_REASON_MAC = 12,
+  /**
+   * Refused by an intake limit (connections or handshakes per address,
+   * handshakes at once, connections per node id).
+   */
+  GWTF_CLOSE_REASON_LIMIT = 13,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -938,7 +948,12 @@ typedef struct gwtf_node_options {
    * Emulated one-way delay on the send side (tests, demos). Default 0.
    */
   uint32_t link_delay_ms;
-  uint32_t reserved0;
+  /**
+   * 1: encrypt frame payloads (AES-256-GCM; a connection encrypts when
+   * either end asks). Every frame is authenticated either way. Default 0.
+   * (Was a reserved field that had to be 0: older callers get 0.)
+   */
+  uint32_t encrypt;
   /**
    * Emulated bandwidth cap on the send side, bytes/s (0: none). Default 0.
    */
@@ -1124,6 +1139,12 @@ typedef struct gwtf_peer_options {
    * forward waits while memory is full. Default 0. (Version 2.)
    */
   uint32_t recompute;
+  /**
+   * 1: encrypt frame payloads (AES-256-GCM; a connection encrypts when
+   * either end asks). Every frame is authenticated either way. Default
+   * 0. (Version 3.)
+   */
+  uint32_t encrypt;
 } gwtf_peer_options;
 
 /**

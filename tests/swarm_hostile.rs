@@ -25,8 +25,7 @@ use gwtf::swarm::runtime::{
     parse_directory, realtime_config, Peer, Refusal, Runtime, TimedTrainer, Trainer,
 };
 use gwtf::swarm::work::{Output, Work, WorkKind, WorkPort};
-use gwtf::wire::{encode_control_frame, FrameHeader, FrameKind};
-use std::io::Write;
+use gwtf::wire::{encode_control_frame, FrameHeader, FrameKind, HEAD_LEN};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -466,7 +465,7 @@ fn garbage_and_cut_off_tensor_frames_are_refused() {
         },
         [].iter(),
     );
-    raw.write_all(&encode_control_frame(
+    raw.send(&encode_control_frame(
         FrameKind::Control,
         44,
         &dir.encode().unwrap(),
@@ -474,7 +473,7 @@ fn garbage_and_cut_off_tensor_frames_are_refused() {
     .unwrap();
     let m = forward(MbId { idx: 1, ..mb }, vec![1, 44]);
     let env = codec::encode(&m).unwrap();
-    raw.write_all(&encode_control_frame(
+    raw.send(&encode_control_frame(
         FrameKind::Control,
         44,
         &env.encode().unwrap(),
@@ -484,8 +483,10 @@ fn garbage_and_cut_off_tensor_frames_are_refused() {
     h.sender = 44;
     h.payload_len = ACT_BYTES;
     (h.microbatch, h.iteration) = header_fields(&m);
-    raw.write_all(&h.encode()).unwrap();
-    raw.write_all(&vec![1u8; ACT_BYTES as usize / 3]).unwrap();
+    let mut frame = h.encode().to_vec();
+    frame.extend(vec![1u8; ACT_BYTES as usize]);
+    raw.send_prefix(&frame, HEAD_LEN + ACT_BYTES as usize / 3)
+        .unwrap();
     drop(raw);
 
     let said = swarm.refused(

@@ -129,6 +129,16 @@ impl Swarm {
         gate: impl Fn(NodeId) -> Option<Gate>,
         capacity: u32,
     ) -> Swarm {
+        Swarm::start_with_bootstrap(layout, gate, capacity, |_, all| all.to_vec())
+    }
+
+    /// `bootstrap(node, founders)`: the founders as `node` is told of them.
+    fn start_with_bootstrap(
+        layout: &[(NodeId, Stage)],
+        gate: impl Fn(NodeId) -> Option<Gate>,
+        capacity: u32,
+        bootstrap: impl Fn(&Peer, &[Peer]) -> Vec<Peer>,
+    ) -> Swarm {
         let run = model_run();
         let cfg = model_protocol_config(&run, MB_PER_ITER);
         let peers: Vec<Peer> = layout
@@ -150,7 +160,8 @@ impl Swarm {
                     discards: discards.clone(),
                 };
                 let cap = if p.stage == 0 { 4 } else { capacity };
-                let rt = runtime_holding(p, &peers, &cfg, trainer, false, cap);
+                let told = bootstrap(p, &peers);
+                let rt = runtime_holding(p, &told, &cfg, trainer, false, cap);
                 (p.id, rt)
             })
             .collect();
@@ -280,6 +291,53 @@ fn a_swarm_without_crashes_trains_exactly_the_reference() {
             s.user_copy_bytes
         );
     }
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// Someone on the path between a holder and the first stage's relays lets
+/// the handshakes through, then flips one byte of an activation: the relay
+/// refuses the frame (its tag does not verify) and closes the connection
+/// with the reason `mac`; the protocol sends the hop again, and the run
+/// trains exactly the reference: nothing tampered was trained on.
+#[test]
+fn a_tampered_activation_is_refused_and_the_hop_sent_again() {
+    use common::tamper_proxy::TamperProxy;
+    let tampered = Arc::new(AtomicUsize::new(0));
+    let proxies = std::sync::Mutex::new(Vec::new());
+    // Holder 1 reaches the stage-1 relays through proxies (it dials them:
+    // its id is the smaller, so both ends keep its connections).
+    let mut swarm = Swarm::start_with_bootstrap(
+        &layout(),
+        |_| None,
+        4,
+        |p, all| {
+            all.iter()
+                .map(|q| {
+                    let mut q = q.clone();
+                    if p.id == 1 && q.stage == 1 {
+                        let proxy = TamperProxy::start(q.addr, tampered.clone(), 1);
+                        q.addr = proxy.addr;
+                        proxies.lock().unwrap().push(proxy);
+                    }
+                    q
+                })
+                .collect()
+        },
+    );
+    swarm.iterations_done(ITERATIONS);
+    assert_eq!(
+        tampered.load(Ordering::SeqCst),
+        1,
+        "no activation was tampered"
+    );
+    let refused: u64 = swarm
+        .nodes
+        .iter()
+        .filter(|(id, _)| *id == 11 || *id == 12)
+        .map(|(_, rt)| rt.net_stats().tag_failures)
+        .sum();
+    assert_eq!(refused, 1, "the tampered frame was not refused for its tag");
+    drop(proxies);
     swarm.finish_and_check(ITERATIONS);
 }
 

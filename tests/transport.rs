@@ -11,10 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
-use gwtf::wire::{
-    crc32c, Connection, FrameHeader, FrameKind, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC,
-    HEADER_LEN,
-};
+use gwtf::wire::{crc32c, Connection, FrameHeader, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC};
 
 const KEY: &[u8] = b"transport-test-swarm-key-0123456";
 const T: Duration = Duration::from_secs(60);
@@ -290,8 +287,8 @@ fn server_opts() -> NodeOptions {
     }
 }
 
-/// Authenticates a raw socket the honest way; returns the stream.
-fn raw_authenticated(addr: SocketAddr, id: u64) -> TcpStream {
+/// Authenticates a raw socket the honest way; returns the raw peer.
+fn raw_authenticated(addr: SocketAddr, id: u64) -> common::RawPeer {
     common::raw_authenticated(addr, id, KEY, T)
 }
 
@@ -354,13 +351,11 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         });
         // A hello of another version.
         let mut v = TcpStream::connect(addr).unwrap();
-        let mut hello = gwtf::wire::handshake::Hello {
+        let mut hello = gwtf::wire::handshake::Preamble {
             role: Role::Connector,
-            node_id: 5,
-            nonce: [9; 32],
         }
         .encode();
-        hello[4] = 9;
+        hello[4] = 1;
         v.write_all(&hello).unwrap();
         check("hello version", true, &|r| {
             matches!(
@@ -384,13 +379,14 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         let mut c = Connection::new(
             Role::Connector,
             77,
-            SwarmKey::new(KEY).unwrap(),
-            [7; 32],
-            1 << 20,
+            &SwarmKey::new(KEY).unwrap(),
+            &gwtf::wire::NodeKey::generate().unwrap(),
+            &gwtf::wire::ConnOptions::new(1 << 20),
         );
         let mut sent = c.take_outgoing();
         rec.write_all(&sent).unwrap();
-        let mut srv_hello = [0u8; 48];
+        let mut srv_hello =
+            [0u8; gwtf::wire::handshake::PREAMBLE_LEN + gwtf::wire::handshake::MSG2_LEN];
         rec.read_exact(&mut srv_hello).unwrap();
         let (_, e) = gwtf::wire::conn::drive_bytes(&mut c, &srv_hello, &[]);
         assert!(e.is_none());
@@ -412,15 +408,13 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         // Slowloris in the handshake: one byte at a time, too slowly.
         let mut slow = TcpStream::connect(addr).unwrap();
         let t0 = Instant::now();
-        let hello = gwtf::wire::handshake::Hello {
+        let hello = gwtf::wire::handshake::Preamble {
             role: Role::Connector,
-            node_id: 6,
-            nonce: [1; 32],
         }
         .encode();
         std::thread::scope(|s2| {
             s2.spawn(|| {
-                for b in hello.iter().take(10) {
+                for b in hello.iter() {
                     if slow.write_all(&[*b]).is_err() {
                         break;
                     }
@@ -441,7 +435,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
             let _ = wait_event(&srv, "attacker connect", |e| {
                 matches!(e, Event::PeerConnected { .. })
             });
-            s.write_all(&bytes).unwrap();
+            s.send(&bytes).unwrap();
             check(what, false, pred);
         };
         let mut h = header(10).encode();
@@ -450,11 +444,11 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
             matches!(r, CloseReason::Protocol(WireError::BadMagic { .. }))
         });
         let mut hv = header(10);
-        hv.version = 2;
+        hv.version = 1;
         attack("wrong version", hv.encode().to_vec(), &|r| {
             matches!(
                 r,
-                CloseReason::Protocol(WireError::UnsupportedVersion { got: 2, .. })
+                CloseReason::Protocol(WireError::UnsupportedVersion { got: 1, .. })
             )
         });
         attack("oversized", header(1 << 40).encode().to_vec(), &|r| {
@@ -478,7 +472,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         std::thread::scope(|s2| {
             s2.spawn(|| {
                 for b in hb.iter().take(20) {
-                    if s.write_all(&[*b]).is_err() {
+                    if s.send_raw(&[*b]).is_err() {
                         break;
                     }
                     std::thread::sleep(Duration::from_millis(200));
@@ -658,7 +652,7 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
     h.microbatch = 9;
     let mut bytes = h.encode().to_vec();
     bytes.extend_from_slice(&[3u8; 16]);
-    dup.write_all(&bytes).unwrap();
+    dup.send(&bytes).unwrap();
     let back = node.recv(T).unwrap();
     assert_eq!((back.peer(), back.header.microbatch), (PEER, 9));
     // The caller was told that the peer's connection broke and the peer
@@ -675,65 +669,57 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
     assert_eq!(told, ["lost", "connected"]);
 }
 
-/// Reads frames from `s` (heartbeats first, maybe) until a data frame of
-/// `microbatch`: whether one came before the stream ended or timed out.
-fn reads_data_frame(s: &mut TcpStream, microbatch: u64) -> bool {
+/// Reads frames from `s` until a data frame of `microbatch`: whether one
+/// came before the stream ended or timed out.
+fn reads_data_frame(s: &mut common::RawPeer, microbatch: u64) -> bool {
     for _ in 0..100 {
-        let mut hb = [0u8; HEADER_LEN];
-        if s.read_exact(&mut hb).is_err() {
-            return false;
-        }
-        let h = FrameHeader::decode(&hb, 1 << 20).unwrap();
-        let mut payload = vec![0u8; h.payload_len as usize];
-        if s.read_exact(&mut payload).is_err() {
-            return false;
-        }
-        if h.kind == FrameKind::Data as u16 && h.microbatch == microbatch {
-            return true;
+        match s.read_frame() {
+            None => return false,
+            Some((h, _)) if h.microbatch == microbatch => return true,
+            Some(_) => {}
         }
     }
     false
 }
 
 /// A peer that dials a node twice: both ends keep the connection with the
-/// smaller handshake nonces, whichever finished its handshake first (the
+/// smaller handshake hash, whichever finished its handshake first (the
 /// ends may see the two finish in either order; keeping the older one,
 /// each end kept its own, and each timed out the one it kept as silent).
 #[test]
-fn of_two_connections_dialled_by_one_side_the_smaller_nonces_are_kept() {
-    use common::raw_handshake_with_nonce;
-    let nonce = |first: u8| {
-        let mut n = [first; 32];
-        // Never the same twice (the node refuses a replayed handshake).
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        n[16..24].copy_from_slice(&now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes());
-        n
-    };
+fn of_two_connections_dialled_by_one_side_the_smaller_handshake_hash_is_kept() {
+    // Both orders: the smaller hash on the first connection, then on the
+    // second (the hashes are random: dial again until the order comes).
     for small_first in [false, true] {
-        let node = patient_node();
-        let addr = node.local_addr().unwrap();
-        let dial = |first: u8| {
-            let s = TcpStream::connect(addr).unwrap();
-            let s = raw_handshake_with_nonce(s, Role::Connector, PEER, KEY, nonce(first), T);
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            s
-        };
-        let order = if small_first {
-            [0x01, 0xf0]
-        } else {
-            [0xf0, 0x01]
-        };
-        let a = dial(order[0]);
-        wait_connected(&node);
-        let b = dial(order[1]);
-        wait_retired(&node);
-        let (mut small, _big) = if small_first { (a, b) } else { (b, a) };
-        let mut f = node.alloc(64, T).unwrap();
-        f.header.microbatch = 7;
-        node.send(PEER, f, T).unwrap();
-        assert!(
-            reads_data_frame(&mut small, 7),
-            "the node kept the connection with the larger nonces (smaller dialled first: {small_first})"
-        );
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            assert!(tries <= 40, "the order {small_first} never came");
+            let node = patient_node();
+            let addr = node.local_addr().unwrap();
+            let dial = || {
+                let s = TcpStream::connect(addr).unwrap();
+                let p = common::raw_handshake(s, Role::Connector, PEER, KEY, T);
+                p.set_read_timeout(Duration::from_secs(10));
+                p
+            };
+            let a = dial();
+            wait_connected(&node);
+            let b = dial();
+            let hash = |p: &common::RawPeer| p.conn.handshake_hash().unwrap();
+            if (hash(&a) < hash(&b)) != small_first {
+                continue;
+            }
+            wait_retired(&node);
+            let (mut small, _big) = if small_first { (a, b) } else { (b, a) };
+            let mut f = node.alloc(64, T).unwrap();
+            f.header.microbatch = 7;
+            node.send(PEER, f, T).unwrap();
+            assert!(
+                reads_data_frame(&mut small, 7),
+                "the node kept the connection with the larger hash (smaller dialled first: {small_first})"
+            );
+            break;
+        }
     }
 }

@@ -27,6 +27,9 @@ type NodeOptions struct {
 	HeartbeatEvery  time.Duration
 	ConnectAttempts uint32
 	LogToStderr     bool
+	// Encrypt frame payloads (AES-256-GCM; a connection encrypts when
+	// either end asks). Every frame is authenticated either way.
+	Encrypt bool
 }
 
 // FrameHeader holds the user fields of a frame header.
@@ -140,6 +143,9 @@ func NewNode(o NodeOptions) (*Node, error) {
 	}
 	if o.LogToStderr {
 		opts.log_to_stderr = 1
+	}
+	if o.Encrypt {
+		opts.encrypt = 1
 	}
 	var p *C.gwtf_node
 	var cerr *C.gwtf_error

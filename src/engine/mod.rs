@@ -32,6 +32,7 @@
 //!   a peer whose socket is full does not wake the poll thread (the socket's
 //!   writable event will).
 
+mod admission;
 mod poll;
 
 use std::collections::HashMap;
@@ -47,7 +48,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::pool::{Lease, Pool, PoolError, PoolStats};
 use crate::wire::{
-    crc32c, ControlEnvelope, FrameHeader, FrameKind, GoodbyeReason, SwarmKey, WireError,
+    crc32c, ControlEnvelope, FrameHeader, FrameKind, GoodbyeReason, NodeKey, SwarmKey, WireError,
     FLAG_PAYLOAD_CRC, FRAME_MAGIC, WIRE_VERSION,
 };
 
@@ -78,14 +79,25 @@ pub struct NodeOptions {
     pub send_queue_depth: usize,
     /// Most connections (handshaking or established) at once.
     pub max_connections: usize,
+    /// Most inbound connections from one source address.
+    pub max_connections_per_address: usize,
+    /// Most inbound handshakes in progress from one source address.
+    pub max_handshakes_per_address: usize,
+    /// Most handshakes in progress at once (inbound and outbound).
+    pub max_handshakes: usize,
+    /// Most connections one node id may have at once (two when both ends
+    /// dial; more only while a broken one is being replaced).
+    pub max_connections_per_id: usize,
     /// Send a heartbeat after this much idle time on a link.
     pub heartbeat_interval: Duration,
     /// A peer silent for this long is reported lost.
     pub peer_timeout: Duration,
     /// A handshake must complete within this.
     pub handshake_timeout: Duration,
-    /// A frame must arrive within this from its first byte, plus
-    /// `payload_len / min_frame_rate`.
+    /// A frame must arrive within this from its first byte; a data frame's
+    /// payload earns `bytes / min_frame_rate` more per byte received (a
+    /// half-sent frame holds its pool slot only while its bytes keep
+    /// coming at that rate).
     pub frame_timeout: Duration,
     /// Slowest accepted payload rate in bytes per second (see `frame_timeout`).
     pub min_frame_rate: u64,
@@ -101,6 +113,12 @@ pub struct NodeOptions {
     pub link: Option<LinkEmulation>,
     /// Log connection events and refusals to stderr.
     pub log: bool,
+    /// This node's key pair, proved in every handshake (None: a fresh one
+    /// for this node's lifetime).
+    pub node_key: Option<NodeKey>,
+    /// Encrypt frame payloads (a connection encrypts when either end asks;
+    /// every frame is authenticated either way).
+    pub encrypt: bool,
 }
 
 impl Default for NodeOptions {
@@ -113,6 +131,10 @@ impl Default for NodeOptions {
             pool_bytes: 256 << 20,
             send_queue_depth: 8,
             max_connections: 1024,
+            max_connections_per_address: 64,
+            max_handshakes_per_address: 16,
+            max_handshakes: 256,
+            max_connections_per_id: 4,
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(5),
@@ -124,6 +146,8 @@ impl Default for NodeOptions {
             payload_crc_max: u64::MAX,
             link: None,
             log: false,
+            node_key: None,
+            encrypt: false,
         }
     }
 }
@@ -154,6 +178,9 @@ pub enum CloseReason {
     TooManyConnections,
     /// This node closed it (disconnect or shutdown).
     Local,
+    /// Refused by an intake limit (per address, handshakes at once, per
+    /// node id); says which.
+    Limit(String),
 }
 
 impl CloseReason {
@@ -167,10 +194,12 @@ impl CloseReason {
             CloseReason::Eof { .. } => 5,
             CloseReason::Io(_) => 6,
             CloseReason::Protocol(WireError::AuthFailed) => 8,
+            CloseReason::Protocol(WireError::Mac { .. }) => 12,
             CloseReason::Protocol(_) => 7,
             CloseReason::Duplicate => 9,
             CloseReason::TooManyConnections => 10,
             CloseReason::Local => 11,
+            CloseReason::Limit(_) => 13,
         }
     }
 }
@@ -203,6 +232,7 @@ impl fmt::Display for CloseReason {
             CloseReason::Duplicate => write!(f, "duplicate connection to the same peer"),
             CloseReason::TooManyConnections => write!(f, "too many connections"),
             CloseReason::Local => write!(f, "closed by this node"),
+            CloseReason::Limit(why) => write!(f, "intake limit: {why}"),
         }
     }
 }
@@ -430,6 +460,11 @@ pub struct NodeStats {
     pub peers_connected: u64,
     pub peers_lost: u64,
     pub connections_refused: u64,
+    /// Refusals of inbound connections counted but not reported as events
+    /// (a flood from one address is sampled: a few events per second).
+    pub refusals_unreported: u64,
+    /// Connections closed because a frame's tag did not verify.
+    pub tag_failures: u64,
     pub events_dropped: u64,
     /// Duplicate connections (both sides dialled at once) wound down
     /// without losing what travelled on them.
@@ -457,6 +492,8 @@ pub(crate) struct Counters {
     peers_connected: AtomicU64,
     peers_lost: AtomicU64,
     connections_refused: AtomicU64,
+    refusals_unreported: AtomicU64,
+    tag_failures: AtomicU64,
     events_dropped: AtomicU64,
     duplicates_retired: AtomicU64,
     duplicates_promoted: AtomicU64,
@@ -640,6 +677,10 @@ impl Node {
         }
         while opts.node_id == 0 {
             opts.node_id = random_u64();
+        }
+        if opts.node_key.is_none() {
+            opts.node_key =
+                Some(NodeKey::generate().map_err(|e| EngineError::InvalidArgument(e.to_string()))?);
         }
         let pool = Pool::new(opts.pool_bytes, opts.max_payload as usize)?;
         let poll = mio::Poll::new().map_err(EngineError::Io)?;
@@ -1080,6 +1121,8 @@ impl Node {
             peers_connected: l(&c.peers_connected),
             peers_lost: l(&c.peers_lost),
             connections_refused: l(&c.connections_refused),
+            refusals_unreported: l(&c.refusals_unreported),
+            tag_failures: l(&c.tag_failures),
             events_dropped: l(&c.events_dropped),
             duplicates_retired: l(&c.duplicates_retired),
             duplicates_promoted: l(&c.duplicates_promoted),

@@ -12,11 +12,13 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
+use super::admission::{Admission, Limits};
 use super::{add, CloseReason, Cmd, Event, Frame, OutPayload, PeerSlot, Shared};
 use crate::pool::Lease;
 use crate::wire::{
-    encode_control_frame, slice_head, sliced_head, ConnEvent, Connection, FrameKind, Goodbye,
-    GoodbyeReason, Heartbeat, ReadTarget, Role, SwarmKey, HEADER_LEN, MAX_SLICE_LEN,
+    encode_control_frame, slice_head, sliced_head, ConnEvent, ConnOptions, Connection, FrameKind,
+    Goodbye, GoodbyeReason, Heartbeat, NodeKey, ReadTarget, Role, SwarmKey, HEADER_LEN, HEAD_LEN,
+    MAX_SLICE_LEN, TAG_LEN,
 };
 
 pub(crate) const WAKER: Token = Token(0);
@@ -35,8 +37,9 @@ const RCVLOWAT_MAX: usize = 1 << 20;
 const SLICE_MAX: usize = 256 << 10;
 const SLICE_MIN: usize = 16 << 10;
 const _: () = assert!(SLICE_MAX <= MAX_SLICE_LEN);
-/// Units (whole frames, slices) planned per write round.
-const MAX_UNITS: usize = MAX_IOV / 2 - 1;
+/// Units (whole frames, slices: header, tag, payload) planned per write
+/// round.
+const MAX_UNITS: usize = MAX_IOV / 3 - 1;
 /// Most bytes written to one connection per turn before serving the
 /// others (the rest goes out on the next turn, at once).
 const WRITE_BUDGET: usize = 8 << 20;
@@ -56,40 +59,77 @@ struct OutItem {
 }
 
 /// A piece of the byte stream, planned in order: a whole frame, the header
-/// that opens a sliced data frame, or one slice of it.
+/// that opens a sliced data frame, or one slice of it. Each is sealed when
+/// planned (its tag; with encryption, `enc` is the payload to send).
 enum Unit {
-    Item(OutItem),
-    Open(Box<[u8; HEADER_LEN]>),
+    Item {
+        item: OutItem,
+        tag: [u8; TAG_LEN],
+        enc: Option<Vec<u8>>,
+    },
+    Open {
+        head: Box<[u8; HEADER_LEN]>,
+        tag: [u8; TAG_LEN],
+    },
     Slice {
         head: [u8; HEADER_LEN],
+        tag: [u8; TAG_LEN],
         start: usize,
         len: usize,
         last: bool,
+        enc: Option<Vec<u8>>,
     },
 }
 
 impl Unit {
     /// Its bytes; a slice's payload is in `sliced`, the open sliced frame.
-    fn parts<'a>(&'a self, sliced: Option<&'a OutItem>) -> [&'a [u8]; 2] {
+    fn parts<'a>(&'a self, sliced: Option<&'a OutItem>) -> [&'a [u8]; 3] {
         match self {
-            Unit::Item(i) => [&i.head[..], i.payload()],
-            Unit::Open(h) => [&h[..], &[]],
+            Unit::Item { item, tag, enc } => [
+                &item.head[..],
+                &tag[..],
+                enc.as_deref().unwrap_or(item.payload()),
+            ],
+            Unit::Open { head, tag } => [&head[..], &tag[..], &[]],
             Unit::Slice {
-                head, start, len, ..
+                head,
+                tag,
+                start,
+                len,
+                enc,
+                ..
             } => [
                 &head[..],
-                sliced.map_or(&[][..], |s| &s.payload()[*start..*start + *len]),
+                &tag[..],
+                match enc {
+                    Some(e) => &e[..],
+                    None => sliced.map_or(&[][..], |s| &s.payload()[*start..*start + *len]),
+                },
             ],
         }
     }
     fn total(&self) -> usize {
-        HEADER_LEN
+        HEAD_LEN
             + match self {
-                Unit::Item(i) => i.payload().len(),
-                Unit::Open(_) => 0,
+                Unit::Item { item, .. } => item.payload().len(),
+                Unit::Open { .. } => 0,
                 Unit::Slice { len, .. } => *len,
             }
     }
+}
+
+/// Seals the next frame of `machine` (established: `plan` runs only then).
+fn seal(
+    machine: &mut Connection,
+    copies: &mut u64,
+    head: &[u8; HEADER_LEN],
+    payload: &[u8],
+) -> ([u8; TAG_LEN], Option<Vec<u8>>) {
+    let (tag, enc) = machine
+        .seal(head, payload)
+        .expect("frames are planned on established connections only");
+    *copies += enc.is_some() as u64;
+    (tag, enc)
 }
 
 impl OutItem {
@@ -155,6 +195,8 @@ struct Conn {
     sliced: Option<OutItem>,
     /// Payload bytes of `sliced` already planned into slices.
     sliced_next: usize,
+    /// Payloads copied to be encrypted, not yet counted in the stats.
+    copies: u64,
     rx_lease: Option<Lease>,
     rx_filled: usize,
     awaiting_slot: bool,
@@ -179,6 +221,10 @@ struct Conn {
     retired: bool,
     /// The peer ended its side (a retired connection that still sends).
     peer_eof: bool,
+    /// The source address an inbound connection counts against.
+    admitted_ip: Option<std::net::IpAddr>,
+    /// Counted among the handshakes in progress (until established).
+    handshake_counted: bool,
     /// A frame arrived after the handshake: the peer has this connection
     /// up too (a retired duplicate ends its side only once the kept
     /// connection has heard from the peer, so the peer never sees the end
@@ -204,6 +250,17 @@ impl Conn {
         }
     }
 
+    /// Seals a whole frame and plans it.
+    fn push_item(&mut self, item: OutItem) {
+        let (tag, enc) = seal(
+            &mut self.machine,
+            &mut self.copies,
+            &item.head,
+            item.payload(),
+        );
+        self.wire.push_back(Unit::Item { item, tag, enc });
+    }
+
     /// Plans the next units when none is left to write: every ready
     /// control frame first, then data, up to one slice's worth. Returns
     /// when a frame that is not ready yet (link delay) will be.
@@ -220,8 +277,8 @@ impl Conn {
         while self.wire.len() < MAX_UNITS {
             match self.ctrlq.front() {
                 Some(i) if i.ready(now) => {
-                    let i = self.ctrlq.pop_front().expect("non-empty");
-                    self.wire.push_back(Unit::Item(i));
+                    let item = self.ctrlq.pop_front().expect("non-empty");
+                    self.push_item(item);
                 }
                 Some(i) => {
                     note(i);
@@ -238,11 +295,20 @@ impl Conn {
                 let len = (total - self.sliced_next).min(slice);
                 let start = self.sliced_next;
                 self.sliced_next += len;
+                let head = slice_head(sender, len as u64);
+                let (tag, enc) = seal(
+                    &mut self.machine,
+                    &mut self.copies,
+                    &head,
+                    &s.payload()[start..start + len],
+                );
                 self.wire.push_back(Unit::Slice {
-                    head: slice_head(sender, len as u64),
+                    head,
+                    tag,
                     start,
                     len,
                     last: self.sliced_next == total,
+                    enc,
                 });
                 // One slice per round; a sliced frame's last slice must be
                 // out before the next data frame is planned.
@@ -257,14 +323,15 @@ impl Conn {
             }
             let item = self.dataq.pop_front().expect("non-empty");
             if item.payload().len() > slice {
-                self.wire
-                    .push_back(Unit::Open(Box::new(sliced_head(&item.head))));
+                let head = Box::new(sliced_head(&item.head));
+                let (tag, _) = seal(&mut self.machine, &mut self.copies, &head, &[]);
+                self.wire.push_back(Unit::Open { head, tag });
                 self.sliced = Some(item);
                 self.sliced_next = 0;
                 continue;
             }
-            budget = budget.saturating_sub(item.payload().len() + HEADER_LEN);
-            self.wire.push_back(Unit::Item(item));
+            budget = budget.saturating_sub(item.payload().len() + HEAD_LEN);
+            self.push_item(item);
         }
         if self.wire.is_empty() {
             later
@@ -312,6 +379,8 @@ pub(crate) struct Driver {
     poll: Poll,
     listener: Option<TcpListener>,
     key: SwarmKey,
+    node_key: NodeKey,
+    conn_opts: ConnOptions,
     cmd_rx: Receiver<Cmd>,
     frames_tx: Sender<Frame>,
     events_tx: Sender<Event>,
@@ -330,16 +399,11 @@ pub(crate) struct Driver {
     /// Connections closed while the link was cut: a duplicate of each
     /// socket keeps it open (no FIN leaves) until the link is back.
     held_closed: Vec<std::os::fd::OwnedFd>,
+    admission: Admission,
 }
 
 /// A turn later than this is this node's own stall, not its peers'.
 const OWN_STALL_MIN: Duration = Duration::from_millis(250);
-
-fn nonce() -> [u8; 32] {
-    let mut n = [0u8; 32];
-    getrandom::fill(&mut n).expect("OS random source");
-    n
-}
 
 /// Before waiting for more bytes: inside a payload, ask the kernel to wake
 /// the poll thread only once `min(remaining, RCVLOWAT_MAX)` bytes are queued
@@ -388,11 +452,27 @@ impl Driver {
         if let Some(l) = listener.as_mut() {
             poll.registry().register(l, LISTENER, Interest::READABLE)?;
         }
+        let node_key = shared
+            .opts
+            .node_key
+            .clone()
+            .expect("Node::new sets the node key");
+        let limits = Limits {
+            per_address: shared.opts.max_connections_per_address,
+            handshakes_per_address: shared.opts.max_handshakes_per_address,
+            handshakes: shared.opts.max_handshakes,
+        };
+        let conn_opts = ConnOptions {
+            encrypt: shared.opts.encrypt,
+            ..ConnOptions::new(shared.opts.max_payload)
+        };
         Ok(Self {
             shared,
             poll,
             listener,
             key,
+            node_key,
+            conn_opts,
             cmd_rx,
             frames_tx,
             events_tx,
@@ -405,7 +485,42 @@ impl Driver {
             due_back: None,
             was_cut: false,
             held_closed: Vec::new(),
+            admission: Admission::new(limits),
         })
+    }
+
+    /// A connection refused (before or during its handshake, or by a
+    /// limit): counted; reported as an event and logged unless it is one
+    /// of a flood from one address (a few per second are, with the count
+    /// of those not reported). Outbound refusals are always reported (the
+    /// caller waits on each dial).
+    fn refused(&mut self, addr: SocketAddr, inbound: bool, reason: CloseReason) {
+        add(&self.shared.counters.connections_refused, 1);
+        let hidden = if inbound {
+            match self.admission.sample(addr.ip(), Instant::now()) {
+                Some(h) => h,
+                None => {
+                    add(&self.shared.counters.refusals_unreported, 1);
+                    return;
+                }
+            }
+        } else {
+            0
+        };
+        let more = if hidden > 0 {
+            format!(" ({hidden} more from this address not reported)")
+        } else {
+            String::new()
+        };
+        self.shared.log(format!(
+            "refused {} connection {addr}: {reason}{more}",
+            if inbound { "inbound" } else { "outbound" },
+        ));
+        self.emit(Event::Refused {
+            addr,
+            inbound,
+            reason,
+        });
     }
 
     fn emit(&self, ev: Event) {
@@ -504,18 +619,22 @@ impl Driver {
         outbound: Option<Outbound>,
         connecting: bool,
     ) {
-        if self.conns.len() >= self.shared.opts.max_connections {
-            add(&self.shared.counters.connections_refused, 1);
-            self.shared
-                .log(format!("refused {addr}: too many connections"));
-            self.emit(Event::Refused {
-                addr,
-                inbound: outbound.is_none(),
-                reason: CloseReason::TooManyConnections,
-            });
+        let inbound = outbound.is_none();
+        let admitted_ip = inbound.then_some(addr.ip());
+        let refusal = if self.conns.len() >= self.shared.opts.max_connections {
+            Some(CloseReason::TooManyConnections)
+        } else {
+            self.admission
+                .admit(admitted_ip)
+                .err()
+                .map(|r| CloseReason::Limit(r.0))
+        };
+        if let Some(reason) = refusal {
+            // Nothing allocated for it yet; the socket closes here.
             if let Some(r) = outbound.and_then(|o| o.reply) {
-                let _ = r.send(Err(CloseReason::TooManyConnections.to_string()));
+                let _ = r.send(Err(reason.to_string()));
             }
+            self.refused(addr, inbound, reason);
             return;
         }
         let token = Token(self.next_token);
@@ -528,14 +647,15 @@ impl Driver {
             Interest::READABLE | Interest::WRITABLE,
         ) {
             self.shared.log(format!("cannot register {addr}: {e}"));
+            self.admission.closed(admitted_ip, true);
             return;
         }
         let mut machine = Connection::new(
             role,
             self.shared.node_id,
-            self.key.clone(),
-            nonce(),
-            self.shared.opts.max_payload,
+            &self.key,
+            &self.node_key,
+            &self.conn_opts,
         );
         let now = Instant::now();
         let hs_out = machine.take_outgoing();
@@ -567,6 +687,7 @@ impl Driver {
             wire_off: 0,
             sliced: None,
             sliced_next: 0,
+            copies: 0,
             rx_lease: None,
             rx_filled: 0,
             awaiting_slot: false,
@@ -584,6 +705,8 @@ impl Driver {
             rcvlowat: 1,
             retired: false,
             peer_eof: false,
+            admitted_ip,
+            handshake_counted: true,
             heard: false,
         };
         self.conns.insert(token, conn);
@@ -853,6 +976,7 @@ impl Driver {
                 if let Some(at) = c.plan(sender, now) {
                     c.write_at = Some(at);
                 }
+                add(&shared.counters.user_copies, std::mem::take(&mut c.copies));
                 if c.wire.is_empty() {
                     break;
                 }
@@ -884,7 +1008,7 @@ impl Driver {
                 let mut total = 0usize;
                 let mut skip = c.wire_off;
                 for u in c.wire.iter() {
-                    if iov.len() + 2 > MAX_IOV || total >= allowed {
+                    if iov.len() + 3 > MAX_IOV || total >= allowed {
                         break;
                     }
                     for p in u.parts(c.sliced.as_ref()) {
@@ -925,14 +1049,16 @@ impl Driver {
                         n -= left;
                         c.wire_off = 0;
                         match c.wire.pop_front().expect("non-empty") {
-                            Unit::Item(item) => item_done(&shared, c.slot.as_ref(), &item, true),
+                            Unit::Item { item, .. } => {
+                                item_done(&shared, c.slot.as_ref(), &item, true)
+                            }
                             Unit::Slice { last: true, .. } => {
                                 if let Some(item) = c.sliced.take() {
                                     item_done(&shared, c.slot.as_ref(), &item, true);
                                 }
                                 c.sliced_next = 0;
                             }
-                            Unit::Open(_) | Unit::Slice { .. } => {}
+                            Unit::Open { .. } | Unit::Slice { .. } => {}
                         }
                     }
                 }
@@ -1127,8 +1253,13 @@ impl Driver {
                                     s.received.fetch_add(n as u64, Ordering::Relaxed);
                                 }
                                 c.rx_filled += n;
-                                let chunk = &lease.as_slice()[start..start + n];
-                                c.machine.payload_read(chunk)
+                                if let Some(d) = c.data_deadline.as_mut() {
+                                    *d += Duration::from_secs_f64(
+                                        n as f64 / shared.opts.min_frame_rate.max(1) as f64,
+                                    );
+                                }
+                                let filled = &mut lease.as_mut_slice()[..c.rx_filled];
+                                c.machine.payload_read(filled, n)
                             }
                             Err(e) if would_block(&e) => {
                                 drained = true;
@@ -1154,13 +1285,13 @@ impl Driver {
                             established = Some(peer_id);
                             c.frame_deadline = None;
                         }
-                        ConnEvent::DataHeader(h) => {
+                        ConnEvent::DataHeader(_) => {
                             newly_heard |= !std::mem::replace(&mut c.heard, true);
-                            let allowance = Duration::from_secs_f64(
-                                h.payload_len as f64 / shared.opts.min_frame_rate.max(1) as f64,
-                            );
-                            c.data_deadline =
-                                Some(Instant::now() + shared.opts.frame_timeout + allowance);
+                            // Every payload byte received earns its time
+                            // at the slowest accepted rate (below): a
+                            // half-sent frame holds its pool slot only
+                            // while its bytes keep coming.
+                            c.data_deadline = Some(Instant::now() + shared.opts.frame_timeout);
                         }
                         ConnEvent::Data(h) => {
                             newly_heard |= !std::mem::replace(&mut c.heard, true);
@@ -1245,6 +1376,20 @@ impl Driver {
 
     /// A connection to `peer` is authenticated.
     fn on_established(&mut self, t: Token, peer: u64) {
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.handshake_counted = false;
+            self.admission.established(c.admitted_ip);
+        }
+        let of_peer = self.conns.values().filter(|c| c.peer == Some(peer)).count();
+        if of_peer >= self.shared.opts.max_connections_per_id {
+            self.close(
+                t,
+                CloseReason::Limit(format!(
+                    "{of_peer} connections of node {peer:x} already (the most per node id)"
+                )),
+            );
+            return;
+        }
         self.connected(t, peer);
         self.reply_connected(t, peer);
     }
@@ -1297,8 +1442,8 @@ impl Driver {
         let keep_new = if outbound != other_outbound {
             connector(outbound) < connector(other_outbound)
         } else {
-            let nonces = |k: Token| self.conns[&k].machine.nonces();
-            nonces(t) < nonces(other)
+            let hash = |k: Token| self.conns[&k].machine.handshake_hash();
+            hash(t) < hash(other)
         };
         // One peer, one send-queue account: the kept connection takes over
         // the slot (senders waiting for room keep waiting, nothing fails).
@@ -1417,6 +1562,13 @@ impl Driver {
         let Some(mut c) = self.conns.remove(&t) else {
             return;
         };
+        self.admission.closed(c.admitted_ip, c.handshake_counted);
+        if matches!(
+            reason,
+            CloseReason::Protocol(crate::wire::WireError::Mac { .. })
+        ) {
+            add(&self.shared.counters.tag_failures, 1);
+        }
         let _ = self.poll.registry().deregister(&mut c.stream);
         if self.cut() {
             use std::os::fd::AsFd;
@@ -1426,7 +1578,7 @@ impl Driver {
         }
         let promoted = self.promote_duplicate(t, &mut c, &reason);
         let units = c.wire.drain(..).filter_map(|u| match u {
-            Unit::Item(i) => Some(i),
+            Unit::Item { item, .. } => Some(item),
             _ => None,
         });
         let items: Vec<OutItem> = c
@@ -1499,21 +1651,11 @@ impl Driver {
                         return;
                     }
                 }
-                add(&self.shared.counters.connections_refused, 1);
                 let inbound = c.outbound.is_none();
-                self.shared.log(format!(
-                    "refused {} connection {}: {reason}",
-                    if inbound { "inbound" } else { "outbound" },
-                    c.addr
-                ));
                 if let Some(r) = c.outbound.and_then(|o| o.reply) {
                     let _ = r.send(Err(reason.to_string()));
                 }
-                self.emit(Event::Refused {
-                    addr: c.addr,
-                    inbound,
-                    reason,
-                });
+                self.refused(c.addr, inbound, reason);
             }
         }
     }

@@ -15,7 +15,7 @@ use crate::wire::FrameHeader;
 /// "GWTF" as a little-endian `uint32_t`: the `magic` of every frame header.
 pub const GWTF_FRAME_MAGIC: u32 = 0x4654_5747;
 /// The wire version this library speaks (`gwtf_frame_header.version`).
-pub const GWTF_WIRE_VERSION: u32 = 1;
+pub const GWTF_WIRE_VERSION: u32 = 2;
 /// Size of the encoded frame header in bytes (== sizeof(gwtf_frame_header)).
 pub const GWTF_FRAME_HEADER_LEN: u32 = 96;
 /// Flag: the payload carries a CRC32C. Set it on a frame to ask for a

@@ -62,7 +62,10 @@ pub struct gwtf_node_options {
     pub payload_crc_max_bytes: u64,
     /// Emulated one-way delay on the send side (tests, demos). Default 0.
     pub link_delay_ms: u32,
-    pub reserved0: u32,
+    /// 1: encrypt frame payloads (AES-256-GCM; a connection encrypts when
+    /// either end asks). Every frame is authenticated either way. Default 0.
+    /// (Was a reserved field that had to be 0: older callers get 0.)
+    pub encrypt: u32,
     /// Emulated bandwidth cap on the send side, bytes/s (0: none). Default 0.
     pub link_bandwidth_bytes_per_s: u64,
 }
@@ -102,6 +105,12 @@ pub enum gwtf_close_reason {
     Duplicate = 9,
     TooManyConnections = 10,
     Local = 11,
+    /// A frame's tag did not verify (changed, replayed or reordered on
+    /// the way).
+    Mac = 12,
+    /// Refused by an intake limit (connections or handshakes per address,
+    /// handshakes at once, connections per node id).
+    Limit = 13,
 }
 
 /// An event, with its text inline (no ownership to manage).
@@ -230,7 +239,7 @@ pub extern "C" fn gwtf_node_options_init(opts: *mut gwtf_node_options) -> gwtf_s
             connect_backoff_ms: d.connect_backoff.as_millis() as u32,
             payload_crc_max_bytes: d.payload_crc_max,
             link_delay_ms: 0,
-            reserved0: 0,
+            encrypt: 0,
             link_bandwidth_bytes_per_s: 0,
         };
         // SAFETY: checked non-NULL.
@@ -307,6 +316,11 @@ pub extern "C" fn gwtf_node_new(
             payload_crc_max: o.payload_crc_max_bytes,
             link,
             log: o.log_to_stderr != 0,
+            encrypt: match o.encrypt {
+                0 => false,
+                1 => true,
+                x => return Err(FfiError::invalid(format!("encrypt is {x}: 0 or 1"))),
+            },
             ..NodeOptions::default()
         })
         .map_err(engine_err)?;

@@ -33,7 +33,7 @@ use crate::swarm::runtime::{
 };
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
-pub const GWTF_PEER_OPTIONS_VERSION: u32 = 2;
+pub const GWTF_PEER_OPTIONS_VERSION: u32 = 3;
 /// Current version of `gwtf_peer_stats`.
 pub const GWTF_PEER_STATS_VERSION: u32 = 1;
 /// `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
@@ -286,6 +286,10 @@ pub struct gwtf_peer_options {
     /// it as its GPU serves. 0: every forward keeps its activations, and a
     /// forward waits while memory is full. Default 0. (Version 2.)
     pub recompute: u32,
+    /// 1: encrypt frame payloads (AES-256-GCM; a connection encrypts when
+    /// either end asks). Every frame is authenticated either way. Default
+    /// 0. (Version 3.)
+    pub encrypt: u32,
 }
 
 /// A task or an event, written by `gwtf_peer_next_task`. Which fields mean
@@ -484,6 +488,7 @@ fn default_options() -> gwtf_peer_options {
         compute_estimate_us: 10_000,
         log_to_stderr: 0,
         recompute: 0,
+        encrypt: 0,
     }
 }
 
@@ -499,6 +504,7 @@ unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_op
     let version = unsafe { std::ptr::addr_of!((*opts).version).read() };
     let len = match version {
         1 => std::mem::offset_of!(gwtf_peer_options, recompute),
+        2 => std::mem::offset_of!(gwtf_peer_options, encrypt),
         GWTF_PEER_OPTIONS_VERSION => std::mem::size_of::<gwtf_peer_options>(),
         v => {
             return Err(FfiError::new(
@@ -703,6 +709,11 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
             heartbeat_interval: Liveness::RUNTIME.heartbeat(),
             peer_timeout: Liveness::RUNTIME.transport_timeout(),
             log: o.log_to_stderr != 0,
+            encrypt: match o.encrypt {
+                0 => false,
+                1 => true,
+                x => return Err(FfiError::invalid(format!("encrypt is {x}: 0 or 1"))),
+            },
             ..NodeOptions::default()
         },
     };

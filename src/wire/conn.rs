@@ -19,9 +19,11 @@
 
 use super::control::{ControlEnvelope, Goodbye, Heartbeat, MAX_CONTROL_PAYLOAD};
 use super::handshake::{
-    prove, verify, Hello, Role, SwarmKey, Transcript, AUTH_LEN, HELLO_LEN, NONCE_LEN,
+    Hello, NodeKey, Noise, Preamble, Role, SwarmKey, CONFIRM_LEN, HELLO_FLAG_ENCRYPT, MSG1_LEN,
+    MSG2_LEN, MSG3_LEN, NODE_KEY_LEN, PREAMBLE_LEN,
 };
 use super::header::{crc32c_append, FrameHeader, FrameKind, HEADER_LEN};
+use super::seal::{confirmation, Opener, Sealer, HEAD_LEN, TAG_LEN};
 use super::WireError;
 
 /// Largest slice of a sliced data frame's payload.
@@ -41,15 +43,17 @@ pub enum ReadTarget<'a> {
 /// What a completed read produced.
 #[derive(Debug, PartialEq, Eq)]
 pub enum ConnEvent {
-    /// The handshake completed; the peer proved the key.
+    /// The handshake completed; the peer proved the swarm key and its node
+    /// key.
     Established {
         peer_id: u64,
     },
     /// A data frame with a non-empty payload starts: lease `payload_len` bytes
-    /// and read the payload into them.
+    /// and read the payload into them. (Its header is checked with its
+    /// payload: nothing but the lease's size may follow from it yet.)
     DataHeader(FrameHeader),
     /// A complete data frame (for a non-empty payload: it is in the lease,
-    /// checksum verified).
+    /// tag and checksum verified, decrypted).
     Data(FrameHeader),
     Heartbeat(Heartbeat),
     Goodbye(Goodbye),
@@ -58,8 +62,16 @@ pub enum ConnEvent {
 
 #[derive(Debug)]
 enum State {
-    Hello,
-    Auth,
+    /// The peer's preamble (magic, version, role).
+    Preamble,
+    /// Acceptor: the connector's ephemeral key.
+    Msg1,
+    /// Connector: the acceptor's keys and hello.
+    Msg2,
+    /// Acceptor: the connector's static key and hello (its proof).
+    Msg3,
+    /// Connector: the acceptor's proof.
+    Confirm,
     Header,
     Control(FrameHeader),
     /// Payload bytes of the open data frame: `remaining` of this segment
@@ -80,54 +92,99 @@ struct OpenData {
     crc: u32,
     /// Sliced: its payload comes in `Slice` frames.
     sliced: bool,
+    /// The frame (whole data frame or slice) whose payload is coming: its
+    /// header and tag as received, and where its payload starts.
+    seg_head: [u8; HEADER_LEN],
+    seg_tag: [u8; TAG_LEN],
+    seg_start: usize,
+}
+
+/// Settings of one connection.
+#[derive(Clone, Debug)]
+pub struct ConnOptions {
+    /// Largest data payload accepted.
+    pub max_payload: u64,
+    /// Ask for encrypted payloads (on when either side asks).
+    pub encrypt: bool,
+    /// A fixed ephemeral key, for reproducible tests only.
+    pub test_ephemeral: Option<[u8; 32]>,
+}
+
+impl ConnOptions {
+    pub fn new(max_payload: u64) -> Self {
+        Self {
+            max_payload,
+            encrypt: false,
+            test_ephemeral: None,
+        }
+    }
 }
 
 /// One end of a connection.
 pub struct Connection {
     role: Role,
     my_id: u64,
-    key: SwarmKey,
-    my_nonce: [u8; NONCE_LEN],
+    encrypt: bool,
+    noise: Option<Noise>,
     max_payload: u64,
     state: State,
     buf: Vec<u8>,
     filled: usize,
     need: usize,
     outgoing: Vec<u8>,
-    peer: Option<Hello>,
     peer_id: Option<u64>,
+    peer_key: Option<[u8; NODE_KEY_LEN]>,
+    handshake_hash: Option<[u8; 32]>,
+    /// The acceptor's expected confirmation (connector, until it arrives).
+    confirm: Option<[u8; CONFIRM_LEN]>,
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
     data: Option<OpenData>,
 }
 
 impl Connection {
-    /// A new connection; its Hello is queued in the outgoing bytes.
+    /// A new connection; its first handshake bytes are queued in the
+    /// outgoing bytes.
     pub fn new(
         role: Role,
         my_id: u64,
-        key: SwarmKey,
-        nonce: [u8; NONCE_LEN],
-        max_payload: u64,
+        key: &SwarmKey,
+        node_key: &NodeKey,
+        opts: &ConnOptions,
     ) -> Self {
-        let hello = Hello {
-            role,
-            node_id: my_id,
-            nonce,
+        let mut outgoing = Preamble { role }.encode().to_vec();
+        let (noise, state) = match Noise::new(role, key, node_key, opts.test_ephemeral.as_ref()) {
+            Ok(mut n) => {
+                let state = match role {
+                    Role::Connector => match n.write(&[], &mut outgoing) {
+                        Ok(()) => State::Preamble,
+                        Err(_) => State::Failed,
+                    },
+                    Role::Acceptor => State::Preamble,
+                };
+                (Some(n), state)
+            }
+            Err(_) => (None, State::Failed),
         };
-        let mut buf = Vec::with_capacity(HEADER_LEN);
-        buf.resize(HELLO_LEN, 0);
+        let mut buf = Vec::with_capacity(HEAD_LEN);
+        buf.resize(PREAMBLE_LEN, 0);
         Self {
             role,
             my_id,
-            key,
-            my_nonce: nonce,
-            max_payload,
-            state: State::Hello,
+            encrypt: opts.encrypt,
+            noise,
+            max_payload: opts.max_payload,
+            state,
             buf,
             filled: 0,
-            need: HELLO_LEN,
-            outgoing: hello.encode().to_vec(),
-            peer: None,
+            need: PREAMBLE_LEN,
+            outgoing,
             peer_id: None,
+            peer_key: None,
+            handshake_hash: None,
+            confirm: None,
+            sealer: None,
+            opener: None,
             data: None,
         }
     }
@@ -153,12 +210,38 @@ impl Connection {
         self.peer_id
     }
 
-    /// The connector's and the acceptor's nonces, the same at both ends
-    /// (once the peer's hello is in): two connections between the same
-    /// pair of nodes are told apart by them in the same way at both ends.
-    pub fn nonces(&self) -> Option<([u8; NONCE_LEN], [u8; NONCE_LEN])> {
-        let t = self.transcript(self.peer.as_ref()?);
-        Some((t.connector_nonce, t.acceptor_nonce))
+    /// The peer's node key, proved in the handshake (after `Established`).
+    pub fn peer_key(&self) -> Option<[u8; NODE_KEY_LEN]> {
+        self.peer_key
+    }
+
+    /// Frame payloads are encrypted on this connection.
+    pub fn encrypted(&self) -> bool {
+        self.sealer.as_ref().is_some_and(Sealer::encrypts)
+    }
+
+    /// The handshake hash, the same at both ends (once established): two
+    /// connections between the same pair of nodes are told apart by it in
+    /// the same way at both ends.
+    pub fn handshake_hash(&self) -> Option<[u8; 32]> {
+        self.handshake_hash
+    }
+
+    /// Seals the next frame to send (header bytes as they go out): its
+    /// tag, and with encryption the encrypted payload to send instead.
+    /// Frames must go on the wire in the order they are sealed.
+    pub fn seal(
+        &mut self,
+        head: &[u8; HEADER_LEN],
+        payload: &[u8],
+    ) -> Result<([u8; TAG_LEN], Option<Vec<u8>>), WireError> {
+        let established = self.is_established();
+        match self.sealer.as_mut() {
+            Some(s) if established => Ok(s.seal(head, payload)),
+            _ => Err(WireError::Unexpected(
+                "a frame to seal before the handshake completed".into(),
+            )),
+        }
     }
 
     /// True while a frame is partly received (a header, control or data
@@ -197,6 +280,7 @@ impl Connection {
 
     fn fail(&mut self, e: WireError) -> Result<Option<ConnEvent>, WireError> {
         self.state = State::Failed;
+        self.noise = None;
         Err(e)
     }
 
@@ -207,17 +291,137 @@ impl Connection {
         self.need = n;
     }
 
-    fn transcript(&self, peer: &Hello) -> Transcript {
-        let (c, a) = match self.role {
-            Role::Connector => ((self.my_id, self.my_nonce), (peer.node_id, peer.nonce)),
-            Role::Acceptor => ((peer.node_id, peer.nonce), (self.my_id, self.my_nonce)),
-        };
-        Transcript {
-            connector_id: c.0,
-            connector_nonce: c.1,
-            acceptor_id: a.0,
-            acceptor_nonce: a.1,
+    /// Reads message 2 or 3 and checks the peer's hello in it.
+    fn read_peer_hello(&mut self, msg: &[u8]) -> Result<Hello, WireError> {
+        let payload = self
+            .noise
+            .as_mut()
+            .expect("handshake in progress")
+            .read(msg)?;
+        let hello = Hello::decode(&payload)?;
+        if hello.node_id == self.my_id {
+            return Err(WireError::Handshake(format!(
+                "peer claims our own node id {}",
+                self.my_id
+            )));
         }
+        Ok(hello)
+    }
+
+    /// The handshake is done at this end: keys for both directions.
+    fn finish_handshake(&mut self, peer: Hello) {
+        let noise = self.noise.as_mut().expect("handshake in progress");
+        self.peer_key = noise.remote_static();
+        let hh = noise.handshake_hash();
+        let (c2a, a2c) = noise.split();
+        self.noise = None;
+        let encrypt = self.encrypt || peer.flags & HELLO_FLAG_ENCRYPT != 0;
+        let (send, recv) = match self.role {
+            Role::Connector => (c2a, a2c),
+            Role::Acceptor => (a2c, c2a),
+        };
+        self.sealer = Some(Sealer::new(&send, encrypt));
+        self.opener = Some(Opener::new(&recv, encrypt));
+        self.handshake_hash = Some(hh);
+        self.peer_id = Some(peer.node_id);
+        match self.role {
+            Role::Acceptor => self.outgoing.extend_from_slice(&confirmation(&send, &hh)),
+            Role::Connector => self.confirm = Some(confirmation(&recv, &hh)),
+        }
+    }
+
+    fn my_hello(&self) -> [u8; super::handshake::HELLO_PAYLOAD_LEN] {
+        Hello {
+            node_id: self.my_id,
+            flags: if self.encrypt { HELLO_FLAG_ENCRYPT } else { 0 },
+        }
+        .encode()
+    }
+
+    /// One handshake message is in `buf`.
+    fn handshake_step(&mut self, state: State) -> Result<Option<ConnEvent>, WireError> {
+        let msg = self.buf[..self.need].to_vec();
+        match state {
+            State::Preamble => {
+                let p = Preamble::decode(&msg)?;
+                if p.role != self.role.other() {
+                    return Err(WireError::Handshake(format!(
+                        "peer claims role {:?}, expected {:?}",
+                        p.role,
+                        self.role.other()
+                    )));
+                }
+                let (next, len) = match self.role {
+                    Role::Acceptor => (State::Msg1, MSG1_LEN),
+                    Role::Connector => (State::Msg2, MSG2_LEN),
+                };
+                self.state = next;
+                self.expect(len);
+                Ok(None)
+            }
+            State::Msg1 => {
+                let hello = self.my_hello();
+                let noise = self.noise.as_mut().expect("handshake in progress");
+                let payload = noise.read(&msg)?;
+                if !payload.is_empty() {
+                    return Err(WireError::TrailingBytes {
+                        what: "handshake message 1",
+                        extra: payload.len(),
+                    });
+                }
+                noise.write(&hello, &mut self.outgoing)?;
+                self.state = State::Msg3;
+                self.expect(MSG3_LEN);
+                Ok(None)
+            }
+            State::Msg2 => {
+                let peer = self.read_peer_hello(&msg)?;
+                let hello = self.my_hello();
+                self.noise
+                    .as_mut()
+                    .expect("handshake in progress")
+                    .write(&hello, &mut self.outgoing)?;
+                self.finish_handshake(peer);
+                self.state = State::Confirm;
+                self.expect(CONFIRM_LEN);
+                Ok(None)
+            }
+            State::Msg3 => {
+                let peer = self.read_peer_hello(&msg)?;
+                self.finish_handshake(peer);
+                self.established()
+            }
+            State::Confirm => {
+                let want = self.confirm.take().expect("set with message 3");
+                let same =
+                    blake3::Hash::from_bytes(pad32(&want)) == blake3::Hash::from_bytes(pad32(&msg));
+                if !same {
+                    return Err(WireError::AuthFailed);
+                }
+                self.established()
+            }
+            _ => unreachable!("only handshake states come here"),
+        }
+    }
+
+    fn established(&mut self) -> Result<Option<ConnEvent>, WireError> {
+        self.state = State::Header;
+        self.expect(HEAD_LEN);
+        Ok(Some(ConnEvent::Established {
+            peer_id: self.peer_id.expect("set with the hello"),
+        }))
+    }
+
+    /// Checks the tag of a frame without payload bytes of its own.
+    fn open_empty(
+        &mut self,
+        head: &[u8; HEADER_LEN],
+        tag: &[u8; TAG_LEN],
+    ) -> Result<(), WireError> {
+        self.opener
+            .as_mut()
+            .expect("established")
+            .open(head, tag, &mut [])
     }
 
     /// Reports `n` bytes read into the slice of the last `ReadTarget::Small`.
@@ -234,101 +438,69 @@ impl Connection {
         if self.filled < self.need {
             return Ok(None);
         }
-        match std::mem::replace(&mut self.state, State::Failed) {
-            State::Hello => {
-                let hello = match Hello::decode(&self.buf[..HELLO_LEN]) {
-                    Ok(h) => h,
-                    Err(e) => return self.fail(e),
-                };
-                let expected = match self.role {
-                    Role::Connector => Role::Acceptor,
-                    Role::Acceptor => Role::Connector,
-                };
-                if hello.role != expected {
-                    return self.fail(WireError::Handshake(format!(
-                        "peer claims role {:?}, expected {:?}",
-                        hello.role, expected
-                    )));
-                }
-                if hello.node_id == self.my_id {
-                    return self.fail(WireError::Handshake(format!(
-                        "peer claims our own node id {}",
-                        self.my_id
-                    )));
-                }
-                if hello.nonce == self.my_nonce {
-                    return self.fail(WireError::Handshake("peer echoed our nonce".into()));
-                }
-                let proof = prove(&self.key, self.role, &self.transcript(&hello));
-                self.outgoing.extend_from_slice(&proof);
-                self.peer = Some(hello);
-                self.state = State::Auth;
-                self.expect(AUTH_LEN);
-                Ok(None)
+        let r = match std::mem::replace(&mut self.state, State::Failed) {
+            s @ (State::Preamble | State::Msg1 | State::Msg2 | State::Msg3 | State::Confirm) => {
+                self.handshake_step(s)
             }
-            State::Auth => {
-                let peer = self.peer.expect("hello before auth");
-                let prover = match self.role {
-                    Role::Connector => Role::Acceptor,
-                    Role::Acceptor => Role::Connector,
-                };
-                if let Err(e) = verify(
-                    &self.key,
-                    prover,
-                    &self.transcript(&peer),
-                    &self.buf[..AUTH_LEN],
-                ) {
-                    return self.fail(e);
-                }
-                self.peer_id = Some(peer.node_id);
-                self.state = State::Header;
-                self.expect(HEADER_LEN);
-                Ok(Some(ConnEvent::Established {
-                    peer_id: peer.node_id,
-                }))
-            }
-            State::Header => {
-                let h = match FrameHeader::decode(&self.buf[..HEADER_LEN], self.max_payload) {
-                    Ok(h) => h,
-                    Err(e) => return self.fail(e),
-                };
-                let kind = h.frame_kind().expect("decode checks the kind");
-                match kind {
-                    FrameKind::Data | FrameKind::Sliced if self.data.is_some() => {
-                        return self.fail(WireError::Unexpected(
-                            "a data frame inside a sliced data frame".into(),
-                        ))
-                    }
-                    FrameKind::Data => return self.data_header(h),
-                    FrameKind::Sliced => return self.sliced_header(h),
-                    FrameKind::Slice => return self.slice_header(h),
-                    FrameKind::Heartbeat | FrameKind::Goodbye | FrameKind::Control => {}
-                }
-                if h.payload_len > MAX_CONTROL_PAYLOAD as u64 {
-                    return self.fail(WireError::PayloadTooLarge {
-                        len: h.payload_len,
-                        max: MAX_CONTROL_PAYLOAD as u64,
-                    });
-                }
-                self.expect(h.payload_len as usize);
-                self.state = State::Control(h);
-                if h.payload_len == 0 {
-                    return self.finish_control(h);
-                }
-                Ok(None)
-            }
+            State::Header => self.header(),
             State::Control(h) => self.finish_control(h),
             State::Payload { .. } | State::Failed => unreachable!("checked above"),
+        };
+        match r {
+            Err(e) => self.fail(e),
+            ok => ok,
         }
     }
 
+    /// A frame's header and tag are in `buf`.
+    fn header(&mut self) -> Result<Option<ConnEvent>, WireError> {
+        let head: [u8; HEADER_LEN] = self.buf[..HEADER_LEN].try_into().expect("head read");
+        let tag: [u8; TAG_LEN] = self.buf[HEADER_LEN..HEAD_LEN]
+            .try_into()
+            .expect("head read");
+        let h = FrameHeader::decode(&head, self.max_payload)?;
+        let kind = h.frame_kind().expect("decode checks the kind");
+        match kind {
+            FrameKind::Data | FrameKind::Sliced if self.data.is_some() => {
+                return Err(WireError::Unexpected(
+                    "a data frame inside a sliced data frame".into(),
+                ))
+            }
+            FrameKind::Data => return self.data_header(h, head, tag),
+            FrameKind::Sliced => return self.sliced_header(h, head, tag),
+            FrameKind::Slice => return self.slice_header(h, head, tag),
+            FrameKind::Heartbeat | FrameKind::Goodbye | FrameKind::Control => {}
+        }
+        if h.payload_len > MAX_CONTROL_PAYLOAD as u64 {
+            return Err(WireError::PayloadTooLarge {
+                len: h.payload_len,
+                max: MAX_CONTROL_PAYLOAD as u64,
+            });
+        }
+        // The control payload goes after the head in `buf`.
+        self.buf.resize(HEAD_LEN + h.payload_len as usize, 0);
+        self.filled = HEAD_LEN;
+        self.need = HEAD_LEN + h.payload_len as usize;
+        self.state = State::Control(h);
+        if h.payload_len == 0 {
+            return self.finish_control(h);
+        }
+        Ok(None)
+    }
+
     /// A whole data frame's header: its payload follows at once.
-    fn data_header(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
-        self.expect(HEADER_LEN);
+    fn data_header(
+        &mut self,
+        h: FrameHeader,
+        head: [u8; HEADER_LEN],
+        tag: [u8; TAG_LEN],
+    ) -> Result<Option<ConnEvent>, WireError> {
+        self.expect(HEAD_LEN);
         self.state = State::Header;
         if h.payload_len == 0 {
+            self.open_empty(&head, &tag)?;
             if h.payload_crc != 0 && h.payload_crc != crc32c_append(0, &[]) {
-                return self.fail(WireError::PayloadChecksum {
+                return Err(WireError::PayloadChecksum {
                     expected: h.payload_crc,
                     computed: 0,
                 });
@@ -343,14 +515,23 @@ impl Connection {
             remaining: h.payload_len,
             crc: 0,
             sliced: false,
+            seg_head: head,
+            seg_tag: tag,
+            seg_start: 0,
         });
         Ok(Some(ConnEvent::DataHeader(h)))
     }
 
     /// A sliced data frame opens: its payload comes in `Slice` frames.
-    fn sliced_header(&mut self, mut h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
+    fn sliced_header(
+        &mut self,
+        mut h: FrameHeader,
+        head: [u8; HEADER_LEN],
+        tag: [u8; TAG_LEN],
+    ) -> Result<Option<ConnEvent>, WireError> {
+        self.open_empty(&head, &tag)?;
         if h.payload_len == 0 {
-            return self.fail(WireError::Unexpected(
+            return Err(WireError::Unexpected(
                 "a sliced data frame without payload".into(),
             ));
         }
@@ -359,27 +540,35 @@ impl Connection {
         h.kind = FrameKind::Data as u16;
         let enc = h.encode();
         h.header_crc = u32::from_le_bytes([enc[92], enc[93], enc[94], enc[95]]);
-        self.expect(HEADER_LEN);
+        self.expect(HEAD_LEN);
         self.state = State::Header;
         self.data = Some(OpenData {
             header: h,
             remaining: h.payload_len,
             crc: 0,
             sliced: true,
+            seg_head: [0; HEADER_LEN],
+            seg_tag: [0; TAG_LEN],
+            seg_start: 0,
         });
         Ok(Some(ConnEvent::DataHeader(h)))
     }
 
     /// The next slice of the open sliced frame.
-    fn slice_header(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
-        let Some(d) = self.data.as_ref().filter(|d| d.sliced) else {
-            return self.fail(WireError::Unexpected(
+    fn slice_header(
+        &mut self,
+        h: FrameHeader,
+        head: [u8; HEADER_LEN],
+        tag: [u8; TAG_LEN],
+    ) -> Result<Option<ConnEvent>, WireError> {
+        let Some(d) = self.data.as_mut().filter(|d| d.sliced) else {
+            return Err(WireError::Unexpected(
                 "a slice without an open sliced data frame".into(),
             ));
         };
         let len = h.payload_len;
         if len == 0 || len > d.remaining || len > MAX_SLICE_LEN as u64 {
-            return self.fail(WireError::BadField {
+            return Err(WireError::BadField {
                 field: "slice payload_len",
                 value: len,
             });
@@ -390,19 +579,32 @@ impl Connection {
             || h.microbatch != 0
             || h.iteration != 0
         {
-            return self.fail(WireError::ReservedNotZero("slice header fields"));
+            return Err(WireError::ReservedNotZero("slice header fields"));
         }
-        self.expect(HEADER_LEN);
+        d.seg_head = head;
+        d.seg_tag = tag;
+        d.seg_start = (d.header.payload_len - d.remaining) as usize;
+        self.expect(HEAD_LEN);
         self.state = State::Payload { remaining: len };
         Ok(None)
     }
 
     fn finish_control(&mut self, h: FrameHeader) -> Result<Option<ConnEvent>, WireError> {
-        let body = &self.buf[..self.need];
+        let head: [u8; HEADER_LEN] = self.buf[..HEADER_LEN].try_into().expect("head read");
+        let tag: [u8; TAG_LEN] = self.buf[HEADER_LEN..HEAD_LEN]
+            .try_into()
+            .expect("head read");
+        let need = self.need;
+        self.opener.as_mut().expect("established").open(
+            &head,
+            &tag,
+            &mut self.buf[HEAD_LEN..need],
+        )?;
+        let body = &self.buf[HEAD_LEN..need];
         if h.has_payload_crc() {
             let computed = crc32c_append(0, body);
             if computed != h.payload_crc {
-                return self.fail(WireError::PayloadChecksum {
+                return Err(WireError::PayloadChecksum {
                     expected: h.payload_crc,
                     computed,
                 });
@@ -413,59 +615,90 @@ impl Connection {
             Some(FrameKind::Goodbye) => Goodbye::decode(body).map(ConnEvent::Goodbye),
             Some(FrameKind::Control) => ControlEnvelope::decode(body).map(ConnEvent::Control),
             _ => Err(WireError::UnknownKind(h.kind)),
-        };
-        match ev {
-            Ok(ev) => {
-                self.state = State::Header;
-                self.expect(HEADER_LEN);
-                if self.buf.capacity() > 4 * HEADER_LEN {
-                    self.buf.shrink_to(HEADER_LEN);
-                }
-                Ok(Some(ev))
-            }
+        }?;
+        self.state = State::Header;
+        self.expect(HEAD_LEN);
+        if self.buf.capacity() > 4 * HEAD_LEN {
+            self.buf.shrink_to(HEAD_LEN);
+        }
+        Ok(Some(ev))
+    }
+
+    /// Reports payload bytes just read into the lease: `filled` is every
+    /// payload byte of the open data frame received so far (the lease's
+    /// filled part), the last `n` of them new. When a frame's payload is
+    /// complete its tag is checked (and with encryption the payload
+    /// decrypted in place); returns `Data` when the whole payload is in.
+    pub fn payload_read(
+        &mut self,
+        filled: &mut [u8],
+        n: usize,
+    ) -> Result<Option<ConnEvent>, WireError> {
+        let r = self.payload_read_inner(filled, n);
+        match r {
             Err(e) => self.fail(e),
+            ok => ok,
         }
     }
 
-    /// Reports payload bytes just read into the lease (`chunk` is exactly
-    /// those bytes); returns `Data` when the payload is complete and verified.
-    pub fn payload_read(&mut self, chunk: &[u8]) -> Result<Option<ConnEvent>, WireError> {
-        let n = chunk.len() as u64;
+    fn payload_read_inner(
+        &mut self,
+        filled: &mut [u8],
+        n: usize,
+    ) -> Result<Option<ConnEvent>, WireError> {
         let (seg, d) = match (&mut self.state, &mut self.data) {
-            (State::Payload { remaining }, Some(d)) if n <= *remaining => (remaining, d),
+            (State::Payload { remaining }, Some(d))
+                if n as u64 <= *remaining
+                    && filled.len() as u64 == d.header.payload_len - d.remaining + n as u64 =>
+            {
+                (remaining, d)
+            }
             _ => {
-                return self.fail(WireError::Unexpected(format!(
-                    "driver reported {} payload bytes in state {:?}",
-                    chunk.len(),
+                return Err(WireError::Unexpected(format!(
+                    "driver reported {n} payload bytes ({} in all) in state {:?}",
+                    filled.len(),
                     self.state
                 )))
             }
         };
-        if d.header.has_payload_crc() {
-            d.crc = crc32c_append(d.crc, chunk);
-        }
-        *seg -= n;
-        d.remaining -= n;
+        *seg -= n as u64;
+        d.remaining -= n as u64;
         if *seg > 0 {
             return Ok(None);
+        }
+        // This frame's payload is complete: check (and decrypt) it.
+        let part = &mut filled[d.seg_start..];
+        self.opener
+            .as_mut()
+            .expect("established")
+            .open(&d.seg_head, &d.seg_tag, part)?;
+        if d.header.has_payload_crc() {
+            d.crc = crc32c_append(d.crc, part);
         }
         if d.remaining > 0 {
             // Between slices: the next header is a slice or a control frame.
             self.state = State::Header;
-            self.expect(HEADER_LEN);
+            self.expect(HEAD_LEN);
             return Ok(None);
         }
         let d = self.data.take().expect("matched above");
         self.state = State::Header;
-        self.expect(HEADER_LEN);
+        self.expect(HEAD_LEN);
         if d.header.has_payload_crc() && d.crc != d.header.payload_crc {
-            return self.fail(WireError::PayloadChecksum {
+            return Err(WireError::PayloadChecksum {
                 expected: d.header.payload_crc,
                 computed: d.crc,
             });
         }
         Ok(Some(ConnEvent::Data(d.header)))
     }
+}
+
+fn pad32(b: &[u8]) -> [u8; 32] {
+    let mut p = [0u8; 32];
+    let n = b.len().min(32);
+    p[..n].copy_from_slice(&b[..n]);
+    p
 }
 
 /// Encodes a control frame (heartbeat, goodbye, control) with its payload
@@ -494,6 +727,33 @@ pub fn sliced_head(data_head: &[u8; HEADER_LEN]) -> [u8; HEADER_LEN] {
 /// The header of a slice of `len` payload bytes (1..=[`MAX_SLICE_LEN`]).
 pub fn slice_head(sender: u64, len: u64) -> [u8; HEADER_LEN] {
     FrameHeader::new(FrameKind::Slice, sender, len).encode()
+}
+
+/// Seals a stream of plain frames (each header followed by its payload,
+/// `payload_len` bytes, none for a `Sliced` header) as `conn` would send
+/// them: a tag after each header, payloads encrypted when the connection
+/// encrypts. A header cut short at the end passes as it is. For tests and
+/// the fuzzer (which plays an honest sender with it).
+pub fn seal_frames(conn: &mut Connection, mut plain: &[u8]) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::with_capacity(plain.len() + plain.len() / 64);
+    while plain.len() >= HEADER_LEN {
+        let head: [u8; HEADER_LEN] = plain[..HEADER_LEN].try_into().expect("checked");
+        plain = &plain[HEADER_LEN..];
+        let kind = u16::from_le_bytes([head[6], head[7]]);
+        let len = if kind == FrameKind::Sliced as u16 {
+            0
+        } else {
+            u64::from_le_bytes(head[80..88].try_into().expect("8 bytes"))
+        };
+        let len = (len.min(plain.len() as u64)) as usize;
+        let (tag, enc) = conn.seal(&head, &plain[..len])?;
+        out.extend_from_slice(&head);
+        out.extend_from_slice(&tag);
+        out.extend_from_slice(enc.as_deref().unwrap_or(&plain[..len]));
+        plain = &plain[len..];
+    }
+    out.extend_from_slice(plain);
+    Ok(out)
 }
 
 /// Drives a connection over an in-memory byte stream (`input`), cutting reads
@@ -533,9 +793,8 @@ pub fn drive_bytes(
                     .min(cut);
                 payload.extend_from_slice(&input[..n]);
                 input = &input[n..];
-                let r = conn.payload_read(&payload[filled..filled + n]);
                 filled += n;
-                r
+                conn.payload_read(&mut payload[..filled], n)
             }
         };
         match r {
@@ -561,11 +820,38 @@ mod tests {
         SwarmKey::new(&[b; 32]).unwrap()
     }
 
+    fn node_key(b: u8) -> NodeKey {
+        NodeKey::from_private(&[b; 32]).unwrap()
+    }
+
+    fn conn(role: Role, id: u64, k: &SwarmKey, encrypt: bool) -> Connection {
+        let opts = ConnOptions {
+            encrypt,
+            ..ConnOptions::new(1 << 20)
+        };
+        Connection::new(role, id, k, &node_key(id as u8), &opts)
+    }
+
     /// Runs the handshake between two machines through memory.
     fn pair(ka: SwarmKey, kb: SwarmKey) -> (Connection, Connection, Option<WireError>) {
-        let mut a = Connection::new(Role::Connector, 1, ka, [1; 32], 1 << 20);
-        let mut b = Connection::new(Role::Acceptor, 2, kb, [2; 32], 1 << 20);
-        for _ in 0..3 {
+        pair_with(ka, kb, false)
+    }
+
+    fn pair_with(
+        ka: SwarmKey,
+        kb: SwarmKey,
+        encrypt: bool,
+    ) -> (Connection, Connection, Option<WireError>) {
+        let a = conn(Role::Connector, 1, &ka, encrypt);
+        let b = conn(Role::Acceptor, 2, &kb, false);
+        run_handshake(a, b)
+    }
+
+    fn run_handshake(
+        mut a: Connection,
+        mut b: Connection,
+    ) -> (Connection, Connection, Option<WireError>) {
+        for _ in 0..4 {
             let out_a = a.take_outgoing();
             let out_b = b.take_outgoing();
             if let (_, Some(e)) = drive_bytes(&mut b, &out_a, &[]) {
@@ -578,13 +864,8 @@ mod tests {
         (a, b, None)
     }
 
-    #[test]
-    fn handshake_then_frames() {
-        let (a, mut b, err) = pair(key(7), key(7));
-        assert!(err.is_none(), "{err:?}");
-        assert!(a.is_established() && b.is_established());
-        assert_eq!(a.peer_id(), Some(2));
-        assert_eq!(b.peer_id(), Some(1));
+    /// A data frame of 1000 bytes and a heartbeat, plain.
+    fn frame_and_heartbeat() -> Vec<u8> {
         let payload: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
         let mut h = FrameHeader::data();
         h.sender = 1;
@@ -596,28 +877,113 @@ mod tests {
         h.payload_crc = crc32c_append(0, &payload);
         let mut stream = h.encode().to_vec();
         stream.extend_from_slice(&payload);
-        stream.extend(encode_control_frame(
-            FrameKind::Heartbeat,
-            1,
-            &Heartbeat {
-                seq: 1,
-                sent_at_us: 2,
+        stream.extend(heartbeat(1));
+        stream
+    }
+
+    #[test]
+    fn handshake_then_frames() {
+        for encrypt in [false, true] {
+            let (mut a, mut b, err) = pair_with(key(7), key(7), encrypt);
+            assert!(err.is_none(), "{err:?}");
+            assert!(a.is_established() && b.is_established());
+            assert_eq!(a.peer_id(), Some(2));
+            assert_eq!(b.peer_id(), Some(1));
+            assert_eq!((a.encrypted(), b.encrypted()), (encrypt, encrypt));
+            assert_eq!(a.peer_key(), Some(*node_key(2).public()));
+            assert_eq!(b.peer_key(), Some(*node_key(1).public()));
+            assert_eq!(a.handshake_hash(), b.handshake_hash());
+            let plain = frame_and_heartbeat();
+            let stream = seal_frames(&mut a, &plain).unwrap();
+            // Encrypted: the payload is not on the wire as it is.
+            let on_wire = stream
+                .windows(100)
+                .any(|w| w == &plain[HEADER_LEN..HEADER_LEN + 100]);
+            assert_eq!(on_wire, !encrypt);
+            let (ev, e) = drive_bytes(&mut b, &stream, &[7, 1, 300]);
+            assert!(e.is_none(), "{e:?}");
+            assert_eq!(ev.len(), 3, "{ev:?}");
+            assert!(matches!(ev[1], ConnEvent::Data(_)));
+            assert!(matches!(ev[2], ConnEvent::Heartbeat(_)));
+        }
+    }
+
+    #[test]
+    fn every_changed_byte_is_refused_with_mac() {
+        for encrypt in [false, true] {
+            let (mut a, _, _) = fixed_pair_with(encrypt);
+            let stream = seal_frames(&mut a, &frame_and_heartbeat()).unwrap();
+            // Any byte of the first frame's header, tag or payload.
+            for at in (0..HEAD_LEN + 1000).step_by(7) {
+                let (_, mut b, _) = fixed_pair_with(encrypt);
+                let mut bad = stream.clone();
+                bad[at] ^= 0x10;
+                let (ev, e) = drive_bytes(&mut b, &bad, &[]);
+                assert!(
+                    !ev.iter().any(|e| matches!(e, ConnEvent::Data(_))),
+                    "byte {at}: {ev:?}"
+                );
+                // A changed header field may be refused before its tag is
+                // checked (bad checksum); everything else by the tag.
+                assert!(e.is_some(), "byte {at} accepted");
+                if at >= HEADER_LEN {
+                    assert!(matches!(e, Some(WireError::Mac { seq: 0 })), "{at}: {e:?}");
+                }
             }
-            .encode(),
-        ));
-        let (ev, e) = drive_bytes(&mut b, &stream, &[7, 1, 300]);
-        assert!(e.is_none(), "{e:?}");
-        assert_eq!(ev.len(), 3, "{ev:?}");
-        assert!(matches!(ev[1], ConnEvent::Data(_)));
-        assert!(matches!(ev[2], ConnEvent::Heartbeat(_)));
-        // A corrupted payload is caught.
-        stream[HEADER_LEN + 5] ^= 1;
-        let (_, mut b2, _) = pair(key(7), key(7));
-        let (_, e) = drive_bytes(&mut b2, &stream, &[]);
-        assert!(
-            matches!(e, Some(WireError::PayloadChecksum { .. })),
-            "{e:?}"
-        );
+        }
+    }
+
+    #[test]
+    fn replayed_reordered_and_dropped_frames_are_refused() {
+        let (mut a, _, _) = fixed_pair();
+        let mut hb = |seq| seal_frames(&mut a, &heartbeat(seq)).unwrap();
+        let (f0, f1, f2) = (hb(0), hb(1), hb(2));
+        let cases: [(&str, Vec<&[u8]>, u64); 3] = [
+            ("replayed", vec![&f0, &f0], 1),
+            ("reordered", vec![&f1, &f0], 0),
+            ("dropped", vec![&f0, &f2], 1),
+        ];
+        // The receiver's machine has its own keys: run each case on a
+        // fresh pair made from the same handshake transcript (fixed keys).
+        for (what, frames, seq) in cases {
+            let stream: Vec<u8> = frames.concat();
+            let (_, mut b, _) = fixed_pair();
+            let (_, e) = drive_bytes(&mut b, &stream, &[]);
+            assert_eq!(e, Some(WireError::Mac { seq }), "{what}");
+        }
+        // In order: all three pass.
+        let (_, mut b, _) = fixed_pair();
+        let (ev, e) = drive_bytes(&mut b, &[f0, f1, f2].concat(), &[]);
+        assert!(e.is_none() && ev.len() == 3, "{ev:?} {e:?}");
+    }
+
+    /// A pair whose handshake is the same every time (fixed ephemeral
+    /// keys), so that frames sealed by one run's connector open at another
+    /// run's acceptor: the tests can replay across connections.
+    fn fixed_pair() -> (Connection, Connection, Option<WireError>) {
+        fixed_pair_with(false)
+    }
+
+    fn fixed_pair_with(encrypt: bool) -> (Connection, Connection, Option<WireError>) {
+        let k = key(7);
+        let mut oa = ConnOptions::new(1 << 20);
+        oa.encrypt = encrypt;
+        oa.test_ephemeral = Some([0x31; 32]);
+        let mut ob = ConnOptions::new(1 << 20);
+        ob.test_ephemeral = Some([0x32; 32]);
+        let a = Connection::new(Role::Connector, 1, &k, &node_key(1), &oa);
+        let b = Connection::new(Role::Acceptor, 2, &k, &node_key(2), &ob);
+        run_handshake(a, b)
+    }
+
+    #[test]
+    fn frames_of_another_connection_are_refused() {
+        // Same swarm key, same nodes, another handshake: other keys.
+        let (mut a, _, _) = pair(key(7), key(7));
+        let stream = seal_frames(&mut a, &heartbeat(0)).unwrap();
+        let (_, mut b, _) = pair(key(7), key(7));
+        let (_, e) = drive_bytes(&mut b, &stream, &[]);
+        assert_eq!(e, Some(WireError::Mac { seq: 0 }));
     }
 
     #[test]
@@ -627,31 +993,79 @@ mod tests {
     }
 
     #[test]
+    fn the_acceptor_proves_nothing_before_the_connector_does() {
+        // What an acceptor sends to a stranger that knows no key: the same
+        // bytes whatever the acceptor's swarm key is (a fixed ephemeral
+        // key makes them comparable).
+        let stranger_sees = |swarm: u8| {
+            let mut o = ConnOptions::new(1 << 20);
+            o.test_ephemeral = Some([0x44; 32]);
+            let mut b = Connection::new(Role::Acceptor, 2, &key(swarm), &node_key(2), &o);
+            let mut oc = ConnOptions::new(1 << 20);
+            oc.test_ephemeral = Some([0x45; 32]);
+            let mut c = Connection::new(Role::Connector, 1, &key(99), &node_key(1), &oc);
+            let mut seen = b.take_outgoing();
+            let (_, e) = drive_bytes(&mut b, &c.take_outgoing(), &[]);
+            assert!(e.is_none());
+            seen.extend(b.take_outgoing());
+            // The stranger's message 3 fails; the acceptor adds nothing.
+            let (_, _) = drive_bytes(&mut c, &seen, &[]);
+            let (_, e) = drive_bytes(&mut b, &c.take_outgoing(), &[]);
+            assert_eq!(e, Some(WireError::AuthFailed));
+            assert!(!b.has_outgoing());
+            seen
+        };
+        let (s1, s2) = (stranger_sees(7), stranger_sees(8));
+        assert_eq!(s1.len(), PREAMBLE_LEN + MSG2_LEN);
+        assert_eq!(s1, s2, "the acceptor's messages depend on its swarm key");
+    }
+
+    #[test]
     fn replayed_handshake_is_refused() {
         // Record what a legitimate connector sent to an acceptor...
-        let mut a = Connection::new(Role::Connector, 1, key(7), [1; 32], 1 << 20);
-        let mut b = Connection::new(Role::Acceptor, 2, key(7), [2; 32], 1 << 20);
+        let k = key(7);
+        let mut a = conn(Role::Connector, 1, &k, false);
+        let mut b = conn(Role::Acceptor, 2, &k, false);
         let mut recorded = a.take_outgoing();
+        drive_bytes(&mut b, &recorded.clone(), &[]);
         drive_bytes(&mut a, &b.take_outgoing(), &[]);
         recorded.extend(a.take_outgoing());
-        let (ev, e) = drive_bytes(&mut b, &recorded, &[]);
-        assert!(e.is_none() && matches!(ev[0], ConnEvent::Established { .. }));
-        // ...and replay it to an acceptor with a fresh nonce.
-        let mut b2 = Connection::new(Role::Acceptor, 2, key(7), [3; 32], 1 << 20);
+        // ...and replay it to an acceptor with a fresh ephemeral key.
+        let mut b2 = conn(Role::Acceptor, 2, &k, false);
         let (_, e) = drive_bytes(&mut b2, &recorded, &[]);
         assert_eq!(e, Some(WireError::AuthFailed));
     }
 
     #[test]
+    fn a_version_1_peer_gets_a_clear_refusal() {
+        // A version-1 hello: magic, version 1, role, id, nonce.
+        let mut v1 = b"GWHS".to_vec();
+        v1.extend(1u16.to_le_bytes());
+        v1.extend(0u16.to_le_bytes());
+        v1.extend([0u8; 40]);
+        let mut b = conn(Role::Acceptor, 2, &key(7), false);
+        let (_, e) = drive_bytes(&mut b, &v1, &[]);
+        let e = e.expect("refused");
+        assert_eq!(
+            e,
+            WireError::UnsupportedVersion {
+                what: "hello",
+                got: 1
+            }
+        );
+        assert!(e.to_string().contains("speaks version 2"), "{e}");
+    }
+
+    #[test]
     fn garbage_before_handshake_and_frames_before_auth() {
-        let mut b = Connection::new(Role::Acceptor, 2, key(7), [2; 32], 1 << 20);
+        let mut b = conn(Role::Acceptor, 2, &key(7), false);
         let (_, e) = drive_bytes(
             &mut b,
             b"GET / HTTP/1.1\r\n\r\n-----------------------------------",
             &[],
         );
         assert!(matches!(e, Some(WireError::BadMagic { .. })), "{e:?}");
-        let mut b = Connection::new(Role::Acceptor, 2, key(7), [2; 32], 1 << 20);
+        let mut b = conn(Role::Acceptor, 2, &key(7), false);
         let mut h = FrameHeader::data();
         h.payload_len = 4;
         let (ev, e) = drive_bytes(&mut b, &h.encode(), &[]);
@@ -694,9 +1108,10 @@ mod tests {
     #[test]
     fn sliced_frame_with_control_frames_between_slices() {
         let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
-        let stream = sliced_stream(&payload, 3000);
+        let plain = sliced_stream(&payload, 3000);
         for cuts in [&[][..], &[1], &[7, 1, 300], &[96, 4096]] {
-            let (_, mut b, _) = pair(key(7), key(7));
+            let (mut a, mut b, _) = pair(key(7), key(7));
+            let stream = seal_frames(&mut a, &plain).unwrap();
             let (ev, e) = drive_bytes(&mut b, &stream, cuts);
             assert!(e.is_none(), "{e:?}");
             // DataHeader, 4 heartbeats (one before each slice), Data.
@@ -717,12 +1132,21 @@ mod tests {
             assert_eq!(FrameHeader::decode(&d.encode(), 1 << 20).unwrap(), *d);
             assert!(!b.in_frame());
         }
-        // The payload checksum covers every slice.
-        let mut bad = stream.clone();
+        // The tag covers every slice: a byte changed on the way is refused.
+        let (mut a, mut b, _) = pair(key(7), key(7));
+        let mut bad = seal_frames(&mut a, &plain).unwrap();
         let n = bad.len();
         bad[n - 1] ^= 1;
-        let (_, mut b, _) = pair(key(7), key(7));
         let (_, e) = drive_bytes(&mut b, &bad, &[]);
+        assert!(matches!(e, Some(WireError::Mac { .. })), "{e:?}");
+        // The payload checksum covers every slice too: a sender's wrong
+        // byte (sealed as it is) is refused.
+        let mut wrong = plain.clone();
+        let n = wrong.len();
+        wrong[n - 1] ^= 1;
+        let (mut a, mut b, _) = pair(key(7), key(7));
+        let stream = seal_frames(&mut a, &wrong).unwrap();
+        let (_, e) = drive_bytes(&mut b, &stream, &[]);
         assert!(
             matches!(e, Some(WireError::PayloadChecksum { .. })),
             "{e:?}"
@@ -734,7 +1158,8 @@ mod tests {
         let payload = vec![5u8; 4000];
         let open = sliced_head(&data_head(&payload)).to_vec();
         let refuse = |stream: Vec<u8>, what: &str| {
-            let (_, mut b, _) = pair(key(7), key(7));
+            let (mut a, mut b, _) = pair(key(7), key(7));
+            let stream = seal_frames(&mut a, &stream).unwrap();
             let (ev, e) = drive_bytes(&mut b, &stream, &[]);
             assert!(e.is_some(), "{what}: accepted, {ev:?}");
             assert!(
@@ -794,8 +1219,14 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for _ in 0..400 {
-            let mut s = stream.clone();
+        for round in 0..400 {
+            // Mangled on the way (after sealing), or by the sender.
+            let (mut a, mut b, _) = pair(key(7), key(7));
+            let mut s = if round % 2 == 0 {
+                seal_frames(&mut a, &stream).unwrap()
+            } else {
+                stream.clone()
+            };
             let at = (next() % s.len() as u64) as usize;
             match next() % 3 {
                 0 => s[at] ^= 1 << (next() % 8),
@@ -807,8 +1238,10 @@ mod tests {
                     s.splice(at..at, piece);
                 }
             }
+            if round % 2 == 1 {
+                s = seal_frames(&mut a, &s).unwrap();
+            }
             let cuts = [(next() % 500) as usize + 1, (next() % 7) as usize + 1];
-            let (_, mut b, _) = pair(key(7), key(7));
             let (ev, e) = drive_bytes(&mut b, &s, &cuts);
             // Whatever happens, a delivered frame is the right one.
             for ev in &ev {

@@ -41,6 +41,9 @@ pub enum WireError {
     Handshake(String),
     /// The peer's proof of the swarm key did not verify.
     AuthFailed,
+    /// A frame's tag did not verify (changed, replayed, reordered or
+    /// forged on the way); `seq` is the frame's place in the stream.
+    Mac { seq: u64 },
     /// A message arrived in a state where it is not allowed.
     Unexpected(String),
 }
@@ -54,7 +57,11 @@ impl fmt::Display for WireError {
             }
             TrailingBytes { what, extra } => write!(f, "{what}: {extra} unexpected trailing bytes"),
             BadMagic { what, got } => write!(f, "{what}: bad magic 0x{got:08x}"),
-            UnsupportedVersion { what, got } => write!(f, "{what}: unsupported version {got}"),
+            UnsupportedVersion { what, got } => write!(
+                f,
+                "{what}: unsupported version {got} (this build speaks version {})",
+                super::handshake::HANDSHAKE_VERSION
+            ),
             UnknownKind(k) => write!(f, "frame header: unknown kind {k}"),
             UnknownFlags(x) => write!(f, "frame header: unknown flag bits 0x{x:x}"),
             UnknownDtype(d) => write!(f, "frame header: unknown dtype {d}"),
@@ -77,6 +84,10 @@ impl fmt::Display for WireError {
             AuthFailed => write!(
                 f,
                 "handshake: authentication failed (wrong swarm key, or a replayed handshake)"
+            ),
+            Mac { seq } => write!(
+                f,
+                "frame {seq}: tag does not verify (changed, replayed or reordered on the way)"
             ),
             Unexpected(why) => write!(f, "unexpected message: {why}"),
         }

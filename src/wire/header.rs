@@ -14,7 +14,7 @@ use super::WireError;
 /// "GWTF" as little-endian bytes.
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"GWTF");
 /// The wire version this build speaks.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 /// Size of the encoded header in bytes.
 pub const HEADER_LEN: usize = 96;
 /// The payload carries a CRC32C in `payload_crc`.
@@ -359,10 +359,10 @@ mod tests {
             Err(WireError::BadMagic { .. })
         ));
         let mut h = sample();
-        h.version = 2;
+        h.version = 1;
         assert!(matches!(
             FrameHeader::decode(&h.encode(), max),
-            Err(WireError::UnsupportedVersion { got: 2, .. })
+            Err(WireError::UnsupportedVersion { got: 1, .. })
         ));
         let mut h = sample();
         h.kind = 99;

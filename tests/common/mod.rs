@@ -6,6 +6,7 @@ pub mod netns;
 pub mod skip;
 pub mod swarm_inproc;
 pub mod swarm_procs;
+pub mod tamper_proxy;
 pub mod timeline;
 
 use std::path::{Path, PathBuf};
@@ -248,59 +249,178 @@ fn build_stub_libcuda() -> PathBuf {
     dir
 }
 
-/// A raw TCP stream through the handshake as node `id` with `key` (reads
-/// time out after `timeout`): for tests that write bytes no node would.
+/// A raw TCP peer through the handshake: for tests that write bytes no
+/// node would. Complete frames go out sealed with the connection's keys
+/// ([`RawPeer::send`]); anything else as it is ([`RawPeer::send_raw`]).
+#[allow(dead_code)]
+pub struct RawPeer {
+    pub stream: std::net::TcpStream,
+    pub conn: gwtf::wire::Connection,
+}
+
+#[allow(dead_code)]
+impl RawPeer {
+    /// Seals plain frames (each header followed by its payload) and
+    /// writes them.
+    pub fn send(&mut self, plain: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        let sealed = gwtf::wire::seal_frames(&mut self.conn, plain).expect("established");
+        self.stream.write_all(&sealed)
+    }
+
+    /// Seals one plain frame and writes only its first `n` bytes (header
+    /// and tag included): a frame cut in the middle.
+    pub fn send_prefix(&mut self, plain: &[u8], n: usize) -> std::io::Result<()> {
+        use std::io::Write;
+        let sealed = gwtf::wire::seal_frames(&mut self.conn, plain).expect("established");
+        self.stream.write_all(&sealed[..n.min(sealed.len())])
+    }
+
+    /// Writes bytes as they are.
+    pub fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        self.stream.write_all(bytes)
+    }
+
+    /// The next frame the node sent (tag checked): its header and payload;
+    /// None when the stream ends, times out or fails.
+    pub fn read_frame(&mut self) -> Option<(gwtf::wire::FrameHeader, Vec<u8>)> {
+        use gwtf::wire::{ConnEvent, ReadTarget};
+        use std::io::Read;
+        let mut payload = Vec::new();
+        for _ in 0..100_000 {
+            let r = match self.conn.read_target() {
+                ReadTarget::Closed => return None,
+                ReadTarget::Small(buf) => {
+                    let n = self.stream.read(buf).ok().filter(|&n| n > 0)?;
+                    self.conn.small_read(n)
+                }
+                ReadTarget::Payload { remaining, .. } => {
+                    let start = payload.len();
+                    payload.resize(start + remaining.min(1 << 20) as usize, 0);
+                    let n = self
+                        .stream
+                        .read(&mut payload[start..])
+                        .ok()
+                        .filter(|&n| n > 0)?;
+                    payload.truncate(start + n);
+                    self.conn.payload_read(&mut payload, n)
+                }
+            };
+            match r.ok()? {
+                Some(ConnEvent::Data(h)) => return Some((h, payload)),
+                Some(ConnEvent::DataHeader(_)) | None => {}
+                Some(_) => payload.clear(),
+            }
+        }
+        None
+    }
+
+    pub fn set_read_timeout(&self, t: std::time::Duration) {
+        self.stream.set_read_timeout(Some(t)).unwrap();
+    }
+}
+
+/// A raw peer through the handshake as node `id` with `key` (reads time
+/// out after `timeout`).
+#[allow(dead_code)]
 pub fn raw_authenticated(
     addr: std::net::SocketAddr,
     id: u64,
     key: &[u8],
     timeout: std::time::Duration,
-) -> std::net::TcpStream {
+) -> RawPeer {
     let s = std::net::TcpStream::connect(addr).unwrap();
     raw_handshake(s, gwtf::wire::Role::Connector, id, key, timeout)
 }
 
-/// Takes `s` through the handshake in `role` as node `id` with `key`
-/// (reads time out after `timeout`); returns it established.
+/// Takes `s` through the handshake in `role` as node `id` with `key` and
+/// a fresh node key (reads time out after `timeout`); returns it
+/// established.
+#[allow(dead_code)]
 pub fn raw_handshake(
     s: std::net::TcpStream,
     role: gwtf::wire::Role,
     id: u64,
     key: &[u8],
     timeout: std::time::Duration,
-) -> std::net::TcpStream {
-    let mut nonce = [0u8; 32];
-    nonce[..8].copy_from_slice(&id.to_le_bytes());
-    // Never the same twice (the node refuses a replayed handshake).
-    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
-    nonce[8..16].copy_from_slice(&now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes());
-    raw_handshake_with_nonce(s, role, id, key, nonce, timeout)
+) -> RawPeer {
+    try_raw_handshake(s, role, id, key, timeout).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// [`raw_handshake`] with this side's handshake nonce given.
-pub fn raw_handshake_with_nonce(
+/// [`raw_handshake`], or why it failed.
+#[allow(dead_code)]
+pub fn try_raw_handshake(
     mut s: std::net::TcpStream,
     role: gwtf::wire::Role,
     id: u64,
     key: &[u8],
-    nonce: [u8; 32],
     timeout: std::time::Duration,
-) -> std::net::TcpStream {
-    use gwtf::wire::{ConnEvent, Connection, ReadTarget, SwarmKey};
+) -> Result<RawPeer, String> {
+    use gwtf::wire::{ConnEvent, ConnOptions, Connection, NodeKey, ReadTarget, SwarmKey};
     use std::io::{Read, Write};
-    s.set_read_timeout(Some(timeout)).unwrap();
-    let mut c = Connection::new(role, id, SwarmKey::new(key).unwrap(), nonce, 4 << 20);
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    let mut c = Connection::new(
+        role,
+        id,
+        &SwarmKey::new(key).unwrap(),
+        &NodeKey::generate().unwrap(),
+        &ConnOptions::new(4 << 20),
+    );
     for _ in 0..10 {
-        s.write_all(&c.take_outgoing()).unwrap();
+        s.write_all(&c.take_outgoing()).map_err(|e| e.to_string())?;
         let ReadTarget::Small(buf) = c.read_target() else {
-            panic!("handshake state")
+            return Err("handshake state".into());
         };
-        let n = s.read(buf).unwrap();
-        assert!(n > 0, "the node closed the handshake");
-        if let Some(ConnEvent::Established { .. }) = c.small_read(n).unwrap() {
-            s.write_all(&c.take_outgoing()).unwrap();
-            return s;
+        let n = s.read(buf).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the node closed the handshake".into());
+        }
+        if let Some(ConnEvent::Established { .. }) = c.small_read(n).map_err(|e| e.to_string())? {
+            s.write_all(&c.take_outgoing()).map_err(|e| e.to_string())?;
+            return Ok(RawPeer { stream: s, conn: c });
         }
     }
-    panic!("handshake did not finish");
+    Err("handshake did not finish".into())
+}
+
+/// A TCP connection to `to` from the local address `from` (another
+/// loopback address: a second source on one machine).
+#[allow(dead_code)]
+pub fn connect_from(
+    from: std::net::Ipv4Addr,
+    to: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(to) = to else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor this function owns; the
+    // addresses are valid sockaddr_in values of `len` bytes.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let src = sin(from, 0);
+        if libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let dst = sin(*to.ip(), to.port());
+        if libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
 }

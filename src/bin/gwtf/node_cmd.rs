@@ -37,6 +37,11 @@ pub struct NodeArgs {
     /// File holding the swarm key every member shares (at least 16 bytes).
     #[arg(long)]
     swarm_key_file: PathBuf,
+    /// Encrypt frame payloads (AES-256-GCM) on this node's connections (a
+    /// connection encrypts when either end asks). Every frame is
+    /// authenticated either way.
+    #[arg(long)]
+    encrypt: bool,
     /// This node's id (1..2^32-1) [default: random].
     #[arg(long, value_parser = checks::int_at_least::<u32>(1), allow_negative_numbers = true)]
     id: Option<u32>,
@@ -435,6 +440,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             peer_timeout: Liveness::RUNTIME.transport_timeout(),
             link,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
+            encrypt: a.encrypt,
             ..NodeOptions::default()
         },
     };

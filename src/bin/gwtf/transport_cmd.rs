@@ -1,5 +1,6 @@
 //! `gwtf echo` (a diagnostic peer) and `gwtf bench transport` (framed
-//! zero-copy transport against raw TCP, interleaved, in one run).
+//! zero-copy transport, with integrity tags and with encryption, against
+//! raw TCP, interleaved, in one run).
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -21,6 +22,9 @@ pub struct EchoArgs {
     /// File holding the swarm key (raw bytes; trailing whitespace ignored).
     #[arg(long)]
     pub swarm_key_file: PathBuf,
+    /// Encrypt frame payloads (a connection encrypts when either end asks).
+    #[arg(long)]
+    pub encrypt: bool,
     /// Node id (0: random).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u64>(0))]
@@ -95,6 +99,7 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
         handshake_timeout: Duration::from_millis(args.handshake_timeout_ms),
         frame_timeout: Duration::from_millis(args.frame_timeout_ms),
         link,
+        encrypt: args.encrypt,
         ..NodeOptions::default()
     })?;
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
@@ -143,8 +148,8 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
     let s = node.stats();
     node.shutdown();
     eprintln!(
-        "gwtf echo: stopped; {} frames / {} bytes echoed, {} user-space copies, {} refused",
-        s.frames_received, s.bytes_received, s.user_copies, s.connections_refused
+        "gwtf echo: stopped; {} frames / {} bytes echoed, {} user-space copies, {} refused ({} of them not reported one by one), {} closed for a bad tag",
+        s.frames_received, s.bytes_received, s.user_copies, s.connections_refused, s.refusals_unreported, s.tag_failures
     );
     Ok(())
 }
@@ -160,7 +165,7 @@ pub struct BenchTransportArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,4", allow_negative_numbers = true,
           value_parser = checks::int_at_least::<usize>(1))]
     pub conns: Vec<usize>,
-    /// Measured raw/framed pairs per case (after one warm-up pair; >= 1).
+    /// Measured rounds per case (raw, tagged, encrypted; after one warm-up round; >= 1).
     #[arg(long, default_value_t = 5, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<usize>(1))]
     pub pairs: usize,
@@ -323,6 +328,7 @@ fn framed_pairs(
     c: usize,
     size: usize,
     crc: bool,
+    encrypt: bool,
 ) -> Result<Vec<FramedPair>, Box<dyn std::error::Error>> {
     let depth = ((16usize << 20) / size).clamp(2, 256);
     let pool = size.max(4096).next_power_of_two() * (depth + 6);
@@ -336,6 +342,7 @@ fn framed_pairs(
                 send_queue_depth: depth,
                 payload_crc_max: if crc { u64::MAX } else { 0 },
                 peer_timeout: Duration::from_secs(60),
+                encrypt,
                 ..NodeOptions::default()
             };
             let rx = Node::new(o.clone())?;
@@ -452,6 +459,61 @@ impl Rtt {
     }
 }
 
+/// What one core does per second here, to read the ratios against: the
+/// tag and the encryption cost CPU that raw TCP does not spend.
+struct CoreRates {
+    memcpy: f64,
+    blake3: f64,
+    aes_gcm: f64,
+}
+
+impl CoreRates {
+    fn measure() -> CoreRates {
+        const N: usize = 16 << 20;
+        let src = vec![0x5au8; N];
+        let mut dst = vec![0u8; N];
+        let best = |f: &mut dyn FnMut()| {
+            (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    f();
+                    N as f64 / t.elapsed().as_secs_f64() / 1e9
+                })
+                .fold(0.0f64, f64::max)
+        };
+        let memcpy = best(&mut || {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+        });
+        let key = [7u8; 32];
+        let blake3 = best(&mut || {
+            std::hint::black_box(blake3::keyed_hash(&key, &src));
+        });
+        let aead = ring::aead::LessSafeKey::new(
+            ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &key).expect("32-byte key"),
+        );
+        let mut seq = 0u64;
+        let aes_gcm = best(&mut || {
+            seq += 1;
+            let mut n = [0u8; 12];
+            n[4..].copy_from_slice(&seq.to_le_bytes());
+            let tag = aead
+                .seal_in_place_separate_tag(
+                    ring::aead::Nonce::assume_unique_for_key(n),
+                    ring::aead::Aad::empty(),
+                    &mut dst,
+                )
+                .expect("in range");
+            let _ = std::hint::black_box(tag);
+        });
+        CoreRates {
+            memcpy,
+            blake3,
+            aes_gcm,
+        }
+    }
+}
+
 /// The 1-minute load average, when the system reports one.
 fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
@@ -487,74 +549,111 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
     }
     if !args.json {
         println!(
-            "gwtf bench transport: loopback, {cores} cores, {} pairs (ABAB) after warm-up, >= {} MiB per measurement, payload crc {}",
+            "gwtf bench transport: loopback, {cores} cores, {} rounds (raw, tagged, encrypted, interleaved) after warm-up, >= {} MiB per measurement, payload crc {}",
             args.pairs,
             total >> 20,
             if args.payload_crc { "on" } else { "off (header crc only)" }
         );
         println!(
-            "raw: blocking send / recv(MSG_WAITALL) of reused buffers; framed: pool slot -> writev -> pool slot; TCP_NODELAY on both; one sender and one receiver per connection"
+            "raw: blocking send / recv(MSG_WAITALL) of reused buffers; tagged: pool slot -> writev (header, keyed BLAKE3 tag, slot) -> pool slot, tag checked; encrypted: AES-256-GCM, the sender encrypts a copy, the receiver decrypts in place; TCP_NODELAY on all; one sender and one receiver per connection"
         );
         println!(
-            "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>11} {:>8} {:>10} {:>10} {:>6}",
+            "{:>9} {:>5} {:>9} {:>11} {:>7} {:>13} {:>10} {:>7} {:>13} {:>11} {:>11} {:>8} {:>10} {:>10} {:>6}",
             "size",
             "conns",
             "raw GB/s",
-            "framed GB/s",
+            "tagged GB/s",
+            "ratio",
+            "(min-max)",
+            "enc GB/s",
             "ratio",
             "(min-max)",
             "copies/frm",
+            "enc copies",
             "raw rtt",
-            "framed rtt",
-            "frm p99",
+            "tagged rtt",
+            "tag p99",
             "slow"
+        );
+    }
+    let core = CoreRates::measure();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "one_core_gbps": {
+                    "memcpy": core.memcpy,
+                    "keyed_blake3": core.blake3,
+                    "aes_256_gcm": core.aes_gcm,
+                }
+            })
+        );
+    } else {
+        println!(
+            "one core here: memcpy {:.1} GB/s, keyed BLAKE3 {:.1} GB/s, AES-256-GCM {:.1} GB/s (each side of a tagged frame hashes it once; an encrypted one is copied and sealed, then opened)",
+            core.memcpy, core.blake3, core.aes_gcm
         );
     }
     for (size_s, size) in sizes {
         for &c in &args.conns {
             let per_conn = total.div_ceil(size * c).max(1);
             let raw = raw_pairs(c)?;
-            let framed = framed_pairs(c, size, args.payload_crc)?;
-            // Warm-up pair.
+            let framed = framed_pairs(c, size, args.payload_crc, false)?;
+            let sealed = framed_pairs(c, size, args.payload_crc, true)?;
+            // Warm-up round.
             raw_run(&raw, size, per_conn.div_ceil(4));
             framed_run(&framed, size, per_conn.div_ceil(4));
-            let sum = |f: &dyn Fn(&FramedPair) -> u64| framed.iter().map(f).sum::<u64>();
-            let copies = || sum(&|p| p.tx.stats().user_copies + p.rx.stats().user_copies);
-            let writes = || sum(&|p| p.tx.stats().write_calls);
-            let copies0 = copies();
-            let frames0: u64 = sum(&|p| p.rx.stats().frames_received);
-            let reads0: u64 = sum(&|p| p.rx.stats().read_calls);
-            let writes0: u64 = writes();
-            let mut raws = Vec::new();
-            let mut frs = Vec::new();
-            let mut ratios = Vec::new();
+            framed_run(&sealed, size, per_conn.div_ceil(4));
+            let sum =
+                |ps: &[FramedPair], f: &dyn Fn(&FramedPair) -> u64| ps.iter().map(f).sum::<u64>();
+            let copies = |ps: &[FramedPair]| {
+                sum(ps, &|p| p.tx.stats().user_copies + p.rx.stats().user_copies)
+            };
+            let frames = |ps: &[FramedPair]| sum(ps, &|p| p.rx.stats().frames_received);
+            let copies0 = (copies(&framed), copies(&sealed));
+            let frames0 = (frames(&framed), frames(&sealed));
+            let reads0: u64 = sum(&framed, &|p| p.rx.stats().read_calls);
+            let writes0: u64 = sum(&framed, &|p| p.tx.stats().write_calls);
+            let (mut raws, mut frs, mut encs) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut ratios, mut enc_ratios) = (Vec::new(), Vec::new());
             for _ in 0..args.pairs {
                 let r = raw_run(&raw, size, per_conn);
                 let f = framed_run(&framed, size, per_conn);
+                let e = framed_run(&sealed, size, per_conn);
                 raws.push(r);
                 frs.push(f);
+                encs.push(e);
                 ratios.push(f / r);
+                enc_ratios.push(e / r);
             }
-            let copies1 = copies();
-            let frames1: u64 = sum(&|p| p.rx.stats().frames_received);
-            let frames = (frames1 - frames0).max(1) as f64;
-            let copies_per_frame = (copies1 - copies0) as f64 / frames;
-            let reads1: u64 = sum(&|p| p.rx.stats().read_calls);
-            let writes1: u64 = writes();
-            let reads_per_frame = (reads1 - reads0) as f64 / frames;
-            let writes_per_frame = (writes1 - writes0) as f64 / frames;
+            let per_frame =
+                |c1: u64, c0: u64, f1: u64, f0: u64| (c1 - c0) as f64 / (f1 - f0).max(1) as f64;
+            let copies_per_frame =
+                per_frame(copies(&framed), copies0.0, frames(&framed), frames0.0);
+            let enc_copies_per_frame =
+                per_frame(copies(&sealed), copies0.1, frames(&sealed), frames0.1);
+            let nframes = (frames(&framed) - frames0.0).max(1) as f64;
+            let reads_per_frame =
+                (sum(&framed, &|p| p.rx.stats().read_calls) - reads0) as f64 / nframes;
+            let writes_per_frame =
+                (sum(&framed, &|p| p.tx.stats().write_calls) - writes0) as f64 / nframes;
             let mut rtt = Rtt::measure(&raw[0], &framed[0], args.rtt_iters, args.rtt_rounds);
             let (raw_slow, framed_slow) = (Rtt::slow(&rtt.raw), Rtt::slow(&rtt.framed));
             let raw_rtt_us = median(&mut rtt.raw);
             let framed_rtt_us = median(&mut rtt.framed);
             let raw_p99_us = quantile(&mut rtt.raw, 0.99);
             let framed_p99_us = quantile(&mut rtt.framed, 0.99);
-            let (rmin, rmax) = ratios
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            let range = |v: &[f64]| {
+                v.iter()
+                    .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)))
+            };
+            let (rmin, rmax) = range(&ratios);
+            let (emin, emax) = range(&enc_ratios);
             let ratio = median(&mut ratios.clone());
+            let enc_ratio = median(&mut enc_ratios.clone());
             let raw_gbps = median(&mut raws.clone());
             let framed_gbps = median(&mut frs.clone());
+            let enc_gbps = median(&mut encs.clone());
             if args.json {
                 println!(
                     "{}",
@@ -566,9 +665,15 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                         "ratio": ratio,
                         "ratio_min": rmin,
                         "ratio_max": rmax,
+                        "encrypted_gbps": enc_gbps,
+                        "encrypted_ratio": enc_ratio,
+                        "encrypted_ratio_min": emin,
+                        "encrypted_ratio_max": emax,
                         "raw_gbps_runs": raws,
                         "framed_gbps_runs": frs,
+                        "encrypted_gbps_runs": encs,
                         "copies_per_frame": copies_per_frame,
+                        "encrypted_copies_per_frame": enc_copies_per_frame,
                         "read_calls_per_frame": reads_per_frame,
                         "write_calls_per_frame": writes_per_frame,
                         "raw_rtt_us": raw_rtt_us,
@@ -588,14 +693,18 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                 );
             } else {
                 println!(
-                    "{:>9} {:>5} {:>9.2} {:>11.2} {:>7.3} {:>13} {:>11.1} {:>6.1}us {:>8.1}us {:>8.1}us {:>6}",
+                    "{:>9} {:>5} {:>9.2} {:>11.2} {:>7.3} {:>13} {:>10.2} {:>7.3} {:>13} {:>11.1} {:>11.1} {:>6.1}us {:>8.1}us {:>8.1}us {:>6}",
                     size_s,
                     c,
                     raw_gbps,
                     framed_gbps,
                     ratio,
                     format!("({rmin:.2}-{rmax:.2})"),
+                    enc_gbps,
+                    enc_ratio,
+                    format!("({emin:.2}-{emax:.2})"),
                     copies_per_frame,
+                    enc_copies_per_frame,
                     raw_rtt_us,
                     framed_rtt_us,
                     framed_p99_us,
@@ -603,6 +712,7 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
                 );
             }
             drop(framed);
+            drop(sealed);
         }
     }
     Ok(())

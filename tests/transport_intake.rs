@@ -1,0 +1,299 @@
+//! Authenticated channels and bounded intake, against a node over
+//! loopback: frames replayed or reordered on the way are refused with the
+//! reason `mac`; a flood of 1,100 keyed connections from one address does
+//! not keep a joiner from another out, and its refusals are counted and
+//! sampled; half-sent 64 MiB frames (slowloris) lose their pool slots at
+//! the frame deadline. Deadlines are generous and every loop is bounded.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use common::RawPeer;
+use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::wire::{
+    encode_control_frame, FrameHeader, FrameKind, Heartbeat, Role, WireError, HEAD_LEN,
+};
+
+const KEY: &[u8] = b"intake-test-swarm-key-0123456789";
+const T: Duration = Duration::from_secs(30);
+
+fn node(o: NodeOptions) -> Node {
+    Node::new(NodeOptions {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        swarm_key: KEY.to_vec(),
+        log: true,
+        ..o
+    })
+    .unwrap()
+}
+
+fn raw(addr: SocketAddr, id: u64) -> RawPeer {
+    common::raw_authenticated(addr, id, KEY, T)
+}
+
+fn heartbeat(seq: u64) -> Vec<u8> {
+    encode_control_frame(
+        FrameKind::Heartbeat,
+        7,
+        &Heartbeat { seq, sent_at_us: 0 }.encode(),
+    )
+}
+
+/// The reason the node gives for losing `peer`.
+fn lost_reason(n: &Node, peer: u64) -> CloseReason {
+    let deadline = Instant::now() + T;
+    while Instant::now() < deadline {
+        if let Some(Event::PeerLost {
+            peer: p, reason, ..
+        }) = n.poll_event(Duration::from_millis(50))
+        {
+            if p == peer {
+                return reason;
+            }
+        }
+    }
+    panic!("peer {peer:x} not lost within {T:?}");
+}
+
+fn wait_connected(n: &Node, peer: u64) {
+    let deadline = Instant::now() + T;
+    while !n.is_connected(peer) {
+        assert!(Instant::now() < deadline, "peer {peer:x} never connected");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A frame replayed, one reordered, one dropped, one changed: each is
+/// refused for its tag, the connection closes with `mac` (code 12), and
+/// none is delivered.
+#[test]
+fn replayed_reordered_dropped_and_changed_frames_close_with_mac() {
+    let n = node(NodeOptions::default());
+    let addr = n.local_addr().unwrap();
+    let mut h = FrameHeader::data();
+    h.sender = 7;
+    h.payload_len = 4096;
+    let mut data = h.encode().to_vec();
+    data.extend(vec![9u8; 4096]);
+    for (i, case) in ["replayed", "reordered", "dropped", "changed"]
+        .iter()
+        .enumerate()
+    {
+        let id = 0x70 + i as u64;
+        let mut p = raw(addr, id);
+        wait_connected(&n, id);
+        let seal =
+            |p: &mut RawPeer, plain: &[u8]| gwtf::wire::seal_frames(&mut p.conn, plain).unwrap();
+        let first = seal(&mut p, &heartbeat(1));
+        let second = seal(&mut p, &data);
+        let bytes = match *case {
+            "replayed" => [first.clone(), first].concat(),
+            "reordered" => [second, first].concat(),
+            "dropped" => second,
+            _ => {
+                let mut b = [first, second].concat();
+                let at = b.len() - 100;
+                b[at] ^= 1;
+                b
+            }
+        };
+        p.send_raw(&bytes).unwrap();
+        let r = lost_reason(&n, id);
+        assert!(
+            matches!(r, CloseReason::Protocol(WireError::Mac { .. })),
+            "{case}: {r:?}"
+        );
+        assert_eq!(r.code(), 12, "{case}");
+    }
+    assert!(
+        n.recv(Duration::from_millis(200)).is_err(),
+        "a refused frame was delivered"
+    );
+    assert_eq!(n.stats().tag_failures, 4);
+}
+
+/// 1,100 connections from 127.0.0.2 by a key holder, each through its
+/// handshake as far as the node lets it, held open: the node takes at
+/// most its per-address limit of them, refuses the rest at once, reports
+/// a sample of the refusals, and a joiner from 127.0.0.1 joins in well
+/// under 10 s. (Before the limits, the flood filled `max_connections`
+/// and every later connection was refused.)
+#[test]
+fn a_flood_from_one_address_does_not_keep_a_joiner_out() {
+    let n = node(NodeOptions::default());
+    let addr = n.local_addr().unwrap();
+    let flood_from = Ipv4Addr::new(127, 0, 0, 2);
+    let t0 = Instant::now();
+    let mut held = Vec::new();
+    let mut failed = 0;
+    for i in 0..1100u64 {
+        let Ok(s) = common::connect_from(flood_from, addr) else {
+            failed += 1;
+            continue;
+        };
+        match common::try_raw_handshake(s, Role::Connector, 0x1_0000 + i, KEY, T) {
+            Ok(p) => held.push(p),
+            Err(_) => failed += 1,
+        }
+    }
+    let flood_s = t0.elapsed().as_secs_f64();
+    let limit = NodeOptions::default().max_connections_per_address;
+    assert!(
+        held.len() <= limit,
+        "{} flood connections taken",
+        held.len()
+    );
+    assert!(
+        held.len() >= limit / 2,
+        "{} flood connections taken",
+        held.len()
+    );
+    // The joiner, while the flood's connections are held.
+    let joiner = Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        ..NodeOptions::default()
+    })
+    .unwrap();
+    let t1 = Instant::now();
+    let peer = joiner.connect_wait(addr, Duration::from_secs(10));
+    let join_s = t1.elapsed().as_secs_f64();
+    assert_eq!(peer.ok(), Some(n.node_id()), "the joiner was kept out");
+    assert!(join_s < 10.0, "the joiner took {join_s:.2} s");
+    let st = n.stats();
+    let mut reported = 0;
+    while let Some(ev) = n.poll_event(Duration::from_millis(20)) {
+        if let Event::Refused { addr, .. } = ev {
+            if addr.ip() == flood_from {
+                reported += 1;
+            }
+        }
+    }
+    eprintln!(
+        "flood: {} held, {failed} refused in {flood_s:.2} s; the joiner joined in {:.1} ms; \
+         refusals {} ({} reported as events, {} only counted)",
+        held.len(),
+        join_s * 1e3,
+        st.connections_refused,
+        reported,
+        st.refusals_unreported
+    );
+    assert!(st.connections_refused >= 1000, "{st:?}");
+    // A few reports per second of flood, not one per connection.
+    let most = 16 * (flood_s.ceil() as u64 + 1);
+    assert!(
+        reported <= most,
+        "{reported} refusals reported (most {most})"
+    );
+    assert!(st.refusals_unreported + reported >= 1000, "{st:?}");
+}
+
+/// 300 peers each send the head of a 64 MiB data frame and a few bytes
+/// of it, then nothing (slowloris): each half-sent frame loses its pool
+/// slot at the frame deadline (its bytes stopped coming), not after the
+/// 64 s its length would earn at the slowest accepted rate; the pool is
+/// empty again and an honest peer's frames go through.
+#[test]
+fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
+    let frame_timeout = Duration::from_secs(1);
+    let n = node(NodeOptions {
+        max_payload: 64 << 20,
+        pool_bytes: 1 << 30,
+        frame_timeout,
+        peer_timeout: Duration::from_secs(60),
+        ..NodeOptions::default()
+    });
+    let addr = n.local_addr().unwrap();
+    let mut h = FrameHeader::data();
+    h.sender = 7;
+    h.payload_len = 64 << 20;
+    // Its head (header and a tag: never checked, the payload never
+    // completes) and 4 KiB of its payload.
+    let mut head = h.encode().to_vec();
+    head.extend([0u8; HEAD_LEN - 96]);
+    head.extend([1u8; 4096]);
+    let mut slow = Vec::new();
+    let mut sent_at = std::collections::HashMap::new();
+    for i in 0..300u64 {
+        let id = 0x2_0000 + i;
+        let Ok(s) = std::net::TcpStream::connect(addr) else {
+            continue;
+        };
+        if let Ok(mut p) = common::try_raw_handshake(s, Role::Connector, id, KEY, T) {
+            if p.send_raw(&head).is_ok() {
+                sent_at.insert(id, Instant::now());
+                slow.push(p);
+            }
+        }
+    }
+    let sent = Instant::now();
+    // One address: at most its limit of connections at once.
+    let limit = NodeOptions::default().max_connections_per_address;
+    let refused = n.stats().connections_refused;
+    assert!(
+        slow.len() + refused as usize >= 300,
+        "{} {refused}",
+        slow.len()
+    );
+    assert!(
+        slow.len() <= limit + 16,
+        "{} slow frames taken (refused {refused})",
+        slow.len()
+    );
+    // Every half-sent frame is cut at its deadline (its 4 KiB earned it
+    // 4 ms more); the connections stay open, nothing else frees them.
+    let deadline = Instant::now() + T;
+    let mut longest = Duration::ZERO;
+    let mut cut = 0;
+    while cut < slow.len() {
+        assert!(
+            Instant::now() < deadline,
+            "{cut} of {} half-sent frames cut; pool {:?}",
+            slow.len(),
+            n.stats().pool
+        );
+        if let Some(Event::PeerLost { peer, reason, .. }) = n.poll_event(Duration::from_millis(50))
+        {
+            assert_eq!(reason, CloseReason::FrameTimeout, "peer {peer:x}");
+            longest = longest.max(sent_at[&peer].elapsed());
+            cut += 1;
+        }
+    }
+    while n.stats().pool.in_use_bytes != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "pool not released: {:?}",
+            n.stats().pool
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "{} slowloris frames of 64 MiB: each cut at most {longest:?} after its head",
+        slow.len()
+    );
+    // 16 slots of 64 MiB: the frames got theirs in turns of about a frame
+    // deadline each, and all were cut within a few turns, not after the
+    // 64 s their length would have earned at the slowest accepted rate.
+    let turns = slow.len().div_ceil(16) as u32;
+    let bound = (frame_timeout + Duration::from_millis(500)) * turns + Duration::from_secs(3);
+    eprintln!(
+        "all cut {:?} after the last head (bound {bound:?})",
+        sent.elapsed()
+    );
+    assert!(longest < bound, "{longest:?}");
+    // An honest peer is served.
+    let honest = Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        max_payload: 64 << 20,
+        pool_bytes: 256 << 20,
+        ..NodeOptions::default()
+    })
+    .unwrap();
+    let p = honest.connect_wait(addr, T).unwrap();
+    let f = honest.alloc(8 << 20, T).unwrap();
+    honest.send(p, f, T).unwrap();
+    let got = n.recv(T).unwrap();
+    assert_eq!(got.len(), 8 << 20);
+    drop(slow);
+}
