@@ -15,6 +15,50 @@ fn version_matches_cargo() {
     assert_eq!(out, format!("gwtf {} (ABI 1)\n", env!("CARGO_PKG_VERSION")));
 }
 
+/// `gwtf bench transport` measures raw TCP, tagged and encrypted frames
+/// side by side, and counts the copies: none on the tagged path (the tag
+/// is computed over the pool slot in place), one per sealed unit of an
+/// encrypted frame (its slices).
+#[test]
+fn bench_transport_measures_raw_tagged_and_encrypted_paths() {
+    let out = stdout_of(&run_ok(gwtf().args([
+        "bench",
+        "transport",
+        "--sizes",
+        "1M",
+        "--conns",
+        "1",
+        "--pairs",
+        "1",
+        "--bytes",
+        "8M",
+        "--rtt-iters",
+        "4",
+        "--rtt-rounds",
+        "1",
+        "--json",
+    ])));
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        lines[0]["one_core_gbps"]["keyed_blake3"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
+    let case = &lines[1];
+    for k in ["raw_gbps", "framed_gbps", "encrypted_gbps"] {
+        assert!(case[k].as_f64().unwrap() > 0.0, "{k}: {out}");
+    }
+    assert_eq!(case["copies_per_frame"].as_f64(), Some(0.0), "{out}");
+    // 1 MiB goes in 256 KiB slices: four sealed copies per frame.
+    assert_eq!(
+        case["encrypted_copies_per_frame"].as_f64(),
+        Some(4.0),
+        "{out}"
+    );
+}
+
 #[test]
 fn benches_and_echo_refuse_bad_arguments_before_working() {
     let key = scratch("cli-short-key").join("key");

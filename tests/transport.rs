@@ -370,7 +370,9 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
             ..opts(1 << 20, 2 << 20)
         })
         .unwrap();
-        assert!(bad.connect_wait(addr, T).is_err());
+        // The dialling side is told why, too.
+        let e = bad.connect_wait(addr, T).unwrap_err().to_string();
+        assert!(e.contains("swarm key differs"), "{e}");
         check("wrong key", true, &|r| {
             *r == CloseReason::Protocol(WireError::AuthFailed)
         });

@@ -1183,6 +1183,14 @@ impl Driver {
                             Ok(0) => {
                                 outcome = Err(if c.shut {
                                     CloseReason::Local
+                                } else if c.machine.awaiting_confirmation() {
+                                    // The acceptor checked our proof and
+                                    // closed instead of confirming.
+                                    CloseReason::Protocol(crate::wire::WireError::Handshake(
+                                        "the peer closed after our proof of the swarm key \
+                                         (its swarm key differs from ours, or a limit refused us)"
+                                            .into(),
+                                    ))
                                 } else {
                                     CloseReason::Eof {
                                         mid_frame: c.machine.in_frame(),

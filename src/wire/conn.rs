@@ -189,6 +189,34 @@ impl Connection {
         }
     }
 
+    /// A copy of an established connection between frames (same keys,
+    /// same place in both streams); None during the handshake or inside
+    /// a frame. For the fuzzer, which runs the handshake once.
+    pub(crate) fn copy_established(&self) -> Option<Connection> {
+        if !matches!(self.state, State::Header) || self.filled > 0 || self.data.is_some() {
+            return None;
+        }
+        Some(Connection {
+            role: self.role,
+            my_id: self.my_id,
+            encrypt: self.encrypt,
+            noise: None,
+            max_payload: self.max_payload,
+            state: State::Header,
+            buf: self.buf.clone(),
+            filled: 0,
+            need: self.need,
+            outgoing: self.outgoing.clone(),
+            peer_id: self.peer_id,
+            peer_key: self.peer_key,
+            handshake_hash: self.handshake_hash,
+            confirm: None,
+            sealer: self.sealer.clone(),
+            opener: self.opener.clone(),
+            data: None,
+        })
+    }
+
     /// Bytes to send (handshake messages), emptied by the call.
     pub fn take_outgoing(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.outgoing)
@@ -242,6 +270,12 @@ impl Connection {
                 "a frame to seal before the handshake completed".into(),
             )),
         }
+    }
+
+    /// The connector sent its proof of the swarm key and waits for the
+    /// acceptor's: a close now is most likely the acceptor refusing it.
+    pub fn awaiting_confirmation(&self) -> bool {
+        matches!(self.state, State::Confirm)
     }
 
     /// True while a frame is partly received (a header, control or data

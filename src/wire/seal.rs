@@ -31,17 +31,31 @@ const CONFIRM_CONTEXT: &str = "gwtf 2026 handshake confirmation v2";
 struct DirectionKeys {
     mac: [u8; 32],
     aead: Option<LessSafeKey>,
+    /// The AEAD key's bytes (to make a copy of these keys).
+    aead_bytes: Option<[u8; 32]>,
+}
+
+fn aead_key(k: &[u8; 32]) -> LessSafeKey {
+    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, k).expect("a 32-byte AES-256 key"))
+}
+
+impl Clone for DirectionKeys {
+    fn clone(&self) -> Self {
+        Self {
+            mac: self.mac,
+            aead: self.aead_bytes.as_ref().map(aead_key),
+            aead_bytes: self.aead_bytes,
+        }
+    }
 }
 
 impl DirectionKeys {
     fn new(raw: &[u8; 32], encrypt: bool) -> Self {
-        let aead = encrypt.then(|| {
-            let k = blake3::derive_key(AEAD_CONTEXT, raw);
-            LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &k).expect("a 32-byte AES-256 key"))
-        });
+        let aead_bytes = encrypt.then(|| blake3::derive_key(AEAD_CONTEXT, raw));
         Self {
             mac: blake3::derive_key(MAC_CONTEXT, raw),
-            aead,
+            aead: aead_bytes.as_ref().map(aead_key),
+            aead_bytes,
         }
     }
 
@@ -73,6 +87,7 @@ pub(crate) fn confirmation(raw: &[u8; 32], handshake_hash: &[u8; 32]) -> [u8; TA
 }
 
 /// Seals the frames one side sends, in the order they go on the wire.
+#[derive(Clone)]
 pub struct Sealer {
     keys: DirectionKeys,
     seq: u64,
@@ -121,6 +136,7 @@ impl Sealer {
 }
 
 /// Checks (and with encryption, decrypts) the frames one side receives.
+#[derive(Clone)]
 pub struct Opener {
     keys: DirectionKeys,
     seq: u64,

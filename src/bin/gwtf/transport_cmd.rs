@@ -547,6 +547,24 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
              under contention a hand-off can wait a whole scheduler time slice (~4 ms), which the 'slow' column counts."
         );
     }
+    let core = CoreRates::measure();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "one_core_gbps": {
+                    "memcpy": core.memcpy,
+                    "keyed_blake3": core.blake3,
+                    "aes_256_gcm": core.aes_gcm,
+                }
+            })
+        );
+    } else {
+        println!(
+            "one core here: memcpy {:.1} GB/s, keyed BLAKE3 {:.1} GB/s, AES-256-GCM {:.1} GB/s (each side of a tagged frame hashes it once; an encrypted one is copied and sealed, then opened)",
+            core.memcpy, core.blake3, core.aes_gcm
+        );
+    }
     if !args.json {
         println!(
             "gwtf bench transport: loopback, {cores} cores, {} rounds (raw, tagged, encrypted, interleaved) after warm-up, >= {} MiB per measurement, payload crc {}",
@@ -574,24 +592,6 @@ pub fn bench(args: BenchTransportArgs) -> super::CliResult {
             "tagged rtt",
             "tag p99",
             "slow"
-        );
-    }
-    let core = CoreRates::measure();
-    if args.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "one_core_gbps": {
-                    "memcpy": core.memcpy,
-                    "keyed_blake3": core.blake3,
-                    "aes_256_gcm": core.aes_gcm,
-                }
-            })
-        );
-    } else {
-        println!(
-            "one core here: memcpy {:.1} GB/s, keyed BLAKE3 {:.1} GB/s, AES-256-GCM {:.1} GB/s (each side of a tagged frame hashes it once; an encrypted one is copied and sealed, then opened)",
-            core.memcpy, core.blake3, core.aes_gcm
         );
     }
     for (size_s, size) in sizes {
