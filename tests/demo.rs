@@ -109,7 +109,10 @@ fn wait_with_timeout(demo: &mut Child, within: Duration) -> std::process::ExitSt
 
 /// Runs `gwtf demo` with a crash a second and a join every 1.5 s over 12
 /// iterations in `scratch(name)`: its output, its --json and its --report.
-fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, String, PathBuf) {
+fn demo_with_churn(
+    name: &str,
+    extra: &[&str],
+) -> (std::process::Output, serde_json::Value, String, PathBuf) {
     let dir = scratch(name);
     let (json, report, logs) = (dir.join("run.json"), dir.join("run.html"), dir.join("logs"));
     let out = gwtf()
@@ -132,6 +135,7 @@ fn demo_with_churn(name: &str) -> (std::process::Output, serde_json::Value, Stri
             "--deadline",
             "400",
         ])
+        .args(extra)
         .arg("--json")
         .arg(&json)
         .arg("--report")
@@ -158,7 +162,7 @@ fn the_demo_runs_a_swarm_through_crashes_and_joins_and_reports() {
     if !node_command_exists() {
         return;
     }
-    let (out, v, html, logs) = demo_with_churn("demo-e2e-report");
+    let (out, v, html, logs) = demo_with_churn("demo-e2e-report", &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.success(), v["ok"] == true, "{stdout}\n{v}");
     assert_eq!(v["finished"], true, "{stdout}");
@@ -222,8 +226,12 @@ fn the_swarm_trains_exactly_through_crashes_and_joins() {
     if !node_command_exists() {
         return;
     }
-    let (out, v, _, _) = demo_with_churn("demo-e2e-exact");
+    // With encrypted links: every node's connections encrypt.
+    let (out, v, _, logs) = demo_with_churn("demo-e2e-exact", &["--encrypt"]);
     trained_exactly(&out, &v);
+    assert_eq!(v["encrypt"], true, "{v}");
+    let started = std::fs::read_to_string(logs.join("demo.log")).unwrap();
+    assert!(started.contains("--encrypt"), "{started}");
 }
 
 /// A demo run that trained exactly: it passed, no microbatch was lost or

@@ -1433,8 +1433,13 @@ impl Driver {
             c.peer = Some(peer);
             c.slot = Some(slot);
             let addr = c.addr;
+            let sealing = if c.machine.encrypted() {
+                "encrypted"
+            } else {
+                "tagged"
+            };
             self.shared.log(format!(
-                "peer {peer:x} connected ({addr}, {})",
+                "peer {peer:x} connected ({addr}, {}, {sealing})",
                 if outbound { "outbound" } else { "inbound" }
             ));
             self.emit(Event::PeerConnected {

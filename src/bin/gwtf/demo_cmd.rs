@@ -114,6 +114,10 @@ pub struct DemoArgs {
     /// Let a crash take the last live member of a stage.
     #[arg(long)]
     pub allow_empty_stage: bool,
+    /// Encrypt the payloads on every node's links (AES-256-GCM; every
+    /// frame is authenticated either way).
+    #[arg(long)]
+    pub encrypt: bool,
     /// Seed of the model, the data order, and the choice of victims.
     #[arg(long, default_value_t = 1, value_parser = checks::int_at_least::<u64>(0),
           allow_negative_numbers = true)]
@@ -231,6 +235,8 @@ pub struct Swarm<'a> {
     pub log: Option<std::fs::File>,
     /// events.log: every node's event lines, in the order they were read.
     pub events: Option<std::io::BufWriter<std::fs::File>>,
+    /// The time of the last line kept in events.log.
+    pub events_t: f64,
     pub rng: Rng,
     pub next_id: NodeId,
     pub next_region: usize,
@@ -243,8 +249,13 @@ impl Swarm<'_> {
     }
 
     /// Keeps node `id`'s line read at `t` in events.log (with --keep-logs).
+    /// Each node's reader thread stamps its lines; two threads can hand
+    /// theirs over in the other order, so a line's time is at least the
+    /// last one's (the file stays in time order, off by the hand-over).
     fn keep_line(&mut self, id: NodeId, t: f64, line: &str) {
         if let Some(f) = &mut self.events {
+            let t = t.max(self.events_t);
+            self.events_t = t;
             let _ = writeln!(f, "{t:.3} node {id} {line}");
         }
     }
@@ -297,6 +308,9 @@ impl Swarm<'_> {
             }
         } else if let Some(s) = l.stage {
             v.extend(["--stage".into(), s.to_string()]);
+        }
+        if a.encrypt {
+            v.push("--encrypt".into());
         }
         if let Some((delay, mbps)) = l.link {
             v.extend([
@@ -763,6 +777,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         facts: Facts::new(a.stages),
         log,
         events,
+        events_t: 0.0,
         rng: Rng(a.seed ^ 0x6777_7466_6465_6d6f),
         next_id: 0,
         next_region: 0,
@@ -831,6 +846,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         v["pause_for_s"] = serde_json::json!(a.pause_for);
         v["cut_every_s"] = serde_json::json!(a.cut_every);
         v["cut_for_s"] = serde_json::json!(a.cut_for);
+        v["encrypt"] = serde_json::json!(a.encrypt);
         std::fs::write(p, serde_json::to_string_pretty(&v)? + "\n")
             .map_err(|e| format!("cannot write --json {}: {e}", p.display()))?;
     }
