@@ -10,25 +10,36 @@ import (
 
 var testKey = []byte("go-test-swarm-key-0123456789abcdef")
 
-func TestNodeSendRecvTensors(t *testing.T) {
-	a, err := NewNode(NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey, MaxPayloadBytes: 8 << 20, PoolBytes: 32 << 20})
+// connectedPair starts two nodes and connects the first to the second;
+// the caller closes both.
+func connectedPair(t *testing.T, ao, bo NodeOptions) (a, b *Node, peer uint64) {
+	t.Helper()
+	a, err := NewNode(ao)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Close()
-	b, err := NewNode(NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey, MaxPayloadBytes: 8 << 20, PoolBytes: 32 << 20})
+	b, err = NewNode(bo)
 	if err != nil {
+		a.Close()
 		t.Fatal(err)
 	}
-	defer b.Close()
 	addr, err := b.LocalAddr()
+	if err == nil {
+		peer, err = a.Connect(addr, 10*time.Second)
+	}
 	if err != nil {
+		a.Close()
+		b.Close()
 		t.Fatal(err)
 	}
-	peer, err := a.Connect(addr, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	return a, b, peer
+}
+
+func TestNodeSendRecvTensors(t *testing.T) {
+	o := NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey, MaxPayloadBytes: 8 << 20, PoolBytes: 32 << 20}
+	a, b, peer := connectedPair(t, o, o)
+	defer a.Close()
+	defer b.Close()
 	if id, _ := b.ID(); id != peer {
 		t.Fatalf("peer id %x, want %x", peer, id)
 	}
@@ -67,24 +78,11 @@ func TestNodeSendRecvTensors(t *testing.T) {
 // One node asks for encryption: the connection encrypts, and tensors
 // arrive as they were sent.
 func TestEncryptedNodesExchangeTensors(t *testing.T) {
-	a, err := NewNode(NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey, Encrypt: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b, peer := connectedPair(t,
+		NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey, Encrypt: true},
+		NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey})
 	defer a.Close()
-	b, err := NewNode(NodeOptions{Listen: "127.0.0.1:0", SwarmKey: testKey})
-	if err != nil {
-		t.Fatal(err)
-	}
 	defer b.Close()
-	addr, err := b.LocalAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer, err := a.Connect(addr, 10*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
 	data := make([]byte, 3<<20)
 	for i := range data {
 		data[i] = byte(i * 7)
