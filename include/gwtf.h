@@ -62,7 +62,7 @@
 /**
  * Current version of `gwtf_node_options` (what `_init` writes).
  */
-#define GWTF_NODE_OPTIONS_VERSION 1
+#define GWTF_NODE_OPTIONS_VERSION 2
 
 /**
  * Current version of `gwtf_node_stats`.
@@ -72,7 +72,7 @@
 /**
  * Current version of `gwtf_peer_options` (what `_init` writes).
  */
-#define GWTF_PEER_OPTIONS_VERSION 3
+#define GWTF_PEER_OPTIONS_VERSION 4
 
 /**
  * Current version of `gwtf_peer_stats`.
@@ -414,6 +414,10 @@ enum gwtf_close_reason
   GWTF_CLOSE_REASON_EOF = 5,
   GWTF_CLOSE_REASON_IO = 6,
   GWTF_CLOSE_REASON_PROTOCOL = 7,
+  /**
+   * The peer's proof of the swarm key failed, or the node id it claimed
+   * is not the one of the key it proved.
+   */
   GWTF_CLOSE_REASON_AUTH_FAILED = 8,
   GWTF_CLOSE_REASON_DUPLICATE = 9,
   GWTF_CLOSE_REASON_TOO_MANY_CONNECTIONS = 10,
@@ -896,7 +900,8 @@ typedef struct gwtf_node_options {
   const uint8_t *swarm_key;
   size_t swarm_key_len;
   /**
-   * This node's id (0: a random one). Default 0.
+   * This node's id: 0 for the id of its node key (see `node_key_path`);
+   * any other value must be that id, unless `chosen_ids`. Default 0.
    */
   uint64_t node_id;
   /**
@@ -958,6 +963,20 @@ typedef struct gwtf_node_options {
    * Emulated bandwidth cap on the send side, bytes/s (0: none). Default 0.
    */
   uint64_t link_bandwidth_bytes_per_s;
+  /**
+   * File holding this node's private key (64 hex digits), created on
+   * first use; its public key is proved in every handshake and the
+   * node's id follows from it (`gwtf_node_key_id`). NULL: a fresh key
+   * for this node's lifetime. Default NULL. (Version 2.)
+   */
+  const char *node_key_path;
+  /**
+   * 1, insecure, for test swarms with fixed ids: `node_id` may be any
+   * id, and peers whose ids do not follow from their keys are accepted,
+   * so any holder of the swarm key can act as any node. Default 0.
+   * (Version 2.)
+   */
+  uint32_t chosen_ids;
 } gwtf_node_options;
 
 /**
@@ -1057,8 +1076,10 @@ typedef struct gwtf_peer_options {
    */
   const char *listen_addr;
   /**
-   * This peer's id (0: a random one). Founding members must use the id
-   * the others are given in their bootstrap lists. Default 0.
+   * This peer's id: 0 for the id of its node key (`node_key_path`); any
+   * other value must be that id, unless `chosen_ids`. Founding members
+   * give each other these ids in their bootstrap lists
+   * (`gwtf_node_key_id` tells a key file's id). Default 0.
    */
   uint32_t node_id;
   /**
@@ -1145,6 +1166,20 @@ typedef struct gwtf_peer_options {
    * 0. (Version 3.)
    */
   uint32_t encrypt;
+  /**
+   * File holding this peer's private key (64 hex digits), created on
+   * first use; its public key is proved in every handshake and the
+   * peer's id follows from it. NULL: a fresh key (and so a new id) for
+   * this peer's lifetime. Default NULL. (Version 4.)
+   */
+  const char *node_key_path;
+  /**
+   * 1, insecure, for test swarms with fixed ids: `node_id` may be any
+   * id, and members whose ids do not follow from their keys are
+   * accepted, so any holder of the swarm key can act as any member.
+   * Every member must then set it. Default 0. (Version 4.)
+   */
+  uint32_t chosen_ids;
 } gwtf_peer_options;
 
 /**
@@ -2159,6 +2194,25 @@ gwtf_status gwtf_node_options_init(struct gwtf_node_options *opts);
 gwtf_status gwtf_node_new(const struct gwtf_node_options *opts,
                           struct gwtf_node **out_node,
                           struct gwtf_error **out_err);
+
+/**
+ * The node id that follows from the node key in the file at `path`,
+ * creating the file (a fresh key, owner read and write only) when there
+ * is none: how founding members learn the ids to give each other.
+ *
+ * Ownership: `path` is only read during the call; `*out_id` is caller
+ * memory.
+ *
+ * Thread safety: any thread; two callers creating the same file at once
+ * may both fail (`GWTF_STATUS_IO`) but never leave two keys.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not
+ * UTF-8, empty), `GWTF_STATUS_IO` (cannot read or create it, or it holds
+ * no node key).
+ */
+gwtf_status gwtf_node_key_id(const char *path,
+                             uint32_t *out_id,
+                             struct gwtf_error **out_err);
 
 /**
  * This node's id.

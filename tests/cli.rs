@@ -543,22 +543,26 @@ fn a_joiner_that_reaches_nobody_reports_the_address_and_exits() {
 
 /// The same for a founding member none of whose fellow founding members
 /// (--peer) is there.
+/// Its id is the one of its node key, `node-PORT.key` next to the swarm
+/// key by default, which `gwtf keygen` creates first and tells.
 #[test]
 fn a_founding_member_that_reaches_no_other_reports_it_and_exits() {
     let key = key_file("cli-node-unreachable-founder");
-    let (me, dead) = (free_addr().to_string(), free_addr().to_string());
+    let (me, dead) = (free_addr(), free_addr().to_string());
+    let node_key = key.with_file_name(format!("node-{}.key", me.port()));
+    let _ = std::fs::remove_file(&node_key);
+    let id = keygen_id(&node_key);
+    let me = me.to_string();
     let args: Vec<String> = [
         "--listen".into(),
         me.clone(),
         "--swarm-key-file".into(),
         key.to_str().unwrap().to_string(),
-        "--id".into(),
-        "1".into(),
         "--holder".into(),
         "--stages".into(),
         "3".into(),
         "--peer".into(),
-        format!("1/0/{me}"),
+        format!("{id}/0/{me}"),
         "--peer".into(),
         format!("2/1/{dead}"),
         "--join-timeout".into(),
@@ -570,5 +574,70 @@ fn a_founding_member_that_reaches_no_other_reports_it_and_exits() {
         &format!("--peer 2/1/{dead}"),
         &dead,
         "founding member (--peer)",
+    );
+}
+
+/// `gwtf keygen FILE --json`: the id of the node key in FILE (created when
+/// missing).
+fn keygen_id(file: &std::path::Path) -> u64 {
+    let out = gwtf()
+        .args(["keygen", "--json"])
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout_of(&out).trim()).unwrap();
+    v["id"].as_u64().unwrap()
+}
+
+/// `gwtf keygen` creates a node key file (owner read and write only) and
+/// prints its id, the same every time, in decimal and hex; a file that is
+/// not a key is refused with what is wrong. A node whose --peer list gives
+/// its own address another id (another key file than its own) is refused
+/// before it starts, saying which key it has.
+#[test]
+fn keygen_tells_the_id_a_node_takes_from_its_key() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch("cli-keygen");
+    let file = dir.join("a.key");
+    let _ = std::fs::remove_file(&file);
+    let out = gwtf().arg("keygen").arg(&file).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let text = stdout_of(&out);
+    assert!(text.contains("of new key"), "{text}");
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let id = keygen_id(&file);
+    assert!(
+        text.starts_with(&format!("node id {id} (0x{id:x}) of new key")),
+        "{text}"
+    );
+    assert_eq!(keygen_id(&file), id);
+    std::fs::write(dir.join("bad.key"), "not a key\n").unwrap();
+    gwtf_refuses(
+        &["keygen", dir.join("bad.key").to_str().unwrap()],
+        &["node key", "not the 64 hex digits of a node key"],
+    );
+    let key = key_file("cli-keygen-node");
+    let me = free_addr().to_string();
+    gwtf_refuses(
+        &[
+            "node",
+            "--listen",
+            &me,
+            "--swarm-key-file",
+            key.to_str().unwrap(),
+            "--node-key",
+            file.to_str().unwrap(),
+            "--holder",
+            "--stages",
+            "3",
+            "--peer",
+            &format!("{}/0/{me}", id ^ 1),
+        ],
+        &[
+            &format!("has this node's address, but this node is id {id}"),
+            file.to_str().unwrap(),
+        ],
     );
 }

@@ -87,7 +87,7 @@ fn member_args(id: u32, stage: u16, addr: &SocketAddr) -> Vec<String> {
     let mut args = vec![
         "--listen".to_string(),
         addr.to_string(),
-        "--id".into(),
+        "--chosen-id".into(),
         id.to_string(),
     ];
     if stage == 0 {
@@ -219,7 +219,7 @@ fn cpp_trainers_train_through_a_relay_kill_under_asan() {
     let mut args = vec![
         "--listen".to_string(),
         free_addr().to_string(),
-        "--id".into(),
+        "--chosen-id".into(),
         JOINER.to_string(),
         "--join".into(),
         addrs[0].to_string(),

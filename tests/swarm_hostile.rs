@@ -56,6 +56,10 @@ fn net_options() -> NodeOptions {
         pool_bytes: 64 << 20,
         max_payload: 4 << 20,
         log: trace(),
+        // These swarms choose their ids (1, 11, 12, ...), and so does the
+        // hostile party: the insecure mode in which ids need not follow
+        // from node keys (the binding is tested in transport_intake.rs).
+        chosen_ids: true,
         ..NodeOptions::default()
     }
 }
@@ -236,6 +240,8 @@ fn hostile(id: NodeId, key: &[u8]) -> Net {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         swarm_key: key.to_vec(),
         node_id: id as u64,
+        // The swarms here choose their ids (see `net_options`).
+        chosen_ids: true,
         connect_attempts: 1,
         max_payload: 4 << 20,
         pool_bytes: 64 << 20,

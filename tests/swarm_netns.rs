@@ -51,7 +51,7 @@ fn spawn_node(lab: &mut Lab, l: &Launch, id: u32, role: &[String], addr: &str) {
     let mut args: Vec<String> = vec![
         "--listen".into(),
         addr.into(),
-        "--id".into(),
+        "--chosen-id".into(),
         id.to_string(),
         "--swarm-key-file".into(),
         l.key.display().to_string(),

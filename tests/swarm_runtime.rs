@@ -54,6 +54,8 @@ fn start_as(
                 heartbeat_interval: Duration::from_millis(200),
                 peer_timeout: Duration::from_secs(10),
                 log: std::env::var_os("GWTF_TEST_TRACE").is_some(),
+                // Chosen ids (1, 11, ...): a test swarm's insecure mode.
+                chosen_ids: true,
                 ..NodeOptions::default()
             },
         },

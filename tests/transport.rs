@@ -283,6 +283,9 @@ fn server_opts() -> NodeOptions {
         heartbeat_interval: Duration::from_millis(200),
         peer_timeout: Duration::from_millis(1500),
         log: true,
+        // The raw peers here claim fixed ids (the binding of ids to keys
+        // is tested in transport_intake.rs).
+        chosen_ids: true,
         ..opts(1 << 20, 8 << 20)
     }
 }

@@ -1,6 +1,8 @@
 //! Authenticated channels and bounded intake, against a node over
 //! loopback: frames replayed or reordered on the way are refused with the
-//! reason `mac`; a flood of 1,100 keyed connections from one address does
+//! reason `mac`; a key holder claiming another node's id is refused in the
+//! handshake, dialling or dialled, and so is a second key of a known id; a
+//! flood of 1,100 keyed connections from one address does
 //! not keep a joiner from another out, and its refusals are counted and
 //! sampled; half-sent 64 MiB frames (slowloris) lose their pool slots at
 //! the frame deadline. Deadlines are generous and every loop is bounded.
@@ -65,6 +67,153 @@ fn wait_connected(n: &Node, peer: u64) {
     }
 }
 
+/// The next `Refused` event of `n` (bounded wait).
+fn next_refusal(n: &Node) -> (bool, CloseReason) {
+    let deadline = Instant::now() + T;
+    while Instant::now() < deadline {
+        if let Some(Event::Refused {
+            inbound, reason, ..
+        }) = n.poll_event(Duration::from_millis(50))
+        {
+            return (inbound, reason);
+        }
+    }
+    panic!("no refusal within {T:?}");
+}
+
+/// A node's id follows from its key: a holder of the swarm key that claims
+/// another node's id (with its own key) is refused in the handshake, with
+/// the reason `auth` (code 8), when it dials and when it is dialled; the
+/// node whose id it is connects; a node cannot even start under an id that
+/// is not its key's.
+#[test]
+fn a_node_claiming_another_s_id_is_refused() {
+    let n = node(NodeOptions::default());
+    let addr = n.local_addr().unwrap();
+    let owner_key = gwtf::wire::NodeKey::generate().unwrap();
+    let victim = owner_key.node_id() as u64;
+    // It dials, claiming the victim's id.
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    let r = common::try_raw_handshake(s, Role::Connector, victim, KEY, T);
+    assert!(r.is_err(), "the impostor was let in");
+    let (inbound, reason) = next_refusal(&n);
+    assert!(inbound);
+    assert!(
+        matches!(reason, CloseReason::Protocol(WireError::IdNotBound { claimed, .. }) if claimed == victim),
+        "{reason:?}"
+    );
+    assert_eq!(reason.code(), 8);
+    assert!(
+        reason.to_string().contains("ids follow from node keys"),
+        "{reason}"
+    );
+    // It is dialled, and claims the victim's id in its answer.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    n.connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let r = common::try_raw_handshake(s, Role::Acceptor, victim, KEY, Duration::from_secs(5));
+    let (inbound, reason) = next_refusal(&n);
+    assert!(!inbound);
+    assert!(
+        matches!(reason, CloseReason::Protocol(WireError::IdNotBound { .. })),
+        "{reason:?}"
+    );
+    // (The acceptor ends its handshake before it learns of the refusal.)
+    drop(r);
+    assert!(!n.is_connected(victim));
+    assert_eq!(n.peers(), Vec::<u64>::new());
+    // The owner of the key connects under its id.
+    let owner = Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        node_key: Some(owner_key.clone()),
+        ..NodeOptions::default()
+    })
+    .unwrap();
+    assert_eq!(owner.node_id(), victim);
+    assert_eq!(owner.connect_wait(addr, T).unwrap(), n.node_id());
+    wait_connected(&n, victim);
+    // An id that is not the key's does not start (only chosen_ids allows it).
+    let e = Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        node_key: Some(owner_key.clone()),
+        node_id: victim ^ 1,
+        ..NodeOptions::default()
+    })
+    .err()
+    .expect("a node under another id started");
+    assert!(
+        e.to_string().contains("is not the id of this node's key"),
+        "{e}"
+    );
+    assert!(Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        node_key: Some(owner_key),
+        node_id: victim ^ 1,
+        chosen_ids: true,
+        ..NodeOptions::default()
+    })
+    .is_ok());
+}
+
+/// Two private keys whose public keys hash to the same node id (found by
+/// trying keys: a birthday search over 48,000 keys; an attacker after a
+/// given node's id needs about 2^32).
+const SAME_ID: [&str; 2] = [
+    "28246d9ed84936db4e3b363e919d99ea993093e499b33388717e59e143d167c6",
+    "ee623f30fbfbf569d1f24ad64e11382a2edd7f4d340d6bf3b3f670f66b7e57f7",
+];
+
+/// A node remembers the key each id connected with: a second key of the
+/// same id (one found by trying keys) is refused, reason `auth`; the first
+/// key connects again (a restarted node keeps its key file).
+#[test]
+fn a_second_key_of_a_known_id_is_refused() {
+    let [first, second] =
+        SAME_ID.map(|h| gwtf::wire::NodeKey::from_file_bytes(h.as_bytes()).unwrap());
+    assert_eq!(first.node_id(), second.node_id(), "the keys' ids differ");
+    assert_ne!(first.public(), second.public());
+    let id = first.node_id() as u64;
+    let n = node(NodeOptions::default());
+    let addr = n.local_addr().unwrap();
+    let dial = |key: &gwtf::wire::NodeKey| {
+        Node::new(NodeOptions {
+            swarm_key: KEY.to_vec(),
+            node_key: Some(key.clone()),
+            connect_attempts: 1,
+            ..NodeOptions::default()
+        })
+        .unwrap()
+    };
+    let a = dial(&first);
+    assert_eq!(a.connect_wait(addr, T).unwrap(), n.node_id());
+    wait_connected(&n, id);
+    drop(a);
+    let deadline = Instant::now() + T;
+    while n.is_connected(id) {
+        assert!(Instant::now() < deadline, "the first key's node never left");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let b = dial(&second);
+    let _ = b.connect_wait(addr, Duration::from_secs(5));
+    let (inbound, reason) = loop {
+        let (inbound, reason) = next_refusal(&n);
+        if matches!(reason, CloseReason::Protocol(_)) {
+            break (inbound, reason);
+        }
+    };
+    assert!(inbound);
+    assert!(
+        matches!(reason, CloseReason::Protocol(WireError::KeyChanged { id: i }) if i == id),
+        "{reason:?}"
+    );
+    assert_eq!(reason.code(), 8);
+    assert!(!n.is_connected(id));
+    drop(b);
+    let again = dial(&first);
+    assert_eq!(again.connect_wait(addr, T).unwrap(), n.node_id());
+    wait_connected(&n, id);
+}
+
 /// A frame replayed, one reordered, one dropped, one changed: each is
 /// refused for its tag, the connection closes with `mac` (code 12), and
 /// none is delivered.
@@ -77,12 +226,9 @@ fn replayed_reordered_dropped_and_changed_frames_close_with_mac() {
     h.payload_len = 4096;
     let mut data = h.encode().to_vec();
     data.extend(vec![9u8; 4096]);
-    for (i, case) in ["replayed", "reordered", "dropped", "changed"]
-        .iter()
-        .enumerate()
-    {
-        let id = 0x70 + i as u64;
-        let mut p = raw(addr, id);
+    for case in ["replayed", "reordered", "dropped", "changed"].iter() {
+        let mut p = raw(addr, 0);
+        let id = p.id;
         wait_connected(&n, id);
         let seal =
             |p: &mut RawPeer, plain: &[u8]| gwtf::wire::seal_frames(&mut p.conn, plain).unwrap();
@@ -128,12 +274,12 @@ fn a_flood_from_one_address_does_not_keep_a_joiner_out() {
     let t0 = Instant::now();
     let mut held = Vec::new();
     let mut failed = 0;
-    for i in 0..1100u64 {
+    for _ in 0..1100 {
         let Ok(s) = common::connect_from(flood_from, addr) else {
             failed += 1;
             continue;
         };
-        match common::try_raw_handshake(s, Role::Connector, 0x1_0000 + i, KEY, T) {
+        match common::try_raw_handshake(s, Role::Connector, 0, KEY, T) {
             Ok(p) => held.push(p),
             Err(_) => failed += 1,
         }
@@ -215,14 +361,13 @@ fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
     head.extend([1u8; 4096]);
     let mut slow = Vec::new();
     let mut sent_at = std::collections::HashMap::new();
-    for i in 0..300u64 {
-        let id = 0x2_0000 + i;
+    for _ in 0..300 {
         let Ok(s) = std::net::TcpStream::connect(addr) else {
             continue;
         };
-        if let Ok(mut p) = common::try_raw_handshake(s, Role::Connector, id, KEY, T) {
+        if let Ok(mut p) = common::try_raw_handshake(s, Role::Connector, 0, KEY, T) {
             if p.send_raw(&head).is_ok() {
-                sent_at.insert(id, Instant::now());
+                sent_at.insert(p.id, Instant::now());
                 slow.push(p);
             }
         }

@@ -21,8 +21,8 @@ namespace swarm {
 
 /// The command line of a swarm trainer (like `gwtf node`'s).
 struct Args {
-    std::string listen, key_file, stage = "auto", model = "llama-tiny";
-    uint32_t id = 0, iterations = 30, microbatches = 4, stages = 4, memory_mb = 256;
+    std::string listen, key_file, node_key, stage = "auto", model = "llama-tiny";
+    uint32_t chosen_id = 0, iterations = 30, microbatches = 4, stages = 4, memory_mb = 256;
     uint32_t slow_ms = 0;  // test aid: each microbatch task takes this much longer
     uint64_t microbatch_bytes = 0;  // memory one microbatch takes here (0: the library's guess)
     bool recompute = false;         // the trainer can run a forward again (GWTF_TASK_KIND_DISCARD)
@@ -36,7 +36,7 @@ struct Args {
 
 [[noreturn]] inline void usage(const char *prog, const std::string &why) {
     std::fprintf(stderr,
-                 "%s: %s\nusage: %s --listen ADDR --key-file FILE [--id N] "
+                 "%s: %s\nusage: %s --listen ADDR --key-file FILE [--node-key FILE | --chosen-id N] "
                  "(--peer ID/STAGE/ADDR ... | --join ADDR) [--holder | --stage K|auto] "
                  "[--relay-stages N] [--model PRESET --stages S] [--iterations N] "
                  "[--microbatches N] [--seed N] [--memory-mb N] [--microbatch-bytes N] [--recompute] "
@@ -63,7 +63,8 @@ inline Args parse(int argc, char **argv) {
         };
         if (k == "--listen") a.listen = val();
         else if (k == "--key-file") a.key_file = val();
-        else if (k == "--id") a.id = (uint32_t)num();
+        else if (k == "--node-key") a.node_key = val();
+        else if (k == "--chosen-id") a.chosen_id = (uint32_t)num();
         else if (k == "--holder") a.holder = true;
         else if (k == "--stage") a.stage = val();
         else if (k == "--relay-stages") a.relay_stages = (int)num();
@@ -84,7 +85,7 @@ inline Args parse(int argc, char **argv) {
             size_t s1 = v.find('/'), s2 = v.find('/', s1 + 1);
             if (s1 == std::string::npos || s2 == std::string::npos)
                 usage(prog, v + ": not ID/STAGE/ADDR");
-            a.peers.emplace_back((uint32_t)std::stoul(v.substr(0, s1)),
+            a.peers.emplace_back((uint32_t)std::stoul(v.substr(0, s1), nullptr, 0),
                                  (uint32_t)std::stoul(v.substr(s1 + 1, s2 - s1 - 1)),
                                  v.substr(s2 + 1));
         } else usage(prog, "unknown argument " + k);
@@ -138,7 +139,11 @@ inline void base_options(const Args &a, Options &out) {
     int stage = stage_of(a);
     out.o.role = a.holder ? GWTF_PEER_ROLE_HOLDER : GWTF_PEER_ROLE_RELAY;
     out.o.stage = stage < 0 ? GWTF_STAGE_AUTO : stage;
-    out.o.node_id = a.id;
+    // The id follows from the node key (a fresh one when no file is
+    // given); a chosen id is for test swarms only (insecure).
+    out.o.node_key_path = a.node_key.empty() ? nullptr : a.node_key.c_str();
+    out.o.node_id = a.chosen_id;
+    out.o.chosen_ids = a.chosen_id != 0 ? 1 : 0;
     out.o.listen_addr = a.listen.c_str();
     out.o.bootstrap = out.boot.data();
     out.o.bootstrap_len = out.boot.size();

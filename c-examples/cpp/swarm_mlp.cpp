@@ -7,8 +7,9 @@
 // everything else: membership, routing, transport, crash recovery, the
 // all-reduce of the gradients, state transfer to joiners.
 //
-//   swarm_mlp --listen 127.0.0.1:7001 --key-file KEY --id 1 --holder
-//             --peer 1/0/127.0.0.1:7001 --peer 2/1/127.0.0.1:7002 ...
+//   gwtf keygen h1.key    # prints the id (say 4168068179) for the --peer lists
+//   swarm_mlp --listen 127.0.0.1:7001 --key-file KEY --node-key h1.key --holder
+//             --peer 4168068179/0/127.0.0.1:7001 --peer ID2/1/127.0.0.1:7002 ...
 //   swarm_mlp --listen 127.0.0.1:7005 --key-file KEY --join 127.0.0.1:7001
 //
 // Prints one JSON object per line (listening, iteration, applied, state,

@@ -4,9 +4,11 @@
 // `gwtf node` processes and these serve the same stages as replicas that
 // agree bit for bit.
 //
-//   swarm_stage --listen 127.0.0.1:7003 --key-file KEY --id 3 --stage 1
+//   swarm_stage --listen 127.0.0.1:7003 --key-file KEY --node-key r3.key --stage 1
 //               --model llama-tiny --stages 4 --iterations 30
-//               --peer 1/0/127.0.0.1:7001 --peer 3/1/127.0.0.1:7003 ...
+//               --peer ID1/0/127.0.0.1:7001 --peer ID3/1/127.0.0.1:7003 ...
+//
+// (each ID is the one `gwtf keygen FILE` prints for that member's key file).
 //
 // The model flags must be those of the swarm's `gwtf node` processes.
 // With --recompute (and memory for few microbatches: --memory-mb,

@@ -17,9 +17,16 @@ import (
 // NodeOptions configures a transport node. Zero values take the library's
 // defaults (see gwtf_node_options in gwtf.h); SwarmKey is required.
 type NodeOptions struct {
-	Listen          string // "IP:PORT" to accept peers on; "" for none
-	SwarmKey        []byte // shared by all participants, >= 16 bytes
-	NodeID          uint64 // 0: random
+	Listen   string // "IP:PORT" to accept peers on; "" for none
+	SwarmKey []byte // shared by all participants, >= 16 bytes
+	// NodeKeyFile holds this node's private key, created on first use; its
+	// id follows from it (NodeKeyID). "": a fresh key for this run.
+	NodeKeyFile string
+	// NodeID: 0 for the id of the key; any other value must be it, unless
+	// ChosenIDs (insecure, test swarms: any holder of the swarm key can then
+	// act as any node).
+	NodeID          uint64
+	ChosenIDs       bool
 	MaxPayloadBytes uint64
 	PoolBytes       uint64
 	SendQueueDepth  uint32
@@ -123,6 +130,14 @@ func NewNode(o NodeOptions) (*Node, error) {
 	opts.swarm_key = (*C.uint8_t)(key)
 	opts.swarm_key_len = C.size_t(len(o.SwarmKey))
 	opts.node_id = C.uint64_t(o.NodeID)
+	if o.NodeKeyFile != "" {
+		cs := C.CString(o.NodeKeyFile)
+		defer C.free(unsafe.Pointer(cs))
+		opts.node_key_path = cs
+	}
+	if o.ChosenIDs {
+		opts.chosen_ids = 1
+	}
 	if o.MaxPayloadBytes > 0 {
 		opts.max_payload_bytes = C.uint64_t(o.MaxPayloadBytes)
 	}
@@ -176,6 +191,18 @@ func (n *Node) ID() (uint64, error) {
 	var cerr *C.gwtf_error
 	err := check(C.gwtf_node_id(n.ptr, &id, &cerr), &cerr)
 	return uint64(id), err
+}
+
+// NodeKeyID is the node id that follows from the node key in the file at
+// path, which is created (a fresh key, owner read and write only) when
+// missing: how founding members learn the ids for their Bootstrap lists.
+func NodeKeyID(path string) (uint32, error) {
+	cs := C.CString(path)
+	defer C.free(unsafe.Pointer(cs))
+	var id C.uint32_t
+	var cerr *C.gwtf_error
+	err := check(C.gwtf_node_key_id(cs, &id, &cerr), &cerr)
+	return uint32(id), err
 }
 
 // LocalAddr is the "IP:PORT" the node listens on.

@@ -41,9 +41,16 @@ type Contact struct {
 // RelayStages+1 entries: entry b is the activation stage b sends to stage
 // b+1, and the state of stage b (entry 0 may be 0).
 type PeerOptions struct {
-	Role                     PeerRole
-	Stage                    int32
+	Role  PeerRole
+	Stage int32
+	// NodeKeyFile holds this member's private key, created on first use;
+	// its id follows from it (NodeKeyID). "": a fresh key for this run.
+	NodeKeyFile string
+	// NodeID: 0 for the id of the key; any other value must be it, unless
+	// ChosenIDs (insecure, test swarms: any holder of the swarm key can then
+	// act as any member; every member must set it).
 	NodeID                   uint32
+	ChosenIDs                bool
 	Listen                   string
 	Bootstrap                []Contact
 	SwarmKey                 []byte
@@ -200,6 +207,12 @@ func NewPeer(o PeerOptions) (*Peer, error) {
 	opts.role = C.int32_t(o.Role)
 	opts.stage = C.int32_t(o.Stage)
 	opts.node_id = C.uint32_t(o.NodeID)
+	if o.NodeKeyFile != "" {
+		opts.node_key_path = (*C.char)(keep(unsafe.Pointer(C.CString(o.NodeKeyFile))))
+	}
+	if o.ChosenIDs {
+		opts.chosen_ids = 1
+	}
 	if o.Listen != "" {
 		opts.listen_addr = (*C.char)(keep(unsafe.Pointer(C.CString(o.Listen))))
 	}

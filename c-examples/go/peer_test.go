@@ -9,6 +9,7 @@ import (
 	"math/rand"
 	"net"
 	"os"
+	"path/filepath"
 	"sort"
 	"sync"
 	"testing"
@@ -307,14 +308,27 @@ func freePort(t *testing.T) string {
 func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	const iterations = 20
 	addrs := []string{freePort(t), freePort(t), freePort(t)}
-	boot := []Contact{{1, 0, addrs[0]}, {2, 1, addrs[1]}, {3, 1, addrs[2]}}
+	// Each member's id follows from its key file, created here.
+	keys, ids := make([]string, 3), make([]uint32, 3)
+	for i := range keys {
+		keys[i] = filepath.Join(t.TempDir(), "node.key")
+		id, err := NodeKeyID(keys[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if again, err := NodeKeyID(keys[i]); err != nil || again != id {
+			t.Fatalf("the key file's id changed: %d then %d (%v)", id, again, err)
+		}
+		ids[i] = id
+	}
+	boot := []Contact{{ids[0], 0, addrs[0]}, {ids[1], 1, addrs[1]}, {ids[2], 1, addrs[2]}}
 	act := uint64(4 * toyB * toyD)
-	opts := func(id uint32) PeerOptions {
+	opts := func(i int) PeerOptions {
 		role, stage := RoleRelay, int32(1)
-		if id == 1 {
+		if i == 0 {
 			role, stage = RoleHolder, 0
 		}
-		return PeerOptions{Role: role, Stage: stage, NodeID: id, Listen: addrs[id-1],
+		return PeerOptions{Role: role, Stage: stage, NodeKeyFile: keys[i], Listen: addrs[i],
 			Bootstrap: boot, SwarmKey: []byte("0123456789abcdef-go-peer-test"),
 			MemoryBudgetBytes: 16 << 20, RelayStages: 1, MicrobatchesPerIteration: 4,
 			LogToStderr:     os.Getenv("GWTF_LOG") != "",
@@ -323,10 +337,16 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	if _, err := NewPeer(PeerOptions{RelayStages: 1, ActivationBytes: []uint64{act}}); StatusOf(err) != StatusInvalidArgument {
 		t.Fatalf("short sizes: %v", err)
 	}
-	bad := opts(2)
+	bad := opts(1)
 	bad.Stage = 5
 	if _, err := NewPeer(bad); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
 		t.Fatalf("stage 5 of 1: %v", err)
+	}
+	// An id that is not its key's is refused (unless chosen, in a test swarm).
+	other := opts(1)
+	other.NodeID = ids[2]
+	if _, err := NewPeer(other); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
+		t.Fatalf("another member's id: %v", err)
 	}
 
 	var mu sync.Mutex
@@ -346,7 +366,7 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	var wg sync.WaitGroup
 	peers := make([]*Peer, 3)
 	for i := range peers {
-		p, err := NewPeer(opts(uint32(i + 1)))
+		p, err := NewPeer(opts(i))
 		if err != nil {
 			t.Fatal(err)
 		}

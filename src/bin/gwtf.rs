@@ -79,6 +79,9 @@ enum Cmd {
     /// the model with the other nodes over TCP; SIGTERM/Ctrl-C leaves
     /// gracefully, SIGKILL is a crash the others survive.
     Node(node_cmd::NodeArgs),
+    /// Create a node key file (or read an existing one) and print the node
+    /// id that follows from it, for the founding members' --peer lists.
+    Keygen(node_cmd::KeygenArgs),
     /// Generate text from a checkpoint saved by `gwtf train --save`.
     Sample(sample_cmd::SampleArgs),
     /// A diagnostic peer: accepts authenticated peers and sends every frame
@@ -197,6 +200,7 @@ fn main() {
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Sample(args) => sample_cmd::run(args),
         Cmd::Node(args) => node_cmd::node(args),
+        Cmd::Keygen(args) => node_cmd::keygen(args),
         Cmd::Echo(args) => transport_cmd::echo(args),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Bench { what } => match what {

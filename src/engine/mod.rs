@@ -69,7 +69,8 @@ pub struct NodeOptions {
     pub listen: Option<SocketAddr>,
     /// The swarm key (at least 16 bytes) every participant shares.
     pub swarm_key: Vec<u8>,
-    /// This node's id (0: pick a random one).
+    /// This node's id: 0 for the one that follows from `node_key`; any
+    /// other value must be that id, unless `chosen_ids`.
     pub node_id: u64,
     /// Largest data payload sent or accepted.
     pub max_payload: u64,
@@ -119,6 +120,11 @@ pub struct NodeOptions {
     /// Encrypt frame payloads (a connection encrypts when either end asks;
     /// every frame is authenticated either way).
     pub encrypt: bool,
+    /// Insecure, for test swarms with fixed ids: this node may take any
+    /// id, and accepts peers whose ids do not follow from their keys, so
+    /// any holder of the swarm key can act as any node. Off (the default):
+    /// every id is the one of its node key, checked in every handshake.
+    pub chosen_ids: bool,
 }
 
 impl Default for NodeOptions {
@@ -148,6 +154,7 @@ impl Default for NodeOptions {
             log: false,
             node_key: None,
             encrypt: false,
+            chosen_ids: false,
         }
     }
 }
@@ -193,7 +200,9 @@ impl CloseReason {
             CloseReason::FrameTimeout => 4,
             CloseReason::Eof { .. } => 5,
             CloseReason::Io(_) => 6,
-            CloseReason::Protocol(WireError::AuthFailed) => 8,
+            CloseReason::Protocol(
+                WireError::AuthFailed | WireError::IdNotBound { .. } | WireError::KeyChanged { .. },
+            ) => 8,
             CloseReason::Protocol(WireError::Mac { .. }) => 12,
             CloseReason::Protocol(_) => 7,
             CloseReason::Duplicate => 9,
@@ -636,12 +645,6 @@ pub struct Node {
     stopped: AtomicBool,
 }
 
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::fill(&mut b).expect("OS random source");
-    u64::from_le_bytes(b)
-}
-
 impl Node {
     /// Creates a node and starts its poll thread.
     pub fn new(mut opts: NodeOptions) -> Result<Node, EngineError> {
@@ -675,12 +678,19 @@ impl Node {
                 opts.heartbeat_interval, opts.peer_timeout
             )));
         }
-        while opts.node_id == 0 {
-            opts.node_id = random_u64();
-        }
         if opts.node_key.is_none() {
             opts.node_key =
                 Some(NodeKey::generate().map_err(|e| EngineError::InvalidArgument(e.to_string()))?);
+        }
+        let key_id = opts.node_key.as_ref().expect("set above").node_id() as u64;
+        if opts.node_id == 0 {
+            opts.node_id = key_id;
+        } else if opts.node_id != key_id && !opts.chosen_ids {
+            return Err(EngineError::InvalidArgument(format!(
+                "node id {:x} is not the id of this node's key ({key_id:x}): ids follow from \
+                 node keys (leave the id 0, or choose ids only in a test swarm, chosen_ids)",
+                opts.node_id
+            )));
         }
         let pool = Pool::new(opts.pool_bytes, opts.max_payload as usize)?;
         let poll = mio::Poll::new().map_err(EngineError::Io)?;

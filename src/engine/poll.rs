@@ -24,6 +24,8 @@ use crate::wire::{
 pub(crate) const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
 const FIRST_CONN: usize = 2;
+/// Node ids whose keys are remembered (see `Driver::keys_seen`): a few MiB.
+const KEYS_KEPT: usize = 1 << 16;
 /// Most bytes read from one connection per turn before serving the others.
 const READ_BUDGET: usize = 16 << 20;
 const MAX_IOV: usize = 64;
@@ -386,6 +388,10 @@ pub(crate) struct Driver {
     events_tx: Sender<Event>,
     conns: HashMap<Token, Conn>,
     by_peer: HashMap<u64, Token>,
+    /// The key each node id connected with (bound ids only): a later key
+    /// under the same id (found by trying keys until one hashes to it) is
+    /// refused. At most `KEYS_KEPT` ids; beyond, new ids are not pinned.
+    keys_seen: HashMap<u64, [u8; 32]>,
     next_token: usize,
     retries: Vec<(Instant, Outbound)>,
     readable: HashSet<Token>,
@@ -464,6 +470,7 @@ impl Driver {
         };
         let conn_opts = ConnOptions {
             encrypt: shared.opts.encrypt,
+            chosen_ids: shared.opts.chosen_ids,
             ..ConnOptions::new(shared.opts.max_payload)
         };
         Ok(Self {
@@ -478,6 +485,7 @@ impl Driver {
             events_tx,
             conns: HashMap::new(),
             by_peer: HashMap::new(),
+            keys_seen: HashMap::new(),
             next_token: FIRST_CONN,
             retries: Vec::new(),
             readable: HashSet::new(),
@@ -1387,6 +1395,25 @@ impl Driver {
         if let Some(c) = self.conns.get_mut(&t) {
             c.handshake_counted = false;
             self.admission.established(c.admitted_ip);
+        }
+        if !self.shared.opts.chosen_ids {
+            let key = self.conns.get(&t).and_then(|c| c.machine.peer_key());
+            if let Some(key) = key {
+                match self.keys_seen.get(&peer) {
+                    Some(k) if *k != key => {
+                        self.close(
+                            t,
+                            CloseReason::Protocol(crate::wire::WireError::KeyChanged { id: peer }),
+                        );
+                        return;
+                    }
+                    Some(_) => {}
+                    None if self.keys_seen.len() < KEYS_KEPT => {
+                        self.keys_seen.insert(peer, key);
+                    }
+                    None => {}
+                }
+            }
         }
         let of_peer = self.conns.values().filter(|c| c.peer == Some(peer)).count();
         if of_peer >= self.shared.opts.max_connections_per_id {

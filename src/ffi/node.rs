@@ -13,9 +13,10 @@ use super::frame::{gwtf_frame, take_frame};
 use super::status::gwtf_status;
 use crate::engine::{EngineError, Event, LinkEmulation, Node, NodeOptions};
 use crate::pool::PoolError;
+use crate::wire::NodeKey;
 
 /// Current version of `gwtf_node_options` (what `_init` writes).
-pub const GWTF_NODE_OPTIONS_VERSION: u32 = 1;
+pub const GWTF_NODE_OPTIONS_VERSION: u32 = 2;
 /// Current version of `gwtf_node_stats`.
 pub const GWTF_NODE_STATS_VERSION: u32 = 1;
 
@@ -35,7 +36,8 @@ pub struct gwtf_node_options {
     /// The swarm key shared by all participants (at least 16 bytes).
     pub swarm_key: *const u8,
     pub swarm_key_len: usize,
-    /// This node's id (0: a random one). Default 0.
+    /// This node's id: 0 for the id of its node key (see `node_key_path`);
+    /// any other value must be that id, unless `chosen_ids`. Default 0.
     pub node_id: u64,
     /// Largest data payload in bytes. Default 64 MiB.
     pub max_payload_bytes: u64,
@@ -68,6 +70,16 @@ pub struct gwtf_node_options {
     pub encrypt: u32,
     /// Emulated bandwidth cap on the send side, bytes/s (0: none). Default 0.
     pub link_bandwidth_bytes_per_s: u64,
+    /// File holding this node's private key (64 hex digits), created on
+    /// first use; its public key is proved in every handshake and the
+    /// node's id follows from it (`gwtf_node_key_id`). NULL: a fresh key
+    /// for this node's lifetime. Default NULL. (Version 2.)
+    pub node_key_path: *const c_char,
+    /// 1, insecure, for test swarms with fixed ids: `node_id` may be any
+    /// id, and peers whose ids do not follow from their keys are accepted,
+    /// so any holder of the swarm key can act as any node. Default 0.
+    /// (Version 2.)
+    pub chosen_ids: u32,
 }
 
 /// What `gwtf_node_poll_event` returns (`gwtf_event.kind`).
@@ -101,6 +113,8 @@ pub enum gwtf_close_reason {
     Eof = 5,
     Io = 6,
     Protocol = 7,
+    /// The peer's proof of the swarm key failed, or the node id it claimed
+    /// is not the one of the key it proved.
     AuthFailed = 8,
     Duplicate = 9,
     TooManyConnections = 10,
@@ -241,6 +255,8 @@ pub extern "C" fn gwtf_node_options_init(opts: *mut gwtf_node_options) -> gwtf_s
             link_delay_ms: 0,
             encrypt: 0,
             link_bandwidth_bytes_per_s: 0,
+            node_key_path: std::ptr::null(),
+            chosen_ids: 0,
         };
         // SAFETY: checked non-NULL.
         unsafe { write_out(opts, v) };
@@ -271,8 +287,10 @@ pub extern "C" fn gwtf_node_new(
         if opts.is_null() {
             return Err(FfiError::null("opts"));
         }
-        // SAFETY: non-NULL; the caller passes a readable options struct.
-        let o = unsafe { &*opts };
+        // SAFETY: non-NULL; the caller passes a readable options struct of
+        // the version its first field says.
+        let o = unsafe { read_node_options(opts) }?;
+        let o = &o;
         if o.version == 0 || o.version > GWTF_NODE_OPTIONS_VERSION {
             return Err(FfiError::new(
                 gwtf_status::UnsupportedVersion,
@@ -321,6 +339,8 @@ pub extern "C" fn gwtf_node_new(
                 1 => true,
                 x => return Err(FfiError::invalid(format!("encrypt is {x}: 0 or 1"))),
             },
+            node_key: Some(node_key_at(o.node_key_path, "opts->node_key_path")?),
+            chosen_ids: flag(o.chosen_ids, "chosen_ids")?,
             ..NodeOptions::default()
         })
         .map_err(engine_err)?;
@@ -330,6 +350,102 @@ pub extern "C" fn gwtf_node_new(
         };
         // SAFETY: checked non-NULL.
         unsafe { write_out(out_node, h.into_raw()) };
+        Ok(())
+    })
+}
+
+/// The caller's options of version 1 or 2: a version-1 struct is shorter
+/// (its appended fields keep their defaults); other versions pass through
+/// for the caller's check.
+///
+/// # Safety
+/// `opts` is non-NULL and points to a readable options struct of the
+/// version its first field says.
+unsafe fn read_node_options(opts: *const gwtf_node_options) -> FfiResult<gwtf_node_options> {
+    // SAFETY: every version starts with its version.
+    let version = unsafe { std::ptr::addr_of!((*opts).version).read() };
+    let len = match version {
+        1 => std::mem::offset_of!(gwtf_node_options, node_key_path),
+        GWTF_NODE_OPTIONS_VERSION => std::mem::size_of::<gwtf_node_options>(),
+        _ => std::mem::size_of::<u32>(),
+    };
+    // SAFETY: every field is an integer or a raw pointer, for which all
+    // zeroes is a valid value (the appended fields' defaults: NULL, 0).
+    let mut o: gwtf_node_options = unsafe { std::mem::zeroed() };
+    o.version = version;
+    // SAFETY: the caller's struct of this version has `len` readable bytes;
+    // `o` is a whole struct; every field is a plain integer or pointer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            opts.cast::<u8>(),
+            (&mut o as *mut gwtf_node_options).cast::<u8>(),
+            len,
+        )
+    };
+    Ok(o)
+}
+
+/// 0 or 1, else an error that names `what`.
+pub(crate) fn flag(v: u32, what: &str) -> FfiResult<bool> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        x => Err(FfiError::invalid(format!("{what} is {x}: 0 or 1"))),
+    }
+}
+
+/// The node key in the file at `path` (created there when missing), or a
+/// fresh one for NULL.
+pub(crate) fn node_key_at(path: *const c_char, what: &str) -> FfiResult<NodeKey> {
+    if path.is_null() {
+        return NodeKey::generate().map_err(|e| FfiError::new(gwtf_status::Io, e.to_string()));
+    }
+    let p = c_path(path, what)?;
+    NodeKey::load_or_create(&p)
+        .map(|(k, _)| k)
+        .map_err(|e| FfiError::new(gwtf_status::Io, e))
+}
+
+/// A NUL-terminated UTF-8 path from C.
+fn c_path(path: *const c_char, what: &str) -> FfiResult<std::path::PathBuf> {
+    // SAFETY: non-NULL (the callers check); the caller passes a
+    // NUL-terminated string.
+    let s = unsafe { std::ffi::CStr::from_ptr(path) }
+        .to_str()
+        .map_err(|_| FfiError::invalid(format!("{what} is not UTF-8")))?;
+    if s.is_empty() {
+        return Err(FfiError::invalid(format!("{what} is empty")));
+    }
+    Ok(std::path::PathBuf::from(s))
+}
+
+/// The node id that follows from the node key in the file at `path`,
+/// creating the file (a fresh key, owner read and write only) when there
+/// is none: how founding members learn the ids to give each other.
+///
+/// Ownership: `path` is only read during the call; `*out_id` is caller
+/// memory.
+///
+/// Thread safety: any thread; two callers creating the same file at once
+/// may both fail (`GWTF_STATUS_IO`) but never leave two keys.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not
+/// UTF-8, empty), `GWTF_STATUS_IO` (cannot read or create it, or it holds
+/// no node key).
+#[no_mangle]
+pub extern "C" fn gwtf_node_key_id(
+    path: *const c_char,
+    out_id: *mut u32,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard(out_err, || {
+        require_out(out_id, "out_id")?;
+        if path.is_null() {
+            return Err(FfiError::null("path"));
+        }
+        let key = node_key_at(path, "path")?;
+        // SAFETY: checked non-NULL.
+        unsafe { write_out(out_id, key.node_id()) };
         Ok(())
     })
 }

@@ -23,7 +23,7 @@ use super::boundary::{
 use super::enums::CEnum;
 use super::error::gwtf_error;
 use super::frame::gwtf_frame;
-use super::node::{c_str, engine_err, fill, parse_addr};
+use super::node::{c_str, engine_err, fill, flag, node_key_at, parse_addr};
 use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
@@ -33,7 +33,7 @@ use crate::swarm::runtime::{
 };
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
-pub const GWTF_PEER_OPTIONS_VERSION: u32 = 3;
+pub const GWTF_PEER_OPTIONS_VERSION: u32 = 4;
 /// Current version of `gwtf_peer_stats`.
 pub const GWTF_PEER_STATS_VERSION: u32 = 1;
 /// `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
@@ -233,8 +233,10 @@ pub struct gwtf_peer_options {
     pub role: i32,
     /// "IP:PORT" to listen on (port 0: any free port). Default "127.0.0.1:0".
     pub listen_addr: *const c_char,
-    /// This peer's id (0: a random one). Founding members must use the id
-    /// the others are given in their bootstrap lists. Default 0.
+    /// This peer's id: 0 for the id of its node key (`node_key_path`); any
+    /// other value must be that id, unless `chosen_ids`. Founding members
+    /// give each other these ids in their bootstrap lists
+    /// (`gwtf_node_key_id` tells a key file's id). Default 0.
     pub node_id: u32,
     /// The stage: 0 for a holder, 1..=relay_stages for a founding relay,
     /// `GWTF_STAGE_AUTO` for a relay joining a running swarm (the swarm
@@ -290,6 +292,16 @@ pub struct gwtf_peer_options {
     /// either end asks). Every frame is authenticated either way. Default
     /// 0. (Version 3.)
     pub encrypt: u32,
+    /// File holding this peer's private key (64 hex digits), created on
+    /// first use; its public key is proved in every handshake and the
+    /// peer's id follows from it. NULL: a fresh key (and so a new id) for
+    /// this peer's lifetime. Default NULL. (Version 4.)
+    pub node_key_path: *const c_char,
+    /// 1, insecure, for test swarms with fixed ids: `node_id` may be any
+    /// id, and members whose ids do not follow from their keys are
+    /// accepted, so any holder of the swarm key can act as any member.
+    /// Every member must then set it. Default 0. (Version 4.)
+    pub chosen_ids: u32,
 }
 
 /// A task or an event, written by `gwtf_peer_next_task`. Which fields mean
@@ -489,6 +501,8 @@ fn default_options() -> gwtf_peer_options {
         log_to_stderr: 0,
         recompute: 0,
         encrypt: 0,
+        node_key_path: std::ptr::null(),
+        chosen_ids: 0,
     }
 }
 
@@ -505,6 +519,7 @@ unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_op
     let len = match version {
         1 => std::mem::offset_of!(gwtf_peer_options, recompute),
         2 => std::mem::offset_of!(gwtf_peer_options, encrypt),
+        3 => std::mem::offset_of!(gwtf_peer_options, node_key_path),
         GWTF_PEER_OPTIONS_VERSION => std::mem::size_of::<gwtf_peer_options>(),
         v => {
             return Err(FfiError::new(
@@ -529,18 +544,6 @@ unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_op
     };
     o.version = GWTF_PEER_OPTIONS_VERSION;
     Ok(o)
-}
-
-fn random_id() -> NodeId {
-    loop {
-        let mut b = [0u8; 4];
-        if getrandom::fill(&mut b).is_ok() {
-            let v = u32::from_le_bytes(b);
-            if v != 0 {
-                return v;
-            }
-        }
-    }
 }
 
 /// The runtime's options from C's (read by [`read_options`]), all checked
@@ -615,10 +618,18 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
     }
     // SAFETY: non-NULL; the caller passes bootstrap_len contacts.
     let contacts = unsafe { std::slice::from_raw_parts(o.bootstrap, o.bootstrap_len) };
-    let id = if o.node_id == 0 {
-        random_id()
-    } else {
-        o.node_id
+    let node_key = node_key_at(o.node_key_path, "opts->node_key_path")?;
+    let chosen_ids = flag(o.chosen_ids, "chosen_ids")?;
+    let id = match o.node_id {
+        0 => node_key.node_id(),
+        id if id == node_key.node_id() || chosen_ids => id,
+        id => {
+            return Err(FfiError::invalid(format!(
+                "node_id {id} is not the id of this peer's key ({}): ids follow from node keys \
+                 (leave it 0; chosen ids only with chosen_ids, in a test swarm)",
+                node_key.node_id()
+            )))
+        }
     };
     let mut bootstrap = Vec::with_capacity(contacts.len());
     for (i, c) in contacts.iter().enumerate() {
@@ -714,6 +725,8 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
                 1 => true,
                 x => return Err(FfiError::invalid(format!("encrypt is {x}: 0 or 1"))),
             },
+            node_key: Some(node_key),
+            chosen_ids,
             ..NodeOptions::default()
         },
     };

@@ -229,7 +229,6 @@ mod tests {
     fn net(listen: bool) -> Net {
         let opts = NodeOptions {
             listen: listen.then(|| "127.0.0.1:0".parse().unwrap()),
-            node_id: if listen { 2 } else { 1 },
             max_payload: 1 << 20,
             pool_bytes: 16 << 20,
             swarm_key: b"state-stream-unit-test-key".to_vec(),

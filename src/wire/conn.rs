@@ -19,8 +19,8 @@
 
 use super::control::{ControlEnvelope, Goodbye, Heartbeat, MAX_CONTROL_PAYLOAD};
 use super::handshake::{
-    Hello, NodeKey, Noise, Preamble, Role, SwarmKey, CONFIRM_LEN, HELLO_FLAG_ENCRYPT, MSG1_LEN,
-    MSG2_LEN, MSG3_LEN, NODE_KEY_LEN, PREAMBLE_LEN,
+    node_id_of, Hello, NodeKey, Noise, Preamble, Role, SwarmKey, CONFIRM_LEN, HELLO_FLAG_ENCRYPT,
+    MSG1_LEN, MSG2_LEN, MSG3_LEN, NODE_KEY_LEN, PREAMBLE_LEN,
 };
 use super::header::{crc32c_append, FrameHeader, FrameKind, HEADER_LEN};
 use super::seal::{confirmation, Opener, Sealer, HEAD_LEN, TAG_LEN};
@@ -108,6 +108,10 @@ pub struct ConnOptions {
     pub encrypt: bool,
     /// A fixed ephemeral key, for reproducible tests only.
     pub test_ephemeral: Option<[u8; 32]>,
+    /// Accept a peer id that does not follow from the peer's key (test
+    /// swarms with fixed ids: any holder of the swarm key may then claim
+    /// any id). Off: a claimed id must be [`node_id_of`] the proved key.
+    pub chosen_ids: bool,
 }
 
 impl ConnOptions {
@@ -116,6 +120,7 @@ impl ConnOptions {
             max_payload,
             encrypt: false,
             test_ephemeral: None,
+            chosen_ids: false,
         }
     }
 }
@@ -125,6 +130,7 @@ pub struct Connection {
     role: Role,
     my_id: u64,
     encrypt: bool,
+    chosen_ids: bool,
     noise: Option<Noise>,
     max_payload: u64,
     state: State,
@@ -172,6 +178,7 @@ impl Connection {
             role,
             my_id,
             encrypt: opts.encrypt,
+            chosen_ids: opts.chosen_ids,
             noise,
             max_payload: opts.max_payload,
             state,
@@ -200,6 +207,7 @@ impl Connection {
             role: self.role,
             my_id: self.my_id,
             encrypt: self.encrypt,
+            chosen_ids: self.chosen_ids,
             noise: None,
             max_payload: self.max_payload,
             state: State::Header,
@@ -327,12 +335,21 @@ impl Connection {
 
     /// Reads message 2 or 3 and checks the peer's hello in it.
     fn read_peer_hello(&mut self, msg: &[u8]) -> Result<Hello, WireError> {
-        let payload = self
-            .noise
-            .as_mut()
-            .expect("handshake in progress")
-            .read(msg)?;
+        let noise = self.noise.as_mut().expect("handshake in progress");
+        let payload = noise.read(msg)?;
         let hello = Hello::decode(&payload)?;
+        if !self.chosen_ids {
+            let key = noise
+                .remote_static()
+                .ok_or_else(|| WireError::Handshake("the peer proved no static key".into()))?;
+            let key_id = node_id_of(&key) as u64;
+            if hello.node_id != key_id {
+                return Err(WireError::IdNotBound {
+                    claimed: hello.node_id,
+                    key_id,
+                });
+            }
+        }
         if hello.node_id == self.my_id {
             return Err(WireError::Handshake(format!(
                 "peer claims our own node id {}",
@@ -858,12 +875,18 @@ mod tests {
         NodeKey::from_private(&[b; 32]).unwrap()
     }
 
-    fn conn(role: Role, id: u64, k: &SwarmKey, encrypt: bool) -> Connection {
+    /// The id of node key `b` (every machine here claims its key's id).
+    fn id(b: u8) -> u64 {
+        node_key(b).node_id() as u64
+    }
+
+    /// Machine `n`: node key `n`, under its id.
+    fn conn(role: Role, n: u8, k: &SwarmKey, encrypt: bool) -> Connection {
         let opts = ConnOptions {
             encrypt,
             ..ConnOptions::new(1 << 20)
         };
-        Connection::new(role, id, k, &node_key(id as u8), &opts)
+        Connection::new(role, id(n), k, &node_key(n), &opts)
     }
 
     /// Runs the handshake between two machines through memory.
@@ -921,8 +944,8 @@ mod tests {
             let (mut a, mut b, err) = pair_with(key(7), key(7), encrypt);
             assert!(err.is_none(), "{err:?}");
             assert!(a.is_established() && b.is_established());
-            assert_eq!(a.peer_id(), Some(2));
-            assert_eq!(b.peer_id(), Some(1));
+            assert_eq!(a.peer_id(), Some(id(2)));
+            assert_eq!(b.peer_id(), Some(id(1)));
             assert_eq!((a.encrypted(), b.encrypted()), (encrypt, encrypt));
             assert_eq!(a.peer_key(), Some(*node_key(2).public()));
             assert_eq!(b.peer_key(), Some(*node_key(1).public()));
@@ -1005,8 +1028,8 @@ mod tests {
         oa.test_ephemeral = Some([0x31; 32]);
         let mut ob = ConnOptions::new(1 << 20);
         ob.test_ephemeral = Some([0x32; 32]);
-        let a = Connection::new(Role::Connector, 1, &k, &node_key(1), &oa);
-        let b = Connection::new(Role::Acceptor, 2, &k, &node_key(2), &ob);
+        let a = Connection::new(Role::Connector, id(1), &k, &node_key(1), &oa);
+        let b = Connection::new(Role::Acceptor, id(2), &k, &node_key(2), &ob);
         run_handshake(a, b)
     }
 
@@ -1034,10 +1057,10 @@ mod tests {
         let stranger_sees = |swarm: u8| {
             let mut o = ConnOptions::new(1 << 20);
             o.test_ephemeral = Some([0x44; 32]);
-            let mut b = Connection::new(Role::Acceptor, 2, &key(swarm), &node_key(2), &o);
+            let mut b = Connection::new(Role::Acceptor, id(2), &key(swarm), &node_key(2), &o);
             let mut oc = ConnOptions::new(1 << 20);
             oc.test_ephemeral = Some([0x45; 32]);
-            let mut c = Connection::new(Role::Connector, 1, &key(99), &node_key(1), &oc);
+            let mut c = Connection::new(Role::Connector, id(1), &key(99), &node_key(1), &oc);
             let mut seen = b.take_outgoing();
             let (_, e) = drive_bytes(&mut b, &c.take_outgoing(), &[]);
             assert!(e.is_none());
@@ -1052,6 +1075,79 @@ mod tests {
         let (s1, s2) = (stranger_sees(7), stranger_sees(8));
         assert_eq!(s1.len(), PREAMBLE_LEN + MSG2_LEN);
         assert_eq!(s1, s2, "the acceptor's messages depend on its swarm key");
+    }
+
+    /// A holder of the swarm key claiming another node's id (with its own
+    /// key) is refused by either end: the acceptor at message 3 (before it
+    /// proves anything: no confirmation follows), the connector at message
+    /// 2 (before its message 3, so it proves nothing either). A side with
+    /// `chosen_ids` takes the claim as it comes.
+    #[test]
+    fn a_claimed_id_that_is_not_the_key_s_is_refused() {
+        let k = key(7);
+        let claim = |role: Role, chosen: bool| {
+            let o = ConnOptions::new(1 << 20);
+            // Key 1 claims key 3's id.
+            let liar = Connection::new(role, id(3), &k, &node_key(1), &o);
+            let o = ConnOptions {
+                chosen_ids: chosen,
+                ..ConnOptions::new(1 << 20)
+            };
+            let honest = Connection::new(role.other(), id(2), &k, &node_key(2), &o);
+            match role {
+                Role::Connector => run_handshake(liar, honest),
+                Role::Acceptor => {
+                    let (h, l, e) = run_handshake(honest, liar);
+                    (l, h, e)
+                }
+            }
+        };
+        for role in [Role::Connector, Role::Acceptor] {
+            let (_, mut honest, e) = claim(role, false);
+            assert_eq!(
+                e,
+                Some(WireError::IdNotBound {
+                    claimed: id(3),
+                    key_id: id(1)
+                }),
+                "liar as {role:?}"
+            );
+            assert!(!honest.is_established());
+            assert!(honest.take_outgoing().is_empty(), "liar as {role:?}");
+            let (_, honest, e) = claim(role, true);
+            assert!(e.is_none(), "{e:?}");
+            assert_eq!(honest.peer_id(), Some(id(3)));
+        }
+    }
+
+    /// A node id is a fixed function of the public key (pinned here: a
+    /// change would split every swarm whose members disagree on it), and a
+    /// key file round-trips, owner-only, never overwritten.
+    #[test]
+    fn node_ids_follow_from_keys_and_key_files_round_trip() {
+        assert_eq!(
+            node_key(1).node_id(),
+            0xdb90_1378,
+            "{:x}",
+            node_key(1).node_id()
+        );
+        assert_ne!(node_key(1).node_id(), node_key(2).node_id());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.key");
+        let (a, created) = NodeKey::load_or_create(&path).unwrap();
+        assert!(created);
+        let (b, created) = NodeKey::load_or_create(&path).unwrap();
+        assert!(!created);
+        assert_eq!((a.public(), a.node_id()), (b.public(), b.node_id()));
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(a.store_new(&path).is_err(), "a key file was overwritten");
+        for bad in [&b"short"[..], &[b'g'; 64][..], &[0xff; 64][..]] {
+            std::fs::write(&path, bad).unwrap();
+            let e = NodeKey::load_or_create(&path).unwrap_err();
+            assert!(e.contains("node key"), "{e}");
+        }
     }
 
     #[test]

@@ -46,6 +46,12 @@ pub enum WireError {
     Mac { seq: u64 },
     /// A message arrived in a state where it is not allowed.
     Unexpected(String),
+    /// The peer claimed a node id that is not the one of the key it
+    /// proved (ids follow from node keys).
+    IdNotBound { claimed: u64, key_id: u64 },
+    /// A node id connected before with another key (whose id is the same:
+    /// a key found by trying keys until one hashes to the id).
+    KeyChanged { id: u64 },
 }
 
 impl fmt::Display for WireError {
@@ -90,6 +96,16 @@ impl fmt::Display for WireError {
                 "frame {seq}: tag does not verify (changed, replayed or reordered on the way)"
             ),
             Unexpected(why) => write!(f, "unexpected message: {why}"),
+            IdNotBound { claimed, key_id } => write!(
+                f,
+                "handshake: the peer claims node id {claimed:x}, but the key it proved is node \
+                 {key_id:x}'s (ids follow from node keys)"
+            ),
+            KeyChanged { id } => write!(
+                f,
+                "handshake: node {id:x} connected before with another key (of the same id: \
+                 one found by trying keys?)"
+            ),
         }
     }
 }

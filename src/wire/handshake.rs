@@ -151,9 +151,82 @@ impl NodeKey {
         &self.public
     }
 
+    /// The node id that follows from this key ([`node_id_of`] of its
+    /// public half).
+    pub fn node_id(&self) -> u32 {
+        node_id_of(&self.public)
+    }
+
+    /// Reads the private key stored at `path`, or creates one there (owner
+    /// read and write only) when there is no file; the key, and whether it
+    /// was created.
+    pub fn load_or_create(path: &std::path::Path) -> Result<(Self, bool), String> {
+        match std::fs::read(path) {
+            Ok(bytes) => Self::from_file_bytes(&bytes)
+                .map(|k| (k, false))
+                .map_err(|e| format!("node key {}: {e}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let key = Self::generate().map_err(|e| e.to_string())?;
+                key.store_new(path)?;
+                Ok((key, true))
+            }
+            Err(e) => Err(format!("cannot read node key {}: {e}", path.display())),
+        }
+    }
+
+    /// The key of a node key file's bytes: 64 hex digits (a newline may
+    /// follow).
+    pub fn from_file_bytes(bytes: &[u8]) -> Result<Self, String> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|_| "not text (a node key file holds 64 hex digits)".to_string())?
+            .trim_end();
+        if text.len() != 2 * NODE_KEY_LEN {
+            return Err(format!(
+                "{} characters, not the {} hex digits of a node key",
+                text.len(),
+                2 * NODE_KEY_LEN
+            ));
+        }
+        let mut private = [0u8; NODE_KEY_LEN];
+        for (i, b) in private.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&text[2 * i..2 * i + 2], 16)
+                .map_err(|_| format!("not hex at character {}", 2 * i))?;
+        }
+        Self::from_private(&private).map_err(|e| e.to_string())
+    }
+
+    /// Writes this key to a new file (never over an existing one), owner
+    /// read and write only.
+    pub fn store_new(&self, path: &std::path::Path) -> Result<(), String> {
+        use std::io::Write;
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+        let mut f = o
+            .open(path)
+            .map_err(|e| format!("cannot create node key {}: {e}", path.display()))?;
+        writeln!(f, "{}", hex(&self.private[..]))
+            .and_then(|_| f.sync_all())
+            .map_err(|e| format!("cannot write node key {}: {e}", path.display()))
+    }
+
     /// The private key's bytes (to store it).
     pub fn private_bytes(&self) -> &[u8; NODE_KEY_LEN] {
         &self.private
+    }
+}
+
+/// The node id a public key stands for: 32 bits of a keyed BLAKE3 hash,
+/// never 0. The handshake checks that a peer's claimed id is the one of
+/// the key it proved, so a holder of the swarm key cannot act as another
+/// node (short of finding, by about 2^32 key generations, a key whose id
+/// is the other node's).
+pub fn node_id_of(public: &[u8; NODE_KEY_LEN]) -> u32 {
+    let h = blake3::derive_key("gwtf 2026 node public key -> node id v1", public);
+    match u32::from_le_bytes([h[0], h[1], h[2], h[3]]) {
+        0 => 1,
+        id => id,
     }
 }
 

@@ -27,11 +27,12 @@ fn machine(role: Role, id: u8, encrypt: bool) -> Connection {
     };
     let key = SwarmKey::new(KEY).expect("a long key");
     let node = NodeKey::from_private(&[id; 32]).expect("32 bytes");
-    Connection::new(role, id as u64, &key, &node, &opts)
+    Connection::new(role, node.node_id() as u64, &key, &node, &opts)
 }
 
-/// Runs the honest handshake between the machine under test (`role`, id
-/// 1) and its peer (id 2), its messages cut at `cuts`.
+/// Runs the honest handshake between the machine under test (`role`, node
+/// key 1, under its id) and its peer (node key 2), its messages cut at
+/// `cuts`.
 fn handshake(role: Role, encrypt: bool, cuts: &[usize]) -> (Connection, Connection) {
     let mut conn = machine(role, 1, false);
     let mut peer = machine(role.other(), 2, encrypt);
@@ -43,7 +44,10 @@ fn handshake(role: Role, encrypt: bool, cuts: &[usize]) -> (Connection, Connecti
         assert!(e.is_none(), "honest handshake failed: {e:?}");
     }
     assert!(conn.is_established() && peer.is_established());
-    assert_eq!(conn.peer_id(), Some(2));
+    assert_eq!(
+        conn.peer_id(),
+        Some(NodeKey::from_private(&[2; 32]).expect("32 bytes").node_id() as u64)
+    );
     (conn, peer)
 }
 

@@ -17,7 +17,7 @@ pub use conn::{
 };
 pub use control::{ControlEnvelope, Goodbye, GoodbyeReason, Heartbeat};
 pub use error::WireError;
-pub use handshake::{NodeKey, Role, SwarmKey};
+pub use handshake::{node_id_of, NodeKey, Role, SwarmKey};
 pub use header::{
     crc32c, crc32c_append, Dtype, FrameHeader, FrameKind, FLAG_PAYLOAD_CRC, FRAME_MAGIC,
     HEADER_LEN, WIRE_VERSION,

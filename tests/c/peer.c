@@ -35,7 +35,7 @@ static void free_addr(char *buf, size_t len) {
     close(s);
 }
 
-static gwtf_peer *new_peer(int32_t role, int32_t stage, uint32_t id, const char *listen,
+static gwtf_peer *new_peer(int32_t role, int32_t stage, const char *key_path, const char *listen,
                            const gwtf_peer_contact *boot, size_t nboot) {
     gwtf_peer_options o;
     gwtf_peer *p = NULL;
@@ -43,7 +43,7 @@ static gwtf_peer *new_peer(int32_t role, int32_t stage, uint32_t id, const char 
     EXPECT(gwtf_peer_options_init(&o) == GWTF_STATUS_OK);
     o.role = role;
     o.stage = stage;
-    o.node_id = id;
+    o.node_key_path = key_path; /* its id follows from the key */
     o.listen_addr = listen;
     o.bootstrap = boot;
     o.bootstrap_len = nboot;
@@ -105,6 +105,14 @@ static void bad_options(void) {
     o.recompute = 2;
     expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
     o.recompute = 0;
+    o.chosen_ids = 2;
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    o.chosen_ids = 0;
+    o.node_key_path = "";
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    o.node_key_path = "/nonexistent-dir/node.key";
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_IO);
+    o.node_key_path = NULL;
     /* A caller built against version 1 passes a shorter struct (no
      * `recompute`): only that much is read (AddressSanitizer would see a
      * read past it), and it is judged on its own fields. */
@@ -304,12 +312,35 @@ int main(void) {
     bad_options();
     free_addr(ha, sizeof ha);
     free_addr(ra, sizeof ra);
-    gwtf_peer_contact boot[2] = {{1, 0, ha}, {2, 1, ra}};
+    /* Each member's key file, created by gwtf_node_key_id, gives its id. */
+    char dir[] = "/tmp/gwtf-peer-c-XXXXXX", hk[64], rk[64], bad[64];
+    uint32_t hid = 0, rid = 0, again = 0;
+    EXPECT(mkdtemp(dir) != NULL);
+    snprintf(hk, sizeof hk, "%s/holder.key", dir);
+    snprintf(rk, sizeof rk, "%s/relay.key", dir);
+    snprintf(bad, sizeof bad, "%s/bad.key", dir);
+    EXPECT(gwtf_node_key_id(hk, &hid, &err) == GWTF_STATUS_OK);
+    EXPECT(gwtf_node_key_id(rk, &rid, &err) == GWTF_STATUS_OK);
+    EXPECT(gwtf_node_key_id(hk, &again, &err) == GWTF_STATUS_OK);
+    EXPECT(hid != 0 && rid != 0 && hid != rid && again == hid);
+    expect_fail(gwtf_node_key_id(NULL, &again, &err), &err, GWTF_STATUS_NULL_POINTER);
+    {
+        FILE *f = fopen(bad, "w");
+        EXPECT(f != NULL);
+        fputs("not a key\n", f);
+        fclose(f);
+        expect_fail(gwtf_node_key_id(bad, &again, &err), &err, GWTF_STATUS_IO);
+        remove(bad);
+    }
+    gwtf_peer_contact boot[2] = {{hid, 0, ha}, {rid, 1, ra}};
     toy h = {0}, r = {0};
     h.name = "holder";
     r.name = "relay";
-    h.p = new_peer(GWTF_PEER_ROLE_HOLDER, 0, 1, ha, boot, 2);
-    r.p = new_peer(GWTF_PEER_ROLE_RELAY, 1, 2, ra, boot, 2);
+    h.p = new_peer(GWTF_PEER_ROLE_HOLDER, 0, hk, ha, boot, 2);
+    r.p = new_peer(GWTF_PEER_ROLE_RELAY, 1, rk, ra, boot, 2);
+    remove(hk);
+    remove(rk);
+    rmdir(dir);
     if (!h.p || !r.p) return finish("peer");
     for (int i = 0; i < 16; i++) r.w[i] = 0.1f * (float)i;
     toy_digest(&r);

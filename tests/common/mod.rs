@@ -256,6 +256,8 @@ fn build_stub_libcuda() -> PathBuf {
 pub struct RawPeer {
     pub stream: std::net::TcpStream,
     pub conn: gwtf::wire::Connection,
+    /// The id it claimed.
+    pub id: u64,
 }
 
 #[allow(dead_code)]
@@ -321,8 +323,8 @@ impl RawPeer {
     }
 }
 
-/// A raw peer through the handshake as node `id` with `key` (reads time
-/// out after `timeout`).
+/// A raw peer through the handshake as node `id` (0: the id of its fresh
+/// node key) with `key` (reads time out after `timeout`).
 #[allow(dead_code)]
 pub fn raw_authenticated(
     addr: std::net::SocketAddr,
@@ -334,9 +336,9 @@ pub fn raw_authenticated(
     raw_handshake(s, gwtf::wire::Role::Connector, id, key, timeout)
 }
 
-/// Takes `s` through the handshake in `role` as node `id` with `key` and
-/// a fresh node key (reads time out after `timeout`); returns it
-/// established.
+/// Takes `s` through the handshake in `role` as node `id` (0: the id of
+/// its key) with `key` and a fresh node key (reads time out after
+/// `timeout`); returns it established.
 #[allow(dead_code)]
 pub fn raw_handshake(
     s: std::net::TcpStream,
@@ -361,12 +363,22 @@ pub fn try_raw_handshake(
     use std::io::{Read, Write};
     s.set_read_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
+    let node_key = NodeKey::generate().unwrap();
+    let id = match id {
+        0 => node_key.node_id() as u64,
+        id => id,
+    };
+    // It claims what it is told (a node with bound ids refuses an id not
+    // of its key), and takes the other end's id as it comes.
     let mut c = Connection::new(
         role,
         id,
         &SwarmKey::new(key).unwrap(),
-        &NodeKey::generate().unwrap(),
-        &ConnOptions::new(4 << 20),
+        &node_key,
+        &ConnOptions {
+            chosen_ids: true,
+            ..ConnOptions::new(4 << 20)
+        },
     );
     for _ in 0..10 {
         s.write_all(&c.take_outgoing()).map_err(|e| e.to_string())?;
@@ -379,7 +391,11 @@ pub fn try_raw_handshake(
         }
         if let Some(ConnEvent::Established { .. }) = c.small_read(n).map_err(|e| e.to_string())? {
             s.write_all(&c.take_outgoing()).map_err(|e| e.to_string())?;
-            return Ok(RawPeer { stream: s, conn: c });
+            return Ok(RawPeer {
+                stream: s,
+                conn: c,
+                id,
+            });
         }
     }
     Err("handshake did not finish".into())

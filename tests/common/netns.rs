@@ -419,7 +419,7 @@ impl NetSwarm {
             let mut args: Vec<String> = vec![
                 "--listen".into(),
                 swarm.lab.addrs[&id].clone(),
-                "--id".into(),
+                "--chosen-id".into(),
                 id.to_string(),
                 "--swarm-key-file".into(),
                 key_file.display().to_string(),

@@ -155,6 +155,12 @@ pub fn node_options(
     net: NodeOptions,
 ) -> RuntimeOptions {
     RuntimeOptions {
+        // These test swarms choose their members' ids (1, 11, 12, ...):
+        // the insecure mode in which ids need not follow from node keys.
+        net: NodeOptions {
+            chosen_ids: true,
+            ..net
+        },
         id: p.id,
         stage: p.stage,
         listen: p.addr,
@@ -165,6 +171,5 @@ pub fn node_options(
         compute_s: 0.01,
         capacity: 4,
         seed: 1,
-        net,
     }
 }

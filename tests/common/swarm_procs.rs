@@ -158,7 +158,7 @@ impl Swarm {
             .arg(addr.to_string())
             .arg("--swarm-key-file")
             .arg(self.dir.path().join("key"))
-            .arg("--id")
+            .arg("--chosen-id")
             .arg(id.to_string())
             .arg("--json")
             .arg("--trace-work")

@@ -135,7 +135,10 @@ struct Swarm {
     holders: Vec<(u32, SocketAddr)>,
     tx: Sender<Line>,
     rx: Receiver<Line>,
-    next_id: u32,
+    /// The number in the next node key file's name.
+    next_key: u32,
+    /// Each node's key file (its id follows from the key).
+    keys: BTreeMap<u32, PathBuf>,
     /// Holder iteration reports: iteration -> (holders reported, tokens, last report).
     iterations: BTreeMap<u64, (u32, u64, Instant)>,
     done: BTreeSet<u32>,
@@ -178,7 +181,8 @@ impl Swarm {
             holders: Vec::new(),
             tx,
             rx,
-            next_id: 1,
+            next_key: 1,
+            keys: BTreeMap::new(),
             iterations: BTreeMap::new(),
             done: BTreeSet::new(),
             recent: HashMap::new(),
@@ -189,11 +193,11 @@ impl Swarm {
         };
         let mut founders = Vec::new();
         for _ in 0..a.holders {
-            founders.push((s.fresh_id(), 0, free_port()?));
+            founders.push((s.fresh_id()?, 0, free_port()?));
         }
         for st in 1..=a.relay_stages {
             for _ in 0..a.relays {
-                founders.push((s.fresh_id(), st, free_port()?));
+                founders.push((s.fresh_id()?, st, free_port()?));
             }
         }
         let peers: Vec<String> = founders
@@ -215,17 +219,28 @@ impl Swarm {
         Ok(s)
     }
 
-    fn fresh_id(&mut self) -> u32 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
+    /// A new node key file and the id that follows from it (unlike the
+    /// ids given out before).
+    fn fresh_id(&mut self) -> Res<u32> {
+        for _ in 0..16 {
+            let path = self.dir.join(format!("node-{}.key", self.next_key));
+            self.next_key += 1;
+            let (key, _) = gwtf::wire::NodeKey::load_or_create(&path)?;
+            if let std::collections::btree_map::Entry::Vacant(e) = self.keys.entry(key.node_id()) {
+                e.insert(path);
+                return Ok(key.node_id());
+            }
+        }
+        Err("16 node keys in a row had ids already taken".into())
     }
 
     fn spawn(&mut self, id: u32, stage: Option<u32>, args: &[String]) -> Res<()> {
         let stderr = std::fs::File::create(self.dir.join(format!("node-{id}.stderr")))?;
         let mut cmd = Command::new(&self.exe);
+        let key = self.keys.get(&id).ok_or("a node without a key file")?;
         cmd.arg("node")
-            .args(["--id", &id.to_string()])
+            .arg("--node-key")
+            .arg(key)
             .arg("--swarm-key-file")
             .arg(&self.key)
             .args(&self.common)
@@ -264,7 +279,7 @@ impl Swarm {
 
     /// Starts a replacement that joins through a holder; returns its id.
     fn join(&mut self) -> Res<u32> {
-        let id = self.fresh_id();
+        let id = self.fresh_id()?;
         let via = self.holders[0].1;
         let args = vec![
             "--listen".to_string(),

@@ -31,6 +31,7 @@ use super::demo_procs::{
 use super::demo_report;
 use clap::{Args, ValueEnum};
 use crossbeam_channel::{Receiver, Sender};
+use gwtf::wire::NodeKey;
 use std::collections::VecDeque;
 use std::io::{IsTerminal, Write};
 use std::os::unix::process::CommandExt;
@@ -214,6 +215,8 @@ fn check(a: &DemoArgs) -> Res<()> {
 /// What a node is started with.
 struct Launch {
     id: NodeId,
+    /// Its node key file (its id follows from the key).
+    key: PathBuf,
     port: u16,
     holder: bool,
     /// Founding members' list (ID/STAGE/ADDR), or the addresses to join through.
@@ -238,7 +241,10 @@ pub struct Swarm<'a> {
     /// The time of the last line kept in events.log.
     pub events_t: f64,
     pub rng: Rng,
-    pub next_id: NodeId,
+    /// The number in the next node key file's name.
+    pub next_key: usize,
+    /// Every node id given out in this run.
+    pub ids: std::collections::BTreeSet<NodeId>,
     pub next_region: usize,
     pub out: Out,
 }
@@ -279,8 +285,8 @@ impl Swarm<'_> {
             format!("127.0.0.1:{}", l.port),
             "--swarm-key-file".into(),
             self.key_file.display().to_string(),
-            "--id".into(),
-            l.id.to_string(),
+            "--node-key".into(),
+            l.key.display().to_string(),
             "--model".into(),
             a.model.clone(),
             "--stages".into(),
@@ -396,24 +402,27 @@ impl Swarm<'_> {
     /// member gets the full list.
     fn launch_founders(&mut self) -> Res<()> {
         let a = self.a;
-        let mut members: Vec<(NodeId, u32, u16)> = Vec::new();
-        // Node ids start at 1: holders first, then the relays.
-        for h in 0..a.holders {
-            members.push((1 + h as NodeId, 0, free_port()?));
-        }
-        for r in 0..a.nodes {
-            let stage = 1 + r % (a.stages - 2);
-            members.push((1 + (a.holders + r) as NodeId, stage, free_port()?));
+        let mut members: Vec<(NodeId, PathBuf, u32, u16)> = Vec::new();
+        // Holders first, then the relays; each id follows from its key.
+        for h in 0..a.holders + a.nodes {
+            let stage = if h < a.holders {
+                0
+            } else {
+                1 + (h - a.holders) % (a.stages - 2)
+            };
+            let (id, key) = self.new_member_key()?;
+            members.push((id, key, stage, free_port()?));
         }
         let peers: Vec<String> = members
             .iter()
-            .map(|(id, s, port)| format!("{id}/{s}/127.0.0.1:{port}"))
+            .map(|(id, _, s, port)| format!("{id}/{s}/127.0.0.1:{port}"))
             .collect();
-        for &(id, stage, port) in &members {
+        for (id, key, stage, port) in members {
             let link = self.next_link();
             self.launch(
                 Launch {
                     id,
+                    key,
                     port,
                     holder: stage == 0,
                     peers: peers.clone(),
@@ -424,8 +433,25 @@ impl Swarm<'_> {
                 false,
             )?;
         }
-        self.next_id = 1 + (a.holders + a.nodes) as NodeId;
         Ok(())
+    }
+
+    /// A new member's node key (`node-K.key` beside the swarm key) and the
+    /// id that follows from it, unlike any id seen in this run.
+    fn new_member_key(&mut self) -> Res<(NodeId, PathBuf)> {
+        for _ in 0..16 {
+            let path = self
+                .key_file
+                .with_file_name(format!("node-{}.key", self.next_key));
+            self.next_key += 1;
+            let (key, _) = NodeKey::load_or_create(&path)?;
+            let id = key.node_id() as NodeId;
+            if !self.ids.contains(&id) {
+                self.ids.insert(id);
+                return Ok((id, path));
+            }
+        }
+        Err("16 node keys in a row had ids already taken".into())
     }
 
     /// Starts a joiner through up to three live members (the swarm picks its
@@ -443,13 +469,13 @@ impl Swarm<'_> {
         if contacts.is_empty() {
             return Err("no live member has printed its address yet".into());
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let (id, key) = self.new_member_key()?;
         let link = self.next_link();
         let port = free_port()?;
         self.launch(
             Launch {
                 id,
+                key,
                 port,
                 holder: false,
                 peers: Vec::new(),
@@ -779,7 +805,8 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         events,
         events_t: 0.0,
         rng: Rng(a.seed ^ 0x6777_7466_6465_6d6f),
-        next_id: 0,
+        next_key: 1,
+        ids: Default::default(),
         next_region: 0,
         out: Out::new(a.iterations),
     };

@@ -4,7 +4,7 @@
 //! its link and SIGUSR2 restores it (emulated in user space: a test and
 //! demo aid, printed as `link_cut` / `link_restored`).
 use super::checks;
-use super::transport_cmd::read_key;
+use super::transport_cmd::{node_key, read_key};
 use clap::{Args, ValueEnum};
 use gwtf::engine::{LinkEmulation, NodeOptions};
 use gwtf::model::dataset::{DataSource, Dataset};
@@ -15,6 +15,7 @@ use gwtf::swarm::runtime::{
     realtime_config, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work,
     WorkPort,
 };
+use gwtf::wire::NodeKey;
 use serde_json::json;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -42,11 +43,22 @@ pub struct NodeArgs {
     /// authenticated either way.
     #[arg(long)]
     encrypt: bool,
-    /// This node's id (1..2^32-1) [default: random].
-    #[arg(long, value_parser = checks::int_at_least::<u32>(1), allow_negative_numbers = true)]
-    id: Option<u32>,
-    /// A founding member, as ID/STAGE/ADDR (stage 0: a data holder). Every
-    /// founding member is given the same list.
+    /// This node's private key, created on first start when missing; the
+    /// node's id follows from it (`gwtf keygen FILE` prints it) and every
+    /// handshake proves it [default: node-PORT.key next to the swarm key
+    /// file, PORT the one of --listen].
+    #[arg(long, value_name = "FILE")]
+    node_key: Option<PathBuf>,
+    /// Insecure, for test swarms with fixed ids: take id N (1..2^32-1), and
+    /// accept peers whose ids do not follow from their keys (any holder of
+    /// the swarm key can then act as any node); every member must be given
+    /// it.
+    #[arg(long, value_name = "N", value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    chosen_id: Option<u32>,
+    /// A founding member, as ID/STAGE/ADDR (stage 0: a data holder; ID in
+    /// decimal or 0x hex, as `gwtf keygen` prints it). Every founding
+    /// member is given the same list.
     #[arg(long = "peer", value_name = "ID/STAGE/ADDR", value_parser = parse_peer)]
     peers: Vec<Peer>,
     /// Join a running swarm through this member's address (the swarm
@@ -200,14 +212,21 @@ fn parse_join_timeout(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// A node id in decimal or `0x` hex.
+fn parse_id(s: &str) -> Result<NodeId, std::num::ParseIntError> {
+    match s.strip_prefix("0x") {
+        Some(h) => NodeId::from_str_radix(h, 16),
+        None => s.parse(),
+    }
+}
+
 fn parse_peer(s: &str) -> Result<Peer, String> {
     let f: Vec<&str> = s.splitn(3, '/').collect();
     let [id, stage, addr] = f[..] else {
         return Err(format!("{s:?}: expected ID/STAGE/ADDR"));
     };
     Ok(Peer {
-        id: id
-            .parse()
+        id: parse_id(id)
             .map_err(|_| format!("{s:?}: bad id {id:?}"))
             .and_then(|i: NodeId| {
                 if i == 0 {
@@ -240,6 +259,38 @@ extern "C" fn on_link_signal(sig: libc::c_int) {
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
+#[derive(Args)]
+pub struct KeygenArgs {
+    /// The node key file: created (owner read and write only) when missing,
+    /// else read.
+    file: PathBuf,
+    /// Print one JSON object: {"id", "id_hex", "public", "created"}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `gwtf keygen`: a node key file and the id that follows from it.
+pub fn keygen(a: KeygenArgs) -> super::CliResult {
+    let (key, created) = NodeKey::load_or_create(&a.file)?;
+    let public: String = key.public().iter().map(|b| format!("{b:02x}")).collect();
+    if a.json {
+        println!(
+            "{}",
+            json!({"id": key.node_id(), "id_hex": format!("0x{:x}", key.node_id()),
+                   "public": public, "created": created})
+        );
+    } else {
+        println!(
+            "node id {} (0x{:x}) of {} {}; public key {public}",
+            key.node_id(),
+            key.node_id(),
+            if created { "new key" } else { "key" },
+            a.file.display()
+        );
+    }
+    Ok(())
+}
+
 /// The checked role of this node.
 struct Role {
     id: NodeId,
@@ -247,17 +298,19 @@ struct Role {
     join: bool,
 }
 
-fn role(a: &NodeArgs, run: &ModelRun) -> Res<Role> {
+/// Where this node's key is kept: --node-key, else `node-PORT.key` next to
+/// the swarm key file (one key per listening port of a machine, so that
+/// several nodes can share a swarm key file).
+fn node_key_path(a: &NodeArgs) -> PathBuf {
+    a.node_key.clone().unwrap_or_else(|| {
+        a.swarm_key_file
+            .with_file_name(format!("node-{}.key", a.listen.port()))
+    })
+}
+
+fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
     let relay_stages = (run.stages - 2) as Stage;
-    let id = a.id.unwrap_or_else(|| loop {
-        let mut b = [0u8; 4];
-        if getrandom::fill(&mut b).is_ok() {
-            let v = u32::from_le_bytes(b);
-            if v != 0 {
-                break v;
-            }
-        }
-    });
+    let id = a.chosen_id.unwrap_or_else(|| key.node_id());
     let join = !a.join.is_empty();
     if join && !a.peers.is_empty() {
         return Err(
@@ -308,12 +361,23 @@ fn role(a: &NodeArgs, run: &ModelRun) -> Res<Role> {
         match a.peers.iter().find(|p| p.id == id) {
             Some(p) if p.stage != stage || p.addr != a.listen => {
                 return Err(format!(
-                    "--peer {}/{}/{} names this node (--id {id}) with another stage or address",
+                    "--peer {}/{}/{} names this node (id {id}) with another stage or address",
                     p.id, p.stage, p.addr
                 )
                 .into())
             }
             _ => {}
+        }
+        if let Some(p) = a.peers.iter().find(|p| p.addr == a.listen && p.id != id) {
+            return Err(format!(
+                "--peer {}/{}/{} has this node's address, but this node is id {id} \
+                 (its node key {}): another key file than the one its id was taken from?",
+                p.id,
+                p.stage,
+                p.addr,
+                node_key_path(a).display()
+            )
+            .into());
         }
         if let Some(p) = a.peers.iter().find(|p| p.stage > relay_stages) {
             return Err(format!(
@@ -356,7 +420,13 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     let key = read_key(&a.swarm_key_file)?;
     let cfg = preset(&a.model)?;
     let run = ModelRun::new(cfg.clone(), a.stages, a.seed, a.iterations as usize)?;
-    let r = role(&a, &run)?;
+    let node_key = if a.chosen_id.is_some() && a.node_key.is_none() {
+        // A test swarm's node: a key for this run only (none is written).
+        node_key(None, "gwtf node")?
+    } else {
+        node_key(Some(&node_key_path(&a)), "gwtf node")?
+    };
+    let r = role(&a, &run, &node_key)?;
     let trainer = if r.join {
         ModelTrainer::joiner(run.clone())
     } else {
@@ -441,6 +511,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             link,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             encrypt: a.encrypt,
+            node_key: Some(node_key),
+            chosen_ids: a.chosen_id.is_some(),
             ..NodeOptions::default()
         },
     };

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use gwtf::engine::{Event, LinkEmulation, Node, NodeOptions};
 use gwtf::wire::handshake::MIN_KEY_LEN;
+use gwtf::wire::NodeKey;
 
 use super::checks;
 
@@ -25,10 +26,15 @@ pub struct EchoArgs {
     /// Encrypt frame payloads (a connection encrypts when either end asks).
     #[arg(long)]
     pub encrypt: bool,
-    /// Node id (0: random).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
-          value_parser = checks::int_at_least::<u64>(0))]
-    pub node_id: u64,
+    /// This node's private key, created on first start when missing; the
+    /// node's id follows from it [default: a fresh key for this run].
+    #[arg(long, value_name = "FILE")]
+    pub node_key: Option<PathBuf>,
+    /// Insecure, for test swarms with fixed ids: take id N, and accept peers
+    /// whose ids do not follow from their keys (any holder of the swarm key
+    /// can then act as any node).
+    #[arg(long, value_name = "N", value_parser = checks::int_at_least::<u64>(1))]
+    pub chosen_id: Option<u64>,
     /// Largest payload accepted.
     #[arg(long, default_value_t = 256 << 20, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u64>(1))]
@@ -82,8 +88,26 @@ pub fn read_key(path: &std::path::Path) -> Result<Vec<u8>, Box<dyn std::error::E
     Ok(key)
 }
 
+/// The key at `--node-key FILE` (created when missing, said on stderr by
+/// `who`), or a fresh one for this run.
+pub fn node_key(path: Option<&std::path::Path>, who: &str) -> Result<NodeKey, String> {
+    let Some(path) = path else {
+        return NodeKey::generate().map_err(|e| e.to_string());
+    };
+    let (key, created) = NodeKey::load_or_create(path)?;
+    if created {
+        eprintln!(
+            "{who}: created node key {} (node id {})",
+            path.display(),
+            key.node_id()
+        );
+    }
+    Ok(key)
+}
+
 pub fn echo(args: EchoArgs) -> super::CliResult {
     let key = read_key(&args.swarm_key_file)?;
+    let node_key = node_key(args.node_key.as_deref(), "gwtf echo")?;
     let link = (args.link_delay_ms > 0 || args.link_bandwidth > 0).then(|| LinkEmulation {
         delay: Duration::from_millis(args.link_delay_ms),
         bandwidth_bytes_per_s: args.link_bandwidth,
@@ -91,7 +115,9 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
     let node = Node::new(NodeOptions {
         listen: Some(args.listen),
         swarm_key: key,
-        node_id: args.node_id,
+        node_id: args.chosen_id.unwrap_or(0),
+        chosen_ids: args.chosen_id.is_some(),
+        node_key: Some(node_key),
         max_payload: args.max_payload,
         pool_bytes: args.pool_bytes,
         heartbeat_interval: Duration::from_millis(args.heartbeat_ms),
