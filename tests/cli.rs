@@ -51,6 +51,20 @@ fn bench_transport_measures_raw_tagged_and_encrypted_paths() {
         assert!(case[k].as_f64().unwrap() > 0.0, "{k}: {out}");
     }
     assert_eq!(case["copies_per_frame"].as_f64(), Some(0.0), "{out}");
+    // What each path costs in CPU, and the ratio the tag passes allow.
+    for k in ["raw", "tagged", "encrypted"] {
+        let busy = case["cores_busy"][k].as_f64().unwrap();
+        assert!(
+            busy > 0.0 && busy <= 1.5 * case["cores"].as_f64().unwrap(),
+            "{k}: {out}"
+        );
+        assert!(
+            case["cpu_ns_per_byte"][k].as_f64().unwrap() > 0.0,
+            "{k}: {out}"
+        );
+    }
+    let ceiling = case["tagged_ratio_ceiling"].as_f64().unwrap();
+    assert!(ceiling > 0.0 && ceiling < 1.0, "{out}");
     // 1 MiB goes in 256 KiB slices: four sealed copies per frame.
     assert_eq!(
         case["encrypted_copies_per_frame"].as_f64(),
