@@ -619,8 +619,9 @@ enum gwtf_task_kind
    */
   GWTF_TASK_KIND_EVENT_ACTIVE = 104,
   /**
-   * Event: the stage's state (`bytes` bytes) came from peer `peer` and
-   * was imported in `ms` milliseconds.
+   * Event: the stage's state (`bytes` bytes) came from peer `peer`, `ms`
+   * milliseconds after it was asked for (whole, its hash checked), and
+   * was imported (the message says the rate and the import's time).
    */
   GWTF_TASK_KIND_EVENT_STATE_DOWNLOADED = 105,
   /**
@@ -1262,7 +1263,8 @@ typedef struct gwtf_peer_task {
    */
   uint64_t peer;
   /**
-   * State-downloaded event: bytes, and milliseconds it took.
+   * State-downloaded event: bytes, and milliseconds from the request to
+   * the whole state, its hash checked.
    */
   uint64_t bytes;
   double ms;

@@ -192,8 +192,10 @@ template <class Run> int serve(const Args &a, const gwtf_peer_options &o, Run ru
                         id, t.stage, t.iteration, hex(t.weights, 32).c_str());
             break;
         case GWTF_TASK_KIND_EVENT_STATE_DOWNLOADED:
-            std::printf("{\"event\":\"state_download\",\"node\":%u,\"from\":%llu,\"bytes\":%llu}\n",
-                        id, (unsigned long long)t.peer, (unsigned long long)t.bytes);
+            // ms: from the request to the whole state, its hash checked.
+            std::printf("{\"event\":\"state_download\",\"node\":%u,\"from\":%llu,\"bytes\":%llu,"
+                        "\"ms\":%.1f}\n",
+                        id, (unsigned long long)t.peer, (unsigned long long)t.bytes, t.ms);
             break;
         case GWTF_TASK_KIND_EVENT_ACTIVE:
             std::printf("{\"event\":\"active\",\"node\":%u,\"stage\":%u}\n", id, t.stage);

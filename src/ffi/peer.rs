@@ -149,8 +149,9 @@ pub enum gwtf_task_kind {
     EventPeerLost = 103,
     /// Event: this peer serves stage `stage` (a joiner learns it here).
     EventActive = 104,
-    /// Event: the stage's state (`bytes` bytes) came from peer `peer` and
-    /// was imported in `ms` milliseconds.
+    /// Event: the stage's state (`bytes` bytes) came from peer `peer`, `ms`
+    /// milliseconds after it was asked for (whole, its hash checked), and
+    /// was imported (the message says the rate and the import's time).
     EventStateDownloaded = 105,
     /// Event: the iteration barrier has waited long for stage `stage`
     /// (no member of it answers: the stage is empty or stuck).
@@ -348,7 +349,8 @@ pub struct gwtf_peer_task {
     /// Peer-lost event: the peer; state-downloaded: where from; recovered
     /// all-reduce: the member it failed at.
     pub peer: u64,
-    /// State-downloaded event: bytes, and milliseconds it took.
+    /// State-downloaded event: bytes, and milliseconds from the request to
+    /// the whole state, its hash checked.
     pub bytes: u64,
     pub ms: f64,
     /// Applied event: the weights digest the trainer reported.
@@ -987,13 +989,23 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             t.peer = peer as u64;
             (gwtf_task_kind::EventPeerLost, format!("peer {peer:x} lost"))
         }
-        NodeEvent::StateDownloaded { from, bytes, ms } => {
+        NodeEvent::StateDownloaded {
+            from,
+            bytes,
+            ms,
+            bytes_per_s,
+            import_ms,
+        } => {
             t.peer = from as u64;
             t.bytes = bytes;
             t.ms = ms;
             (
                 gwtf_task_kind::EventStateDownloaded,
-                format!("state of {bytes} bytes from {from:x} in {ms:.1} ms"),
+                format!(
+                    "state of {bytes} bytes from {from:x} in {ms:.1} ms from the request \
+                     ({:.1} MB/s), imported in {import_ms:.1} ms",
+                    bytes_per_s / 1e6
+                ),
             )
         }
         NodeEvent::Error(m) => (gwtf_task_kind::EventError, m),

@@ -98,7 +98,10 @@ pub(super) enum Pending {
     Import {
         from: NodeId,
         bytes: usize,
-        since: Instant,
+        /// When it was asked for (the first request still awaited).
+        asked: Instant,
+        /// When it had come whole and its hash was checked.
+        verified: Instant,
         /// The iteration whose update the state includes last.
         iteration: u32,
     },
@@ -818,15 +821,19 @@ impl Driver {
             Pending::Import {
                 from,
                 bytes,
-                since,
+                asked,
+                verified,
                 iteration,
             } => {
                 if let Output::Weights(w) = out {
                     self.node.set_weights_digest(digest_u64(&w));
+                    let took = verified.duration_since(asked).as_secs_f64();
                     self.emit(NodeEvent::StateDownloaded {
                         from,
                         bytes: bytes as u64,
-                        ms: since.elapsed().as_secs_f64() * 1e3,
+                        ms: took * 1e3,
+                        bytes_per_s: bytes as f64 / took.max(1e-6),
+                        import_ms: verified.elapsed().as_secs_f64() * 1e3,
                     });
                 }
                 // A state older than the update that was missed does not
@@ -1625,7 +1632,7 @@ impl Driver {
             Msg::StateResponse { .. }
                 if self.node.is_active()
                     && self.resync.is_none()
-                    && self.state_asked.answered(from) =>
+                    && self.state_asked.answered(from).is_some() =>
             {
                 // Asked for, and no longer needed (a retry's answer came
                 // first): dropped, its slot back to the pool.
@@ -1651,14 +1658,18 @@ impl Driver {
             Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
-                self.state_asked.answered(from);
+                let asked = self.state_asked.answered(from);
                 match self.verify_state(data, *bytes) {
                     Ok(state) => {
                         let bytes = state.len();
+                        let verified = Instant::now();
                         let p = Pending::Import {
                             from,
                             bytes,
-                            since: Instant::now(),
+                            // An answer not asked for (a server's own
+                            // push after a fence) is timed from now.
+                            asked: asked.unwrap_or(verified),
+                            verified,
                             iteration: version.0,
                         };
                         // Version (0, 0): nothing applied yet in this swarm.

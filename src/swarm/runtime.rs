@@ -155,8 +155,18 @@ pub enum NodeEvent {
         attempts: u32,
         reason: String,
     },
-    /// A joiner imported the stage's state from `from`.
-    StateDownloaded { from: NodeId, bytes: u64, ms: f64 },
+    /// A joiner (or a member that missed an update) imported its stage's
+    /// state from `from`: `ms` from its request to the whole state, its
+    /// hash checked (the transfer as the joiner waited for it, a server's
+    /// queue and export included), at `bytes_per_s`; then `import_ms` in
+    /// its trainer.
+    StateDownloaded {
+        from: NodeId,
+        bytes: u64,
+        ms: f64,
+        bytes_per_s: f64,
+        import_ms: f64,
+    },
     /// Something a peer sent was refused (see [`super::intake`]): from
     /// whom (None: a connection not authenticated), why, and what it was.
     /// Counted in [`Runtime::refused`]; a flood is reported sparingly.

@@ -2,9 +2,12 @@
 //! state download is retried while it takes long (a slow link), and a
 //! server that had sent its answer before the retry came sends one per
 //! request: every answer of a request is expected, and one no longer
-//! needed is dropped quietly, not refused as a hostile peer's.
+//! needed is dropped quietly, not refused as a hostile peer's. The time
+//! of the first request still awaited is kept: a download's time runs
+//! from it to the verified state.
 use crate::protocol::NodeId;
 use std::collections::HashMap;
+use std::time::Instant;
 
 /// Peers asked at most (a node asks its coordinator and a few members).
 const PEERS_MAX: usize = 4096;
@@ -14,7 +17,8 @@ const PER_PEER_MAX: u32 = 16;
 
 #[derive(Debug, Default)]
 pub(super) struct StatesAsked {
-    awaited: HashMap<NodeId, u32>,
+    /// Per peer: answers awaited, and when the first of them was asked.
+    awaited: HashMap<NodeId, (u32, Instant)>,
 }
 
 impl StatesAsked {
@@ -23,7 +27,7 @@ impl StatesAsked {
         if self.awaited.len() >= PEERS_MAX && !self.awaited.contains_key(&peer) {
             return;
         }
-        let n = self.awaited.entry(peer).or_insert(0);
+        let (n, _) = self.awaited.entry(peer).or_insert((0, Instant::now()));
         *n = (*n + 1).min(PER_PEER_MAX);
     }
 
@@ -32,18 +36,19 @@ impl StatesAsked {
         self.awaited.contains_key(&peer)
     }
 
-    /// A state from `peer` came: whether it was awaited.
-    pub(super) fn answered(&mut self, peer: NodeId) -> bool {
+    /// A state from `peer` came: when it was asked for (the first request
+    /// still awaited), or None when it was not awaited.
+    pub(super) fn answered(&mut self, peer: NodeId) -> Option<Instant> {
         match self.awaited.get_mut(&peer) {
-            Some(n) if *n > 1 => {
+            Some((n, at)) if *n > 1 => {
                 *n -= 1;
-                true
+                Some(*at)
             }
-            Some(_) => {
+            Some(&mut (_, at)) => {
                 self.awaited.remove(&peer);
-                true
+                Some(at)
             }
-            None => false,
+            None => None,
         }
     }
 
@@ -62,17 +67,21 @@ mod tests {
     #[test]
     fn each_request_awaits_one_answer() {
         let mut a = StatesAsked::default();
+        let before = Instant::now();
         a.asked(7);
+        std::thread::sleep(std::time::Duration::from_millis(2));
         a.asked(7);
         assert!(a.awaits(7) && !a.awaits(8));
-        assert!(a.answered(7));
+        // Both answers are timed from the first request.
+        let first = a.answered(7).unwrap();
+        assert!(first >= before && first.elapsed() >= std::time::Duration::from_millis(2));
         assert!(a.awaits(7));
-        assert!(a.answered(7));
-        assert!(!a.awaits(7) && !a.answered(7));
+        assert_eq!(a.answered(7), Some(first));
+        assert!(!a.awaits(7) && a.answered(7).is_none());
         for _ in 0..100 {
             a.asked(9);
         }
-        assert_eq!(a.awaited[&9], PER_PEER_MAX);
+        assert_eq!(a.awaited[&9].0, PER_PEER_MAX);
         assert!(a.gone(9) && !a.gone(9) && !a.awaits(9));
     }
 }

@@ -1044,11 +1044,16 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
                 .note(&format!("{t:>7.1}s  node {id}: stage {stage} is empty"));
         }
         Event::StateDownload {
-            from, bytes, ms, ..
+            from,
+            bytes,
+            ms,
+            bytes_per_s,
+            ..
         } => {
             sw.out.note(&format!(
                 "{t:>7.1}s  node {id} downloaded its stage's state from node {from} \
-                 ({bytes} bytes, {ms:.0} ms)"
+                 ({bytes} bytes in {ms:.0} ms from its request, {:.1} MB/s)",
+                bytes_per_s / 1e6
             ));
         }
         _ => {}

@@ -55,11 +55,16 @@ pub enum Event {
         node: NodeId,
         stage: u32,
     },
+    /// `ms`: from the request to the whole state, its hash checked.
     StateDownload {
         node: NodeId,
         from: NodeId,
         bytes: u64,
         ms: f64,
+        #[serde(default)]
+        bytes_per_s: f64,
+        #[serde(default)]
+        import_ms: f64,
     },
     Stats {
         node: NodeId,
@@ -338,8 +343,8 @@ pub struct Facts {
     pub fences: u64,
     /// (t, joiner)
     joins: Vec<(f64, NodeId)>,
-    /// (t, joiner, from, bytes, ms)
-    downloads: Vec<(f64, NodeId, NodeId, u64, f64)>,
+    /// (t, joiner, from, bytes, ms from the request, bytes per second)
+    downloads: Vec<(f64, NodeId, NodeId, u64, f64, f64)>,
     /// (t, reporting node, stage)
     stage_empty: Vec<(f64, NodeId, u32)>,
     /// Members per protocol stage after each change.
@@ -523,8 +528,14 @@ impl Facts {
                 .push((t, node, kind.clone(), *stage, *iteration)),
             Event::StageEmpty { stage, .. } => self.stage_empty.push((t, node, *stage)),
             Event::StateDownload {
-                from, bytes, ms, ..
-            } => self.downloads.push((t, node, *from, *bytes, *ms)),
+                from,
+                bytes,
+                ms,
+                bytes_per_s,
+                ..
+            } => self
+                .downloads
+                .push((t, node, *from, *bytes, *ms, *bytes_per_s)),
             Event::Stats {
                 compute_ms,
                 useful_ms,
@@ -1110,12 +1121,13 @@ impl Facts {
             state_downloads: self
                 .downloads
                 .iter()
-                .map(|&(t_s, node, from, bytes, ms)| DownloadRow {
+                .map(|&(t_s, node, from, bytes, ms, bytes_per_s)| DownloadRow {
                     t_s,
                     node,
                     from,
                     bytes,
                     ms,
+                    bytes_per_s,
                 })
                 .collect(),
             loss_first: loss.first().copied(),
@@ -1270,7 +1282,27 @@ pub struct DownloadRow {
     pub node: NodeId,
     pub from: NodeId,
     pub bytes: u64,
+    /// From the joiner's request to the whole state, its hash checked.
     pub ms: f64,
+    pub bytes_per_s: f64,
+}
+
+/// "N (request to verified state: median M ms, max X ms; median R MB/s)".
+pub fn downloads_line(rows: &[DownloadRow]) -> String {
+    if rows.is_empty() {
+        return "0".into();
+    }
+    let mut ms: Vec<f64> = rows.iter().map(|r| r.ms).collect();
+    let mut rate: Vec<f64> = rows.iter().map(|r| r.bytes_per_s).collect();
+    ms.sort_by(f64::total_cmp);
+    rate.sort_by(f64::total_cmp);
+    format!(
+        "{} (request to verified state: median {:.0} ms, max {:.0} ms; median {:.1} MB/s)",
+        rows.len(),
+        ms[ms.len() / 2],
+        ms[ms.len() - 1],
+        rate[rate.len() / 2] / 1e6
+    )
 }
 
 /// What `--json` writes (times in seconds since the demo started).
@@ -1924,5 +1956,31 @@ mod tests {
             ]
         );
         assert_eq!(f.joins(), 1);
+    }
+
+    /// The downloads' line: how many, the median and longest time from a
+    /// request to the verified state, the median rate.
+    #[test]
+    fn downloads_are_summed_up_by_their_times_and_rates() {
+        let row = |ms: f64, mbps: f64| DownloadRow {
+            t_s: 1.0,
+            node: 9,
+            from: 3,
+            bytes: 1000,
+            ms,
+            bytes_per_s: mbps * 1e6,
+        };
+        assert_eq!(downloads_line(&[]), "0");
+        assert_eq!(
+            downloads_line(&[row(12.0, 1.0), row(40.0, 3.0), row(20.0, 2.0)]),
+            "3 (request to verified state: median 20 ms, max 40 ms; median 2.0 MB/s)"
+        );
+        let e = parse_line(
+            r#"{"event":"state_download","node":9,"from":3,"bytes":1000,"ms":12,"bytes_per_s":83333.3,"import_ms":0.5}"#,
+        );
+        assert!(
+            matches!(e, Some(Event::StateDownload { ms, bytes_per_s, .. }) if ms == 12.0 && bytes_per_s == 83333.3),
+            "{e:?}"
+        );
     }
 }

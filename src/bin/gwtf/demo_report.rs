@@ -417,7 +417,10 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
             format!("{} %", opt(s.wasted_compute_pct, 1)),
         ),
         ("tokens/s", format!("{:.0}", s.tokens_per_s)),
-        ("state downloads", format!("{}", s.state_downloads.len())),
+        (
+            "state downloads",
+            super::demo_events::downloads_line(&s.state_downloads),
+        ),
         ("wall time", format!("{:.1} s", s.wall_s)),
     ];
     if s.pause_count + s.cut_count > 0 {

@@ -900,8 +900,15 @@ impl Printer {
                 }));
                 return Some(iteration + 1 >= iterations);
             }
-            NodeEvent::StateDownloaded { from, bytes, ms } => self.emit(json!({
+            NodeEvent::StateDownloaded {
+                from,
+                bytes,
+                ms,
+                bytes_per_s,
+                import_ms,
+            } => self.emit(json!({
                 "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
+                "bytes_per_s": bytes_per_s, "import_ms": import_ms,
             })),
             NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
             // Reported by `Reach::failed`, which knows the addresses given.
