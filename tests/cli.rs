@@ -157,6 +157,10 @@ fn benches_and_echo_refuse_bad_arguments_before_working() {
             vec!["--node-threads", "must be >= 0, got -2"],
         ),
         (
+            vec!["bench", "swarm", "--copies-every", "-1"],
+            vec!["--copies-every", "must be >= 0, got -1"],
+        ),
+        (
             vec![
                 "node",
                 "--listen",
@@ -442,6 +446,31 @@ fn node_refuses_a_bad_join_timeout() {
             &["--join-timeout", says],
         );
     }
+}
+
+/// Only data holders keep copies of the stages' states.
+#[test]
+fn node_keeps_states_only_as_a_holder() {
+    let key = key_file("cli-node-keep-states");
+    let me = free_addr().to_string();
+    gwtf_refuses(
+        &[
+            "node",
+            "--listen",
+            &me,
+            "--swarm-key-file",
+            key.to_str().unwrap(),
+            "--chosen-id",
+            "5",
+            "--stage",
+            "1",
+            "--peer",
+            &format!("5/1/{me}"),
+            "--keep-states-every",
+            "5",
+        ],
+        &["--keep-states-every is for data holders (--holder)"],
+    );
 }
 
 /// Runs `gwtf node` with `args` (and --json) until it ends on its own

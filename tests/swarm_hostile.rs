@@ -420,6 +420,31 @@ fn a_stranger_s_messages_are_refused_and_it_is_cut_off() {
     assert!(seen.paths.iter().all(|p| !p.contains(&77)));
 }
 
+/// A member that is not a data holder (introduced as a relay of stage 2)
+/// asks a relay for a copy of its stage's state, which only holders keep:
+/// the relay refuses it, says why, sends no state, and training goes on.
+#[test]
+fn a_copy_request_from_a_relay_is_refused() {
+    let mut swarm = Swarm::timed(&layout(), |_| net_options());
+    swarm.iterations_done(1);
+    let h = hostile(31, KEY);
+    let p = connect(&h, swarm.addr(11));
+    introduce(&h, p, 2, &[]);
+    assert!(send_msg(&h, p, &Msg::CopyRequest));
+    swarm.refused(
+        11,
+        Refusal::Message,
+        1,
+        &["copy request from 1f, which is not a data holder"],
+    );
+    swarm.iterations_done(3);
+    assert!(
+        h.recv(Duration::from_millis(200)).is_err(),
+        "a state was sent to a relay that asked for a copy"
+    );
+    swarm.finish_and_check(3);
+}
+
 /// Tensor frames that are not what they say, sent to a relay by members of
 /// the swarm (introduced with a directory message): a tensor shorter than
 /// the swarm's activations, a frame of a message kind that carries no data,

@@ -129,7 +129,7 @@ impl Swarm {
         gate: impl Fn(NodeId) -> Option<Gate>,
         capacity: u32,
     ) -> Swarm {
-        Swarm::start_with_bootstrap(layout, gate, capacity, |_, all| all.to_vec())
+        Swarm::start_with_bootstrap(layout, gate, capacity, |_, all| all.to_vec(), 0)
     }
 
     /// `bootstrap(node, founders)`: the founders as `node` is told of them.
@@ -138,9 +138,11 @@ impl Swarm {
         gate: impl Fn(NodeId) -> Option<Gate>,
         capacity: u32,
         bootstrap: impl Fn(&Peer, &[Peer]) -> Vec<Peer>,
+        keep_states_every: u32,
     ) -> Swarm {
         let run = model_run();
-        let cfg = model_protocol_config(&run, MB_PER_ITER);
+        let mut cfg = model_protocol_config(&run, MB_PER_ITER);
+        Arc::make_mut(&mut cfg).keep_states_every = keep_states_every;
         let peers: Vec<Peer> = layout
             .iter()
             .copied()
@@ -323,6 +325,7 @@ fn a_tampered_activation_is_refused_and_the_hop_sent_again() {
                 })
                 .collect()
         },
+        0,
     );
     swarm.iterations_done(ITERATIONS);
     assert_eq!(
@@ -359,6 +362,55 @@ fn relays_short_of_memory_recompute_and_train_exactly_the_reference() {
 /// and optimizer, verified by hash) and trains on with bit-identical
 /// weights; a relay then leaves gracefully. Neither changes the arithmetic:
 /// the losses are still the reference's.
+/// With `keep_states_every` 2, each data holder asks a member of every
+/// relay stage for its state after every second update of its own, and
+/// keeps the newest copy: each copy, imported into a trainer of its stage,
+/// has the weights digest that stage's replicas reported for the copy's
+/// iteration, and training is still exactly the reference's.
+#[test]
+fn holders_keep_a_verified_copy_of_every_relay_stage() {
+    let mut swarm = Swarm::start_with_bootstrap(&layout(), |_| None, 4, |_, all| all.to_vec(), 2);
+    swarm.iterations_done(ITERATIONS);
+    // Rounds after the updates of iterations 1, 3 and 5: a copy of each
+    // stage at each holder from the round after 3 at least.
+    swarm.until("copies of both relay stages at both holders", |s| {
+        [1, 2].iter().all(|&h| {
+            [1, 2].iter().all(|&st| {
+                s.copies
+                    .iter()
+                    .any(|&(n, stage, it)| n == h && stage == st && it >= 3)
+            })
+        })
+    });
+    for h in [1, 2] {
+        for stage in [1, 2] {
+            let rt = &swarm.nodes.iter().find(|(n, _)| *n == h).unwrap().1;
+            let kept = rt.kept_state(stage).expect("a copy kept");
+            // Both replicas' reports of that iteration (the copy may be
+            // of an update whose events are still to be read).
+            let it = kept.version.0;
+            let members = [10 * stage as NodeId + 1, 10 * stage as NodeId + 2];
+            swarm.until("the replicas' digests of the copy's iteration", |s| {
+                members.iter().all(|m| s.digests_by.contains_key(&(*m, it)))
+            });
+            let mut t = ModelTrainer::new(swarm.run.clone(), stage, Vec::new()).unwrap();
+            t.import_bytes(&kept.state, Some(kept.version.0)).unwrap();
+            let d = t.digest();
+            let replicas = &swarm.seen.digests[&(stage, kept.version.0)];
+            assert_eq!(
+                replicas.iter().collect::<Vec<_>>(),
+                [&d],
+                "holder {h}, stage {stage}, iteration {}",
+                kept.version.0
+            );
+            assert!([11, 12, 21, 22].contains(&kept.from));
+        }
+        let rt = &swarm.nodes.iter().find(|(n, _)| *n == h).unwrap().1;
+        assert!(rt.kept_state(0).is_none());
+    }
+    swarm.finish_and_check(ITERATIONS);
+}
+
 #[test]
 fn a_joiner_downloads_the_state_and_a_leaver_changes_nothing() {
     let mut swarm = Swarm::start();

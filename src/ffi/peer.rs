@@ -953,6 +953,9 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
     let mut t = blank_task();
     t.stage = my_stage;
     let (kind, msg) = match e {
+        // Holders keep copies only when asked to (`keep_states_every`),
+        // which these options do not offer yet.
+        NodeEvent::CopyKept { .. } => return None,
         NodeEvent::Iteration {
             iteration,
             loss,

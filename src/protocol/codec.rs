@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 46;
+pub const MSG_KINDS: u16 = 47;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -79,6 +79,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::LinkReport { .. } => 43,
         Msg::Deputy { .. } => 44,
         Msg::Evicted { .. } => 45,
+        Msg::CopyRequest => 46,
     }
 }
 
@@ -359,7 +360,8 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u32(*coord);
             w.u32(*updates);
         }
-        Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
+        Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest | Msg::CopyRequest => {
+        }
         Msg::GroupJoin { stage, incarnation } => {
             w.u16(*stage);
             w.u32(*incarnation);
@@ -829,6 +831,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             },
         },
         38 => Msg::StateRequest,
+        46 => Msg::CopyRequest,
         39 => Msg::StateResponse {
             version: (r.u32()?, r.u64()?),
             members: Arc::new(r.ids()?),
@@ -1084,6 +1087,7 @@ pub fn samples() -> Vec<Msg> {
             },
         },
         Msg::StateRequest,
+        Msg::CopyRequest,
         Msg::StateResponse {
             version: (4, 79),
             members: ids,

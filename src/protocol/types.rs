@@ -248,6 +248,11 @@ pub struct Config {
     /// state again ([`crate::protocol::Node::caught_up`]). Off in the
     /// simulator, whose nodes download no state after joining.
     pub leave_out_stragglers: bool,
+    /// Data holders keep a copy of every relay stage's state (weights and
+    /// optimizer state), asked for after every this many of their own
+    /// updates, so that a stage's state outlives its nodes (0: none). The
+    /// runtime's; the simulator's nodes keep none.
+    pub keep_states_every: u32,
 }
 
 /// `Config::leave_out_stragglers`: a member whose best measured link is
@@ -305,6 +310,7 @@ impl Config {
             fence_on_pause: false,
             isolation_ticks: 8,
             leave_out_stragglers: false,
+            keep_states_every: 0,
         }
     }
 
@@ -646,6 +652,10 @@ pub enum Msg {
         summary: StageSummary,
     },
     StateRequest,
+    /// A data holder asks a relay for a copy of its stage's state to keep
+    /// ([`Config::keep_states_every`]); answered with a `StateResponse`
+    /// by the relay's runtime, outside the protocol's join.
+    CopyRequest,
     StateResponse {
         version: (u32, u64),
         members: Arc<Vec<NodeId>>,
@@ -706,6 +716,7 @@ impl Msg {
             Msg::StageQuery => "StageQuery",
             Msg::StageInfo { .. } => "StageInfo",
             Msg::StateRequest => "StateRequest",
+            Msg::CopyRequest => "CopyRequest",
             Msg::StateResponse { .. } => "StateResponse",
         }
     }

@@ -4,6 +4,7 @@
 //! actions into frames and work.
 use super::aggregate::Aggregation;
 use super::bulk::{self, Pairing};
+use super::copies::{Copies, KeptState};
 use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
@@ -105,6 +106,10 @@ pub(super) enum Pending {
         /// The iteration whose update the state includes last.
         iteration: u32,
     },
+    /// The stage's state exported for a holder to keep (`copies.rs`).
+    Copy {
+        to: NodeId,
+    },
     /// The stage's state started afresh (`WorkKind::InitState`).
     Init,
     Forget,
@@ -191,6 +196,8 @@ pub(super) struct Driver {
     /// The states this node sends, chunk by chunk, and those it receives.
     pub(super) state_sender: StateSender,
     pub(super) state_receiver: StateReceiver,
+    /// A holder's copies of the relay stages' states (`copies.rs`).
+    pub(super) copies: Copies,
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -773,7 +780,7 @@ impl Driver {
                     // asked for again).
                     Pending::Gradient { task, .. } => self.input(Input::TaskFailed { id: task }),
                     // A request again is served afresh.
-                    Pending::Export { to, .. } => self.serving.failed(to),
+                    Pending::Export { to, .. } | Pending::Copy { to } => self.serving.failed(to),
                     _ => {}
                 }
                 return;
@@ -812,8 +819,25 @@ impl Driver {
                         weights: w,
                         microbatches,
                     });
+                    if self.me.stage == 0 && Copies::due(iter, self.cfg.keep_states_every) {
+                        self.ask_copies(iter);
+                    }
                 }
             }
+            Pending::Copy { to } => match out {
+                Output::State(f) => {
+                    // The version of what was exported: every update given
+                    // before the export has completed, none after it.
+                    let msg = Msg::StateResponse {
+                        version: self.node.version(),
+                        members: Default::default(),
+                        bytes: 0,
+                        coord: self.me.id,
+                    };
+                    self.send_state(to, msg, f)
+                }
+                _ => self.serving.failed(to),
+            },
             Pending::Export { to, msg } => match out {
                 Output::State(f) => self.send_state(to, msg, f),
                 _ => self.serving.failed(to),
@@ -1486,6 +1510,7 @@ impl Driver {
                             self.on_bulk(from, m, data);
                         }
                     }
+                    Ok(Msg::CopyRequest) => self.serve_copy(from),
                     Ok(m) => {
                         if matches!(m, Msg::Goodbye) {
                             // A peer that leaves or fences itself keeps its
@@ -1562,8 +1587,10 @@ impl Driver {
             let due = Instant::now() + STRANGER_GRACE;
             self.strangers.entry(from).or_insert(due);
         }
-        let want_state =
-            !self.node.is_active() || self.resync.is_some() || self.state_asked.awaits(from);
+        let want_state = !self.node.is_active()
+            || self.resync.is_some()
+            || self.state_asked.awaits(from)
+            || self.copies.awaits(from);
         let sizes = self.port.sizes();
         match intake::check_frame(
             &f.header,
@@ -1622,6 +1649,12 @@ impl Driver {
     /// A bulk message with its data: keep the tensor, then tell the protocol.
     fn on_bulk(&mut self, from: NodeId, msg: Msg, data: Frame) {
         match &msg {
+            Msg::StateResponse { version, bytes, .. }
+                if self.copies.awaits(from) && data.header.stage != self.me.stage as u32 =>
+            {
+                self.keep_copy(from, *version, *bytes, data);
+                return;
+            }
             // Its size was checked on arrival (`intake::check_frame`).
             Msg::Forward { mb, attempt, .. } => {
                 self.store.put(*mb, *attempt, Slot::Input, data);
@@ -1706,6 +1739,7 @@ impl Driver {
         }
         for id in due(&self.suspects, now) {
             self.suspects.remove(&id);
+            self.copies.gone(id);
             if self.state_asked.gone(id) {
                 // The state it was sending will not come: ask again now.
                 if let Some(r) = self.resync.as_mut() {
@@ -1786,6 +1820,108 @@ impl Driver {
 
     /// Checks the length (`announced`, the message's) and the digest at
     /// the end of a state transfer, and strips the digest.
+    /// A holder that applied the update of `iter` asks one member of each
+    /// relay stage for a copy of its state (`copies.rs`).
+    fn ask_copies(&mut self, iter: u32) {
+        let now = Instant::now();
+        let round = iter / self.cfg.keep_states_every.max(1);
+        let holders: Vec<NodeId> = (self.dir.values())
+            .filter(|p| p.stage == 0)
+            .map(|p| p.id)
+            .collect();
+        let rank = holders.iter().position(|&h| h == self.me.id).unwrap_or(0);
+        for stage in 1..=self.cfg.relay_stages {
+            let members: Vec<NodeId> = (self.dir.values())
+                .filter(|p| p.stage == stage && self.net.is_connected(p.id as u64))
+                .map(|p| p.id)
+                .collect();
+            let Some(m) = Copies::pick(&members, rank, round) else {
+                self.log(format!("no member of stage {stage} to copy its state from"));
+                continue;
+            };
+            if !self.copies.may_ask(m, now) {
+                continue;
+            }
+            self.copies.asked(m, stage, now);
+            self.send(m, Msg::CopyRequest);
+        }
+    }
+
+    /// A holder asks for a copy of this node's stage's state: exported and
+    /// sent like a joiner's download when this node serves its stage and
+    /// has room to serve it at once (else the holder asks again later).
+    fn serve_copy(&mut self, from: NodeId) {
+        let holder = self.dir.get(&from).is_some_and(|p| p.stage == 0);
+        if !holder {
+            let e = format!("a copy request from {from:x}, which is not a data holder");
+            self.refuse(Some(from), Refusal::Message, e);
+            return;
+        }
+        if self.me.stage == 0 || !self.node.is_active() || self.resync.is_some() {
+            self.log(format!(
+                "a copy request from {from:x} not served: this node holds no stage state now"
+            ));
+            return;
+        }
+        if !self.serving.has_room(from, Instant::now()) {
+            self.log(format!(
+                "a copy request from {from:x} not served: serving other states"
+            ));
+            return;
+        }
+        self.serving.admit(from, Instant::now());
+        self.give(
+            WorkKind::ExportState,
+            None,
+            None,
+            Pending::Copy { to: from },
+        );
+    }
+
+    /// A holder's copy of a relay stage's state came from `from`.
+    fn keep_copy(&mut self, from: NodeId, version: (u32, u64), announced: u64, data: Frame) {
+        let Some((stage, asked)) = self.copies.answered(from) else {
+            return;
+        };
+        if data.header.stage != stage as u32 {
+            let e = format!(
+                "a copy of stage {}'s state from {from:x}, asked for stage {stage}",
+                data.header.stage
+            );
+            self.refuse_and_cut(from, Refusal::State, e);
+            return;
+        }
+        match self.verify_state(data, announced) {
+            Ok(state) => {
+                let ms = asked.elapsed().as_secs_f64() * 1e3;
+                let copy = KeptState {
+                    version,
+                    from,
+                    state: state.payload().to_vec(),
+                };
+                let bytes = copy.state.len() as u64;
+                let kept = {
+                    let mut k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
+                    super::copies::keep(&mut k, stage, copy)
+                };
+                if kept {
+                    self.emit(NodeEvent::CopyKept {
+                        stage,
+                        iteration: version.0,
+                        version: version.1,
+                        from,
+                        bytes,
+                        ms,
+                    });
+                }
+            }
+            Err(e) => {
+                let e = format!("a copy of stage {stage}'s state from {from:x}: {e}");
+                self.refuse_and_cut(from, Refusal::State, e);
+            }
+        }
+    }
+
     fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
         let n = f.len();
         if n as u64 != announced {

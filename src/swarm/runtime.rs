@@ -29,6 +29,7 @@
 //! Addresses: the protocol names peers by `NodeId`; the engine's node id is
 //! that same number. Each connection starts with a directory message
 //! ([`super::directory`]).
+pub use super::copies::KeptState;
 pub use super::directory::{parse as parse_directory, Peer, DIRECTORY_MSG};
 use super::driver::{Driver, JOIN_DIRECTORY_WAIT};
 pub use super::intake::{Refusal, Refused};
@@ -154,6 +155,18 @@ pub enum NodeEvent {
         addr: std::net::SocketAddr,
         attempts: u32,
         reason: String,
+    },
+    /// A data holder keeps a copy of relay stage `stage`'s state from
+    /// `from` (`Config::keep_states_every`): the weights after the update
+    /// of `iteration` (`version`: the protocol's hash of that version), and
+    /// their optimizer state; it came `ms` after it was asked for.
+    CopyKept {
+        stage: Stage,
+        iteration: u32,
+        version: u64,
+        from: NodeId,
+        bytes: u64,
+        ms: f64,
     },
     /// A joiner (or a member that missed an update) imported its stage's
     /// state from `from`: `ms` from its request to the whole state, its
@@ -308,6 +321,8 @@ pub struct Shared {
     pub(super) useful_ns: AtomicU64,
     /// What the node refused, by reason.
     pub(super) refused: super::intake::RefusedCounters,
+    /// A holder's copies of the relay stages' states, newest per stage.
+    pub(super) kept: std::sync::Mutex<std::collections::BTreeMap<Stage, KeptState>>,
 }
 
 /// Compute time of a node so far.
@@ -477,6 +492,7 @@ impl Runtime {
             backlog: Default::default(),
             state_sender: Default::default(),
             state_receiver: Default::default(),
+            copies: Default::default(),
             serving: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts
@@ -541,6 +557,13 @@ impl Runtime {
     /// What the node refused so far, by reason.
     pub fn refused(&self) -> Refused {
         self.shared.refused.get()
+    }
+
+    /// The copy of relay stage `stage`'s state this data holder keeps
+    /// (`Config::keep_states_every`), if any.
+    pub fn kept_state(&self, stage: Stage) -> Option<KeptState> {
+        let kept = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
+        kept.get(&stage).cloned()
     }
 
     /// Where this node listens.

@@ -59,6 +59,14 @@ pub(super) struct StateServer {
 }
 
 impl StateServer {
+    /// Whether a state for `to` would be exported at once (none on its
+    /// way to it, fewer than [`MAX_SERVES`] served): a holder's copy is
+    /// served only then, never queued (it is asked for again later).
+    pub(super) fn has_room(&mut self, to: NodeId, now: Instant) -> bool {
+        self.forget_done(now);
+        !self.serving.contains_key(&to) && self.serving.len() < MAX_SERVES
+    }
+
     /// A state for `to` is to be exported.
     pub(super) fn admit(&mut self, to: NodeId, now: Instant) -> Admit {
         self.forget_done(now);

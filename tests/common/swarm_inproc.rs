@@ -61,6 +61,8 @@ pub struct Seen {
     pub active: BTreeMap<NodeId, Stage>,
     /// (joiner, the member it downloaded the state from)
     pub downloads: Vec<(NodeId, NodeId)>,
+    /// (holder, stage, iteration) of each copy of a stage's state kept.
+    pub copies: Vec<(NodeId, Stage, u32)>,
     /// (stage, iteration, member) of the all-reduces that failed and were
     /// committed again.
     pub aggregate_failed: Vec<(Stage, u32, NodeId)>,
@@ -106,6 +108,9 @@ impl Seen {
                 member,
             }) => self.aggregate_failed.push((stage, iter, member)),
             NodeEvent::StateDownloaded { from, .. } => self.downloads.push((id, from)),
+            NodeEvent::CopyKept {
+                stage, iteration, ..
+            } => self.copies.push((id, stage, iteration)),
             NodeEvent::PeerLost { peer } => self.lost.push((id, peer)),
             NodeEvent::Refused { reason, detail, .. } => {
                 eprintln!("node {id:x} refused ({}): {detail}", reason.name());

@@ -57,6 +57,12 @@ pub struct BenchSwarmArgs {
     #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(1),
           allow_negative_numbers = true)]
     microbatches: u32,
+    /// The cost of the holders' copies of the relay stages' states: the
+    /// throughput run again with `gwtf node --keep-states-every K` on the
+    /// holders, in interleaved pairs with runs without (0: skip).
+    #[arg(long, value_name = "K", default_value_t = 5, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(0))]
+    copies_every: u32,
     /// SIGKILLs of a relay for the recovery time (0: skip).
     #[arg(long, default_value_t = 20, value_parser = checks::int_at_least::<u32>(0),
           allow_negative_numbers = true)]
@@ -150,6 +156,8 @@ struct Swarm {
     errors: Vec<(u32, String)>,
     /// Hops redone (`recovered` events).
     recovered: u64,
+    /// `copy_kept` events (holders' copies of the stages' states).
+    copies_kept: usize,
 }
 
 fn free_port() -> Res<SocketAddr> {
@@ -158,6 +166,17 @@ fn free_port() -> Res<SocketAddr> {
 
 impl Swarm {
     fn start(a: &BenchSwarmArgs, dir: &std::path::Path, iterations: u32) -> Res<Swarm> {
+        Swarm::start_keeping(a, dir, iterations, 0)
+    }
+
+    /// [`Swarm::start`] whose holders keep copies of the relay stages'
+    /// states every `keep_every` updates (0: none).
+    fn start_keeping(
+        a: &BenchSwarmArgs,
+        dir: &std::path::Path,
+        iterations: u32,
+        keep_every: u32,
+    ) -> Res<Swarm> {
         let key = dir.join("key");
         let (tx, rx) = channel();
         let mut s = Swarm {
@@ -190,6 +209,7 @@ impl Swarm {
             stall: Duration::from_secs_f64(a.stall_timeout_s),
             errors: Vec::new(),
             recovered: 0,
+            copies_kept: 0,
         };
         let mut founders = Vec::new();
         for _ in 0..a.holders {
@@ -209,6 +229,9 @@ impl Swarm {
             args.extend(peers.iter().cloned());
             if st == 0 {
                 args.push("--holder".into());
+                if keep_every > 0 {
+                    args.extend(["--keep-states-every".into(), keep_every.to_string()]);
+                }
                 s.holders.push((id, addr));
             } else {
                 args.extend(["--stage".to_string(), st.to_string()]);
@@ -338,6 +361,7 @@ impl Swarm {
                 self.done.insert(l.id);
             }
             "recovered" => self.recovered += 1,
+            "copy_kept" => self.copies_kept += 1,
             "iteration" => {
                 self.last_iteration = l.at;
                 let e = self
@@ -760,6 +784,43 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         );
     }
 
+    // 1b. What the holders' copies of the stages' states cost: runs
+    // without and with them, interleaved (the machine's speed drifts).
+    let mut copies = Value::Null;
+    if a.copies_every > 0 {
+        let (mut without, mut with, mut kept) = (Vec::new(), Vec::new(), 0usize);
+        for round in 0..4 {
+            let keep = if round % 2 == 0 { 0 } else { a.copies_every };
+            let mut s = Swarm::start_keeping(&a, &dir, a.iterations, keep)?;
+            s.wait_done()?;
+            s.finish()?;
+            let (tps, _) = s
+                .tokens_per_s()
+                .ok_or("the swarm reported too few iterations")?;
+            kept += s.copies_kept;
+            errors.take("copies", &mut s);
+            if keep == 0 {
+                without.push(tps);
+            } else {
+                with.push(tps);
+            }
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let copy_ratio = mean(&with) / mean(&without);
+        println!(
+            "copies      holders keeping every stage's state every {} updates: {:.0} tokens/s \
+             against {:.0} without (interleaved, 2 runs each): ratio {copy_ratio:.3}; {kept} \
+             copies kept",
+            a.copies_every,
+            mean(&with),
+            mean(&without)
+        );
+        copies = json!({
+            "every": a.copies_every, "tokens_per_s_with": with, "tokens_per_s_without": without,
+            "ratio": copy_ratio, "copies_kept": kept,
+        });
+    }
+
     // 2. Recovery after SIGKILL.
     let mut kills: Vec<Kill> = Vec::new();
     let mut restarts = 0;
@@ -928,6 +989,7 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
                 "per_kill": per_kill,
             },
             "wasted": {"no_crashes": waste0, "crashes": crash},
+            "copies": copies,
             "node_errors": {"count": errors.count, "first": errors.first},
         });
         std::fs::write(p, format!("{v:#}\n"))?;

@@ -65,6 +65,13 @@ pub struct NodeArgs {
     /// chooses the stage).
     #[arg(long, value_name = "ADDR")]
     join: Vec<SocketAddr>,
+    /// A data holder: keep a copy of every relay stage's state (weights and
+    /// optimizer state, in memory), asked for from one of the stage's
+    /// members after every K updates, so that the stage's training
+    /// outlives its nodes (`copy_kept` events). 0: none.
+    #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(0))]
+    keep_states_every: u32,
     /// Give up, with an error naming the addresses, when no peer has been
     /// reached within SECONDS: for a joiner, none of its --join addresses;
     /// for a founding member, none of the other founding members (--peer).
@@ -390,6 +397,9 @@ fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
     if !a.data.is_empty() && !a.holder {
         return Err("--data is for data holders (--holder)".into());
     }
+    if a.keep_states_every > 0 && !a.holder {
+        return Err("--keep-states-every is for data holders (--holder)".into());
+    }
     Ok(Role { id, stage, join })
 }
 
@@ -449,6 +459,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     let mut proto = realtime_config(relay_stages, run.activation_bytes() as u64);
     proto.mb_per_iter = a.microbatches;
     proto.iterations = Some(a.iterations);
+    proto.keep_states_every = a.keep_states_every;
     proto.stage_state_bytes = (0..=relay_stages)
         .map(|s| run.state_bytes(s))
         .collect::<Result<_, _>>()?;
@@ -900,6 +911,17 @@ impl Printer {
                 }));
                 return Some(iteration + 1 >= iterations);
             }
+            NodeEvent::CopyKept {
+                stage,
+                iteration,
+                from,
+                bytes,
+                ms,
+                ..
+            } => self.emit(json!({
+                "event": "copy_kept", "stage": stage, "iteration": iteration,
+                "from": from, "bytes": bytes, "ms": ms,
+            })),
             NodeEvent::StateDownloaded {
                 from,
                 bytes,

@@ -695,6 +695,8 @@ impl Node {
             Msg::StageQuery => self.on_stage_query(from),
             Msg::StageInfo { summary } => self.on_stage_info(from, summary),
             Msg::StateRequest => self.on_state_request(from),
+            // The runtime serves it (a holder's copy, not a join).
+            Msg::CopyRequest => {}
             Msg::StateResponse {
                 version,
                 members,

@@ -1,0 +1,148 @@
+//! Copies of the relay stages' states that a data holder keeps, so that a
+//! stage's trained state outlives its nodes: after every
+//! `Config::keep_states_every` of its own updates a holder asks one member
+//! of each relay stage for its state (`Msg::CopyRequest`), which the member
+//! exports and sends like a joiner's download (chunked, so training
+//! frames go between its chunks), and the holder keeps the newest verified
+//! copy of each stage in memory.
+//!
+//! Bounded: one copy per stage is kept (as large as the stage's state), one
+//! request per member is awaited, and a request unanswered for
+//! [`ASK_EXPIRY`] is forgotten (the member died, or was busy serving
+//! joiners and dropped it: the next round asks again).
+use crate::protocol::{NodeId, Stage};
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// A request unanswered this long is given up.
+pub(super) const ASK_EXPIRY: Duration = Duration::from_secs(180);
+
+/// A stage's state as a holder keeps it.
+#[derive(Clone, Debug)]
+pub struct KeptState {
+    /// (iteration whose update it includes last, weights digest), as the
+    /// member that sent it held it.
+    pub version: (u32, u64),
+    pub from: NodeId,
+    /// The state as the stage's trainer exported it.
+    pub state: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Copies {
+    /// Per member asked: its stage, and when.
+    asked: HashMap<NodeId, (Stage, Instant)>,
+}
+
+impl Copies {
+    /// Whether a holder that applied the update of `iteration` asks for
+    /// copies now (after every `every` updates; never for 0).
+    pub(super) fn due(iteration: u32, every: u32) -> bool {
+        every > 0 && (iteration + 1) % every == 0
+    }
+
+    /// Of `members` (a relay stage's, sorted), the one a holder ranked
+    /// `rank` among the holders asks at `round`: the holders spread their
+    /// requests over the members, and each round asks the next one.
+    pub(super) fn pick(members: &[NodeId], rank: usize, round: u32) -> Option<NodeId> {
+        if members.is_empty() {
+            return None;
+        }
+        Some(members[(rank + round as usize) % members.len()])
+    }
+
+    /// Whether `member` may be asked now (no request of ours to it is
+    /// awaited, or the one awaited expired).
+    pub(super) fn may_ask(&mut self, member: NodeId, now: Instant) -> bool {
+        self.asked
+            .retain(|_, (_, at)| now.duration_since(*at) < ASK_EXPIRY);
+        !self.asked.contains_key(&member)
+    }
+
+    /// A copy of `stage` was asked of `member`.
+    pub(super) fn asked(&mut self, member: NodeId, stage: Stage, now: Instant) {
+        self.asked.insert(member, (stage, now));
+    }
+
+    /// Whether a copy is awaited from `member`.
+    pub(super) fn awaits(&self, member: NodeId) -> bool {
+        self.asked.contains_key(&member)
+    }
+
+    /// A copy came from `member`: the stage asked and when, if awaited.
+    pub(super) fn answered(&mut self, member: NodeId) -> Option<(Stage, Instant)> {
+        self.asked.remove(&member)
+    }
+
+    /// `member` is gone: its copy will not come.
+    pub(super) fn gone(&mut self, member: NodeId) {
+        self.asked.remove(&member);
+    }
+}
+
+/// Keeps `copy` of `stage` in `kept` unless the one kept is newer:
+/// whether kept.
+pub(super) fn keep(kept: &mut BTreeMap<Stage, KeptState>, stage: Stage, copy: KeptState) -> bool {
+    match kept.get(&stage) {
+        Some(k) if k.version.0 > copy.version.0 => false,
+        _ => {
+            kept.insert(stage, copy);
+            true
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(iteration: u32, from: NodeId) -> KeptState {
+        KeptState {
+            version: (iteration, 7),
+            from,
+            state: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn rounds_come_every_k_updates_and_spread_over_members() {
+        let due: Vec<u32> = (0..12).filter(|&i| Copies::due(i, 5)).collect();
+        assert_eq!(due, [4, 9]);
+        assert!(!(0..100).any(|i| Copies::due(i, 0)));
+        let m = [11, 12, 13];
+        assert_eq!(Copies::pick(&m, 0, 0), Some(11));
+        assert_eq!(Copies::pick(&m, 1, 0), Some(12));
+        assert_eq!(Copies::pick(&m, 0, 4), Some(12));
+        assert_eq!(Copies::pick(&[], 0, 4), None);
+    }
+
+    #[test]
+    fn one_request_per_member_awaited_until_answered_gone_or_expired() {
+        let mut c = Copies::default();
+        let t0 = Instant::now();
+        assert!(c.may_ask(11, t0));
+        c.asked(11, 1, t0);
+        assert!(c.awaits(11) && !c.may_ask(11, t0));
+        assert_eq!(c.answered(11), Some((1, t0)));
+        assert!(!c.awaits(11) && c.answered(11).is_none());
+        c.asked(12, 2, t0);
+        c.gone(12);
+        assert!(!c.awaits(12));
+        c.asked(13, 2, t0);
+        assert!(
+            c.may_ask(13, t0 + ASK_EXPIRY),
+            "an expired request still holds"
+        );
+        assert!(!c.awaits(13));
+    }
+
+    #[test]
+    fn the_newest_copy_of_a_stage_is_kept() {
+        let mut kept = BTreeMap::new();
+        assert!(keep(&mut kept, 1, copy(4, 11)));
+        assert!(keep(&mut kept, 1, copy(9, 12)));
+        assert!(!keep(&mut kept, 1, copy(4, 13)));
+        assert_eq!(kept.get(&1).map(|k| (k.version.0, k.from)), Some((9, 12)));
+        assert!(!kept.contains_key(&2));
+    }
+}
