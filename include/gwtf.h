@@ -2205,8 +2205,9 @@ gwtf_status gwtf_node_new(const struct gwtf_node_options *opts,
  * Ownership: `path` is only read during the call; `*out_id` is caller
  * memory.
  *
- * Thread safety: any thread; two callers creating the same file at once
- * may both fail (`GWTF_STATUS_IO`) but never leave two keys.
+ * Thread safety: any thread; of two callers creating the same file at
+ * once, one writes it and the other reads it (rarely before it is whole:
+ * then `GWTF_STATUS_IO`); never two keys.
  *
  * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not
  * UTF-8, empty), `GWTF_STATUS_IO` (cannot read or create it, or it holds

@@ -426,8 +426,9 @@ fn c_path(path: *const c_char, what: &str) -> FfiResult<std::path::PathBuf> {
 /// Ownership: `path` is only read during the call; `*out_id` is caller
 /// memory.
 ///
-/// Thread safety: any thread; two callers creating the same file at once
-/// may both fail (`GWTF_STATUS_IO`) but never leave two keys.
+/// Thread safety: any thread; of two callers creating the same file at
+/// once, one writes it and the other reads it (rarely before it is whole:
+/// then `GWTF_STATUS_IO`); never two keys.
 ///
 /// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (not
 /// UTF-8, empty), `GWTF_STATUS_IO` (cannot read or create it, or it holds

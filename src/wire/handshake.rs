@@ -167,8 +167,19 @@ impl NodeKey {
                 .map_err(|e| format!("node key {}: {e}", path.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let key = Self::generate().map_err(|e| e.to_string())?;
-                key.store_new(path)?;
-                Ok((key, true))
+                match key.store_new(path) {
+                    Ok(()) => Ok((key, true)),
+                    // Another process created it meanwhile: its key is
+                    // this node's (never two keys for one file).
+                    Err(_) if path.exists() => {
+                        let bytes = std::fs::read(path)
+                            .map_err(|e| format!("cannot read node key {}: {e}", path.display()))?;
+                        Self::from_file_bytes(&bytes)
+                            .map(|k| (k, false))
+                            .map_err(|e| format!("node key {}: {e}", path.display()))
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Err(e) => Err(format!("cannot read node key {}: {e}", path.display())),
         }
