@@ -677,6 +677,19 @@ enum gwtf_task_kind
    * the reason. The peer goes on trying the others.
    */
   GWTF_TASK_KIND_EVENT_CONNECT_FAILED = 114,
+  /**
+   * Event: this joiner serves stage `stage`, which no live node held,
+   * from the copy of its state data holder `peer` kept (the weights of
+   * iteration `iteration`); its `IMPORT_STATE` task came before. The
+   * updates after that iteration are lost; the other stages keep theirs.
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_RESTORED = 115,
+  /**
+   * Event: this joiner serves stage `stage`, which no live node held and
+   * of which no data holder kept a copy, from the initial weights (its
+   * `INIT_STATE` task came before).
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_RESTARTED = 116,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

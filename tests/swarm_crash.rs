@@ -7,11 +7,9 @@
 //! single-process reference's.
 mod common;
 
-use common::swarm_procs::{check_run, llama_tiny_args, two_holders_and_two_by_three_relays, Swarm};
-use gwtf::model::dataset::Dataset;
-use gwtf::model::preset;
-use gwtf::protocol::NodeId;
-use gwtf::swarm::model_trainer::{reference_losses, ModelRun};
+use common::swarm_procs::{
+    check_run, llama_tiny_args, llama_tiny_reference, two_holders_and_two_by_three_relays, Swarm,
+};
 
 const ITERATIONS: u32 = 8;
 const MB: u32 = 3;
@@ -38,11 +36,7 @@ fn start_for(iterations: u32, extra: &[(u32, &[&str])]) -> Swarm {
 /// The reference losses of this run's microbatches (both holders train on
 /// the generated corpus of `gwtf node`'s default).
 fn reference(iterations: u32) -> Vec<f32> {
-    let cfg = preset("llama-tiny").unwrap();
-    let run = ModelRun::new(cfg, 4, SEED, iterations as usize).unwrap();
-    let docs = Dataset::synthetic(SEED, run.opts.corpus_bytes, run.opts.seq).train;
-    let holders: Vec<(NodeId, &[Vec<u32>])> = vec![(1, &docs[..]), (2, &docs[..])];
-    reference_losses(&run, &holders, MB, iterations, |_, _| {}).unwrap()
+    llama_tiny_reference(iterations, MB, SEED)
 }
 
 /// Every iteration's loss equals the reference's to float tolerance: a

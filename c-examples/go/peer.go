@@ -102,6 +102,8 @@ const (
 	EventInputRefused    = TaskKind(C.GWTF_TASK_KIND_EVENT_REFUSED)
 	EventFenced          = TaskKind(C.GWTF_TASK_KIND_EVENT_FENCED)
 	EventUnreachable     = TaskKind(C.GWTF_TASK_KIND_EVENT_CONNECT_FAILED)
+	EventStageRestored   = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTORED)
+	EventStageRestarted  = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTARTED)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.

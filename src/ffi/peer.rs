@@ -188,6 +188,15 @@ pub enum gwtf_task_kind {
     /// could not be reached after several attempts; `message` names it and
     /// the reason. The peer goes on trying the others.
     EventConnectFailed = 114,
+    /// Event: this joiner serves stage `stage`, which no live node held,
+    /// from the copy of its state data holder `peer` kept (the weights of
+    /// iteration `iteration`); its `IMPORT_STATE` task came before. The
+    /// updates after that iteration are lost; the other stages keep theirs.
+    EventStageRestored = 115,
+    /// Event: this joiner serves stage `stage`, which no live node held and
+    /// of which no data holder kept a copy, from the initial weights (its
+    /// `INIT_STATE` task came before).
+    EventStageRestarted = 116,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -998,6 +1007,7 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
             ms,
             bytes_per_s,
             import_ms,
+            ..
         } => {
             t.peer = from as u64;
             t.bytes = bytes;
@@ -1136,6 +1146,35 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
                 (
                     gwtf_task_kind::EventStageEmpty,
                     format!("stage {stage} has no live node: training pauses until one joins it"),
+                )
+            }
+            Event::StageRestored {
+                stage,
+                from,
+                iteration,
+                applied,
+            } => {
+                t.stage = stage as u32;
+                t.peer = from as u64;
+                t.iteration = iteration;
+                t.has_iteration = 1;
+                (
+                    gwtf_task_kind::EventStageRestored,
+                    crate::swarm::copies::restored_line(stage, from, iteration, applied),
+                )
+            }
+            Event::StageRestarted { stage, applied } => {
+                t.stage = stage as u32;
+                if let Some(a) = applied {
+                    t.iteration = a;
+                    t.has_iteration = 1;
+                }
+                (
+                    gwtf_task_kind::EventStageRestarted,
+                    format!(
+                        "stage {stage} had no live node and no kept copy: restarted from the \
+                         initial weights"
+                    ),
                 )
             }
             Event::StageResumed { stage } => {

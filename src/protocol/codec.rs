@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 47;
+pub const MSG_KINDS: u16 = 50;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -80,6 +80,9 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::Deputy { .. } => 44,
         Msg::Evicted { .. } => 45,
         Msg::CopyRequest => 46,
+        Msg::KeptQuery { .. } => 47,
+        Msg::KeptInfo { .. } => 48,
+        Msg::KeptRequest { .. } => 49,
     }
 }
 
@@ -604,6 +607,11 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u32(*iter);
             w.u16(*stage);
         }
+        Msg::KeptQuery { stage } | Msg::KeptRequest { stage } => w.u16(*stage),
+        Msg::KeptInfo { stage, iteration } => {
+            w.u16(*stage);
+            w.opt(iteration, |w, &i| w.u32(i));
+        }
         Msg::StageInfo { summary } => {
             w.u16(summary.stage);
             w.u32(summary.members);
@@ -832,6 +840,12 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         },
         38 => Msg::StateRequest,
         46 => Msg::CopyRequest,
+        47 => Msg::KeptQuery { stage: r.u16()? },
+        48 => Msg::KeptInfo {
+            stage: r.u16()?,
+            iteration: r.opt("kept_info.iteration", |r| r.u32())?,
+        },
+        49 => Msg::KeptRequest { stage: r.u16()? },
         39 => Msg::StateResponse {
             version: (r.u32()?, r.u64()?),
             members: Arc::new(r.ids()?),
@@ -1088,6 +1102,12 @@ pub fn samples() -> Vec<Msg> {
         },
         Msg::StateRequest,
         Msg::CopyRequest,
+        Msg::KeptQuery { stage: 2 },
+        Msg::KeptInfo {
+            stage: 2,
+            iteration: Some(9),
+        },
+        Msg::KeptRequest { stage: 2 },
         Msg::StateResponse {
             version: (4, 79),
             members: ids,

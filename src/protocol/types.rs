@@ -656,6 +656,23 @@ pub enum Msg {
     /// ([`Config::keep_states_every`]); answered with a `StateResponse`
     /// by the relay's runtime, outside the protocol's join.
     CopyRequest,
+    /// A joiner restoring an emptied stage asks a data holder which copy
+    /// of `stage`'s state it keeps.
+    KeptQuery {
+        stage: Stage,
+    },
+    /// A holder's answer: the iteration whose update the copy of `stage`
+    /// it keeps includes last, if it keeps one.
+    KeptInfo {
+        stage: Stage,
+        iteration: Option<u32>,
+    },
+    /// The joiner asks the holder for its copy of `stage`: answered by the
+    /// holder's runtime with a `StateResponse` (the copy's version, no
+    /// members), or with a `KeptInfo` of no copy.
+    KeptRequest {
+        stage: Stage,
+    },
     StateResponse {
         version: (u32, u64),
         members: Arc<Vec<NodeId>>,
@@ -717,6 +734,9 @@ impl Msg {
             Msg::StageInfo { .. } => "StageInfo",
             Msg::StateRequest => "StateRequest",
             Msg::CopyRequest => "CopyRequest",
+            Msg::KeptQuery { .. } => "KeptQuery",
+            Msg::KeptInfo { .. } => "KeptInfo",
+            Msg::KeptRequest { .. } => "KeptRequest",
             Msg::StateResponse { .. } => "StateResponse",
         }
     }
@@ -874,6 +894,18 @@ pub enum Event {
     /// of iteration `applied` (None: before any). The stage's trained
     /// weights were lost with its last node.
     StageRestarted { stage: Stage, applied: Option<u32> },
+    /// This joiner serves `stage`, which no live node held, from the copy
+    /// of its state that data holder `from` kept (the weights after the
+    /// update of iteration `iteration`, the freshest copy the holders
+    /// offered), standing for the weights after the update of `applied`:
+    /// the updates between are lost with the stage's nodes, and the other
+    /// stages keep theirs, as CheckFree restores a stage.
+    StageRestored {
+        stage: Stage,
+        from: NodeId,
+        iteration: u32,
+        applied: u32,
+    },
     /// This fenced node serves `stage` again with the weights it kept at
     /// its fence (the update of iteration `applied`): the members left
     /// miss that update and none holds a newer state. The trainer keeps

@@ -1479,6 +1479,7 @@ impl Sim {
             Event::StageEmpty { .. }
             | Event::StageResumed { .. }
             | Event::StageRestarted { .. }
+            | Event::StageRestored { .. }
             | Event::StateKept { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}

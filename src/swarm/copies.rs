@@ -80,6 +80,15 @@ impl Copies {
     }
 }
 
+/// How a node says it restored emptied `stage` from holder `from`'s copy
+/// of `iteration`, standing for the weights after the update of `applied`.
+pub(crate) fn restored_line(stage: Stage, from: NodeId, iteration: u32, applied: u32) -> String {
+    format!(
+        "stage {stage} had no live node: restored from the copy of iteration {iteration} \
+         that holder {from:x} kept, standing for iteration {applied}"
+    )
+}
+
 /// Keeps `copy` of `stage` in `kept` unless the one kept is newer:
 /// whether kept.
 pub(super) fn keep(kept: &mut BTreeMap<Stage, KeptState>, stage: Stage, copy: KeptState) -> bool {

@@ -15,8 +15,8 @@ use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
 use crate::protocol::{
-    codec, Action, AggregatePlan, Config, Event, FenceReason, Input, MbId, Msg, Node, NodeId, Task,
-    TaskId, TaskKind, Time,
+    codec, Action, AggregatePlan, Config, Event, FenceReason, Input, MbId, Msg, Node, NodeId,
+    Stage, Task, TaskId, TaskKind, Time,
 };
 use crossbeam_channel::{Receiver, Sender};
 use sha2::{Digest, Sha256};
@@ -569,6 +569,18 @@ impl Driver {
                 let kind = WorkKind::InitState { applied: *applied };
                 self.give(kind, None, None, Pending::Init);
             }
+            // The kept copy was imported before the protocol heard of it.
+            Event::StageRestored {
+                stage,
+                from,
+                iteration,
+                applied,
+            } => {
+                self.me.stage = *stage;
+                self.announce_stage();
+                let line = super::copies::restored_line(*stage, *from, *iteration, *applied);
+                self.log(line);
+            }
             // The weights kept since the fence are the stage's newest:
             // the trainer goes on with them (nothing to load).
             Event::StateKept { stage, applied } => {
@@ -834,12 +846,16 @@ impl Driver {
                         bytes: 0,
                         coord: self.me.id,
                     };
-                    self.send_state(to, msg, f)
+                    let stage = self.me.stage;
+                    self.send_state(to, msg, f, stage)
                 }
                 _ => self.serving.failed(to),
             },
             Pending::Export { to, msg } => match out {
-                Output::State(f) => self.send_state(to, msg, f),
+                Output::State(f) => {
+                    let stage = self.me.stage;
+                    self.send_state(to, msg, f, stage)
+                }
                 _ => self.serving.failed(to),
             },
             Pending::Import {
@@ -858,6 +874,7 @@ impl Driver {
                         ms: took * 1e3,
                         bytes_per_s: bytes as f64 / took.max(1e-6),
                         import_ms: verified.elapsed().as_secs_f64() * 1e3,
+                        weights: w,
                     });
                 }
                 // A state older than the update that was missed does not
@@ -1181,7 +1198,7 @@ impl Driver {
     }
 
     /// Sends the exported state, followed by its SHA-256.
-    fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame) {
+    fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame, stage: Stage) {
         let (n, t) = (state.len(), Instant::now());
         // A copy only where the digest does not fit the state's slot: a
         // full pool is not waited for (this thread would hear nothing).
@@ -1212,7 +1229,7 @@ impl Driver {
             m => m,
         };
         let (microbatch, iteration) = bulk::header_fields(&msg);
-        f.header.stage = self.me.stage as u32;
+        f.header.stage = stage as u32;
         f.header.microbatch = microbatch;
         f.header.iteration = iteration;
         let f = SharedFrame::from(f);
@@ -1511,6 +1528,7 @@ impl Driver {
                         }
                     }
                     Ok(Msg::CopyRequest) => self.serve_copy(from),
+                    Ok(Msg::KeptRequest { stage }) => self.serve_kept(from, stage),
                     Ok(m) => {
                         if matches!(m, Msg::Goodbye) {
                             // A peer that leaves or fences itself keeps its
@@ -1706,9 +1724,13 @@ impl Driver {
                             iteration: version.0,
                         };
                         // Version (0, 0): nothing applied yet in this swarm.
-                        let kind = WorkKind::ImportState {
-                            applied: (*version != (0, 0)).then_some(version.0),
+                        // A kept copy restoring an emptied stage stands for
+                        // the iteration before the one in progress.
+                        let applied = match self.node.restore_applied(*version) {
+                            Some(a) => Some(a),
+                            None => (*version != (0, 0)).then_some(version.0),
                         };
+                        let kind = WorkKind::ImportState { applied };
                         self.give(kind, None, Some(state), p);
                     }
                     Err(e) => {
@@ -1878,6 +1900,66 @@ impl Driver {
         );
     }
 
+    /// A joiner restoring emptied `stage` asks for the copy of its state
+    /// this holder keeps: sent like a state download (its version, no
+    /// members), or answered that there is none. Served even when other
+    /// states are (training waits for the stage), never twice at once.
+    fn serve_kept(&mut self, to: NodeId, stage: Stage) {
+        let copy = {
+            let k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
+            k.get(&stage).map(|c| (c.version, c.state.len()))
+        };
+        let Some((version, n)) = copy else {
+            self.send(
+                to,
+                Msg::KeptInfo {
+                    stage,
+                    iteration: None,
+                },
+            );
+            return;
+        };
+        if !self.serving.admit_urgent(to, Instant::now()) {
+            self.log(format!(
+                "the copy of stage {stage} for {to:x} is on its way already"
+            ));
+            return;
+        }
+        let mut f = match self.net.alloc(n, COPY_WAIT) {
+            Ok(f) => f,
+            Err(e) => {
+                self.serving.failed(to);
+                self.log(format!(
+                    "cannot send the copy of stage {stage} to {to:x}: {e}"
+                ));
+                return;
+            }
+        };
+        {
+            let k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
+            match k.get(&stage) {
+                Some(c) if c.state.len() == n => f.payload_mut().copy_from_slice(&c.state),
+                // Replaced meanwhile by one of another size: asked again.
+                _ => {
+                    drop(k);
+                    self.serving.failed(to);
+                    return;
+                }
+            }
+        }
+        self.log(format!(
+            "sending the copy of stage {stage} (iteration {}) to {to:x}, restoring it",
+            version.0
+        ));
+        let msg = Msg::StateResponse {
+            version,
+            members: Default::default(),
+            bytes: 0,
+            coord: self.me.id,
+        };
+        self.send_state(to, msg, f, stage);
+    }
+
     /// A holder's copy of a relay stage's state came from `from`.
     fn keep_copy(&mut self, from: NodeId, version: (u32, u64), announced: u64, data: Frame) {
         let Some((stage, asked)) = self.copies.answered(from) else {
@@ -1905,6 +1987,7 @@ impl Driver {
                     super::copies::keep(&mut k, stage, copy)
                 };
                 if kept {
+                    self.node.copy_kept(stage, version.0);
                     self.emit(NodeEvent::CopyKept {
                         stage,
                         iteration: version.0,

@@ -13,7 +13,7 @@ pub mod allreduce_net;
 mod allreduce_testnet;
 pub mod bulk;
 pub mod butterfly;
-mod copies;
+pub(crate) mod copies;
 pub mod directory;
 mod driver;
 pub mod intake;

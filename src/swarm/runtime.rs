@@ -179,6 +179,8 @@ pub enum NodeEvent {
         ms: f64,
         bytes_per_s: f64,
         import_ms: f64,
+        /// The digest the trainer reported of the weights imported.
+        weights: [u8; 32],
     },
     /// Something a peer sent was refused (see [`super::intake`]): from
     /// whom (None: a connection not authenticated), why, and what it was.

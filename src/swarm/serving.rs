@@ -84,6 +84,18 @@ impl StateServer {
         Admit::Export
     }
 
+    /// A state for `to` that does not wait its turn (a kept copy restoring
+    /// an emptied stage, for which training waits): whether it is to be
+    /// sent (false: one is on its way to `to` already).
+    pub(super) fn admit_urgent(&mut self, to: NodeId, now: Instant) -> bool {
+        self.forget_done(now);
+        if self.serving.contains_key(&to) {
+            return false;
+        }
+        self.serving.insert(to, Serving::Exporting(now));
+        true
+    }
+
     /// The state for `to` is exported and handed to the engine as `f`.
     pub(super) fn sending(&mut self, to: NodeId, f: SharedFrame) {
         self.serving.insert(to, Serving::Sending(f));

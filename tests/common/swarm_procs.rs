@@ -53,6 +53,19 @@ pub fn llama_tiny_args(iterations: u32, mb: u32, seed: u64, more: &[&str]) -> Ve
     v
 }
 
+/// The single-process losses of a run of [`llama_tiny_args`] (both
+/// holders, 1 and 2, train on the generated corpus of `gwtf node`'s
+/// default), `mb` microbatches per holder and iteration.
+pub fn llama_tiny_reference(iterations: u32, mb: u32, seed: u64) -> Vec<f32> {
+    use gwtf::model::dataset::Dataset;
+    use gwtf::swarm::model_trainer::{reference_losses, ModelRun};
+    let cfg = gwtf::model::preset("llama-tiny").unwrap();
+    let run = ModelRun::new(cfg, 4, seed, iterations as usize).unwrap();
+    let docs = Dataset::synthetic(seed, run.opts.corpus_bytes, run.opts.seq).train;
+    let holders: Vec<(gwtf::protocol::NodeId, &[Vec<u32>])> = vec![(1, &docs[..]), (2, &docs[..])];
+    reference_losses(&run, &holders, mb, iterations, |_, _| {}).unwrap()
+}
+
 /// One event line of one node.
 #[derive(Clone, Debug)]
 pub struct Seen {

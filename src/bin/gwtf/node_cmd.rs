@@ -879,7 +879,20 @@ impl Printer {
                 })),
                 Event::StageRestarted { stage, applied } => self.emit(json!({
                     "event": "stage_restarted", "stage": stage, "applied": applied,
-                    "why": "no live node held this stage: it starts again from the initial weights",
+                    "source": "initial",
+                    "why": "no live node held this stage and no data holder kept a copy of it: \
+                            it starts again from the initial weights",
+                })),
+                Event::StageRestored {
+                    stage,
+                    from,
+                    iteration,
+                    applied,
+                } => self.emit(json!({
+                    "event": "stage_restored", "stage": stage, "from": from,
+                    "iteration": iteration, "applied": applied, "source": "kept",
+                    "why": "no live node held this stage: it goes on from the freshest copy \
+                            of its state a data holder kept",
                 })),
                 Event::StateKept { stage, applied } => self.emit(json!({
                     "event": "state_kept", "stage": stage, "applied": applied,
@@ -928,9 +941,11 @@ impl Printer {
                 ms,
                 bytes_per_s,
                 import_ms,
+                weights,
             } => self.emit(json!({
                 "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
                 "bytes_per_s": bytes_per_s, "import_ms": import_ms,
+                "weights_sha256": hex(&weights),
             })),
             NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
             // Reported by `Reach::failed`, which knows the addresses given.

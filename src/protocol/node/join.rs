@@ -130,7 +130,7 @@ impl Node {
             // empty, so none opens after it; what the members know of it
             // only lags.
             let next = infos.values().map(|i| i.open_iter).max().unwrap_or(0);
-            self.restart_stage(stage, next);
+            self.restore_stage(stage, next);
             return;
         }
         // Bottleneck first: the stage with the smallest aggregate throughput
@@ -177,7 +177,7 @@ impl Node {
     /// of unfinished iterations is gone with its nodes: as a coordinator
     /// that took over from a dead one, it has what is missing at an
     /// iteration's end recomputed after a short grace.
-    fn restart_stage(&mut self, stage: Stage, next: u32) {
+    pub(super) fn restart_stage(&mut self, stage: Stage, next: u32) {
         self.stage = stage;
         let applied = next.checked_sub(1);
         if let Some(a) = applied {
@@ -282,6 +282,11 @@ impl Node {
         let Phase::Downloading { stage, src, .. } = self.phase else {
             return;
         };
+        if self.restoring.pending.is_some() {
+            // A kept copy: the next freshest offer, or a restart.
+            self.restore_from_next_offer();
+            return;
+        }
         let next = self.newest_source(stage).filter(|&n| n != src).or_else(|| {
             (self.peers.iter())
                 .filter(|(id, p)| p.stage == stage && !p.dead && **id != src)
@@ -399,6 +404,7 @@ impl Node {
     /// The state download is done: join the group.
     pub(super) fn on_state_response(
         &mut self,
+        from: NodeId,
         version: (u32, u64),
         members: Arc<Vec<NodeId>>,
         coord: NodeId,
@@ -409,6 +415,12 @@ impl Node {
             return;
         }
         if let Phase::Downloading { stage, src, .. } = self.phase {
+            if self.restoring.pending.is_some() {
+                if from == src {
+                    self.restored(from, version);
+                }
+                return;
+            }
             let got = if version == (0, 0) { 0 } else { version.0 + 1 };
             if let Some((st, need, _)) = self.joining.newer {
                 if st == stage && got < need {

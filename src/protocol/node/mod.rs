@@ -30,6 +30,7 @@ mod lifecycle;
 mod membership;
 mod peers;
 mod recovery;
+mod restore;
 mod ring_links;
 mod routing;
 mod search;
@@ -46,12 +47,18 @@ use join::*;
 use lifecycle::*;
 use membership::*;
 use peers::*;
+use restore::*;
 use search::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Phase {
     Idle,
     Querying {
+        since: Time,
+    },
+    /// Asking the holders for their copies of an emptied stage's state
+    /// (`restore`), since `since`.
+    Restoring {
         since: Time,
     },
     /// Downloading the state of `stage` from `src`, asked at `since`.
@@ -94,6 +101,7 @@ pub struct Node {
     // ---- the parts' own state
     group: Group,
     joining: JoinState,
+    restoring: Restoring,
     /// Stages next to this node's that had a live node (and which of
     /// them have none now): see `watch_adjacent_stages`.
     adjacent: AdjacentStages,
@@ -173,6 +181,7 @@ impl Node {
             deputy_state: deputy::DeputyState::default(),
             ring_links: Default::default(),
             joining: JoinState::default(),
+            restoring: Restoring::default(),
             adjacent: AdjacentStages::default(),
             iters: Iterations::default(),
             group: Group::default(),
@@ -492,6 +501,7 @@ impl Node {
             // The member serving our download is gone: ask another one.
             self.download_from_another();
         }
+        self.restore_holder_gone(p);
     }
 
     /// The periodic work of an active node, part by part.
@@ -501,6 +511,10 @@ impl Node {
                 if self.now >= since + self.cfg.tick {
                     self.choose_stage();
                 }
+                return;
+            }
+            Phase::Restoring { since } => {
+                self.restore_query_timed_out(since);
                 return;
             }
             Phase::Downloading { since, .. } => {
@@ -696,13 +710,15 @@ impl Node {
             Msg::StageInfo { summary } => self.on_stage_info(from, summary),
             Msg::StateRequest => self.on_state_request(from),
             // The runtime serves it (a holder's copy, not a join).
-            Msg::CopyRequest => {}
+            Msg::CopyRequest | Msg::KeptRequest { .. } => {}
+            Msg::KeptQuery { stage } => self.on_kept_query(from, stage),
+            Msg::KeptInfo { stage, iteration } => self.on_kept_info(from, stage, iteration),
             Msg::StateResponse {
                 version,
                 members,
                 coord,
                 ..
-            } => self.on_state_response(version, members, coord),
+            } => self.on_state_response(from, version, members, coord),
         }
     }
 }

@@ -1,0 +1,371 @@
+//! An emptied stage restored from the copies the data holders keep
+//! (`Config::keep_states_every`): the joiner that would restart a stage no
+//! live node holds first asks every live holder which copy of the stage's
+//! state it keeps (`KeptQuery`, `KeptInfo`), downloads the freshest
+//! (`KeptRequest`, answered with a `StateResponse` by the holder's
+//! runtime), and serves the stage from it ([`Event::StageRestored`]).
+//! With no copy offered (or every offer failing) it restarts the stage from
+//! the initial weights ([`Event::StageRestarted`]), as before.
+//!
+//! The restored weights are those of the copy's iteration; they stand for
+//! the weights of the iteration before the one in progress: the updates
+//! between are lost with the stage's nodes, and the other stages keep
+//! their newer weights (as CheckFree restores a stage). The joiner then
+//! coordinates the stage as a restarted one does.
+use super::*;
+
+/// Holders asked at once, at most (the first ones the joiner knows).
+const HOLDERS_ASKED_MAX: usize = 16;
+
+/// A restore in progress.
+#[derive(Debug, Clone)]
+pub(super) struct Restore {
+    pub(super) stage: Stage,
+    /// The iteration in progress when the stage was found empty.
+    pub(super) next: u32,
+    /// Holders asked and not answered yet.
+    waiting: BTreeSet<NodeId>,
+    /// Copies offered: (iteration, holder); the freshest is tried first.
+    offers: BTreeSet<(u32, NodeId)>,
+}
+
+/// What this node knows of copies: the ones its runtime keeps (a holder
+/// answers `KeptQuery` from them) and the restore it runs.
+#[derive(Debug, Default)]
+pub(super) struct Restoring {
+    /// The copies this node's runtime keeps: stage -> iteration.
+    copies: BTreeMap<Stage, u32>,
+    pub(super) pending: Option<Restore>,
+}
+
+impl Node {
+    /// Its runtime keeps a copy of `stage`'s state of `iteration`.
+    pub fn copy_kept(&mut self, stage: Stage, iteration: u32) {
+        self.restoring.copies.insert(stage, iteration);
+    }
+
+    /// When the state this node is downloading is a kept copy of version
+    /// `version` restoring an emptied stage: the iteration whose update
+    /// the restored weights stand for (the trainer imports them as such).
+    pub fn restore_applied(&self, version: (u32, u64)) -> Option<u32> {
+        let r = self.restoring.pending.as_ref()?;
+        let next = r.next.max(version.0 + 1).max(self.iters.known_iter);
+        Some(next.saturating_sub(1))
+    }
+
+    /// `stage` has no live node: ask the live holders for their copies of
+    /// it, or restart it at once when there are none to ask.
+    pub(super) fn restore_stage(&mut self, stage: Stage, next: u32) {
+        let holders: BTreeSet<NodeId> = (self.peers.of_stage(0))
+            .filter(|(id, p)| !p.dead && **id != self.id)
+            .map(|(id, _)| *id)
+            .take(HOLDERS_ASKED_MAX)
+            .collect();
+        if holders.is_empty() {
+            self.restart_stage(stage, next);
+            return;
+        }
+        for &h in &holders {
+            self.send(h, Msg::KeptQuery { stage });
+        }
+        self.restoring.pending = Some(Restore {
+            stage,
+            next,
+            waiting: holders,
+            offers: BTreeSet::new(),
+        });
+        self.phase = Phase::Restoring { since: self.now };
+    }
+
+    /// A joiner asks which copy of `stage` this node keeps.
+    pub(super) fn on_kept_query(&mut self, from: NodeId, stage: Stage) {
+        let iteration = self.restoring.copies.get(&stage).copied();
+        self.send(from, Msg::KeptInfo { stage, iteration });
+    }
+
+    /// A holder's answer to `KeptQuery` (or to `KeptRequest`: its copy is
+    /// gone).
+    pub(super) fn on_kept_info(&mut self, from: NodeId, stage: Stage, iteration: Option<u32>) {
+        let Some(r) = self.restoring.pending.as_mut() else {
+            return;
+        };
+        if r.stage != stage {
+            return;
+        }
+        match self.phase {
+            Phase::Restoring { .. } => {
+                if !r.waiting.remove(&from) {
+                    return;
+                }
+                if let Some(i) = iteration {
+                    r.offers.insert((i, from));
+                }
+                if r.waiting.is_empty() {
+                    self.restore_from_next_offer();
+                }
+            }
+            Phase::Downloading { src, .. } if src == from && iteration.is_none() => {
+                self.restore_from_next_offer()
+            }
+            _ => {}
+        }
+    }
+
+    /// Not every holder answered in time: the offers made stand.
+    pub(super) fn restore_query_timed_out(&mut self, since: Time) {
+        if self.now >= since + self.suspicion() {
+            self.restore_from_next_offer();
+        }
+    }
+
+    /// A holder asked died: it answers no more.
+    pub(super) fn restore_holder_gone(&mut self, p: NodeId) {
+        if let (Phase::Restoring { .. }, Some(r)) = (&self.phase, self.restoring.pending.as_mut()) {
+            r.offers.retain(|&(_, h)| h != p);
+            if r.waiting.remove(&p) && r.waiting.is_empty() {
+                self.restore_from_next_offer();
+            }
+        }
+    }
+
+    /// Downloads the freshest copy offered by a live holder; with none
+    /// left, restarts the stage from the initial weights.
+    pub(super) fn restore_from_next_offer(&mut self) {
+        let Some(r) = self.restoring.pending.as_mut() else {
+            return;
+        };
+        r.waiting.clear();
+        while let Some((_, h)) = r.offers.pop_last() {
+            if !self.peers.get(&h).is_some_and(|p| p.dead) {
+                let stage = r.stage;
+                self.stage = stage;
+                self.phase = Phase::Downloading {
+                    stage,
+                    src: h,
+                    since: self.now,
+                };
+                self.send(h, Msg::KeptRequest { stage });
+                return;
+            }
+        }
+        let (stage, next) = (r.stage, r.next);
+        self.restoring.pending = None;
+        self.restart_stage(stage, next);
+    }
+
+    /// The kept copy (`version`) came from holder `from` and is imported:
+    /// this node serves the stage from it, as of the iteration in progress.
+    pub(super) fn restored(&mut self, from: NodeId, version: (u32, u64)) {
+        let Some(applied) = self.restore_applied(version) else {
+            return;
+        };
+        let Some(r) = self.restoring.pending.take() else {
+            return;
+        };
+        let stage = r.stage;
+        self.stage = stage;
+        // The copy's own version when it holds every update; else one of
+        // its own (these weights descend from no update of `applied`).
+        let v = if version.0 == applied {
+            version
+        } else {
+            (applied, mix(version.1, mix(u64::MAX - 1, stage as u64)))
+        };
+        self.iters.downloaded(v);
+        self.iters.hear_next(applied + 1, false);
+        self.coordinating.inherited = Some((self.now, applied + 1));
+        self.coordinating.synced.clear();
+        self.group.adopt([], self.id);
+        let (ps, ns) = (self.prev_stage(), self.next_stage());
+        self.peers
+            .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
+        self.event(Event::StageRestored {
+            stage,
+            from,
+            iteration: version.0,
+            applied,
+        });
+        self.become_active();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+
+    /// A joiner that knows holders 1 and 2, and of stages 1 and 3 whose
+    /// members say stage 2 is empty (iteration 7 in progress), timed out
+    /// on its query: it asks the holders for their copies of stage 2.
+    fn joiner_asking_holders() -> (Node, Vec<Action>) {
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.restart_empty_stages = true;
+        let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
+        let peers = vec![(1, 0), (2, 0), (11, 1), (31, 3)];
+        n.handle(SEC, Input::Join { peers });
+        for (from, stage) in [(11, 1), (31, 3)] {
+            let summary = StageSummary {
+                stage,
+                members: 2,
+                throughput: 4.0,
+                open_iter: 7,
+                empty_neighbors: vec![2],
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        (n, acts)
+    }
+
+    /// Holder `from` offers its copy of stage 2 of `iteration`.
+    fn offer(n: &mut Node, from: NodeId, iteration: Option<u32>) -> Vec<Action> {
+        deliver(
+            n,
+            from,
+            Msg::KeptInfo {
+                stage: 2,
+                iteration,
+            },
+        )
+    }
+
+    /// The copy (`version`) sent by holder `coord`.
+    fn copy(version: (u32, u64), coord: NodeId) -> Msg {
+        Msg::StateResponse {
+            version,
+            members: Default::default(),
+            bytes: 1,
+            coord,
+        }
+    }
+
+    fn restored_event(acts: &[Action]) -> Option<(Stage, NodeId, u32, u32)> {
+        acts.iter().find_map(|a| match a {
+            Action::Event(Event::StageRestored {
+                stage,
+                from,
+                iteration,
+                applied,
+            }) => Some((*stage, *from, *iteration, *applied)),
+            _ => None,
+        })
+    }
+
+    fn restarted(acts: &[Action]) -> bool {
+        acts.iter()
+            .any(|a| matches!(a, Action::Event(Event::StageRestarted { .. })))
+    }
+
+    /// Both holders offer a copy: the freshest is downloaded, and the stage
+    /// is served from it as of the iteration in progress.
+    #[test]
+    fn an_empty_stage_is_restored_from_the_freshest_copy_offered() {
+        let (mut n, acts) = joiner_asking_holders();
+        let mut asked: Vec<NodeId> = sends(&acts)
+            .iter()
+            .filter(|(_, m)| matches!(m, Msg::KeptQuery { stage: 2 }))
+            .map(|(to, _)| *to)
+            .collect();
+        asked.sort_unstable();
+        assert_eq!(asked, [1, 2]);
+        assert!(!n.is_active() && !restarted(&acts));
+        offer(&mut n, 1, Some(4));
+        let acts = offer(&mut n, 2, Some(6));
+        assert!(matches!(
+            sends(&acts)[..],
+            [(2, Msg::KeptRequest { stage: 2 })]
+        ));
+        assert_eq!(n.downloading_from(), Some(2));
+        assert_eq!(n.stage(), 2);
+        // The copy holds the update of 6, the last before iteration 7: the
+        // weights are the stage's own, with their version.
+        assert_eq!(n.restore_applied((6, 99)), Some(6));
+        let response = copy((6, 99), 2);
+        let acts = deliver(&mut n, 2, response);
+        assert_eq!(restored_event(&acts), Some((2, 2, 6, 6)));
+        assert!(n.is_active() && !restarted(&acts));
+        assert_eq!(n.version(), (6, 99));
+        assert_eq!(n.coordinator(), Some(50));
+        assert_eq!(n.restore_applied((6, 99)), None);
+    }
+
+    /// An older copy stands for the iteration before the one in progress,
+    /// under a version of its own (it misses updates the stage made).
+    #[test]
+    fn an_older_copy_stands_for_the_iteration_in_progress() {
+        let (mut n, _) = joiner_asking_holders();
+        offer(&mut n, 1, Some(4));
+        offer(&mut n, 2, None);
+        assert_eq!(n.downloading_from(), Some(1));
+        assert_eq!(n.restore_applied((4, 99)), Some(6));
+        let response = copy((4, 99), 1);
+        // Not from the holder asked: ignored.
+        let acts = deliver(&mut n, 2, response.clone());
+        assert!(restored_event(&acts).is_none() && !n.is_active());
+        let acts = deliver(&mut n, 1, response);
+        assert_eq!(restored_event(&acts), Some((2, 1, 4, 6)));
+        assert_eq!(n.version().0, 6);
+        assert_ne!(n.version(), (6, 99));
+    }
+
+    /// The holder serving the copy dies: the next offer is downloaded; a
+    /// holder whose copy is gone says so, and with no offer left the stage
+    /// restarts from the initial weights.
+    #[test]
+    fn failed_offers_fall_back_to_the_next_then_to_a_restart() {
+        let (mut n, _) = joiner_asking_holders();
+        offer(&mut n, 1, Some(4));
+        offer(&mut n, 2, Some(6));
+        assert_eq!(n.downloading_from(), Some(2));
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 2 });
+        assert!(matches!(
+            sends(&acts)[..],
+            [(1, Msg::KeptRequest { stage: 2 })]
+        ));
+        let acts = offer(&mut n, 1, None);
+        assert!(restarted(&acts) && restored_event(&acts).is_none());
+        assert!(n.is_active() && n.stage() == 2);
+    }
+
+    /// Holders that do not answer are not waited for beyond the suspicion
+    /// time: with no offer, the stage restarts.
+    #[test]
+    fn silent_holders_are_not_waited_for() {
+        let (mut n, _) = joiner_asking_holders();
+        let t = n.now;
+        let acts = n.on_timeout(t + n.cfg.tick);
+        assert!(!restarted(&acts) && !n.is_active());
+        let acts = n.on_timeout(t + n.suspicion() + 2 * n.cfg.tick);
+        assert!(restarted(&acts) && n.is_active());
+    }
+
+    /// A holder answers from the copies its runtime keeps.
+    #[test]
+    fn a_holder_tells_the_copies_it_keeps() {
+        let mut h = started(Policy::Gwtf, 1, 0, &[2], &[(11, 1)]);
+        h.copy_kept(2, 9);
+        let acts = deliver(&mut h, 50, Msg::KeptQuery { stage: 2 });
+        assert!(matches!(
+            sends(&acts)[..],
+            [(
+                50,
+                Msg::KeptInfo {
+                    stage: 2,
+                    iteration: Some(9)
+                }
+            )]
+        ));
+        let acts = deliver(&mut h, 50, Msg::KeptQuery { stage: 3 });
+        assert!(matches!(
+            sends(&acts)[..],
+            [(
+                50,
+                Msg::KeptInfo {
+                    stage: 3,
+                    iteration: None
+                }
+            )]
+        ));
+    }
+}

@@ -1,0 +1,143 @@
+//! An emptied stage restored from the copies the data holders keep
+//! (`gwtf node --keep-states-every K`): `gwtf node` processes on loopback,
+//! the last node of a stage SIGKILLed, a node that joins. The joiner takes
+//! the freshest copy a holder offers (`stage_restored`), whose weights are
+//! those that stage's replica printed for that iteration, and training goes
+//! on from there with a loss close to the uninterrupted run's.
+mod common;
+
+use common::swarm_procs::{check_run, llama_tiny_args, llama_tiny_reference, Swarm};
+use std::time::Instant;
+
+const MB: u32 = 3;
+const SEED: u64 = 5;
+const K: u64 = 5;
+
+fn reference(iterations: u32) -> Vec<f32> {
+    llama_tiny_reference(iterations, MB, SEED)
+}
+
+/// Killed right after the holders kept a copy of iteration 9: most often
+/// the copy holds the stage's last update, and the run goes on as if
+/// nothing happened.
+#[test]
+fn a_stage_emptied_right_after_a_copy_is_restored_from_it() {
+    restored_after(|ev| {
+        ev.iter()
+            .any(|e| e.event() == "copy_kept" && e.u("stage") == 2 && e.u("iteration") >= 9)
+    });
+}
+
+/// Killed after its update of iteration 12, when the freshest copy is of
+/// iteration 9: the restored weights miss updates, which the other stages
+/// made, and the loss stays close to the uninterrupted run's.
+#[test]
+fn a_stage_emptied_between_copies_is_restored_from_an_older_one() {
+    restored_after(|ev| {
+        ev.iter()
+            .any(|e| e.event() == "copy_kept" && e.u("stage") == 2 && e.u("iteration") >= 9)
+            && ev
+                .iter()
+                .any(|e| e.node == 21 && e.event() == "applied" && e.u("iteration") >= 12)
+    });
+}
+
+/// Stage 2's only node is killed once `kill_when` holds (after the holders
+/// kept copies of its state); the node that joins restores the stage from
+/// the freshest copy (of an iteration at most K before the last update the
+/// stage made), with the weights digest the killed node printed for that
+/// iteration, and no stage restarts from the initial weights.
+fn restored_after(kill_when: impl FnMut(&[common::swarm_procs::Seen]) -> bool) {
+    const LONG: u32 = 24;
+    let args = llama_tiny_args(LONG, MB, SEED, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let layout = vec![(1, 0), (2, 0), (11, 1), (12, 1), (21, 2)];
+    let keep: &[&str] = &["--keep-states-every", "5"];
+    let mut swarm = Swarm::start(&layout, &args, &[(1, keep), (2, keep)]);
+    swarm.until("copies of stage 2 kept", kill_when);
+    swarm.kill(21);
+    let ev = swarm.until("stage 2 reported empty by its neighbours", |ev| {
+        [1, 2, 11, 12].iter().all(|n| {
+            ev.iter()
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    let last_final = (ev.iter())
+        .filter(|e| e.event() == "iteration")
+        .map(|e| e.u("iteration"))
+        .max()
+        .unwrap();
+    // The last update stage 2 made before it emptied.
+    let j = (ev.iter())
+        .filter(|e| e.node == 21 && e.event() == "applied" && e.u("stage") == 2)
+        .map(|e| e.u("iteration"))
+        .max()
+        .unwrap();
+    let joined_at = Instant::now();
+    let joined = swarm.count();
+    swarm.join(31, 1, &[]);
+    let ev = swarm.until_done(&[1, 2]);
+    let after: Vec<_> = ev.iter().skip(joined).collect();
+    let restarted: Vec<_> = (after.iter())
+        .filter(|e| e.event() == "stage_restarted")
+        .collect();
+    assert!(restarted.is_empty(), "restarted instead: {restarted:?}");
+    let restored = (after.iter())
+        .find(|e| e.node == 31 && e.event() == "stage_restored")
+        .expect("the joiner did not say it restored stage 2");
+    let (it, from) = (restored.u("iteration"), restored.u("from"));
+    assert_eq!(restored.u("stage"), 2, "{:?}", restored.v);
+    assert!([1, 2].contains(&from), "{:?}", restored.v);
+    assert!(
+        it + K >= j && it <= j,
+        "restored from iteration {it}, the stage's last update was {j}"
+    );
+    let download = (after.iter())
+        .find(|e| e.node == 31 && e.event() == "state_download" && e.u("from") == from)
+        .expect("no download of the copy");
+    let printed = (ev.iter())
+        .find(|e| {
+            e.node == 21 && e.event() == "applied" && e.u("stage") == 2 && e.u("iteration") == it
+        })
+        .expect("the killed node printed no digest for the copy's iteration");
+    assert_eq!(
+        download.s("weights_sha256"),
+        printed.s("weights_sha256"),
+        "the copy imported is not the state stage 2 held at iteration {it}"
+    );
+    let resumed = (after.iter())
+        .find(|e| e.event() == "iteration" && e.u("iteration") > last_final)
+        .expect("no iteration final after the restore");
+    eprintln!(
+        "stage 2 emptied after its update of iteration {j}; restored from holder {from}'s \
+         copy of iteration {it} ({} bytes in {:.0} ms); first iteration final {:.2} s after \
+         the joiner started",
+        download.u("bytes"),
+        download.v["ms"].as_f64().unwrap_or(f64::NAN),
+        resumed.at.duration_since(joined_at).as_secs_f64()
+    );
+    // The updates the killed node made after the iteration the restore
+    // stands for are lost with it: the stage makes them again (another
+    // commit), so they are no replica's to compare.
+    let applied = restored.u("applied");
+    let kept: Vec<_> = (ev.iter())
+        .filter(|e| !(e.node == 21 && e.event() == "applied" && e.u("iteration") > applied))
+        .cloned()
+        .collect();
+    let losses = check_run(&kept, LONG, MB, 2);
+    let want = reference(LONG);
+    // The first iteration whose forwards ran on the restored weights (the
+    // killed node ran every forward of the iterations it applied).
+    let r = (applied.max(j) + 1) as usize;
+    let allowed = (want[j as usize - K as usize] - want[j as usize]).abs() as f64;
+    let off = (losses[r] - want[r] as f64).abs();
+    eprintln!(
+        "loss of iteration {r}, the first on the restored weights: {:.4}, uninterrupted {:.4} \
+         (off by {off:.4}; the reference moved {allowed:.4} from {} to {j})",
+        losses[r],
+        want[r],
+        j - K
+    );
+    assert!(off <= allowed, "{losses:?} against {want:?}");
+    assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
+}
