@@ -473,6 +473,90 @@ fn node_keeps_states_only_as_a_holder() {
     );
 }
 
+/// Checkpoints are written by data holders, with a period; a joiner
+/// cannot resume (it downloads); a checkpoint of another model or run is
+/// refused, naming the difference.
+#[test]
+fn node_saves_and_resumes_only_where_it_makes_sense() {
+    let key = key_file("cli-node-save");
+    let me = free_addr().to_string();
+    let base = |role: &[&str], more: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "node",
+            "--listen",
+            &me,
+            "--swarm-key-file",
+            key.to_str().unwrap(),
+            "--chosen-id",
+            "5",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(role.iter().chain(more).map(|s| s.to_string()));
+        v
+    };
+    let peer = format!("5/0/{me}");
+    let holder: &[&str] = &["--holder", "--peer", &peer];
+    let relay_peer = format!("5/1/{me}");
+    let relay: &[&str] = &["--stage", "1", "--peer", &relay_peer];
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    for (args, want) in [
+        (
+            base(relay, &["--save", d, "--save-every", "5"]),
+            "--save is for data holders (--holder)",
+        ),
+        (base(holder, &["--save", d]), "--save needs --save-every K"),
+        (
+            base(holder, &["--save-every", "5"]),
+            "--save-every needs --save DIR",
+        ),
+        (
+            base(&["--join", "127.0.0.1:9"], &["--resume", d]),
+            "--resume is for founding members",
+        ),
+    ] {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        gwtf_refuses(&a, &[want]);
+    }
+    // A checkpoint of a 3-stage cut, resumed in a 4-stage swarm; then one
+    // of another --iterations.
+    let ck = dir.path().join("ck");
+    let c = ck.to_str().unwrap();
+    run_ok(gwtf().args([
+        "train",
+        "--model",
+        "llama-tiny",
+        "--stages",
+        "3",
+        "--steps",
+        "2",
+        "--save",
+        c,
+    ]));
+    let a = base(holder, &["--model", "llama-tiny", "--resume", c]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    gwtf_refuses(&a, &["a checkpoint of another model or cut", "n_stages"]);
+    run_ok(gwtf().args([
+        "train",
+        "--model",
+        "llama-tiny",
+        "--stages",
+        "4",
+        "--steps",
+        "2",
+        "--save",
+        c,
+    ]));
+    let a = base(
+        holder,
+        &["--model", "llama-tiny", "--iterations", "7", "--resume", c],
+    );
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    gwtf_refuses(&a, &["written by a run of --iterations 2", "give the same"]);
+}
+
 /// Runs `gwtf node` with `args` (and --json) until it ends on its own
 /// (within a generous 30 s; it is killed and the test fails otherwise):
 /// its exit status, stdout's events and stderr, and how long it ran.

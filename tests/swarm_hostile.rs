@@ -430,7 +430,7 @@ fn a_copy_request_from_a_relay_is_refused() {
     let h = hostile(31, KEY);
     let p = connect(&h, swarm.addr(11));
     introduce(&h, p, 2, &[]);
-    assert!(send_msg(&h, p, &Msg::CopyRequest));
+    assert!(send_msg(&h, p, &Msg::CopyRequest { iteration: 0 }));
     swarm.refused(
         11,
         Refusal::Message,

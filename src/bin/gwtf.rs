@@ -26,6 +26,8 @@ mod kernels_cmd;
 mod kernels_gpu;
 #[path = "gwtf/node_cmd.rs"]
 mod node_cmd;
+#[path = "gwtf/node_save.rs"]
+mod node_save;
 #[path = "gwtf/sample_cmd.rs"]
 mod sample_cmd;
 #[path = "gwtf/sim_cmd.rs"]

@@ -964,7 +964,8 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
     let (kind, msg) = match e {
         // Holders keep copies only when asked to (`keep_states_every`),
         // which these options do not offer yet.
-        NodeEvent::CopyKept { .. } => return None,
+        // Nor checkpoint rounds (`save_every`).
+        NodeEvent::CopyKept { .. } | NodeEvent::Checkpoint { .. } => return None,
         NodeEvent::Iteration {
             iteration,
             loss,

@@ -30,6 +30,27 @@ pub const STAGE_FORMAT: &str = "gwtf-stage";
 pub const VERSION: u32 = 1;
 /// Name of the config file in a checkpoint directory.
 pub const CONFIG_FILE: &str = "config.json";
+/// In a directory of swarm checkpoints (`gwtf node --save DIR`), the file
+/// that names the newest one.
+pub const LATEST_FILE: &str = "LATEST";
+
+/// The checkpoint `dir` names: `dir` itself when it holds a checkpoint (or
+/// nothing else), else the newest checkpoint of a directory of them (the
+/// one its `LATEST` file names).
+pub fn resolve(dir: &Path) -> Result<PathBuf, ModelError> {
+    let latest = dir.join(LATEST_FILE);
+    if dir.join(CONFIG_FILE).exists() || !latest.exists() {
+        return Ok(dir.to_path_buf());
+    }
+    let text =
+        std::fs::read_to_string(&latest).map_err(|e| err(&latest, format!("cannot read: {e}")))?;
+    let name = text.trim();
+    let p = Path::new(name);
+    if name.is_empty() || name.starts_with('.') || p.components().count() != 1 {
+        return Err(err(&latest, format!("{name:?} is not a checkpoint's name")));
+    }
+    Ok(dir.join(p))
+}
 
 /// Name of stage `k`'s file in a checkpoint directory.
 pub fn stage_file_name(k: usize) -> String {
@@ -464,8 +485,10 @@ pub fn save(
     write_atomically(&dir.join(CONFIG_FILE), &json)
 }
 
-/// Reads `dir/config.json` alone (what it says, without the weights).
+/// Reads `dir/config.json` alone (what it says, without the weights); `dir`
+/// as [`resolve`] takes it.
 pub fn read_config(dir: &Path) -> Result<CheckpointConfig, ModelError> {
+    let dir = &resolve(dir)?;
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read(&path).map_err(|e| err(&path, format!("cannot read: {e}")))?;
     let c: CheckpointConfig = serde_json::from_slice(&text)
@@ -482,8 +505,10 @@ pub fn read_config(dir: &Path) -> Result<CheckpointConfig, ModelError> {
     Ok(c)
 }
 
-/// Loads the checkpoint in `dir`: `config.json`, then every stage file, each checked.
+/// Loads the checkpoint in `dir` (as [`resolve`] takes it): `config.json`,
+/// then every stage file, each checked.
 pub fn load(dir: &Path) -> Result<Checkpoint, ModelError> {
+    let dir = &resolve(dir)?;
     let config = read_config(dir)?;
     let path = dir.join(CONFIG_FILE);
     let cfg = config.model_config().map_err(|e| err(&path, e))?;

@@ -79,7 +79,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::LinkReport { .. } => 43,
         Msg::Deputy { .. } => 44,
         Msg::Evicted { .. } => 45,
-        Msg::CopyRequest => 46,
+        Msg::CopyRequest { .. } => 46,
         Msg::KeptQuery { .. } => 47,
         Msg::KeptInfo { .. } => 48,
         Msg::KeptRequest { .. } => 49,
@@ -363,8 +363,8 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u32(*coord);
             w.u32(*updates);
         }
-        Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest | Msg::CopyRequest => {
-        }
+        Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
+        Msg::CopyRequest { iteration } => w.u32(*iteration),
         Msg::GroupJoin { stage, incarnation } => {
             w.u16(*stage);
             w.u32(*incarnation);
@@ -839,7 +839,9 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             },
         },
         38 => Msg::StateRequest,
-        46 => Msg::CopyRequest,
+        46 => Msg::CopyRequest {
+            iteration: r.u32()?,
+        },
         47 => Msg::KeptQuery { stage: r.u16()? },
         48 => Msg::KeptInfo {
             stage: r.u16()?,
@@ -1101,7 +1103,7 @@ pub fn samples() -> Vec<Msg> {
             },
         },
         Msg::StateRequest,
-        Msg::CopyRequest,
+        Msg::CopyRequest { iteration: 9 },
         Msg::KeptQuery { stage: 2 },
         Msg::KeptInfo {
             stage: 2,

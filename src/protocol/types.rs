@@ -253,6 +253,15 @@ pub struct Config {
     /// updates, so that a stage's state outlives its nodes (0: none). The
     /// runtime's; the simulator's nodes keep none.
     pub keep_states_every: u32,
+    /// Data holders assemble a checkpoint, every stage's state of one
+    /// iteration, after every this many of their own updates (0: none):
+    /// their own state and a copy from each relay stage, exported right
+    /// after that update. The runtime's.
+    pub save_every: u32,
+    /// A founding member starts from weights that hold the updates through
+    /// this iteration (a swarm resumed from a checkpoint): the first
+    /// iteration is the next one. Every founding member is given the same.
+    pub resume_from: Option<u32>,
 }
 
 /// `Config::leave_out_stragglers`: a member whose best measured link is
@@ -311,6 +320,8 @@ impl Config {
             isolation_ticks: 8,
             leave_out_stragglers: false,
             keep_states_every: 0,
+            save_every: 0,
+            resume_from: None,
         }
     }
 
@@ -653,9 +664,13 @@ pub enum Msg {
     },
     StateRequest,
     /// A data holder asks a relay for a copy of its stage's state to keep
-    /// ([`Config::keep_states_every`]); answered with a `StateResponse`
-    /// by the relay's runtime, outside the protocol's join.
-    CopyRequest,
+    /// ([`Config::keep_states_every`], [`Config::save_every`]), exported
+    /// right after the relay applies the update of `iteration` (at once
+    /// when it did already); answered with a `StateResponse` by the
+    /// relay's runtime, outside the protocol's join.
+    CopyRequest {
+        iteration: u32,
+    },
     /// A joiner restoring an emptied stage asks a data holder which copy
     /// of `stage`'s state it keeps.
     KeptQuery {
@@ -733,7 +748,7 @@ impl Msg {
             Msg::StageQuery => "StageQuery",
             Msg::StageInfo { .. } => "StageInfo",
             Msg::StateRequest => "StateRequest",
-            Msg::CopyRequest => "CopyRequest",
+            Msg::CopyRequest { .. } => "CopyRequest",
             Msg::KeptQuery { .. } => "KeptQuery",
             Msg::KeptInfo { .. } => "KeptInfo",
             Msg::KeptRequest { .. } => "KeptRequest",

@@ -25,7 +25,7 @@ pub struct KeptState {
     pub version: (u32, u64),
     pub from: NodeId,
     /// The state as the stage's trainer exported it.
-    pub state: Vec<u8>,
+    pub state: std::sync::Arc<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -109,7 +109,7 @@ mod tests {
         KeptState {
             version: (iteration, 7),
             from,
-            state: vec![1, 2, 3],
+            state: std::sync::Arc::new(vec![1, 2, 3]),
         }
     }
 

@@ -8,6 +8,7 @@ use super::copies::{Copies, KeptState};
 use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::runtime::{NodeEvent, Shared};
+use super::saves::{SavedState, Saves};
 use super::serving::{self, Admit, StateServer, DIGEST_LEN};
 use super::state_stream::{ChunkError, StateReceiver, StateSender};
 use super::states_asked::StatesAsked;
@@ -24,6 +25,10 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Holders' copy requests waiting for an update, at most (one per holder
+/// is kept: a holder asks each member once per round).
+const COPY_REQUESTS_WAITING_MAX: usize = 16;
 
 /// Messages kept for a peer whose connection is being set up.
 const PENDING_MAX: usize = 4096;
@@ -106,9 +111,17 @@ pub(super) enum Pending {
         /// The iteration whose update the state includes last.
         iteration: u32,
     },
-    /// The stage's state exported for a holder to keep (`copies.rs`).
+    /// The stage's state exported for a holder to keep (`copies.rs`), of
+    /// `version` (the protocol's when the export was given: every update
+    /// given before it is in, none after).
     Copy {
         to: NodeId,
+        version: (u32, u64),
+    },
+    /// A holder's own state exported for the checkpoint round of
+    /// `iteration` (`saves.rs`).
+    SaveOwn {
+        iteration: u32,
     },
     /// The stage's state started afresh (`WorkKind::InitState`).
     Init,
@@ -198,6 +211,12 @@ pub(super) struct Driver {
     pub(super) state_receiver: StateReceiver,
     /// A holder's copies of the relay stages' states (`copies.rs`).
     pub(super) copies: Copies,
+    /// Holders' copy requests waiting for the update they name
+    /// (`Msg::CopyRequest`): (holder, iteration), at most
+    /// [`COPY_REQUESTS_WAITING_MAX`].
+    pub(super) copy_after: Vec<(NodeId, u32)>,
+    /// A holder's checkpoint rounds (`saves.rs`).
+    pub(super) saves: Saves,
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -336,6 +355,7 @@ impl Driver {
                     None => self.applied_through = None,
                     _ => {}
                 }
+                self.copies_after_update();
                 let gated = std::mem::take(&mut self.gated);
                 for g in gated {
                     self.dispatch(g);
@@ -650,6 +670,8 @@ impl Driver {
             reason.name()
         ));
         self.joiner = true;
+        // Its state is no longer the stage's to copy.
+        self.copy_after.clear();
         // The weights the protocol keeps to serve again must be the
         // trainer's: not while an update is missing or on its way.
         let whole =
@@ -719,6 +741,7 @@ impl Driver {
                     "iteration {iter} committed no microbatch here: the weights stay as they are"
                 ));
                 self.applied_through = Some(iter);
+                self.copies_after_update();
                 let gated = std::mem::take(&mut self.gated);
                 for g in gated {
                     self.dispatch(g);
@@ -792,7 +815,9 @@ impl Driver {
                     // asked for again).
                     Pending::Gradient { task, .. } => self.input(Input::TaskFailed { id: task }),
                     // A request again is served afresh.
-                    Pending::Export { to, .. } | Pending::Copy { to } => self.serving.failed(to),
+                    Pending::Export { to, .. } | Pending::Copy { to, .. } => {
+                        self.serving.failed(to)
+                    }
                     _ => {}
                 }
                 return;
@@ -831,17 +856,25 @@ impl Driver {
                         weights: w,
                         microbatches,
                     });
-                    if self.me.stage == 0 && Copies::due(iter, self.cfg.keep_states_every) {
-                        self.ask_copies(iter);
+                    if self.me.stage == 0 {
+                        self.holder_rounds(iter);
                     }
                 }
             }
-            Pending::Copy { to } => match out {
+            Pending::SaveOwn { iteration } => {
+                if let Output::State(f) = out {
+                    let s = SavedState {
+                        stage: 0,
+                        from: self.me.id,
+                        state: Arc::new(f.payload().to_vec()),
+                    };
+                    self.saved(iteration, s);
+                }
+            }
+            Pending::Copy { to, version } => match out {
                 Output::State(f) => {
-                    // The version of what was exported: every update given
-                    // before the export has completed, none after it.
                     let msg = Msg::StateResponse {
-                        version: self.node.version(),
+                        version,
                         members: Default::default(),
                         bytes: 0,
                         coord: self.me.id,
@@ -1527,7 +1560,7 @@ impl Driver {
                             self.on_bulk(from, m, data);
                         }
                     }
-                    Ok(Msg::CopyRequest) => self.serve_copy(from),
+                    Ok(Msg::CopyRequest { iteration }) => self.serve_copy(from, iteration),
                     Ok(Msg::KeptRequest { stage }) => self.serve_kept(from, stage),
                     Ok(m) => {
                         if matches!(m, Msg::Goodbye) {
@@ -1840,13 +1873,46 @@ impl Driver {
         }
     }
 
-    /// Checks the length (`announced`, the message's) and the digest at
-    /// the end of a state transfer, and strips the digest.
+    /// A holder applied the update of `iter`: a checkpoint round opens
+    /// (its own state exported now, before any later update) when one is
+    /// due, and copies of the relay stages' states of `iter` are asked for
+    /// when copies or a checkpoint are due.
+    fn holder_rounds(&mut self, iter: u32) {
+        let (keep, save) = (self.cfg.keep_states_every, self.cfg.save_every);
+        let saving = Copies::due(iter, save);
+        if saving {
+            for it in self.saves.open(iter) {
+                self.log(format!(
+                    "the checkpoint of iteration {it} is dropped: a stage's copy of that \
+                     iteration did not come"
+                ));
+            }
+            let p = Pending::SaveOwn { iteration: iter };
+            self.give(WorkKind::ExportState, None, None, p);
+        }
+        if saving || Copies::due(iter, keep) {
+            let every = [keep, save]
+                .into_iter()
+                .filter(|&k| k > 0)
+                .min()
+                .unwrap_or(1);
+            self.ask_copies(iter, iter / every);
+        }
+    }
+
+    /// A state of the checkpoint round of `iteration` is in: the round is
+    /// handed on once every stage's is.
+    fn saved(&mut self, iteration: u32, s: SavedState) {
+        if let Some(states) = self.saves.add(iteration, s, self.cfg.relay_stages) {
+            self.emit(NodeEvent::Checkpoint { iteration, states });
+        }
+    }
+
     /// A holder that applied the update of `iter` asks one member of each
-    /// relay stage for a copy of its state (`copies.rs`).
-    fn ask_copies(&mut self, iter: u32) {
+    /// relay stage (the `round`-th in turn) for a copy of its state after
+    /// that update (`copies.rs`).
+    fn ask_copies(&mut self, iter: u32, round: u32) {
         let now = Instant::now();
-        let round = iter / self.cfg.keep_states_every.max(1);
         let holders: Vec<NodeId> = (self.dir.values())
             .filter(|p| p.stage == 0)
             .map(|p| p.id)
@@ -1865,14 +1931,16 @@ impl Driver {
                 continue;
             }
             self.copies.asked(m, stage, now);
-            self.send(m, Msg::CopyRequest);
+            self.send(m, Msg::CopyRequest { iteration: iter });
         }
     }
 
-    /// A holder asks for a copy of this node's stage's state: exported and
-    /// sent like a joiner's download when this node serves its stage and
-    /// has room to serve it at once (else the holder asks again later).
-    fn serve_copy(&mut self, from: NodeId) {
+    /// A holder asks for a copy of this node's stage's state after the
+    /// update of `iteration`: exported right after that update (at once
+    /// when it is in) and sent like a joiner's download, when this node
+    /// serves its stage and has room to serve it then (else the holder
+    /// asks again later).
+    fn serve_copy(&mut self, from: NodeId, iteration: u32) {
         let holder = self.dir.get(&from).is_some_and(|p| p.stage == 0);
         if !holder {
             let e = format!("a copy request from {from:x}, which is not a data holder");
@@ -1885,18 +1953,48 @@ impl Driver {
             ));
             return;
         }
-        if !self.serving.has_room(from, Instant::now()) {
+        if self.applied_through.is_some_and(|a| a >= iteration) {
+            self.export_copy(from);
+            return;
+        }
+        self.copy_after.retain(|&(h, _)| h != from);
+        if self.copy_after.len() < COPY_REQUESTS_WAITING_MAX {
+            self.copy_after.push((from, iteration));
+        }
+    }
+
+    /// The copy requests waiting for an update given now.
+    fn copies_after_update(&mut self) {
+        let Some(a) = self.applied_through else {
+            return;
+        };
+        if !self.copy_after.iter().any(|&(_, it)| it <= a) {
+            return;
+        }
+        let (due, wait): (Vec<_>, Vec<_>) =
+            (self.copy_after.drain(..)).partition(|&(_, it)| it <= a);
+        self.copy_after = wait;
+        for (holder, _) in due {
+            self.export_copy(holder);
+        }
+    }
+
+    /// Exports this node's state for holder `to` (after every update given
+    /// so far), when it has room to serve it.
+    fn export_copy(&mut self, to: NodeId) {
+        if !self.serving.has_room(to, Instant::now()) {
             self.log(format!(
-                "a copy request from {from:x} not served: serving other states"
+                "a copy request from {to:x} not served: serving other states"
             ));
             return;
         }
-        self.serving.admit(from, Instant::now());
+        self.serving.admit(to, Instant::now());
+        let version = self.node.version();
         self.give(
             WorkKind::ExportState,
             None,
             None,
-            Pending::Copy { to: from },
+            Pending::Copy { to, version },
         );
     }
 
@@ -1979,8 +2077,16 @@ impl Driver {
                 let copy = KeptState {
                     version,
                     from,
-                    state: state.payload().to_vec(),
+                    state: Arc::new(state.payload().to_vec()),
                 };
+                if self.saves.is_open(version.0) {
+                    let s = SavedState {
+                        stage,
+                        from,
+                        state: copy.state.clone(),
+                    };
+                    self.saved(version.0, s);
+                }
                 let bytes = copy.state.len() as u64;
                 let kept = {
                     let mut k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
@@ -2005,6 +2111,8 @@ impl Driver {
         }
     }
 
+    /// Checks the length (`announced`, the message's) and the digest at
+    /// the end of a state transfer, and strips the digest.
     fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
         let n = f.len();
         if n as u64 != announced {

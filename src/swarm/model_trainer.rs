@@ -23,7 +23,7 @@ use crate::model::data::sample_windows;
 use crate::model::rng::Rng;
 use crate::model::{
     AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput, StagePlan,
-    TrainOptions,
+    StageState, TrainOptions,
 };
 use crate::protocol::{MbId, NodeId};
 use sha2::{Digest, Sha256};
@@ -150,8 +150,20 @@ pub fn reference_losses(
     holders: &[(NodeId, &[Vec<u32>])],
     mb_per_iter: u32,
     iterations: u32,
-    mut on_iteration: impl FnMut(u32, f32),
+    on_iteration: impl FnMut(u32, f32),
 ) -> Result<Vec<f32>, ModelError> {
+    reference_run(run, holders, mb_per_iter, iterations, on_iteration).map(|r| r.0)
+}
+
+/// [`reference_losses`], and the model trained (its weights after the
+/// update of the last iteration).
+pub fn reference_run(
+    run: &ModelRun,
+    holders: &[(NodeId, &[Vec<u32>])],
+    mb_per_iter: u32,
+    iterations: u32,
+    mut on_iteration: impl FnMut(u32, f32),
+) -> Result<(Vec<f32>, Pipeline), ModelError> {
     let mut p = Pipeline::new(&run.cfg, run.stages, run.seed)?;
     let (b, t) = (run.opts.batch, run.opts.seq);
     let mut out = Vec::with_capacity(iterations as usize);
@@ -172,7 +184,7 @@ pub fn reference_losses(
         on_iteration(iter, loss);
         out.push(loss);
     }
-    Ok(out)
+    Ok((out, p))
 }
 
 /// The optimizer settings of iteration `iter`.
@@ -257,6 +269,29 @@ impl ModelTrainer {
             applied: None,
             before: None,
         }
+    }
+
+    /// A founding member of protocol stage `stage` resuming from a
+    /// checkpoint: its pieces take `states` (the model stages' of the
+    /// checkpoint, in order), standing for the weights after the update of
+    /// iteration `applied`.
+    pub fn resumed(
+        run: ModelRun,
+        stage: u16,
+        docs: Vec<Vec<u32>>,
+        states: &[StageState],
+        applied: u32,
+    ) -> Result<ModelTrainer, ModelError> {
+        let mut t = ModelTrainer::new(run, stage, docs)?;
+        for p in &mut t.pieces {
+            let i = p.spec().index;
+            let st = states.get(i).ok_or_else(|| {
+                ModelError::InvalidConfig(format!("the checkpoint has no model stage {i}"))
+            })?;
+            p.set_state(st)?;
+        }
+        t.applied = Some(applied);
+        Ok(t)
     }
 
     /// Builds the pieces of `stage` if they are not those held.
@@ -610,6 +645,21 @@ impl Trainer for ModelTrainer {
             _ => Err(format!("unexpected work {}", w.kind.name())),
         }
     }
+}
+
+/// The model stages' states in `state` (protocol stage `stage`'s, as
+/// [`ModelTrainer::export_bytes`] wrote it) and its weights digest, the one
+/// the stage's replicas print: what a checkpoint of the swarm stores.
+pub fn stage_states(
+    run: &ModelRun,
+    stage: u16,
+    state: &[u8],
+) -> Result<(Vec<StageState>, [u8; 32]), String> {
+    let mut t = ModelTrainer::joiner(run.clone());
+    t.pieces = run.pieces(stage).map_err(|e| e.to_string())?;
+    t.stage = Some(stage);
+    t.import_bytes(state, Some(0))?;
+    Ok((t.pieces.iter().map(|p| p.state()).collect(), t.digest()))
 }
 
 /// A frame's f32 values, without a copy when the payload is aligned.

@@ -160,6 +160,13 @@ pub enum NodeEvent {
     /// `from` (`Config::keep_states_every`): the weights after the update
     /// of `iteration` (`version`: the protocol's hash of that version), and
     /// their optimizer state; it came `ms` after it was asked for.
+    /// A data holder's checkpoint round (`Config::save_every`) is
+    /// complete: every stage's state of the update of `iteration`, stage 0
+    /// (its own) first.
+    Checkpoint {
+        iteration: u32,
+        states: Vec<super::saves::SavedState>,
+    },
     CopyKept {
         stage: Stage,
         iteration: u32,
@@ -484,7 +491,8 @@ impl Runtime {
             resync: None,
             suspects: HashMap::new(),
             address_waits: HashMap::new(),
-            applied_through: None,
+            // A founding member resumed from a checkpoint holds its updates.
+            applied_through: opts.protocol.resume_from.filter(|_| !opts.join),
             gated: VecDeque::new(),
             cut_off: Default::default(),
             strangers: HashMap::new(),
@@ -495,6 +503,8 @@ impl Runtime {
             state_sender: Default::default(),
             state_receiver: Default::default(),
             copies: Default::default(),
+            copy_after: Vec::new(),
+            saves: Default::default(),
             serving: Default::default(),
         };
         let bootstrap: Vec<(NodeId, Stage)> = opts

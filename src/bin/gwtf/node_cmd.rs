@@ -4,9 +4,11 @@
 //! its link and SIGUSR2 restores it (emulated in user space: a test and
 //! demo aid, printed as `link_cut` / `link_restored`).
 use super::checks;
+use super::node_save::Saver;
 use super::transport_cmd::{node_key, read_key};
 use clap::{Args, ValueEnum};
 use gwtf::engine::{LinkEmulation, NodeOptions};
+use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
 use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
@@ -72,6 +74,33 @@ pub struct NodeArgs {
     #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(0))]
     keep_states_every: u32,
+    /// A data holder: write a checkpoint of the swarm's model (every
+    /// stage's weights and optimizer state of one iteration, in the layout
+    /// of docs/CHECKPOINT.md) under DIR after every --save-every updates,
+    /// from its own state and a copy of each relay stage's: DIR/iteration-N,
+    /// complete or absent; DIR/LATEST names the newest (`checkpoint`
+    /// events). `gwtf sample --checkpoint DIR` and `--resume DIR` read it.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Updates between checkpoints (with --save; the last iteration's is
+    /// written when the run's length is a multiple of K).
+    #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(0))]
+    save_every: u32,
+    /// Checkpoints kept under --save (the oldest are removed).
+    #[arg(long, value_name = "N", default_value_t = 2, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<usize>(1))]
+    save_keep: usize,
+    /// Test aid: each checkpoint's writer waits MS with every file written
+    /// before the checkpoint takes its name (a test kills it then).
+    #[arg(long, value_name = "MS", default_value_t = 0, hide = true)]
+    save_pause_ms: u64,
+    /// A founding member: start from the checkpoint in DIR (a checkpoint,
+    /// or a --save directory: its newest), at the iteration after it. Give
+    /// every founding member the same checkpoint, and the same --model,
+    /// --stages, --seed and --iterations as the run that wrote it.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// Give up, with an error naming the addresses, when no peer has been
     /// reached within SECONDS: for a joiner, none of its --join addresses;
     /// for a founding member, none of the other founding members (--peer).
@@ -400,6 +429,21 @@ fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
     if a.keep_states_every > 0 && !a.holder {
         return Err("--keep-states-every is for data holders (--holder)".into());
     }
+    match (&a.save, a.save_every) {
+        (Some(_), _) if !a.holder => {
+            return Err("--save is for data holders (--holder)".into());
+        }
+        (Some(_), 0) => return Err("--save needs --save-every K (K > 0)".into()),
+        (None, k) if k > 0 => return Err("--save-every needs --save DIR".into()),
+        _ => {}
+    }
+    if a.resume.is_some() && join {
+        return Err(
+            "--resume is for founding members (--peer): a joiner downloads its \
+             stage's state from the swarm"
+                .into(),
+        );
+    }
     Ok(Role { id, stage, join })
 }
 
@@ -437,6 +481,11 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         node_key(Some(&node_key_path(&a)), "gwtf node")?
     };
     let r = role(&a, &run, &node_key)?;
+    let mut data = None;
+    let resumed = match &a.resume {
+        Some(dir) => Some(resume_point(dir, &run)?),
+        None => None,
+    };
     let trainer = if r.join {
         ModelTrainer::joiner(run.clone())
     } else {
@@ -449,17 +498,34 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             } else {
                 DataSource::Files(a.data.clone())
             };
-            Dataset::load(&src, run.opts.seq)?.train
+            let d = Dataset::load(&src, run.opts.seq)?;
+            data = Some(d.description);
+            d.train
         } else {
             Vec::new()
         };
-        ModelTrainer::new(run.clone(), r.stage, docs)?
+        match &resumed {
+            Some((ck, applied)) => {
+                ModelTrainer::resumed(run.clone(), r.stage, docs, &ck.stages, *applied)?
+            }
+            None => ModelTrainer::new(run.clone(), r.stage, docs)?,
+        }
+    };
+    let mut saver = match (&a.save, data) {
+        (Some(dir), Some(data)) => {
+            let mut s = Saver::new(dir.clone(), a.save_keep, run.clone(), data, r.id);
+            s.pause = Duration::from_millis(a.save_pause_ms);
+            Some(s)
+        }
+        _ => None,
     };
     let relay_stages = (run.stages - 2) as Stage;
     let mut proto = realtime_config(relay_stages, run.activation_bytes() as u64);
     proto.mb_per_iter = a.microbatches;
     proto.iterations = Some(a.iterations);
     proto.keep_states_every = a.keep_states_every;
+    proto.save_every = a.save_every;
+    proto.resume_from = resumed.as_ref().map(|r| r.1);
     proto.stage_state_bytes = (0..=relay_stages)
         .map(|s| run.state_bytes(s))
         .collect::<Result<_, _>>()?;
@@ -593,6 +659,9 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             last_stats = Instant::now();
             out.stats(&rt);
         }
+        if let Some(v) = saver.as_mut().and_then(|s| s.poll(false)) {
+            out.emit(v);
+        }
         let Ok(ev) = rt.events().recv_timeout(Duration::from_millis(100)) else {
             continue;
         };
@@ -600,8 +669,17 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             reach.failed(*addr, reason, &mut out);
             continue;
         }
+        if let NodeEvent::Checkpoint { iteration, states } = ev {
+            if let Some(v) = saver.as_mut().and_then(|s| s.start(iteration, states)) {
+                out.emit(v);
+            }
+            continue;
+        }
         if let Some(done) = out.event(ev, a.iterations) {
             if done {
+                if let Some(s) = saver.as_mut() {
+                    last_checkpoint(s, &rt, &mut out, &a);
+                }
                 out.stats(&rt);
                 out.emit(json!({"event": "done"}));
                 rt.leave();
@@ -610,6 +688,93 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         }
     }
 }
+
+/// The checkpoint in `dir` a founding member resumes from, checked against
+/// this run, and the iteration whose update it holds last.
+fn resume_point(dir: &std::path::Path, run: &ModelRun) -> Res<(Checkpoint, u32)> {
+    let ck = checkpoint::load(dir)?;
+    let at = checkpoint::resolve(dir)?;
+    let mut mine = run.cfg.clone();
+    mine.n_stages = run.stages;
+    mine.batch = run.opts.batch;
+    mine.seq = run.opts.seq;
+    if let Some(d) = checkpoint::config_difference(&mine, &ck.config.model) {
+        return Err(format!(
+            "--resume {}: a checkpoint of another model or cut ({d}): give the --model \
+             and --stages of the run that wrote it",
+            at.display()
+        )
+        .into());
+    }
+    let (sched, seed) = (ck.config.training.schedule_steps, ck.config.seed);
+    if sched != run.opts.steps || seed != run.seed {
+        return Err(format!(
+            "--resume {}: written by a run of --iterations {sched} --seed {seed}, this one \
+             has --iterations {} --seed {}: give the same (the learning-rate schedule and \
+             the microbatches follow from them)",
+            at.display(),
+            run.opts.steps,
+            run.seed
+        )
+        .into());
+    }
+    let done = ck.config.steps_done;
+    if done == 0 || done >= sched {
+        return Err(format!(
+            "--resume {}: {done} of the run's {sched} iterations done: nothing to resume",
+            at.display()
+        )
+        .into());
+    }
+    Ok((ck, done as u32 - 1))
+}
+
+/// The run is over at this holder: when its last iteration closes a
+/// checkpoint round, the checkpoint is waited for (the relays still serve
+/// their copies) and written before the node leaves, for at most
+/// [`LAST_CHECKPOINT_WAIT`].
+fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs) {
+    let last = a.iterations - 1;
+    if a.save_every == 0 || a.iterations % a.save_every != 0 {
+        while let Some(v) = s.poll(true) {
+            out.emit(v);
+        }
+        return;
+    }
+    let deadline = Instant::now() + LAST_CHECKPOINT_WAIT;
+    while s.last != Some(last) && Instant::now() < deadline {
+        if let Some(v) = s.poll(false) {
+            out.emit(v);
+            if s.last == Some(last) {
+                break;
+            }
+        }
+        match rt.events().recv_timeout(Duration::from_millis(100)) {
+            Ok(NodeEvent::Checkpoint { iteration, states }) => {
+                if let Some(v) = s.start(iteration, states) {
+                    out.emit(v);
+                }
+            }
+            Ok(ev) => {
+                out.event(ev, a.iterations);
+            }
+            Err(_) => {}
+        }
+    }
+    while let Some(v) = s.poll(true) {
+        out.emit(v);
+    }
+    if s.last != Some(last) {
+        out.emit(json!({
+            "event": "checkpoint_failed", "iteration": last,
+            "why": format!("the copies of the last iteration did not all come within {} s",
+                           LAST_CHECKPOINT_WAIT.as_secs()),
+        }));
+    }
+}
+
+/// How long a holder whose run is over waits for its last checkpoint.
+const LAST_CHECKPOINT_WAIT: Duration = Duration::from_secs(120);
 
 // ---------------------------------------------------------------------------
 // Reaching the swarm (--join-timeout)
@@ -924,6 +1089,8 @@ impl Printer {
                 }));
                 return Some(iteration + 1 >= iterations);
             }
+            // Handed to the saver before (`Saver::start`).
+            NodeEvent::Checkpoint { .. } => {}
             NodeEvent::CopyKept {
                 stage,
                 iteration,

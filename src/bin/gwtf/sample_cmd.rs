@@ -1,4 +1,5 @@
-//! `gwtf sample`: generates text from a checkpoint written by `gwtf train --save`.
+//! `gwtf sample`: generates text from a checkpoint written by `gwtf train
+//! --save` or by a swarm's data holder (`gwtf node --save`).
 use clap::Args;
 use gwtf::model::checkpoint;
 use gwtf::model::data::tokenize;
@@ -7,7 +8,8 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct SampleArgs {
-    /// Checkpoint directory (written by `gwtf train --save`).
+    /// Checkpoint directory (written by `gwtf train --save`), or a
+    /// directory of a swarm's checkpoints (`gwtf node --save`: its newest).
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
     /// Text to continue (the model sees its last max_seq bytes).
@@ -22,6 +24,10 @@ pub struct SampleArgs {
     /// Seed of the draws: the same seed gives the same text.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Print the model's probabilities of the next byte after the prompt
+    /// (JSON: `{"probs": [256 numbers]}`) instead of generating.
+    #[arg(long)]
+    probs: bool,
 }
 
 /// Prints the prompt and its continuation; bytes that are not printable text are shown
@@ -35,6 +41,13 @@ pub fn run(a: SampleArgs) -> super::CliResult {
     }
     let ck = checkpoint::load(&a.checkpoint)?;
     let mut p = pipeline_from_checkpoint(&ck)?;
+    if a.probs {
+        let t = tokenize(&a.prompt);
+        let max_seq = ck.config.model.max_seq;
+        let probs = p.next_token_probs(&t[t.len().saturating_sub(max_seq)..])?;
+        println!("{}", serde_json::json!({ "probs": probs }));
+        return Ok(());
+    }
     let out = generate(
         &mut p,
         &tokenize(&a.prompt),

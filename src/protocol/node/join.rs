@@ -34,6 +34,13 @@ pub(super) struct JoinState {
 
 impl Node {
     pub(super) fn start(&mut self, peers: Vec<(NodeId, Stage)>) {
+        if let Some(a) = self.cfg.resume_from {
+            // Resumed from a checkpoint: every founding member of a stage
+            // holds the same weights, under the same version.
+            self.iters
+                .downloaded((a, mix(u64::MAX - 2, mix(a as u64, self.stage as u64))));
+            self.iters.hear_next(a + 1, false);
+        }
         let mut group = Vec::new();
         for (p, s) in peers {
             if s == self.stage {

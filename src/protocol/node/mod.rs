@@ -710,7 +710,7 @@ impl Node {
             Msg::StageInfo { summary } => self.on_stage_info(from, summary),
             Msg::StateRequest => self.on_state_request(from),
             // The runtime serves it (a holder's copy, not a join).
-            Msg::CopyRequest | Msg::KeptRequest { .. } => {}
+            Msg::CopyRequest { .. } | Msg::KeptRequest { .. } => {}
             Msg::KeptQuery { stage } => self.on_kept_query(from, stage),
             Msg::KeptInfo { stage, iteration } => self.on_kept_info(from, stage, iteration),
             Msg::StateResponse {
