@@ -108,33 +108,32 @@ fn wait_with_timeout(demo: &mut Child, within: Duration) -> std::process::ExitSt
 }
 
 /// Runs `gwtf demo` with a crash a second and a join every 1.5 s over 12
-/// iterations in `scratch(name)`: its output, its --json and its --report.
+/// iterations (and `extra`, whose options replace these) in
+/// `scratch(name)`: its output, its --json and its --report.
 fn demo_with_churn(
     name: &str,
     extra: &[&str],
 ) -> (std::process::Output, serde_json::Value, String, PathBuf) {
     let dir = scratch(name);
     let (json, report, logs) = (dir.join("run.json"), dir.join("run.html"), dir.join("logs"));
+    // `extra` may replace an option of these.
+    let base = [
+        ("--nodes", "4"),
+        ("--holders", "2"),
+        ("--iterations", "12"),
+        ("--microbatches", "2"),
+        ("--crash-every", "1"),
+        ("--join-every", "1.5"),
+        ("--seed", "3"),
+        ("--deadline", "400"),
+    ];
     let out = gwtf()
-        .args([
-            "demo",
-            "--nodes",
-            "4",
-            "--holders",
-            "2",
-            "--iterations",
-            "12",
-            "--microbatches",
-            "2",
-            "--crash-every",
-            "1",
-            "--join-every",
-            "1.5",
-            "--seed",
-            "3",
-            "--deadline",
-            "400",
-        ])
+        .arg("demo")
+        .args(
+            base.iter()
+                .filter(|(k, _)| !extra.contains(k))
+                .flat_map(|(k, v)| [*k, *v]),
+        )
         .args(extra)
         .arg("--json")
         .arg(&json)
@@ -327,6 +326,53 @@ fn a_killed_demo_takes_its_nodes_along() {
 
 /// `--pause-every`, `--pause-for`, `--cut-every` and `--cut-for` are
 /// checked before any node starts.
+/// `--empty-stage-at 7`: every relay of one stage is killed once iteration
+/// 7 is final; the next joiner restores the stage from a holder's copy (the
+/// holders keep one every 5 updates: of iteration 4 or later), the run
+/// finishes with every microbatch counted once, and the report marks the
+/// restore on the loss chart and says the loss after it.
+#[test]
+fn the_demo_empties_a_stage_and_a_joiner_restores_it() {
+    if !node_command_exists() {
+        return;
+    }
+    let (out, v, html, _) = demo_with_churn(
+        "demo-empty-stage",
+        &["--crash-every", "0", "--empty-stage-at", "7"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(v["lost_microbatches"], 0, "{v}");
+    assert_eq!(v["double_counted_microbatches"], 0, "{v}");
+    assert_eq!(v["replicas_agree"], true, "{v}");
+    let restores = v["restores"].as_array().unwrap();
+    assert_eq!(restores.len(), 1, "{v}");
+    let r = &restores[0];
+    assert!(r["from"].is_u64(), "restarted instead of restored: {r}");
+    let (it, applied) = (
+        r["iteration"].as_u64().unwrap(),
+        r["applied"].as_u64().unwrap(),
+    );
+    assert!(it >= 4 && it <= applied && applied >= 7, "{r}");
+    assert!(stdout.contains("emptying stage"), "{stdout}");
+    assert!(stdout.contains("restored stage"), "{stdout}");
+    assert!(html.contains("emptied stages taken up"), "report");
+    assert!(html.contains("restored (copy of iteration"), "report");
+}
+
+/// The run must reach past the emptying, and someone must take it up.
+#[test]
+fn empty_stage_flags_are_refused_before_a_node_starts() {
+    gwtf_refuses(
+        &["demo", "--iterations", "10", "--empty-stage-at", "9"],
+        &["--empty-stage-at 9", "before its last"],
+    );
+    gwtf_refuses(
+        &["demo", "--empty-stage-at", "3", "--join-every", "0"],
+        &["--empty-stage-at needs joiners"],
+    );
+}
+
 #[test]
 fn pause_flags_are_refused_before_a_node_starts() {
     for (args, says) in [

@@ -608,9 +608,14 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u16(*stage);
         }
         Msg::KeptQuery { stage } | Msg::KeptRequest { stage } => w.u16(*stage),
-        Msg::KeptInfo { stage, iteration } => {
+        Msg::KeptInfo {
+            stage,
+            iteration,
+            open_iter,
+        } => {
             w.u16(*stage);
             w.opt(iteration, |w, &i| w.u32(i));
+            w.u32(*open_iter);
         }
         Msg::StageInfo { summary } => {
             w.u16(summary.stage);
@@ -846,6 +851,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
         48 => Msg::KeptInfo {
             stage: r.u16()?,
             iteration: r.opt("kept_info.iteration", |r| r.u32())?,
+            open_iter: r.u32()?,
         },
         49 => Msg::KeptRequest { stage: r.u16()? },
         39 => Msg::StateResponse {
@@ -1108,6 +1114,7 @@ pub fn samples() -> Vec<Msg> {
         Msg::KeptInfo {
             stage: 2,
             iteration: Some(9),
+            open_iter: 11,
         },
         Msg::KeptRequest { stage: 2 },
         Msg::StateResponse {

@@ -677,10 +677,13 @@ pub enum Msg {
         stage: Stage,
     },
     /// A holder's answer: the iteration whose update the copy of `stage`
-    /// it keeps includes last, if it keeps one.
+    /// it keeps includes last, if it keeps one, and the iteration the
+    /// holders run now (the relays next to an empty stage may not have
+    /// heard of its opening: the news travels through the stage).
     KeptInfo {
         stage: Stage,
         iteration: Option<u32>,
+        open_iter: u32,
     },
     /// The joiner asks the holder for its copy of `stage`: answered by the
     /// holder's runtime with a `StateResponse` (the copy's version, no

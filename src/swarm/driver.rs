@@ -2013,6 +2013,7 @@ impl Driver {
                 Msg::KeptInfo {
                     stage,
                     iteration: None,
+                    open_iter: 0,
                 },
             );
             return;

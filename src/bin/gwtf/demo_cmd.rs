@@ -115,6 +115,19 @@ pub struct DemoArgs {
     /// Let a crash take the last live member of a stage.
     #[arg(long)]
     pub allow_empty_stage: bool,
+    /// Empty a relay stage on purpose once iteration ITER is final: every
+    /// live member of the stage with the fewest members is SIGKILLed at
+    /// once. The next joiner restores the stage from the freshest copy of
+    /// its state the holders keep (--keep-states-every), and the report
+    /// marks where on the loss curve.
+    #[arg(long, value_name = "ITER")]
+    pub empty_stage_at: Option<u64>,
+    /// The holders keep a copy of every relay stage's state after every K
+    /// of their updates (0: none, so an emptied stage restarts from the
+    /// initial weights).
+    #[arg(long, value_name = "K", default_value_t = 5, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(0))]
+    pub keep_states_every: u32,
     /// Encrypt the payloads on every node's links (AES-256-GCM; every
     /// frame is authenticated either way).
     #[arg(long)]
@@ -193,6 +206,24 @@ fn check(a: &DemoArgs) -> Res<()> {
     if let Some(p) = &a.report {
         checks::writable_output("--report", p)?;
     }
+    if let Some(k) = a.empty_stage_at {
+        if k + 1 >= a.iterations {
+            return Err(format!(
+                "--empty-stage-at {k}: the run has {} iterations (0 to {}); empty a stage \
+                 before its last",
+                a.iterations,
+                a.iterations - 1
+            )
+            .into());
+        }
+        if a.join_every <= 0.0 {
+            return Err(
+                "--empty-stage-at needs joiners (--join-every > 0): nobody would take the \
+                 emptied stage up"
+                    .into(),
+            );
+        }
+    }
     if let (Some(j), Some(r)) = (&a.json, &a.report) {
         if j == r {
             return Err(format!("--json and --report are the same file {}", j.display()).into());
@@ -247,6 +278,8 @@ pub struct Swarm<'a> {
     pub ids: std::collections::BTreeSet<NodeId>,
     pub next_region: usize,
     pub out: Out,
+    /// A stage was emptied on purpose (`--empty-stage-at`).
+    pub emptied: bool,
 }
 
 impl Swarm<'_> {
@@ -309,6 +342,12 @@ impl Swarm<'_> {
         }
         if l.holder {
             v.push("--holder".into());
+            if a.keep_states_every > 0 {
+                v.extend([
+                    "--keep-states-every".into(),
+                    a.keep_states_every.to_string(),
+                ]);
+            }
             for d in &a.data {
                 v.extend(["--data".into(), d.display().to_string()]);
             }
@@ -809,6 +848,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         ids: Default::default(),
         next_region: 0,
         out: Out::new(a.iterations),
+        emptied: false,
     };
     let outcome = drive(&mut sw, &rx);
     sw.out.finish();
@@ -998,7 +1038,11 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
         return;
     };
     match &ev {
-        Event::Iteration { .. } => {
+        Event::Iteration { iteration, .. } => {
+            if sw.a.empty_stage_at == Some(*iteration) && !sw.emptied {
+                sw.emptied = true;
+                empty_a_stage(sw);
+            }
             let rows = sw.facts.completed_iterations();
             while *shown < rows.len() {
                 let r = &rows[*shown];
@@ -1043,6 +1087,24 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
             sw.out
                 .note(&format!("{t:>7.1}s  node {id}: stage {stage} is empty"));
         }
+        Event::StageRestored {
+            stage,
+            from,
+            iteration,
+            applied,
+            ..
+        } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id} restored stage {stage} from holder {from}'s copy of \
+                 iteration {iteration} (standing for iteration {applied})"
+            ));
+        }
+        Event::StageRestarted { stage, .. } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id} restarted stage {stage} from the initial weights \
+                 (no copy kept)"
+            ));
+        }
         Event::StateDownload {
             from,
             bytes,
@@ -1059,6 +1121,32 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
         _ => {}
     }
     chaos_on_event(sw, chaos, id, &ev);
+}
+
+/// `--empty-stage-at`: every live relay of the stage with the fewest
+/// members is SIGKILLed at once.
+fn empty_a_stage(sw: &mut Swarm) {
+    let avail = sw.facts.available_per_stage();
+    let Some(stage) = (1..avail.len() as u32).min_by_key(|&s| (avail[s as usize], s)) else {
+        return;
+    };
+    let victims: Vec<NodeId> = (sw.facts.nodes.iter())
+        .filter(|(_, n)| !n.holder && n.alive() && n.stage == Some(stage))
+        .map(|(&id, _)| id)
+        .collect();
+    sw.out.note(&format!(
+        "{:>7.1}s  emptying stage {stage} on purpose (--empty-stage-at): killing its {} \
+         live node(s)",
+        sw.now(),
+        victims.len()
+    ));
+    for id in victims {
+        sw.kill(
+            id,
+            &format!("emptying stage {stage} (--empty-stage-at)"),
+            None,
+        );
+    }
 }
 
 /// Runs the swarm until the holders are done; `Ok(Some(why))` when it was

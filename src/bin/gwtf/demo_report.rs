@@ -19,6 +19,7 @@ const W: u32 = 900;
 const H: u32 = 420;
 const SWARM: RGBColor = RGBColor(31, 119, 180);
 const REFERENCE: RGBColor = RGBColor(0, 0, 0);
+const RESTORE: RGBColor = RGBColor(214, 39, 40);
 const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
 const PAUSE: RGBColor = RGBColor(148, 103, 189);
@@ -117,6 +118,26 @@ pub fn loss_svg(s: &Summary) -> Res<String> {
                         REFERENCE.stroke_width(2),
                     )
                 });
+        }
+        // Where an emptied stage was taken up: the first iteration on its
+        // restored (or fresh) weights.
+        for (n, r) in s.restores.iter().enumerate() {
+            let x = r.applied.map_or(1, |a| a + 2);
+            let what = match r.iteration {
+                Some(k) => format!("stage {} restored (copy of iteration {k})", r.stage),
+                None => format!("stage {} restarted (initial weights)", r.stage),
+            };
+            let s = chart.draw_series(DashedLineSeries::new(
+                [(x, lo), (x, hi)],
+                3,
+                3,
+                RESTORE.stroke_width(2),
+            ))?;
+            if n == 0 {
+                s.label(what).legend(|(x, y)| {
+                    DashedPathElement::new(vec![(x, y), (x + 24, y)], 3, 3, RESTORE.stroke_width(2))
+                });
+            }
         }
         chart
             .draw_series(LineSeries::new(swarm.clone(), SWARM.stroke_width(2)))?
@@ -423,6 +444,12 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         ),
         ("wall time", format!("{:.1} s", s.wall_s)),
     ];
+    if !s.restores.is_empty() {
+        rows.push((
+            "emptied stages taken up",
+            super::demo_events::restores_line(s),
+        ));
+    }
     if s.pause_count + s.cut_count > 0 {
         // After the recovery after a kill.
         let at = rows

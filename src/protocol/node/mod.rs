@@ -712,7 +712,11 @@ impl Node {
             // The runtime serves it (a holder's copy, not a join).
             Msg::CopyRequest { .. } | Msg::KeptRequest { .. } => {}
             Msg::KeptQuery { stage } => self.on_kept_query(from, stage),
-            Msg::KeptInfo { stage, iteration } => self.on_kept_info(from, stage, iteration),
+            Msg::KeptInfo {
+                stage,
+                iteration,
+                open_iter,
+            } => self.on_kept_info(from, stage, iteration, open_iter),
             Msg::StateResponse {
                 version,
                 members,

@@ -80,18 +80,36 @@ impl Node {
     /// A joiner asks which copy of `stage` this node keeps.
     pub(super) fn on_kept_query(&mut self, from: NodeId, stage: Stage) {
         let iteration = self.restoring.copies.get(&stage).copied();
-        self.send(from, Msg::KeptInfo { stage, iteration });
+        let open_iter = if self.stage == 0 {
+            self.iters.next_hint()
+        } else {
+            0
+        };
+        let m = Msg::KeptInfo {
+            stage,
+            iteration,
+            open_iter,
+        };
+        self.send(from, m);
     }
 
     /// A holder's answer to `KeptQuery` (or to `KeptRequest`: its copy is
-    /// gone).
-    pub(super) fn on_kept_info(&mut self, from: NodeId, stage: Stage, iteration: Option<u32>) {
+    /// gone). The holders know the iteration in progress best: the relays
+    /// that told of the empty stage may not have heard of its opening.
+    pub(super) fn on_kept_info(
+        &mut self,
+        from: NodeId,
+        stage: Stage,
+        iteration: Option<u32>,
+        open_iter: u32,
+    ) {
         let Some(r) = self.restoring.pending.as_mut() else {
             return;
         };
         if r.stage != stage {
             return;
         }
+        r.next = r.next.max(open_iter);
         match self.phase {
             Phase::Restoring { .. } => {
                 if !r.waiting.remove(&from) {
@@ -225,6 +243,7 @@ mod tests {
             Msg::KeptInfo {
                 stage: 2,
                 iteration,
+                open_iter: 0,
             },
         )
     }
@@ -328,6 +347,24 @@ mod tests {
         assert!(n.is_active() && n.stage() == 2);
     }
 
+    /// The relays next to the empty stage had not heard that iteration 9
+    /// opened (the news goes through the stage); the holders say so, and
+    /// the restored weights stand for iteration 8.
+    #[test]
+    fn the_holders_tell_the_iteration_in_progress() {
+        let (mut n, _) = joiner_asking_holders();
+        let late = Msg::KeptInfo {
+            stage: 2,
+            iteration: Some(4),
+            open_iter: 9,
+        };
+        deliver(&mut n, 1, late);
+        offer(&mut n, 2, None);
+        assert_eq!(n.restore_applied((4, 99)), Some(8));
+        let acts = deliver(&mut n, 1, copy((4, 99), 1));
+        assert_eq!(restored_event(&acts), Some((2, 1, 4, 8)));
+    }
+
     /// Holders that do not answer are not waited for beyond the suspicion
     /// time: with no offer, the stage restarts.
     #[test]
@@ -352,7 +389,8 @@ mod tests {
                 50,
                 Msg::KeptInfo {
                     stage: 2,
-                    iteration: Some(9)
+                    iteration: Some(9),
+                    ..
                 }
             )]
         ));
@@ -363,7 +401,8 @@ mod tests {
                 50,
                 Msg::KeptInfo {
                     stage: 3,
-                    iteration: None
+                    iteration: None,
+                    ..
                 }
             )]
         ));
