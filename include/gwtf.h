@@ -72,7 +72,7 @@
 /**
  * Current version of `gwtf_peer_options` (what `_init` writes).
  */
-#define GWTF_PEER_OPTIONS_VERSION 4
+#define GWTF_PEER_OPTIONS_VERSION 5
 
 /**
  * Current version of `gwtf_peer_stats`.
@@ -690,6 +690,14 @@ enum gwtf_task_kind
    * `INIT_STATE` task came before).
    */
   GWTF_TASK_KIND_EVENT_STAGE_RESTARTED = 116,
+  /**
+   * Event, holder (`save_every`): a checkpoint of the whole model after
+   * the update of `iteration` is complete: `microbatches` is the number
+   * of protocol stages (0 to relay_stages), whose states, as each
+   * stage's trainer exported them, `gwtf_peer_checkpoint_state` gives.
+   * The library keeps the last two checkpoints' states.
+   */
+  GWTF_TASK_KIND_EVENT_CHECKPOINT = 117,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1194,6 +1202,30 @@ typedef struct gwtf_peer_options {
    * Every member must then set it. Default 0. (Version 4.)
    */
   uint32_t chosen_ids;
+  /**
+   * A data holder keeps a copy of every relay stage's state, asked for
+   * from one of the stage's members after every this many of its
+   * updates, so that a stage whose last member dies is restored from it
+   * (`GWTF_TASK_KIND_EVENT_STAGE_RESTORED`) instead of starting afresh.
+   * 0: none. Holders only. Default 0. (Version 5.)
+   */
+  uint32_t keep_states_every;
+  /**
+   * A data holder assembles a checkpoint of the whole model after every
+   * this many of its updates: its own state and a copy of each relay
+   * stage's, all exported right after that update, handed over with
+   * `GWTF_TASK_KIND_EVENT_CHECKPOINT` (read them with
+   * `gwtf_peer_checkpoint_state`). 0: none. Holders only. Default 0.
+   * (Version 5.)
+   */
+  uint32_t save_every;
+  /**
+   * A founding member whose trainer starts from a checkpoint: the
+   * updates its weights hold (iterations 0..N-1); the swarm starts at
+   * iteration N. Every founding member gives the same. 0: a fresh start.
+   * Default 0. (Version 5.)
+   */
+  uint32_t resume_iterations_done;
 } gwtf_peer_options;
 
 /**
@@ -2443,6 +2475,31 @@ gwtf_status gwtf_peer_options_init(struct gwtf_peer_options *opts);
 gwtf_status gwtf_peer_new(const struct gwtf_peer_options *opts,
                           struct gwtf_peer **out_peer,
                           struct gwtf_error **out_err);
+
+/**
+ * The state of protocol stage `stage` (0: the data holders') in this
+ * holder's checkpoint of iteration `iteration`, announced by
+ * `GWTF_TASK_KIND_EVENT_CHECKPOINT`: the bytes that stage's trainer
+ * exported right after that update (`GWTF_TASK_KIND_EXPORT_STATE`), and
+ * the node whose trainer it was (`out_from`, may be NULL).
+ *
+ * Ownership: `*out_data` points into memory the library keeps until two
+ * more checkpoint events have been handed out, or the peer is freed:
+ * read (or copy) it, never free it. `out_data`, `out_len` and `out_from`
+ * are caller memory, written on success.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_NOT_FOUND` (no
+ * checkpoint of that iteration is kept, or it has no such stage).
+ */
+gwtf_status gwtf_peer_checkpoint_state(struct gwtf_peer *peer,
+                                       uint32_t iteration,
+                                       uint32_t stage,
+                                       const uint8_t **out_data,
+                                       size_t *out_len,
+                                       uint32_t *out_from,
+                                       struct gwtf_error **out_err);
 
 /**
  * This peer's node id (the one given, or the random one chosen).

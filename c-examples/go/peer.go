@@ -67,6 +67,14 @@ type PeerOptions struct {
 	// gets TaskDiscard for a forward, and that forward again before its
 	// backward, instead of waiting for memory.
 	Recompute bool
+	// Data holders: keep a copy of every relay stage's state after every
+	// KeepStatesEvery updates (an emptied stage is restored from it), and
+	// assemble a checkpoint of the whole model after every SaveEvery
+	// (EventCheckpoint, then CheckpointState). 0: none.
+	KeepStatesEvery, SaveEvery uint32
+	// Founding members whose trainers start from a checkpoint: the updates
+	// it holds (iterations 0..N-1); the swarm starts at iteration N.
+	ResumeIterationsDone uint32
 }
 
 // TaskKind is a GWTF_TASK_KIND_* value: a task (below 100) to answer once,
@@ -104,6 +112,7 @@ const (
 	EventUnreachable     = TaskKind(C.GWTF_TASK_KIND_EVENT_CONNECT_FAILED)
 	EventStageRestored   = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTORED)
 	EventStageRestarted  = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTARTED)
+	EventCheckpoint      = TaskKind(C.GWTF_TASK_KIND_EVENT_CHECKPOINT)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.
@@ -215,6 +224,9 @@ func NewPeer(o PeerOptions) (*Peer, error) {
 	if o.ChosenIDs {
 		opts.chosen_ids = 1
 	}
+	opts.keep_states_every = C.uint32_t(o.KeepStatesEvery)
+	opts.save_every = C.uint32_t(o.SaveEvery)
+	opts.resume_iterations_done = C.uint32_t(o.ResumeIterationsDone)
 	if o.Listen != "" {
 		opts.listen_addr = (*C.char)(keep(unsafe.Pointer(C.CString(o.Listen))))
 	}
@@ -332,6 +344,22 @@ func (p *Peer) NextTask(timeout time.Duration) (*Task, error) {
 		}
 	}
 	return out, nil
+}
+
+// CheckpointState is the state of protocol stage stage (0: the holders')
+// in this holder's checkpoint of iteration iteration (EventCheckpoint), as
+// that stage's trainer exported it (a copy), and the node it came from.
+func (p *Peer) CheckpointState(iteration, stage uint32) ([]byte, uint32, error) {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	var data *C.uint8_t
+	var n C.size_t
+	var from C.uint32_t
+	var cerr *C.gwtf_error
+	if err := check(C.gwtf_peer_checkpoint_state(p.ptr, C.uint32_t(iteration), C.uint32_t(stage), &data, &n, &from, &cerr), &cerr); err != nil {
+		return nil, 0, err
+	}
+	return C.GoBytes(unsafe.Pointer(data), C.int(n)), uint32(from), nil
 }
 
 // Alloc takes an output frame of n bytes from the peer's pool.

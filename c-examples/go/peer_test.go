@@ -324,11 +324,12 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	boot := []Contact{{ids[0], 0, addrs[0]}, {ids[1], 1, addrs[1]}, {ids[2], 1, addrs[2]}}
 	act := uint64(4 * toyB * toyD)
 	opts := func(i int) PeerOptions {
-		role, stage := RoleRelay, int32(1)
+		role, stage, every := RoleRelay, int32(1), uint32(0)
 		if i == 0 {
-			role, stage = RoleHolder, 0
+			role, stage, every = RoleHolder, 0, 5
 		}
 		return PeerOptions{Role: role, Stage: stage, NodeKeyFile: keys[i], Listen: addrs[i],
+			KeepStatesEvery: every, SaveEvery: every,
 			Bootstrap: boot, SwarmKey: []byte("0123456789abcdef-go-peer-test"),
 			MemoryBudgetBytes: 16 << 20, RelayStages: 1, MicrobatchesPerIteration: 4,
 			LogToStderr:     os.Getenv("GWTF_LOG") != "",
@@ -348,6 +349,15 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	if _, err := NewPeer(other); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
 		t.Fatalf("another member's id: %v", err)
 	}
+	// Relays neither keep copies nor write checkpoints.
+	relaySaving := opts(1)
+	relaySaving.SaveEvery = 5
+	if _, err := NewPeer(relaySaving); !errors.Is(err, &Error{Status: StatusInvalidArgument}) {
+		t.Fatalf("a relay with SaveEvery: %v", err)
+	}
+	// checkpoint states by iteration and stage, as the holder got them
+	checkpoints := map[uint32]map[uint32][]byte{}
+	var checkpointErr error
 
 	var mu sync.Mutex
 	losses := map[uint32]float32{}
@@ -408,6 +418,22 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 					mu.Unlock()
 				case EventError:
 					t.Errorf("node %d: %s", id, task.Message)
+				case EventCheckpoint:
+					states := map[uint32][]byte{}
+					for s := uint32(0); s < uint32(task.Microbatches); s++ {
+						b, _, err := p.CheckpointState(task.Iteration, s)
+						if err != nil {
+							t.Errorf("checkpoint %d stage %d: %v", task.Iteration, s, err)
+						}
+						states[s] = b
+					}
+					_, _, err := p.CheckpointState(task.Iteration, 7)
+					mu.Lock()
+					checkpoints[task.Iteration] = states
+					if checkpointErr == nil {
+						checkpointErr = err
+					}
+					mu.Unlock()
 				}
 				if task.IsEvent() {
 					continue
@@ -478,5 +504,36 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 	}
 	if agreed < iterations-2 {
 		t.Errorf("only %d updates compared between the relays", agreed)
+	}
+	// Checkpoints after the updates of 4, 9, 14 (and 19 when it came before
+	// the end): each stage's state holds the weights its replicas printed.
+	if !errors.Is(checkpointErr, &Error{Status: StatusNotFound}) {
+		t.Errorf("a stage the checkpoint lacks: %v", checkpointErr)
+	}
+	params := map[uint32]int{0: 2 * toyV * toyD, 1: toyD * toyD}
+	printer := map[uint32]uint32{0: 1, 1: 2}
+	compared := 0
+	for it, states := range checkpoints {
+		if (it+1)%5 != 0 {
+			t.Errorf("a checkpoint of iteration %d", it)
+		}
+		for s, b := range states {
+			if len(b) < 4*params[s] {
+				t.Errorf("checkpoint %d stage %d: %d bytes", it, s, len(b))
+				continue
+			}
+			got := sha256.Sum256(b[:4*params[s]])
+			if want, ok := digests[it][printer[s]]; ok {
+				if got != want {
+					t.Errorf("checkpoint %d stage %d is not the weights its replica printed", it, s)
+				}
+				compared++
+			}
+		}
+	}
+	t.Logf("%d checkpoints, %d stage states equal to the weights their replicas printed",
+		len(checkpoints), compared)
+	if len(checkpoints) < 3 || compared < 6 {
+		t.Errorf("%d checkpoints, %d states compared", len(checkpoints), compared)
 	}
 }

@@ -31,9 +31,10 @@ use crate::swarm::runtime::{
     realtime_config, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions,
     TensorSizes, Work, WorkId, WorkKind, WorkPort,
 };
+use crate::swarm::saves::SavedState;
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
-pub const GWTF_PEER_OPTIONS_VERSION: u32 = 4;
+pub const GWTF_PEER_OPTIONS_VERSION: u32 = 5;
 /// Current version of `gwtf_peer_stats`.
 pub const GWTF_PEER_STATS_VERSION: u32 = 1;
 /// `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
@@ -197,6 +198,12 @@ pub enum gwtf_task_kind {
     /// of which no data holder kept a copy, from the initial weights (its
     /// `INIT_STATE` task came before).
     EventStageRestarted = 116,
+    /// Event, holder (`save_every`): a checkpoint of the whole model after
+    /// the update of `iteration` is complete: `microbatches` is the number
+    /// of protocol stages (0 to relay_stages), whose states, as each
+    /// stage's trainer exported them, `gwtf_peer_checkpoint_state` gives.
+    /// The library keeps the last two checkpoints' states.
+    EventCheckpoint = 117,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -312,6 +319,24 @@ pub struct gwtf_peer_options {
     /// accepted, so any holder of the swarm key can act as any member.
     /// Every member must then set it. Default 0. (Version 4.)
     pub chosen_ids: u32,
+    /// A data holder keeps a copy of every relay stage's state, asked for
+    /// from one of the stage's members after every this many of its
+    /// updates, so that a stage whose last member dies is restored from it
+    /// (`GWTF_TASK_KIND_EVENT_STAGE_RESTORED`) instead of starting afresh.
+    /// 0: none. Holders only. Default 0. (Version 5.)
+    pub keep_states_every: u32,
+    /// A data holder assembles a checkpoint of the whole model after every
+    /// this many of its updates: its own state and a copy of each relay
+    /// stage's, all exported right after that update, handed over with
+    /// `GWTF_TASK_KIND_EVENT_CHECKPOINT` (read them with
+    /// `gwtf_peer_checkpoint_state`). 0: none. Holders only. Default 0.
+    /// (Version 5.)
+    pub save_every: u32,
+    /// A founding member whose trainer starts from a checkpoint: the
+    /// updates its weights hold (iterations 0..N-1); the swarm starts at
+    /// iteration N. Every founding member gives the same. 0: a fresh start.
+    /// Default 0. (Version 5.)
+    pub resume_iterations_done: u32,
 }
 
 /// A task or an event, written by `gwtf_peer_next_task`. Which fields mean
@@ -432,7 +457,12 @@ pub struct gwtf_peer {
     counters: Counters,
     /// The runtime's counters when it left.
     last: Mutex<gwtf_peer_stats>,
+    /// The last checkpoints handed out (`EventCheckpoint`), oldest first.
+    checkpoints: Mutex<std::collections::VecDeque<(u32, Vec<SavedState>)>>,
 }
+
+/// Checkpoints whose states `gwtf_peer_checkpoint_state` still gives.
+const CHECKPOINTS_KEPT: usize = 2;
 
 impl FfiHandle for gwtf_peer {
     const MAGIC: u64 = 0x6777_7466_7065_6572; // "gwtfpeer"
@@ -514,6 +544,9 @@ fn default_options() -> gwtf_peer_options {
         encrypt: 0,
         node_key_path: std::ptr::null(),
         chosen_ids: 0,
+        keep_states_every: 0,
+        save_every: 0,
+        resume_iterations_done: 0,
     }
 }
 
@@ -531,6 +564,7 @@ unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_op
         1 => std::mem::offset_of!(gwtf_peer_options, recompute),
         2 => std::mem::offset_of!(gwtf_peer_options, encrypt),
         3 => std::mem::offset_of!(gwtf_peer_options, node_key_path),
+        4 => std::mem::offset_of!(gwtf_peer_options, keep_states_every),
         GWTF_PEER_OPTIONS_VERSION => std::mem::size_of::<gwtf_peer_options>(),
         v => {
             return Err(FfiError::new(
@@ -680,6 +714,26 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         x => return Err(FfiError::invalid(format!("recompute is {x}: 0 or 1"))),
     };
     proto.mb_per_iter = o.microbatches_per_iteration.max(1);
+    if stage != 0 || join {
+        for (v, what) in [
+            (o.keep_states_every, "keep_states_every"),
+            (o.save_every, "save_every"),
+        ] {
+            if v != 0 {
+                return Err(FfiError::invalid(format!(
+                    "{what} is {v}: data holders keep copies and checkpoints, not relays"
+                )));
+            }
+        }
+    }
+    if join && o.resume_iterations_done != 0 {
+        return Err(FfiError::invalid(
+            "resume_iterations_done is for founding members: a joiner downloads its stage's state",
+        ));
+    }
+    proto.keep_states_every = o.keep_states_every;
+    proto.save_every = o.save_every;
+    proto.resume_from = o.resume_iterations_done.checked_sub(1);
     proto.stage_state_bytes = state.iter().map(|&x| x as u64).collect();
     // Memory one microbatch takes here: the caller's figure, or four times
     // the largest tensor at the boundaries of its stage(s).
@@ -787,9 +841,68 @@ pub extern "C" fn gwtf_peer_new(
             held: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             last: Mutex::new(gwtf_peer_stats::default()),
+            checkpoints: Mutex::new(Default::default()),
         };
         // SAFETY: checked non-NULL.
         unsafe { write_out(out_peer, p.into_raw()) };
+        Ok(())
+    })
+}
+
+/// The state of protocol stage `stage` (0: the data holders') in this
+/// holder's checkpoint of iteration `iteration`, announced by
+/// `GWTF_TASK_KIND_EVENT_CHECKPOINT`: the bytes that stage's trainer
+/// exported right after that update (`GWTF_TASK_KIND_EXPORT_STATE`), and
+/// the node whose trainer it was (`out_from`, may be NULL).
+///
+/// Ownership: `*out_data` points into memory the library keeps until two
+/// more checkpoint events have been handed out, or the peer is freed:
+/// read (or copy) it, never free it. `out_data`, `out_len` and `out_from`
+/// are caller memory, written on success.
+///
+/// Thread safety: any thread, concurrently with other calls on `peer`.
+///
+/// Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_NOT_FOUND` (no
+/// checkpoint of that iteration is kept, or it has no such stage).
+#[no_mangle]
+pub extern "C" fn gwtf_peer_checkpoint_state(
+    peer: *mut gwtf_peer,
+    iteration: u32,
+    stage: u32,
+    out_data: *mut *const u8,
+    out_len: *mut usize,
+    out_from: *mut u32,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, peer, |p| {
+        require_out(out_data, "out_data")?;
+        require_out(out_len, "out_len")?;
+        let c = p.checkpoints.lock();
+        let Some((_, states)) = c.iter().find(|(it, _)| *it == iteration) else {
+            let kept: Vec<u32> = c.iter().map(|(it, _)| *it).collect();
+            return Err(FfiError::new(
+                gwtf_status::NotFound,
+                format!("no checkpoint of iteration {iteration} is kept (kept: {kept:?})"),
+            ));
+        };
+        let Some(s) = states.iter().find(|s| s.stage as u32 == stage) else {
+            return Err(FfiError::new(
+                gwtf_status::NotFound,
+                format!(
+                    "the checkpoint of iteration {iteration} has stages 0..={}, not {stage}",
+                    states.len().saturating_sub(1)
+                ),
+            ));
+        };
+        // SAFETY: checked non-NULL; the bytes live in `p.checkpoints` until
+        // two more checkpoints came, as documented.
+        unsafe {
+            write_out(out_data, s.state.as_ptr());
+            write_out(out_len, s.state.len());
+            if !out_from.is_null() {
+                write_out(out_from, s.from);
+            }
+        }
         Ok(())
     })
 }
@@ -962,10 +1075,12 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
     let mut t = blank_task();
     t.stage = my_stage;
     let (kind, msg) = match e {
-        // Holders keep copies only when asked to (`keep_states_every`),
-        // which these options do not offer yet.
-        // Nor checkpoint rounds (`save_every`).
-        NodeEvent::CopyKept { .. } | NodeEvent::Checkpoint { .. } => return None,
+        // A kept copy is the holder's own business (it restores a stage);
+        // checkpoints are handed out by `gwtf_peer::next`, which keeps
+        // their states.
+        NodeEvent::CopyKept { .. }
+        | NodeEvent::Checkpoint { .. }
+        | NodeEvent::CheckpointDropped { .. } => return None,
         NodeEvent::Iteration {
             iteration,
             loss,
@@ -1205,6 +1320,27 @@ impl gwtf_peer {
                 Ok(e) => {
                     if let NodeEvent::Protocol(Event::Active { stage }) = &e {
                         self.stage.store(*stage as u32, Ordering::Relaxed);
+                    }
+                    if let NodeEvent::Checkpoint { iteration, states } = e {
+                        let mut t = blank_task();
+                        t.kind = gwtf_task_kind::EventCheckpoint as i32;
+                        t.iteration = iteration;
+                        t.has_iteration = 1;
+                        t.microbatches = states.len() as u64;
+                        t.bytes = states.iter().map(|s| s.state.len() as u64).sum();
+                        let m = format!(
+                            "a checkpoint of every stage's state after the update of \
+                             iteration {iteration} ({} bytes)",
+                            t.bytes
+                        );
+                        fill(&mut t.message, &m);
+                        let mut c = self.checkpoints.lock();
+                        c.push_back((iteration, states));
+                        while c.len() > CHECKPOINTS_KEPT {
+                            c.pop_front();
+                        }
+                        self.counters.events.fetch_add(1, Ordering::Relaxed);
+                        return Ok(t);
                     }
                     if let Some(t) = event_of(e, self.stage()) {
                         self.counters.events.fetch_add(1, Ordering::Relaxed);

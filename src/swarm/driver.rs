@@ -1882,10 +1882,8 @@ impl Driver {
         let saving = Copies::due(iter, save);
         if saving {
             for it in self.saves.open(iter) {
-                self.log(format!(
-                    "the checkpoint of iteration {it} is dropped: a stage's copy of that \
-                     iteration did not come"
-                ));
+                let why = "a stage's copy of that iteration did not come in time".to_string();
+                self.checkpoint_dropped(it, why);
             }
             let p = Pending::SaveOwn { iteration: iter };
             self.give(WorkKind::ExportState, None, None, p);
@@ -1896,8 +1894,22 @@ impl Driver {
                 .filter(|&k| k > 0)
                 .min()
                 .unwrap_or(1);
-            self.ask_copies(iter, iter / every);
+            let missed = self.ask_copies(iter, iter / every);
+            if saving && !missed.is_empty() {
+                // The round cannot complete: said now, not after a wait.
+                self.saves.close(iter);
+                let why = format!("no member of stage(s) {missed:?} could be asked for a copy");
+                self.checkpoint_dropped(iter, why);
+            }
         }
+    }
+
+    /// The checkpoint round of `iteration` will not complete.
+    fn checkpoint_dropped(&mut self, iteration: u32, why: String) {
+        self.log(format!(
+            "the checkpoint of iteration {iteration} is dropped: {why}"
+        ));
+        self.emit(NodeEvent::CheckpointDropped { iteration, why });
     }
 
     /// A state of the checkpoint round of `iteration` is in: the round is
@@ -1909,30 +1921,36 @@ impl Driver {
     }
 
     /// A holder that applied the update of `iter` asks one member of each
-    /// relay stage (the `round`-th in turn) for a copy of its state after
-    /// that update (`copies.rs`).
-    fn ask_copies(&mut self, iter: u32, round: u32) {
+    /// relay stage (the `round`-th in turn, or the next one not busy with
+    /// an earlier request of ours) for a copy of its state after that
+    /// update (`copies.rs`). Returns the stages none could be asked of.
+    fn ask_copies(&mut self, iter: u32, round: u32) -> Vec<Stage> {
         let now = Instant::now();
         let holders: Vec<NodeId> = (self.dir.values())
             .filter(|p| p.stage == 0)
             .map(|p| p.id)
             .collect();
         let rank = holders.iter().position(|&h| h == self.me.id).unwrap_or(0);
+        let mut missed = Vec::new();
         for stage in 1..=self.cfg.relay_stages {
             let members: Vec<NodeId> = (self.dir.values())
                 .filter(|p| p.stage == stage && self.net.is_connected(p.id as u64))
                 .map(|p| p.id)
                 .collect();
-            let Some(m) = Copies::pick(&members, rank, round) else {
-                self.log(format!("no member of stage {stage} to copy its state from"));
+            let picked = (0..members.len() as u32)
+                .filter_map(|k| Copies::pick(&members, rank, round + k))
+                .find(|&m| self.copies.may_ask(m, now));
+            let Some(m) = picked else {
+                self.log(format!(
+                    "no member of stage {stage} to copy its state from now"
+                ));
+                missed.push(stage);
                 continue;
             };
-            if !self.copies.may_ask(m, now) {
-                continue;
-            }
             self.copies.asked(m, stage, now);
             self.send(m, Msg::CopyRequest { iteration: iter });
         }
+        missed
     }
 
     /// A holder asks for a copy of this node's stage's state after the

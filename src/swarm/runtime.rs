@@ -167,6 +167,10 @@ pub enum NodeEvent {
         iteration: u32,
         states: Vec<super::saves::SavedState>,
     },
+    /// A data holder's checkpoint round of `iteration` will not complete
+    /// (`why`): no member of a stage could be asked, or a newer round
+    /// opened before its copies came.
+    CheckpointDropped { iteration: u32, why: String },
     CopyKept {
         stage: Stage,
         iteration: u32,

@@ -47,6 +47,11 @@ impl Saves {
         dropped
     }
 
+    /// The round of `iteration` will not complete: closed.
+    pub(super) fn close(&mut self, iteration: u32) {
+        self.rounds.remove(&iteration);
+    }
+
     /// Whether the round of `iteration` is open (waiting for states).
     pub(super) fn is_open(&self, iteration: u32) -> bool {
         self.rounds.contains_key(&iteration)

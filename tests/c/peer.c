@@ -113,6 +113,13 @@ static void bad_options(void) {
     o.node_key_path = "/nonexistent-dir/node.key";
     expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_IO);
     o.node_key_path = NULL;
+    /* Copies and checkpoints are the data holders': a relay is refused. */
+    o.save_every = 5;
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    o.save_every = 0;
+    o.keep_states_every = 5;
+    expect_fail(gwtf_peer_new(&o, &p, &err), &err, GWTF_STATUS_INVALID_ARGUMENT);
+    o.keep_states_every = 0;
     /* A caller built against version 1 passes a shorter struct (no
      * `recompute`): only that much is read (AddressSanitizer would see a
      * read past it), and it is judged on its own fields. */
@@ -351,6 +358,16 @@ int main(void) {
                 GWTF_STATUS_INVALID_ARGUMENT);
     expect_fail(gwtf_peer_next_task(r.p, 0, NULL, sizeof small, &err), &err,
                 GWTF_STATUS_NULL_POINTER);
+    {
+        /* No checkpoint yet (this holder writes none): not found. */
+        const uint8_t *data = NULL;
+        size_t len = 0;
+        expect_fail(gwtf_peer_checkpoint_state(h.p, 4, 0, &data, &len, NULL, &err), &err,
+                    GWTF_STATUS_NOT_FOUND);
+        expect_fail(gwtf_peer_checkpoint_state(h.p, 4, 0, NULL, &len, NULL, &err), &err,
+                    GWTF_STATUS_NULL_POINTER);
+        EXPECT(data == NULL && len == 0);
+    }
 
     /* Until the holder saw two iterations final (bounded: 60 s). */
     for (int rounds = 0; rounds < 3000 && h.iterations < 2; rounds++) {

@@ -63,6 +63,13 @@ pub struct BenchSwarmArgs {
     #[arg(long, value_name = "K", default_value_t = 5, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(0))]
     copies_every: u32,
+    /// With --copies-every: the runs with copies also write a checkpoint of
+    /// the model every K updates at each holder (`gwtf node --save DIR
+    /// --save-every K`), so the ratio is what copies and checkpoints cost
+    /// together (0: copies only).
+    #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(0))]
+    save_every: u32,
     /// SIGKILLs of a relay for the recovery time (0: skip).
     #[arg(long, default_value_t = 20, value_parser = checks::int_at_least::<u32>(0),
           allow_negative_numbers = true)]
@@ -158,6 +165,7 @@ struct Swarm {
     recovered: u64,
     /// `copy_kept` events (holders' copies of the stages' states).
     copies_kept: usize,
+    checkpoints: usize,
 }
 
 fn free_port() -> Res<SocketAddr> {
@@ -166,16 +174,18 @@ fn free_port() -> Res<SocketAddr> {
 
 impl Swarm {
     fn start(a: &BenchSwarmArgs, dir: &std::path::Path, iterations: u32) -> Res<Swarm> {
-        Swarm::start_keeping(a, dir, iterations, 0)
+        Swarm::start_keeping(a, dir, iterations, 0, 0)
     }
 
     /// [`Swarm::start`] whose holders keep copies of the relay stages'
-    /// states every `keep_every` updates (0: none).
+    /// states every `keep_every` updates and write a checkpoint every
+    /// `save_every` (0: none).
     fn start_keeping(
         a: &BenchSwarmArgs,
         dir: &std::path::Path,
         iterations: u32,
         keep_every: u32,
+        save_every: u32,
     ) -> Res<Swarm> {
         let key = dir.join("key");
         let (tx, rx) = channel();
@@ -210,6 +220,7 @@ impl Swarm {
             errors: Vec::new(),
             recovered: 0,
             copies_kept: 0,
+            checkpoints: 0,
         };
         let mut founders = Vec::new();
         for _ in 0..a.holders {
@@ -231,6 +242,15 @@ impl Swarm {
                 args.push("--holder".into());
                 if keep_every > 0 {
                     args.extend(["--keep-states-every".into(), keep_every.to_string()]);
+                }
+                if save_every > 0 {
+                    let to = dir.join(format!("checkpoints-{id:x}"));
+                    args.extend([
+                        "--save".into(),
+                        to.display().to_string(),
+                        "--save-every".into(),
+                        save_every.to_string(),
+                    ]);
                 }
                 s.holders.push((id, addr));
             } else {
@@ -362,6 +382,7 @@ impl Swarm {
             }
             "recovered" => self.recovered += 1,
             "copy_kept" => self.copies_kept += 1,
+            "checkpoint" => self.checkpoints += 1,
             "iteration" => {
                 self.last_iteration = l.at;
                 let e = self
@@ -788,16 +809,18 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
     // without and with them, interleaved (the machine's speed drifts).
     let mut copies = Value::Null;
     if a.copies_every > 0 {
-        let (mut without, mut with, mut kept) = (Vec::new(), Vec::new(), 0usize);
+        let (mut without, mut with, mut kept, mut saved) = (Vec::new(), Vec::new(), 0usize, 0usize);
         for round in 0..4 {
             let keep = if round % 2 == 0 { 0 } else { a.copies_every };
-            let mut s = Swarm::start_keeping(&a, &dir, a.iterations, keep)?;
+            let save = if keep == 0 { 0 } else { a.save_every };
+            let mut s = Swarm::start_keeping(&a, &dir, a.iterations, keep, save)?;
             s.wait_done()?;
             s.finish()?;
             let (tps, _) = s
                 .tokens_per_s()
                 .ok_or("the swarm reported too few iterations")?;
             kept += s.copies_kept;
+            saved += s.checkpoints;
             errors.take("copies", &mut s);
             if keep == 0 {
                 without.push(tps);
@@ -807,17 +830,23 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         }
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let copy_ratio = mean(&with) / mean(&without);
+        let saving = if a.save_every > 0 {
+            format!(" and writing a checkpoint every {}", a.save_every)
+        } else {
+            String::new()
+        };
         println!(
-            "copies      holders keeping every stage's state every {} updates: {:.0} tokens/s \
-             against {:.0} without (interleaved, 2 runs each): ratio {copy_ratio:.3}; {kept} \
-             copies kept",
+            "copies      holders keeping every stage's state every {} updates{saving}: {:.0} \
+             tokens/s against {:.0} without (interleaved, 2 runs each): ratio \
+             {copy_ratio:.3}; {kept} copies kept, {saved} checkpoints written",
             a.copies_every,
             mean(&with),
             mean(&without)
         );
         copies = json!({
-            "every": a.copies_every, "tokens_per_s_with": with, "tokens_per_s_without": without,
-            "ratio": copy_ratio, "copies_kept": kept,
+            "every": a.copies_every, "save_every": a.save_every,
+            "tokens_per_s_with": with, "tokens_per_s_without": without,
+            "ratio": copy_ratio, "copies_kept": kept, "checkpoints": saved,
         });
     }
 

@@ -742,6 +742,7 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
         return;
     }
     let deadline = Instant::now() + LAST_CHECKPOINT_WAIT;
+    let mut dropped = false;
     while s.last != Some(last) && Instant::now() < deadline {
         if let Some(v) = s.poll(false) {
             out.emit(v);
@@ -755,6 +756,13 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
                     out.emit(v);
                 }
             }
+            Ok(NodeEvent::CheckpointDropped { iteration, why }) if iteration == last => {
+                out.emit(json!({
+                    "event": "checkpoint_skipped", "iteration": iteration, "why": why,
+                }));
+                dropped = true;
+                break;
+            }
             Ok(ev) => {
                 out.event(ev, a.iterations);
             }
@@ -764,7 +772,7 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
     while let Some(v) = s.poll(true) {
         out.emit(v);
     }
-    if s.last != Some(last) {
+    if s.last != Some(last) && !dropped {
         out.emit(json!({
             "event": "checkpoint_failed", "iteration": last,
             "why": format!("the copies of the last iteration did not all come within {} s",
@@ -1091,6 +1099,9 @@ impl Printer {
             }
             // Handed to the saver before (`Saver::start`).
             NodeEvent::Checkpoint { .. } => {}
+            NodeEvent::CheckpointDropped { iteration, why } => self.emit(json!({
+                "event": "checkpoint_skipped", "iteration": iteration, "why": why,
+            })),
             NodeEvent::CopyKept {
                 stage,
                 iteration,
