@@ -26,8 +26,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Holders' copy requests waiting for an update, at most (one per holder
-/// is kept: a holder asks each member once per round).
+/// Holders' copy requests waiting for an update or for room, at most (one
+/// per holder is kept: a holder asks each member once per round).
 const COPY_REQUESTS_WAITING_MAX: usize = 16;
 
 /// Messages kept for a peer whose connection is being set up.
@@ -1956,8 +1956,8 @@ impl Driver {
     /// A holder asks for a copy of this node's stage's state after the
     /// update of `iteration`: exported right after that update (at once
     /// when it is in) and sent like a joiner's download, when this node
-    /// serves its stage and has room to serve it then (else the holder
-    /// asks again later).
+    /// serves its stage (else the holder asks again later); with no room
+    /// among the states it serves, once a state served is out.
     fn serve_copy(&mut self, from: NodeId, iteration: u32) {
         let holder = self.dir.get(&from).is_some_and(|p| p.stage == 0);
         if !holder {
@@ -1971,17 +1971,17 @@ impl Driver {
             ));
             return;
         }
-        if self.applied_through.is_some_and(|a| a >= iteration) {
-            self.export_copy(from);
+        self.copy_after.retain(|&(h, _)| h != from);
+        if self.applied_through.is_some_and(|a| a >= iteration) && self.export_copy(from) {
             return;
         }
-        self.copy_after.retain(|&(h, _)| h != from);
         if self.copy_after.len() < COPY_REQUESTS_WAITING_MAX {
             self.copy_after.push((from, iteration));
         }
     }
 
-    /// The copy requests waiting for an update given now.
+    /// The copy requests waiting for an update given now, or for room
+    /// among the states this node serves.
     fn copies_after_update(&mut self) {
         let Some(a) = self.applied_through else {
             return;
@@ -1992,19 +1992,19 @@ impl Driver {
         let (due, wait): (Vec<_>, Vec<_>) =
             (self.copy_after.drain(..)).partition(|&(_, it)| it <= a);
         self.copy_after = wait;
-        for (holder, _) in due {
-            self.export_copy(holder);
+        for (holder, it) in due {
+            if !self.export_copy(holder) {
+                // Asked again when a state served is out (the run loop).
+                self.copy_after.push((holder, it));
+            }
         }
     }
 
     /// Exports this node's state for holder `to` (after every update given
-    /// so far), when it has room to serve it.
-    fn export_copy(&mut self, to: NodeId) {
+    /// so far) when it has room to serve it; false when it has none now.
+    fn export_copy(&mut self, to: NodeId) -> bool {
         if !self.serving.has_room(to, Instant::now()) {
-            self.log(format!(
-                "a copy request from {to:x} not served: serving other states"
-            ));
-            return;
+            return false;
         }
         self.serving.admit(to, Instant::now());
         let version = self.node.version();
@@ -2014,6 +2014,7 @@ impl Driver {
             None,
             Pending::Copy { to, version },
         );
+        true
     }
 
     /// A joiner restoring emptied `stage` asks for the copy of its state
@@ -2166,6 +2167,9 @@ impl Driver {
                 self.input(Input::Leave);
             }
             self.on_completions();
+            if !self.copy_after.is_empty() {
+                self.copies_after_update();
+            }
             if let Some(to) = self.serving.next_turn(Instant::now()) {
                 // Its request, put to the protocol again: the answer
                 // describes the state exported now.

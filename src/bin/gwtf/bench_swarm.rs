@@ -351,6 +351,7 @@ impl Swarm {
             Ok(l) => l,
             Err(RecvTimeoutError::Timeout) => {
                 if self.last_iteration.elapsed() > self.stall {
+                    KEEP_SCRATCH.store(true, std::sync::atomic::Ordering::Relaxed);
                     return Err(format!(
                         "the swarm made no progress for {:?} (node logs: {})",
                         self.stall,
@@ -524,13 +525,20 @@ fn node_threads(a: &BenchSwarmArgs) -> usize {
 }
 
 /// A scratch directory removed at the end.
+/// The bench's directory, removed at the end unless the run failed (an
+/// error names it for its node logs).
 struct Scratch(PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if !std::thread::panicking() && !KEEP_SCRATCH.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
+
+/// Set when the bench fails: its directory stays for the logs it names.
+static KEEP_SCRATCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// `gwtf train` on the same work: steady tokens/s and its seconds.
 fn reference(a: &BenchSwarmArgs) -> Res<(f64, f64, Vec<Value>)> {

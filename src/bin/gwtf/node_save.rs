@@ -1,6 +1,7 @@
 //! `gwtf node --save DIR`: a data holder writes each complete checkpoint
 //! round the runtime hands it (`NodeEvent::Checkpoint`) on a thread of its
-//! own, so that training never waits for the disk, one at a time: a round
+//! own (at the lowest priority: it runs on what training leaves), so that
+//! training never waits for the disk or the encoding, one at a time: a round
 //! that comes while one is being written waits, and a newer one replaces it
 //! (`checkpoint_skipped`), so the newest round is always written. Prints
 //! `checkpoint` (or `checkpoint_failed`) when one is done.
@@ -14,6 +15,20 @@ use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
 use std::thread::JoinHandle;
 use std::time::Instant;
+
+/// Lowers the calling thread's priority to the least (nice 19): the writer
+/// decodes, checksums and copies every stage's state, which must not take
+/// cores from training. Not `SCHED_IDLE`: a thread that never runs while
+/// the cores are busy could hold a lock training needs (the allocator's)
+/// for good. Best effort: where the system refuses, it runs as it was.
+fn idle_priority() {
+    // SAFETY: gettid has no preconditions; setpriority on our own thread
+    // id only changes this thread's nice value.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
+}
 
 /// What a write came to: (iteration, result, milliseconds, bytes).
 type Written = (u32, Result<(PathBuf, Manifest), String>, f64, u64);
@@ -78,6 +93,7 @@ impl Saver {
             self.pause,
         );
         let h = std::thread::spawn(move || {
+            idle_priority();
             let t = Instant::now();
             let bytes: u64 = states.iter().map(|s| s.state.len() as u64).sum();
             let r =
