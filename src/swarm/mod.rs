@@ -5,7 +5,10 @@
 //! butterfly and the ring as sans-I/O machines ([`butterfly`],
 //! [`allreduce`]), their frames ([`allreduce_net`]) and the operation a
 //! node runs for its stage ([`aggregate`]); what a node refuses of what its
-//! peers send ([`intake`]); the states it serves to joiners ([`serving`]).
+//! peers send ([`intake`]); the states it serves to joiners ([`serving`]);
+//! a data holder's copies of the relay stages' states (`copies`) and its
+//! checkpoint rounds ([`saves`]), written for the built-in model by
+//! [`model_checkpoint`].
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;

@@ -1124,19 +1124,22 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
 }
 
 /// `--empty-stage-at`: every live relay of the stage with the fewest
-/// members is SIGKILLed at once.
+/// members is SIGKILLed at once, and every joiner not yet active and every
+/// fenced node coming back (either may be downloading that stage's state,
+/// and would take the stage up with it).
 fn empty_a_stage(sw: &mut Swarm) {
     let avail = sw.facts.available_per_stage();
     let Some(stage) = (1..avail.len() as u32).min_by_key(|&s| (avail[s as usize], s)) else {
         return;
     };
     let victims: Vec<NodeId> = (sw.facts.nodes.iter())
-        .filter(|(_, n)| !n.holder && n.alive() && n.stage == Some(stage))
+        .filter(|(_, n)| !n.holder && n.alive())
+        .filter(|(_, n)| n.stage == Some(stage) || n.active_s.is_none() || n.fenced)
         .map(|(&id, _)| id)
         .collect();
     sw.out.note(&format!(
-        "{:>7.1}s  emptying stage {stage} on purpose (--empty-stage-at): killing its {} \
-         live node(s)",
+        "{:>7.1}s  emptying stage {stage} on purpose (--empty-stage-at): killing its live \
+         node(s) and the joiners on their way, {} in all",
         sw.now(),
         victims.len()
     ));

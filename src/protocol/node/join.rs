@@ -125,14 +125,34 @@ impl Node {
 
     pub(super) fn choose_stage(&mut self) {
         // A stage its neighbours know empty first: training waits for it.
+        let since = match self.phase {
+            Phase::Querying { since } => since,
+            _ => self.now,
+        };
         let infos = &self.joining.stage_infos;
         let empty = infos
             .values()
             .flat_map(|i| i.empty_neighbors.iter().copied())
             .filter(|s| (1..=self.s()).contains(s) && !infos.contains_key(s))
-            .filter(|&s| !self.peers.of_stage(s).any(|(_, p)| !p.dead))
+            .filter(|&s| {
+                self.cfg.restart_empty_stages || !self.peers.of_stage(s).any(|(_, p)| !p.dead)
+            })
             .min();
         if let Some(stage) = empty.filter(|_| self.cfg.restart_empty_stages) {
+            // Nodes of it this joiner knows of (a directory's entries of
+            // nodes dead since) that did not answer its query: taken for
+            // gone after a suspicion period, as its neighbours took them;
+            // meanwhile asked again (a slow answer stands).
+            let silent: Vec<NodeId> = (self.peers.of_stage(stage))
+                .filter(|(_, p)| !p.dead)
+                .map(|(id, _)| *id)
+                .collect();
+            if !silent.is_empty() && self.now < since + self.suspicion() {
+                for p in silent {
+                    self.send(p, Msg::StageQuery);
+                }
+                return;
+            }
             // The iteration in progress: none is final while a stage is
             // empty, so none opens after it; what the members know of it
             // only lags.
@@ -688,6 +708,52 @@ mod tests {
                 assert!(matches!(sends(&acts)[..], [(31, Msg::StateRequest)]));
             }
         }
+    }
+
+    /// The joiner's directory still names a node of the empty stage (dead
+    /// since): it is asked again, and after a suspicion period without an
+    /// answer the stage is taken up; before, every joiner took that node
+    /// for alive and joined another stage, and the stage stayed empty.
+    #[test]
+    fn a_silent_node_of_a_stage_known_empty_is_waited_for_then_taken_for_gone() {
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.restart_empty_stages = true;
+        let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
+        let peers = vec![(11, 1), (21, 2), (31, 3)];
+        n.handle(SEC, Input::Join { peers });
+        for (from, stage) in [(11, 1), (31, 3)] {
+            let summary = StageSummary {
+                stage,
+                members: 2,
+                throughput: 4.0,
+                open_iter: 5,
+                empty_neighbors: vec![2],
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let restarted = |acts: &[Action]| {
+            acts.iter()
+                .any(|a| matches!(a, Action::Event(Event::StageRestarted { stage: 2, .. })))
+        };
+        let acts = n.on_timeout(SEC + 2 * n.cfg.tick);
+        assert!(!restarted(&acts) && !n.is_active());
+        assert!(sends(&acts)
+            .iter()
+            .any(|(to, m)| *to == 21 && matches!(m, Msg::StageQuery)));
+        assert!(!sends(&acts)
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::StateRequest)));
+        let mut t = SEC + 2 * n.cfg.tick;
+        let mut done = false;
+        for _ in 0..1000 {
+            t += n.cfg.tick;
+            if restarted(&n.on_timeout(t)) {
+                done = true;
+                break;
+            }
+        }
+        assert!(done && n.is_active() && n.stage() == 2);
+        assert!(t >= SEC + n.suspicion(), "taken for gone after {t}");
     }
 
     /// Two members of the stage before the empty one answer, the second
