@@ -13,10 +13,10 @@ use super::config::{
 };
 use super::dataset::DataDescription;
 use super::kernels::AdamW;
-use super::stage::{bytes_to_f32s, f32s_to_bytes, StageState};
+use super::stage::{bytes_to_f32s, f32s_to_bytes, StageState, StateParts};
 use super::train::{Progress, TrainOptions};
 use super::ModelError;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Write;
@@ -307,12 +307,44 @@ pub fn write_stage_file(
     st: &StageState,
     steps_done: usize,
 ) -> Result<(), ModelError> {
-    let tensors = stage_tensors(cfg, spec);
-    let n: usize = tensors.iter().map(|t| t.spec.len).sum();
+    let n: usize = stage_tensors(cfg, spec).iter().map(|t| t.spec.len).sum();
     st.check(spec.index, n)?;
     let bufs = [&st.params, &st.m, &st.v].map(|b| f32s_to_bytes(b));
+    let parts = StateParts {
+        index: st.index,
+        step: st.step,
+        params: &bufs[0],
+        m: &bufs[1],
+        v: &bufs[2],
+    };
+    write_stage_parts(path, cfg, spec, &parts, steps_done)
+}
+
+/// [`write_stage_file`] of a state as it travels ([`StateParts`], borrowed
+/// from a received `export_state`): its bytes go to the file as they are,
+/// with no copy of the state in between (a swarm's checkpoint writer runs
+/// beside training and must not take its memory bandwidth).
+pub fn write_stage_parts(
+    path: &Path,
+    cfg: &ModelConfig,
+    spec: &StageSpec,
+    st: &StateParts,
+    steps_done: usize,
+) -> Result<(), ModelError> {
+    let tensors = stage_tensors(cfg, spec);
+    let n: usize = tensors.iter().map(|t| t.spec.len).sum();
+    if st.index != spec.index || [st.params, st.m, st.v].iter().any(|b| b.len() != 4 * n) {
+        return Err(ModelError::BadState(format!(
+            "state of stage {} with {}/{}/{} bytes of params/m/v for stage {} with {n} params",
+            st.index,
+            st.params.len(),
+            st.m.len(),
+            st.v.len(),
+            spec.index
+        )));
+    }
     let mut named: Vec<(String, Vec<usize>, &[u8])> = Vec::new();
-    for (kind, buf) in KINDS.iter().zip(&bufs) {
+    for (kind, buf) in KINDS.iter().zip([st.params, st.m, st.v]) {
         let mut off = 0;
         for t in &tensors {
             let len = 4 * t.spec.len;
@@ -333,17 +365,41 @@ pub fn write_stage_file(
         "crc32c".into(),
         crc_of(named.iter().map(|(k, _, d)| (k.as_str(), *d)).collect()),
     );
-    let views = named
-        .iter()
-        .map(|(k, shape, d)| {
-            TensorView::new(Dtype::F32, shape.clone(), d)
-                .map(|v| (k.clone(), v))
-                .map_err(|e| err(path, e))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut bytes = safetensors::serialize(views, Some(meta)).map_err(|e| err(path, e))?;
-    sort_metadata(&mut bytes);
-    write_atomically(path, &bytes)
+    // The file is what `safetensors::serialize` gives (tensors in name
+    // order, as all are F32; the header padded to 8 bytes), with the
+    // metadata sorted, written from the borrowed bytes: no serialized copy
+    // of the state in memory.
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut infos = Vec::with_capacity(named.len());
+    let mut offset = 0;
+    for (k, shape, d) in &named {
+        if shape.iter().product::<usize>() * 4 != d.len() {
+            return Err(err(
+                path,
+                format!("tensor {k} of shape {shape:?} has {} bytes", d.len()),
+            ));
+        }
+        let info = TensorInfo {
+            dtype: Dtype::F32,
+            shape: shape.clone(),
+            data_offsets: (offset, offset + d.len()),
+        };
+        infos.push((k.clone(), info));
+        offset += d.len();
+    }
+    let header = Metadata::new(Some(meta), infos).map_err(|e| err(path, e))?;
+    let mut json = serde_json::to_vec(&header).map_err(|e| err(path, e))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut head = (json.len() as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&json);
+    sort_metadata(&mut head);
+    let mut tmp = temp_file_beside(path)?;
+    std::iter::once(&head[..])
+        .chain(named.iter().map(|(_, _, d)| *d))
+        .try_for_each(|b| tmp.write_all(b))
+        .and_then(|_| tmp.as_file().sync_all())
+        .map_err(|e| err(path, format!("cannot write: {e}")))?;
+    persist(tmp, path)
 }
 
 /// Rewrites the header's `__metadata__` object with its keys sorted (the crate writes them
@@ -468,17 +524,41 @@ pub fn save(
     config: &CheckpointConfig,
     stages: &[StageState],
 ) -> Result<(), ModelError> {
+    save_with(dir, config, stages.len(), |path, cfg, spec, i| {
+        write_stage_file(path, cfg, spec, &stages[i], config.steps_done)
+    })
+}
+
+/// [`save`] of states as they travel ([`write_stage_parts`]).
+pub fn save_parts(
+    dir: &Path,
+    config: &CheckpointConfig,
+    stages: &[StateParts],
+) -> Result<(), ModelError> {
+    save_with(dir, config, stages.len(), |path, cfg, spec, i| {
+        write_stage_parts(path, cfg, spec, &stages[i], config.steps_done)
+    })
+}
+
+/// Checks that `count` states fit `config`'s plan, writes stage `i`'s file
+/// with `write(path, cfg, spec, i)`, then `config.json`.
+fn save_with(
+    dir: &Path,
+    config: &CheckpointConfig,
+    count: usize,
+    write: impl Fn(&Path, &ModelConfig, &StageSpec, usize) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| err(dir, format!("cannot create: {e}")))?;
     let cfg = config.model_config()?;
     let plan = StagePlan::new(&cfg, cfg.n_stages)?;
-    if stages.len() != plan.len() || config.stages.len() != plan.len() {
+    if count != plan.len() || config.stages.len() != plan.len() {
         return Err(err(
             dir,
-            format!("{} stage states for {} stages", stages.len(), plan.len()),
+            format!("{count} stage states for {} stages", plan.len()),
         ));
     }
-    for ((spec, st), entry) in plan.stages.iter().zip(stages).zip(&config.stages) {
-        write_stage_file(&dir.join(&entry.file), &cfg, spec, st, config.steps_done)?;
+    for (i, (spec, entry)) in plan.stages.iter().zip(&config.stages).enumerate() {
+        write(&dir.join(&entry.file), &cfg, spec, i)?;
     }
     let mut json = serde_json::to_vec_pretty(config).map_err(|e| err(dir, e))?;
     json.push(b'\n');
@@ -546,28 +626,41 @@ fn stage_path(dir: &Path, file: &str) -> Result<PathBuf, ModelError> {
 /// Writes `bytes` to `path` through a temporary file in the same directory that is flushed
 /// to disk and renamed over `path`, then flushes the directory.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let mut tmp = temp_file_beside(path)?;
+    tmp.write_all(bytes)
+        .and_then(|_| tmp.as_file().sync_all())
+        .map_err(|e| err(path, format!("cannot write: {e}")))?;
+    persist(tmp, path)
+}
+
+/// A temporary file in `path`'s directory (an ordinary file: the umask
+/// applies, not tempfile's private 0600), to be renamed over `path`.
+fn temp_file_beside(path: &Path) -> Result<tempfile::NamedTempFile, ModelError> {
     let mut b = tempfile::Builder::new();
     b.prefix(".tmp-");
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        // An ordinary file (the umask applies), not tempfile's private 0600.
         b.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    let mut tmp = b
-        .tempfile_in(dir)
-        .map_err(|e| err(path, format!("cannot create a temporary file: {e}")))?;
-    tmp.write_all(bytes)
-        .and_then(|_| tmp.as_file().sync_all())
-        .map_err(|e| err(path, format!("cannot write: {e}")))?;
+    b.tempfile_in(parent_of(path))
+        .map_err(|e| err(path, format!("cannot create a temporary file: {e}")))
+}
+
+/// Renames the written and flushed `tmp` over `path`, then flushes the
+/// directory.
+fn persist(tmp: tempfile::NamedTempFile, path: &Path) -> Result<(), ModelError> {
     tmp.persist(path)
         .map_err(|e| err(path, format!("cannot rename into place: {}", e.error)))?;
-    if let Ok(d) = std::fs::File::open(dir) {
+    if let Ok(d) = std::fs::File::open(parent_of(path)) {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+fn parent_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
 }

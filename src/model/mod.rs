@@ -43,6 +43,7 @@ pub use config::{
 pub use kernels::AdamW;
 pub use stage::{
     average_replicas, ActShape, MicrobatchId, Stage, StageInput, StageOutput, StageState,
+    StateParts,
 };
 pub use train::{Pipeline, StepLog, TrainOptions};
 

@@ -665,29 +665,56 @@ impl Stage {
     /// Inverse of [`Stage::export_state`]; checked (magic, stage index, sizes) before any
     /// change.
     pub fn import_state(&mut self, b: &[u8]) -> Result<(), ModelError> {
-        let n = self.params.len();
-        if b.len() != 28 + 12 * n || &b[..8] != STATE_MAGIC {
+        let parts = StateParts::parse(b, self.spec.index, self.params.len())?;
+        self.params = bytes_to_f32s(parts.params)?;
+        self.m = bytes_to_f32s(parts.m)?;
+        self.v = bytes_to_f32s(parts.v)?;
+        self.step = parts.step;
+        Ok(())
+    }
+}
+
+/// A stage state as [`Stage::export_state`] lays it out, borrowed, not
+/// decoded: what a checkpoint writer needs to write a state it received
+/// without copying it into a stage first.
+#[derive(Clone, Copy, Debug)]
+pub struct StateParts<'a> {
+    pub index: usize,
+    pub step: u64,
+    /// Parameters, AdamW first and second moments: each `4 * n` bytes of
+    /// little-endian f32.
+    pub params: &'a [u8],
+    pub m: &'a [u8],
+    pub v: &'a [u8],
+}
+
+impl<'a> StateParts<'a> {
+    /// Splits `b` (as [`Stage::export_state`] wrote it), checked whole
+    /// against a stage `index` of `n` parameters.
+    pub fn parse(b: &'a [u8], index: usize, n: usize) -> Result<StateParts<'a>, ModelError> {
+        if b.len() as u64 != 28 + 12 * n as u64 || &b[..8] != STATE_MAGIC {
             return Err(ModelError::BadState(format!(
                 "expected {} bytes with magic GWTFSTG1, got {}",
-                28 + 12 * n,
+                28 + 12 * n as u64,
                 b.len()
             )));
         }
         let idx = u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()) as usize;
         let step = u64::from_le_bytes(b[12..20].try_into().unwrap_or_default());
         let nn = u64::from_le_bytes(b[20..28].try_into().unwrap_or_default());
-        if idx != self.spec.index || nn != n as u64 {
+        if idx != index || nn != n as u64 {
             return Err(ModelError::BadState(format!(
-                "state of stage {idx} with {nn} params, this is stage {} with {n}",
-                self.spec.index
+                "state of stage {idx} with {nn} params, this is stage {index} with {n}"
             )));
         }
         let body = &b[28..];
-        self.params = bytes_to_f32s(&body[..4 * n])?;
-        self.m = bytes_to_f32s(&body[4 * n..8 * n])?;
-        self.v = bytes_to_f32s(&body[8 * n..])?;
-        self.step = step;
-        Ok(())
+        Ok(StateParts {
+            index,
+            step,
+            params: &body[..4 * n],
+            m: &body[4 * n..8 * n],
+            v: &body[8 * n..],
+        })
     }
 }
 

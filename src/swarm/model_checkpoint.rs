@@ -10,12 +10,12 @@
 //! `DIR/iteration-NNNNNN` in one step; `DIR/LATEST` (written atomically
 //! after) names the newest. A writer killed midway leaves a `.tmp-`
 //! directory, never a checkpoint, and the next write removes it.
-use super::model_trainer::{stage_states, ModelRun};
+use super::model_trainer::{stage_parts, ModelRun};
 use super::saves::SavedState;
 use crate::model::checkpoint::{self, CheckpointConfig};
 use crate::model::dataset::DataDescription;
 use crate::model::train::Progress;
-use crate::model::StageState;
+use crate::model::StateParts;
 use crate::protocol::{NodeId, Stage};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -68,16 +68,17 @@ pub fn write(
     before_publish: impl FnOnce(),
 ) -> Result<(PathBuf, Manifest), String> {
     let at = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
-    let mut model: Vec<Option<StageState>> = vec![None; run.stages];
+    let mut model: Vec<Option<StateParts>> = vec![None; run.stages];
     let mut stages = Vec::new();
     for s in states {
-        let (sts, digest) = stage_states(run, s.stage, &s.state)
+        let (parts, digest) = stage_parts(run, s.stage, &s.state)
             .map_err(|e| format!("the state of stage {} from {:x}: {e}", s.stage, s.from))?;
         let mut files = Vec::new();
-        for st in sts {
+        for st in parts {
             files.push(checkpoint::stage_file_name(st.index));
-            let i = st.index;
-            *model.get_mut(i).ok_or("a model stage out of the plan")? = Some(st);
+            *model
+                .get_mut(st.index)
+                .ok_or("a model stage out of the plan")? = Some(st);
         }
         stages.push(ManifestStage {
             stage: s.stage,
@@ -86,7 +87,7 @@ pub fn write(
             weights_sha256: digest.iter().map(|b| format!("{b:02x}")).collect(),
         });
     }
-    let all: Vec<StageState> = (model.into_iter().enumerate())
+    let all: Vec<StateParts> = (model.into_iter().enumerate())
         .map(|(i, s)| s.ok_or(format!("no state of model stage {i}")))
         .collect::<Result<_, _>>()?;
     let progress = Progress {
@@ -107,7 +108,7 @@ pub fn write(
         .prefix(".tmp-")
         .tempdir_in(dir)
         .map_err(|e| at(&e))?;
-    checkpoint::save(tmp.path(), &config, &all).map_err(|e| e.to_string())?;
+    checkpoint::save_parts(tmp.path(), &config, &all).map_err(|e| e.to_string())?;
     let mut json = serde_json::to_vec_pretty(&manifest).map_err(|e| at(&e))?;
     json.push(b'\n');
     checkpoint::write_atomically(&tmp.path().join(MANIFEST_FILE), &json)

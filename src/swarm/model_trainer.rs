@@ -22,8 +22,8 @@ use crate::engine::Frame;
 use crate::model::data::sample_windows;
 use crate::model::rng::Rng;
 use crate::model::{
-    AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput, StagePlan,
-    StageState, TrainOptions,
+    checkpoint, AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput,
+    StagePlan, StageState, StateParts, TrainOptions,
 };
 use crate::protocol::{MbId, NodeId};
 use sha2::{Digest, Sha256};
@@ -75,6 +75,15 @@ impl ModelRun {
 
     /// The pieces protocol stage `stage` runs (0: a data holder's two).
     pub fn pieces(&self, stage: u16) -> Result<Vec<Stage>, ModelError> {
+        let (plan, idx) = self.piece_plan(stage)?;
+        idx.into_iter()
+            .map(|i| Stage::new(&self.cfg, &plan, i, self.seed))
+            .collect()
+    }
+
+    /// The plan of the model's stages and the indices of those protocol
+    /// stage `stage` serves (without building them).
+    pub fn piece_plan(&self, stage: u16) -> Result<(StagePlan, Vec<usize>), ModelError> {
         let plan = StagePlan::new(&self.cfg, self.stages)?;
         let idx: Vec<usize> = if stage == 0 {
             vec![0, self.stages - 1]
@@ -86,9 +95,7 @@ impl ModelRun {
                 self.stages - 2
             )));
         };
-        idx.into_iter()
-            .map(|i| Stage::new(&self.cfg, &plan, i, self.seed))
-            .collect()
+        Ok((plan, idx))
     }
 
     /// The optimizer settings of iteration `iter`'s update.
@@ -522,54 +529,32 @@ impl ModelTrainer {
     /// Replaces the state with `b` (as [`ModelTrainer::export_bytes`]
     /// wrote it) standing for the weights after the update of `applied`;
     /// checked whole before anything changes.
-    pub fn import_bytes(&mut self, mut b: &[u8], applied: Option<u32>) -> Result<(), String> {
-        fn section<'a>(b: &mut &'a [u8], what: &str) -> Result<&'a [u8], String> {
-            if b.len() < 8 {
-                return Err(format!("state cut short in {what}"));
+    pub fn import_bytes(&mut self, b: &[u8], applied: Option<u32>) -> Result<(), String> {
+        let (parts, before) = split_state(b, self.pieces.len())?;
+        let before = match before {
+            None => None,
+            Some(raw) => {
+                let want: usize = self.pieces.iter().map(|p| 4 * p.num_params()).sum();
+                if raw.len() != want {
+                    return Err(format!(
+                        "{} bytes of parameters from before the last update, {want} expected",
+                        raw.len()
+                    ));
+                }
+                if applied.is_none() {
+                    return Err("parameters from before an update, but no update applied".into());
+                }
+                let mut at = raw
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
+                let split: Vec<Vec<f32>> = self
+                    .pieces
+                    .iter()
+                    .map(|p| at.by_ref().take(p.num_params()).collect())
+                    .collect();
+                Some(split)
             }
-            let n = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
-            let rest = &b[8..];
-            if (rest.len() as u64) < n {
-                return Err(format!(
-                    "state cut short: {what} of {n} bytes, {} left",
-                    rest.len()
-                ));
-            }
-            let (part, tail) = rest.split_at(n as usize);
-            *b = tail;
-            Ok(part)
-        }
-        let mut parts = Vec::new();
-        for i in 0..self.pieces.len() {
-            parts.push(section(&mut b, &format!("piece {i}"))?);
-        }
-        let before = if b.is_empty() {
-            None
-        } else {
-            let raw = section(&mut b, "the parameters from before the last update")?;
-            let want: usize = self.pieces.iter().map(|p| 4 * p.num_params()).sum();
-            if raw.len() != want {
-                return Err(format!(
-                    "{} bytes of parameters from before the last update, {want} expected",
-                    raw.len()
-                ));
-            }
-            if applied.is_none() {
-                return Err("parameters from before an update, but no update applied".into());
-            }
-            let mut at = raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
-            let split: Vec<Vec<f32>> = self
-                .pieces
-                .iter()
-                .map(|p| at.by_ref().take(p.num_params()).collect())
-                .collect();
-            Some(split)
         };
-        if !b.is_empty() {
-            return Err(format!("{} bytes after the state", b.len()));
-        }
         let backup: Vec<_> = self.pieces.iter().map(|p| p.state()).collect();
         for (i, part) in parts.iter().enumerate() {
             if let Err(e) = self.pieces[i].import_state(part) {
@@ -648,18 +633,71 @@ impl Trainer for ModelTrainer {
 }
 
 /// The model stages' states in `state` (protocol stage `stage`'s, as
-/// [`ModelTrainer::export_bytes`] wrote it) and its weights digest, the one
-/// the stage's replicas print: what a checkpoint of the swarm stores.
-pub fn stage_states(
+/// [`ModelTrainer::export_bytes`] wrote it), borrowed and checked against
+/// the plan, and its weights digest, the one the stage's replicas print:
+/// what a checkpoint of the swarm stores. Nothing is decoded or copied.
+pub fn stage_parts<'a>(
     run: &ModelRun,
     stage: u16,
-    state: &[u8],
-) -> Result<(Vec<StageState>, [u8; 32]), String> {
-    let mut t = ModelTrainer::joiner(run.clone());
-    t.pieces = run.pieces(stage).map_err(|e| e.to_string())?;
-    t.stage = Some(stage);
-    t.import_bytes(state, Some(0))?;
-    Ok((t.pieces.iter().map(|p| p.state()).collect(), t.digest()))
+    state: &'a [u8],
+) -> Result<(Vec<StateParts<'a>>, [u8; 32]), String> {
+    let (plan, idx) = run.piece_plan(stage).map_err(|e| e.to_string())?;
+    let (sections, _) = split_state(state, idx.len())?;
+    let mut h = Sha256::new();
+    let mut parts = Vec::new();
+    for (&i, b) in idx.iter().zip(&sections) {
+        let spec = plan.stages.get(i).ok_or("a model stage out of the plan")?;
+        let n: usize = checkpoint::stage_tensors(&run.cfg, spec)
+            .iter()
+            .map(|t| t.spec.len)
+            .sum();
+        parts.push(StateParts::parse(b, i, n).map_err(|e| e.to_string())?);
+        // As `ModelTrainer::digest`: over each piece's exported state.
+        h.update(b);
+    }
+    Ok((parts, h.finalize().into()))
+}
+
+/// A state's pieces' states and the parameters from before the last
+/// update (when there are).
+type StateSections<'a> = (Vec<&'a [u8]>, Option<&'a [u8]>);
+
+/// Splits a state as [`ModelTrainer::export_bytes`] wrote it into its
+/// `pieces` pieces' states and the parameters from before the last update
+/// (when there are); nothing may follow.
+fn split_state(mut b: &[u8], pieces: usize) -> Result<StateSections<'_>, String> {
+    fn section<'a>(b: &mut &'a [u8], what: &str) -> Result<&'a [u8], String> {
+        if b.len() < 8 {
+            return Err(format!("state cut short in {what}"));
+        }
+        let n = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        let rest = &b[8..];
+        if (rest.len() as u64) < n {
+            return Err(format!(
+                "state cut short: {what} of {n} bytes, {} left",
+                rest.len()
+            ));
+        }
+        let (part, tail) = rest.split_at(n as usize);
+        *b = tail;
+        Ok(part)
+    }
+    let mut parts = Vec::with_capacity(pieces);
+    for i in 0..pieces {
+        parts.push(section(&mut b, &format!("piece {i}"))?);
+    }
+    let before = if b.is_empty() {
+        None
+    } else {
+        Some(section(
+            &mut b,
+            "the parameters from before the last update",
+        )?)
+    };
+    if !b.is_empty() {
+        return Err(format!("{} bytes after the state", b.len()));
+    }
+    Ok((parts, before))
 }
 
 /// A frame's f32 values, without a copy when the payload is aligned.
