@@ -1544,7 +1544,10 @@ impl Driver {
                 match decoded {
                     Ok(m) if m.is_bulk() => {
                         if let Msg::StateResponse { bytes, .. } = &m {
-                            self.state_receiver.expect(from, *bytes);
+                            // Its chunks that came first go on now.
+                            for f in self.state_receiver.expect(from, *bytes) {
+                                self.on_bulk_frame(from, f);
+                            }
                         }
                         if let (Msg::StateResponse { bytes, .. }, Some(r)) =
                             (&m, self.resync.as_mut())
@@ -1656,44 +1659,48 @@ impl Driver {
                 self.agg.on_frame(f);
                 self.drive_aggregation();
             }
-            Ok(FrameUse::Bulk) => {
-                let f = if bulk::is_state_frame(&f.header) {
-                    let net = &self.net;
-                    match self
-                        .state_receiver
-                        .chunk(from, f, |len| net.alloc(len, COPY_WAIT))
-                    {
-                        Ok(Some(whole)) => whole,
-                        Ok(None) => return,
-                        Err(ChunkError::NoRoom(e)) => {
-                            // Asked for again (a joiner's retry, a resync's).
-                            self.log(format!("the state from {from:x} dropped: {e}"));
-                            return;
-                        }
-                        Err(ChunkError::Refused(e)) => {
-                            // Refused, not cut off: chunks split over a
-                            // connection and its duplicate come out of
-                            // order. The state is asked for again.
-                            let e = format!("the state from {from:x}: {e}");
-                            self.refuse(Some(from), Refusal::State, e);
-                            return;
-                        }
-                    }
-                } else {
-                    f
-                };
-                let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
-                let dropped = self.pairing.dropped;
-                if let Some((msg, data)) = self.pairing.on_data(key, f) {
-                    self.on_bulk(from, msg, data);
-                } else if self.pairing.dropped > dropped {
-                    let e = format!(
-                        "a data frame from {from:x}: {} of its frames wait for their messages already",
-                        bulk::DATA_WAITING_MAX
-                    );
-                    self.refuse_and_cut(from, Refusal::Flood, e);
+            Ok(FrameUse::Bulk) => self.on_bulk_frame(from, f),
+        }
+    }
+
+    /// A data frame that goes with a message: a state's chunk is put
+    /// together with the others first (`state_stream`).
+    fn on_bulk_frame(&mut self, from: NodeId, f: Frame) {
+        let f = if bulk::is_state_frame(&f.header) {
+            let net = &self.net;
+            match self
+                .state_receiver
+                .chunk(from, f, |len| net.alloc(len, COPY_WAIT))
+            {
+                Ok(Some(whole)) => whole,
+                Ok(None) => return,
+                Err(ChunkError::NoRoom(e)) => {
+                    // Asked for again (a joiner's retry, a resync's).
+                    self.log(format!("the state from {from:x} dropped: {e}"));
+                    return;
+                }
+                Err(ChunkError::Refused(e)) => {
+                    // Refused, not cut off: chunks split over a
+                    // connection and its duplicate come out of
+                    // order. The state is asked for again.
+                    let e = format!("the state from {from:x}: {e}");
+                    self.refuse(Some(from), Refusal::State, e);
+                    return;
                 }
             }
+        } else {
+            f
+        };
+        let key = bulk::key_of_frame(from, f.header.microbatch, f.header.iteration);
+        let dropped = self.pairing.dropped;
+        if let Some((msg, data)) = self.pairing.on_data(key, f) {
+            self.on_bulk(from, msg, data);
+        } else if self.pairing.dropped > dropped {
+            let e = format!(
+                "a data frame from {from:x}: {} of its frames wait for their messages already",
+                bulk::DATA_WAITING_MAX
+            );
+            self.refuse_and_cut(from, Refusal::Flood, e);
         }
     }
 

@@ -15,6 +15,11 @@
 //! hands that on as the message's data; a state in one frame is a single
 //! chunk and goes on as it is. A last chunk that leaves the state short
 //! hands on what came, and the length check refuses it as cut off.
+//!
+//! The engine hands messages and data frames over through two queues read
+//! in no fixed order, so chunks may come before their message: they wait
+//! for it (at most [`EARLY_CHUNKS_MAX`] of a peer), and are put together
+//! once it came ([`StateReceiver::expect`] gives them back).
 use crate::engine::{EngineError, Frame, Node as Net, SharedFrame};
 use crate::protocol::NodeId;
 use std::collections::HashMap;
@@ -26,6 +31,8 @@ pub(super) const CHUNK: usize = 4 << 20;
 pub(super) const MORE: u64 = 1;
 /// The low half of the `iteration` field.
 const LOW: u64 = 0xffff_ffff;
+/// Chunks of a peer's state that may wait for its message (64 MiB).
+pub(super) const EARLY_CHUNKS_MAX: usize = 16;
 
 /// States being sent, by requester.
 pub(super) struct StateSender {
@@ -127,11 +134,16 @@ pub(super) enum ChunkError {
 #[derive(Default)]
 pub(super) struct StateReceiver {
     by_peer: HashMap<NodeId, Assembly>,
+    /// Chunks that came before their message, in order from offset 0.
+    early: HashMap<NodeId, Vec<Frame>>,
 }
 
 impl StateReceiver {
-    /// `from`'s message announces a state of `bytes` (before its chunks).
-    pub(super) fn expect(&mut self, from: NodeId, bytes: u64) {
+    /// `from`'s message announces a state of `bytes`. Returns the chunks of
+    /// it that came before the message: they go through
+    /// [`StateReceiver::chunk`] now, in order.
+    #[must_use]
+    pub(super) fn expect(&mut self, from: NodeId, bytes: u64) -> Vec<Frame> {
         let total = bytes as usize;
         self.by_peer.insert(
             from,
@@ -141,19 +153,22 @@ impl StateReceiver {
                 filled: 0,
             },
         );
+        self.early.remove(&from).unwrap_or_default()
     }
 
     /// `from` is gone: what came of its state is dropped.
     pub(super) fn forget(&mut self, from: NodeId) {
         self.by_peer.remove(&from);
+        self.early.remove(&from);
     }
 
     /// A chunk of `from`'s state: the whole state once its last chunk is
     /// in (None before). A chunk out of order or beyond the announced
-    /// length is an error (the state is dropped); a chunk of a state not
-    /// announced goes on as it is when it starts at offset 0 (the
-    /// message's length check then judges it). `alloc` gives the frame
-    /// the chunks go into.
+    /// length is an error (the state is dropped). Of a state not announced
+    /// yet, a single frame goes on as it is (the message's length check
+    /// then judges it), and chunks wait for the message, in order from
+    /// offset 0, at most [`EARLY_CHUNKS_MAX`]. `alloc` gives the frame the
+    /// chunks go into.
     pub(super) fn chunk(
         &mut self,
         from: NodeId,
@@ -163,12 +178,25 @@ impl StateReceiver {
         let offset = f.header.microbatch as usize;
         let more = f.header.iteration & LOW != 0;
         let Some(a) = self.by_peer.get_mut(&from) else {
-            if offset == 0 {
+            if offset == 0 && !more {
                 return Ok(Some(f));
             }
-            return Err(ChunkError::Refused(format!(
-                "a state chunk at byte {offset} of no state announced"
-            )));
+            let early = self.early.entry(from).or_default();
+            if offset == 0 {
+                // A new state: what came of another one goes.
+                early.clear();
+            }
+            let next: usize = early.iter().map(|c| c.len()).sum();
+            if offset != next || early.len() >= EARLY_CHUNKS_MAX {
+                let kept = early.len();
+                self.early.remove(&from);
+                return Err(ChunkError::Refused(format!(
+                    "a state chunk at byte {offset} of no state announced \
+                     ({kept} chunks of it wait for its message)"
+                )));
+            }
+            early.push(f);
+            return Ok(None);
         };
         let n = f.len();
         if offset != a.filled || n == 0 || n > a.total - a.filled {
@@ -259,7 +287,7 @@ mod tests {
         let state: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
         let mut r = StateReceiver::default();
         let alloc = |len| n.alloc(len, T);
-        r.expect(7, 1000);
+        assert!(r.expect(7, 1000).is_empty());
         assert!(matches!(
             r.chunk(7, frame(&n, &state[..400], 0), alloc),
             Ok(None)
@@ -271,15 +299,15 @@ mod tests {
         assert_eq!((whole.payload(), whole.header.microbatch), (&state[..], 0));
         assert_eq!(whole.header.iteration, 39 << 32);
 
-        r.expect(7, 1000);
+        let _ = r.expect(7, 1000);
         let one = r.chunk(7, chunk_at(&n, &state, 0, false), alloc);
         assert_eq!(one.unwrap().unwrap().payload(), &state[..]);
 
         // Cut off, in one frame or more.
-        r.expect(7, 1000);
+        let _ = r.expect(7, 1000);
         let short = r.chunk(7, chunk_at(&n, &state[..40], 0, false), alloc);
         assert_eq!(short.unwrap().unwrap().len(), 40);
-        r.expect(7, 1000);
+        let _ = r.expect(7, 1000);
         assert!(matches!(
             r.chunk(7, frame(&n, &state[..400], 0), alloc),
             Ok(None)
@@ -287,7 +315,7 @@ mod tests {
         let short = chunk_at(&n, &state[400..500], 400, false);
         assert_eq!(r.chunk(7, short, alloc).unwrap().unwrap().len(), 500);
 
-        r.expect(7, 1000);
+        let _ = r.expect(7, 1000);
         assert!(matches!(
             r.chunk(7, frame(&n, &state[..400], 0), alloc),
             Ok(None)
@@ -300,11 +328,75 @@ mod tests {
         // Dropped with the error: a chunk after it belongs to nothing.
         assert!(r.chunk(7, frame(&n, &state[400..800], 400), alloc).is_err());
 
-        r.expect(7, 500);
+        let _ = r.expect(7, 500);
         assert!(r.chunk(7, frame(&n, &state[..600], 0), alloc).is_err());
         // Not announced: a whole frame goes on (its message judges it).
         let f = r.chunk(8, chunk_at(&n, &state[..10], 0, false), alloc);
         assert_eq!(f.unwrap().unwrap().len(), 10);
+    }
+
+    /// Chunks that come before their message wait for it, then are put
+    /// together; out of order, or too many, they are refused; a peer gone
+    /// takes them with it.
+    #[test]
+    fn chunks_before_their_message_wait_for_it() {
+        let n = net(false);
+        let state: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let mut r = StateReceiver::default();
+        let alloc = |len| n.alloc(len, T);
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        let mid = frame(&n, &state[400..800], 400);
+        assert!(matches!(r.chunk(7, mid, alloc), Ok(None)));
+        let early = r.expect(7, 1000);
+        assert_eq!(early.len(), 2);
+        for f in early {
+            assert!(matches!(r.chunk(7, f, alloc), Ok(None)));
+        }
+        let last = chunk_at(&n, &state[800..], 800, false);
+        let whole = r.chunk(7, last, alloc).unwrap().unwrap();
+        assert_eq!(whole.payload(), &state[..]);
+
+        // All of it before the message: whole once it comes.
+        for (at, more) in [(0, true), (400, true), (800, false)] {
+            let end = if more { at + 400 } else { 1000 };
+            let c = chunk_at(&n, &state[at..end], at as u64, more);
+            assert!(matches!(r.chunk(7, c, alloc), Ok(None)));
+        }
+        let mut got = None;
+        for f in r.expect(7, 1000) {
+            got = r.chunk(7, f, alloc).unwrap();
+        }
+        assert_eq!(got.unwrap().payload(), &state[..]);
+
+        // Out of order: refused, and what waited goes.
+        assert!(matches!(
+            r.chunk(7, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        assert!(r.chunk(7, frame(&n, &state[800..], 800), alloc).is_err());
+        assert!(r.expect(7, 1000).is_empty());
+        r.forget(7);
+
+        // At most EARLY_CHUNKS_MAX wait.
+        for k in 0..EARLY_CHUNKS_MAX {
+            let c = frame(&n, &state[..10], 10 * k as u64);
+            assert!(matches!(r.chunk(9, c, alloc), Ok(None)));
+        }
+        let over = frame(&n, &state[..10], 10 * EARLY_CHUNKS_MAX as u64);
+        let e = r.chunk(9, over, alloc).unwrap_err();
+        assert!(matches!(&e, ChunkError::Refused(m) if m.contains("wait for its message")));
+        assert!(r.expect(9, 1000).is_empty());
+
+        // A peer gone takes its early chunks with it.
+        assert!(matches!(
+            r.chunk(5, frame(&n, &state[..400], 0), alloc),
+            Ok(None)
+        ));
+        r.forget(5);
+        assert!(r.expect(5, 1000).is_empty());
     }
 
     /// A state goes out one chunk at a time, each once the peer's data
@@ -327,7 +419,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         let mut r = StateReceiver::default();
-        r.expect(1, state.len() as u64);
+        let _ = r.expect(1, state.len() as u64);
         let mut got = Vec::new();
         let mut whole = None;
         while whole.is_none() {

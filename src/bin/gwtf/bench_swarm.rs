@@ -24,7 +24,7 @@ use gwtf::model::preset;
 use gwtf::swarm::model_trainer::ModelRun;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -297,9 +297,15 @@ impl Swarm {
             .map_err(|e| format!("cannot start {}: {e}", self.exe.display()))?;
         let out = child.stdout.take().expect("piped");
         let tx = self.tx.clone();
+        // What it prints is kept beside its stderr: a failed bench keeps
+        // its directory for them.
+        let mut log = std::io::LineWriter::new(std::fs::File::create(
+            self.dir.join(format!("node-{id}.stdout")),
+        )?);
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines() {
                 let Ok(line) = line else { break };
+                let _ = writeln!(log, "{line}");
                 let at = Instant::now();
                 let v = serde_json::from_str(&line)
                     .unwrap_or_else(|_| json!({"event": "unparsed", "line": line}));

@@ -745,8 +745,11 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
     let mut dropped = false;
     while s.last != Some(last) && Instant::now() < deadline {
         if let Some(v) = s.poll(false) {
+            // Its write failed (and said why): nothing more to wait for.
+            let failed = v["event"] == "checkpoint_failed" && v["iteration"] == last;
             out.emit(v);
-            if s.last == Some(last) {
+            if s.last == Some(last) || failed {
+                dropped = true;
                 break;
             }
         }
