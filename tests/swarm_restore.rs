@@ -6,7 +6,7 @@
 //! on from there with a loss close to the uninterrupted run's.
 mod common;
 
-use common::swarm_procs::{check_run, llama_tiny_args, llama_tiny_reference, Swarm};
+use common::swarm_procs::{check_run, llama_tiny_args, llama_tiny_reference, Seen, Swarm};
 use std::time::Instant;
 
 const MB: u32 = 3;
@@ -42,12 +42,27 @@ fn a_stage_emptied_between_copies_is_restored_from_an_older_one() {
     });
 }
 
+/// Node 31 joins while stage 2 is empty, and the run goes to its end:
+/// every event, the index of the first after the join, and when it
+/// joined. No stage restarted from the initial weights.
+fn join_and_finish(swarm: &mut Swarm) -> (Vec<Seen>, usize, Instant) {
+    let joined_at = Instant::now();
+    let joined = swarm.count();
+    swarm.join(31, 1, &[]);
+    let ev = swarm.until_done(&[1, 2]);
+    let restarted: Vec<_> = (ev.iter().skip(joined))
+        .filter(|e| e.event() == "stage_restarted")
+        .collect();
+    assert!(restarted.is_empty(), "restarted instead: {restarted:?}");
+    (ev, joined, joined_at)
+}
+
 /// Stage 2's only node is killed once `kill_when` holds (after the holders
 /// kept copies of its state); the node that joins restores the stage from
 /// the freshest copy (of an iteration at most K before the last update the
 /// stage made), with the weights digest the killed node printed for that
 /// iteration, and no stage restarts from the initial weights.
-fn restored_after(kill_when: impl FnMut(&[common::swarm_procs::Seen]) -> bool) {
+fn restored_after(kill_when: impl FnMut(&[Seen]) -> bool) {
     const LONG: u32 = 24;
     let args = llama_tiny_args(LONG, MB, SEED, &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -73,15 +88,8 @@ fn restored_after(kill_when: impl FnMut(&[common::swarm_procs::Seen]) -> bool) {
         .map(|e| e.u("iteration"))
         .max()
         .unwrap();
-    let joined_at = Instant::now();
-    let joined = swarm.count();
-    swarm.join(31, 1, &[]);
-    let ev = swarm.until_done(&[1, 2]);
+    let (ev, joined, joined_at) = join_and_finish(&mut swarm);
     let after: Vec<_> = ev.iter().skip(joined).collect();
-    let restarted: Vec<_> = (after.iter())
-        .filter(|e| e.event() == "stage_restarted")
-        .collect();
-    assert!(restarted.is_empty(), "restarted instead: {restarted:?}");
     let restored = (after.iter())
         .find(|e| e.node == 31 && e.event() == "stage_restored")
         .expect("the joiner did not say it restored stage 2");
@@ -139,5 +147,69 @@ fn restored_after(kill_when: impl FnMut(&[common::swarm_procs::Seen]) -> bool) {
         j - K
     );
     assert!(off <= allowed, "{losses:?} against {want:?}");
+    assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
+}
+
+/// With no copy kept (no `--keep-states-every`), the emptied stage is
+/// rebuilt from its neighbouring relay stage's weights (CheckFree; stage
+/// 2's only relay neighbour is stage 1, whose block has the same shapes),
+/// not restarted from the initial weights, and training goes on.
+#[test]
+fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
+    const LONG: u32 = 20;
+    let args = llama_tiny_args(LONG, MB, SEED, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let layout = vec![(1, 0), (2, 0), (11, 1), (12, 1), (21, 2)];
+    let mut swarm = Swarm::start(&layout, &args, &[]);
+    swarm.until("stage 2's update of iteration 8", |ev| {
+        ev.iter()
+            .any(|e| e.node == 21 && e.event() == "applied" && e.u("iteration") >= 8)
+    });
+    swarm.kill(21);
+    swarm.until("stage 2 reported empty by its neighbours", |ev| {
+        [11, 12].iter().all(|n| {
+            ev.iter()
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    let (ev, joined, joined_at) = join_and_finish(&mut swarm);
+    let after: Vec<_> = ev.iter().skip(joined).collect();
+    let rebuilt = (after.iter())
+        .find(|e| e.node == 31 && e.event() == "stage_rebuilt")
+        .expect("the joiner did not say it rebuilt stage 2");
+    assert_eq!(rebuilt.u("stage"), 2, "{:?}", rebuilt.v);
+    assert_eq!(rebuilt.s("source"), "checkfree", "{:?}", rebuilt.v);
+    assert_eq!(rebuilt.u("averaged"), 1, "{:?}", rebuilt.v);
+    let from = rebuilt.v["from"].as_array().expect("from").clone();
+    assert!(
+        from.len() == 1 && [11, 12].contains(&from[0].as_u64().unwrap_or(0)),
+        "{:?}",
+        rebuilt.v
+    );
+    let applied = rebuilt.u("applied");
+    let resumed = (after.iter())
+        .find(|e| e.event() == "iteration" && e.u("iteration") > applied)
+        .expect("no iteration final after the rebuild");
+    // The killed node's updates after the one the rebuild stands for are
+    // made again by the stage: no replica's to compare.
+    let kept: Vec<_> = (ev.iter())
+        .filter(|e| !(e.node == 21 && e.event() == "applied" && e.u("iteration") > applied))
+        .cloned()
+        .collect();
+    let losses = check_run(&kept, LONG, MB, 2);
+    let want = reference(LONG);
+    let r = applied as usize + 1;
+    eprintln!(
+        "stage 2 rebuilt from node {} standing for iteration {applied}; first iteration final \
+         {:.2} s after the joiner started; loss of iteration {r}: {:.4}, uninterrupted {:.4}; \
+         last iteration: {:.4}, uninterrupted {:.4}",
+        from[0],
+        resumed.at.duration_since(joined_at).as_secs_f64(),
+        losses[r],
+        want[r],
+        losses[LONG as usize - 1],
+        want[LONG as usize - 1],
+    );
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
 }

@@ -994,6 +994,8 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::Forget { .. } => gwtf_task_kind::Forget,
         WorkKind::Discard => gwtf_task_kind::Discard,
         WorkKind::InitState { .. } => gwtf_task_kind::InitState,
+        // Never handed to C: the peer answers it itself (see `next_task`).
+        WorkKind::AverageStates { .. } => gwtf_task_kind::InitState,
     }
 }
 
@@ -1078,9 +1080,11 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
         // A kept copy is the holder's own business (it restores a stage);
         // checkpoints are handed out by `gwtf_peer::next`, which keeps
         // their states.
+        // C peers do not rebuild stages (`rebuild_from_neighbours` off).
         NodeEvent::CopyKept { .. }
         | NodeEvent::Checkpoint { .. }
-        | NodeEvent::CheckpointDropped { .. } => return None,
+        | NodeEvent::CheckpointDropped { .. }
+        | NodeEvent::StageRebuilt { .. } => return None,
         NodeEvent::Iteration {
             iteration,
             loss,
@@ -1361,6 +1365,15 @@ impl gwtf_peer {
                 .saturating_duration_since(now)
                 .min(Duration::from_millis(20));
             if let Some(w) = self.port.next_work(slice) {
+                if let WorkKind::AverageStates { .. } = w.kind {
+                    // A C trainer's state format is its own: the runtime
+                    // cannot average it for it, and restarts the stage
+                    // from the initial weights instead (C peers run with
+                    // `rebuild_from_neighbours` off: not reached).
+                    let e = "a C trainer cannot average its neighbours' states".to_string();
+                    let _ = self.answer(w.id, Err(e));
+                    continue;
+                }
                 let id = w.id;
                 let (t, held) = task_of(w, self.port.sizes());
                 self.held.lock().insert(id, held);

@@ -23,7 +23,7 @@ use crate::wire::{ControlEnvelope, WireError, HEADER_LEN};
 pub const MSG_VERSION: u16 = 1;
 
 /// Number of message kinds (`msg_type` is `0..MSG_KINDS`).
-pub const MSG_KINDS: u16 = 50;
+pub const MSG_KINDS: u16 = 51;
 
 /// `msg_type` of [`Msg::Forward`] (the bulk messages that name a microbatch).
 pub const KIND_FORWARD: u16 = 19;
@@ -83,6 +83,7 @@ pub fn msg_type(m: &Msg) -> u16 {
         Msg::KeptQuery { .. } => 47,
         Msg::KeptInfo { .. } => 48,
         Msg::KeptRequest { .. } => 49,
+        Msg::RebuildRequest { .. } => 50,
     }
 }
 
@@ -607,7 +608,9 @@ fn write_body(w: &mut W, m: &Msg) {
             w.u32(*iter);
             w.u16(*stage);
         }
-        Msg::KeptQuery { stage } | Msg::KeptRequest { stage } => w.u16(*stage),
+        Msg::KeptQuery { stage } | Msg::KeptRequest { stage } | Msg::RebuildRequest { stage } => {
+            w.u16(*stage)
+        }
         Msg::KeptInfo {
             stage,
             iteration,
@@ -854,6 +857,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             open_iter: r.u32()?,
         },
         49 => Msg::KeptRequest { stage: r.u16()? },
+        50 => Msg::RebuildRequest { stage: r.u16()? },
         39 => Msg::StateResponse {
             version: (r.u32()?, r.u64()?),
             members: Arc::new(r.ids()?),
@@ -1117,6 +1121,7 @@ pub fn samples() -> Vec<Msg> {
             open_iter: 11,
         },
         Msg::KeptRequest { stage: 2 },
+        Msg::RebuildRequest { stage: 2 },
         Msg::StateResponse {
             version: (4, 79),
             members: ids,

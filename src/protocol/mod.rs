@@ -18,7 +18,7 @@
 //! | --- | --- | --- |
 //! | membership | `peers.rs`, `membership.rs` | the peer view (RTT, bandwidth, liveness, suspicion); the stage group: members, the coordinator (the live member with the smallest id), heartbeats |
 //! | join | `join.rs` | start; stage queries, the bottleneck choice, the state download |
-//! | restore | `restore.rs` | an emptied stage taken up from the freshest copy the data holders keep (the offers, the download, the fallback to a restart); a holder's answers from the copies its runtime keeps |
+//! | restore | `restore.rs` | an emptied stage taken up from the freshest copy the data holders keep (the offers, the download), else rebuilt from its neighbouring stages' states (CheckFree), else restarted; a holder's answers from the copies its runtime keeps |
 //! | fencing | `fencing.rs` | a node that was paused, cut off or evicted stops serving its group and joins again as its next incarnation; the coordinator's evictions (silent, lost or diverged members) and the digest comparison before an apply |
 //! | flow protocol (GWTF) | `costs.rs`, `flow.rs`, `search.rs` | the cost model and CHANGE gossip; reservations (request, response, idle expiry, push-back, cancel, reroute); the local search (swaps, redirects) |
 //! | routing | `routing.rs`, `balancer.rs` | the next hop, and what the GWTF, SWARM, SWARM-plus and planned policies decide differently ([`Policy`] behind one trait); SWARM's cumulative-work heap, its ban on failure and fixed timeouts |
@@ -50,9 +50,9 @@
 //! | `Deputy` | stage group, deputy (`on_deputy`: the coordinator's own grants, kept by the member that would take over) |
 //! | `HolderDone`, `StageDone` | stage group, barrier (`on_holder_done`, `on_stage_done`) |
 //! | `Finalize` | nobody (ignored) |
-//! | `StageQuery`, `StageInfo`, `StateRequest`, `StateResponse` | join (`on_stage_query`, `on_stage_info`, `on_state_request`, `on_state_response`; a restore's copy through `restored`) |
+//! | `StageQuery`, `StageInfo`, `StateRequest`, `StateResponse` | join (`on_stage_query`, `on_stage_info`, `on_state_request`, `on_state_response`; a restore's copy through `restored`, a rebuild's neighbour state through `on_neighbour_state`) |
 //! | `KeptQuery`, `KeptInfo` | restore (`on_kept_query`, `on_kept_info`) |
-//! | `CopyRequest`, `KeptRequest` | nobody: the runtime serves them (a holder's copies and checkpoints, a restorer's copy) |
+//! | `CopyRequest`, `KeptRequest`, `RebuildRequest` | nobody: the runtime serves them (a holder's copies and checkpoints, a restorer's copy, a rebuilder's neighbour state) |
 //!
 //! **\[decision\]** CHECK_FLOW is replaced by idle expiry of reservations plus
 //! PUSH_BACK when a microbatch arrives on an unknown reservation;

@@ -201,6 +201,13 @@ pub struct Config {
     /// simulator, whose yardsticks assume a live node per stage and report
     /// a pause instead.
     pub restart_empty_stages: bool,
+    /// A relay stage that empties with no copy of its state kept is
+    /// rebuilt from its neighbouring relay stages' weights (CheckFree: the
+    /// joiner asks one member of each for its state, and its trainer
+    /// averages those that fit, `WorkKind::AverageStates`) rather than
+    /// restarted from the initial weights. On where the trainer can
+    /// average (the built-in model's); the runtime's.
+    pub rebuild_from_neighbours: bool,
     /// SWARM: a peer that failed is banned for this many ticks.
     pub ban_ticks: u32,
     /// Bandwidth assumed for a link before it is measured (bytes/s).
@@ -308,6 +315,7 @@ impl Config {
             gpu_load_weight: 0.1,
             route_tie_tolerance: 0.05,
             restart_empty_stages: false,
+            rebuild_from_neighbours: false,
             ban_ticks: 15,
             prior_bandwidth: 0.5e9 / 8.0,
             probe_bytes: 1 << 20,
@@ -691,6 +699,13 @@ pub enum Msg {
     KeptRequest {
         stage: Stage,
     },
+    /// A joiner rebuilds emptied relay stage `stage` from the weights of
+    /// its neighbouring stages (`Config::rebuild_from_neighbours`): a
+    /// member of stage `stage - 1` or `stage + 1` answers with its state,
+    /// sent like a download (its runtime serves it).
+    RebuildRequest {
+        stage: Stage,
+    },
     StateResponse {
         version: (u32, u64),
         members: Arc<Vec<NodeId>>,
@@ -755,6 +770,7 @@ impl Msg {
             Msg::KeptQuery { .. } => "KeptQuery",
             Msg::KeptInfo { .. } => "KeptInfo",
             Msg::KeptRequest { .. } => "KeptRequest",
+            Msg::RebuildRequest { .. } => "RebuildRequest",
             Msg::StateResponse { .. } => "StateResponse",
         }
     }
@@ -923,6 +939,16 @@ pub enum Event {
         from: NodeId,
         iteration: u32,
         applied: u32,
+    },
+    /// This joiner serves `stage`, which no live node held and of which no
+    /// holder kept a copy, rebuilt from the states of its neighbouring
+    /// stages' members `from` (CheckFree): its trainer averages them
+    /// (`WorkKind::AverageStates`), standing for the weights after the
+    /// update of `applied`.
+    StageRebuilt {
+        stage: Stage,
+        from: Vec<NodeId>,
+        applied: Option<u32>,
     },
     /// This fenced node serves `stage` again with the weights it kept at
     /// its fence (the update of iteration `applied`): the members left

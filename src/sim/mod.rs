@@ -1480,6 +1480,7 @@ impl Sim {
             | Event::StageResumed { .. }
             | Event::StageRestarted { .. }
             | Event::StageRestored { .. }
+            | Event::StageRebuilt { .. }
             | Event::StateKept { .. } => {}
             // The simulator's nodes hold no weights (digest 0): never raised.
             Event::ReplicasDiverged { .. } => {}

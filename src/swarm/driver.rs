@@ -7,6 +7,7 @@ use super::bulk::{self, Pairing};
 use super::copies::{Copies, KeptState};
 use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
+use super::rebuild::NeighbourStates;
 use super::runtime::{NodeEvent, Shared};
 use super::saves::{SavedState, Saves};
 use super::serving::{self, Admit, StateServer, DIGEST_LEN};
@@ -125,6 +126,12 @@ pub(super) enum Pending {
     },
     /// The stage's state started afresh (`WorkKind::InitState`).
     Init,
+    /// The stage rebuilt from its neighbours' states `from`
+    /// (`WorkKind::AverageStates`, `rebuild.rs`).
+    Rebuild {
+        from: Vec<NodeId>,
+        applied: Option<u32>,
+    },
     Forget,
     /// The forward of a recomputing backward (its output is not needed):
     /// the backward follows.
@@ -217,6 +224,8 @@ pub(super) struct Driver {
     pub(super) copy_after: Vec<(NodeId, u32)>,
     /// A holder's checkpoint rounds (`saves.rs`).
     pub(super) saves: Saves,
+    /// The neighbours' states of a stage this node rebuilds (`rebuild.rs`).
+    pub(super) neighbours: NeighbourStates,
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -257,7 +266,7 @@ impl Driver {
         self.perform(actions);
     }
 
-    fn emit(&self, e: NodeEvent) {
+    pub(super) fn emit(&self, e: NodeEvent) {
         let _ = self.events_tx.send(e);
     }
 
@@ -267,7 +276,7 @@ impl Driver {
     }
 
     /// Refuses what `peer` sent: counted, logged and reported.
-    fn refuse(&mut self, peer: Option<NodeId>, reason: Refusal, detail: String) {
+    pub(super) fn refuse(&mut self, peer: Option<NodeId>, reason: Refusal, detail: String) {
         let n = self.shared.refused.add(reason);
         if intake::worth_reporting(n) {
             self.log(format!("refused {detail} ({}, {n} so far)", reason.name()));
@@ -282,7 +291,7 @@ impl Driver {
     /// Refuses what `peer` sent and cuts it off: a peer that breaks the
     /// rules is not heard any more (if it is a member, the protocol takes
     /// it for lost and recovers what it held).
-    fn refuse_and_cut(&mut self, peer: NodeId, reason: Refusal, detail: String) {
+    pub(super) fn refuse_and_cut(&mut self, peer: NodeId, reason: Refusal, detail: String) {
         self.refuse(Some(peer), reason, detail);
         self.pairing.forget(peer);
         self.strangers.remove(&peer);
@@ -290,7 +299,7 @@ impl Driver {
         let _ = self.net.disconnect(peer as u64);
     }
 
-    fn log(&self, line: String) {
+    pub(super) fn log(&self, line: String) {
         if self.net.options().log {
             eprintln!("gwtf node {:x}: {line}", self.me.id);
         }
@@ -307,7 +316,13 @@ impl Driver {
         self.forget_old();
     }
 
-    fn give(&mut self, kind: WorkKind, mb: Option<MbId>, input: Option<Frame>, p: Pending) {
+    pub(super) fn give(
+        &mut self,
+        kind: WorkKind,
+        mb: Option<MbId>,
+        input: Option<Frame>,
+        p: Pending,
+    ) {
         let id = self.next_work;
         self.next_work += 1;
         self.works.insert(id, p);
@@ -330,7 +345,9 @@ impl Driver {
         if let Some(r) = self.resync.as_mut() {
             // A gradient of no grant is a zero share: it needs no weights.
             let passes = match &w.kind {
-                WorkKind::ImportState { .. } | WorkKind::InitState { .. } => true,
+                WorkKind::ImportState { .. }
+                | WorkKind::InitState { .. }
+                | WorkKind::AverageStates { .. } => true,
                 WorkKind::Gradient { granted, .. } => granted.is_empty(),
                 _ => false,
             };
@@ -341,7 +358,9 @@ impl Driver {
         }
         let update = match &w.kind {
             WorkKind::Apply { iteration, .. } => Some(Some(*iteration)),
-            WorkKind::ImportState { applied } | WorkKind::InitState { applied } => Some(*applied),
+            WorkKind::ImportState { applied }
+            | WorkKind::InitState { applied }
+            | WorkKind::AverageStates { applied, .. } => Some(*applied),
             _ => None,
         };
         match &w.kind {
@@ -589,6 +608,17 @@ impl Driver {
                 let kind = WorkKind::InitState { applied: *applied };
                 self.give(kind, None, None, Pending::Init);
             }
+            // The trainer averages the neighbours' states before any work
+            // of the stage reaches it.
+            Event::StageRebuilt {
+                stage,
+                from,
+                applied,
+            } => {
+                self.me.stage = *stage;
+                self.announce_stage();
+                self.rebuild(*stage, from, *applied);
+            }
             // The kept copy was imported before the protocol heard of it.
             Event::StageRestored {
                 stage,
@@ -811,6 +841,8 @@ impl Driver {
                 self.error(format!("the trainer failed {}: {reason}", c.kind.name()));
                 match p {
                     Pending::Import { .. } => self.failed = true,
+                    // Started from the initial weights instead.
+                    Pending::Rebuild { from, applied } => self.rebuilt(from, applied, None),
                     // The coordinator commits again (and the gradient is
                     // asked for again).
                     Pending::Gradient { task, .. } => self.input(Input::TaskFailed { id: task }),
@@ -929,6 +961,7 @@ impl Driver {
                     }
                 }
             }
+            Pending::Rebuild { from, applied } => self.rebuilt(from, applied, Some(out)),
             Pending::Init => {
                 if let Output::Weights(w) = out {
                     self.node.set_weights_digest(digest_u64(&w));
@@ -1565,6 +1598,7 @@ impl Driver {
                     }
                     Ok(Msg::CopyRequest { iteration }) => self.serve_copy(from, iteration),
                     Ok(Msg::KeptRequest { stage }) => self.serve_kept(from, stage),
+                    Ok(Msg::RebuildRequest { stage }) => self.serve_rebuild(from, stage),
                     Ok(m) => {
                         if matches!(m, Msg::Goodbye) {
                             // A peer that leaves or fences itself keeps its
@@ -1706,6 +1740,15 @@ impl Driver {
 
     /// A bulk message with its data: keep the tensor, then tell the protocol.
     fn on_bulk(&mut self, from: NodeId, msg: Msg, data: Frame) {
+        if let Msg::StateResponse { bytes, .. } = &msg {
+            if self.node.rebuild_awaits(from) {
+                // A neighbour's state to rebuild an emptied stage from.
+                if self.keep_neighbour_state(from, *bytes, data) {
+                    self.input(Input::Message { from, msg });
+                }
+                return;
+            }
+        }
         match &msg {
             Msg::StateResponse { version, bytes, .. }
                 if self.copies.awaits(from) && data.header.stage != self.me.stage as u32 =>
@@ -2014,6 +2057,13 @@ impl Driver {
             return false;
         }
         self.serving.admit(to, Instant::now());
+        self.export_copy_for(to);
+        true
+    }
+
+    /// Exports this node's state now and sends it to `to` (admitted) as
+    /// a copy: a holder's, or a rebuilder's.
+    pub(super) fn export_copy_for(&mut self, to: NodeId) {
         let version = self.node.version();
         self.give(
             WorkKind::ExportState,
@@ -2021,7 +2071,6 @@ impl Driver {
             None,
             Pending::Copy { to, version },
         );
-        true
     }
 
     /// A joiner restoring emptied `stage` asks for the copy of its state
@@ -2140,7 +2189,7 @@ impl Driver {
 
     /// Checks the length (`announced`, the message's) and the digest at
     /// the end of a state transfer, and strips the digest.
-    fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
+    pub(super) fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
         let n = f.len();
         if n as u64 != announced {
             return Err(format!("cut off: {n} of the {announced} bytes announced"));

@@ -8,7 +8,8 @@
 //! peers send ([`intake`]); the states it serves to joiners ([`serving`]);
 //! a data holder's copies of the relay stages' states (`copies`) and its
 //! checkpoint rounds ([`saves`]), written for the built-in model by
-//! [`model_checkpoint`].
+//! [`model_checkpoint`]; an emptied stage rebuilt from its neighbours'
+//! states (`rebuild`).
 pub mod aggregate;
 pub mod allreduce;
 pub mod allreduce_net;
@@ -22,6 +23,7 @@ mod driver;
 pub mod intake;
 pub mod model_checkpoint;
 pub mod model_trainer;
+mod rebuild;
 pub mod runtime;
 pub mod saves;
 mod serving;

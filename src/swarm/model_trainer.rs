@@ -480,6 +480,56 @@ impl ModelTrainer {
         Ok(())
     }
 
+    /// CheckFree: serves `stage` with the average of the neighbours'
+    /// `states` (stage, state) whose shapes fit it, or with the initial
+    /// weights when none does. Returns how many were averaged.
+    pub fn average_states(
+        &mut self,
+        stage: u16,
+        states: &[(u16, Vec<u8>)],
+        applied: Option<u32>,
+    ) -> Result<u32, String> {
+        self.init_state(stage, applied)?;
+        let mut fit: Vec<StateParts> = Vec::new();
+        for (from, state) in states {
+            let from = *from;
+            let (parts, _) = stage_parts(&self.run, from, state)
+                .map_err(|e| format!("the state of stage {from}: {e}"))?;
+            // Only a relay stage's single piece of the same size (as many
+            // blocks) fits.
+            if let ([p], [own]) = (&parts[..], &self.pieces[..]) {
+                if p.params.len() == 4 * own.num_params() {
+                    fit.push(*p);
+                }
+            }
+        }
+        let Some(step) = fit.iter().map(|p| p.step).max() else {
+            return Ok(0);
+        };
+        let mean = |which: usize| -> Vec<f32> {
+            let k = fit.len() as f32;
+            let mut acc = vec![0f32; fit[0].params.len() / 4];
+            for p in &fit {
+                let part = [p.params, p.m, p.v][which];
+                for (a, b) in acc.iter_mut().zip(part.chunks_exact(4)) {
+                    *a += f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+            }
+            acc.iter_mut().for_each(|a| *a /= k);
+            acc
+        };
+        let st = StageState {
+            index: self.pieces[0].spec().index,
+            step,
+            params: mean(0),
+            m: mean(1),
+            v: mean(2),
+        };
+        self.pieces[0].set_state(&st).map_err(|e| e.to_string())?;
+        self.before = applied.map(|_| vec![st.params]);
+        Ok(fit.len() as u32)
+    }
+
     fn apply(&mut self, iteration: u32, mean: &[f32]) -> Result<(), String> {
         let total: usize = self.pieces.iter().map(|p| p.num_params()).sum();
         if mean.len() != total {
@@ -596,6 +646,13 @@ impl Trainer for ModelTrainer {
             WorkKind::InitState { applied } => {
                 self.init_state(w.stage, *applied)?;
                 Ok(Output::Weights(self.digest()))
+            }
+            WorkKind::AverageStates { applied, states } => {
+                let averaged = self.average_states(w.stage, states, *applied)?;
+                Ok(Output::Rebuilt {
+                    weights: self.digest(),
+                    averaged,
+                })
             }
             // A forward's activations dropped: it runs again before the
             // backward (the protocol's recompute).
@@ -833,5 +890,55 @@ mod tests {
         assert_eq!(t.before.as_ref().unwrap()[0], relay().pieces[0].params());
         t.init_state(1, None).unwrap();
         assert!(t.before.is_none());
+    }
+
+    /// CheckFree: a stage rebuilt from its neighbours' states is their
+    /// element-wise mean (parameters and both moments, the larger step);
+    /// a state whose shapes do not fit (the holders') is left out, and with
+    /// none fitting the stage starts from the initial weights.
+    #[test]
+    fn a_stage_is_rebuilt_as_the_mean_of_the_neighbours_that_fit() {
+        let a = updated();
+        let mut b = joiner_of(2);
+        let n = b.pieces[0].num_params();
+        let mean: Vec<f32> = (0..n).map(|i| ((i % 5) as f32 - 2.0) * 1e-3).collect();
+        b.apply(4, &mean).unwrap();
+        b.apply(5, &mean).unwrap();
+        let run = a.run.clone();
+        let docs =
+            crate::model::dataset::Dataset::synthetic(1, run.opts.corpus_bytes, run.opts.seq);
+        let holder = ModelTrainer::new(run.clone(), 0, docs.train).unwrap();
+        let states = vec![
+            (0u16, holder.export_bytes()),
+            (1u16, a.export_bytes()),
+            (2u16, b.export_bytes()),
+        ];
+        let mut j = ModelTrainer::joiner(run.clone());
+        assert_eq!(j.average_states(1, &states, Some(5)).unwrap(), 2);
+        let (pa, pb) = (a.pieces[0].state(), b.pieces[0].state());
+        let got = j.pieces[0].state();
+        assert_eq!(got.index, 1);
+        assert_eq!(got.step, pa.step.max(pb.step));
+        for (x, (y, z)) in [
+            (&got.params, (&pa.params, &pb.params)),
+            (&got.m, (&pa.m, &pb.m)),
+            (&got.v, (&pa.v, &pb.v)),
+        ] {
+            assert_eq!(x.len(), y.len());
+            for i in 0..x.len() {
+                assert_eq!(x[i], (y[i] + z[i]) / 2.0, "element {i}");
+            }
+        }
+        assert_eq!(
+            (j.applied, j.before.as_ref().map(|b| b[0].clone())),
+            (Some(5), Some(got.params))
+        );
+        // Only the holders' state: nothing fits, the initial weights.
+        let mut k = ModelTrainer::joiner(run);
+        assert_eq!(k.average_states(1, &states[..1], None).unwrap(), 0);
+        assert_eq!(k.digest(), relay().digest());
+        // A state cut short is an error, not a guess.
+        let cut = vec![(2u16, b.export_bytes()[..100].to_vec())];
+        assert!(k.average_states(1, &cut, None).is_err());
     }
 }

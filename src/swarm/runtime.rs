@@ -113,6 +113,19 @@ impl Trainer for TimedTrainer {
                 self.weights = [0; 32];
                 Output::Weights(self.weights)
             }
+            // The digest of what it averaged: replicas built alike agree.
+            WorkKind::AverageStates { states, .. } => {
+                let mut h = Sha256::new();
+                for (stage, s) in states.iter() {
+                    h.update(stage.to_le_bytes());
+                    h.update(s);
+                }
+                self.weights = h.finalize().into();
+                Output::Rebuilt {
+                    weights: self.weights,
+                    averaged: 1,
+                }
+            }
             WorkKind::ImportState { .. } => {
                 let input = work.input.ok_or("no state")?;
                 self.weights = input
@@ -191,6 +204,19 @@ pub enum NodeEvent {
         bytes_per_s: f64,
         import_ms: f64,
         /// The digest the trainer reported of the weights imported.
+        weights: [u8; 32],
+    },
+    /// This joiner serves `stage`, which no live node held and of which no
+    /// copy was kept, rebuilt from the states of neighbouring stages'
+    /// members `from` (CheckFree): its trainer averaged `averaged` of them
+    /// (0: none fitted, or it cannot average: the stage restarted from the
+    /// initial weights), standing for the update of `applied`; `weights`
+    /// is the digest it reported (zeros when it restarted).
+    StageRebuilt {
+        stage: Stage,
+        from: Vec<NodeId>,
+        applied: Option<u32>,
+        averaged: u32,
         weights: [u8; 32],
     },
     /// Something a peer sent was refused (see [`super::intake`]): from
@@ -508,6 +534,7 @@ impl Runtime {
             state_receiver: Default::default(),
             copies: Default::default(),
             copy_after: Vec::new(),
+            neighbours: Default::default(),
             saves: Default::default(),
             serving: Default::default(),
         };

@@ -65,6 +65,18 @@ pub enum WorkKind {
     /// weights after the update of iteration `applied` (None: before any).
     /// Output: [`Output::Weights`].
     InitState { applied: Option<u32> },
+    /// Barrier. No live node holds the stage's state and no copy of it was
+    /// kept: rebuild it from `states`, its neighbouring stages' members'
+    /// (stage, state as that stage's `ExportState` gave it), CheckFree's
+    /// way: the average of those whose shapes fit this stage's (parameters
+    /// and optimizer moments; the largest step count), or, when none fits,
+    /// the initial weights as `InitState`; standing for the weights after
+    /// the update of iteration `applied`. Given only where
+    /// `Config::rebuild_from_neighbours` is on. Output: [`Output::Rebuilt`].
+    AverageStates {
+        applied: Option<u32>,
+        states: Arc<Vec<(Stage, Vec<u8>)>>,
+    },
     /// Forget what is kept for microbatches of iterations before `before`
     /// (activations whose backward never came, per-microbatch gradients).
     /// Output: none.
@@ -86,6 +98,7 @@ impl WorkKind {
                 | WorkKind::ExportState
                 | WorkKind::ImportState { .. }
                 | WorkKind::InitState { .. }
+                | WorkKind::AverageStates { .. }
         )
     }
 
@@ -101,6 +114,7 @@ impl WorkKind {
             WorkKind::ExportState => "export_state",
             WorkKind::ImportState { .. } => "import_state",
             WorkKind::InitState { .. } => "init_state",
+            WorkKind::AverageStates { .. } => "average_states",
             WorkKind::Forget { .. } => "forget",
             WorkKind::Discard => "discard",
         }
@@ -152,6 +166,13 @@ pub enum Output {
     Weights([u8; 32]),
     /// The exported state.
     State(Frame),
+    /// The digest of the weights rebuilt by `AverageStates`, and how many
+    /// neighbours' states they average (0: none fitted; the initial
+    /// weights).
+    Rebuilt {
+        weights: [u8; 32],
+        averaged: u32,
+    },
 }
 
 /// Why a completion was refused (nothing changed).
@@ -519,6 +540,7 @@ fn check_output(
             Output::Weights(_),
         ) => Ok(()),
         (WorkKind::ExportState, Output::State(f)) if !f.is_empty() => Ok(()),
+        (WorkKind::AverageStates { .. }, Output::Rebuilt { .. }) => Ok(()),
         (k, o) => Err(format!(
             "{} cannot be answered with {}",
             k.name(),
@@ -535,6 +557,7 @@ fn output_name(o: &Output) -> &'static str {
         Output::Gradient { .. } => "a gradient",
         Output::Weights(_) => "a weights digest",
         Output::State(_) => "a state",
+        Output::Rebuilt { .. } => "rebuilt weights",
     }
 }
 

@@ -118,13 +118,14 @@ pub struct DemoArgs {
     /// Empty a relay stage on purpose once iteration ITER is final: every
     /// live member of the stage with the fewest members is SIGKILLed at
     /// once. The next joiner restores the stage from the freshest copy of
-    /// its state the holders keep (--keep-states-every), and the report
-    /// marks where on the loss curve.
+    /// its state the holders keep (--keep-states-every), or with none
+    /// rebuilds it from the average of its neighbouring stages' weights
+    /// (CheckFree), and the report marks where on the loss curve.
     #[arg(long, value_name = "ITER")]
     pub empty_stage_at: Option<u64>,
     /// The holders keep a copy of every relay stage's state after every K
-    /// of their updates (0: none, so an emptied stage restarts from the
-    /// initial weights).
+    /// of their updates (0: none, so an emptied stage is rebuilt from its
+    /// neighbours' weights, or restarts from the initial weights).
     #[arg(long, value_name = "K", default_value_t = 5, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(0))]
     pub keep_states_every: u32,
@@ -1097,6 +1098,12 @@ fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: 
             sw.out.note(&format!(
                 "{t:>7.1}s  node {id} restored stage {stage} from holder {from}'s copy of \
                  iteration {iteration} (standing for iteration {applied})"
+            ));
+        }
+        Event::StageRebuilt { stage, from, .. } => {
+            sw.out.note(&format!(
+                "{t:>7.1}s  node {id} rebuilt stage {stage} from the average of its \
+                 neighbours' weights (nodes {from:?}; no copy kept)"
             ));
         }
         Event::StageRestarted { stage, .. } => {

@@ -64,6 +64,15 @@ pub enum Event {
         iteration: u64,
         applied: u64,
     },
+    /// A joiner took up an emptied stage (no copy kept) from the average
+    /// of the weights of its neighbouring stages' members `from`
+    /// (CheckFree), standing for iteration `applied`.
+    StageRebuilt {
+        node: NodeId,
+        stage: u32,
+        from: Vec<NodeId>,
+        applied: Option<u64>,
+    },
     /// A joiner took up an emptied stage from the initial weights (no
     /// copy kept), standing for iteration `applied`.
     StageRestarted {
@@ -146,6 +155,7 @@ impl Event {
             Event::Recovered { .. } => "recovered",
             Event::StageEmpty { .. } => "stage_empty",
             Event::StageRestored { .. } => "stage_restored",
+            Event::StageRebuilt { .. } => "stage_rebuilt",
             Event::StageRestarted { .. } => "stage_restarted",
             Event::StateDownload { .. } => "state_download",
             Event::Stats { .. } => "stats",
@@ -553,9 +563,21 @@ impl Facts {
                 iteration,
                 applied,
                 ..
-            } => self.restored(t, node, *stage, Some((*from, *iteration)), Some(*applied)),
+            } => {
+                let how = Taken::Copy(*from, *iteration);
+                self.restored(t, node, *stage, how, Some(*applied))
+            }
+            Event::StageRebuilt {
+                stage,
+                from,
+                applied,
+                ..
+            } => {
+                let how = Taken::Neighbours(from.clone());
+                self.restored(t, node, *stage, how, *applied)
+            }
             Event::StageRestarted { stage, applied, .. } => {
-                self.restored(t, node, *stage, None, *applied)
+                self.restored(t, node, *stage, Taken::Initial, *applied)
             }
             Event::StateDownload {
                 from,
@@ -637,19 +659,16 @@ impl Facts {
         }
     }
 
-    /// `node` took up emptied `stage` at `t`, from `copy` (holder,
-    /// iteration; None: the initial weights), standing for `applied`. The
+    /// `node` took up emptied `stage` at `t`, as `how` says, standing for
+    /// `applied`. The
     /// updates after `applied` that its dead members printed were lost with
     /// them: the stage makes them again, so they are no replica's to
     /// compare.
-    fn restored(
-        &mut self,
-        t: f64,
-        node: NodeId,
-        stage: u32,
-        copy: Option<(NodeId, u64)>,
-        applied: Option<u64>,
-    ) {
+    fn restored(&mut self, t: f64, node: NodeId, stage: u32, how: Taken, applied: Option<u64>) {
+        let copy = match how {
+            Taken::Copy(h, k) => Some((h, k)),
+            _ => None,
+        };
         let after = applied.map_or(0, |a| a + 1);
         let dead: BTreeSet<NodeId> = (self.nodes.iter())
             .filter(|(_, n)| n.killed_s.is_some())
@@ -668,6 +687,10 @@ impl Facts {
             stage,
             from: copy.map(|c| c.0),
             iteration: copy.map(|c| c.1),
+            rebuilt_from: match how {
+                Taken::Neighbours(n) => n,
+                _ => Vec::new(),
+            },
             applied,
             updates_lost: lost,
         });
@@ -1343,6 +1366,15 @@ pub struct MembershipRow {
     pub members: Vec<u32>,
 }
 
+/// What an emptied stage was taken up from.
+enum Taken {
+    /// A holder's copy: (holder, iteration).
+    Copy(NodeId, u64),
+    /// The average of its neighbours' weights (CheckFree): their members.
+    Neighbours(Vec<NodeId>),
+    Initial,
+}
+
 /// An emptied stage taken up again.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RestoreRow {
@@ -1354,6 +1386,9 @@ pub struct RestoreRow {
     pub from: Option<NodeId>,
     /// The copy's iteration.
     pub iteration: Option<u64>,
+    /// With no copy: the neighbouring stages' members whose weights it
+    /// averaged (CheckFree; empty: the initial weights).
+    pub rebuilt_from: Vec<NodeId>,
     /// The iteration the weights stand for.
     pub applied: Option<u64>,
     /// Updates the weights taken up miss (after the copy's iteration, up to
@@ -1421,6 +1456,10 @@ pub fn restores_line(s: &Summary) -> String {
             let first = r.applied.map_or(0, |a| a + 1);
             let how = match (r.from, r.iteration) {
                 (Some(h), Some(k)) => format!("from holder {h}'s copy of iteration {k}"),
+                _ if !r.rebuilt_from.is_empty() => format!(
+                    "from the average of its neighbours' weights (nodes {}; no copy kept)",
+                    ids_list(&r.rebuilt_from)
+                ),
                 _ => "from the initial weights (no copy kept)".into(),
             };
             format!(
@@ -1436,6 +1475,13 @@ pub fn restores_line(s: &Summary) -> String {
         })
         .collect();
     lines.join(" | ")
+}
+
+fn ids_list(ids: &[NodeId]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What `--json` writes (times in seconds since the demo started).

@@ -125,6 +125,9 @@ pub fn loss_svg(s: &Summary) -> Res<String> {
             let x = r.applied.map_or(1, |a| a + 2);
             let what = match r.iteration {
                 Some(k) => format!("stage {} restored (copy of iteration {k})", r.stage),
+                None if !r.rebuilt_from.is_empty() => {
+                    format!("stage {} rebuilt (average of its neighbours)", r.stage)
+                }
                 None => format!("stage {} restarted (initial weights)", r.stage),
             };
             let s = chart.draw_series(DashedLineSeries::new(

@@ -524,6 +524,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     proto.mb_per_iter = a.microbatches;
     proto.iterations = Some(a.iterations);
     proto.keep_states_every = a.keep_states_every;
+    // The built-in model's trainer averages neighbours' states (CheckFree).
+    proto.rebuild_from_neighbours = true;
     proto.save_every = a.save_every;
     proto.resume_from = resumed.as_ref().map(|r| r.1);
     proto.stage_state_bytes = (0..=relay_stages)
@@ -1104,6 +1106,30 @@ impl Printer {
             NodeEvent::Checkpoint { .. } => {}
             NodeEvent::CheckpointDropped { iteration, why } => self.emit(json!({
                 "event": "checkpoint_skipped", "iteration": iteration, "why": why,
+            })),
+            NodeEvent::StageRebuilt {
+                stage,
+                from,
+                applied,
+                averaged,
+                weights,
+            } if averaged > 0 => self.emit(json!({
+                "event": "stage_rebuilt", "stage": stage, "from": from, "applied": applied,
+                "averaged": averaged, "weights_sha256": hex(&weights), "source": "checkfree",
+                "why": "no live node held this stage and no data holder kept a copy of it: \
+                        it goes on from the average of its neighbouring stages' weights",
+            })),
+            NodeEvent::StageRebuilt {
+                stage,
+                from,
+                applied,
+                ..
+            } => self.emit(json!({
+                "event": "stage_restarted", "stage": stage, "applied": applied,
+                "source": "initial", "neighbours": from,
+                "why": "no live node held this stage, no data holder kept a copy of it, and \
+                        its neighbouring stages' weights do not fit its shapes: it starts \
+                        again from the initial weights",
             })),
             NodeEvent::CopyKept {
                 stage,

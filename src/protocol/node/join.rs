@@ -205,11 +205,26 @@ impl Node {
     /// that took over from a dead one, it has what is missing at an
     /// iteration's end recomputed after a short grace.
     pub(super) fn restart_stage(&mut self, stage: Stage, next: u32) {
+        // A version of its own: these weights descend from no update.
+        self.serve_afresh(stage, next, u64::MAX, |stage, applied| {
+            Event::StageRestarted { stage, applied }
+        });
+    }
+
+    /// Serves `stage`, which no live node held, as of iteration `next`
+    /// with weights that descend from no update (their version mixed from
+    /// `salt`); `event` tells the trainer where they come from.
+    pub(super) fn serve_afresh(
+        &mut self,
+        stage: Stage,
+        next: u32,
+        salt: u64,
+        event: impl FnOnce(Stage, Option<u32>) -> Event,
+    ) {
         self.stage = stage;
         let applied = next.checked_sub(1);
         if let Some(a) = applied {
-            // A version of its own: these weights descend from no update.
-            self.iters.downloaded((a, mix(u64::MAX, stage as u64)));
+            self.iters.downloaded((a, mix(salt, stage as u64)));
         }
         self.iters.hear_next(next, false);
         self.coordinating.inherited = Some((self.now, next));
@@ -219,7 +234,7 @@ impl Node {
         let (ps, ns) = (self.prev_stage(), self.next_stage());
         self.peers
             .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
-        self.event(Event::StageRestarted { stage, applied });
+        self.event(event(stage, applied));
         self.become_active();
     }
 
@@ -436,6 +451,10 @@ impl Node {
         members: Arc<Vec<NodeId>>,
         coord: NodeId,
     ) {
+        if let Phase::Rebuilding { .. } = self.phase {
+            self.on_neighbour_state(from);
+            return;
+        }
         if self.phase == Phase::Active {
             // A member that missed an update downloaded the state again.
             self.iters.resynced(version);

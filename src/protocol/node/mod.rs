@@ -61,6 +61,11 @@ enum Phase {
     Restoring {
         since: Time,
     },
+    /// Waiting for the states of an emptied stage's neighbours to rebuild
+    /// it from (`restore`), asked at `since`.
+    Rebuilding {
+        since: Time,
+    },
     /// Downloading the state of `stage` from `src`, asked at `since`.
     Downloading {
         stage: Stage,
@@ -517,6 +522,14 @@ impl Node {
                 self.restore_query_timed_out(since);
                 return;
             }
+            Phase::Rebuilding { since } => {
+                // Neighbours' states that never come: rebuilt from those
+                // that did.
+                if self.now >= since + self.cfg.e2e_timeout {
+                    self.finish_rebuild();
+                }
+                return;
+            }
             Phase::Downloading { since, .. } => {
                 // A download that never comes is asked of another member.
                 if self.now >= since + self.cfg.e2e_timeout {
@@ -710,7 +723,7 @@ impl Node {
             Msg::StageInfo { summary } => self.on_stage_info(from, summary),
             Msg::StateRequest => self.on_state_request(from),
             // The runtime serves it (a holder's copy, not a join).
-            Msg::CopyRequest { .. } | Msg::KeptRequest { .. } => {}
+            Msg::CopyRequest { .. } | Msg::KeptRequest { .. } | Msg::RebuildRequest { .. } => {}
             Msg::KeptQuery { stage } => self.on_kept_query(from, stage),
             Msg::KeptInfo {
                 stage,

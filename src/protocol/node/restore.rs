@@ -4,8 +4,14 @@
 //! state it keeps (`KeptQuery`, `KeptInfo`), downloads the freshest
 //! (`KeptRequest`, answered with a `StateResponse` by the holder's
 //! runtime), and serves the stage from it ([`Event::StageRestored`]).
-//! With no copy offered (or every offer failing) it restarts the stage from
-//! the initial weights ([`Event::StageRestarted`]), as before.
+//! With no copy offered (or every offer failing) it rebuilds the stage
+//! from its neighbouring relay stages' weights (CheckFree, where the
+//! trainer can: `Config::rebuild_from_neighbours`): it asks one live member
+//! of each for its state (`RebuildRequest`, answered like a download by
+//! the member's runtime) and serves the stage from what came
+//! ([`Event::StageRebuilt`]: its trainer averages the states that fit).
+//! With neither, it restarts the stage from the initial weights
+//! ([`Event::StageRestarted`]), as before.
 //!
 //! The restored weights are those of the copy's iteration; they stand for
 //! the weights of the iteration before the one in progress: the updates
@@ -27,6 +33,10 @@ pub(super) struct Restore {
     waiting: BTreeSet<NodeId>,
     /// Copies offered: (iteration, holder); the freshest is tried first.
     offers: BTreeSet<(u32, NodeId)>,
+    /// Rebuilding from the neighbours: those asked whose state has not
+    /// come, and those whose state came.
+    neighbours: BTreeSet<NodeId>,
+    rebuilt_from: Vec<NodeId>,
 }
 
 /// What this node knows of copies: the ones its runtime keeps (a holder
@@ -54,27 +64,29 @@ impl Node {
     }
 
     /// `stage` has no live node: ask the live holders for their copies of
-    /// it, or restart it at once when there are none to ask.
+    /// it; with none to ask, rebuild or restart it at once.
     pub(super) fn restore_stage(&mut self, stage: Stage, next: u32) {
         let holders: BTreeSet<NodeId> = (self.peers.of_stage(0))
             .filter(|(id, p)| !p.dead && **id != self.id)
             .map(|(id, _)| *id)
             .take(HOLDERS_ASKED_MAX)
             .collect();
-        if holders.is_empty() {
-            self.restart_stage(stage, next);
-            return;
-        }
         for &h in &holders {
             self.send(h, Msg::KeptQuery { stage });
         }
+        let none = holders.is_empty();
         self.restoring.pending = Some(Restore {
             stage,
             next,
             waiting: holders,
             offers: BTreeSet::new(),
+            neighbours: BTreeSet::new(),
+            rebuilt_from: Vec::new(),
         });
         self.phase = Phase::Restoring { since: self.now };
+        if none {
+            self.restore_from_next_offer();
+        }
     }
 
     /// A joiner asks which copy of `stage` this node keeps.
@@ -136,18 +148,28 @@ impl Node {
         }
     }
 
-    /// A holder asked died: it answers no more.
+    /// A holder (or a neighbour) asked died: it answers no more.
     pub(super) fn restore_holder_gone(&mut self, p: NodeId) {
-        if let (Phase::Restoring { .. }, Some(r)) = (&self.phase, self.restoring.pending.as_mut()) {
-            r.offers.retain(|&(_, h)| h != p);
-            if r.waiting.remove(&p) && r.waiting.is_empty() {
-                self.restore_from_next_offer();
+        let Some(r) = self.restoring.pending.as_mut() else {
+            return;
+        };
+        match self.phase {
+            Phase::Restoring { .. } => {
+                r.offers.retain(|&(_, h)| h != p);
+                if r.waiting.remove(&p) && r.waiting.is_empty() {
+                    self.restore_from_next_offer();
+                }
             }
+            Phase::Rebuilding { .. } if r.neighbours.remove(&p) && r.neighbours.is_empty() => {
+                self.finish_rebuild()
+            }
+            _ => {}
         }
     }
 
     /// Downloads the freshest copy offered by a live holder; with none
-    /// left, restarts the stage from the initial weights.
+    /// left, rebuilds the stage from its neighbours, or restarts it from
+    /// the initial weights.
     pub(super) fn restore_from_next_offer(&mut self) {
         let Some(r) = self.restoring.pending.as_mut() else {
             return;
@@ -167,8 +189,95 @@ impl Node {
             }
         }
         let (stage, next) = (r.stage, r.next);
-        self.restoring.pending = None;
-        self.restart_stage(stage, next);
+        if !self.ask_neighbours(stage) {
+            self.restoring.pending = None;
+            self.restart_stage(stage, next);
+        }
+    }
+
+    /// The neighbouring relay stages of relay stage `stage` (the data
+    /// holders' stage 0 holds the embedding and head: its shapes never fit).
+    fn relay_neighbours(&self, stage: Stage) -> Vec<Stage> {
+        let relays = 1..=self.cfg.relay_stages;
+        [stage.checked_sub(1), stage.checked_add(1)]
+            .into_iter()
+            .flatten()
+            .filter(|s| relays.contains(s) && relays.contains(&stage))
+            .collect()
+    }
+
+    /// Asks one live member of each neighbouring relay stage for its state
+    /// to rebuild `stage` from (`Config::rebuild_from_neighbours`). False
+    /// when it is off or there is none to ask.
+    fn ask_neighbours(&mut self, stage: Stage) -> bool {
+        if !self.cfg.rebuild_from_neighbours {
+            return false;
+        }
+        let asked: BTreeSet<NodeId> = (self.relay_neighbours(stage).into_iter())
+            .filter_map(|s| {
+                (self.peers.of_stage(s))
+                    .filter(|(id, p)| !p.dead && **id != self.id)
+                    .map(|(id, _)| *id)
+                    .min()
+            })
+            .collect();
+        if asked.is_empty() || self.restoring.pending.is_none() {
+            return false;
+        }
+        for &m in &asked {
+            self.send(m, Msg::RebuildRequest { stage });
+        }
+        let Some(r) = self.restoring.pending.as_mut() else {
+            return false;
+        };
+        r.neighbours = asked;
+        r.rebuilt_from.clear();
+        self.stage = stage;
+        self.phase = Phase::Rebuilding { since: self.now };
+        true
+    }
+
+    /// Whether this node waits for `from`'s state to rebuild a stage from
+    /// (its runtime keeps it for the trainer).
+    pub fn rebuild_awaits(&self, from: NodeId) -> bool {
+        matches!(self.phase, Phase::Rebuilding { .. })
+            && (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.contains(&from))
+    }
+
+    /// A neighbour's state came (its runtime verified and kept it).
+    pub(super) fn on_neighbour_state(&mut self, from: NodeId) {
+        let Some(r) = self.restoring.pending.as_mut() else {
+            return;
+        };
+        if r.neighbours.remove(&from) {
+            r.rebuilt_from.push(from);
+            if r.neighbours.is_empty() {
+                self.finish_rebuild();
+            }
+        }
+    }
+
+    /// Every neighbour asked answered, died, or was waited for long
+    /// enough: the stage is rebuilt from the states that came, or
+    /// restarted when none did.
+    pub(super) fn finish_rebuild(&mut self) {
+        let Some(mut r) = self.restoring.pending.take() else {
+            return;
+        };
+        if r.rebuilt_from.is_empty() {
+            self.restart_stage(r.stage, r.next);
+            return;
+        }
+        r.rebuilt_from.sort_unstable();
+        let from = r.rebuilt_from;
+        // A version of its own: these weights descend from no update.
+        self.serve_afresh(r.stage, r.next, u64::MAX - 2, |stage, applied| {
+            Event::StageRebuilt {
+                stage,
+                from,
+                applied,
+            }
+        });
     }
 
     /// The kept copy (`version`) came from holder `from` and is imported:
@@ -216,8 +325,15 @@ mod tests {
     /// members say stage 2 is empty (iteration 7 in progress), timed out
     /// on its query: it asks the holders for their copies of stage 2.
     fn joiner_asking_holders() -> (Node, Vec<Action>) {
+        joiner_asking_holders_with(false)
+    }
+
+    /// As [`joiner_asking_holders`], rebuilding from the neighbours when no
+    /// copy is offered (`rebuild`).
+    fn joiner_asking_holders_with(rebuild: bool) -> (Node, Vec<Action>) {
         let mut cfg = (*config(Policy::Gwtf)).clone();
         cfg.restart_empty_stages = true;
+        cfg.rebuild_from_neighbours = rebuild;
         let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
         let peers = vec![(1, 0), (2, 0), (11, 1), (31, 3)];
         n.handle(SEC, Input::Join { peers });
@@ -375,6 +491,84 @@ mod tests {
         assert!(!restarted(&acts) && !n.is_active());
         let acts = n.on_timeout(t + n.suspicion() + 2 * n.cfg.tick);
         assert!(restarted(&acts) && n.is_active());
+    }
+
+    fn rebuilt_event(acts: &[Action]) -> Option<(Stage, Vec<NodeId>, Option<u32>)> {
+        acts.iter().find_map(|a| match a {
+            Action::Event(Event::StageRebuilt {
+                stage,
+                from,
+                applied,
+            }) => Some((*stage, from.clone(), *applied)),
+            _ => None,
+        })
+    }
+
+    /// No holder keeps a copy: the joiner asks a member of each
+    /// neighbouring relay stage for its state, and once both came serves
+    /// the stage rebuilt from them (CheckFree), as of the iteration in
+    /// progress, under a version of its own.
+    #[test]
+    fn with_no_copy_the_stage_is_rebuilt_from_its_neighbours() {
+        let (mut n, _) = joiner_asking_holders_with(true);
+        offer(&mut n, 1, None);
+        let acts = offer(&mut n, 2, None);
+        let mut asked = sends(&acts);
+        asked.sort_unstable_by_key(|(to, _)| *to);
+        assert!(matches!(
+            asked[..],
+            [
+                (11, &Msg::RebuildRequest { stage: 2 }),
+                (31, &Msg::RebuildRequest { stage: 2 })
+            ]
+        ));
+        assert!(!restarted(&acts) && !n.is_active() && n.stage() == 2);
+        assert!(n.rebuild_awaits(11) && n.rebuild_awaits(31) && !n.rebuild_awaits(1));
+        let acts = deliver(&mut n, 31, copy((6, 7), 31));
+        assert!(rebuilt_event(&acts).is_none() && !n.is_active());
+        assert!(!n.rebuild_awaits(31));
+        let acts = deliver(&mut n, 11, copy((6, 5), 11));
+        assert_eq!(rebuilt_event(&acts), Some((2, vec![11, 31], Some(6))));
+        assert!(n.is_active() && !restarted(&acts));
+        assert_eq!(n.version().0, 6);
+        assert!(![(6, 5), (6, 7)].contains(&n.version()));
+        assert_eq!(n.coordinator(), Some(50));
+    }
+
+    /// A neighbour that dies is not waited for: the stage is rebuilt from
+    /// the other; with neither answering in time, it restarts.
+    #[test]
+    fn a_rebuild_goes_on_without_neighbours_that_do_not_answer() {
+        let (mut n, _) = joiner_asking_holders_with(true);
+        offer(&mut n, 1, None);
+        offer(&mut n, 2, None);
+        deliver(&mut n, 11, copy((6, 5), 11));
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 31 });
+        assert_eq!(rebuilt_event(&acts), Some((2, vec![11], Some(6))));
+        assert!(n.is_active());
+
+        let (mut n, _) = joiner_asking_holders_with(true);
+        offer(&mut n, 1, None);
+        offer(&mut n, 2, None);
+        let t = n.now;
+        let acts = n.on_timeout(t + n.cfg.tick);
+        assert!(!restarted(&acts) && !n.is_active());
+        let acts = n.on_timeout(t + n.cfg.e2e_timeout + 2 * n.cfg.tick);
+        assert!(restarted(&acts) && rebuilt_event(&acts).is_none() && n.is_active());
+    }
+
+    /// Off (a trainer that cannot average): no neighbour is asked, the
+    /// stage restarts.
+    #[test]
+    fn without_rebuilding_no_neighbour_is_asked() {
+        let (mut n, _) = joiner_asking_holders_with(false);
+        offer(&mut n, 1, None);
+        let acts = offer(&mut n, 2, None);
+        assert!(restarted(&acts) && n.is_active());
+        assert!(!sends(&acts)
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::RebuildRequest { .. })));
     }
 
     /// A holder answers from the copies its runtime keeps.
