@@ -210,6 +210,8 @@ fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
         losses[LONG as usize - 1],
         want[LONG as usize - 1],
     );
+    eprintln!("losses after the rebuild: {:?}", &losses[r..]);
+    eprintln!("uninterrupted:            {:?}", &want[r..]);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
 }

@@ -34,8 +34,9 @@ pub(super) struct Restore {
     /// Copies offered: (iteration, holder); the freshest is tried first.
     offers: BTreeSet<(u32, NodeId)>,
     /// Rebuilding from the neighbours: those asked whose state has not
-    /// come, and those whose state came.
-    neighbours: BTreeSet<NodeId>,
+    /// come (and their stage), every one asked, and those whose state came.
+    neighbours: BTreeMap<NodeId, Stage>,
+    asked: BTreeSet<NodeId>,
     rebuilt_from: Vec<NodeId>,
 }
 
@@ -80,7 +81,8 @@ impl Node {
             next,
             waiting: holders,
             offers: BTreeSet::new(),
-            neighbours: BTreeSet::new(),
+            neighbours: BTreeMap::new(),
+            asked: BTreeSet::new(),
             rebuilt_from: Vec::new(),
         });
         self.phase = Phase::Restoring { since: self.now };
@@ -160,8 +162,14 @@ impl Node {
                     self.restore_from_next_offer();
                 }
             }
-            Phase::Rebuilding { .. } if r.neighbours.remove(&p) && r.neighbours.is_empty() => {
-                self.finish_rebuild()
+            Phase::Rebuilding { .. } => {
+                // Another member of its stage is asked in its place.
+                if let Some(s) = r.neighbours.remove(&p) {
+                    self.ask_neighbour(s);
+                }
+                if (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.is_empty()) {
+                    self.finish_rebuild();
+                }
             }
             _ => {}
         }
@@ -213,35 +221,47 @@ impl Node {
         if !self.cfg.rebuild_from_neighbours {
             return false;
         }
-        let asked: BTreeSet<NodeId> = (self.relay_neighbours(stage).into_iter())
-            .filter_map(|s| {
-                (self.peers.of_stage(s))
-                    .filter(|(id, p)| !p.dead && **id != self.id)
-                    .map(|(id, _)| *id)
-                    .min()
-            })
-            .collect();
-        if asked.is_empty() || self.restoring.pending.is_none() {
-            return false;
-        }
-        for &m in &asked {
-            self.send(m, Msg::RebuildRequest { stage });
-        }
         let Some(r) = self.restoring.pending.as_mut() else {
             return false;
         };
-        r.neighbours = asked;
+        r.neighbours.clear();
+        r.asked.clear();
         r.rebuilt_from.clear();
+        for s in self.relay_neighbours(stage) {
+            self.ask_neighbour(s);
+        }
+        if (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.is_empty()) {
+            return false;
+        }
         self.stage = stage;
         self.phase = Phase::Rebuilding { since: self.now };
         true
+    }
+
+    /// Asks the live member of neighbouring stage `s` with the smallest id
+    /// not asked yet for its state (none left: nothing is sent).
+    fn ask_neighbour(&mut self, s: Stage) {
+        let Some(r) = self.restoring.pending.as_ref() else {
+            return;
+        };
+        let stage = r.stage;
+        let next = (self.peers.of_stage(s))
+            .filter(|(id, p)| !p.dead && **id != self.id && !r.asked.contains(id))
+            .map(|(id, _)| *id)
+            .min();
+        let (Some(m), Some(r)) = (next, self.restoring.pending.as_mut()) else {
+            return;
+        };
+        r.asked.insert(m);
+        r.neighbours.insert(m, s);
+        self.send(m, Msg::RebuildRequest { stage });
     }
 
     /// Whether this node waits for `from`'s state to rebuild a stage from
     /// (its runtime keeps it for the trainer).
     pub fn rebuild_awaits(&self, from: NodeId) -> bool {
         matches!(self.phase, Phase::Rebuilding { .. })
-            && (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.contains(&from))
+            && (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.contains_key(&from))
     }
 
     /// A neighbour's state came (its runtime verified and kept it).
@@ -249,7 +269,7 @@ impl Node {
         let Some(r) = self.restoring.pending.as_mut() else {
             return;
         };
-        if r.neighbours.remove(&from) {
+        if r.neighbours.remove(&from).is_some() {
             r.rebuilt_from.push(from);
             if r.neighbours.is_empty() {
                 self.finish_rebuild();
@@ -325,17 +345,18 @@ mod tests {
     /// members say stage 2 is empty (iteration 7 in progress), timed out
     /// on its query: it asks the holders for their copies of stage 2.
     fn joiner_asking_holders() -> (Node, Vec<Action>) {
-        joiner_asking_holders_with(false)
+        joiner_asking_holders_with(false, &[])
     }
 
     /// As [`joiner_asking_holders`], rebuilding from the neighbours when no
-    /// copy is offered (`rebuild`).
-    fn joiner_asking_holders_with(rebuild: bool) -> (Node, Vec<Action>) {
+    /// copy is offered (`rebuild`), knowing `more` peers too.
+    fn joiner_asking_holders_with(rebuild: bool, more: &[(NodeId, Stage)]) -> (Node, Vec<Action>) {
         let mut cfg = (*config(Policy::Gwtf)).clone();
         cfg.restart_empty_stages = true;
         cfg.rebuild_from_neighbours = rebuild;
         let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
-        let peers = vec![(1, 0), (2, 0), (11, 1), (31, 3)];
+        let mut peers = vec![(1, 0), (2, 0), (11, 1), (31, 3)];
+        peers.extend_from_slice(more);
         n.handle(SEC, Input::Join { peers });
         for (from, stage) in [(11, 1), (31, 3)] {
             let summary = StageSummary {
@@ -510,7 +531,7 @@ mod tests {
     /// progress, under a version of its own.
     #[test]
     fn with_no_copy_the_stage_is_rebuilt_from_its_neighbours() {
-        let (mut n, _) = joiner_asking_holders_with(true);
+        let (mut n, _) = joiner_asking_holders_with(true, &[]);
         offer(&mut n, 1, None);
         let acts = offer(&mut n, 2, None);
         let mut asked = sends(&acts);
@@ -536,10 +557,11 @@ mod tests {
     }
 
     /// A neighbour that dies is not waited for: the stage is rebuilt from
-    /// the other; with neither answering in time, it restarts.
+    /// the other, or from another member of its stage when one is known;
+    /// with none answering in time, it restarts.
     #[test]
     fn a_rebuild_goes_on_without_neighbours_that_do_not_answer() {
-        let (mut n, _) = joiner_asking_holders_with(true);
+        let (mut n, _) = joiner_asking_holders_with(true, &[]);
         offer(&mut n, 1, None);
         offer(&mut n, 2, None);
         deliver(&mut n, 11, copy((6, 5), 11));
@@ -548,7 +570,21 @@ mod tests {
         assert_eq!(rebuilt_event(&acts), Some((2, vec![11], Some(6))));
         assert!(n.is_active());
 
-        let (mut n, _) = joiner_asking_holders_with(true);
+        let (mut n, _) = joiner_asking_holders_with(true, &[(32, 3)]);
+        offer(&mut n, 1, None);
+        offer(&mut n, 2, None);
+        let now = n.now;
+        let acts = n.handle(now, Input::PeerLost { peer: 31 });
+        assert!(matches!(
+            sends(&acts)[..],
+            [(32, Msg::RebuildRequest { stage: 2 })]
+        ));
+        assert!(n.rebuild_awaits(32) && !n.is_active());
+        deliver(&mut n, 32, copy((6, 7), 32));
+        let acts = deliver(&mut n, 11, copy((6, 5), 11));
+        assert_eq!(rebuilt_event(&acts), Some((2, vec![11, 32], Some(6))));
+
+        let (mut n, _) = joiner_asking_holders_with(true, &[]);
         offer(&mut n, 1, None);
         offer(&mut n, 2, None);
         let t = n.now;
@@ -562,7 +598,7 @@ mod tests {
     /// stage restarts.
     #[test]
     fn without_rebuilding_no_neighbour_is_asked() {
-        let (mut n, _) = joiner_asking_holders_with(false);
+        let (mut n, _) = joiner_asking_holders_with(false, &[]);
         offer(&mut n, 1, None);
         let acts = offer(&mut n, 2, None);
         assert!(restarted(&acts) && n.is_active());
