@@ -10,8 +10,11 @@
 //! request per member is awaited, and a request unanswered for
 //! [`ASK_EXPIRY`] is forgotten (the member died, or was busy serving
 //! joiners and dropped it: the next round asks again).
+use crate::engine::Frame;
 use crate::protocol::{NodeId, Stage};
+use crossbeam_channel::{Receiver, Sender};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A request unanswered this long is given up.
@@ -77,6 +80,71 @@ impl Copies {
     /// `member` is gone: its copy will not come.
     pub(super) fn gone(&mut self, member: NodeId) {
         self.asked.remove(&member);
+    }
+}
+
+/// A copy being checked: whose, of which stage and version, asked when.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CopyHead {
+    pub from: NodeId,
+    pub stage: Stage,
+    pub version: (u32, u64),
+    pub asked: Instant,
+}
+
+/// A copy checked: the state, or why it was refused.
+pub(super) struct Verified {
+    pub head: CopyHead,
+    pub state: Result<Arc<Vec<u8>>, String>,
+}
+
+/// Checks copies on threads of their own, and the driver collects them:
+/// the SHA-256 over a whole state and its copy out of the frame pool (85 MB
+/// for llama-small) took the driver of a holder on a busy machine past the
+/// suspicion time, and the holder fenced itself as if it had been paused.
+pub(super) struct Verifier {
+    tx: Sender<Verified>,
+    rx: Receiver<Verified>,
+}
+
+impl Default for Verifier {
+    fn default() -> Verifier {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        Verifier { tx, rx }
+    }
+}
+
+impl Verifier {
+    /// Checks `data` (`announced` bytes: the state, then its SHA-256) on a
+    /// thread; here where no thread can be started.
+    pub(super) fn start(&self, head: CopyHead, data: Frame, announced: u64) {
+        fn check(data: Frame, announced: u64) -> Result<Arc<Vec<u8>>, String> {
+            super::serving::verify_state(data, announced).map(|f| Arc::new(f.payload().to_vec()))
+        }
+        fn take(slot: &Mutex<Option<Frame>>) -> Option<Frame> {
+            slot.lock().ok().and_then(|mut d| d.take())
+        }
+        let slot = Arc::new(Mutex::new(Some(data)));
+        let (theirs, tx) = (slot.clone(), self.tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name("gwtf-copy-check".into())
+            .spawn(move || {
+                if let Some(d) = take(&theirs) {
+                    let state = check(d, announced);
+                    let _ = tx.send(Verified { head, state });
+                }
+            });
+        if spawned.is_err() {
+            if let Some(d) = take(&slot) {
+                let state = check(d, announced);
+                let _ = self.tx.send(Verified { head, state });
+            }
+        }
+    }
+
+    /// The copies checked since the last call.
+    pub(super) fn done(&self) -> Vec<Verified> {
+        self.rx.try_iter().collect()
     }
 }
 
@@ -153,5 +221,51 @@ mod tests {
         assert!(!keep(&mut kept, 1, copy(4, 13)));
         assert_eq!(kept.get(&1).map(|k| (k.version.0, k.from)), Some((9, 12)));
         assert!(!kept.contains_key(&2));
+    }
+
+    /// A copy is checked on a thread of its own: a whole one is kept, one
+    /// changed on the way or cut short is refused with why.
+    #[test]
+    fn copies_are_checked_off_the_driver() {
+        use crate::engine::{Node as Net, NodeOptions};
+        let t = Duration::from_secs(10);
+        let net = Net::new(NodeOptions {
+            max_payload: 1 << 16,
+            pool_bytes: 1 << 20,
+            swarm_key: b"copies-unit-test-key".to_vec(),
+            ..NodeOptions::default()
+        })
+        .unwrap();
+        let state = b"a stage's state, exported".to_vec();
+        let sealed = || {
+            let f = net.alloc_copy(&state, t).unwrap();
+            super::super::serving::append_digest(f, |len| net.alloc(len, t)).unwrap()
+        };
+        let head = |from| CopyHead {
+            from,
+            stage: 2,
+            version: (9, 7),
+            asked: Instant::now(),
+        };
+        let v = Verifier::default();
+        let good = sealed();
+        let n = good.len() as u64;
+        v.start(head(1), good, n);
+        let mut bad = sealed();
+        bad.payload_mut()[0] ^= 1;
+        v.start(head(2), bad, n);
+        v.start(head(3), sealed(), n + 1);
+        let deadline = Instant::now() + t;
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            assert!(Instant::now() < deadline, "the checks never came back");
+            got.extend(v.done());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        got.sort_by_key(|c| c.head.from);
+        assert_eq!(got[0].state.as_deref(), Ok(&state));
+        assert!(matches!(&got[1].state, Err(e) if e.contains("SHA-256")));
+        assert!(matches!(&got[2].state, Err(e) if e.contains("cut off")));
+        assert_eq!((got[0].head.stage, got[0].head.version), (2, (9, 7)));
     }
 }

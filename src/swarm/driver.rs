@@ -4,7 +4,7 @@
 //! actions into frames and work.
 use super::aggregate::Aggregation;
 use super::bulk::{self, Pairing};
-use super::copies::{Copies, KeptState};
+use super::copies::{Copies, CopyHead, KeptState, Verified, Verifier};
 use super::directory::{self, Peer, DIRECTORY_MSG};
 use super::intake::{self, FrameUse, Refusal};
 use super::rebuild::NeighbourStates;
@@ -21,7 +21,6 @@ use crate::protocol::{
     Stage, Task, TaskId, TaskKind, Time,
 };
 use crossbeam_channel::{Receiver, Sender};
-use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -226,6 +225,8 @@ pub(super) struct Driver {
     pub(super) saves: Saves,
     /// The neighbours' states of a stage this node rebuilds (`rebuild.rs`).
     pub(super) neighbours: NeighbourStates,
+    /// A holder's copies being checked off this thread (`copies.rs`).
+    pub(super) verifier: Verifier,
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -2147,62 +2148,70 @@ impl Driver {
             self.refuse_and_cut(from, Refusal::State, e);
             return;
         }
-        match self.verify_state(data, announced) {
-            Ok(state) => {
-                let ms = asked.elapsed().as_secs_f64() * 1e3;
-                let copy = KeptState {
-                    version,
+        let head = CopyHead {
+            from,
+            stage,
+            version,
+            asked,
+        };
+        self.verifier.start(head, data, announced);
+    }
+
+    /// The copies checked off this thread since the last call: each kept
+    /// (and added to its checkpoint round), or refused.
+    fn copies_checked(&mut self) {
+        for Verified { head, state } in self.verifier.done() {
+            let CopyHead {
+                from,
+                stage,
+                version,
+                asked,
+            } = head;
+            let state = match state {
+                Ok(s) => s,
+                Err(e) => {
+                    let e = format!("a copy of stage {stage}'s state from {from:x}: {e}");
+                    self.refuse_and_cut(from, Refusal::State, e);
+                    continue;
+                }
+            };
+            let ms = asked.elapsed().as_secs_f64() * 1e3;
+            let copy = KeptState {
+                version,
+                from,
+                state,
+            };
+            if self.saves.is_open(version.0) {
+                let s = SavedState {
+                    stage,
                     from,
-                    state: Arc::new(state.payload().to_vec()),
+                    state: copy.state.clone(),
                 };
-                if self.saves.is_open(version.0) {
-                    let s = SavedState {
-                        stage,
-                        from,
-                        state: copy.state.clone(),
-                    };
-                    self.saved(version.0, s);
-                }
-                let bytes = copy.state.len() as u64;
-                let kept = {
-                    let mut k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
-                    super::copies::keep(&mut k, stage, copy)
-                };
-                if kept {
-                    self.node.copy_kept(stage, version.0);
-                    self.emit(NodeEvent::CopyKept {
-                        stage,
-                        iteration: version.0,
-                        version: version.1,
-                        from,
-                        bytes,
-                        ms,
-                    });
-                }
+                self.saved(version.0, s);
             }
-            Err(e) => {
-                let e = format!("a copy of stage {stage}'s state from {from:x}: {e}");
-                self.refuse_and_cut(from, Refusal::State, e);
+            let bytes = copy.state.len() as u64;
+            let kept = {
+                let mut k = self.shared.kept.lock().unwrap_or_else(|e| e.into_inner());
+                super::copies::keep(&mut k, stage, copy)
+            };
+            if kept {
+                self.node.copy_kept(stage, version.0);
+                self.emit(NodeEvent::CopyKept {
+                    stage,
+                    iteration: version.0,
+                    version: version.1,
+                    from,
+                    bytes,
+                    ms,
+                });
             }
         }
     }
 
     /// Checks the length (`announced`, the message's) and the digest at
     /// the end of a state transfer, and strips the digest.
-    pub(super) fn verify_state(&self, mut f: Frame, announced: u64) -> Result<Frame, String> {
-        let n = f.len();
-        if n as u64 != announced {
-            return Err(format!("cut off: {n} of the {announced} bytes announced"));
-        }
-        if n <= DIGEST_LEN {
-            return Err(format!("{n} bytes"));
-        }
-        let (state, digest) = f.payload().split_at(n - DIGEST_LEN);
-        if Sha256::digest(state).as_slice() != digest {
-            return Err("its SHA-256 does not match (cut or corrupted)".into());
-        }
-        f.truncate(n - DIGEST_LEN);
-        Ok(f)
+    pub(super) fn verify_state(&self, f: Frame, announced: u64) -> Result<Frame, String> {
+        serving::verify_state(f, announced)
     }
 
     pub(super) fn run(&mut self, first: Option<Input>) {
@@ -2245,6 +2254,7 @@ impl Driver {
             self.tell_bytes_heard();
             self.flush_backlog();
             self.pump_states();
+            self.copies_checked();
             let now = self.now();
             if let Some(t) = self.node.timeout() {
                 if t <= now {

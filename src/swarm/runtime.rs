@@ -535,6 +535,7 @@ impl Runtime {
             copies: Default::default(),
             copy_after: Vec::new(),
             neighbours: Default::default(),
+            verifier: Default::default(),
             saves: Default::default(),
             serving: Default::default(),
         };

@@ -140,6 +140,24 @@ impl StateServer {
     }
 }
 
+/// Checks the length (`announced`, the message's) and the SHA-256 at the
+/// end of a state transfer (as [`append_digest`] put it), and strips it.
+pub(super) fn verify_state(mut f: Frame, announced: u64) -> Result<Frame, String> {
+    let n = f.len();
+    if n as u64 != announced {
+        return Err(format!("cut off: {n} of the {announced} bytes announced"));
+    }
+    if n <= DIGEST_LEN {
+        return Err(format!("{n} bytes"));
+    }
+    let (state, digest) = f.payload().split_at(n - DIGEST_LEN);
+    if Sha256::digest(state).as_slice() != digest {
+        return Err("its SHA-256 does not match (cut or corrupted)".into());
+    }
+    f.truncate(n - DIGEST_LEN);
+    Ok(f)
+}
+
 /// `state` followed by its SHA-256, in `state`'s own slot where it has room
 /// (pool slots are powers of two, so it nearly always has); otherwise in a
 /// frame from `alloc`, copied.
