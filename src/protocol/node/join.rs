@@ -376,11 +376,18 @@ impl Node {
     /// Several members of a stage may answer: the latest summary stands,
     /// but the iteration in progress is the largest any of them knows (a
     /// member only lags it, and a stage restarted too early would wait for
-    /// updates that were made before it existed).
+    /// updates that were made before it existed), and a neighbouring stage
+    /// any of them knows empty stays empty (a member that joined after the
+    /// stage emptied never saw its nodes, and does not know).
     pub(super) fn on_stage_info(&mut self, from: NodeId, mut summary: StageSummary) {
         self.learn(from, summary.stage);
         if let Some(old) = self.joining.stage_infos.get(&summary.stage) {
             summary.open_iter = summary.open_iter.max(old.open_iter);
+            for s in &old.empty_neighbors {
+                if !summary.empty_neighbors.contains(s) {
+                    summary.empty_neighbors.push(*s);
+                }
+            }
         }
         self.joining.stage_infos.insert(summary.stage, summary);
     }
@@ -810,6 +817,34 @@ mod tests {
                 applied: Some(1)
             })
         )));
+    }
+
+    /// Of two members of stage 1, the one that joined after stage 2
+    /// emptied does not know it is empty, and answers last: the stage is
+    /// taken up all the same (the demo's joiners all went to stage 1 and
+    /// left stage 2 empty for good).
+    #[test]
+    fn a_member_that_does_not_know_a_stage_empty_does_not_hide_it() {
+        let mut cfg = (*config(Policy::Gwtf)).clone();
+        cfg.restart_empty_stages = true;
+        let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 2, 1);
+        let peers = vec![(11, 1), (12, 1)];
+        n.handle(SEC, Input::Join { peers });
+        for (from, empty) in [(11, vec![2]), (12, vec![])] {
+            let summary = StageSummary {
+                stage: 1,
+                members: 2,
+                throughput: 4.0,
+                open_iter: 5,
+                empty_neighbors: empty,
+            };
+            deliver(&mut n, from, Msg::StageInfo { summary });
+        }
+        let acts = n.on_timeout(3 * SEC);
+        assert_eq!(n.stage(), 2);
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Event(Event::StageRestarted { stage: 2, .. }))));
     }
 
     /// The member serving a download dies: the joiner asks another member of
