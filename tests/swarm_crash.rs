@@ -174,9 +174,10 @@ fn a_killed_state_server_and_a_graceful_leave_are_survived() {
 
 /// The last node of a stage is killed: its neighbours say the stage is
 /// empty and training pauses (no iteration is final without it); a node
-/// that joins restarts the stage (nobody can serve its state: it begins
-/// from the initial weights, and says so), the neighbours say it resumed,
-/// and the run finishes with every invariant.
+/// that joins takes the stage up (nobody can serve its state and no holder
+/// keeps a copy: it rebuilds it from its neighbouring stage's weights, and
+/// says so), the neighbours say it resumed, and the run finishes with
+/// every invariant.
 #[test]
 fn a_stages_last_node_killed_pauses_training_until_a_node_joins_it() {
     const LONG: u32 = 20;
@@ -223,8 +224,8 @@ fn a_stages_last_node_killed_pauses_training_until_a_node_joins_it() {
     assert!(
         ev.iter()
             .skip(joined)
-            .any(|e| e.node == 31 && e.event() == "stage_restarted" && e.u("stage") == 2),
-        "the joiner did not say it restarted stage 2"
+            .any(|e| e.node == 31 && e.event() == "stage_rebuilt" && e.u("stage") == 2),
+        "the joiner did not say it rebuilt stage 2"
     );
     for n in [1, 2, 11, 12] {
         assert!(

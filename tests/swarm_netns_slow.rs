@@ -61,7 +61,12 @@ fn run(tag: &str, subnet: &str, layout: &[(u32, u16)], slow: Option<u32>) -> Opt
     let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
         check_run(&ev, ITERATIONS, MB, 2);
         let restarted: Vec<String> = (ev.iter())
-            .filter(|e| e.event() == "stage_restarted")
+            .filter(|e| {
+                matches!(
+                    e.event(),
+                    "stage_restarted" | "stage_rebuilt" | "stage_restored"
+                )
+            })
             .map(|e| e.v.to_string())
             .collect();
         assert!(restarted.is_empty(), "{restarted:?}");

@@ -9,8 +9,9 @@
 //! Asserted: 10 of 10 joiners apply an update within [`JOIN_WITHIN`]; each
 //! state download reports the time from its request to the verified state,
 //! never less than the 100 Mbit/s links allow; no
-//! node restarts a stage from its initial weights (`stage_restarted`: the
-//! founding relays live throughout) or fences itself; every (stage,
+//! node takes a stage up as if it were empty (`stage_restarted`,
+//! `stage_rebuilt`, `stage_restored`: the founding relays live
+//! throughout) or fences itself; every (stage,
 //! iteration) applied has one weights digest, every microbatch is counted
 //! once (`check_run`); the holders keep training (the longest time without
 //! a final iteration stays under [`STILL_AT_MOST`]). Printed: each join's
@@ -103,7 +104,12 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
         };
         took.push(t.elapsed());
         let restarted: Vec<String> = (ev.iter())
-            .filter(|e| matches!(e.event(), "stage_restarted" | "fenced"))
+            .filter(|e| {
+                matches!(
+                    e.event(),
+                    "stage_restarted" | "stage_rebuilt" | "stage_restored" | "fenced"
+                )
+            })
             .map(|e| e.v.to_string())
             .collect();
         assert!(restarted.is_empty(), "join of {id}: {restarted:?}");
@@ -130,7 +136,12 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
         started.elapsed().as_secs_f64()
     );
     let bad: Vec<String> = (ev.iter())
-        .filter(|e| matches!(e.event(), "stage_restarted" | "fenced" | "error"))
+        .filter(|e| {
+            matches!(
+                e.event(),
+                "stage_restarted" | "stage_rebuilt" | "stage_restored" | "fenced" | "error"
+            )
+        })
         .map(|e| e.v.to_string())
         .collect();
     assert!(bad.is_empty(), "{bad:?}");
@@ -222,7 +233,12 @@ fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
     });
     let done = final_iterations(&ev) as u32;
     let restarted: Vec<String> = (ev.iter())
-        .filter(|e| e.event() == "stage_restarted")
+        .filter(|e| {
+            matches!(
+                e.event(),
+                "stage_restarted" | "stage_rebuilt" | "stage_restored"
+            )
+        })
         .map(|e| e.v.to_string())
         .collect();
     assert!(restarted.is_empty(), "{restarted:?}");
