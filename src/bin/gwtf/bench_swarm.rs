@@ -25,7 +25,7 @@ use gwtf::swarm::model_trainer::ModelRun;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -169,7 +169,8 @@ struct Swarm {
 }
 
 fn free_port() -> Res<SocketAddr> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    let port = super::demo_procs::free_port()?;
+    Ok(SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
 impl Swarm {

@@ -3,7 +3,7 @@
 //! seeded choice of victims.
 use super::demo_events::NodeId;
 use crossbeam_channel::Sender;
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -111,7 +111,6 @@ impl Drop for Procs {
     }
 }
 
-/// A free loopback port (bound and released; a node binds it right after).
 /// Kernel threads for each of `nodes` nodes sharing this machine: its
 /// cores shared out (at least one), so that the nodes do not fight over
 /// the cores with more threads than there are.
@@ -120,10 +119,23 @@ pub fn threads_per_node(nodes: usize) -> usize {
     (cores / nodes.max(1)).max(1)
 }
 
+/// A free loopback port (bound and released; a node binds it right after).
+///
+/// The kernel may hand a released port out again at once, so two nodes
+/// launched together could be given the same one: this process remembers
+/// every port it handed out and never gives one twice.
 pub fn free_port() -> Res<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static HANDED_OUT: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..64 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        if handed.insert(port) {
+            return Ok(port);
+        }
+    }
+    Err("64 free ports in a row had been handed out already".into())
 }
 
 pub fn read_stdout(
@@ -196,6 +208,23 @@ impl Rng {
         for i in (1..v.len()).rev() {
             let j = self.below(i + 1);
             v.swap(i, j);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::free_port;
+    use std::collections::BTreeSet;
+
+    /// 500 draws from some 28 000 ephemeral ports would almost surely repeat
+    /// one (the birthday bound) if released ports were handed out again.
+    #[test]
+    fn free_ports_are_never_handed_out_twice() {
+        let mut seen = BTreeSet::new();
+        for _ in 0..500 {
+            let port = free_port().expect("a free port");
+            assert!(seen.insert(port), "port {port} handed out twice");
         }
     }
 }
