@@ -10,11 +10,11 @@
 //! request per member is awaited, and a request unanswered for
 //! [`ASK_EXPIRY`] is forgotten (the member died, or was busy serving
 //! joiners and dropped it: the next round asks again).
+use super::background::Background;
 use crate::engine::Frame;
 use crate::protocol::{NodeId, Stage};
-use crossbeam_channel::{Receiver, Sender};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A request unanswered this long is given up.
@@ -98,53 +98,28 @@ pub(super) struct Verified {
     pub state: Result<Arc<Vec<u8>>, String>,
 }
 
-/// Checks copies on threads of their own, and the driver collects them:
-/// the SHA-256 over a whole state and its copy out of the frame pool (85 MB
-/// for llama-small) took the driver of a holder on a busy machine past the
-/// suspicion time, and the holder fenced itself as if it had been paused.
-pub(super) struct Verifier {
-    tx: Sender<Verified>,
-    rx: Receiver<Verified>,
-}
-
-impl Default for Verifier {
-    fn default() -> Verifier {
-        let (tx, rx) = crossbeam_channel::unbounded();
-        Verifier { tx, rx }
-    }
-}
+/// Checks copies on threads of their own (`background.rs`), and the driver
+/// collects them: the SHA-256 over a whole state and its copy out of the
+/// frame pool (85 MB for llama-small) took the driver of a holder on a busy
+/// machine past the suspicion time, and the holder fenced itself as if it
+/// had been paused.
+#[derive(Default)]
+pub(super) struct Verifier(Background<Verified>);
 
 impl Verifier {
     /// Checks `data` (`announced` bytes: the state, then its SHA-256) on a
-    /// thread; here where no thread can be started.
+    /// thread of its own.
     pub(super) fn start(&self, head: CopyHead, data: Frame, announced: u64) {
-        fn check(data: Frame, announced: u64) -> Result<Arc<Vec<u8>>, String> {
-            super::serving::verify_state(data, announced).map(|f| Arc::new(f.payload().to_vec()))
-        }
-        fn take(slot: &Mutex<Option<Frame>>) -> Option<Frame> {
-            slot.lock().ok().and_then(|mut d| d.take())
-        }
-        let slot = Arc::new(Mutex::new(Some(data)));
-        let (theirs, tx) = (slot.clone(), self.tx.clone());
-        let spawned = std::thread::Builder::new()
-            .name("gwtf-copy-check".into())
-            .spawn(move || {
-                if let Some(d) = take(&theirs) {
-                    let state = check(d, announced);
-                    let _ = tx.send(Verified { head, state });
-                }
-            });
-        if spawned.is_err() {
-            if let Some(d) = take(&slot) {
-                let state = check(d, announced);
-                let _ = self.tx.send(Verified { head, state });
-            }
-        }
+        self.0.start("gwtf-copy-check", move || {
+            let state = super::serving::verify_state(data, announced)
+                .map(|f| Arc::new(f.payload().to_vec()));
+            Verified { head, state }
+        });
     }
 
     /// The copies checked since the last call.
     pub(super) fn done(&self) -> Vec<Verified> {
-        self.rx.try_iter().collect()
+        self.0.done()
     }
 }
 
@@ -239,7 +214,8 @@ mod tests {
         let state = b"a stage's state, exported".to_vec();
         let sealed = || {
             let f = net.alloc_copy(&state, t).unwrap();
-            super::super::serving::append_digest(f, |len| net.alloc(len, t)).unwrap()
+            let d = super::super::serving::state_digest(&f);
+            super::super::serving::append_digest(f, d, |len| net.alloc(len, t)).unwrap()
         };
         let head = |from| CopyHead {
             from,

@@ -3,6 +3,7 @@
 //! events and trainer completions into protocol inputs and the protocol's
 //! actions into frames and work.
 use super::aggregate::Aggregation;
+use super::background::Background;
 use super::bulk::{self, Pairing};
 use super::copies::{Copies, CopyHead, KeptState, Verified, Verifier};
 use super::directory::{self, Peer, DIRECTORY_MSG};
@@ -117,6 +118,9 @@ pub(super) enum Pending {
     Copy {
         to: NodeId,
         version: (u32, u64),
+        /// A holder's copy, whose digest is taken on a background thread
+        /// (nobody waits for it); a rebuilder's is sent at once.
+        background: bool,
     },
     /// A holder's own state exported for the checkpoint round of
     /// `iteration` (`saves.rs`).
@@ -227,6 +231,17 @@ pub(super) struct Driver {
     pub(super) neighbours: NeighbourStates,
     /// A holder's copies being checked off this thread (`copies.rs`).
     pub(super) verifier: Verifier,
+    /// The copies this member sends holders, their digests being taken
+    /// off this thread.
+    pub(super) sealer: Background<Sealed>,
+}
+
+/// A copy for holder `to` with its digest taken, ready to send.
+pub(super) struct Sealed {
+    to: NodeId,
+    version: (u32, u64),
+    state: Frame,
+    digest: [u8; DIGEST_LEN],
 }
 
 /// Data frames waiting for one peer, at most (beyond, the newest are
@@ -904,16 +919,25 @@ impl Driver {
                     self.saved(iteration, s);
                 }
             }
-            Pending::Copy { to, version } => match out {
+            Pending::Copy {
+                to,
+                version,
+                background,
+            } => match out {
+                Output::State(f) if background => {
+                    self.sealer.start("gwtf-copy-seal", move || {
+                        let digest = serving::state_digest(&f);
+                        Sealed {
+                            to,
+                            version,
+                            state: f,
+                            digest,
+                        }
+                    });
+                }
                 Output::State(f) => {
-                    let msg = Msg::StateResponse {
-                        version,
-                        members: Default::default(),
-                        bytes: 0,
-                        coord: self.me.id,
-                    };
-                    let stage = self.me.stage;
-                    self.send_state(to, msg, f, stage)
+                    let d = serving::state_digest(&f);
+                    self.send_copy(to, version, f, d);
                 }
                 _ => self.serving.failed(to),
             },
@@ -997,6 +1021,10 @@ impl Driver {
             }
             (Some(mb), Output::Loss { loss, grad }) => {
                 self.store.put(mb, task.attempt, Slot::GradOut, grad);
+                self.log(format!(
+                    "loss of {mb:?} (attempt {}): {loss:.4}",
+                    task.attempt
+                ));
                 self.losses.insert(mb, loss);
             }
             _ => {}
@@ -1264,12 +1292,58 @@ impl Driver {
         Ok(f)
     }
 
+    /// Sends this stage's exported state as a copy (a holder's or a
+    /// rebuilder's), of `version`, followed by its SHA-256 `digest`.
+    fn send_copy(
+        &mut self,
+        to: NodeId,
+        version: (u32, u64),
+        state: Frame,
+        digest: [u8; DIGEST_LEN],
+    ) {
+        let msg = Msg::StateResponse {
+            version,
+            members: Default::default(),
+            bytes: 0,
+            coord: self.me.id,
+        };
+        let stage = self.me.stage;
+        self.send_digested(to, msg, state, digest, stage);
+    }
+
+    /// The holders' copies whose digest was taken since the last call:
+    /// sent now.
+    fn copies_sealed(&mut self) {
+        for Sealed {
+            to,
+            version,
+            state,
+            digest,
+        } in self.sealer.done()
+        {
+            self.send_copy(to, version, state, digest);
+        }
+    }
+
     /// Sends the exported state, followed by its SHA-256.
     fn send_state(&mut self, to: NodeId, msg: Msg, state: Frame, stage: Stage) {
+        let d = serving::state_digest(&state);
+        self.send_digested(to, msg, state, d, stage);
+    }
+
+    /// [`Driver::send_state`] with the state's digest `d` taken.
+    fn send_digested(
+        &mut self,
+        to: NodeId,
+        msg: Msg,
+        state: Frame,
+        d: [u8; DIGEST_LEN],
+        stage: Stage,
+    ) {
         let (n, t) = (state.len(), Instant::now());
         // A copy only where the digest does not fit the state's slot: a
         // full pool is not waited for (this thread would hear nothing).
-        let f = serving::append_digest(state, |len| self.net.alloc(len, COPY_WAIT));
+        let f = serving::append_digest(state, d, |len| self.net.alloc(len, COPY_WAIT));
         self.waited(t, || "the state's digest".into());
         let mut f = match f {
             Ok(f) => f,
@@ -2058,20 +2132,21 @@ impl Driver {
             return false;
         }
         self.serving.admit(to, Instant::now());
-        self.export_copy_for(to);
+        self.export_copy_for(to, true);
         true
     }
 
     /// Exports this node's state now and sends it to `to` (admitted) as
-    /// a copy: a holder's, or a rebuilder's.
-    pub(super) fn export_copy_for(&mut self, to: NodeId) {
+    /// a copy: a holder's (its digest taken in the `background`), or a
+    /// rebuilder's.
+    pub(super) fn export_copy_for(&mut self, to: NodeId, background: bool) {
         let version = self.node.version();
-        self.give(
-            WorkKind::ExportState,
-            None,
-            None,
-            Pending::Copy { to, version },
-        );
+        let p = Pending::Copy {
+            to,
+            version,
+            background,
+        };
+        self.give(WorkKind::ExportState, None, None, p);
     }
 
     /// A joiner restoring emptied `stage` asks for the copy of its state
@@ -2255,6 +2330,7 @@ impl Driver {
             self.flush_backlog();
             self.pump_states();
             self.copies_checked();
+            self.copies_sealed();
             let now = self.now();
             if let Some(t) = self.node.timeout() {
                 if t <= now {

@@ -15,6 +15,7 @@ pub mod allreduce;
 pub mod allreduce_net;
 #[cfg(test)]
 mod allreduce_testnet;
+pub mod background;
 pub mod bulk;
 pub mod butterfly;
 pub(crate) mod copies;

@@ -49,7 +49,7 @@ impl Driver {
             self.log(format!("the state for {to:x} is on its way already"));
             return;
         }
-        self.export_copy_for(to);
+        self.export_copy_for(to, false);
     }
 
     /// A neighbour's state for the stage this node rebuilds: kept when

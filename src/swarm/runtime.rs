@@ -536,6 +536,7 @@ impl Runtime {
             copy_after: Vec::new(),
             neighbours: Default::default(),
             verifier: Default::default(),
+            sealer: Default::default(),
             saves: Default::default(),
             serving: Default::default(),
         };

@@ -158,15 +158,21 @@ pub(super) fn verify_state(mut f: Frame, announced: u64) -> Result<Frame, String
     Ok(f)
 }
 
-/// `state` followed by its SHA-256, in `state`'s own slot where it has room
-/// (pool slots are powers of two, so it nearly always has); otherwise in a
-/// frame from `alloc`, copied.
+/// The SHA-256 a state is sent with (the long part of sending one, which
+/// a holder's copy has taken off the driver).
+pub(super) fn state_digest(state: &Frame) -> [u8; DIGEST_LEN] {
+    Sha256::digest(state.payload()).into()
+}
+
+/// `state` followed by its SHA-256 `d` ([`state_digest`]), in `state`'s
+/// own slot where it has room (pool slots are powers of two, so it nearly
+/// always has); otherwise in a frame from `alloc`, copied.
 pub(super) fn append_digest<E>(
     mut state: Frame,
+    d: [u8; DIGEST_LEN],
     alloc: impl FnOnce(usize) -> Result<Frame, E>,
 ) -> Result<Frame, E> {
     let n = state.len();
-    let d = Sha256::digest(state.payload());
     if state.grow_within_slot(n + DIGEST_LEN) {
         state.payload_mut()[n..].copy_from_slice(&d);
         return Ok(state);
@@ -253,7 +259,8 @@ mod tests {
         let net = net();
         let mut state = net.alloc(5000, Duration::ZERO).unwrap();
         state.payload_mut().fill(3);
-        let f = append_digest(state, |_| -> Result<Frame, ()> { panic!("no copy") }).unwrap();
+        let d = state_digest(&state);
+        let f = append_digest(state, d, |_| -> Result<Frame, ()> { panic!("no copy") }).unwrap();
         assert_eq!(f.len(), 5000 + DIGEST_LEN);
         assert_eq!(&f.payload()[5000..], &Sha256::digest([3u8; 5000])[..]);
     }
@@ -263,7 +270,8 @@ mod tests {
         let net = net();
         let mut state = net.alloc(4096, Duration::ZERO).unwrap();
         state.payload_mut().fill(5);
-        let f = append_digest(state, |n| net.alloc(n, Duration::ZERO)).unwrap();
+        let d = state_digest(&state);
+        let f = append_digest(state, d, |n| net.alloc(n, Duration::ZERO)).unwrap();
         assert_eq!(f.len(), 4096 + DIGEST_LEN);
         assert_eq!(&f.payload()[..4096], &[5u8; 4096][..]);
         assert_eq!(&f.payload()[4096..], &Sha256::digest([5u8; 4096])[..]);

@@ -16,20 +16,6 @@ use std::sync::mpsc::{channel, Receiver};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-/// Lowers the calling thread's priority to the least (nice 19): the writer
-/// decodes, checksums and copies every stage's state, which must not take
-/// cores from training. Not `SCHED_IDLE`: a thread that never runs while
-/// the cores are busy could hold a lock training needs (the allocator's)
-/// for good. Best effort: where the system refuses, it runs as it was.
-fn idle_priority() {
-    // SAFETY: gettid has no preconditions; setpriority on our own thread
-    // id only changes this thread's nice value.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, 19);
-    }
-}
-
 /// What a write came to: (iteration, result, milliseconds, bytes).
 type Written = (u32, Result<(PathBuf, Manifest), String>, f64, u64);
 
@@ -93,7 +79,7 @@ impl Saver {
             self.pause,
         );
         let h = std::thread::spawn(move || {
-            idle_priority();
+            gwtf::swarm::background::lower_priority();
             let t = Instant::now();
             let bytes: u64 = states.iter().map(|s| s.state.len() as u64).sum();
             let r =
