@@ -70,6 +70,11 @@ pub struct BenchSwarmArgs {
     #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(0))]
     save_every: u32,
+    /// With --copies-every: how many pairs of runs (without, then with)
+    /// the ratio is the mean over (more pairs, less noise).
+    #[arg(long, value_name = "N", default_value_t = 2, allow_negative_numbers = true,
+          value_parser = checks::int_in::<u32>(1, 20))]
+    copies_pairs: u32,
     /// SIGKILLs of a relay for the recovery time (0: skip).
     #[arg(long, default_value_t = 20, value_parser = checks::int_at_least::<u32>(0),
           allow_negative_numbers = true)]
@@ -505,6 +510,11 @@ impl Swarm {
         (if c > 0.0 { 1.0 - u / c } else { 0.0 }, c)
     }
 
+    /// Tokens of every iteration reported final.
+    fn tokens(&self) -> u64 {
+        self.iterations.values().map(|x| x.1).sum()
+    }
+
     /// Steady tokens/s: from the first iteration final to the last.
     fn tokens_per_s(&self) -> Option<(f64, f64)> {
         let first = self.iterations.values().next()?;
@@ -522,6 +532,18 @@ impl Drop for Swarm {
             let _ = p.child.wait();
         }
     }
+}
+
+/// CPU seconds (user and system) of this process's children reaped so far.
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct it is given, nothing else.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru);
+        ru
+    };
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    s(ru.ru_utime) + s(ru.ru_stime)
 }
 
 /// Kernel threads per node: `--node-threads`, or the cores shared out.
@@ -825,9 +847,14 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
     let mut copies = Value::Null;
     if a.copies_every > 0 {
         let (mut without, mut with, mut kept, mut saved) = (Vec::new(), Vec::new(), 0usize, 0usize);
-        for round in 0..4 {
+        // CPU seconds the nodes used per 1000 tokens trained: what the
+        // copies cost in work, which a busy machine's drift hides less
+        // than it hides their cost in time.
+        let (mut cpu_without, mut cpu_with) = (Vec::new(), Vec::new());
+        for round in 0..2 * a.copies_pairs {
             let keep = if round % 2 == 0 { 0 } else { a.copies_every };
             let save = if keep == 0 { 0 } else { a.save_every };
+            let cpu0 = children_cpu_s();
             let mut s = Swarm::start_keeping(&a, &dir, a.iterations, keep, save)?;
             s.wait_done()?;
             s.finish()?;
@@ -837,14 +864,21 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
             kept += s.copies_kept;
             saved += s.checkpoints;
             errors.take("copies", &mut s);
+            let tokens = s.tokens();
+            // Every node reaped, so that its CPU time is counted.
+            drop(s);
+            let cpu = (children_cpu_s() - cpu0) * 1000.0 / tokens.max(1) as f64;
             if keep == 0 {
                 without.push(tps);
+                cpu_without.push(cpu);
             } else {
                 with.push(tps);
+                cpu_with.push(cpu);
             }
         }
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let copy_ratio = mean(&with) / mean(&without);
+        let cpu_ratio = mean(&cpu_with) / mean(&cpu_without);
         let saving = if a.save_every > 0 {
             format!(" and writing a checkpoint every {}", a.save_every)
         } else {
@@ -852,16 +886,29 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         };
         println!(
             "copies      holders keeping every stage's state every {} updates{saving}: {:.0} \
-             tokens/s against {:.0} without (interleaved, 2 runs each): ratio \
+             tokens/s against {:.0} without (interleaved, {} runs each): ratio \
              {copy_ratio:.3}; {kept} copies kept, {saved} checkpoints written",
             a.copies_every,
             mean(&with),
-            mean(&without)
+            mean(&without),
+            a.copies_pairs
+        );
+        println!(
+            "copies cpu  the nodes' CPU per 1000 tokens: {:.2} s with, {:.2} s without: ratio \
+             {cpu_ratio:.3} (pairs: {})",
+            mean(&cpu_with),
+            mean(&cpu_without),
+            (cpu_with.iter().zip(&cpu_without))
+                .map(|(w, o)| format!("{:.3}", w / o))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         copies = json!({
-            "every": a.copies_every, "save_every": a.save_every,
+            "every": a.copies_every, "save_every": a.save_every, "pairs": a.copies_pairs,
             "tokens_per_s_with": with, "tokens_per_s_without": without,
             "ratio": copy_ratio, "copies_kept": kept, "checkpoints": saved,
+            "cpu_s_per_1000_tokens_with": cpu_with, "cpu_s_per_1000_tokens_without": cpu_without,
+            "cpu_ratio": cpu_ratio,
         });
     }
 
