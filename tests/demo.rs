@@ -354,6 +354,15 @@ fn the_demo_empties_a_stage_and_a_joiner_restores_it() {
         r["applied"].as_u64().unwrap(),
     );
     assert!(it >= 4 && it <= applied && applied >= 7, "{r}");
+    // Training resumed on the restored stage, after its joiner started and
+    // after the restore (the run went on to its last iteration).
+    let (started, at, resumed) = (
+        r["joiner_started_s"].as_f64().unwrap(),
+        r["t_s"].as_f64().unwrap(),
+        r["resumed_s"].as_f64().unwrap_or(-1.0),
+    );
+    assert!(started <= at && at <= resumed, "{r}");
+    assert!(stdout.contains("training resumed"), "{stdout}");
     assert!(stdout.contains("emptying stage"), "{stdout}");
     assert!(stdout.contains("restored stage"), "{stdout}");
     assert!(html.contains("emptied stages taken up"), "report");

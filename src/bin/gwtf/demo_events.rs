@@ -693,7 +693,23 @@ impl Facts {
             },
             applied,
             updates_lost: lost,
+            joiner_started_s: self.nodes.get(&node).map_or(t, |n| n.launched_s),
+            resumed_s: None,
         });
+    }
+
+    /// The restores, each with when training resumed on it: the first
+    /// holder's report of the first iteration on the weights taken up.
+    fn restores_resumed(&self) -> Vec<RestoreRow> {
+        let mut rows = self.restores.clone();
+        for r in &mut rows {
+            let first = r.applied.map_or(0, |a| a + 1);
+            r.resumed_s = (self.iterations.get(&first).into_iter().flatten())
+                .map(|h| h.t)
+                .filter(|&t| t >= r.t_s)
+                .min_by(f64::total_cmp);
+        }
+        rows
     }
 
     fn record_membership(&mut self, t: f64) {
@@ -1214,7 +1230,7 @@ impl Facts {
                 .iter()
                 .map(|&(t_s, node, stage)| StageEmptyRow { t_s, node, stage })
                 .collect(),
-            restores: self.restores.clone(),
+            restores: self.restores_resumed(),
             state_downloads: self
                 .downloads
                 .iter()
@@ -1394,6 +1410,11 @@ pub struct RestoreRow {
     /// Updates the weights taken up miss (after the copy's iteration, up to
     /// `applied`): lost with the stage's nodes.
     pub updates_lost: u64,
+    /// When the joiner that took it up was started.
+    pub joiner_started_s: f64,
+    /// When the first iteration on the weights taken up (`applied` + 1)
+    /// was final at a holder: training resumed (None: never in the run).
+    pub resumed_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -1462,9 +1483,16 @@ pub fn restores_line(s: &Summary) -> String {
                 ),
                 _ => "from the initial weights (no copy kept)".into(),
             };
+            let resumed = match r.resumed_s {
+                Some(t) => format!(
+                    "; training resumed {:.1} s after the joiner started",
+                    t - r.joiner_started_s
+                ),
+                None => "; training did not resume on it".into(),
+            };
             format!(
                 "stage {} at {:.1} s by node {}, {how}, standing for iteration {} ({} updates \
-                 lost){}",
+                 lost){}{resumed}",
                 r.stage,
                 r.t_s,
                 r.node,
