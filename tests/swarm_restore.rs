@@ -113,12 +113,16 @@ fn restored_after(kill_when: impl FnMut(&[Seen]) -> bool) {
         printed.s("weights_sha256"),
         "the copy imported is not the state stage 2 held at iteration {it}"
     );
+    // The download is timed from the request for the copy to the verified
+    // state (it read 0 ms when only the request for a member's state was).
+    let ms = download.v["ms"].as_f64().unwrap_or(f64::NAN);
+    assert!(ms > 0.0, "the copy's download timed at {ms} ms");
     let resumed = (after.iter())
         .find(|e| e.event() == "iteration" && e.u("iteration") > last_final)
         .expect("no iteration final after the restore");
     eprintln!(
         "stage 2 emptied after its update of iteration {j}; restored from holder {from}'s \
-         copy of iteration {it} ({} bytes in {:.0} ms); first iteration final {:.2} s after \
+         copy of iteration {it} ({} bytes in {:.1} ms); first iteration final {:.2} s after \
          the joiner started",
         download.u("bytes"),
         download.v["ms"].as_f64().unwrap_or(f64::NAN),

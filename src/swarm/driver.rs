@@ -1083,7 +1083,9 @@ impl Driver {
     // ---- sending
 
     fn send(&mut self, to: NodeId, msg: Msg) {
-        if matches!(msg, Msg::StateRequest) {
+        // A member's state, or a holder's copy restoring an emptied stage:
+        // either download is timed from its request.
+        if matches!(msg, Msg::StateRequest | Msg::KeptRequest { .. }) {
             self.state_asked.asked(to);
         }
         if matches!(msg, Msg::StateResponse { .. }) {
