@@ -5,7 +5,8 @@
 //! flood of 1,100 keyed connections from one address does
 //! not keep a joiner from another out, and its refusals are counted and
 //! sampled; half-sent 64 MiB frames (slowloris) lose their pool slots at
-//! the frame deadline. Deadlines are generous and every loop is bounded.
+//! the frame deadline; dials refused by a peer gone for good give their
+//! handshake slots back. Deadlines are generous and every loop is bounded.
 
 mod common;
 
@@ -441,4 +442,34 @@ fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
     let got = n.recv(T).unwrap();
     assert_eq!(got.len(), 8 << 20);
     drop(slow);
+}
+
+/// A dial refused by the other side (a peer gone for good, its port
+/// closed) gives its handshake slot back: after ten times the most
+/// handshakes at once refused dials, the node still connects. Before, each
+/// refused dial kept its slot, and nodes that redialed a finished holder
+/// refused every connection once they had leaked 256.
+#[test]
+fn refused_dials_give_their_handshake_slots_back() {
+    let most = 4;
+    let dialer = Node::new(NodeOptions {
+        swarm_key: KEY.to_vec(),
+        connect_attempts: 1,
+        max_handshakes: most,
+        ..NodeOptions::default()
+    })
+    .unwrap();
+    let gone = {
+        let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        l.local_addr().unwrap()
+    };
+    for i in 0..10 * most {
+        let r = dialer.connect_wait(gone, T);
+        assert!(r.is_err(), "dial {i} to a closed port connected");
+        let e = r.unwrap_err().to_string();
+        assert!(!e.contains("handshakes in progress"), "dial {i}: {e}");
+    }
+    let live = node(NodeOptions::default());
+    let addr = live.local_addr().unwrap();
+    assert_eq!(dialer.connect_wait(addr, T).unwrap(), live.node_id());
 }

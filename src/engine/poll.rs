@@ -915,11 +915,7 @@ impl Driver {
         if c.connecting {
             match c.stream.take_error() {
                 Ok(Some(e)) | Err(e) => {
-                    let c = self.conns.remove(&t).expect("present");
-                    self.connect_failed(
-                        c.outbound.expect("connecting conns are outbound"),
-                        e.to_string(),
-                    );
+                    self.connect_refused(t, e.to_string());
                     return;
                 }
                 Ok(None) => {}
@@ -933,13 +929,26 @@ impl Driver {
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotConnected => return,
                 Err(e) => {
-                    let c = self.conns.remove(&t).expect("present");
-                    self.connect_failed(c.outbound.expect("outbound"), e.to_string());
+                    self.connect_refused(t, e.to_string());
                     return;
                 }
             }
         }
         self.flush(t);
+    }
+
+    /// The outbound connection `t` failed before it connected: its
+    /// handshake slot is given back (before, each refused dial kept one,
+    /// and a node that dialed a peer gone for good, attempt after attempt,
+    /// refused every connection once it had leaked 256), and it is tried
+    /// again or given up.
+    fn connect_refused(&mut self, t: Token, why: String) {
+        let Some(mut c) = self.conns.remove(&t) else {
+            return;
+        };
+        self.admission.closed(c.admitted_ip, c.handshake_counted);
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        self.connect_failed(c.outbound.expect("connecting conns are outbound"), why);
     }
 
     /// Writes handshake bytes and queued frames until the socket would block.
