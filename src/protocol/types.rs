@@ -861,6 +861,13 @@ pub enum Input {
     /// message yet perhaps (a large frame streaming in over a slow link
     /// keeps the messages queued behind it): signs of life, like messages.
     Heard { peers: Vec<NodeId> },
+    /// The runtime's directory says `peer` serves `stage` (a peer it had
+    /// not heard of, or one whose stage changed). Introductions reach only
+    /// the nodes a node knows: without this, two joiners that took up one
+    /// emptied stage at once coordinated a group of one each and never
+    /// heard of each other, and the one that got no microbatch stood by
+    /// with weights that were no longer the stage's.
+    Located { peer: NodeId, stage: Stage },
     /// Leave gracefully.
     Leave,
     /// Central-mcmf policy: the routes of this data holder (full paths, stage

@@ -1484,6 +1484,16 @@ impl Driver {
             }
         }
         self.pass_on_directory(from, &news);
+        // The protocol hears where they serve: a node of its own stage in
+        // another group, or of a neighbouring stage it never heard of, is
+        // introduced to (two joiners that took up an emptied stage at once
+        // find each other only so).
+        if self.joining.is_none() {
+            for p in news.iter().filter(|p| p.stage != directory::NO_STAGE) {
+                let (peer, stage) = (p.id, p.stage);
+                self.input(Input::Located { peer, stage });
+            }
+        }
         if self.joining.is_some() && self.dir.contains_key(&from) {
             self.join_now();
         }

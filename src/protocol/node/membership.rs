@@ -547,6 +547,35 @@ impl Node {
         }
     }
 
+    /// The runtime's directory says `peer` serves `stage`
+    /// ([`Input::Located`]). An active node introduces itself to a node of
+    /// its own relay stage outside its group, when it coordinates one (the
+    /// other coordinator admits it, as it admits any node of its stage that
+    /// introduces itself, and of two coordinators the smaller id keeps the
+    /// group; weights that differ are caught by the digests of the first
+    /// all-reduce), and to a node of a neighbouring stage it never heard of
+    /// (a stage taken up after this node joined is otherwise unknown to
+    /// it, and its microbatches never go there).
+    pub(super) fn on_located(&mut self, peer: NodeId, stage: Stage) {
+        if peer == self.id || self.phase != Phase::Active {
+            return;
+        }
+        let introduce = if stage == self.stage {
+            self.stage > 0
+                && self.group.coord == Some(self.id)
+                && !self.group.members.contains(&peer)
+                && !self.group.evicted.contains_key(&peer)
+        } else {
+            (stage == self.prev_stage() || stage == self.next_stage())
+                && self.peers.get(&peer).is_none()
+        };
+        if introduce {
+            self.learn(peer, stage);
+            let m = self.intro_msg(None);
+            self.send(peer, m);
+        }
+    }
+
     /// The bandwidth probe came back: the transfer time beyond the RTT gives
     /// the bandwidth.
     pub(super) fn on_probe_ack(&mut self, from: NodeId, bytes: u64, sent_at: Time) {
@@ -746,6 +775,70 @@ impl Node {
 mod tests {
     use super::super::testkit::*;
     use super::*;
+
+    /// Two joiners that took up one emptied stage at once each coordinate
+    /// a group of one and know nothing of each other. Told by the
+    /// directory, they introduce themselves and end in one group, the
+    /// smaller id its coordinator. A neighbour never heard of is
+    /// introduced to; a node known, a member, and (by a member) a node of
+    /// its stage are not.
+    #[test]
+    fn two_groups_of_one_stage_told_of_each_other_merge() {
+        let cfg = config(Policy::Gwtf);
+        let near = [(10, 1), (30, 3)];
+        let mut a = started_with(cfg.clone(), 5, 2, &[], &near);
+        let mut b = started_with(cfg, 7, 2, &[], &near);
+        assert_eq!((a.coordinator(), b.coordinator()), (Some(5), Some(7)));
+        // Without the directory's word, ticks alone never bring them
+        // together.
+        let mut t = a.now;
+        for _ in 0..50 {
+            t += a.cfg.tick;
+            for n in [&mut a, &mut b] {
+                let other = if n.id == 5 { 7 } else { 5 };
+                let acts = n.on_timeout(t);
+                assert!(sends(&acts).iter().all(|(to, _)| *to != other));
+            }
+        }
+        let located = |peer, stage| Input::Located { peer, stage };
+        let mut queue: Vec<(NodeId, NodeId, Msg)> = Vec::new();
+        let keep = |from: NodeId, acts: Vec<Action>, q: &mut Vec<(NodeId, NodeId, Msg)>| {
+            for (to, m) in sends(&acts) {
+                if to == 5 || to == 7 {
+                    q.push((from, to, m.clone()));
+                }
+            }
+        };
+        keep(5, a.handle(t, located(7, 2)), &mut queue);
+        keep(7, b.handle(t, located(5, 2)), &mut queue);
+        assert_eq!(queue.len(), 2, "each introduces itself to the other");
+        for round in 0..200 {
+            t += a.cfg.tick / 4;
+            for (from, to, m) in std::mem::take(&mut queue) {
+                let n = if to == 5 { &mut a } else { &mut b };
+                keep(to, n.handle(t, Input::Message { from, msg: m }), &mut queue);
+            }
+            if round % 4 == 0 {
+                keep(5, a.on_timeout(t), &mut queue);
+                keep(7, b.on_timeout(t), &mut queue);
+            }
+        }
+        assert!(a.is_active() && b.is_active());
+        assert_eq!((a.coordinator(), b.coordinator()), (Some(5), Some(5)));
+        assert!(a.group.members.contains(&7) && b.group.members.contains(&5));
+        // A neighbour never heard of is introduced to, once known no more.
+        let intro_to = |acts: &[Action], who: NodeId| {
+            (sends(acts).iter()).any(|(to, m)| *to == who && matches!(m, Msg::Introduce { .. }))
+        };
+        assert!(intro_to(&a.handle(t, located(31, 3)), 31));
+        assert!(!intro_to(&a.handle(t, located(31, 3)), 31));
+        assert!(!intro_to(&a.handle(t, located(10, 1)), 10));
+        // Nor is a member, nor by a member a node of its stage elsewhere.
+        assert!(!intro_to(&a.handle(t, located(7, 2)), 7));
+        assert!(!intro_to(&b.handle(t, located(9, 2)), 9));
+        // Nor a stage that is not a neighbour's.
+        assert!(!intro_to(&a.handle(t, located(40, 4)), 40));
+    }
 
     #[test]
     fn member_list_follows_the_set() {

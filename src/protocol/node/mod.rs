@@ -383,6 +383,7 @@ impl Node {
                     }
                 }
             }
+            Input::Located { peer, stage } => self.on_located(peer, stage),
             Input::Leave => self.leave(),
             Input::SetPlan { paths } => {
                 self.plan = paths;
