@@ -1,7 +1,8 @@
 //! Copies of the relay stages' states that a data holder keeps, so that a
 //! stage's trained state outlives its nodes: after every
 //! `Config::keep_states_every` of its own updates a holder asks one member
-//! of each relay stage for its state (`Msg::CopyRequest`), which the member
+//! of each relay stage it keeps that round (one holder per stage and round,
+//! in turn: [`Copies::keeps`]) for its state (`Msg::CopyRequest`), which the member
 //! exports and sends like a joiner's download (chunked, so training
 //! frames go between its chunks), and the holder keeps the newest verified
 //! copy of each stage in memory.
@@ -42,6 +43,17 @@ impl Copies {
     /// copies now (after every `every` updates; never for 0).
     pub(super) fn due(iteration: u32, every: u32) -> bool {
         every > 0 && (iteration + 1) % every == 0
+    }
+
+    /// Whether the holder ranked `rank` among `holders` keeps `stage`'s
+    /// copy at `round`: one holder per stage and round, in turn, so that
+    /// each stage's newest copy is on one holder and the ones before on
+    /// the others, and a stage's members serve one copy a round however
+    /// many holders there are (every holder asking every stage cost the
+    /// stage `holders` states a round).
+    pub(super) fn keeps(stage: Stage, rank: usize, holders: usize, round: u32) -> bool {
+        let h = holders.max(1);
+        (stage as usize + round as usize) % h == rank % h
     }
 
     /// Of `members` (a relay stage's, sorted), the one a holder ranked
@@ -166,6 +178,30 @@ mod tests {
         assert_eq!(Copies::pick(&m, 1, 0), Some(12));
         assert_eq!(Copies::pick(&m, 0, 4), Some(12));
         assert_eq!(Copies::pick(&[], 0, 4), None);
+    }
+
+    /// Each round, each stage is kept by exactly one holder, and over as
+    /// many rounds as holders, by each of them once.
+    #[test]
+    fn each_stage_is_kept_by_one_holder_a_round_in_turn() {
+        for holders in 1..5usize {
+            for stage in 1..4 {
+                let mut by = Vec::new();
+                for round in 0..holders as u32 {
+                    let k: Vec<usize> = (0..holders)
+                        .filter(|&r| Copies::keeps(stage, r, holders, round))
+                        .collect();
+                    assert_eq!(k.len(), 1, "stage {stage} round {round}: {k:?}");
+                    by.push(k[0]);
+                }
+                by.sort();
+                assert_eq!(by, (0..holders).collect::<Vec<_>>());
+            }
+        }
+        assert!(
+            Copies::keeps(2, 0, 0, 7),
+            "a holder alone keeps every stage"
+        );
     }
 
     #[test]

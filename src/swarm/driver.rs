@@ -2031,7 +2031,7 @@ impl Driver {
                 .filter(|&k| k > 0)
                 .min()
                 .unwrap_or(1);
-            let missed = self.ask_copies(iter, iter / every);
+            let missed = self.ask_copies(iter, iter / every, saving);
             if saving && !missed.is_empty() {
                 // The round cannot complete: said now, not after a wait.
                 self.saves.close(iter);
@@ -2060,16 +2060,21 @@ impl Driver {
     /// A holder that applied the update of `iter` asks one member of each
     /// relay stage (the `round`-th in turn, or the next one not busy with
     /// an earlier request of ours) for a copy of its state after that
-    /// update (`copies.rs`). Returns the stages none could be asked of.
-    fn ask_copies(&mut self, iter: u32, round: u32) -> Vec<Stage> {
+    /// update (`copies.rs`): of every stage for a checkpoint (`all`),
+    /// else of the stages this holder keeps this round
+    /// ([`Copies::keeps`]). Returns the stages none could be asked of.
+    fn ask_copies(&mut self, iter: u32, round: u32, all: bool) -> Vec<Stage> {
         let now = Instant::now();
         let holders: Vec<NodeId> = (self.dir.values())
-            .filter(|p| p.stage == 0)
+            .filter(|p| p.stage == 0 && (p.id == self.me.id || self.net.is_connected(p.id as u64)))
             .map(|p| p.id)
             .collect();
         let rank = holders.iter().position(|&h| h == self.me.id).unwrap_or(0);
         let mut missed = Vec::new();
         for stage in 1..=self.cfg.relay_stages {
+            if !all && !Copies::keeps(stage, rank, holders.len(), round) {
+                continue;
+            }
             let members: Vec<NodeId> = (self.dir.values())
                 .filter(|p| p.stage == stage && self.net.is_connected(p.id as u64))
                 .map(|p| p.id)

@@ -64,12 +64,18 @@ pub struct BenchSwarmArgs {
           value_parser = checks::int_at_least::<u32>(0))]
     copies_every: u32,
     /// With --copies-every: the runs with copies also write a checkpoint of
-    /// the model every K updates at each holder (`gwtf node --save DIR
-    /// --save-every K`), so the ratio is what copies and checkpoints cost
-    /// together (0: copies only).
+    /// the model every K updates (`gwtf node --save DIR --save-every K` on
+    /// --save-writers of the holders), so the ratio is what copies and
+    /// checkpoints cost together (0: copies only).
     #[arg(long, value_name = "K", default_value_t = 0, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(0))]
     save_every: u32,
+    /// With --save-every: how many of the holders write the checkpoints
+    /// (a user who wants the model on one machine gives `--save` to one;
+    /// each writer asks every stage for its state at each checkpoint).
+    #[arg(long, value_name = "N", default_value_t = 1, allow_negative_numbers = true,
+          value_parser = checks::int_at_least::<u32>(1))]
+    save_writers: u32,
     /// With --copies-every: how many pairs of runs (without, then with)
     /// the ratio is the mean over (more pairs, less noise).
     #[arg(long, value_name = "N", default_value_t = 2, allow_negative_numbers = true,
@@ -241,6 +247,7 @@ impl Swarm {
             .iter()
             .flat_map(|(id, st, addr)| ["--peer".to_string(), format!("{id}/{st}/{addr}")])
             .collect();
+        let mut writers = a.save_writers;
         for &(id, st, addr) in &founders {
             let mut args = vec!["--listen".to_string(), addr.to_string()];
             args.extend(peers.iter().cloned());
@@ -249,7 +256,8 @@ impl Swarm {
                 if keep_every > 0 {
                     args.extend(["--keep-states-every".into(), keep_every.to_string()]);
                 }
-                if save_every > 0 {
+                if save_every > 0 && writers > 0 {
+                    writers -= 1;
                     let to = dir.join(format!("checkpoints-{id:x}"));
                     args.extend([
                         "--save".into(),
@@ -880,12 +888,17 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         let copy_ratio = mean(&with) / mean(&without);
         let cpu_ratio = mean(&cpu_with) / mean(&cpu_without);
         let saving = if a.save_every > 0 {
-            format!(" and writing a checkpoint every {}", a.save_every)
+            let writers = a.save_writers.min(a.holders);
+            format!(
+                " and {writers} of the {} writing a checkpoint every {}",
+                a.holders, a.save_every
+            )
         } else {
             String::new()
         };
         println!(
-            "copies      holders keeping every stage's state every {} updates{saving}: {:.0} \
+            "copies      holders keeping every stage's state every {} updates (one holder a \
+             stage in turn){saving}: {:.0} \
              tokens/s against {:.0} without (interleaved, {} runs each): ratio \
              {copy_ratio:.3}; {kept} copies kept, {saved} checkpoints written",
             a.copies_every,
@@ -905,6 +918,7 @@ pub fn run(a: BenchSwarmArgs) -> super::CliResult {
         );
         copies = json!({
             "every": a.copies_every, "save_every": a.save_every, "pairs": a.copies_pairs,
+            "save_writers": a.save_writers.min(a.holders),
             "tokens_per_s_with": with, "tokens_per_s_without": without,
             "ratio": copy_ratio, "copies_kept": kept, "checkpoints": saved,
             "cpu_s_per_1000_tokens_with": cpu_with, "cpu_s_per_1000_tokens_without": cpu_without,
