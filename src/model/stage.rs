@@ -626,16 +626,24 @@ impl Stage {
     /// Format: `"GWTFSTG1"`, u32 stage index, u64 step, u64 n, then n f32 params, n f32 m,
     /// n f32 v (all little-endian).
     pub fn export_state(&self) -> Vec<u8> {
-        let n = self.params.len();
-        let mut b = Vec::with_capacity(28 + 12 * n);
-        b.extend_from_slice(STATE_MAGIC);
-        b.extend_from_slice(&(self.spec.index as u32).to_le_bytes());
-        b.extend_from_slice(&self.step.to_le_bytes());
-        b.extend_from_slice(&(n as u64).to_le_bytes());
-        for buf in [&self.params, &self.m, &self.v] {
-            b.extend_from_slice(&f32s_to_bytes(buf));
-        }
+        let mut b = Vec::with_capacity(28 + 12 * self.params.len());
+        self.state_bytes_into(|piece| b.extend_from_slice(piece));
         b
+    }
+
+    /// [`Stage::export_state`]'s bytes, handed to `sink` a few KiB at a
+    /// time from a buffer on the stack: a digest of the state needs no
+    /// copy of it (a trainer that hashed a fresh export at every update
+    /// allocated and filled three times its state's size each time).
+    pub fn state_bytes_into(&self, mut sink: impl FnMut(&[u8])) {
+        let n = self.params.len();
+        sink(STATE_MAGIC);
+        sink(&(self.spec.index as u32).to_le_bytes());
+        sink(&self.step.to_le_bytes());
+        sink(&(n as u64).to_le_bytes());
+        for v in [&self.params, &self.m, &self.v] {
+            f32s_bytes_into(v, &mut sink);
+        }
     }
 
     /// A copy of the parameters, AdamW moments and step count.
@@ -719,8 +727,24 @@ impl<'a> StateParts<'a> {
 }
 
 /// f32 values as little-endian bytes.
+/// `v` as little-endian bytes, handed to `sink` 16 KiB at a time from a
+/// buffer on the stack (no copy of `v` allocated).
+pub fn f32s_bytes_into(v: &[f32], mut sink: impl FnMut(&[u8])) {
+    let mut buf = [0u8; 16 << 10];
+    for chunk in v.chunks(buf.len() / 4) {
+        for (o, x) in buf.chunks_exact_mut(4).zip(chunk) {
+            o.copy_from_slice(&x.to_le_bytes());
+        }
+        sink(&buf[..4 * chunk.len()]);
+    }
+}
+
 pub fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    let mut out = Vec::with_capacity(4 * v.len());
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
 }
 
 /// Little-endian bytes as f32 values (length must be a multiple of 4).
