@@ -736,16 +736,14 @@ mod tests {
         }
     }
 
-    /// The joiner's directory still names a node of the empty stage (dead
-    /// since): it is asked again, and after a suspicion period without an
-    /// answer the stage is taken up; before, every joiner took that node
-    /// for alive and joined another stage, and the stage stayed empty.
-    #[test]
-    fn a_silent_node_of_a_stage_known_empty_is_waited_for_then_taken_for_gone() {
+    /// Joiner 50 of a swarm that restarts empty stages, joining through
+    /// `peers`, whom stages 1 and 3 (nodes 11 and 31) told that stage 2
+    /// is empty.
+    fn told_stage_2_is_empty(peers: &[(NodeId, Stage)]) -> Node {
         let mut cfg = (*config(Policy::Gwtf)).clone();
         cfg.restart_empty_stages = true;
         let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
-        let peers = vec![(11, 1), (21, 2), (31, 3)];
+        let peers = peers.to_vec();
         n.handle(SEC, Input::Join { peers });
         for (from, stage) in [(11, 1), (31, 3)] {
             let summary = StageSummary {
@@ -757,6 +755,16 @@ mod tests {
             };
             deliver(&mut n, from, Msg::StageInfo { summary });
         }
+        n
+    }
+
+    /// The joiner's directory still names a node of the empty stage (dead
+    /// since): it is asked again, and after a suspicion period without an
+    /// answer the stage is taken up; before, every joiner took that node
+    /// for alive and joined another stage, and the stage stayed empty.
+    #[test]
+    fn a_silent_node_of_a_stage_known_empty_is_waited_for_then_taken_for_gone() {
+        let mut n = told_stage_2_is_empty(&[(11, 1), (21, 2), (31, 3)]);
         let restarted = |acts: &[Action]| {
             acts.iter()
                 .any(|a| matches!(a, Action::Event(Event::StageRestarted { stage: 2, .. })))
@@ -780,6 +788,57 @@ mod tests {
         }
         assert!(done && n.is_active() && n.stage() == 2);
         assert!(t >= SEC + n.suspicion(), "taken for gone after {t}");
+    }
+
+    /// The neighbours say stage 2 is empty, but the directory tells the
+    /// joiner of a node of it (another joiner took it up meanwhile): the
+    /// joiner asks it, waits for its answer, and downloads its state
+    /// instead of rebuilding the stage a second time.
+    #[test]
+    fn a_stage_taken_up_meanwhile_is_joined_not_rebuilt_again() {
+        let mut n = told_stage_2_is_empty(&[(11, 1), (31, 3)]);
+        let t = n.now;
+        let acts = n.handle(t, Input::Located { peer: 21, stage: 2 });
+        assert!(matches!(sends(&acts)[..], [(21, Msg::StageQuery)]));
+        // Its answer is waited for: no restart at the next ticks.
+        let mut t = t;
+        for _ in 0..3 {
+            t += n.cfg.tick;
+            let acts = n.on_timeout(t);
+            assert!(!n.is_active(), "took the stage up before 21 answered");
+            assert!(!acts.iter().any(|a| matches!(a, Action::Event(_))));
+        }
+        let summary = StageSummary {
+            stage: 2,
+            members: 1,
+            throughput: 1.0,
+            open_iter: 8,
+            empty_neighbors: Vec::new(),
+        };
+        deliver(&mut n, 21, Msg::StageInfo { summary });
+        let acts = n.on_timeout(t + n.cfg.tick);
+        assert_eq!(n.stage(), 2);
+        assert!(matches!(sends(&acts)[..], [(21, Msg::StateRequest)]));
+        // A node of a stage not said empty is asked, without a wait; one
+        // known, or of no relay stage, is not.
+        let mut m = Node::new(config(Policy::Gwtf), 60, 0, 0.5, 4, 1);
+        m.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(11, 1)],
+            },
+        );
+        let q = |m: &mut Node, peer, stage| {
+            let acts = m.handle(SEC, Input::Located { peer, stage });
+            sends(&acts)
+                .iter()
+                .any(|(to, msg)| *to == peer && matches!(msg, Msg::StageQuery))
+        };
+        assert!(q(&mut m, 41, 4));
+        assert!(!q(&mut m, 41, 4));
+        assert!(!q(&mut m, 11, 1));
+        assert!(!q(&mut m, 70, 0));
+        assert!(!q(&mut m, 71, 5));
     }
 
     /// Two members of the stage before the empty one answer, the second
