@@ -333,23 +333,47 @@ impl Swarm {
     }
 
     fn tail(&self, ev: &[Seen]) -> String {
-        let mut s = String::new();
+        // What a reader needs first comes first (a CI log shows the head
+        // of a long failure): where each node stood, then the run's last
+        // moments, then the nodes' logs, then the whole run.
+        let mut s = String::from("where each node stood:\n");
         for n in &self.nodes {
-            let last: Vec<String> = ev
-                .iter()
-                .filter(|e| e.node == n.id && e.event() != "work" && e.event() != "stats")
-                .rev()
-                .take(4)
+            let mine: Vec<&Seen> = ev.iter().filter(|e| e.node == n.id).collect();
+            let applied = (mine.iter().rev())
+                .find(|e| e.event() == "applied")
+                .map(|e| e.u("iteration"));
+            let fenced = mine.iter().filter(|e| e.event() == "fenced").count();
+            let last: Vec<String> = (mine.iter().rev())
+                .filter(|e| !matches!(e.event(), "work" | "stats" | "mb_done"))
+                .take(3)
                 .map(|e| e.v.to_string())
                 .collect();
+            s += &format!(
+                "  node {}: last applied {applied:?}, fenced {fenced} times, last: {last:?}\n",
+                n.id
+            );
+        }
+        let whole = super::timeline::timeline(ev);
+        let lines: Vec<&str> = whole.lines().collect();
+        s += "the run's last 40 lines:\n";
+        for l in &lines[lines.len().saturating_sub(40)..] {
+            s += l;
+            s += "\n";
+        }
+        for n in &self.nodes {
             let err = std::fs::read_to_string(self.dir.path().join(format!("node-{}.err", n.id)))
                 .unwrap_or_default();
-            let err: Vec<&str> = err.lines().rev().take(40).collect();
-            s += &format!("node {}: {last:?} stderr {err:?}\n", n.id);
+            // Without the per-microbatch loss lines, which say nothing of
+            // where it stands.
+            let err: Vec<&str> = (err.lines().rev())
+                .filter(|l| !l.contains(": loss of MbId"))
+                .take(15)
+                .collect();
+            s += &format!("node {} stderr (newest first): {err:?}\n", n.id);
         }
         // The whole run in time order: where it stood still and why.
         s += "timeline:\n";
-        s += &super::timeline::timeline(ev);
+        s += &whole;
         s
     }
 
