@@ -537,6 +537,7 @@ impl Runtime {
             neighbours: Default::default(),
             verifier: Default::default(),
             sealer: Default::default(),
+            own_saved: Default::default(),
             saves: Default::default(),
             serving: Default::default(),
         };
