@@ -160,6 +160,22 @@ impl Node {
             self.restore_stage(stage, next);
             return;
         }
+        // A relay stage whose known nodes have not answered may have just
+        // lost its last one (a directory names the nodes that died since;
+        // the neighbours mark the stage empty only at their next tick): it
+        // is waited for, for a suspicion period, asking every stage again
+        // (a refreshed summary carries its neighbours' word), before the
+        // bottleneck is taken among the stages that answered. Without
+        // this, a joiner that came right after a stage's last node left
+        // joined a stage that answered, and the empty one stayed empty.
+        let unanswered = (1..=self.s()).any(|s| {
+            !self.joining.stage_infos.contains_key(&s)
+                && self.peers.of_stage(s).any(|(_, p)| !p.dead)
+        });
+        if unanswered && self.now < since + self.suspicion() {
+            self.query_stages();
+            return;
+        }
         // Bottleneck first: the stage with the smallest aggregate throughput
         // (largest predicted time per microbatch) gains the most from us.
         let mut best: Option<(f64, Stage)> = None;
@@ -732,6 +748,76 @@ mod tests {
             } else {
                 assert_eq!(n.stage(), 3);
                 assert!(matches!(sends(&acts)[..], [(31, Msg::StateRequest)]));
+            }
+        }
+    }
+
+    /// Stage 2's only node (21, in the joiner's directory) does not answer:
+    /// it may have just left, before its neighbours marked the stage empty.
+    /// The joiner asks every stage again instead of joining the bottleneck
+    /// among those that answered; told by a neighbour that stage 2 is
+    /// empty, it takes it up. Where nobody says so, it joins the bottleneck
+    /// of the others after a suspicion period.
+    #[test]
+    fn a_stage_that_does_not_answer_is_waited_for_before_another_is_joined() {
+        for told_empty in [true, false] {
+            let mut cfg = (*config(Policy::Gwtf)).clone();
+            cfg.restart_empty_stages = true;
+            let mut n = Node::new(Arc::new(cfg), 50, 0, 0.5, 4, 1);
+            let peers = vec![(11, 1), (21, 2), (31, 3), (41, 4)];
+            n.handle(SEC, Input::Join { peers });
+            let answer = |n: &mut Node, from: NodeId, stage: Stage, empty: Vec<Stage>| {
+                let summary = StageSummary {
+                    stage,
+                    members: 1,
+                    throughput: [8.0, 4.0, 2.0, 5.0][stage as usize - 1],
+                    open_iter: 5,
+                    empty_neighbors: empty,
+                };
+                deliver(n, from, Msg::StageInfo { summary });
+            };
+            for (from, stage) in [(11, 1), (31, 3), (41, 4)] {
+                answer(&mut n, from, stage, vec![]);
+            }
+            let mut t = SEC + n.cfg.tick;
+            let acts = n.on_timeout(t);
+            assert!(!n.is_active() && n.stage() == 0, "it waits for stage 2");
+            let asked: Vec<NodeId> = (sends(&acts).iter())
+                .filter(|(_, m)| matches!(m, Msg::StageQuery))
+                .map(|(to, _)| *to)
+                .collect();
+            assert!(
+                [11, 21, 31, 41].iter().all(|p| asked.contains(p)),
+                "{asked:?}"
+            );
+            if told_empty {
+                // Node 11 has seen its neighbour leave since.
+                answer(&mut n, 11, 1, vec![2]);
+            }
+            let mut chose = None;
+            for _ in 0..1000 {
+                t += n.cfg.tick;
+                let acts = n.on_timeout(t);
+                let restarted = (acts.iter())
+                    .any(|a| matches!(a, Action::Event(Event::StageRestarted { stage: 2, .. })));
+                let download = sends(&acts)
+                    .iter()
+                    .any(|(_, m)| matches!(m, Msg::StateRequest));
+                if restarted || download {
+                    chose = Some((n.stage(), restarted, t));
+                    break;
+                }
+            }
+            let (stage, restarted, at) = chose.expect("a stage chosen");
+            assert!(at >= SEC + n.suspicion(), "chose before a suspicion period");
+            if told_empty {
+                assert_eq!((stage, restarted), (2, true));
+            } else {
+                assert_eq!(
+                    (stage, restarted),
+                    (3, false),
+                    "the bottleneck of the others"
+                );
             }
         }
     }
