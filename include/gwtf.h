@@ -72,7 +72,7 @@
 /**
  * Current version of `gwtf_peer_options` (what `_init` writes).
  */
-#define GWTF_PEER_OPTIONS_VERSION 5
+#define GWTF_PEER_OPTIONS_VERSION 6
 
 /**
  * Current version of `gwtf_peer_stats`.
@@ -595,6 +595,26 @@ enum gwtf_task_kind
    */
   GWTF_TASK_KIND_DISCARD = 12,
   /**
+   * Barrier, only with `rebuild_from_neighbours` set in the peer's
+   * options: no live node holds the stage's state and no data holder
+   * kept a copy of it. Rebuild it from the states of `microbatches`
+   * members of the neighbouring relay stages, as their trainers
+   * exported them (`GWTF_TASK_KIND_EXPORT_STATE`; the library checked
+   * each one's SHA-256), one after another in `input`, each one a
+   * header of 16 bytes (the stage it is of, as a little-endian
+   * `uint32_t`; 4 bytes of 0; its length in bytes, as a little-endian
+   * `uint64_t`) and then the state. CheckFree averages the parameters
+   * (and the optimizer's moments) of those whose shapes fit this
+   * stage's. The result stands for the weights after the update of
+   * iteration `iteration` (`has_iteration` 0: before any update).
+   * Answer: `gwtf_peer_task_done_rebuilt` with the digest of the
+   * rebuilt weights and how many states they average (0: none fitted,
+   * and the trainer took the initial weights), or
+   * `gwtf_peer_task_failed`: the stage then starts from the initial
+   * weights (a `GWTF_TASK_KIND_INIT_STATE` follows).
+   */
+  GWTF_TASK_KIND_AVERAGE_STATES = 13,
+  /**
    * Event, holder: iteration `iteration` is final; `loss` is the mean
    * loss of this holder's `microbatches` microbatches.
    */
@@ -698,6 +718,18 @@ enum gwtf_task_kind
    * The library keeps the last two checkpoints' states.
    */
   GWTF_TASK_KIND_EVENT_CHECKPOINT = 117,
+  /**
+   * Event: this joiner serves stage `stage`, which no live node held
+   * and of which no data holder kept a copy, rebuilt from the average of
+   * `microbatches` neighbouring stage members' states (its
+   * `GWTF_TASK_KIND_AVERAGE_STATES` task came before; `message` names
+   * the members); `weights` is the digest its trainer reported, and
+   * `iteration` (with `has_iteration`) the update those weights stand
+   * for. The updates the stage had applied are lost; the other stages
+   * keep theirs. (A rebuild that averaged nothing is reported as
+   * `GWTF_TASK_KIND_EVENT_STAGE_RESTARTED`.)
+   */
+  GWTF_TASK_KIND_EVENT_STAGE_REBUILT = 118,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1226,6 +1258,16 @@ typedef struct gwtf_peer_options {
    * Default 0. (Version 5.)
    */
   uint32_t resume_iterations_done;
+  /**
+   * 1: this relay's trainer can rebuild its stage from the states of
+   * its neighbouring relay stages' members
+   * (`GWTF_TASK_KIND_AVERAGE_STATES`, CheckFree's way): when it takes
+   * up a stage whose last member is gone and of which no data holder
+   * kept a copy, it rebuilds the stage from them instead of starting
+   * it from the initial weights (`GWTF_TASK_KIND_INIT_STATE`). Relays
+   * only. Default 0. (Version 6.)
+   */
+  uint32_t rebuild_from_neighbours;
 } gwtf_peer_options;
 
 /**
@@ -2670,6 +2712,25 @@ gwtf_status gwtf_peer_task_done_gradient(struct gwtf_peer *peer,
 gwtf_status gwtf_peer_task_done_weights(struct gwtf_peer *peer,
                                         uint64_t task_id,
                                         const uint8_t *weights,
+                                        struct gwtf_error **out_err);
+
+/**
+ * Answers an average-states task (`GWTF_TASK_KIND_AVERAGE_STATES`) with
+ * the digest (`GWTF_DIGEST_LEN` bytes) of the rebuilt weights and how
+ * many of the task's states they average (0: none fitted the stage's
+ * shapes, and the trainer took the initial weights).
+ *
+ * Ownership: `weights` is only read during the call.
+ *
+ * Thread safety: any thread, concurrently with other calls on `peer`.
+ *
+ * Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` when
+ * the task is of another kind or `averaged` exceeds the states it gave.
+ */
+gwtf_status gwtf_peer_task_done_rebuilt(struct gwtf_peer *peer,
+                                        uint64_t task_id,
+                                        const uint8_t *weights,
+                                        uint32_t averaged,
                                         struct gwtf_error **out_err);
 
 /**

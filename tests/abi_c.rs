@@ -390,3 +390,29 @@ fn peer_from_c_refuses_every_wrong_answer_under_asan() {
         assert!(text.contains(want), "no {want:?} in:\n{text}");
     }
 }
+
+#[test]
+fn an_emptied_stage_is_rebuilt_by_a_c_trainer_under_asan() {
+    let dir = scratch("rebuild");
+    let exe = dir.join("rebuild");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/rebuild.c")],
+        &exe,
+        true,
+    );
+    let out = run_ok(asan_env(&mut Command::new(&exe)));
+    let text = stdout_of(&out);
+    assert!(text.ends_with("rebuild: all checks passed\n"), "{text}");
+    for want in [
+        "relays rebuild emptied stages, a data holder never takes one up",
+        "rebuild_from_neighbours is 2: 0 or 1",
+        "average_states cannot be answered with a weights digest",
+        "2 states averaged, but it gave 1",
+        "is not outstanding (never given, or answered already)",
+        "joiner: stage 2 had no live node and no kept copy: rebuilt from the average of 1",
+    ] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+}

@@ -270,6 +270,12 @@ public:
         gwtf_error *err = nullptr;
         check(gwtf_peer_task_done_weights(ptr_.get(), task, digest, &err), &err);
     }
+    /// An average-states task: the rebuilt weights' digest and how many of
+    /// its states they average (0: none fitted; the initial weights).
+    void done_rebuilt(uint64_t task, const uint8_t *digest, uint32_t averaged) {
+        gwtf_error *err = nullptr;
+        check(gwtf_peer_task_done_rebuilt(ptr_.get(), task, digest, averaged, &err), &err);
+    }
     void failed(uint64_t task, const std::string &reason) {
         gwtf_error *err = nullptr;
         check(gwtf_peer_task_failed(ptr_.get(), task, reason.c_str(), &err), &err);

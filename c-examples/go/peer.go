@@ -75,6 +75,11 @@ type PeerOptions struct {
 	// Founding members whose trainers start from a checkpoint: the updates
 	// it holds (iterations 0..N-1); the swarm starts at iteration N.
 	ResumeIterationsDone uint32
+	// Relays whose trainer can average its neighbouring stages' states: an
+	// emptied stage of which no holder kept a copy is rebuilt from them
+	// (TaskAverageStates, then EventStageRebuilt) instead of starting from
+	// the initial weights.
+	RebuildFromNeighbours bool
 }
 
 // TaskKind is a GWTF_TASK_KIND_* value: a task (below 100) to answer once,
@@ -95,6 +100,7 @@ const (
 	TaskForget           = TaskKind(C.GWTF_TASK_KIND_FORGET)
 	TaskDiscard          = TaskKind(C.GWTF_TASK_KIND_DISCARD)
 	TaskInitState        = TaskKind(C.GWTF_TASK_KIND_INIT_STATE)
+	TaskAverageStates    = TaskKind(C.GWTF_TASK_KIND_AVERAGE_STATES)
 	EventIteration       = TaskKind(C.GWTF_TASK_KIND_EVENT_ITERATION)
 	EventCommitted       = TaskKind(C.GWTF_TASK_KIND_EVENT_COMMITTED)
 	EventApplied         = TaskKind(C.GWTF_TASK_KIND_EVENT_APPLIED)
@@ -113,6 +119,7 @@ const (
 	EventStageRestored   = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTORED)
 	EventStageRestarted  = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_RESTARTED)
 	EventCheckpoint      = TaskKind(C.GWTF_TASK_KIND_EVENT_CHECKPOINT)
+	EventStageRebuilt    = TaskKind(C.GWTF_TASK_KIND_EVENT_STAGE_REBUILT)
 )
 
 // Microbatch names a microbatch: its holder, iteration and index.
@@ -227,6 +234,9 @@ func NewPeer(o PeerOptions) (*Peer, error) {
 	opts.keep_states_every = C.uint32_t(o.KeepStatesEvery)
 	opts.save_every = C.uint32_t(o.SaveEvery)
 	opts.resume_iterations_done = C.uint32_t(o.ResumeIterationsDone)
+	if o.RebuildFromNeighbours {
+		opts.rebuild_from_neighbours = 1
+	}
 	if o.Listen != "" {
 		opts.listen_addr = (*C.char)(keep(unsafe.Pointer(C.CString(o.Listen))))
 	}
@@ -439,6 +449,17 @@ func (p *Peer) TaskDoneWeights(id uint64, weights [32]byte) error {
 	var cerr *C.gwtf_error
 	return check(C.gwtf_peer_task_done_weights(p.ptr, C.uint64_t(id),
 		(*C.uint8_t)(unsafe.Pointer(&weights[0])), &cerr), &cerr)
+}
+
+// TaskDoneRebuilt answers an average-states task with the rebuilt weights'
+// digest and how many of its states they average (0: none fitted; the
+// trainer took the initial weights).
+func (p *Peer) TaskDoneRebuilt(id uint64, weights [32]byte, averaged uint32) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	var cerr *C.gwtf_error
+	return check(C.gwtf_peer_task_done_rebuilt(p.ptr, C.uint64_t(id),
+		(*C.uint8_t)(unsafe.Pointer(&weights[0])), C.uint32_t(averaged), &cerr), &cerr)
 }
 
 // TaskFailed reports that the trainer could not do a task.

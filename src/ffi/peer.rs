@@ -34,7 +34,7 @@ use crate::swarm::runtime::{
 use crate::swarm::saves::SavedState;
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
-pub const GWTF_PEER_OPTIONS_VERSION: u32 = 5;
+pub const GWTF_PEER_OPTIONS_VERSION: u32 = 6;
 /// Current version of `gwtf_peer_stats`.
 pub const GWTF_PEER_STATS_VERSION: u32 = 1;
 /// `gwtf_peer_options.stage`: let the swarm choose (a joining relay).
@@ -136,6 +136,24 @@ pub enum gwtf_task_kind {
     /// the `GWTF_TASK_KIND_BACKWARD`. Answer: `gwtf_peer_task_done` with
     /// NULL.
     Discard = 12,
+    /// Barrier, only with `rebuild_from_neighbours` set in the peer's
+    /// options: no live node holds the stage's state and no data holder
+    /// kept a copy of it. Rebuild it from the states of `microbatches`
+    /// members of the neighbouring relay stages, as their trainers
+    /// exported them (`GWTF_TASK_KIND_EXPORT_STATE`; the library checked
+    /// each one's SHA-256), one after another in `input`, each one a
+    /// header of 16 bytes (the stage it is of, as a little-endian
+    /// `uint32_t`; 4 bytes of 0; its length in bytes, as a little-endian
+    /// `uint64_t`) and then the state. CheckFree averages the parameters
+    /// (and the optimizer's moments) of those whose shapes fit this
+    /// stage's. The result stands for the weights after the update of
+    /// iteration `iteration` (`has_iteration` 0: before any update).
+    /// Answer: `gwtf_peer_task_done_rebuilt` with the digest of the
+    /// rebuilt weights and how many states they average (0: none fitted,
+    /// and the trainer took the initial weights), or
+    /// `gwtf_peer_task_failed`: the stage then starts from the initial
+    /// weights (a `GWTF_TASK_KIND_INIT_STATE` follows).
+    AverageStates = 13,
     /// Event, holder: iteration `iteration` is final; `loss` is the mean
     /// loss of this holder's `microbatches` microbatches.
     EventIteration = 100,
@@ -204,6 +222,16 @@ pub enum gwtf_task_kind {
     /// stage's trainer exported them, `gwtf_peer_checkpoint_state` gives.
     /// The library keeps the last two checkpoints' states.
     EventCheckpoint = 117,
+    /// Event: this joiner serves stage `stage`, which no live node held
+    /// and of which no data holder kept a copy, rebuilt from the average of
+    /// `microbatches` neighbouring stage members' states (its
+    /// `GWTF_TASK_KIND_AVERAGE_STATES` task came before; `message` names
+    /// the members); `weights` is the digest its trainer reported, and
+    /// `iteration` (with `has_iteration`) the update those weights stand
+    /// for. The updates the stage had applied are lost; the other stages
+    /// keep theirs. (A rebuild that averaged nothing is reported as
+    /// `GWTF_TASK_KIND_EVENT_STAGE_RESTARTED`.)
+    EventStageRebuilt = 118,
 }
 
 /// A microbatch: its data holder, iteration and index in the iteration.
@@ -337,6 +365,14 @@ pub struct gwtf_peer_options {
     /// iteration N. Every founding member gives the same. 0: a fresh start.
     /// Default 0. (Version 5.)
     pub resume_iterations_done: u32,
+    /// 1: this relay's trainer can rebuild its stage from the states of
+    /// its neighbouring relay stages' members
+    /// (`GWTF_TASK_KIND_AVERAGE_STATES`, CheckFree's way): when it takes
+    /// up a stage whose last member is gone and of which no data holder
+    /// kept a copy, it rebuilds the stage from them instead of starting
+    /// it from the initial weights (`GWTF_TASK_KIND_INIT_STATE`). Relays
+    /// only. Default 0. (Version 6.)
+    pub rebuild_from_neighbours: u32,
 }
 
 /// A task or an event, written by `gwtf_peer_next_task`. Which fields mean
@@ -429,6 +465,9 @@ struct Held {
     kind: WorkKind,
     /// Kept alive for the pointers given to C.
     _input: Option<Frame>,
+    /// An `AVERAGE_STATES` task's states, one after another, each after
+    /// its header (the task's `input`).
+    _packed: Vec<u8>,
     _granted: Vec<gwtf_microbatch>,
     _mean: Option<Arc<Vec<f32>>>,
 }
@@ -547,6 +586,7 @@ fn default_options() -> gwtf_peer_options {
         keep_states_every: 0,
         save_every: 0,
         resume_iterations_done: 0,
+        rebuild_from_neighbours: 0,
     }
 }
 
@@ -565,6 +605,7 @@ unsafe fn read_options(opts: *const gwtf_peer_options) -> FfiResult<gwtf_peer_op
         2 => std::mem::offset_of!(gwtf_peer_options, encrypt),
         3 => std::mem::offset_of!(gwtf_peer_options, node_key_path),
         4 => std::mem::offset_of!(gwtf_peer_options, keep_states_every),
+        5 => std::mem::offset_of!(gwtf_peer_options, rebuild_from_neighbours),
         GWTF_PEER_OPTIONS_VERSION => std::mem::size_of::<gwtf_peer_options>(),
         v => {
             return Err(FfiError::new(
@@ -731,6 +772,21 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
             "resume_iterations_done is for founding members: a joiner downloads its stage's state",
         ));
     }
+    proto.rebuild_from_neighbours = match o.rebuild_from_neighbours {
+        0 => false,
+        1 if stage == 0 && !join => {
+            return Err(FfiError::invalid(
+                "rebuild_from_neighbours is 1: relays rebuild emptied stages, a data holder \
+                 never takes one up",
+            ))
+        }
+        1 => true,
+        x => {
+            return Err(FfiError::invalid(format!(
+                "rebuild_from_neighbours is {x}: 0 or 1"
+            )))
+        }
+    };
     proto.keep_states_every = o.keep_states_every;
     proto.save_every = o.save_every;
     proto.resume_from = o.resume_iterations_done.checked_sub(1);
@@ -994,9 +1050,23 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::Forget { .. } => gwtf_task_kind::Forget,
         WorkKind::Discard => gwtf_task_kind::Discard,
         WorkKind::InitState { .. } => gwtf_task_kind::InitState,
-        // Never handed to C: the peer answers it itself (see `next_task`).
-        WorkKind::AverageStates { .. } => gwtf_task_kind::InitState,
+        WorkKind::AverageStates { .. } => gwtf_task_kind::AverageStates,
     }
+}
+
+/// An `AVERAGE_STATES` task's input: each state after a header of 16
+/// bytes (its stage as a little-endian u32, 4 bytes of 0, its length as a
+/// little-endian u64).
+fn pack_states(states: &[(Stage, Vec<u8>)]) -> Vec<u8> {
+    let n = states.iter().map(|(_, s)| 16 + s.len()).sum();
+    let mut v = Vec::with_capacity(n);
+    for (stage, s) in states {
+        v.extend_from_slice(&u32::from(*stage).to_le_bytes());
+        v.extend_from_slice(&[0; 4]);
+        v.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        v.extend_from_slice(s);
+    }
+    v
 }
 
 /// A task for C, and what must be kept for its pointers.
@@ -1015,6 +1085,7 @@ fn task_of(w: Work, sizes: &TensorSizes) -> (gwtf_peer_task, Held) {
     }
     let mut granted = Vec::new();
     let mut mean = None;
+    let mut packed = Vec::new();
     let set_iter = |t: &mut gwtf_peer_task, it: u32| {
         t.iteration = it;
         t.has_iteration = 1;
@@ -1040,6 +1111,15 @@ fn task_of(w: Work, sizes: &TensorSizes) -> (gwtf_peer_task, Held) {
             set_iter(&mut t, *a)
         }
         WorkKind::Forget { before } => set_iter(&mut t, *before),
+        WorkKind::AverageStates { applied, states } => {
+            if let Some(a) = applied {
+                set_iter(&mut t, *a);
+            }
+            t.microbatches = states.len() as u64;
+            packed = pack_states(states);
+            t.input = packed.as_ptr();
+            t.input_len = packed.len();
+        }
         _ => {}
     }
     if !granted.is_empty() {
@@ -1066,6 +1146,7 @@ fn task_of(w: Work, sizes: &TensorSizes) -> (gwtf_peer_task, Held) {
     let held = Held {
         kind: w.kind,
         _input: w.input,
+        _packed: packed,
         _granted: granted,
         _mean: mean,
     };
@@ -1080,11 +1161,44 @@ fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
         // A kept copy is the holder's own business (it restores a stage);
         // checkpoints are handed out by `gwtf_peer::next`, which keeps
         // their states.
-        // C peers do not rebuild stages (`rebuild_from_neighbours` off).
         NodeEvent::CopyKept { .. }
         | NodeEvent::Checkpoint { .. }
-        | NodeEvent::CheckpointDropped { .. }
-        | NodeEvent::StageRebuilt { .. } => return None,
+        | NodeEvent::CheckpointDropped { .. } => return None,
+        NodeEvent::StageRebuilt {
+            stage,
+            from,
+            applied,
+            averaged,
+            weights,
+        } => {
+            t.stage = stage as u32;
+            if let Some(a) = applied {
+                t.iteration = a;
+                t.has_iteration = 1;
+            }
+            let from: Vec<String> = from.iter().map(|id| format!("{id:x}")).collect();
+            let from = from.join(", ");
+            if averaged == 0 {
+                (
+                    gwtf_task_kind::EventStageRestarted,
+                    format!(
+                        "stage {stage} had no live node and no kept copy, and the states of \
+                         its neighbours ({from}) did not fit it: restarted from the initial \
+                         weights"
+                    ),
+                )
+            } else {
+                t.microbatches = averaged as u64;
+                t.weights = weights;
+                (
+                    gwtf_task_kind::EventStageRebuilt,
+                    format!(
+                        "stage {stage} had no live node and no kept copy: rebuilt from the \
+                         average of {averaged} neighbouring stage member(s)' states ({from})"
+                    ),
+                )
+            }
+        }
         NodeEvent::Iteration {
             iteration,
             loss,
@@ -1365,15 +1479,6 @@ impl gwtf_peer {
                 .saturating_duration_since(now)
                 .min(Duration::from_millis(20));
             if let Some(w) = self.port.next_work(slice) {
-                if let WorkKind::AverageStates { .. } = w.kind {
-                    // A C trainer's state format is its own: the runtime
-                    // cannot average it for it, and restarts the stage
-                    // from the initial weights instead (C peers run with
-                    // `rebuild_from_neighbours` off: not reached).
-                    let e = "a C trainer cannot average its neighbours' states".to_string();
-                    let _ = self.answer(w.id, Err(e));
-                    continue;
-                }
                 let id = w.id;
                 let (t, held) = task_of(w, self.port.sizes());
                 self.held.lock().insert(id, held);
@@ -1713,6 +1818,43 @@ pub extern "C" fn gwtf_peer_task_done_weights(
         // SAFETY: the caller passes 32 readable bytes.
         let weights = unsafe { digest(weights)? };
         p.answer(task_id, Ok(Output::Weights(weights)))
+            .map_err(|(e, _)| e)
+    })
+}
+
+/// Answers an average-states task (`GWTF_TASK_KIND_AVERAGE_STATES`) with
+/// the digest (`GWTF_DIGEST_LEN` bytes) of the rebuilt weights and how
+/// many of the task's states they average (0: none fitted the stage's
+/// shapes, and the trainer took the initial weights).
+///
+/// Ownership: `weights` is only read during the call.
+///
+/// Thread safety: any thread, concurrently with other calls on `peer`.
+///
+/// Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` when
+/// the task is of another kind or `averaged` exceeds the states it gave.
+#[no_mangle]
+pub extern "C" fn gwtf_peer_task_done_rebuilt(
+    peer: *mut gwtf_peer,
+    task_id: u64,
+    weights: *const u8,
+    averaged: u32,
+    out_err: *mut *mut gwtf_error,
+) -> gwtf_status {
+    guard_handle(out_err, peer, |p| {
+        // SAFETY: the caller passes 32 readable bytes.
+        let weights = unsafe { digest(weights)? };
+        let given = match p.held.lock().get(&task_id).map(|h| &h.kind) {
+            Some(WorkKind::AverageStates { states, .. }) => Some(states.len()),
+            _ => None,
+        };
+        if let Some(n) = given.filter(|&n| averaged as usize > n) {
+            p.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(FfiError::invalid(format!(
+                "task {task_id}: {averaged} states averaged, but it gave {n}"
+            )));
+        }
+        p.answer(task_id, Ok(Output::Rebuilt { weights, averaged }))
             .map_err(|(e, _)| e)
     })
 }

@@ -6,34 +6,16 @@
  * refused frame is still the caller's, the task still outstanding. */
 #define _POSIX_C_SOURCE 200809L
 #include "expect.h"
+#include "peer_toy.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 static const char KEY[] = "0123456789abcdef-peer-c-test";
 
 /* Boundary 0 (holder -> relay): 16 floats; boundary 1 (relay -> holder): 8. */
 static const uint64_t ACT[2] = {64, 32};
 static const uint64_t STATE[2] = {0, 64};
-
-/* A free loopback port, as "127.0.0.1:PORT" in buf. */
-static void free_addr(char *buf, size_t len) {
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    socklen_t n = sizeof a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = 0;
-    EXPECT(bind(s, (struct sockaddr *)&a, sizeof a) == 0);
-    EXPECT(getsockname(s, (struct sockaddr *)&a, &n) == 0);
-    snprintf(buf, len, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
-    close(s);
-}
 
 static gwtf_peer *new_peer(int32_t role, int32_t stage, const char *key_path, const char *listen,
                            const gwtf_peer_contact *boot, size_t nboot) {
@@ -148,29 +130,7 @@ typedef struct {
     uint64_t kept_task; /* a task left unanswered on purpose (0: none) */
 } toy;
 
-static void toy_digest(toy *t) {
-    /* Not cryptographic: replicas only compare bytes. */
-    uint32_t h = 2166136261u;
-    const uint8_t *b = (const uint8_t *)t->w;
-    for (size_t i = 0; i < sizeof t->w; i++) h = (h ^ b[i]) * 16777619u;
-    for (int i = 0; i < 32; i++) t->digest[i] = (uint8_t)(h >> ((i % 4) * 8)) ^ (uint8_t)i;
-}
-
-static gwtf_frame *alloc_filled(gwtf_peer *p, uint64_t len, float v) {
-    gwtf_frame *f = NULL;
-    gwtf_frame_view view;
-    gwtf_error *err = NULL;
-    gwtf_status st = gwtf_peer_alloc(p, len, 1000, &f, &err);
-    if (st != GWTF_STATUS_OK) {
-        fprintf(stderr, "alloc %llu: %s\n", (unsigned long long)len, gwtf_error_message(err));
-        gwtf_error_free(err);
-        failures++;
-    }
-    if (!f) return NULL;
-    EXPECT(gwtf_frame_get_view(f, &view, NULL) == GWTF_STATUS_OK);
-    for (size_t i = 0; i < view.len / 4; i++) memcpy(view.data + 4 * i, &v, 4);
-    return f;
-}
+static void toy_digest(toy *t) { weights_digest(t->w, t->digest); }
 
 /* The first forward: every wrong answer before the right one. */
 static void misanswer_forward(toy *t, const gwtf_peer_task *k) {
@@ -203,17 +163,7 @@ static void misanswer_forward(toy *t, const gwtf_peer_task *k) {
 static int step(toy *t) {
     gwtf_peer_task k;
     gwtf_error *err = NULL;
-    gwtf_status st = gwtf_peer_next_task(t->p, 10, &k, sizeof k, &err);
-    if (st == GWTF_STATUS_TIMEOUT) {
-        gwtf_error_free(err);
-        return 0;
-    }
-    if (st != GWTF_STATUS_OK) {
-        fprintf(stderr, "%s: next_task: %s\n", t->name, gwtf_error_message(err));
-        gwtf_error_free(err);
-        failures++;
-        return 0;
-    }
+    if (!next_task(t->p, t->name, 10, &k)) return 0;
     const float *in = (const float *)k.input;
     size_t n_in = k.input_len / 4;
     switch (k.kind) {
