@@ -54,12 +54,14 @@ class HolderStage(torch.nn.Module):
 
 
 class _Kept:
-    """What a microbatch keeps from its forward to its backward."""
+    """What a microbatch keeps from its forward to its backward, and the
+    update its weights had then (an update in between changed them in
+    place: the backward runs the forward again first)."""
 
-    __slots__ = ("inp", "out", "targets")
+    __slots__ = ("inp", "out", "targets", "applied")
 
-    def __init__(self, inp=None, out=None, targets=None):
-        self.inp, self.out, self.targets = inp, out, targets
+    def __init__(self, inp, out, applied, targets=None):
+        self.inp, self.out, self.applied, self.targets = inp, out, applied, targets
 
 
 class StageTrainer:
@@ -325,7 +327,7 @@ class StageTrainer:
         if k == TaskKind.EMBED:
             inputs, targets = self.batch(mb)
             h = m.embed(inputs)
-            self.kept[mb] = _Kept(out=h, targets=targets)
+            self.kept[mb] = _Kept(inputs, h, self.applied, targets)
             return self._out(t, h)
         if k == TaskKind.LOSS:
             x = t.input_tensor(torch.float32, self.activation_shape(last, mb)).clone().requires_grad_(True)
@@ -340,8 +342,10 @@ class StageTrainer:
             return t.done_loss(float(loss.detach()), out)
         if k == TaskKind.EMBED_BACKWARD:
             kept = self.kept.pop(mb, None)
-            if kept is None or kept.out is None:
+            if kept is None:
                 raise InvalidArgument(f"an embedding backward of {mb} with no embedding kept")
+            if kept.applied != self.applied:
+                kept.out = m.embed(kept.inp)
             g = t.input_tensor(torch.float32, kept.out.shape)
             grads = torch.autograd.grad(kept.out, self.params, grad_outputs=g, allow_unused=True)
             self._keep_grads(mb, grads)
@@ -350,12 +354,16 @@ class StageTrainer:
             x = t.input_tensor(torch.float32, self.activation_shape(t.stage - 1, mb))
             x = x.clone().requires_grad_(True)
             y = m(x)
-            self.kept[mb] = _Kept(inp=x, out=y)
+            self.kept[mb] = _Kept(x, y, self.applied)
             return self._out(t, y)
         if k == TaskKind.BACKWARD:
             kept = self.kept.pop(mb, None)
             if kept is None:
                 raise InvalidArgument(f"a backward of {mb} with no forward kept")
+            if kept.applied != self.applied:
+                # An update since its forward (a late duplicate, whose
+                # gradient no update will sum): the graph's weights changed.
+                kept.out = m(kept.inp)
             g = t.input_tensor(torch.float32, kept.out.shape)
             grads = torch.autograd.grad(kept.out, [kept.inp] + self.params, grad_outputs=g,
                                         allow_unused=True)
