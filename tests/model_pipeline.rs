@@ -285,6 +285,7 @@ fn presets_and_stage_costs() {
             "llama-tiny",
             "llama-small",
             "llama-124m",
+            "gpt2-small",
             "llama-500m",
             "llama-1.5b"
         ]
@@ -316,6 +317,9 @@ fn presets_and_stage_costs() {
     assert!((p("llama-124m") / 124e6 - 1.0).abs() < 0.1);
     assert!((p("llama-500m") / 500e6 - 1.0).abs() < 0.15);
     assert!((p("llama-1.5b") / 1.5e9 - 1.0).abs() < 0.1);
+    // GPT-2 small: 124.4M with the head tied to the embedding, plus the untied head.
+    let untied_head = 50257.0 * 768.0;
+    assert!(((p("gpt2-small") - untied_head) / 124.4e6 - 1.0).abs() < 0.01);
     assert!((6..=8).contains(&preset("llama-124m").unwrap().n_stages));
     assert!((6..=8).contains(&preset("llama-1.5b").unwrap().n_stages));
     // Costs of the real stages agree with what a stage allocates.

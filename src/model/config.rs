@@ -45,11 +45,12 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`preset`], smallest first.
-pub const PRESET_NAMES: [&str; 6] = [
+pub const PRESET_NAMES: [&str; 7] = [
     "gpt-tiny",
     "llama-tiny",
     "llama-small",
     "llama-124m",
+    "gpt2-small",
     "llama-500m",
     "llama-1.5b",
 ];
@@ -102,6 +103,10 @@ pub fn preset(name: &str) -> Result<ModelConfig, ModelError> {
         "llama-124m" => mk(name, Llama, 32000, 768, 12, 12, 1664, 1024, 6, 4, 1024),
         "llama-500m" => mk(name, Llama, 32000, 1280, 24, 20, 3072, 1024, 8, 2, 1024),
         "llama-1.5b" => mk(name, Llama, 32000, 2048, 24, 16, 6144, 1024, 8, 1, 1024),
+        // GPT-2 small's shape (12 blocks of 768, 12 heads, MLP 3072, 1024 positions,
+        // its 50257 tokens) with an untied head: 163M parameters (124M tied). Trains on
+        // the byte-level data (ids below 256); checked against Hugging Face's GPT-2.
+        "gpt2-small" => mk(name, Gpt, 50257, 768, 12, 12, 3072, 1024, 6, 1, 128),
         _ => return Err(ModelError::UnknownPreset(name.to_string())),
     };
     Ok(c)

@@ -52,9 +52,16 @@ pub fn generate(
     for _ in 0..o.tokens {
         let ctx = &all[all.len().saturating_sub(max_seq)..];
         let probs = p.next_token_probs(ctx)?;
-        all.push(pick(&probs, o.temperature, &mut rng));
+        all.push(pick(byte_probs(&probs), o.temperature, &mut rng));
     }
     Ok(all.split_off(prompt.len()))
+}
+
+/// The probabilities of the byte tokens (ids below 256): a model with a larger
+/// vocabulary (gpt2-small has GPT-2's 50257) trains on bytes here, and what it
+/// generates is bytes; `pick` renormalises what it draws from.
+pub fn byte_probs(probs: &[f32]) -> &[f32] {
+    &probs[..probs.len().min(256)]
 }
 
 /// Draws a token from `probs` at `temperature` (`p^(1/T)` renormalised; argmax at 0).

@@ -445,8 +445,15 @@ impl<M: TrainModel> Trainer<M> {
     /// Mean loss over the held-out sequences ([`Dataset::heldout_windows`]), evaluated
     /// `batch` sequences at a time; nothing is trained.
     pub fn heldout_loss(&mut self) -> Result<f32, ModelError> {
+        self.heldout_loss_of(usize::MAX)
+    }
+
+    /// [`Trainer::heldout_loss`] over the first `most` held-out sequences (a large
+    /// model on a CPU: each costs a forward).
+    pub fn heldout_loss_of(&mut self, most: usize) -> Result<f32, ModelError> {
         let (b, t) = (self.opts.batch, self.opts.seq);
-        let windows = self.data.heldout_windows(t);
+        let mut windows = self.data.heldout_windows(t);
+        windows.truncate(most);
         if windows.is_empty() {
             return Err(ModelError::Data(format!(
                 "no held-out sequence of {t} tokens"

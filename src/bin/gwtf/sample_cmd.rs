@@ -45,6 +45,7 @@ pub fn run(a: SampleArgs) -> super::CliResult {
         let t = tokenize(&a.prompt);
         let max_seq = ck.config.model.max_seq;
         let probs = p.next_token_probs(&t[t.len().saturating_sub(max_seq)..])?;
+        let probs = gwtf::model::sample::byte_probs(&probs);
         println!("{}", serde_json::json!({ "probs": probs }));
         return Ok(());
     }

@@ -8,8 +8,12 @@ use gwtf::model::train::{TrainModel, TrainOptions, Trainer};
 use gwtf::model::{preset, ModelConfig, Pipeline, StepLog};
 use std::path::PathBuf;
 
-/// The presets small enough to train here.
+/// The presets a swarm trains here (`gwtf demo`, `gwtf bench swarm`).
 pub const TRAINABLE: [&str; 3] = ["gpt-tiny", "llama-tiny", "llama-small"];
+
+/// What `gwtf train` (one process) trains: the swarm's presets and
+/// `gpt2-small`, GPT-2 small's shape (slow on a CPU; not yet run as a swarm).
+pub const TRAINABLE_ALONE: [&str; 4] = ["gpt-tiny", "llama-tiny", "llama-small", "gpt2-small"];
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -23,7 +27,8 @@ pub enum Device {
 
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Model preset: gpt-tiny, llama-tiny or llama-small [default: llama-tiny, or the
+    /// Model preset: gpt-tiny, llama-tiny, llama-small or gpt2-small (GPT-2 small's
+    /// shape, slow on a CPU) [default: llama-tiny, or the
     /// checkpoint's with --resume].
     #[arg(long)]
     model: Option<String>,
@@ -76,6 +81,12 @@ pub struct TrainArgs {
     /// Log every N steps (the first and last steps are always logged).
     #[arg(long, default_value_t = 1)]
     log_every: usize,
+    /// Held-out sequences the final loss is evaluated on (at most
+    /// 64; fewer for a large model on a CPU: each costs a forward).
+    #[arg(long, value_name = "N", default_value_t = MAX_HELDOUT_SEQUENCES,
+          allow_negative_numbers = true,
+          value_parser = super::checks::int_in::<usize>(1, MAX_HELDOUT_SEQUENCES as i128))]
+    heldout_sequences: usize,
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -84,10 +95,11 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 fn fresh(a: &TrainArgs) -> Res<(ModelConfig, TrainOptions)> {
     let name = a.model.as_deref().unwrap_or("llama-tiny");
     let cfg = preset(name)?;
-    if !TRAINABLE.contains(&name) {
+    if !TRAINABLE_ALONE.contains(&name) {
         return Err(format!(
-            "--model {name}: only gpt-tiny, llama-tiny and llama-small are trained here \
-             (the larger presets are shapes for the simulator)"
+            "--model {name}: only {} are trained here (the other presets are shapes \
+             for the simulator)",
+            TRAINABLE_ALONE.join(", ")
         )
         .into());
     }
@@ -302,8 +314,8 @@ fn drive<M: TrainModel>(
     if let Some(e) = err {
         return Err(e.into());
     }
-    let heldout = t.heldout_loss()?;
-    let n_held = t.data().heldout_windows(o.seq).len();
+    let n_held = (t.data().heldout_windows(o.seq).len()).min(a.heldout_sequences);
+    let heldout = t.heldout_loss_of(n_held)?;
     if let Some(dir) = &a.save {
         let (states, progress) = t.checkpoint_state()?;
         let mut c = CheckpointConfig::new(cfg, &o, &t.data().description, &progress)?;
