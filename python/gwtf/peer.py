@@ -241,6 +241,7 @@ class Task:
     @property
     def granted(self) -> Tuple[Microbatch, ...]:
         """Gradient task: the microbatches to sum, in the order to sum them."""
+        self._unanswered()
         g = self._c.granted
         return tuple(
             Microbatch(g[i].holder, g[i].iteration, g[i].index)
@@ -375,9 +376,9 @@ class Peer:
         resume_iterations_done: int = 0,
         rebuild_from_neighbours: bool = False,
     ):
-        """Starts a member. `stage`: 0 for a holder, 1..relay_stages for a
-        founding relay, None for a relay joining a running swarm (the swarm
-        chooses). The sizes are lists of `relay_stages + 1` byte counts (see
+        """Starts a member. `stage`: 0 for a holder (None means 0 for one),
+        1..relay_stages for a founding relay, None for a relay joining a
+        running swarm (the swarm chooses). The sizes are lists of `relay_stages + 1` byte counts (see
         `gwtf_peer_options` in gwtf.h). Raises `InvalidArgument` (and other
         `GwtfError`s) for options the library refuses."""
         o = ffi.new("gwtf_peer_options *")
@@ -405,7 +406,9 @@ class Peer:
         o.role = int(Role(role))
         o.listen_addr = c_str(listen)
         o.node_id = node_id
-        o.stage = lib.GWTF_STAGE_AUTO if stage is None else int(stage)
+        if stage is None:
+            stage = 0 if Role(role) == Role.HOLDER else lib.GWTF_STAGE_AUTO
+        o.stage = int(stage)
         contacts = [c if isinstance(c, Contact) else Contact(str(c)) for c in bootstrap]
         if contacts:
             boot = ffi.new("gwtf_peer_contact[]", len(contacts))
