@@ -9,7 +9,9 @@ modules, so every replica of a stage starts from the same weights, and the
 stages composed are exactly the whole model (`tests/test_hf.py` checks it
 against the model's own forward).
 
-Data: byte-level (vocabulary 256) windows of a text, a microbatch's windows
+Data: windows of a text, byte-level (vocabulary 256) or tokens of a
+byte-level BPE tokenizer trained here on the same files with `tokenizers`
+(`train_tokenizer`; nothing is downloaded). A microbatch's windows are
 chosen from (holder, iteration, index), so the swarm and the single-process
 reference train on exactly the same microbatches.
 """
@@ -25,7 +27,7 @@ import torch
 from gwtf import Microbatch
 from gwtf.torch_stage import HolderStage
 
-VOCAB = 256
+BYTE_VOCAB = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class ModelSpec:
     relay_stages: int = 2
     seed: int = 1
     lr: float = 1e-3
+    vocab: int = BYTE_VOCAB  # the tokenizer's vocabulary (256: bytes)
+    tokenizer: Optional[str] = None  # a `tokenizers` JSON file; None: bytes
 
     @staticmethod
     def preset(name: str, **over) -> "ModelSpec":
@@ -63,6 +67,10 @@ class ModelSpec:
             )
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not a multiple of {self.heads} heads")
+        if self.vocab < 2:
+            raise ValueError(f"a vocabulary of {self.vocab} tokens")
+        if self.tokenizer is None and self.vocab != BYTE_VOCAB:
+            raise ValueError(f"byte-level data has {BYTE_VOCAB} tokens, not {self.vocab}")
 
 
 def build_model(spec: ModelSpec) -> torch.nn.Module:
@@ -73,7 +81,7 @@ def build_model(spec: ModelSpec) -> torch.nn.Module:
     torch.manual_seed(spec.seed)
     if spec.model == "gpt2":
         cfg = GPT2Config(
-            vocab_size=VOCAB, n_positions=spec.seq, n_embd=spec.width, n_layer=spec.layers,
+            vocab_size=spec.vocab, n_positions=spec.seq, n_embd=spec.width, n_layer=spec.layers,
             n_head=spec.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             bos_token_id=0, eos_token_id=0,
         )
@@ -81,7 +89,7 @@ def build_model(spec: ModelSpec) -> torch.nn.Module:
         return GPT2LMHeadModel(cfg).eval()
     if spec.model == "llama":
         cfg = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=spec.width, intermediate_size=4 * spec.width,
+            vocab_size=spec.vocab, hidden_size=spec.width, intermediate_size=4 * spec.width,
             num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
             num_key_value_heads=spec.heads, max_position_embeddings=spec.seq,
             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
@@ -101,6 +109,7 @@ class Gpt2Holder(HolderStage):
         super().__init__()
         t = m.transformer
         self.wte, self.wpe, self.ln_f, self.lm_head = t.wte, t.wpe, t.ln_f, m.lm_head
+        self.vocab = m.config.vocab_size
 
     def embed(self, tokens):
         pos = torch.arange(tokens.shape[1]).unsqueeze(0)
@@ -108,7 +117,7 @@ class Gpt2Holder(HolderStage):
 
     def loss(self, h, targets):
         logits = self.lm_head(self.ln_f(h))
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
 
 
 class Gpt2Blocks(torch.nn.Module):
@@ -126,13 +135,14 @@ class LlamaHolder(HolderStage):
     def __init__(self, m):
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head = m.model.embed_tokens, m.model.norm, m.lm_head
+        self.vocab = m.config.vocab_size
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
 
     def loss(self, h, targets):
         logits = self.lm_head(self.norm(h))
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
 
 
 class LlamaBlocks(torch.nn.Module):
@@ -174,26 +184,60 @@ def stage_state_bytes(spec: ModelSpec, stage: int) -> int:
     return 4 * n * 4 + 64 * len(params) + 4096
 
 
-class Text:
-    """A text's bytes, cut into windows by microbatch."""
+def data_paths(paths: Optional[List[str]]) -> List[str]:
+    """The text files given, or the repository's sample text."""
+    if paths:
+        return list(paths)
+    return [str(Path(__file__).resolve().parents[2] / "tests" / "data" / "lighthouse.txt")]
 
-    def __init__(self, data: bytes, spec: ModelSpec):
-        if len(data) < spec.seq + 2:
-            raise ValueError(f"a text of {len(data)} bytes: windows need {spec.seq + 1}")
-        self.data = torch.tensor(list(data), dtype=torch.long)
+
+def train_tokenizer(paths: Optional[List[str]], vocab: int, out: str) -> int:
+    """Trains a byte-level BPE tokenizer of at most `vocab` tokens on the
+    files (as GPT-2's: every byte is a token, so any text encodes), saves it
+    to `out` and returns its vocabulary size. Deterministic for the same
+    files and `vocab`; the members load the saved file rather than train."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab < BYTE_VOCAB:
+        raise ValueError(f"a byte-level BPE needs at least {BYTE_VOCAB} tokens, not {vocab}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[], show_progress=False,
+    )
+    tok.train(data_paths(paths), trainer)
+    tok.save(out)
+    return tok.get_vocab_size()
+
+
+class Text:
+    """A text's tokens, cut into windows by microbatch."""
+
+    def __init__(self, tokens: Sequence[int], spec: ModelSpec):
+        if len(tokens) < spec.seq + 2:
+            raise ValueError(f"a text of {len(tokens)} tokens: windows need {spec.seq + 1}")
+        self.data = torch.tensor(list(tokens), dtype=torch.long)
+        if int(self.data.max()) >= spec.vocab:
+            raise ValueError(f"token {int(self.data.max())} is outside the vocabulary of {spec.vocab}")
         self.spec = spec
 
     @staticmethod
     def load(paths: Optional[List[str]], spec: ModelSpec) -> "Text":
-        """The files' bytes, concatenated; without files, the repository's
-        sample text."""
-        if not paths:
-            paths = [str(Path(__file__).resolve().parents[2] / "tests" / "data" / "lighthouse.txt")]
-        return Text(b"".join(Path(p).read_bytes() for p in paths), spec)
+        """The files, concatenated, as bytes or, with `spec.tokenizer`, as
+        that tokenizer's tokens; without files, the repository's sample text."""
+        data = b"".join(Path(p).read_bytes() for p in data_paths(paths))
+        if spec.tokenizer is None:
+            return Text(data, spec)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(spec.tokenizer)
+        return Text(tok.encode(data.decode("utf-8", errors="replace")).ids, spec)
 
     def batch(self, mb: Microbatch):
-        """(inputs, targets): `batch` windows of `seq` bytes, and each
-        window's next bytes."""
+        """(inputs, targets): `batch` windows of `seq` tokens, and each
+        window's next tokens."""
         s = self.spec
         key = hashlib.sha256(f"{mb.holder}/{mb.iteration}/{mb.index}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))

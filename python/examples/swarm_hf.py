@@ -92,7 +92,8 @@ def member(cfg: dict) -> int:
         elif t.kind in (K.EVENT_ACTIVE, K.EVENT_STATE_DOWNLOADED):
             say(event="active" if t.kind == K.EVENT_ACTIVE else "state_download",
                 stage=t.stage, message=t.message)
-        elif t.kind in (K.EVENT_ERROR, K.EVENT_STAGE_RESTARTED, K.EVENT_STAGE_EMPTY):
+        elif t.kind in (K.EVENT_ERROR, K.EVENT_STAGE_RESTARTED, K.EVENT_STAGE_EMPTY,
+                        K.EVENT_FENCED):
             say(event=t.kind.name.lower().replace("event_", ""), stage=t.stage, message=t.message)
 
     def error(t, e):
@@ -116,7 +117,7 @@ class Swarm:
         self.events = []          # every event line, in order
         self.procs = {}           # id -> Popen
         self.stage_of = {}        # id -> stage (joiners: once known)
-        self.killed, self.joined = [], []
+        self.killed, self.joined, self.paused = [], [], []
         holders = list(range(1, a.holders + 1))
         relays = [(10 * s + r, s) for s in range(1, spec.relay_stages + 1)
                   for r in range(1, a.relays_per_stage + 1)]
@@ -175,6 +176,26 @@ class Swarm:
         self.procs[victim].send_signal(signal.SIGKILL)
         self.procs[victim].wait()
         self.killed.append(victim)
+        return victim
+
+    def pause_one(self, rng, secs):
+        """SIGSTOPs a live relay for `secs` (SIGCONT from a timer): it keeps
+        its connections and misses its deadlines, then wakes."""
+        with self.lock:
+            live = [n for n, p in self.procs.items()
+                    if p.poll() is None and n not in self.holders and n in self.stage_of]
+        if not live:
+            return None
+        victim = rng.choice(live)
+        p = self.procs[victim]
+        p.send_signal(signal.SIGSTOP)
+        self.paused.append(victim)
+
+        def wake():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+
+        threading.Timer(secs, wake).start()
         return victim
 
     def joining(self):
@@ -256,7 +277,15 @@ def main() -> int:
                     help="also SIGKILL a relay once the swarm reached these iterations")
     ap.add_argument("--join-at", type=int, nargs="*", default=[], metavar="ITER",
                     help="also start a joiner once the swarm reached these iterations")
+    ap.add_argument("--pause-at", type=int, nargs="*", default=[], metavar="ITER",
+                    help="SIGSTOP a relay once the swarm reached these iterations (SIGCONT "
+                         "after --pause-for s): a laptop whose lid closes")
+    ap.add_argument("--pause-for", type=float, default=10.0, metavar="SEC")
     ap.add_argument("--data", nargs="*", help="text files (default: the sample text)")
+    ap.add_argument("--tokenizer", choices=["bytes", "bpe"], default="bytes",
+                    help="bytes (256 tokens) or a byte-level BPE trained here on the data "
+                         "with `tokenizers` (--vocab tokens at most)")
+    ap.add_argument("--vocab", type=int, default=1024, help="the BPE's vocabulary")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--memory-mb", type=int, default=512)
     ap.add_argument("--tolerance", type=float, default=1e-4,
@@ -267,18 +296,26 @@ def main() -> int:
     a = ap.parse_args()
     if a.member:
         return member(json.loads(a.member))
-    a.kill_at, a.join_at = sorted(a.kill_at), sorted(a.join_at)
+    a.kill_at, a.join_at, a.pause_at = sorted(a.kill_at), sorted(a.join_at), sorted(a.pause_at)
     if a.stages < 3:
         ap.error("--stages must be at least 3 (holders, a relay stage, holders)")
     if a.holders < 1 or a.relays_per_stage < 1 or a.iterations < 1 or a.microbatches < 1:
         ap.error("--holders, --relays-per-stage, --iterations and --microbatches must be >= 1")
+
+    import tempfile
 
     import hf_stages as hf
 
     over = dict(relay_stages=a.stages - 2, seed=a.seed)
     if a.layers:
         over["layers"] = a.layers
+    run_dir = tempfile.TemporaryDirectory(prefix="swarm_hf-")
     try:
+        if a.tokenizer == "bpe":
+            # Trained once here; the members and the reference load the file.
+            path = str(Path(run_dir.name) / "tokenizer.json")
+            over["vocab"] = hf.train_tokenizer(a.data, a.vocab, path)
+            over["tokenizer"] = path
         spec = hf.ModelSpec.preset(a.model, **over)
         spec.check()
         text = hf.Text.load(a.data, spec)
@@ -287,7 +324,8 @@ def main() -> int:
     state_bytes = [0] + [hf.stage_state_bytes(spec, s) for s in range(1, spec.relay_stages + 1)]
     rng = random.Random(a.seed)
     swarm = Swarm(a, spec, state_bytes)
-    print(f"swarm_hf: {a.model} ({spec.layers} blocks, width {spec.width}) cut into "
+    print(f"swarm_hf: {a.model} ({spec.layers} blocks, width {spec.width}, "
+          f"{'bytes' if spec.tokenizer is None else f'a BPE of {spec.vocab} tokens'}) cut into "
           f"{a.stages} stages: {a.holders} holders, {spec.relay_stages} relay stages of "
           f"{a.relays_per_stage}; {a.iterations} iterations of {a.holders * a.microbatches} "
           f"microbatches", flush=True)
@@ -323,6 +361,10 @@ def main() -> int:
                 v = swarm.kill_one(rng)
                 print(f"  iteration {done}: killed relay {v} (stage {swarm.stage_of.get(v)})",
                       flush=True)
+            while a.pause_at and done >= a.pause_at[0]:
+                a.pause_at.pop(0)
+                v = swarm.pause_one(rng, a.pause_for)
+                print(f"  iteration {done}: paused relay {v} for {a.pause_for:g} s", flush=True)
             while a.join_at and done >= a.join_at[0]:
                 a.join_at.pop(0)
                 print(f"  iteration {done}: relay {swarm.join_one()} joins", flush=True)
@@ -353,6 +395,7 @@ def main() -> int:
             digests.setdefault((e["stage"], e["iteration"]), set()).add(e["weights"])
     disagree = sorted(k for k, v in digests.items() if len(v) > 1)
     failed = [e for e in ev if e.get("event") in ("error", "task_failed", "stage_restarted")]
+    fenced = sorted({e["node"] for e in ev if e.get("event") == "fenced"})
     print(f"  reference: the same model in one process on the same {iterations} iterations",
           flush=True)
     ref, ref_tps = reference(spec, text, swarm.holders, a.microbatches, iterations)
@@ -366,9 +409,11 @@ def main() -> int:
     ok = (not timed_out and iterations == a.iterations and lost == 0 and twice == 0
           and not disagree and max_diff <= a.tolerance)
     res = dict(
-        ok=ok, model=a.model, iterations=iterations, lost_microbatches=lost, counted_twice=twice,
+        ok=ok, model=a.model, vocab=spec.vocab, iterations=iterations,
+        lost_microbatches=lost, counted_twice=twice,
         replicas_agree=not disagree, stage_iterations_compared=sum(len(v) > 0 for v in digests.values()),
-        crashes=len(swarm.killed), joins=len(swarm.joined),
+        crashes=len(swarm.killed), joins=len(swarm.joined), pauses=len(swarm.paused),
+        fenced=fenced,
         loss_first=mean(0, losses) if iterations else None,
         loss_last=mean(iterations - 1, losses) if iterations else None,
         reference_loss_last=mean(iterations - 1, ref) if iterations else None,
@@ -380,7 +425,7 @@ def main() -> int:
           f"{lost} microbatches lost, {twice} counted twice, replicas "
           f"{'agree' if not disagree else 'DISAGREE at ' + str(disagree[:5])} "
           f"({res['stage_iterations_compared']} stage-iterations), {len(swarm.killed)} crashes, "
-          f"{len(swarm.joined)} joins")
+          f"{len(swarm.joined)} joins, {len(swarm.paused)} pauses")
     if iterations:
         print(f"  loss {res['loss_first']:.4f} -> {res['loss_last']:.4f} "
               f"(reference {res['reference_loss_last']:.4f}; largest relative difference "

@@ -22,7 +22,7 @@ def test_the_stages_composed_are_the_whole_model_forward_and_backward(model):
     spec = hf.ModelSpec.preset(model, layers=4, relay_stages=2)
     whole = hf.build_model(spec)
     x, y = hf.Text.load(None, spec).batch(Microbatch(1, 0, 0))
-    want = torch.nn.functional.cross_entropy(whole(input_ids=x).logits.reshape(-1, hf.VOCAB),
+    want = torch.nn.functional.cross_entropy(whole(input_ids=x).logits.reshape(-1, spec.vocab),
                                              y.reshape(-1))
     want.backward()
     stages = [hf.make_stage(spec, s) for s in range(3)]
@@ -55,10 +55,35 @@ def run_example(tmp_path, *args):
     return res, p.stdout
 
 
+def test_a_tokenizer_trained_here_cuts_the_text_into_tokens(tmp_path):
+    path = str(tmp_path / "tok.json")
+    vocab = hf.train_tokenizer(None, 512, path)
+    assert 256 < vocab <= 512
+    # Deterministic: members load the file, but a second training agrees.
+    assert hf.train_tokenizer(None, 512, str(tmp_path / "again.json")) == vocab
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "tok.json").read_text()
+    spec = hf.ModelSpec.preset("gpt2", layers=4, relay_stages=2, vocab=vocab, tokenizer=path)
+    text, raw = hf.Text.load(None, spec), hf.Text.load(None, hf.ModelSpec.preset("gpt2"))
+    assert len(text.data) < 0.8 * len(raw.data), "the BPE does not merge"
+    assert int(text.data.max()) < vocab and int(text.data.min()) >= 0
+    from tokenizers import Tokenizer
+    sample = bytes(raw.data[:400].tolist()).decode("utf-8", errors="replace")
+    tok = Tokenizer.from_file(path)
+    assert tok.decode(tok.encode(sample).ids) == sample
+    x, y = text.batch(Microbatch(1, 0, 0))
+    assert x.shape == (spec.batch, spec.seq) and torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="at least 256"):
+        hf.train_tokenizer(None, 100, path)
+    with pytest.raises(ValueError, match="byte-level data"):
+        hf.ModelSpec.preset("gpt2", vocab=vocab).check()
+
+
 def test_a_swarm_of_python_processes_trains_llama_as_one_process_does(tmp_path):
+    # On the tokens of a BPE trained here (the gpt2 test below: bytes).
     res, out = run_example(tmp_path, "--model", "llama", "--iterations", "6",
-                           "--tolerance", "1e-5")
+                           "--tokenizer", "bpe", "--vocab", "512", "--tolerance", "1e-5")
     assert res["ok"], out
+    assert 256 < res["vocab"] <= 512, out
     assert res["max_loss_diff"] <= 1e-5 and res["lost_microbatches"] == 0
     assert res["replicas_agree"] and res["iterations"] == 6
 
@@ -78,6 +103,7 @@ def test_bad_arguments_are_refused_with_a_message(tmp_path):
     ex = [sys.executable, str(EXAMPLES / "swarm_hf.py")]
     for args, says in [(["--stages", "2"], "at least 3"),
                        (["--model", "bert"], "unknown model"),
-                       (["--stages", "5", "--layers", "4"], "do not split")]:
+                       (["--stages", "5", "--layers", "4"], "do not split"),
+                       (["--tokenizer", "bpe", "--vocab", "64"], "at least 256")]:
         p = subprocess.run(ex + args, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and says in p.stderr, (args, p.stderr)
