@@ -959,8 +959,9 @@ pub enum Event {
     },
     /// This fenced node serves `stage` again with the weights it kept at
     /// its fence (the update of iteration `applied`): the members left
-    /// miss that update and none holds a newer state. The trainer keeps
-    /// its weights; the members behind download them.
+    /// miss that update, or none is left and no holder keeps a fresher
+    /// copy, and no live node holds a newer state. The trainer keeps its
+    /// weights; the members behind download them.
     StateKept { stage: Stage, applied: u32 },
     /// The node has left (goodbye sent).
     Left,

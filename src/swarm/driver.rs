@@ -656,7 +656,7 @@ impl Driver {
                 self.me.stage = *stage;
                 self.announce_stage();
                 self.log(format!(
-                    "stage {stage}'s members miss the update of iteration {applied}: \
+                    "no live node of stage {stage} holds its update of iteration {applied}: \
                      serving the weights kept since the fence again"
                 ));
             }

@@ -272,7 +272,7 @@ impl Node {
             Some((st, kept, version))
                 if st == stage && kept > updates && coord == from && !others =>
             {
-                self.resume_kept(stage, version)
+                self.resume_kept(stage, version, 0)
             }
             _ => self.download_from_another(),
         }
@@ -280,9 +280,11 @@ impl Node {
 
     /// Serves `stage` again with the weights kept at the fence (`version`),
     /// as a stage restarted from them: the iteration in progress is the
-    /// latest any member told of, and what is missing of it is recomputed
-    /// after a grace, as by a coordinator that took over.
-    fn resume_kept(&mut self, stage: Stage, version: (u32, u64)) {
+    /// latest any member told of (at least `next`), and what is missing of
+    /// it is recomputed after a grace, as by a coordinator that took over.
+    /// The weights keep their own version: a member of the stage that
+    /// comes back with more updates is ahead of them, and they give way.
+    pub(super) fn resume_kept(&mut self, stage: Stage, version: (u32, u64), next: u32) {
         self.joining.kept = None;
         self.stage = stage;
         let told = self
@@ -290,7 +292,10 @@ impl Node {
             .stage_infos
             .get(&stage)
             .map_or(0, |i| i.open_iter);
-        let next = (version.0 + 1).max(told).max(self.iters.known_iter);
+        let next = (version.0 + 1)
+            .max(told)
+            .max(self.iters.known_iter)
+            .max(next);
         self.iters.downloaded(version);
         self.iters.hear_next(next, false);
         self.coordinating.inherited = Some((self.now, next));

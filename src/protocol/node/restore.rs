@@ -183,6 +183,20 @@ impl Node {
             return;
         };
         r.waiting.clear();
+        // Weights this node kept of the stage at its fence are the stage's
+        // own lineage: served again unless a holder offers a fresher copy
+        // (a stage emptied by pauses whose first member back fenced itself
+        // restarted from the initial weights, and its members that came
+        // back later found their training gone).
+        if let Some((st, _, version)) = self.joining.kept {
+            let freshest = r.offers.last().map(|&(i, _)| i);
+            if st == r.stage && freshest.is_none_or(|i| i <= version.0) {
+                let (stage, next) = (r.stage, r.next);
+                self.restoring.pending = None;
+                self.resume_kept(stage, version, next);
+                return;
+            }
+        }
         while let Some((_, h)) = r.offers.pop_last() {
             if !self.peers.get(&h).is_some_and(|p| p.dead) {
                 let stage = r.stage;
@@ -636,5 +650,49 @@ mod tests {
                 }
             )]
         ));
+    }
+
+    fn kept_event(acts: &[Action]) -> Option<(Stage, u32)> {
+        acts.iter().find_map(|a| match a {
+            Action::Event(Event::StateKept { stage, applied }) => Some((*stage, *applied)),
+            _ => None,
+        })
+    }
+
+    /// A node that fenced itself (paused) kept its weights of stage 2 (the
+    /// update of iteration 5) and finds the stage empty: the holders' copies
+    /// are older, so it serves its kept weights again, with their own
+    /// version, as of the iteration in progress; a fresher copy offered is
+    /// downloaded instead; kept weights of another stage change nothing.
+    #[test]
+    fn a_fenced_node_serves_its_kept_weights_of_an_emptied_stage() {
+        let (mut n, _) = joiner_asking_holders();
+        n.joining.kept = Some((2, 6, (5, 77)));
+        offer(&mut n, 1, Some(4));
+        let acts = offer(&mut n, 2, None);
+        assert_eq!(kept_event(&acts), Some((2, 5)));
+        assert!(n.is_active() && !restarted(&acts));
+        assert!(!sends(&acts)
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::KeptRequest { .. })));
+        assert_eq!(
+            (n.stage(), n.version(), n.coordinator()),
+            (2, (5, 77), Some(50))
+        );
+        assert_eq!(n.iters.next_hint(), 7);
+        assert_eq!(n.kept_version(), None);
+
+        let (mut n, _) = joiner_asking_holders();
+        n.joining.kept = Some((2, 6, (5, 77)));
+        offer(&mut n, 1, Some(6));
+        let acts = offer(&mut n, 2, Some(4));
+        assert!(kept_event(&acts).is_none());
+        assert_eq!(n.downloading_from(), Some(1));
+
+        let (mut n, _) = joiner_asking_holders();
+        n.joining.kept = Some((1, 6, (5, 77)));
+        offer(&mut n, 1, None);
+        let acts = offer(&mut n, 2, None);
+        assert!(kept_event(&acts).is_none() && restarted(&acts));
     }
 }
