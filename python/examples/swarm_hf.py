@@ -113,6 +113,7 @@ def member(cfg: dict) -> int:
 class Swarm:
     def __init__(self, a, spec, state_bytes):
         self.a, self.spec, self.state_bytes = a, spec, state_bytes
+        self.t0 = time.monotonic()
         self.lock = threading.Lock()
         self.events = []          # every event line, in order
         self.procs = {}           # id -> Popen
@@ -142,15 +143,24 @@ class Swarm:
             self.stage_of[node] = stage
         threading.Thread(target=self._read, args=(node, p), daemon=True).start()
 
+    def note(self, what, node):
+        """The coordinator's own acts, in the events' timeline."""
+        with self.lock:
+            self.events.append({"node": "swarm", "event": what, "target": node,
+                                "t": round(time.monotonic() - self.t0, 3)})
+
     def _read(self, node, p):
         for line in p.stdout:
             try:
                 ev = json.loads(line)
             except ValueError:
                 continue
+            ev["t"] = round(time.monotonic() - self.t0, 3)
             with self.lock:
                 self.events.append(ev)
-                if ev.get("event") in ("active", "applied") and ev.get("stage"):
+                if ev.get("event") == "active" and ev.get("stage"):
+                    self.stage_of[node] = ev["stage"]  # a fenced member may rejoin elsewhere
+                elif ev.get("event") == "applied" and ev.get("stage"):
                     self.stage_of.setdefault(node, ev["stage"])
 
     def iterations_done(self):
@@ -176,6 +186,7 @@ class Swarm:
         self.procs[victim].send_signal(signal.SIGKILL)
         self.procs[victim].wait()
         self.killed.append(victim)
+        self.note("sigkill", victim)
         return victim
 
     def pause_one(self, rng, secs):
@@ -190,10 +201,12 @@ class Swarm:
         p = self.procs[victim]
         p.send_signal(signal.SIGSTOP)
         self.paused.append(victim)
+        self.note("sigstop", victim)
 
         def wake():
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
+                self.note("sigcont", victim)
 
         threading.Timer(secs, wake).start()
         return victim
@@ -211,6 +224,7 @@ class Swarm:
         self.next_joiner += 1
         self.start(node, None, [(self.addrs[h], 0, 0) for h in self.holders])
         self.joined.append(node)
+        self.note("start_joiner", node)
         return node
 
     def stop(self):
@@ -239,6 +253,8 @@ def reference(spec, text, holders, microbatches, iterations):
     out, n = {}, len(holders) * microbatches
     t0 = time.monotonic()
     for it in range(iterations):
+        if it == 1:
+            t0 = time.monotonic()  # timed from the end of the first, as the swarm is
         for h in holders:
             total = 0.0
             for i in range(microbatches):
@@ -256,7 +272,7 @@ def reference(spec, text, holders, microbatches, iterations):
             o.step()
             o.zero_grad(set_to_none=True)
     secs = time.monotonic() - t0
-    tokens = iterations * n * spec.batch * spec.seq
+    tokens = max(1, iterations - 1) * n * spec.batch * spec.seq
     return out, tokens / secs
 
 
@@ -292,6 +308,7 @@ def main() -> int:
                     help="largest relative loss difference against the reference")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--events", help="write every member's events here (JSON lines, t: seconds)")
     ap.add_argument("--log", action="store_true", help="the members' library logs on stderr")
     a = ap.parse_args()
     if a.member:
@@ -434,6 +451,8 @@ def main() -> int:
         print(f"  error: {e}")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    if a.events:
+        Path(a.events).write_text("".join(json.dumps(e) + "\n" for e in ev))
     return 0 if ok else 1
 
 
