@@ -98,7 +98,8 @@ fn ten_llama_small_relays_join_one_after_the_other_over_100_mbit_s_links() {
             }
             assert!(
                 Instant::now() < until,
-                "joiner {id} applied no update within {JOIN_WITHIN:?} (joins so far: {took:?})"
+                "joiner {id} applied no update within {JOIN_WITHIN:?} (joins so far: {took:?})\n{}",
+                swarm.tail(&ev)
             );
             std::thread::sleep(Duration::from_millis(20));
         };

@@ -332,7 +332,9 @@ impl Swarm {
         })
     }
 
-    fn tail(&self, ev: &[Seen]) -> String {
+    /// Where each node stood, the last events, the nodes' logs and the
+    /// whole timeline: the body of a swarm test's failure message.
+    pub fn tail(&self, ev: &[Seen]) -> String {
         // What a reader needs first comes first (a CI log shows the head
         // of a long failure): where each node stood, then the run's last
         // moments, then the nodes' logs, then the whole run.
