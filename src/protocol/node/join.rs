@@ -525,11 +525,22 @@ impl Node {
             self.peers
                 .retain(|_, p| p.stage == ps || p.stage == ns || p.stage == stage);
             self.become_active();
-            if let Some(c) = self.group.coord {
-                if c != self.id {
-                    let incarnation = self.incarnation;
-                    self.send(c, Msg::GroupJoin { stage, incarnation });
-                }
+            // Every member hears from the joiner, not only the coordinator:
+            // one that took this node's goodbye (a fenced node coming back)
+            // or lost its connection counts it out of every all-reduce it
+            // starts until it hears from it again, and a joiner talks to
+            // nobody else of its group. Its first commit would fail there,
+            // and every commit after it, while the coordinator, which heard
+            // the join, commits with it again and again. Every member the
+            // state's server named is greeted, even one this node took for
+            // dead: its own view is the stale one (it was paused, or cut
+            // off, and lost its connections meanwhile).
+            let incarnation = self.incarnation;
+            let members: Vec<NodeId> = (self.group.members.iter().copied())
+                .filter(|&m| m != self.id)
+                .collect();
+            for m in members {
+                self.send(m, Msg::GroupJoin { stage, incarnation });
             }
         }
     }
@@ -614,6 +625,65 @@ mod tests {
         }
         t = redialled + period;
         assert_eq!(queried(&n.on_timeout(t)), vec![11, 21]);
+    }
+
+    /// A joiner (a fenced node coming back) greets every live member of
+    /// its group, not only the coordinator: a member that took its goodbye
+    /// counts it out of every all-reduce until it hears from it again (a
+    /// CI run stood still 150 s so). The member admits it and keeps its
+    /// coordinator.
+    #[test]
+    fn a_joiner_greets_every_member_of_its_group() {
+        let mut j = Node::new(config(Policy::Gwtf), 11, 0, 0.5, 4, 1);
+        j.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(12, 1), (13, 1), (14, 1)],
+            },
+        );
+        for from in [12, 13, 14] {
+            let summary = StageSummary {
+                stage: 1,
+                members: 3,
+                throughput: 1.0,
+                open_iter: 0,
+                empty_neighbors: Vec::new(),
+            };
+            deliver(&mut j, from, Msg::StageInfo { summary });
+        }
+        j.on_timeout(3 * SEC);
+        assert_eq!(j.stage(), 1);
+        // Its link to member 14 broke while it was away: the server's list
+        // is fresher than its own view, and 14 is greeted too.
+        j.handle(3 * SEC, Input::PeerLost { peer: 14 });
+        let done = Msg::StateResponse {
+            version: (3, 9),
+            members: Arc::new(vec![12, 13, 14]),
+            bytes: 0,
+            coord: 12,
+        };
+        let acts = deliver(&mut j, 12, done);
+        assert!(j.is_active());
+        let greeted: BTreeSet<NodeId> = (sends(&acts).iter())
+            .filter(|(_, m)| matches!(m, Msg::GroupJoin { stage: 1, .. }))
+            .map(|(to, _)| *to)
+            .collect();
+        assert_eq!(greeted, BTreeSet::from([12, 13, 14]));
+        // The member: it took 11's goodbye, then hears its join.
+        let mut m = started(Policy::Gwtf, 13, 1, &[11, 12], &[]);
+        deliver(&mut m, 11, Msg::Goodbye);
+        assert!(!m.stage_members().contains(&11));
+        let coord = m.coordinator();
+        deliver(
+            &mut m,
+            11,
+            Msg::GroupJoin {
+                stage: 1,
+                incarnation: 1,
+            },
+        );
+        assert!(m.stage_members().contains(&11));
+        assert_eq!(m.coordinator(), coord);
     }
 
     /// A joiner whose id is the smallest (a fenced node coming back) follows
