@@ -92,6 +92,13 @@ impl Node {
             self.last_heard_any = self.now;
             self.next_tick = self.now + self.cfg.tick;
             self.introduce_all(None);
+            // The nodes of its stage it took for dead while it was away may
+            // serve the stage meanwhile (one that came back first restored
+            // it from weights with fewer updates): each hears how many
+            // updates this node's weights hold, and the group behind gives
+            // way (`behind_outsider`, `answer_a_group_behind`). Nothing
+            // else would make them speak: neither is in the other's group.
+            self.tell_stage_outsiders();
             return;
         }
         // Weights whole and not known wrong are kept (the trainer holds
@@ -344,11 +351,20 @@ impl Node {
         {
             return;
         }
+        self.tell_stage_outsiders();
+    }
+
+    /// Tells every node filed under this node's stage outside its group,
+    /// dead or alive in its view, how many updates its weights hold (a
+    /// heartbeat without a member list). Of two groups of one stage that
+    /// hear of each other so, the one behind dissolves and downloads the
+    /// other's state.
+    fn tell_stage_outsiders(&mut self) {
         let st = self.stage;
         let targets: Vec<NodeId> = (self.peers.iter())
             .filter(|(id, p)| p.stage == st && **id != self.id)
             .map(|(id, _)| *id)
-            .filter(|id| !self.group.members.contains(id))
+            .filter(|&id| !self.group.members.contains(&id) || !self.alive(id))
             .collect();
         let coord = self.group.coord.unwrap_or(self.id);
         let updates = self.iters.updates();
@@ -561,6 +577,48 @@ mod tests {
         let t = alone.timeout().unwrap() + alone.suspicion() + 1;
         assert_eq!(fenced(&alone.on_timeout(t)), None);
         assert!(alone.is_active());
+    }
+
+    /// Two relays of one stage paused a few seconds apart: the first back
+    /// serves the weights it kept (fewer updates), the second wakes alone
+    /// in its own view (it took the first for dead) and does not fence.
+    /// Neither is in the other's group: the one alone tells the node it
+    /// took for dead how many updates it holds, and the one behind gives
+    /// way (a local run stood as two groups for the rest of the run).
+    #[test]
+    fn a_node_alone_after_a_pause_tells_its_stage_and_the_group_behind_gives_way() {
+        let cfg = fencing();
+        let mut b = started_with(cfg.clone(), 5, 2, &[6], &[(30, 3)]);
+        b.iters.downloaded((14, 77));
+        b.handle(b.now, Input::PeerLost { peer: 6 });
+        let t = b.timeout().unwrap() + b.suspicion() + 1;
+        let a = b.on_timeout(t);
+        assert_eq!(fenced(&a), None);
+        assert!(b.is_active());
+        let told: Vec<(NodeId, u32)> = (sends(&a).into_iter())
+            .filter_map(|(to, m)| match m {
+                Msg::Heartbeat {
+                    members: None,
+                    coord: 5,
+                    updates,
+                } => Some((to, *updates)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(told, vec![(6, 15)]);
+        // Node 6 serves the stage alone from weights with 5 updates: it
+        // dissolves and downloads node 5's state.
+        let mut k = started_with(cfg, 6, 2, &[], &[(30, 3)]);
+        k.learn(5, 2);
+        k.iters.downloaded((4, 99));
+        let a = deliver(&mut k, 5, heartbeat(5, 15));
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 15,
+                holder: 5
+            })
+        );
     }
 
     /// Without `fence_on_pause` (the simulator) a late tick fences nothing.
