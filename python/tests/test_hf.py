@@ -99,6 +99,19 @@ def test_a_gpt2_swarm_through_sigkills_and_joins_loses_nothing(tmp_path):
     assert res["loss_last"] < res["loss_first"]
 
 
+def test_a_gpt2_swarm_with_a_relay_paused_loses_nothing(tmp_path):
+    # SIGSTOP, then SIGCONT 3 s later: the relay keeps its connections,
+    # misses its deadlines, fences itself when it wakes and joins again
+    # through a state download, while its stage trains on without it.
+    res, out = run_example(tmp_path, "--model", "gpt2", "--relays-per-stage", "2",
+                           "--iterations", "40", "--pause-at", "2", "--pause-for", "3",
+                           "--tolerance", "1e-5")
+    assert res["ok"], out
+    assert res["pauses"] == 1 and res["fenced"], out
+    assert res["lost_microbatches"] == 0 and res["counted_twice"] == 0
+    assert res["replicas_agree"] and res["max_loss_diff"] <= 1e-5
+
+
 def test_bad_arguments_are_refused_with_a_message(tmp_path):
     ex = [sys.executable, str(EXAMPLES / "swarm_hf.py")]
     for args, says in [(["--stages", "2"], "at least 3"),
