@@ -290,7 +290,7 @@ impl Node {
         let Some(a) = self.member.acc.get(&k) else {
             return;
         };
-        let Some((_, e)) = a.agg_task else { return };
+        let Some((task, e)) = a.agg_task else { return };
         if a.agg_finished == Some(e) {
             let weights = self.member.weights;
             self.send(
@@ -301,7 +301,9 @@ impl Node {
                     weights,
                 },
             );
-        } else if a.agg_failed == Some(e) {
+        } else if a.agg_failed == Some(e) || !self.tasks.contains_key(&task) {
+            // Failed, or its task ended with no result kept: either way
+            // the coordinator must commit again, not wait.
             self.send(c, Msg::AggFailed { iter: k, epoch: e });
         }
     }
@@ -315,6 +317,14 @@ impl Node {
         digest: u64,
         mine: Arc<Vec<MbId>>,
     ) {
+        if self.phase != Phase::Active {
+            // Not a member (fenced, joining again): its part would not be
+            // reported (a task of a node not active ends unheard), and the
+            // coordinator would wait for it. It commits again without it
+            // or, once this node's GroupJoin is in, with it.
+            self.send(from, Msg::AggFailed { iter, epoch });
+            return;
+        }
         if self.member.last_commit == Some((iter, epoch)) {
             // Sent again: the coordinator has not heard how it ended.
             self.tell_agg_result(from, iter);
@@ -457,5 +467,46 @@ mod tests {
         assert_eq!(aggregates(&deliver(&mut n, 3, commit(1))), 0);
         assert_eq!(aggregates(&deliver(&mut n, 3, commit(2))), 1);
         assert_eq!(n.member.last_commit, Some((4, 2)));
+    }
+
+    /// A commit always gets an answer. A node that is not active (fenced,
+    /// joining again) runs none and says it failed at once: the result of
+    /// a task that ends while it is not active is not reported, and its
+    /// coordinator waited for it for good (a swarm test's stage stood
+    /// still 150 s so). A commit sent again whose task ended with no
+    /// result kept is answered so too.
+    #[test]
+    fn a_commit_always_gets_an_answer() {
+        let commit = |e| Msg::Commit {
+            iter: 4,
+            epoch: e,
+            members: Arc::new(vec![3, 5, 7]),
+            digest: 0,
+            mine: Arc::new(Vec::new()),
+        };
+        let failed = |acts: &[Action], e: u64| {
+            sends(acts).iter().any(|(to, m)| {
+                *to == 3 && matches!(m, Msg::AggFailed { iter: 4, epoch } if *epoch == e)
+            })
+        };
+        let mut j = Node::new(config(Policy::Gwtf), 5, 2, 0.5, 4, 1);
+        j.handle(
+            SEC,
+            Input::Join {
+                peers: vec![(3, 2), (7, 2)],
+            },
+        );
+        assert!(!j.is_active());
+        let acts = deliver(&mut j, 3, commit(1));
+        assert!(runs(&acts).is_empty());
+        assert!(failed(&acts, 1));
+        // An active member: running, it says nothing more; its task gone
+        // with no result, it says it failed.
+        let mut n = started(Policy::Gwtf, 5, 2, &[3, 7], &[]);
+        let acts = deliver(&mut n, 3, commit(1));
+        assert_eq!(runs(&acts).len(), 1);
+        assert!(sends(&deliver(&mut n, 3, commit(1))).is_empty());
+        n.tasks.clear();
+        assert!(failed(&deliver(&mut n, 3, commit(1)), 1));
     }
 }

@@ -686,6 +686,51 @@ mod tests {
         assert_eq!(m.coordinator(), coord);
     }
 
+    /// A member that took its coordinator for gone and took over admits
+    /// it again only through its GroupJoin, not through its introduction
+    /// while it joins again: admitted so (a paused coordinator, fenced,
+    /// downloading the state), it was in the next commit, where its part
+    /// never came (a swarm test's stage stood still 150 s).
+    #[test]
+    fn a_successor_admits_its_old_coordinator_only_on_its_group_join() {
+        let mut n = started(Policy::Gwtf, 22, 2, &[21, 23], &[]);
+        assert_eq!(n.coordinator(), Some(21));
+        let t = n.now;
+        n.handle(t, Input::PeerLost { peer: 21 });
+        assert_eq!(n.coordinator(), Some(22));
+        let intro = Msg::Introduce {
+            iter: 0,
+            stage: 2,
+            spare: 1,
+            compute_s: 0.5,
+            sent_at: t,
+            echo: None,
+        };
+        deliver(&mut n, 21, intro);
+        assert!(!n.stage_members().contains(&21));
+        let join = Msg::GroupJoin {
+            stage: 2,
+            incarnation: 1,
+        };
+        deliver(&mut n, 21, join);
+        assert!(n.stage_members().contains(&21));
+        // A member the coordinator's list names again is not held against
+        // it: here 23, taken for gone by 22 while 21 coordinated.
+        let mut m = started(Policy::Gwtf, 22, 2, &[21, 23], &[]);
+        let t = m.now;
+        m.handle(t, Input::PeerLost { peer: 23 });
+        let list = Msg::Heartbeat {
+            members: Some(Arc::new(vec![21, 22, 23])),
+            coord: 21,
+            updates: 0,
+        };
+        deliver(&mut m, 21, list);
+        assert!(m.group.members.contains(&23));
+        m.handle(t, Input::PeerLost { peer: 21 });
+        assert_eq!(m.coordinator(), Some(22));
+        assert!(!m.group.evicted.contains_key(&23));
+    }
+
     /// A joiner whose id is the smallest (a fenced node coming back) follows
     /// the coordinator its state server names instead of taking over; the
     /// coordinator and the members keep it when they admit the joiner.

@@ -17,8 +17,8 @@ pub(super) struct Group {
     /// Coordinator: the incarnation each member joined as (see
     /// [`Msg::GroupJoin`]; 0 when it never said).
     pub(super) incarnations: BTreeMap<NodeId, u32>,
-    /// Coordinator: members it dropped, with the first incarnation it
-    /// admits again (see `fencing`).
+    /// Members this node dropped (any member: it may coordinate next),
+    /// with the first incarnation admitted again (see `fencing`).
     pub(super) evicted: BTreeMap<NodeId, u32>,
 }
 
@@ -670,6 +670,12 @@ impl Node {
                 return;
             }
             if follow {
+                // The coordinator vouches for its members: one this node
+                // took for gone is not held against it should this node
+                // coordinate later.
+                for m in ms.iter() {
+                    self.group.evicted.remove(m);
+                }
                 self.group.members.assign(&ms, self.id);
                 if coord == self.id || self.group.members.contains(&coord) && self.alive(coord) {
                     self.set_coord(Some(coord));
@@ -789,7 +795,13 @@ impl Node {
         peer.dead = true;
         peer.queued = 0;
         self.event(Event::PeerDead { peer: p });
-        if self.group.members.contains(&p) && self.group.coord == Some(self.id) {
+        // Remembered by every member, not only the coordinator: this node
+        // may coordinate next (the dead member may be the coordinator),
+        // and then only the dropped node's GroupJoin brings it back, not
+        // its introduction while it joins again. A coordinator that took
+        // over from a paused one admitted it so while it downloaded the
+        // state, committed with it, and waited for its part for good.
+        if self.group.members.contains(&p) {
             self.remember_evicted(p);
         }
         if self.group.members.remove(&p) {
