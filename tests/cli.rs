@@ -234,6 +234,17 @@ fn gpu_ready() -> bool {
     v["state"] == "ready"
 }
 
+/// The command failed with the stand-in driver's reason: a driver, no device.
+fn assert_no_device(out: &std::process::Output) {
+    let err = stderr_of(out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(
+        err,
+        "gwtf: error: device unavailable: CUDA driver present but no device \
+         (CUDA_ERROR_NO_DEVICE)\n"
+    );
+}
+
 #[test]
 fn train_on_cuda_without_a_gpu_fails_with_the_probe_message() {
     let train = [
@@ -248,13 +259,7 @@ fn train_on_cuda_without_a_gpu_fails_with_the_probe_message() {
             cmd.arg("--json");
         }
         let out = cmd.output().unwrap();
-        let err = stderr_of(&out);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert_eq!(
-            err,
-            "gwtf: error: device unavailable: CUDA driver present but no device \
-             (CUDA_ERROR_NO_DEVICE)\n"
-        );
+        assert_no_device(&out);
         if json {
             assert_eq!(stdout_of(&out), "", "no step was logged");
         }
@@ -268,6 +273,31 @@ fn train_on_cuda_without_a_gpu_fails_with_the_probe_message() {
             "gwtf: error: device unavailable: no CUDA driver library (libcuda.so) found\n"
         );
     }
+}
+
+/// `gwtf node --device cuda` without a device stops before it listens,
+/// with the probe's reason (the swarm on a GPU: tests/swarm_cuda.rs).
+#[test]
+fn node_on_cuda_without_a_gpu_fails_with_the_probe_message() {
+    let dir = scratch("cli-node-cuda");
+    std::fs::write(dir.join("key"), "0123456789abcdef-cli-cuda").unwrap();
+    let out = gwtf()
+        .args([
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--holder",
+            "--device",
+            "cuda",
+        ])
+        .args(["--chosen-id", "1", "--peer", "1/0/127.0.0.1:9", "--json"])
+        .arg("--swarm-key-file")
+        .arg(dir.join("key"))
+        .env("LD_LIBRARY_PATH", stub_libcuda_dir())
+        .output()
+        .unwrap();
+    assert_no_device(&out);
+    assert_eq!(stdout_of(&out), "", "it never listened");
 }
 
 #[test]

@@ -8,8 +8,10 @@ mod common;
 use common::swarm_inproc::{free_addr, model_protocol_config, node_options, Seen};
 use gwtf::engine::NodeOptions;
 use gwtf::model::dataset::Dataset;
+use gwtf::model::gpu::HostBackend;
 use gwtf::model::preset;
 use gwtf::protocol::{Config, MbId, NodeId, Stage};
+use gwtf::swarm::model_pieces::OnBackend;
 use gwtf::swarm::model_trainer::{reference_losses, ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{Peer, Runtime, Trainer};
 use gwtf::swarm::work::{Output, Work, WorkKind, WorkPort};
@@ -111,6 +113,22 @@ struct Swarm {
     killed: bool,
     /// Forwards the trainers dropped to recompute them.
     discards: Arc<AtomicUsize>,
+    /// Joiners run their model stages as device stages.
+    joiners_on_device: bool,
+}
+
+/// `t`, with its model stages as device stages on the host backend when
+/// `on_device` (the device trainer of `gwtf node --device cuda`, whose
+/// bookkeeping this checks on any machine).
+fn place(t: ModelTrainer, on_device: bool) -> ModelTrainer {
+    if !on_device {
+        return t;
+    }
+    let t = t
+        .placed(Arc::new(OnBackend(Arc::new(HostBackend))))
+        .unwrap();
+    assert!(t.placement().starts_with("host"), "{}", t.placement());
+    t
 }
 
 impl Swarm {
@@ -129,16 +147,19 @@ impl Swarm {
         gate: impl Fn(NodeId) -> Option<Gate>,
         capacity: u32,
     ) -> Swarm {
-        Swarm::start_with_bootstrap(layout, gate, capacity, |_, all| all.to_vec(), 0)
+        Swarm::start_with_bootstrap(layout, gate, capacity, |_, all| all.to_vec(), 0, &[])
     }
 
-    /// `bootstrap(node, founders)`: the founders as `node` is told of them.
+    /// `bootstrap(node, founders)`: the founders as `node` is told of them;
+    /// the nodes in `on_device` (and every joiner, then) run their model
+    /// stages as device stages on the host backend.
     fn start_with_bootstrap(
         layout: &[(NodeId, Stage)],
         gate: impl Fn(NodeId) -> Option<Gate>,
         capacity: u32,
         bootstrap: impl Fn(&Peer, &[Peer]) -> Vec<Peer>,
         keep_states_every: u32,
+        on_device: &[NodeId],
     ) -> Swarm {
         let run = model_run();
         let mut cfg = model_protocol_config(&run, MB_PER_ITER);
@@ -156,8 +177,9 @@ impl Swarm {
         let nodes = peers
             .iter()
             .map(|p| {
+                let inner = ModelTrainer::new(run.clone(), p.stage, docs()).unwrap();
                 let trainer = Gated {
-                    inner: ModelTrainer::new(run.clone(), p.stage, docs()).unwrap(),
+                    inner: place(inner, on_device.contains(&p.id)),
                     gate: gate(p.id),
                     discards: discards.clone(),
                 };
@@ -176,6 +198,7 @@ impl Swarm {
             deadline: Instant::now() + Duration::from_secs(120),
             killed: false,
             discards,
+            joiners_on_device: !on_device.is_empty(),
         }
     }
 
@@ -213,8 +236,9 @@ impl Swarm {
             stage: 0,
             addr: free_addr(),
         };
+        let inner = ModelTrainer::joiner(self.run.clone());
         let trainer = Gated {
-            inner: ModelTrainer::joiner(self.run.clone()),
+            inner: place(inner, self.joiners_on_device),
             gate: None,
             discards: self.discards.clone(),
         };
@@ -326,6 +350,7 @@ fn a_tampered_activation_is_refused_and_the_hop_sent_again() {
                 .collect()
         },
         0,
+        &[],
     );
     swarm.iterations_done(ITERATIONS);
     assert_eq!(
@@ -369,7 +394,8 @@ fn relays_short_of_memory_recompute_and_train_exactly_the_reference() {
 /// iteration, and training is still exactly the reference's.
 #[test]
 fn holders_keep_a_verified_copy_of_every_relay_stage() {
-    let mut swarm = Swarm::start_with_bootstrap(&layout(), |_| None, 4, |_, all| all.to_vec(), 2);
+    let mut swarm =
+        Swarm::start_with_bootstrap(&layout(), |_| None, 4, |_, all| all.to_vec(), 2, &[]);
     swarm.iterations_done(ITERATIONS);
     // Rounds after the updates of iterations 1, 3 and 5: a copy of each
     // stage at each holder from the round after 3 at least.
@@ -395,7 +421,7 @@ fn holders_keep_a_verified_copy_of_every_relay_stage() {
             });
             let mut t = ModelTrainer::new(swarm.run.clone(), stage, Vec::new()).unwrap();
             t.import_bytes(&kept.state, Some(kept.version.0)).unwrap();
-            let d = t.digest();
+            let d = t.digest().unwrap();
             let replicas = &swarm.seen.digests[&(stage, kept.version.0)];
             assert_eq!(
                 replicas.iter().collect::<Vec<_>>(),
@@ -408,6 +434,24 @@ fn holders_keep_a_verified_copy_of_every_relay_stage() {
         let rt = &swarm.nodes.iter().find(|(n, _)| *n == h).unwrap().1;
         assert!(rt.kept_state(0).is_none());
     }
+    swarm.finish_and_check(ITERATIONS);
+}
+
+/// The device trainer (`gwtf node --device cuda`'s, here on the host
+/// backend, whose ops are the CPU's) at a holder and one relay of each
+/// stage, beside CPU trainers: every stage's replicas print the same
+/// weights digest after every update, CPU or device, and the losses are
+/// the reference's; a device joiner takes a stage's state and trains on.
+#[test]
+fn cpu_and_device_trainers_are_bit_identical_replicas() {
+    let all = |_: &Peer, all: &[Peer]| all.to_vec();
+    let mut swarm = Swarm::start_with_bootstrap(&layout(), |_| None, 4, all, 0, &[2, 12, 22]);
+    swarm.iterations_done(2);
+    let (_, old) = swarm.nodes.remove(4);
+    old.leave();
+    swarm.join(31);
+    swarm.until("the device joiner's first update", |s| s.applied(31));
+    swarm.iterations_done(ITERATIONS);
     swarm.finish_and_check(ITERATIONS);
 }
 
@@ -444,6 +488,18 @@ fn a_joiner_downloads_the_state_and_a_leaver_changes_nothing() {
 /// and the swarm never finished the iteration.)
 #[test]
 fn a_joiner_runs_a_restarted_microbatch_on_the_weights_its_iteration_saw() {
+    restarted_microbatch_on_the_weights_its_iteration_saw(&[]);
+}
+
+/// The same with the device trainer (`gwtf node --device cuda`'s, on the
+/// host backend) at stage 2's members and the joiner: it runs the
+/// restarted microbatches on the earlier weights it swaps onto the device.
+#[test]
+fn a_device_joiner_runs_a_restarted_microbatch_on_the_weights_its_iteration_saw() {
+    restarted_microbatch_on_the_weights_its_iteration_saw(&[21, 22]);
+}
+
+fn restarted_microbatch_on_the_weights_its_iteration_saw(on_device: &[NodeId]) {
     const HELD: u32 = 2;
     let gates: Vec<(NodeId, Gate)> = [21, 22]
         .into_iter()
@@ -460,7 +516,8 @@ fn a_joiner_runs_a_restarted_microbatch_on_the_weights_its_iteration_saw() {
     // Stage 1 has one relay (the joiner fills it); stage 2 holds back its
     // aggregation of iteration HELD.
     let layout = vec![(1, 0), (2, 0), (11, 1), (21, 2), (22, 2)];
-    let mut swarm = Swarm::start_gated(&layout, gate);
+    let all = |_: &Peer, all: &[Peer]| all.to_vec();
+    let mut swarm = Swarm::start_with_bootstrap(&layout, gate, 4, all, 0, on_device);
     swarm.until("stage 1's update of the held iteration", |s| {
         s.digests_by.contains_key(&(11, HELD))
     });

@@ -121,6 +121,38 @@ impl StageState {
         }
         Ok(())
     }
+
+    /// [`Stage::export_state`]'s bytes of this state, handed to `sink` piece by piece.
+    pub fn bytes_into(&self, sink: impl FnMut(&[u8])) {
+        state_bytes_into(
+            self.index,
+            self.step,
+            [&self.params, &self.m, &self.v],
+            sink,
+        );
+    }
+
+    /// The state `parts` holds, decoded (what [`Stage::import_state`] loads).
+    pub fn from_parts(parts: &StateParts<'_>) -> Result<StageState, ModelError> {
+        Ok(StageState {
+            index: parts.index,
+            step: parts.step,
+            params: bytes_to_f32s(parts.params)?,
+            m: bytes_to_f32s(parts.m)?,
+            v: bytes_to_f32s(parts.v)?,
+        })
+    }
+}
+
+/// The state format of [`Stage::export_state`], written from its parts.
+fn state_bytes_into(index: usize, step: u64, vals: [&[f32]; 3], mut sink: impl FnMut(&[u8])) {
+    sink(STATE_MAGIC);
+    sink(&(index as u32).to_le_bytes());
+    sink(&step.to_le_bytes());
+    sink(&(vals[0].len() as u64).to_le_bytes());
+    for v in vals {
+        f32s_bytes_into(v, &mut sink);
+    }
 }
 
 /// One pipeline stage.
@@ -635,15 +667,9 @@ impl Stage {
     /// time from a buffer on the stack: a digest of the state needs no
     /// copy of it (a trainer that hashed a fresh export at every update
     /// allocated and filled three times its state's size each time).
-    pub fn state_bytes_into(&self, mut sink: impl FnMut(&[u8])) {
-        let n = self.params.len();
-        sink(STATE_MAGIC);
-        sink(&(self.spec.index as u32).to_le_bytes());
-        sink(&self.step.to_le_bytes());
-        sink(&(n as u64).to_le_bytes());
-        for v in [&self.params, &self.m, &self.v] {
-            f32s_bytes_into(v, &mut sink);
-        }
+    pub fn state_bytes_into(&self, sink: impl FnMut(&[u8])) {
+        let vals = [&self.params[..], &self.m, &self.v];
+        state_bytes_into(self.spec.index, self.step, vals, sink);
     }
 
     /// A copy of the parameters, AdamW moments and step count.

@@ -23,6 +23,7 @@ pub mod directory;
 mod driver;
 pub mod intake;
 pub mod model_checkpoint;
+pub mod model_pieces;
 pub mod model_trainer;
 mod rebuild;
 pub mod runtime;

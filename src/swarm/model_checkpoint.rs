@@ -205,7 +205,7 @@ mod tests {
                 SavedState {
                     stage,
                     from: 10 + stage as NodeId,
-                    state: Arc::new(t.export_bytes()),
+                    state: Arc::new(t.export_bytes().unwrap()),
                 }
             })
             .collect();

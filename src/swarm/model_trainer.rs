@@ -16,6 +16,7 @@
 //! three numbers ([`microbatch`]), so a restarted microbatch is the same
 //! one, and the single-process reference ([`reference_losses`]) trains on
 //! exactly the swarm's microbatches.
+use super::model_pieces::{OnCpu, Piece, Placement};
 use super::runtime::Trainer;
 use super::work::{Output, Work, WorkKind, WorkPort};
 use crate::engine::Frame;
@@ -30,6 +31,7 @@ use crate::protocol::{MbId, NodeId};
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// What every node of one swarm agrees on about the model.
 #[derive(Clone, Debug)]
@@ -79,6 +81,18 @@ impl ModelRun {
         let (plan, idx) = self.piece_plan(stage)?;
         idx.into_iter()
             .map(|i| Stage::new(&self.cfg, &plan, i, self.seed))
+            .collect()
+    }
+
+    /// The pieces protocol stage `stage` runs, built where `on` runs them.
+    pub fn pieces_on(
+        &self,
+        on: &dyn Placement,
+        stage: u16,
+    ) -> Result<Vec<Box<dyn Piece>>, ModelError> {
+        let (plan, idx) = self.piece_plan(stage)?;
+        idx.into_iter()
+            .map(|i| on.build(&self.cfg, &plan, i, self.seed))
             .collect()
     }
 
@@ -217,7 +231,9 @@ fn adamw(o: &TrainOptions, iter: u32) -> AdamW {
 pub struct ModelTrainer {
     run: ModelRun,
     /// Holder: `[embedding, head]`; relay: `[its stage]`.
-    pieces: Vec<Stage>,
+    pieces: Vec<Box<dyn Piece>>,
+    /// Where the pieces run.
+    placement: Arc<dyn Placement>,
     /// The protocol stage the pieces are for (None: a joiner before the
     /// swarm chose its stage).
     stage: Option<u16>,
@@ -249,7 +265,8 @@ impl ModelTrainer {
             )));
         }
         Ok(ModelTrainer {
-            pieces: run.pieces(stage)?,
+            pieces: run.pieces_on(&OnCpu, stage)?,
+            placement: Arc::new(OnCpu),
             stage: Some(stage),
             run,
             docs,
@@ -267,6 +284,7 @@ impl ModelTrainer {
     pub fn joiner(run: ModelRun) -> ModelTrainer {
         ModelTrainer {
             pieces: Vec::new(),
+            placement: Arc::new(OnCpu),
             stage: None,
             run,
             docs: Vec::new(),
@@ -302,13 +320,37 @@ impl ModelTrainer {
         Ok(t)
     }
 
+    /// The same trainer with its pieces (and every piece it builds later)
+    /// where `placement` runs them: their state moves over.
+    pub fn placed(mut self, placement: Arc<dyn Placement>) -> Result<Self, ModelError> {
+        let (plan, _) = match self.stage {
+            Some(stage) => self.run.piece_plan(stage)?,
+            None => (StagePlan::new(&self.run.cfg, self.run.stages)?, Vec::new()),
+        };
+        let mut moved = Vec::with_capacity(self.pieces.len());
+        for p in &self.pieces {
+            let index = p.spec().index;
+            let mut q = placement.build(&self.run.cfg, &plan, index, self.run.seed)?;
+            q.set_state(&p.state()?)?;
+            moved.push(q);
+        }
+        self.pieces = moved;
+        self.placement = placement;
+        Ok(self)
+    }
+
+    /// Where the pieces run, in words.
+    pub fn placement(&self) -> String {
+        self.placement.describe()
+    }
+
     /// Builds the pieces of `stage` if they are not those held.
     fn serve(&mut self, stage: u16) -> Result<(), String> {
         if self.stage != Some(stage) {
             if stage == 0 {
                 return Err("a joiner cannot become a data holder".into());
             }
-            self.pieces = self.run.pieces(stage).map_err(|e| e.to_string())?;
+            self.pieces = self.build_pieces(stage)?;
             self.stage = Some(stage);
             self.ids.clear();
             self.grads.clear();
@@ -316,8 +358,14 @@ impl ModelTrainer {
         Ok(())
     }
 
+    fn build_pieces(&self, stage: u16) -> Result<Vec<Box<dyn Piece>>, String> {
+        (self.run)
+            .pieces_on(&*self.placement, stage)
+            .map_err(|e| e.to_string())
+    }
+
     /// The pieces (for tests: their parameters).
-    pub fn pieces(&self) -> &[Stage] {
+    pub fn pieces(&self) -> &[Box<dyn Piece>] {
         &self.pieces
     }
 
@@ -332,20 +380,22 @@ impl ModelTrainer {
         self.next_id
     }
 
-    fn keep_grad(&mut self, mb: MbId, piece: usize) {
+    fn keep_grad(&mut self, mb: MbId, piece: usize) -> Result<(), String> {
         let n = self.pieces.len();
-        let g = self.pieces[piece].take_grads();
+        let g = self.pieces[piece].take_grads().map_err(|e| e.to_string())?;
         self.grads.entry(mb).or_insert_with(|| vec![None; n])[piece] = Some(g);
+        Ok(())
     }
 
     /// The weights digest: SHA-256 over every piece's parameters, AdamW
     /// moments and step count.
-    pub fn digest(&self) -> [u8; 32] {
+    pub fn digest(&self) -> Result<[u8; 32], String> {
         let mut h = Sha256::new();
         for p in &self.pieces {
-            p.state_bytes_into(|b| h.update(b));
+            p.state_bytes_into(&mut |b| h.update(b))
+                .map_err(|e| e.to_string())?;
         }
-        h.finalize().into()
+        Ok(h.finalize().into())
     }
 
     /// Runs a microbatch's work on the weights of its iteration: the
@@ -416,7 +466,7 @@ impl ModelTrainer {
                     return Err("the head gave no loss".into());
                 };
                 let g = self.pieces[1].backward(id, None).map_err(err)?;
-                self.keep_grad(mb, 1);
+                self.keep_grad(mb, 1)?;
                 let g = g.ok_or("the head gave no input gradient")?;
                 Ok(Output::Loss {
                     loss,
@@ -431,7 +481,7 @@ impl ModelTrainer {
                     .ok_or("backward of a microbatch whose forward is not kept")?;
                 let dx = self.pieces[0].backward(id, Some(&g)).map_err(err)?;
                 self.ids.remove(&mb);
-                self.keep_grad(mb, 0);
+                self.keep_grad(mb, 0)?;
                 match dx {
                     Some(dx) => Ok(Output::Tensor(frame_of(port, &dx)?)),
                     None => Ok(Output::None),
@@ -471,14 +521,24 @@ impl ModelTrainer {
     /// update of `applied`: a microbatch of that iteration runs on them too
     /// (what that iteration saw is gone with the stage's last node).
     fn init_state(&mut self, stage: u16, applied: Option<u32>) -> Result<(), String> {
-        self.pieces = self.run.pieces(stage).map_err(|e| e.to_string())?;
+        self.pieces = self.build_pieces(stage)?;
         self.stage = Some(stage);
         self.ids.clear();
         self.grads.clear();
         self.targets.clear();
         self.applied = applied;
-        self.before = applied.map(|_| self.pieces.iter().map(|p| p.params().to_vec()).collect());
+        self.before = match applied {
+            Some(_) => Some(self.all_params()?),
+            None => None,
+        };
         Ok(())
+    }
+
+    /// Every piece's parameters, on the host.
+    fn all_params(&self) -> Result<Vec<Vec<f32>>, String> {
+        (self.pieces.iter())
+            .map(|p| p.params().map_err(|e| e.to_string()))
+            .collect()
     }
 
     /// CheckFree: serves `stage` with the average of the neighbours'
@@ -537,7 +597,7 @@ impl ModelTrainer {
             return Err(format!("a mean of {} for {total} parameters", mean.len()));
         }
         let opt = adamw(&self.run.opts, iteration);
-        self.before = Some(self.pieces.iter().map(|p| p.params().to_vec()).collect());
+        self.before = Some(self.all_params()?);
         self.applied = Some(iteration);
         let mut off = 0;
         for p in &mut self.pieces {
@@ -558,15 +618,15 @@ impl ModelTrainer {
     /// a llama-small swarm on 2 cores).
     fn export(&self, port: &WorkPort) -> Result<Frame, String> {
         let mut f = port.alloc(self.export_len()).map_err(|e| e.to_string())?;
-        self.export_into(f.payload_mut());
+        self.export_into(f.payload_mut())?;
         Ok(f)
     }
 
     /// The state in the format the type's doc describes.
-    pub fn export_bytes(&self) -> Vec<u8> {
+    pub fn export_bytes(&self) -> Result<Vec<u8>, String> {
         let mut b = vec![0; self.export_len()];
-        self.export_into(&mut b);
-        b
+        self.export_into(&mut b)?;
+        Ok(b)
     }
 
     /// The exported state's bytes: per piece its length and its state,
@@ -588,7 +648,7 @@ impl ModelTrainer {
 
     /// Writes the exported state into `out` (exactly
     /// [`ModelTrainer::export_len`] bytes).
-    fn export_into(&self, out: &mut [u8]) {
+    fn export_into(&self, out: &mut [u8]) -> Result<(), String> {
         let mut off = 0;
         let mut put = |b: &[u8]| {
             out[off..off + b.len()].copy_from_slice(b);
@@ -596,7 +656,7 @@ impl ModelTrainer {
         };
         for p in &self.pieces {
             put(&((28 + 12 * p.num_params()) as u64).to_le_bytes());
-            p.state_bytes_into(&mut put);
+            p.state_bytes_into(&mut put).map_err(|e| e.to_string())?;
         }
         if let (Some(n), Some(before)) = (self.before_len(), &self.before) {
             put(&(n as u64).to_le_bytes());
@@ -604,6 +664,7 @@ impl ModelTrainer {
                 f32s_bytes_into(p, &mut put);
             }
         }
+        Ok(())
     }
 
     /// Replaces the state with `b` (as [`ModelTrainer::export_bytes`]
@@ -635,7 +696,10 @@ impl ModelTrainer {
                 Some(split)
             }
         };
-        let backup: Vec<_> = self.pieces.iter().map(|p| p.state()).collect();
+        let backup = (self.pieces.iter())
+            .map(|p| p.state())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
         for (i, part) in parts.iter().enumerate() {
             if let Err(e) = self.pieces[i].import_state(part) {
                 for (p, st) in self.pieces.iter_mut().zip(&backup) {
@@ -659,28 +723,28 @@ impl Trainer for ModelTrainer {
             k if k.is_microbatch_compute() => self.compute_at_its_weights(&w, port),
             WorkKind::Gradient { granted, .. } => Ok(Output::Gradient {
                 sum: self.gradient(granted)?,
-                weights: self.digest(),
+                weights: self.digest()?,
             }),
             WorkKind::Apply {
                 iteration, mean, ..
             } => {
                 self.apply(*iteration, mean)?;
-                Ok(Output::Weights(self.digest()))
+                Ok(Output::Weights(self.digest()?))
             }
             WorkKind::ExportState => Ok(Output::State(self.export(port)?)),
             WorkKind::ImportState { applied } => {
                 let f = w.input.as_ref().ok_or("import without a state")?;
                 self.import_bytes(f.payload(), *applied)?;
-                Ok(Output::Weights(self.digest()))
+                Ok(Output::Weights(self.digest()?))
             }
             WorkKind::InitState { applied } => {
                 self.init_state(w.stage, *applied)?;
-                Ok(Output::Weights(self.digest()))
+                Ok(Output::Weights(self.digest()?))
             }
             WorkKind::AverageStates { applied, states } => {
                 let averaged = self.average_states(w.stage, states, *applied)?;
                 Ok(Output::Rebuilt {
-                    weights: self.digest(),
+                    weights: self.digest()?,
                     averaged,
                 })
             }
@@ -851,7 +915,7 @@ mod tests {
         let mut h = Sha256::new();
         for p in &t.pieces {
             // The state format, written out by hand.
-            let st = p.state();
+            let st = p.state().unwrap();
             let mut b = b"GWTFSTG1".to_vec();
             b.extend_from_slice(&(st.index as u32).to_le_bytes());
             b.extend_from_slice(&st.step.to_le_bytes());
@@ -859,11 +923,14 @@ mod tests {
             for x in st.params.iter().chain(&st.m).chain(&st.v) {
                 b.extend_from_slice(&x.to_le_bytes());
             }
-            assert_eq!(p.export_state(), b);
+            let mut exported = Vec::new();
+            p.state_bytes_into(&mut |x| exported.extend_from_slice(x))
+                .unwrap();
+            assert_eq!(exported, b);
             h.update(&b);
         }
         let want: [u8; 32] = h.finalize().into();
-        assert_eq!(t.digest(), want);
+        assert_eq!(t.digest().unwrap(), want);
     }
 
     /// A joiner can run a microbatch of the iteration the stage applied
@@ -871,14 +938,14 @@ mod tests {
     #[test]
     fn a_joiner_gets_the_weights_from_before_the_last_update() {
         let t = updated();
-        let bytes = t.export_bytes();
+        let bytes = t.export_bytes().unwrap();
         assert_eq!(bytes.len() as u64, t.run.state_bytes(1).unwrap());
         let mut j = joiner_of(1);
         j.import_bytes(&bytes, Some(4)).unwrap();
-        assert_eq!(j.digest(), t.digest());
+        assert_eq!(j.digest().unwrap(), t.digest().unwrap());
         assert_eq!(j.applied, Some(4));
         assert_eq!(j.before, t.before);
-        assert_ne!(j.before.as_ref().unwrap()[0], j.pieces[0].params());
+        assert_ne!(j.before.as_ref().unwrap()[0], j.pieces[0].params().unwrap());
     }
 
     /// A state without them (an exporter that had none) is still a state:
@@ -886,7 +953,7 @@ mod tests {
     #[test]
     fn a_state_without_the_earlier_weights_imports_without_them() {
         let fresh = relay();
-        let bytes = fresh.export_bytes();
+        let bytes = fresh.export_bytes().unwrap();
         let params = fresh.pieces[0].num_params() as u64;
         assert_eq!(
             bytes.len() as u64 + 8 + 4 * params,
@@ -895,8 +962,8 @@ mod tests {
         let mut j = joiner_of(1);
         j.import_bytes(&bytes, None).unwrap();
         assert_eq!(
-            (j.digest(), j.applied, j.before.is_none()),
-            (fresh.digest(), None, true)
+            (j.digest().unwrap(), j.applied, j.before.is_none()),
+            (fresh.digest().unwrap(), None, true)
         );
     }
 
@@ -904,9 +971,9 @@ mod tests {
     #[test]
     fn a_bad_state_changes_nothing() {
         let t = updated();
-        let good = t.export_bytes();
+        let good = t.export_bytes().unwrap();
         let mut j = joiner_of(1);
-        let digest = j.digest();
+        let digest = j.digest().unwrap();
         let params = 4 * t.pieces[0].num_params();
         let cases: Vec<(Vec<u8>, Option<u32>, &str)> = vec![
             (good[..good.len() - 1].to_vec(), Some(4), "cut short"),
@@ -928,7 +995,7 @@ mod tests {
             let e = j.import_bytes(&bytes, applied).unwrap_err();
             assert!(e.contains(why), "{why}: {e}");
             assert_eq!(
-                (j.digest(), j.applied, j.before.is_none()),
+                (j.digest().unwrap(), j.applied, j.before.is_none()),
                 (digest, None, true)
             );
         }
@@ -941,7 +1008,10 @@ mod tests {
         let mut t = updated();
         t.init_state(1, Some(9)).unwrap();
         assert_eq!(t.applied, Some(9));
-        assert_eq!(t.before.as_ref().unwrap()[0], relay().pieces[0].params());
+        assert_eq!(
+            t.before.as_ref().unwrap()[0],
+            relay().pieces[0].params().unwrap()
+        );
         t.init_state(1, None).unwrap();
         assert!(t.before.is_none());
     }
@@ -963,14 +1033,14 @@ mod tests {
             crate::model::dataset::Dataset::synthetic(1, run.opts.corpus_bytes, run.opts.seq);
         let holder = ModelTrainer::new(run.clone(), 0, docs.train).unwrap();
         let states = vec![
-            (0u16, holder.export_bytes()),
-            (1u16, a.export_bytes()),
-            (2u16, b.export_bytes()),
+            (0u16, holder.export_bytes().unwrap()),
+            (1u16, a.export_bytes().unwrap()),
+            (2u16, b.export_bytes().unwrap()),
         ];
         let mut j = ModelTrainer::joiner(run.clone());
         assert_eq!(j.average_states(1, &states, Some(5)).unwrap(), 2);
-        let (pa, pb) = (a.pieces[0].state(), b.pieces[0].state());
-        let got = j.pieces[0].state();
+        let (pa, pb) = (a.pieces[0].state().unwrap(), b.pieces[0].state().unwrap());
+        let got = j.pieces[0].state().unwrap();
         assert_eq!(got.index, 1);
         assert_eq!(got.step, pa.step.max(pb.step));
         for (x, (y, z)) in [
@@ -990,9 +1060,9 @@ mod tests {
         // Only the holders' state: nothing fits, the initial weights.
         let mut k = ModelTrainer::joiner(run);
         assert_eq!(k.average_states(1, &states[..1], None).unwrap(), 0);
-        assert_eq!(k.digest(), relay().digest());
+        assert_eq!(k.digest().unwrap(), relay().digest().unwrap());
         // A state cut short is an error, not a guess.
-        let cut = vec![(2u16, b.export_bytes()[..100].to_vec())];
+        let cut = vec![(2u16, b.export_bytes().unwrap()[..100].to_vec())];
         assert!(k.average_states(1, &cut, None).is_err());
     }
 }

@@ -12,6 +12,9 @@ use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
 use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
+#[cfg(feature = "cuda")]
+use gwtf::swarm::model_pieces::OnBackend;
+use gwtf::swarm::model_pieces::Placement;
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
     realtime_config, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work,
@@ -23,6 +26,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Where the model runs.
@@ -142,7 +146,8 @@ pub struct NodeArgs {
     /// every node).
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Device.
+    /// Where the model's stages run: the CPU, or CUDA device 0 (refused,
+    /// with the reason, when there is no usable GPU).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     /// CPU threads of the model's kernels (0: one per core; at most 1024).
@@ -447,6 +452,18 @@ fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
     Ok(Role { id, stage, join })
 }
 
+/// Where the trainer's model stages run when not on the CPU (a trainer's
+/// own place): CUDA device 0, or an error that says why there is none.
+fn placement(device: Device) -> Res<Option<Arc<dyn Placement>>> {
+    Ok(match device {
+        Device::Cpu => None,
+        #[cfg(feature = "cuda")]
+        Device::Cuda => Some(Arc::new(OnBackend(gwtf::model::gpu::open_cuda()?))),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => return Err(gwtf::model::gpu::no_cuda().into()),
+    })
+}
+
 /// Sizes the kernels' thread pools (rayon's and the matrix product's),
 /// before any kernel runs and before this process starts other threads.
 fn set_kernel_threads(n: usize) -> Res<()> {
@@ -461,16 +478,11 @@ fn set_kernel_threads(n: usize) -> Res<()> {
 }
 
 pub fn node(a: NodeArgs) -> super::CliResult {
-    if a.device == Device::Cuda {
-        return Err(
-            "--device cuda: the swarm's built-in trainer runs on the CPU for now \
-                    (gwtf train --device cuda trains on a GPU in one process)"
-                .into(),
-        );
-    }
     if a.threads > 0 {
         set_kernel_threads(a.threads)?;
     }
+    // The device first: without one the node stops before it listens.
+    let placement = placement(a.device)?;
     let key = read_key(&a.swarm_key_file)?;
     let cfg = preset(&a.model)?;
     let run = ModelRun::new(cfg.clone(), a.stages, a.seed, a.iterations as usize)?;
@@ -511,6 +523,11 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             None => ModelTrainer::new(run.clone(), r.stage, docs)?,
         }
     };
+    let trainer = match placement {
+        Some(p) => trainer.placed(p)?,
+        None => trainer,
+    };
+    let device = trainer.placement();
     let mut saver = match (&a.save, data) {
         (Some(dir), Some(data)) => {
             let mut s = Saver::new(dir.clone(), a.save_keep, run.clone(), data, r.id);
@@ -632,7 +649,10 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         loss: None,
         tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
     };
-    out.emit(json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string())}));
+    out.emit(
+        json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string()),
+                    "device": device}),
+    );
     let (targets, what) = reach_targets(&a, &r);
     let mut reach = Reach::start(targets, what, Duration::from_secs_f64(a.join_timeout));
     let mut last_stats = Instant::now();

@@ -492,6 +492,46 @@ impl<B: Backend> DeviceStage<B> {
         self.saved.remove(&mb).is_some()
     }
 
+    /// Takes the accumulated gradient out to the host; the accumulator starts again from
+    /// zero (as [`crate::model::Stage::take_grads`]: a swarm node keeps each microbatch's
+    /// gradient apart until its stage aggregates).
+    pub fn take_grads(&mut self) -> Result<Vec<f32>, ModelError> {
+        let g = self.backend.download_buf(&self.grads)?;
+        self.zero_grad()?;
+        Ok(g)
+    }
+
+    /// Replaces the accumulator with an aggregated mean gradient; the next
+    /// [`DeviceStage::step`] applies it as is (as [`crate::model::Stage::set_mean_grads`]).
+    pub fn set_mean_grads(&mut self, mean: &[f32]) -> Result<(), ModelError> {
+        self.check_len("gradients", mean.len())?;
+        self.grads = self.backend.upload(mean)?;
+        self.accumulated = 1;
+        Ok(())
+    }
+
+    /// Exchanges the parameters with the host values `other` (same length), as
+    /// [`crate::model::Stage::swap_params`].
+    pub fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError> {
+        self.check_len("parameters", other.len())?;
+        let held = self.backend.download_buf(&self.params)?;
+        self.params = self.backend.upload(other)?;
+        *other = held;
+        Ok(())
+    }
+
+    fn check_len(&self, what: &'static str, got: usize) -> Result<(), ModelError> {
+        let n = self.layout.num_params();
+        if got != n {
+            return Err(ModelError::ShapeMismatch {
+                what,
+                expected: n,
+                got,
+            });
+        }
+        Ok(())
+    }
+
     /// Sets the accumulated gradient to zero.
     pub fn zero_grad(&mut self) -> Result<(), ModelError> {
         // SAFETY: the buffer is owned by this stage.
