@@ -22,7 +22,7 @@ use super::work::{Output, Work, WorkKind, WorkPort};
 use crate::engine::Frame;
 use crate::model::data::sample_windows;
 use crate::model::rng::Rng;
-use crate::model::stage::f32s_bytes_into;
+use crate::model::stage::{f32s_bytes_into, Layout};
 use crate::model::{
     checkpoint, AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput,
     StagePlan, StageState, StateParts, TrainOptions,
@@ -122,22 +122,45 @@ impl ModelRun {
     /// most (with the parameters from before the last update: see
     /// [`ModelTrainer`]'s state format).
     pub fn state_bytes(&self, stage: u16) -> Result<u64, ModelError> {
-        let pieces = self.pieces(stage)?;
-        let params: usize = pieces.iter().map(|p| p.num_params()).sum();
-        let states: u64 = pieces
-            .iter()
-            .map(|p| 8 + p.export_state().len() as u64)
-            .sum();
+        let sizes = self.piece_sizes(stage)?;
+        let params: usize = sizes.iter().map(|&(n, _)| n).sum();
+        // Per piece its length and `Stage::export_state`'s 28 + 12 n bytes.
+        let states: u64 = sizes.iter().map(|&(n, _)| 36 + 12 * n as u64).sum();
         Ok(states + 8 + 4 * params as u64)
+    }
+
+    /// Bytes of the largest gradient a stage all-reduces (f32s of its
+    /// parameters): what sets the swarm's liveness
+    /// ([`super::runtime::Liveness::for_gradient_bytes`]).
+    pub fn largest_gradient_bytes(&self) -> Result<u64, ModelError> {
+        let mut most = 0;
+        for stage in 0..(self.stages - 1) as u16 {
+            let n: usize = self.piece_sizes(stage)?.iter().map(|&(n, _)| n).sum();
+            most = most.max(4 * n as u64);
+        }
+        Ok(most)
+    }
+
+    /// Parameters and blocks of each piece protocol stage `stage` runs,
+    /// from the plan alone: nothing is built (building a gpt2-small's
+    /// pieces draws 163M initial weights).
+    fn piece_sizes(&self, stage: u16) -> Result<Vec<(usize, usize)>, ModelError> {
+        let (plan, idx) = self.piece_plan(stage)?;
+        idx.into_iter()
+            .map(|i| {
+                let layout = Layout::new(&self.cfg, &plan, i)?;
+                Ok((layout.num_params(), plan.stages[i].blocks.len()))
+            })
+            .collect()
     }
 
     /// Memory one microbatch in flight takes at protocol stage `stage`:
     /// the activations its backward keeps, its gradient kept apart, and
     /// the tensors kept for recovery (a rough upper bound).
     pub fn bytes_per_microbatch(&self, stage: u16) -> Result<u64, ModelError> {
-        let pieces = self.pieces(stage)?;
-        let params: usize = pieces.iter().map(|p| p.num_params()).sum();
-        let blocks: usize = pieces.iter().map(|p| p.spec().blocks.len()).sum();
+        let sizes = self.piece_sizes(stage)?;
+        let params: usize = sizes.iter().map(|&(n, _)| n).sum();
+        let blocks: usize = sizes.iter().map(|&(_, b)| b).sum();
         let act = self.activation_bytes();
         // A block keeps about 12 activations of its width, and the FFN's.
         let per_block = act * (12 + 2 * self.cfg.ffn_hidden / self.cfg.d_model.max(1));
@@ -946,6 +969,25 @@ mod tests {
         assert_eq!(j.applied, Some(4));
         assert_eq!(j.before, t.before);
         assert_ne!(j.before.as_ref().unwrap()[0], j.pieces[0].params().unwrap());
+    }
+
+    /// The sizes come from the plan, and are those of the pieces built.
+    #[test]
+    fn the_sizes_from_the_plan_are_those_of_the_pieces() {
+        let run = relay().run;
+        for stage in 0..=2u16 {
+            let pieces = run.pieces(stage).unwrap();
+            let want: Vec<(usize, usize)> = (pieces.iter())
+                .map(|p| (p.num_params(), p.spec().blocks.len()))
+                .collect();
+            assert_eq!(run.piece_sizes(stage).unwrap(), want);
+            // Each piece's length and state, then the earlier weights'
+            // length and values.
+            let states: u64 = (pieces.iter())
+                .map(|p| 8 + p.export_state().len() as u64 + 4 * p.num_params() as u64)
+                .sum();
+            assert_eq!(run.state_bytes(stage).unwrap(), states + 8);
+        }
     }
 
     /// A state without them (an exporter that had none) is still a state:

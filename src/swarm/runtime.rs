@@ -260,6 +260,13 @@ pub struct Liveness {
     pub transport_ticks: u32,
 }
 
+/// The slowest a node's driver was seen handling gradient bytes, with a
+/// margin: a gpt2-small data holder (312 MB of gradient) held its driver
+/// 2.9 s at the all-reduce's start, 108 MB/s, on 2 cores shared by a swarm
+/// of three nodes (`gwtf node` logs a hold of 200 ms or more, with `--log`:
+/// `waited N ms for (handling) ...`).
+pub const DRIVER_BYTES_PER_S: u64 = 64 << 20;
+
 impl Liveness {
     /// The runtime's: a 100 ms tick, heartbeats every 300 ms, a peer
     /// suspected after 0.8 s, a connection closed after 5 s.
@@ -269,6 +276,26 @@ impl Liveness {
         suspect_ticks: 8,
         transport_ticks: 50,
     };
+
+    /// The runtime's, for a swarm whose largest stage gradient is `bytes`
+    /// (f32s of the stage's parameters). A node's driver holds its thread
+    /// while it handles a gradient of that size (the all-reduce's start
+    /// copies it into the operation's parts, a chunk that comes is summed
+    /// in), hearing and sending nothing meanwhile; a suspicion time shorter
+    /// than that takes a busy node for a paused one, and the node takes
+    /// itself for one too and fences. So the suspicion grows by the time
+    /// `bytes` take at [`DRIVER_BYTES_PER_S`], and the transport's timeout
+    /// stays six suspicions long. Every node of a swarm computes the same
+    /// from the same model.
+    pub fn for_gradient_bytes(bytes: u64) -> Liveness {
+        let mut l = Liveness::RUNTIME;
+        let extra = Duration::from_secs_f64(bytes as f64 / DRIVER_BYTES_PER_S as f64);
+        // Whole ticks only: a small model keeps the runtime's times.
+        let ticks = (extra.as_micros() / l.tick.as_micros()).min(1 << 16) as u32;
+        l.suspect_ticks += ticks;
+        l.transport_ticks = l.transport_ticks.max(6 * l.suspect_ticks + 2);
+        l
+    }
 
     pub fn heartbeat(&self) -> Duration {
         self.tick * self.heartbeat_ticks
@@ -326,12 +353,17 @@ impl Liveness {
 /// memory is full recomputes ([`Config::recompute`]): a [`Trainer`] drops
 /// a forward's activations on `WorkKind::Discard`.
 pub fn realtime_config(relay_stages: Stage, activation_bytes: u64) -> Config {
+    realtime_config_with(relay_stages, activation_bytes, Liveness::RUNTIME)
+}
+
+/// [`realtime_config`] with the liveness `l` (e.g.
+/// [`Liveness::for_gradient_bytes`]); the transport's must be the same.
+pub fn realtime_config_with(relay_stages: Stage, activation_bytes: u64, l: Liveness) -> Config {
     let mut c = Config::new(
         crate::protocol::Policy::Gwtf,
         relay_stages,
         activation_bytes,
     );
-    let l = Liveness::RUNTIME;
     c.tick = l.tick.as_micros() as crate::protocol::Time;
     c.heartbeat_ticks = l.heartbeat_ticks;
     c.suspect_ticks = l.suspect_ticks;
@@ -689,5 +721,30 @@ mod tests {
         assert_eq!(c.initial_ack_timeout, 2 * crate::protocol::SEC);
         assert_eq!(c.redo_timeout, 5 * crate::protocol::SEC);
         assert_eq!(c.e2e_timeout, 30 * crate::protocol::SEC);
+    }
+
+    /// A swarm of a large model waits longer before it takes a node for
+    /// gone (its driver is busy as long with a gradient); a small model's
+    /// keeps the runtime's times; either keeps the relations above.
+    #[test]
+    fn the_suspicion_grows_with_the_gradient() {
+        assert_eq!(Liveness::for_gradient_bytes(0), Liveness::RUNTIME);
+        // llama-tiny's largest stage: well under a tick's worth.
+        let tiny = Liveness::for_gradient_bytes(1 << 20);
+        assert_eq!(tiny, Liveness::RUNTIME);
+        // gpt2-small's relay stage of 3: 85M parameters, 340 MB.
+        let big = Liveness::for_gradient_bytes(340 << 20);
+        let secs = |d: Duration| d.as_secs_f64();
+        assert!((secs(big.suspicion()) - (0.8 + 340.0 / 64.0)).abs() <= 0.1);
+        for l in [tiny, big, Liveness::for_gradient_bytes(u64::MAX)] {
+            assert!(2 * l.heartbeat() < l.suspicion());
+            assert!(l.transport_timeout() >= 6 * l.suspicion());
+            let c = realtime_config_with(2, 1 << 20, l);
+            assert_eq!(c.suspect_ticks, l.suspect_ticks);
+            assert_eq!(
+                c.e2e_timeout,
+                l.e2e_timeout().as_micros() as crate::protocol::Time
+            );
+        }
     }
 }

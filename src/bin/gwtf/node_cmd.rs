@@ -17,8 +17,8 @@ use gwtf::swarm::model_pieces::OnBackend;
 use gwtf::swarm::model_pieces::Placement;
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
-    realtime_config, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work,
-    WorkPort,
+    realtime_config_with, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer,
+    Work, WorkPort,
 };
 use gwtf::wire::NodeKey;
 use serde_json::json;
@@ -537,7 +537,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         _ => None,
     };
     let relay_stages = (run.stages - 2) as Stage;
-    let mut proto = realtime_config(relay_stages, run.activation_bytes() as u64);
+    let live = Liveness::for_gradient_bytes(run.largest_gradient_bytes()?);
+    let mut proto = realtime_config_with(relay_stages, run.activation_bytes() as u64, live);
     proto.mb_per_iter = a.microbatches;
     proto.iterations = Some(a.iterations);
     proto.keep_states_every = a.keep_states_every;
@@ -602,8 +603,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             // slots (a pool slot is a power of two): two states served at
             // once, one received, and one carved up by the small frames.
             pool_bytes: (budget as usize).max(4 * max_payload.next_power_of_two() as usize),
-            heartbeat_interval: Liveness::RUNTIME.heartbeat(),
-            peer_timeout: Liveness::RUNTIME.transport_timeout(),
+            heartbeat_interval: live.heartbeat(),
+            peer_timeout: live.transport_timeout(),
             link,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             encrypt: a.encrypt,
@@ -651,7 +652,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     };
     out.emit(
         json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string()),
-                    "device": device}),
+                    "device": device, "suspicion_ms": live.suspicion().as_millis() as u64}),
     );
     let (targets, what) = reach_targets(&a, &r);
     let mut reach = Reach::start(targets, what, Duration::from_secs_f64(a.join_timeout));
