@@ -7,6 +7,9 @@
 //! and the replicas of each stage report the same weights after every
 //! update.
 //!
+//! c-examples/cpp/swarm_torch.cpp is the same trainer on libtorch (tensors
+//! over the library's frames, autograd), through the same kill and join.
+//!
 //! c-examples/cpp/swarm_stage.cpp drives libgwtf's own model through
 //! `gwtf_stage`: in a mixed swarm, `gwtf node` processes (the built-in Rust
 //! trainer) and these C++ relays serve the same stages, and their replicas
@@ -152,7 +155,39 @@ fn spawn(
 
 #[test]
 fn cpp_trainers_train_through_a_relay_kill_under_asan() {
-    let Some((_turn, exe, dir, key)) = prepare("swarm_mlp") else {
+    relay_kill_and_join("swarm_mlp");
+}
+
+/// The same swarm of the trainer on libtorch (swarm_torch.cpp: the same
+/// model, its forward and backward by libtorch's autograd, tensors over
+/// the library's frames), built against the `torch` package in the
+/// checkout's .venv (scripts/python-deps installs it; where it is missing
+/// the test is skipped visibly, or fails under `GWTF_REQUIRE_TORCH`).
+#[test]
+fn libtorch_trainers_train_through_a_relay_kill() {
+    let python = repo_root().join(".venv/bin/python");
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_torch {
+        if std::env::var_os("GWTF_REQUIRE_TORCH").is_some() {
+            panic!(
+                "GWTF_REQUIRE_TORCH is set but {} has no torch",
+                python.display()
+            );
+        }
+        skipped("no torch package in .venv (scripts/python-deps installs it)");
+        return;
+    }
+    relay_kill_and_join("swarm_torch");
+}
+
+/// Two data holders and two relays on each of two stages of trainer
+/// `name`; a stage-1 relay SIGKILLed in a forward, a relay joining; the
+/// holders finish, the loss falls, replicas agree, the joiner trains.
+fn relay_kill_and_join(name: &str) {
+    let Some((_turn, exe, dir, key)) = prepare(name) else {
         return;
     };
     // id, stage (0: holder)
