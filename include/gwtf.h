@@ -1192,7 +1192,12 @@ typedef struct gwtf_peer_options {
   const uint64_t *gradient_bytes;
   /**
    * `relay_stages + 1` sizes of each stage's state for transfer, at most
-   * (entry 0, the holders', is not transferred and may be 0).
+   * (entry 0, the holders', is not transferred and may be 0). The
+   * largest also sets how long the swarm waits before it takes a silent
+   * node for gone: a quarter of it is taken for the largest parameter
+   * gradient, whose all-reduce keeps a node busy (0.8 s, plus 0.1 s per
+   * 6.7 MB of it in whole ticks); every member must declare the same
+   * sizes.
    */
   const uint64_t *state_bytes;
   /**

@@ -28,7 +28,7 @@ use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
 use crate::swarm::runtime::{
-    realtime_config, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions,
+    realtime_config_with, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions,
     TensorSizes, Work, WorkId, WorkKind, WorkPort,
 };
 use crate::swarm::saves::SavedState;
@@ -318,7 +318,12 @@ pub struct gwtf_peer_options {
     /// NULL when each is the size of its activation. Default NULL.
     pub gradient_bytes: *const u64,
     /// `relay_stages + 1` sizes of each stage's state for transfer, at most
-    /// (entry 0, the holders', is not transferred and may be 0).
+    /// (entry 0, the holders', is not transferred and may be 0). The
+    /// largest also sets how long the swarm waits before it takes a silent
+    /// node for gone: a quarter of it is taken for the largest parameter
+    /// gradient, whose all-reduce keeps a node busy (0.8 s, plus 0.1 s per
+    /// 6.7 MB of it in whole ticks); every member must declare the same
+    /// sizes.
     pub state_bytes: *const u64,
     /// A first estimate of one microbatch's compute on this peer, in
     /// microseconds (the protocol measures the real one). Default 10000.
@@ -748,7 +753,10 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
     } else {
         parse_addr(o.listen_addr, "opts->listen_addr")?
     };
-    let mut proto = realtime_config(relay_stages, tensor.max() as u64);
+    // A large model's node is busy longer with its gradient: the swarm
+    // waits as much longer before it takes a node for gone.
+    let live = Liveness::for_state_bytes(state.iter().map(|&x| x as u64).max().unwrap_or(0));
+    let mut proto = realtime_config_with(relay_stages, tensor.max() as u64, live);
     proto.recompute = match o.recompute {
         0 => false,
         1 => true,
@@ -838,8 +846,8 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         net: NodeOptions {
             max_payload,
             pool_bytes: pool,
-            heartbeat_interval: Liveness::RUNTIME.heartbeat(),
-            peer_timeout: Liveness::RUNTIME.transport_timeout(),
+            heartbeat_interval: live.heartbeat(),
+            peer_timeout: live.transport_timeout(),
             log: o.log_to_stderr != 0,
             encrypt: match o.encrypt {
                 0 => false,

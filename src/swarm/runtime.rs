@@ -297,6 +297,16 @@ impl Liveness {
         l
     }
 
+    /// [`Liveness::for_gradient_bytes`] for a trainer that declared only
+    /// its stages' state sizes (an embedded trainer's `state_bytes`): the
+    /// states of this library's trainers hold 16 bytes per parameter (the
+    /// parameters, two optimizer moments, and the parameters from before
+    /// the last update), so a quarter of the largest stands for the
+    /// largest gradient.
+    pub fn for_state_bytes(largest_state: u64) -> Liveness {
+        Liveness::for_gradient_bytes(largest_state / 4)
+    }
+
     pub fn heartbeat(&self) -> Duration {
         self.tick * self.heartbeat_ticks
     }
@@ -729,6 +739,10 @@ mod tests {
     #[test]
     fn the_suspicion_grows_with_the_gradient() {
         assert_eq!(Liveness::for_gradient_bytes(0), Liveness::RUNTIME);
+        assert_eq!(
+            Liveness::for_state_bytes(16 << 20),
+            Liveness::for_gradient_bytes(4 << 20)
+        );
         // llama-tiny's largest stage: well under a tick's worth.
         let tiny = Liveness::for_gradient_bytes(1 << 20);
         assert_eq!(tiny, Liveness::RUNTIME);
