@@ -28,8 +28,8 @@ use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
 use crate::swarm::runtime::{
-    realtime_config_with, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions,
-    TensorSizes, Work, WorkId, WorkKind, WorkPort,
+    realtime_config_with, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime,
+    RuntimeOptions, TensorSizes, Work, WorkId, WorkKind, WorkPort,
 };
 use crate::swarm::saves::SavedState;
 
