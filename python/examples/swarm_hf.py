@@ -68,14 +68,19 @@ def member(cfg: dict) -> int:
             print(json.dumps({"node": cfg["id"], **ev}), flush=True)
 
     act = 4 * spec.batch * spec.seq * spec.width
-    peer = gwtf.Peer(
-        role=gwtf.Role.HOLDER if cfg["stage"] == 0 else gwtf.Role.RELAY,
-        stage=cfg["stage"], node_id=cfg["id"], chosen_ids=True, listen=cfg["addr"],
-        bootstrap=[gwtf.Contact(a, i, s) for a, i, s in cfg["boot"]], swarm_key=KEY,
-        relay_stages=spec.relay_stages, microbatches_per_iteration=cfg["microbatches"],
-        activation_bytes=[act] * (spec.relay_stages + 1), state_bytes=cfg["state_bytes"],
-        memory_budget_bytes=cfg["memory_mb"] << 20, log_to_stderr=cfg["log"],
-    )
+    try:
+        peer = gwtf.Peer(
+            role=gwtf.Role.HOLDER if cfg["stage"] == 0 else gwtf.Role.RELAY,
+            stage=cfg["stage"], node_id=cfg["id"], chosen_ids=True, listen=cfg["addr"],
+            bootstrap=[gwtf.Contact(a, i, s) for a, i, s in cfg["boot"]], swarm_key=KEY,
+            relay_stages=spec.relay_stages, microbatches_per_iteration=cfg["microbatches"],
+            activation_bytes=[act] * (spec.relay_stages + 1), state_bytes=cfg["state_bytes"],
+            memory_budget_bytes=cfg["memory_mb"] << 20, log_to_stderr=cfg["log"],
+        )
+    except gwtf.GwtfError as e:
+        # The swarm's coordinator stops the run at once with this line.
+        say(event="start_failed", message=f"{type(e).__name__}: {e}")
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     trainer = StageTrainer(
@@ -210,6 +215,18 @@ class Swarm:
 
         threading.Timer(secs, wake).start()
         return victim
+
+    def died(self):
+        """Members that exited on their own (not SIGKILLed here), each with
+        what it said last: (node, exit status, message)."""
+        with self.lock:
+            gone = [(n, p.returncode) for n, p in self.procs.items()
+                    if p.poll() is not None and n not in self.killed]
+            said = {}
+            for e in self.events:
+                if e.get("event") in ("start_failed", "error", "task_failed"):
+                    said[e["node"]] = e.get("message") or e.get("error")
+        return [(n, code, said.get(n, "no message")) for n, code in gone]
 
     def joining(self):
         """Whether a joiner is still starting (alive, its stage unknown):
@@ -365,6 +382,13 @@ def main() -> int:
             if now - t_start > a.timeout:
                 timed_out = True
                 break
+            died = swarm.died()
+            if died:
+                # A member gone on its own: the run cannot be what was
+                # asked for, so it stops now rather than at --timeout.
+                for n, code, msg in died:
+                    print(f"  member {n} exited on its own (status {code}): {msg}", flush=True)
+                break
             if next_crash is not None and now >= next_crash:
                 v = swarm.kill_one(rng)
                 if v is not None:
@@ -391,6 +415,7 @@ def main() -> int:
             time.sleep(0.05)
     finally:
         t_end = time.monotonic()
+        swarm.died_before_stop = swarm.died()
         swarm.stop()
 
     # ---- the facts
@@ -413,9 +438,11 @@ def main() -> int:
     disagree = sorted(k for k, v in digests.items() if len(v) > 1)
     failed = [e for e in ev if e.get("event") in ("error", "task_failed", "stage_restarted")]
     fenced = sorted({e["node"] for e in ev if e.get("event") == "fenced"})
-    print(f"  reference: the same model in one process on the same {iterations} iterations",
-          flush=True)
-    ref, ref_tps = reference(spec, text, swarm.holders, a.microbatches, iterations)
+    ref, ref_tps = {}, 0.0
+    if iterations:
+        print(f"  reference: the same model in one process on the same {iterations} "
+              "iterations", flush=True)
+        ref, ref_tps = reference(spec, text, swarm.holders, a.microbatches, iterations)
     diffs = [abs(losses[k] - v) / abs(v) for k, v in ref.items() if k in losses]
     max_diff = max(diffs) if diffs else float("inf")
     mean = lambda it, src: sum(src[(h, it)] for h in swarm.holders) / len(swarm.holders)  # noqa: E731
@@ -423,8 +450,9 @@ def main() -> int:
     per_iteration = a.holders * a.microbatches * spec.batch * spec.seq
     secs = t_end - (started or t_start)
     tps = per_iteration * max(0, iterations - 1) / secs if secs > 0 else 0.0
-    ok = (not timed_out and iterations == a.iterations and lost == 0 and twice == 0
-          and not disagree and max_diff <= a.tolerance)
+    died = swarm.died_before_stop
+    ok = (not timed_out and not died and iterations == a.iterations and lost == 0
+          and twice == 0 and not disagree and max_diff <= a.tolerance)
     res = dict(
         ok=ok, model=a.model, vocab=spec.vocab, iterations=iterations,
         lost_microbatches=lost, counted_twice=twice,
@@ -437,6 +465,7 @@ def main() -> int:
         max_loss_diff=max_diff, tokens_per_s=tps, reference_tokens_per_s=ref_tps,
         errors=[e.get("message") or e.get("error") for e in failed][:20],
         timed_out=timed_out,
+        members_died=[dict(node=n, status=c, message=m) for n, c, m in died],
     )
     print(f"swarm_hf: {'ok' if ok else 'FAILED'}: {iterations}/{a.iterations} iterations, "
           f"{lost} microbatches lost, {twice} counted twice, replicas "

@@ -3,6 +3,7 @@ the example swarm of Python processes (python/examples/swarm_hf.py)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,22 @@ def test_a_gpt2_swarm_with_a_relay_paused_loses_nothing(tmp_path):
     assert res["pauses"] == 1 and res["fenced"], out
     assert res["lost_microbatches"] == 0 and res["counted_twice"] == 0
     assert res["replicas_agree"] and res["max_loss_diff"] <= 1e-5
+
+
+def test_a_member_that_cannot_start_stops_the_run_at_once(tmp_path):
+    # gpt2-small cut into 3 stages: the relay stage's state (1.36 GB) is
+    # above the peer's tensor limit, which every member is told of, so the
+    # first member to start is refused. The run stops with its error, not
+    # after --timeout (400 s).
+    t0 = time.monotonic()
+    res, out = run_example(tmp_path, "--model", "gpt2-small", "--stages", "3",
+                           "--iterations", "2")
+    assert not res["ok"] and res["iterations"] == 0, out
+    assert res["members_died"], out
+    assert all("LimitExceeded" in d["message"] and d["status"] == 1
+               for d in res["members_died"]), out
+    assert "exited on its own" in out and "GWTF_PEER_MAX_TENSOR_BYTES" in out, out
+    assert time.monotonic() - t0 < 200, "the run waited for its timeout"
 
 
 def test_bad_arguments_are_refused_with_a_message(tmp_path):
