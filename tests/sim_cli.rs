@@ -44,26 +44,40 @@ fn sim_prints_a_table_and_writes_json_and_svg() {
         "--plot",
         svg.to_str().unwrap(),
     ])));
-    for p in ["bound", "gwtf", "swarm", "swarm-plus", "central-mcmf"] {
+    for p in [
+        "bound",
+        "gwtf",
+        "swarm",
+        "swarm-plus",
+        "swarm-deccom",
+        "central-mcmf",
+    ] {
         assert!(out.lines().any(|l| l.starts_with(p)), "{out}");
     }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let arr = v.as_array().unwrap();
-    assert_eq!(arr.len(), 5);
+    assert_eq!(arr.len(), 6);
     let names: Vec<&str> = arr.iter().map(|r| r["policy"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["gwtf", "swarm", "swarm-plus", "central-mcmf", "bound"]
+        [
+            "gwtf",
+            "swarm",
+            "swarm-plus",
+            "swarm-deccom",
+            "central-mcmf",
+            "bound"
+        ]
     );
-    let bound = &arr[4];
+    let bound = &arr[5];
     let b = bound["iteration_time_s"].as_f64().unwrap();
     assert!(b > 0.0);
-    for r in &arr[..4] {
+    for r in &arr[..5] {
         assert!(r["time_over_bound"].as_f64().unwrap() >= 1.0 - 1e-6);
         assert!(r["bound_training_time_s"].as_f64().unwrap() > 0.0);
     }
-    for r in &arr[..4] {
+    for r in &arr[..5] {
         for k in [
             "policy",
             "training_time_s",
@@ -233,7 +247,7 @@ fn a_scenario_file_sets_the_global_batch_and_the_nic() {
     ])));
     // 12 microbatches over 3 holders: 4 each.
     assert!(
-        out.contains("4 microbatches/holder (global batch 12)"),
+        out.contains("4 microbatches/holder of 4 sequences, 4 in flight (global batch 12)"),
         "{out}"
     );
     assert!(out.contains("NIC 25 Gbit/s"), "{out}");
@@ -314,6 +328,8 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
             "3",
             "--model",
             "llama-124m",
+            "--regimes",
+            "project",
             "--jobs",
             jobs,
         ]);
@@ -339,7 +355,7 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
     assert_eq!(rows.len(), 8 + 4, "{table}");
     let runs: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    assert_eq!(runs.len(), 8 * 4, "a report per run and policy");
+    assert_eq!(runs.len(), 8 * 5, "a report per run and policy");
     let report = |sc: &str, churn: f64, seed: u64, policy: &str| {
         (runs.iter())
             .find(|r| {
@@ -356,7 +372,8 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
             (5, "gwtf"),
             (6, "swarm"),
             (7, "swarm-plus"),
-            (8, "central-mcmf"),
+            (8, "swarm-deccom"),
+            (9, "central-mcmf"),
         ] {
             let r = report(sc, churn, seed, policy);
             let printed: f64 = row[col].split(' ').next().unwrap().parse().unwrap();
@@ -371,8 +388,18 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
         );
         let want = g["training_time_s"].as_f64().unwrap() / s["training_time_s"].as_f64().unwrap();
         assert!(
-            (row[9].parse::<f64>().unwrap() - want).abs() < 6e-4,
+            (row[10].parse::<f64>().unwrap() - want).abs() < 6e-4,
             "{row:?}"
+        );
+        let d = report(sc, churn, seed, "swarm-deccom");
+        let want = g["training_time_s"].as_f64().unwrap() / d["training_time_s"].as_f64().unwrap();
+        assert!(
+            (row[12].parse::<f64>().unwrap() - want).abs() < 6e-4,
+            "{row:?}"
+        );
+        assert_eq!(
+            (g["sequences"].as_u64(), g["max_in_flight"].as_u64()),
+            (Some(4), Some(4))
         );
     }
     // A range covers its seeds' values.
@@ -421,6 +448,61 @@ fn bench_policies_prints_a_row_per_run_and_the_range_over_the_seeds() {
     );
 }
 
+/// The paper's regime: microbatches of 16 sequences, 16 in flight, 32 per
+/// holder, on its own scenarios, under a heading of its own.
+#[test]
+fn bench_policies_runs_the_papers_regime_on_its_own_scenarios() {
+    let dir = scratch("bench-policies-paper");
+    let json = dir.join("runs.json");
+    let out = gwtf()
+        .args([
+            "bench",
+            "policies",
+            "--regimes",
+            "project,paper",
+            "--scenarios",
+            "homogeneous",
+            "--paper-scenarios",
+            "geo10-gib",
+            "--churn",
+            "0",
+            "--seeds",
+            "1",
+            "--iterations",
+            "1",
+            "--model",
+            "llama-124m",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    let project = table
+        .find("# The project regime")
+        .expect("no project heading");
+    let paper = table.find("# The paper regime").expect("no paper heading");
+    assert!(project < paper, "{table}");
+    assert!(table[..paper].contains("| homogeneous |"), "{table}");
+    assert!(!table[..paper].contains("| geo10-gib |"), "{table}");
+    assert!(table[paper..].contains("| geo10-gib |"), "{table}");
+    let runs: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(runs.len(), 10, "two cells of five policies");
+    for r in &runs {
+        let paper = r["scenario"] == "geo10-gib";
+        // llama-124m's own microbatch: 4 sequences.
+        let want = if paper { (16, 16, 32) } else { (4, 4, 8) };
+        let got = (
+            r["sequences"].as_u64().unwrap(),
+            r["max_in_flight"].as_u64().unwrap(),
+            r["microbatches_per_holder"].as_u64().unwrap(),
+        );
+        assert_eq!(got, want, "{}", r["policy"]);
+    }
+}
+
 #[test]
 fn bench_policies_refuses_bad_arguments_before_running() {
     // 100,000 iterations: a check made after the runs would time out.
@@ -442,6 +524,11 @@ fn bench_policies_refuses_bad_arguments_before_running() {
         (with(&["--jobs", "0"]), vec!["--jobs", "got 0"]),
         (with(&["--model", "nope"]), vec!["--model nope"]),
         (with(&["--seeds", "1,"]), vec!["--seeds"]),
+        (
+            with(&["--regimes", "project,ours"]),
+            vec!["--regimes ours: unknown regime (project, paper)"],
+        ),
+        (with(&["--paper-scenarios", "nowhere"]), vec!["nowhere"]),
         (
             with(&["--json", "/nonexistent/dir/x.json"]),
             vec!["cannot write --json /nonexistent/dir/x.json"],

@@ -73,7 +73,12 @@ fn randomized_churn_keeps_every_invariant() {
     // butterfly made iterations about half as long).
     let iterations = if long() { 80 } else { 12 };
     for seed in 1..=seeds {
-        for policy in [Policy::Gwtf, Policy::Swarm, Policy::CentralMcmf] {
+        for policy in [
+            Policy::Gwtf,
+            Policy::Swarm,
+            Policy::SwarmDeccom,
+            Policy::CentralMcmf,
+        ] {
             // High churn (1 to 3 departures per node-hour) to get crashes in
             // the middle of forwards, backwards and aggregations.
             let churn = 1.0 + (seed % 3) as f64;

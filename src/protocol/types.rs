@@ -56,6 +56,11 @@ pub enum Policy {
     /// next hop with the least own outstanding work over its throughput
     /// (latency-aware), a crash restarting the microbatch from its holder.
     SwarmPlus,
+    /// SWARM as the GWTF paper's first author re-implemented it
+    /// (NikolayBlagoev/DecCom-Python, `swarmprotocol.py`): hops go relay
+    /// to relay, each to the next-stage peer of the lowest measured delay
+    /// (docs/SPEC.md section 8).
+    SwarmDeccom,
     /// Source routing along paths computed centrally (a min-cost max-flow
     /// with global knowledge and load-dependent costs) and handed to the
     /// data holders by the driver: a plan, not an optimum.
@@ -72,13 +77,28 @@ impl Policy {
         self != Policy::Swarm
     }
 
+    /// Every policy, in the order tables and plots show them.
+    pub const ALL: [Policy; 5] = [
+        Policy::Gwtf,
+        Policy::Swarm,
+        Policy::SwarmPlus,
+        Policy::SwarmDeccom,
+        Policy::CentralMcmf,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::Gwtf => "gwtf",
             Policy::Swarm => "swarm",
             Policy::SwarmPlus => "swarm-plus",
+            Policy::SwarmDeccom => "swarm-deccom",
             Policy::CentralMcmf => "central-mcmf",
         }
+    }
+
+    /// The policy of [`Policy::name`] `name`.
+    pub fn by_name(name: &str) -> Option<Policy> {
+        Policy::ALL.into_iter().find(|p| p.name() == name)
     }
 }
 

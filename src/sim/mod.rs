@@ -211,6 +211,11 @@ pub struct SimReport {
     pub bound_series: Vec<(f64, f64, u32)>,
     /// Microbatches per aggregation at the start (holders x microbatches per holder).
     pub global_batch: u32,
+    /// Sequences per microbatch, microbatches per holder per iteration,
+    /// and at most in flight per holder.
+    pub sequences: usize,
+    pub microbatches_per_holder: u32,
+    pub max_in_flight: u32,
     pub events: u64,
     pub empty_stages: Vec<(f64, Stage)>,
     /// Why training did not finish, when a stage was left empty.
@@ -226,6 +231,11 @@ pub struct SimReport {
     pub iteration_times_s: Vec<f64>,
     /// Messages sent, by kind.
     pub messages: BTreeMap<String, u64>,
+    /// Forwards sent to a relay, and those of them to a relay in the
+    /// region of the microbatch's data holder: how much a policy keeps a
+    /// trainer's work near it (SWARM's trainer-owned heaps do).
+    pub relay_forwards: u64,
+    pub relay_forwards_in_holder_region: u64,
 }
 
 #[derive(Debug)]
@@ -442,6 +452,9 @@ impl Sim {
         };
         sim.rep.policy = sim.cfg.policy.name().into();
         sim.rep.global_batch = sim.cfg.holders * sim.cfg.mb_per_iter;
+        sim.rep.sequences = sim.cfg.model.sequences;
+        sim.rep.microbatches_per_holder = sim.cfg.mb_per_iter;
+        sim.rep.max_in_flight = sim.cfg.max_in_flight;
         sim.rep.scenario = sim.cfg.scenario.name.clone();
         sim.rep.model = sim.cfg.model.name.clone();
         sim.rep.seed = sim.cfg.seed;
@@ -754,6 +767,14 @@ impl Sim {
             .entry(std::mem::discriminant(&msg))
             .or_insert((msg.name(), 0))
             .1 += 1;
+        if let Msg::Forward { mb, .. } = &msg {
+            if to != mb.holder && (mb.holder as usize) < self.nodes.len() {
+                self.rep.relay_forwards += 1;
+                if self.region_of[to as usize] == self.region_of[mb.holder as usize] {
+                    self.rep.relay_forwards_in_holder_region += 1;
+                }
+            }
+        }
         if !msg.is_bulk() {
             self.connect(from, to);
             let bytes = msg.wire_bytes(&self.pcfg) as f64;
@@ -1598,7 +1619,7 @@ impl Sim {
         }
         // Flow value and critical path of this iteration, and the optimum.
         let flow: f64 = match self.cfg.policy {
-            Policy::Swarm | Policy::SwarmPlus => {
+            Policy::Swarm | Policy::SwarmPlus | Policy::SwarmDeccom => {
                 holders.len() as f64 * self.cfg.max_in_flight as f64
             }
             Policy::Gwtf | Policy::CentralMcmf => holders

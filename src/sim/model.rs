@@ -25,18 +25,28 @@ pub struct ModelPreset {
     /// Stages of the preset (embedding and head stages included).
     pub preset_stages: usize,
     pub total_params: u64,
+    /// Sequences per microbatch.
+    pub sequences: usize,
 }
 
 impl ModelPreset {
     /// A preset of `crate::model` by name (llama-124m, llama-500m, llama-1.5b,
     /// and the small ones); it needs at least 3 stages.
     pub fn by_name(name: &str) -> Option<ModelPreset> {
+        Self::with_sequences(name, None)
+    }
+
+    /// [`ModelPreset::by_name`] with microbatches of `sequences` sequences
+    /// (`None`: the preset's own batch): compute, activations and frames
+    /// grow with it, the weights do not.
+    pub fn with_sequences(name: &str, sequences: Option<usize>) -> Option<ModelPreset> {
         let cfg = preset(name).ok()?;
         let plan = StagePlan::new(&cfg, cfg.n_stages).ok()?;
-        if plan.len() < 3 {
+        if plan.len() < 3 || sequences == Some(0) {
             return None;
         }
-        let costs = stage_costs(&cfg, &plan, cfg.batch, cfg.seq);
+        let sequences = sequences.unwrap_or(cfg.batch);
+        let costs = stage_costs(&cfg, &plan, sequences, cfg.seq);
         let last = costs.len() - 1;
         let relays = &costs[1..last];
         Some(ModelPreset {
@@ -52,6 +62,7 @@ impl ModelPreset {
             frame_bytes: costs[0].output_bytes,
             preset_stages: costs.len(),
             total_params: cfg.total_params() as u64,
+            sequences,
         })
     }
 
@@ -124,5 +135,22 @@ mod tests {
             assert!(m.relay_capacity(1, 24 << 30) >= 1);
         }
         assert!(ModelPreset::by_name("nope").is_none());
+    }
+
+    /// A microbatch of 32 sequences costs 16 times one of the preset's 2:
+    /// compute, activations and frames; the weights stay.
+    #[test]
+    fn a_larger_microbatch_scales_its_costs_not_the_weights() {
+        let (m, big) = (
+            ModelPreset::by_name("llama-500m").unwrap(),
+            ModelPreset::with_sequences("llama-500m", Some(32)).unwrap(),
+        );
+        assert_eq!((m.sequences, big.sequences), (2, 32));
+        let r = |a: f64, b: f64| b / a;
+        assert!((r(m.stage_fwd_flops(1), big.stage_fwd_flops(1)) - 16.0).abs() < 1e-9);
+        assert_eq!(16 * m.activation_bytes(), big.activation_bytes());
+        assert_eq!(16 * m.relay_act[0], big.relay_act[0]);
+        assert_eq!(m.stage_params(1), big.stage_params(1));
+        assert!(ModelPreset::with_sequences("llama-500m", Some(0)).is_none());
     }
 }

@@ -1,5 +1,5 @@
 //! `gwtf bench policies`: every routing policy of the simulator over a grid of
-//! scenarios x churn rates x seeds, each run's training time over the lower
+//! regimes x scenarios x churn rates x seeds, each run's training time over the lower
 //! bound computed in the same run (`t/bound`) and GWTF's over the
 //! baselines', as markdown tables: one row per run, then one per scenario and
 //! churn rate with the range over the seeds. The tables of the project's
@@ -15,12 +15,7 @@ use super::checks;
 use super::sim_cmd;
 
 /// The policies every cell runs, in the tables' order.
-const POLICIES: [Policy; 4] = [
-    Policy::Gwtf,
-    Policy::Swarm,
-    Policy::SwarmPlus,
-    Policy::CentralMcmf,
-];
+const POLICIES: [Policy; 5] = Policy::ALL;
 
 /// Runs at most, so that a typo in a list does not start a week of work.
 const MAX_RUNS: usize = 10_000;
@@ -51,6 +46,16 @@ pub struct BenchPoliciesArgs {
     /// llama-124m, llama-500m or llama-1.5b.
     #[arg(long, default_value = "llama-500m")]
     model: String,
+    /// Regimes, comma-separated: `project` (--scenarios, the model's
+    /// microbatch of 2 sequences, 4 in flight, 8 microbatches per holder)
+    /// and `paper` (--paper-scenarios, microbatches of 16 sequences, 16
+    /// in flight, 32 per holder: closer to the GWTF paper's).
+    #[arg(long, value_delimiter = ',', default_value = "project,paper")]
+    regimes: Vec<String>,
+    /// The paper regime's scenarios (the authors' simulators read geo10's
+    /// bandwidths as GiB/s: geo10-gib).
+    #[arg(long, value_delimiter = ',', default_value = "geo10-gib")]
+    paper_scenarios: Vec<String>,
     /// Runs at once (>= 1; default: the cores).
     #[arg(long, allow_negative_numbers = true,
           value_parser = checks::int_in::<usize>(1, 1024))]
@@ -66,12 +71,47 @@ struct Job {
     config: SimConfig,
 }
 
-/// One (scenario, churn, seed) of the grid: a run per policy.
+/// One (regime, scenario, churn, seed) of the grid: a run per policy.
 struct Cell {
+    regime: &'static Regime,
     scenario: String,
     churn: f64,
     seed: u64,
 }
+
+/// How the microbatches of a grid are cut and sent.
+struct Regime {
+    name: &'static str,
+    /// Sequences per microbatch (`None`: the model's own).
+    sequences: Option<usize>,
+    /// Microbatches in flight per holder.
+    in_flight: u32,
+    /// Microbatches per holder per iteration (`None`: the scenario's).
+    microbatches: Option<u32>,
+    /// What its tables' heading says.
+    what: &'static str,
+}
+
+/// The regimes of `--regimes`.
+const REGIMES: [Regime; 2] = [
+    Regime {
+        name: "project",
+        sequences: None,
+        in_flight: 4,
+        microbatches: None,
+        what: "this project's: the model's microbatch (2 sequences), 4 in flight, \
+               the scenario's microbatches per holder (8)",
+    },
+    Regime {
+        name: "paper",
+        sequences: Some(16),
+        in_flight: 16,
+        microbatches: Some(32),
+        what: "closer to the GWTF paper's: microbatches of 16 sequences of the \
+               model's 1024 tokens (16k tokens, as the paper's 64 sequences of 256), \
+               16 in flight, 32 per holder",
+    },
+];
 
 /// `xs` without repeats, in their first order (a value given twice would
 /// run twice and count twice in its range).
@@ -87,22 +127,34 @@ fn distinct<T: PartialEq + Clone>(xs: &[T]) -> Vec<T> {
 
 pub fn run(mut a: BenchPoliciesArgs) -> super::CliResult {
     // Everything that can be refused is refused before the first run.
-    let model = sim_cmd::model(&a.model)?;
-    a.scenarios = distinct(
-        &a.scenarios
-            .iter()
-            .map(|s| s.trim().to_string())
-            .collect::<Vec<_>>(),
-    );
+    sim_cmd::model(&a.model)?;
+    let trimmed =
+        |xs: &[String]| distinct(&xs.iter().map(|s| s.trim().to_string()).collect::<Vec<_>>());
     a.churn = distinct(&a.churn);
     a.seeds = distinct(&a.seeds);
-    let scenarios = (a.scenarios.iter())
-        .map(|s| Scenario::by_name(s))
-        .collect::<Result<Vec<_>, _>>()?;
-    if scenarios.is_empty() || a.churn.is_empty() || a.seeds.is_empty() {
-        return Err("--scenarios, --churn and --seeds each need at least one value".into());
+    let mut grids = Vec::new();
+    for name in trimmed(&a.regimes) {
+        let Some(regime) = REGIMES.iter().find(|r| r.name == name) else {
+            return Err(format!("--regimes {name}: unknown regime (project, paper)").into());
+        };
+        let names = if regime.name == "paper" {
+            trimmed(&a.paper_scenarios)
+        } else {
+            trimmed(&a.scenarios)
+        };
+        let scenarios = (names.iter())
+            .map(|s| Scenario::by_name(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let model = sim_cmd::model_with(&a.model, regime.sequences)?;
+        grids.push((regime, model, scenarios));
     }
-    let runs = scenarios.len() * a.churn.len() * a.seeds.len() * POLICIES.len();
+    let scenarios: usize = grids.iter().map(|g| g.2.len()).sum();
+    if scenarios == 0 || a.churn.is_empty() || a.seeds.is_empty() {
+        return Err(
+            "--regimes, their scenarios, --churn and --seeds each need at least one value".into(),
+        );
+    }
+    let runs = scenarios * a.churn.len() * a.seeds.len() * POLICIES.len();
     if runs > MAX_RUNS {
         return Err(
             format!("{runs} runs: at most {MAX_RUNS} (fewer scenarios, rates or seeds)").into(),
@@ -113,25 +165,30 @@ pub fn run(mut a: BenchPoliciesArgs) -> super::CliResult {
     }
     let mut cells = Vec::new();
     let mut jobs = Vec::new();
-    for scenario in &scenarios {
-        for &churn in &a.churn {
-            for &seed in &a.seeds {
-                for policy in POLICIES {
-                    let mut c = SimConfig::new(scenario.clone(), model.clone(), policy);
-                    c.churn_per_hour = churn;
-                    c.iterations = a.iterations;
-                    c.seed = seed;
-                    c.reference_optimum = c.holders + c.relays <= 2000;
-                    jobs.push(Job {
-                        cell: cells.len(),
-                        config: c,
+    for (regime, model, scenarios) in &grids {
+        for scenario in scenarios {
+            for &churn in &a.churn {
+                for &seed in &a.seeds {
+                    for policy in POLICIES {
+                        let mut c = SimConfig::new(scenario.clone(), model.clone(), policy);
+                        c.churn_per_hour = churn;
+                        c.iterations = a.iterations;
+                        c.seed = seed;
+                        c.max_in_flight = regime.in_flight;
+                        c.mb_per_iter = regime.microbatches.unwrap_or(c.mb_per_iter);
+                        c.reference_optimum = c.holders + c.relays <= 2000;
+                        jobs.push(Job {
+                            cell: cells.len(),
+                            config: c,
+                        });
+                    }
+                    cells.push(Cell {
+                        regime,
+                        scenario: scenario.name.clone(),
+                        churn,
+                        seed,
                     });
                 }
-                cells.push(Cell {
-                    scenario: scenario.name.clone(),
-                    churn,
-                    seed,
-                });
             }
         }
     }
@@ -140,8 +197,22 @@ pub fn run(mut a: BenchPoliciesArgs) -> super::CliResult {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .min(jobs.len());
     let reports = run_all(&jobs, threads);
-    print_runs(&cells, &reports);
-    print_summary(&cells, &reports);
+    for (regime, _, _) in &grids {
+        let (lo, hi) = (
+            cells.iter().position(|c| std::ptr::eq(c.regime, *regime)),
+            cells.iter().rposition(|c| std::ptr::eq(c.regime, *regime)),
+        );
+        let (Some(lo), Some(hi)) = (lo, hi) else {
+            continue;
+        };
+        println!("# The {} regime", regime.name);
+        println!();
+        println!("{} ({}).", capitalized(regime.what), a.model);
+        println!();
+        print_runs(&cells[lo..=hi], &reports[lo..=hi]);
+        print_summary(&cells[lo..=hi], &reports[lo..=hi]);
+        println!();
+    }
     if let Some(path) = &a.json {
         let all: Vec<&SimReport> = reports.iter().flatten().collect();
         std::fs::write(path, serde_json::to_string_pretty(&all)? + "\n")
@@ -169,7 +240,7 @@ pub fn run(mut a: BenchPoliciesArgs) -> super::CliResult {
 /// Runs every job on `threads` threads, the next job to the first free one;
 /// the reports by cell, in the order of [`POLICIES`]. Progress goes to
 /// stderr, so that stdout holds the tables alone.
-fn run_all(jobs: &[Job], threads: usize) -> Vec<[SimReport; 4]> {
+fn run_all(jobs: &[Job], threads: usize) -> Vec<[SimReport; 5]> {
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
     let out: Mutex<Vec<Option<SimReport>>> = Mutex::new(vec![None; jobs.len()]);
@@ -211,6 +282,14 @@ fn run_all(jobs: &[Job], threads: usize) -> Vec<[SimReport; 4]> {
         .collect()
 }
 
+/// `s` with its first letter upper-case.
+fn capitalized(s: &str) -> String {
+    let mut c = s.chars();
+    c.next()
+        .map(|f| f.to_uppercase().chain(c).collect())
+        .unwrap_or_default()
+}
+
 /// `t/bound`, marked when the run did not finish its iterations.
 fn over_bound(r: &SimReport) -> String {
     let mark = if r.completed { "" } else { " (incomplete)" };
@@ -230,22 +309,23 @@ fn lost(rs: &[SimReport]) -> u64 {
     rs.iter().map(|r| r.lost_microbatches).sum()
 }
 
-const HEADER: &str = "gwtf | swarm | swarm-plus | central-mcmf | gwtf/swarm | gwtf/swarm-plus";
+const HEADER: &str = "gwtf | swarm | swarm-plus | swarm-deccom | central-mcmf | gwtf/swarm | gwtf/swarm-plus | gwtf/swarm-deccom";
 
-fn print_runs(cells: &[Cell], reports: &[[SimReport; 4]]) {
+fn print_runs(cells: &[Cell], reports: &[[SimReport; 5]]) {
     println!("## Every run");
     println!();
     println!(
         "t/bound: the run's training time over the sum of its iterations' lower bounds; \
-         gwtf/swarm, gwtf/swarm-plus: GWTF's training time over theirs; lost: all policies."
+         gwtf/swarm, gwtf/swarm-plus, gwtf/swarm-deccom: GWTF's training time over theirs; \
+         lost: all policies."
     );
     println!();
     println!("| scenario | churn/h | seed | bound s/it | {HEADER} | gwtf wasted % | gwtf all-reduces bypassed/aborted | lost |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (c, rs) in cells.iter().zip(reports) {
-        let [g, s, p, m] = rs;
+        let [g, s, p, d, m] = rs;
         println!(
-            "| {} | {} | {} | {:.2} | {} | {} | {} | {} | {:.3} | {:.3} | {:.2} | {}/{} | {} |",
+            "| {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {}/{} | {} |",
             c.scenario,
             c.churn,
             c.seed,
@@ -253,9 +333,11 @@ fn print_runs(cells: &[Cell], reports: &[[SimReport; 4]]) {
             over_bound(g),
             over_bound(s),
             over_bound(p),
+            over_bound(d),
             over_bound(m),
             ratio(g, s),
             ratio(g, p),
+            ratio(g, d),
             g.wasted_gpu_pct,
             g.allreduce_bypassed,
             g.allreduce_aborted,
@@ -278,11 +360,11 @@ fn range(xs: impl Iterator<Item = f64>) -> String {
     }
 }
 
-fn print_summary(cells: &[Cell], reports: &[[SimReport; 4]]) {
+fn print_summary(cells: &[Cell], reports: &[[SimReport; 5]]) {
     println!("## Over the seeds (lowest-highest)");
     println!();
     println!("| scenario | churn/h | seeds | {HEADER} | gwtf wasted % (most) | lost |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut i = 0;
     while i < cells.len() {
         let c = &cells[i];
@@ -293,7 +375,7 @@ fn print_summary(cells: &[Cell], reports: &[[SimReport; 4]]) {
         let col = |p: usize| range(rs.iter().map(|r| r[p].time_over_bound));
         let incomplete = rs.iter().flatten().filter(|r| !r.completed).count();
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {}{} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {}{} |",
             c.scenario,
             c.churn,
             n,
@@ -301,8 +383,10 @@ fn print_summary(cells: &[Cell], reports: &[[SimReport; 4]]) {
             col(1),
             col(2),
             col(3),
+            col(4),
             range(rs.iter().map(|r| ratio(&r[0], &r[1]))),
             range(rs.iter().map(|r| ratio(&r[0], &r[2]))),
+            range(rs.iter().map(|r| ratio(&r[0], &r[3]))),
             rs.iter().map(|r| r[0].wasted_gpu_pct).fold(0.0, f64::max),
             rs.iter().map(|r| lost(r)).sum::<u64>(),
             if incomplete > 0 {

@@ -17,6 +17,11 @@ pub struct SimArgs {
     /// llama-124m, llama-500m or llama-1.5b.
     #[arg(long, default_value = "llama-500m")]
     model: String,
+    /// Sequences per microbatch (default: the model's, 2; the GWTF paper's
+    /// configurations use about 64).
+    #[arg(long, allow_negative_numbers = true,
+          value_parser = checks::int_in::<usize>(1, 4096))]
+    sequences: Option<usize>,
     /// Departures (and joins) per hour as a fraction of the nodes (0.16 = 16%), 0..=100.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
           value_parser = checks::float_in(0.0, 100.0))]
@@ -25,7 +30,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.25, allow_negative_numbers = true,
           value_parser = checks::float_in(0.0, 1.0))]
     leave_fraction: f64,
-    /// gwtf, swarm, swarm-plus, central-mcmf (alias: optimal) or all.
+    /// gwtf, swarm, swarm-plus, swarm-deccom, central-mcmf (alias:
+    /// optimal) or all.
     #[arg(long, default_value = "all")]
     policy: String,
     /// Training iterations to simulate (>= 1).
@@ -63,27 +69,27 @@ pub struct SimArgs {
 }
 
 fn policies(p: &str) -> Result<Vec<Policy>, String> {
-    Ok(match p {
-        "gwtf" => vec![Policy::Gwtf],
-        "swarm" => vec![Policy::Swarm],
-        "swarm-plus" => vec![Policy::SwarmPlus],
-        "central-mcmf" | "optimal" => vec![Policy::CentralMcmf],
-        "all" => vec![
-            Policy::Gwtf,
-            Policy::Swarm,
-            Policy::SwarmPlus,
-            Policy::CentralMcmf,
-        ],
-        other => {
-            return Err(format!(
-                "--policy {other}: unknown policy (gwtf, swarm, swarm-plus, central-mcmf, all)"
-            ))
-        }
-    })
+    match p {
+        "all" => Ok(Policy::ALL.to_vec()),
+        "optimal" => Ok(vec![Policy::CentralMcmf]),
+        other => Policy::by_name(other).map(|p| vec![p]).ok_or_else(|| {
+            let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+            format!(
+                "--policy {other}: unknown policy ({}, all)",
+                names.join(", ")
+            )
+        }),
+    }
 }
 
 pub(super) fn model(name: &str) -> Result<ModelPreset, String> {
-    ModelPreset::by_name(name).ok_or_else(|| {
+    model_with(name, None)
+}
+
+/// The model `name` with microbatches of `sequences` sequences (`None`:
+/// its own).
+pub(super) fn model_with(name: &str, sequences: Option<usize>) -> Result<ModelPreset, String> {
+    ModelPreset::with_sequences(name, sequences).ok_or_else(|| {
         format!("--model {name}: unknown model (llama-124m, llama-500m, llama-1.5b)")
     })
 }
@@ -91,7 +97,7 @@ pub(super) fn model(name: &str) -> Result<ModelPreset, String> {
 /// The configuration of one run; the ranges of the numbers are checked by
 /// their value parsers, what depends on two arguments here.
 fn config(a: &SimArgs, scenario: &Scenario, policy: Policy) -> Result<SimConfig, String> {
-    let model = model(&a.model)?;
+    let model = model_with(&a.model, a.sequences)?;
     let stages = model.relay_stages as u32;
     let mut c = SimConfig::new(scenario.clone(), model, policy);
     c.holders = a.holders.unwrap_or(c.holders);
@@ -184,7 +190,7 @@ impl BoundRow {
 
 fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
     println!(
-        "scenario {} | model {} | {} holders + {} relays | churn {:.0}%/h | {} iterations x {} microbatches/holder (global batch {}) | NIC {} Gbit/s | seed {}",
+        "scenario {} | model {} | {} holders + {} relays | churn {:.0}%/h | {} iterations x {} microbatches/holder of {} sequences, {} in flight (global batch {}) | NIC {} Gbit/s | seed {}",
         a.scenario,
         a.model,
         c.holders,
@@ -192,12 +198,14 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
         a.churn_per_hour * 100.0,
         a.iterations,
         c.mb_per_iter,
+        c.model.sequences,
+        c.max_in_flight,
         c.holders * c.mb_per_iter,
         c.scenario.nic_bandwidth * 8.0 / 1e9,
         a.seed
     );
     println!(
-        "{:<12} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16}",
+        "{:<12} {:>10} {:>10} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16} {:>6}",
         "policy",
         "train_s",
         "mb/hour",
@@ -211,7 +219,8 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
         "crash",
         "flow/mcmf",
         "critpath/mcmf_s",
-        "queue_gpu/link_s"
+        "queue_gpu/link_s",
+        "near%"
     );
     if let Some(r) = reports.first() {
         let b = BoundRow::of(r, a.iterations);
@@ -228,7 +237,7 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
     }
     for r in reports {
         println!(
-            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>7.2} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16}",
+            "{:<12} {:>10.0} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>7.2} {:>7.2} {:>6} {:>7} {:>6} {:>10} {:>17} {:>16} {:>6.1}",
             r.policy,
             r.training_time_s,
             r.throughput_microbatches_per_hour,
@@ -246,10 +255,11 @@ fn print_table(a: &SimArgs, c: &SimConfig, reports: &[SimReport]) {
                 "{:.3}/{:.3}",
                 r.gpu_queue_per_microbatch_s, r.link_queue_per_microbatch_s
             ),
+            100.0 * r.relay_forwards_in_holder_region as f64 / r.relay_forwards.max(1) as f64,
         );
     }
     println!(
-        "bound: no iteration of the founding membership is shorter; t/bound: a run's time over the sum of its iterations' bounds (each that of the membership it started with)"
+        "bound: no iteration of the founding membership is shorter; t/bound: a run's time over the sum of its iterations' bounds (each that of the membership it started with); near%: forwards to a relay in the region of the microbatch's data holder"
     );
     for r in reports {
         let mut notes = Vec::new();
@@ -299,7 +309,8 @@ pub struct BenchSimArgs {
     #[arg(long, default_value_t = 20, allow_negative_numbers = true,
           value_parser = checks::int_at_least::<u32>(1))]
     iterations: u32,
-    /// gwtf, swarm, swarm-plus or central-mcmf (alias: optimal).
+    /// gwtf, swarm, swarm-plus, swarm-deccom or central-mcmf (alias:
+    /// optimal).
     #[arg(long, default_value = "gwtf")]
     policy: String,
 }

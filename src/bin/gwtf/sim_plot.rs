@@ -23,6 +23,7 @@ const GWTF: RGBColor = RGBColor(31, 119, 180);
 const SWARM: RGBColor = RGBColor(255, 127, 14);
 const OPTIMAL: RGBColor = RGBColor(44, 160, 44);
 const OTHER: RGBColor = RGBColor(90, 90, 90);
+const DECCOM: RGBColor = RGBColor(188, 189, 34);
 const BOUND: RGBColor = RGBColor(0, 0, 0);
 const CRASH: RGBColor = RGBColor(214, 39, 40);
 const JOIN: RGBColor = RGBColor(23, 190, 207);
@@ -62,6 +63,13 @@ fn look(policy: &str) -> LineLook {
             alpha: 1.0,
             dashed: true,
             marker: Marker::Triangle,
+        },
+        "swarm-deccom" => LineLook {
+            color: DECCOM,
+            width: 2,
+            alpha: 1.0,
+            dashed: true,
+            marker: Marker::Square,
         },
         "gwtf" => LineLook {
             color: GWTF,

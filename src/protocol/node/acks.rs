@@ -287,15 +287,11 @@ impl Node {
         }
         let o = self.clear_deadline((mb, backward)).unwrap();
         self.release_held_ack(mb, backward);
+        self.balancer_observe(from, mb, backward, o.sent_at, o.bytes);
         let a = self.cfg.ema_alpha;
         let delay = to_secs(self.now - o.sent_at);
         let counts_queues = self.policy().counts_queues();
-        let balances = self.policy().balances_cumulative_work();
         if let Some(p) = self.peers.get_mut(&from) {
-            if !backward && balances {
-                // SWARM's throughput: the whole call, end to end.
-                p.balancer.observe(delay);
-            }
             p.ack = Self::ema(p.ack, delay, a);
             let lat = p.lat.unwrap_or(0.0);
             let net = (delay - to_secs(busy) - 2.0 * lat).max(1e-4);

@@ -38,8 +38,12 @@ pub(super) struct Peer {
     pub(super) link_free: Time,
     pub(super) link_busy_since: Time,
     // ---- third cache line
-    /// SWARM: this peer's entry in the cumulative-work heap.
-    pub(super) balancer: super::balancer::BalancerEntry,
+    /// SWARM: this peer's entries in the cumulative-work heaps, one heap
+    /// per data holder (trainer).
+    pub(super) balancer: super::balancer::HeapEntries,
+    /// SWARM-DecCom: the EMA of this peer's delay (s), from a hop sent to
+    /// its acknowledgement.
+    pub(super) delay: f64,
     /// SWARM-plus: microbatches sent to this peer and not yet acknowledged.
     pub(super) queued: u32,
 }
@@ -62,6 +66,7 @@ impl Peer {
             queued: 0,
             thr: None,
             balancer: Default::default(),
+            delay: super::balancer::DECCOM_INITIAL_DELAY,
         }
     }
 }

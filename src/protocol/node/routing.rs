@@ -16,12 +16,6 @@ pub(super) trait RoutingPolicy: Sync {
     fn counts_queues(&self) -> bool {
         false
     }
-    /// Routes by SWARM's cumulative-work heap, measures each next hop's
-    /// end-to-end time per call, bans a failed peer for the lifetime of its
-    /// DHT record (`balancer.rs`).
-    fn balances_cumulative_work(&self) -> bool {
-        false
-    }
     /// Fixed ack timeouts (forward, backward), as SWARM's calls have;
     /// `None`: adaptive ones, postponed by `Queued` notices.
     fn fixed_timeouts(&self) -> Option<(Time, Time)> {
@@ -87,8 +81,15 @@ pub(super) enum NextHopRule {
     Cost,
     /// The smallest expected finish time (SWARM-plus).
     ShortestExpectedDelay,
-    /// The smallest cumulative expected work (SWARM, `balancer.rs`).
+    /// The smallest cumulative expected work in the heap of the
+    /// microbatch's holder (SWARM, `balancer.rs`): it also times each next
+    /// hop's calls end to end and bans a failed peer for the lifetime of
+    /// its DHT record.
     CumulativeWork,
+    /// The lowest delay, an EMA of the time from a forward to its ack; a
+    /// hop that timed out gives its peer a prohibitive delay
+    /// (SWARM-DecCom, `balancer.rs`).
+    LowestDelay,
 }
 
 /// GWTF: reserved flows, cost gossip, stage-only crash recovery.
@@ -111,9 +112,6 @@ impl RoutingPolicy for Gwtf {
 struct Swarm;
 
 impl RoutingPolicy for Swarm {
-    fn balances_cumulative_work(&self) -> bool {
-        true
-    }
     fn fixed_timeouts(&self) -> Option<(Time, Time)> {
         Some((
             super::balancer::FORWARD_TIMEOUT,
@@ -155,6 +153,26 @@ impl RoutingPolicy for SwarmPlus {
     }
 }
 
+/// SWARM as the GWTF paper's first author re-implemented it
+/// (NikolayBlagoev/DecCom-Python, `swarmprotocol.py`; each rule's source
+/// is cited in `balancer.rs`): direct hops between relays, the next hop of
+/// the lowest measured delay, a fixed 20 s timeout after which the hop is
+/// sent again from the relay that holds its input (the crashed stage alone
+/// is run again), activations kept for the backward.
+struct SwarmDeccom;
+
+impl RoutingPolicy for SwarmDeccom {
+    fn fixed_timeouts(&self) -> Option<(Time, Time)> {
+        Some((
+            super::balancer::DECCOM_TIMEOUT,
+            super::balancer::DECCOM_TIMEOUT,
+        ))
+    }
+    fn next_hop_rule(&self) -> NextHopRule {
+        NextHopRule::LowestDelay
+    }
+}
+
 /// Centrally planned (central-mcmf): the holders follow the paths
 /// of `Input::SetPlan`, at most one microbatch in flight per path.
 struct Planned;
@@ -178,6 +196,7 @@ pub(super) fn routing_policy(p: Policy) -> &'static dyn RoutingPolicy {
         Policy::Gwtf => &Gwtf,
         Policy::Swarm => &Swarm,
         Policy::SwarmPlus => &SwarmPlus,
+        Policy::SwarmDeccom => &SwarmDeccom,
         Policy::CentralMcmf => &Planned,
     }
 }
@@ -212,7 +231,8 @@ impl Node {
         match self.policy().next_hop_rule() {
             NextHopRule::Cost => self.next_hop_by_cost(mb, label, plan, exclude),
             NextHopRule::ShortestExpectedDelay => self.next_hop_by_queue(exclude),
-            NextHopRule::CumulativeWork => self.next_hop_by_cumulative_work(exclude),
+            NextHopRule::CumulativeWork => self.next_hop_by_cumulative_work(mb.holder, exclude),
+            NextHopRule::LowestDelay => self.next_hop_by_lowest_delay(exclude),
         }
     }
 
@@ -319,7 +339,16 @@ mod tests {
             routing_policy(Policy::CentralMcmf),
             routing_policy(Policy::Swarm),
         );
-        assert!(w.balances_cumulative_work() && !s.balances_cumulative_work());
+        let d = routing_policy(Policy::SwarmDeccom);
+        assert!(matches!(w.next_hop_rule(), NextHopRule::CumulativeWork));
+        assert!(matches!(d.next_hop_rule(), NextHopRule::LowestDelay));
+        assert!(matches!(
+            s.next_hop_rule(),
+            NextHopRule::ShortestExpectedDelay
+        ));
+        assert!(d.fixed_timeouts() == Some((20 * SEC, 20 * SEC)) && d.reruns_crashed_stage());
+        assert!(!d.acks_on_delivery() && !d.reserves_flows() && !d.counts_queues());
+        assert!(!d.drops_lost_contributions() && !d.skips_failed_aggregation());
         assert!(w.drops_lost_contributions() && !s.drops_lost_contributions());
         assert!(w.acks_on_delivery() && !s.acks_on_delivery());
         assert!(w.skips_failed_aggregation() && !s.skips_failed_aggregation());
