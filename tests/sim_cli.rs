@@ -142,6 +142,12 @@ fn sim_refuses_bad_arguments_before_simulating() {
         (with(&["--holders", "0"]), vec!["--holders", "got 0"]),
         (with(&["--microbatches", "0"]), vec!["--microbatches", "got 0"]),
         (with(&["--in-flight", "0"]), vec!["--in-flight", "got 0"]),
+        (with(&["--sequences", "0"]), vec!["--sequences", "got 0"]),
+        (with(&["--sequences", "5000"]), vec!["--sequences", "got 5000"]),
+        (
+            with(&["--policy", "swarm-deccomm"]),
+            vec!["--policy swarm-deccomm: unknown policy (gwtf, swarm, swarm-plus, swarm-deccom, central-mcmf, all)"],
+        ),
         (with(&["--seed", "-1"]), vec!["--seed", "got -1"]),
         (
             with(&["--relays", "2"]),
