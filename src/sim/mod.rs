@@ -313,6 +313,10 @@ struct SimNode {
     node: Node,
     region: usize,
     flops: f64,
+    /// Seconds its GPU computed (debug output).
+    busy_s: f64,
+    queue_s: f64,
+    tasks: u64,
     /// Compute tasks waiting for the GPU, run in the order given (the
     /// runtime's work queue hands its trainer work in order), each with
     /// the time it was queued.
@@ -524,6 +528,9 @@ impl Sim {
             gpu_queue: VecDeque::new(),
             running: None,
             gpu_gen: 0,
+            busy_s: 0.0,
+            queue_s: 0.0,
+            tasks: 0,
             timer_at: None,
         });
         self.conns.add_node(id);
@@ -669,6 +676,7 @@ impl Sim {
                 }
                 let (task, start) = n.running.take().unwrap();
                 let dur = to_secs(self.now - start);
+                n.busy_s += dur;
                 self.rep.gpu_time_total_s += dur;
                 self.ledger.insert((node, task.id), dur);
                 if matches!(task.kind, TaskKind::Embed | TaskKind::Forward) {
@@ -1172,6 +1180,8 @@ impl Sim {
             return;
         };
         if task.mb.is_some() {
+            n.queue_s += to_secs(self.now - queued);
+            n.tasks += 1;
             self.rep.gpu_queue_s += to_secs(self.now - queued);
         }
         n.running = Some((task, self.now));
@@ -1655,6 +1665,24 @@ impl Sim {
     }
 
     fn finish(mut self) -> SimReport {
+        if self.debug {
+            let t = to_secs(self.now).max(1e-9);
+            for (i, n) in self.nodes.iter().enumerate() {
+                if self.alive[i] {
+                    eprintln!(
+                        "LOAD node {i} stage {} region {} flops {:.3e} busy {:.1}% flows {} cap {} tasks {} wait {:.2}",
+                        n.node.stage(),
+                        n.region,
+                        n.flops,
+                        100.0 * n.busy_s / t,
+                        n.node.flow_count(),
+                        n.node.capacity(),
+                        n.tasks,
+                        n.queue_s / n.tasks.max(1) as f64
+                    );
+                }
+            }
+        }
         self.rep.messages = self
             .msg_counts
             .values()

@@ -193,18 +193,10 @@ impl Node {
     /// speed), so that queueing is not taken for a crash. Nothing is sent
     /// when the GPU has nothing else to do first.
     pub(super) fn notify_queued(&mut self, to: NodeId, mb: MbId, attempt: u32, backward: bool) {
-        let mut n = 0usize;
-        let mut wait = 0.0;
-        for (kind, _, _) in self.tasks.values() {
-            if !kind.is_compute() {
-                continue;
-            }
-            n += 1;
-            wait += match kind {
-                TaskKind::Backward | TaskKind::EmbedBackward => 2.0 * self.compute_s / 3.0,
-                _ => self.compute_s / 3.0,
-            };
-        }
+        let n = (self.tasks.values())
+            .filter(|(k, _, _)| k.is_compute())
+            .count();
+        let mut wait = self.gpu_backlog_s();
         // A forward waiting for memory also waits for backwards to free it:
         // about one stay of a microbatch here per `capacity` ahead of it.
         let ahead = (!backward)

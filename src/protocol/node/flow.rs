@@ -134,11 +134,16 @@ impl Node {
     /// Flows this node can carry at once. Its memory bounds them
     /// (`capacity`), unless its trainer can recompute a forward
     /// ([`Config::recompute`]): then its GPU does, at about one stay of a
-    /// microbatch here (the measured hold) per compute time, and never
-    /// fewer than its memory allows.
+    /// microbatch here (the measured hold, less its waits for the GPU) per
+    /// compute time, and never fewer than its memory allows.
     pub(super) fn flow_capacity(&self) -> u32 {
         let hold = match self.lifecycle.hold_s {
-            Some(h) if self.cfg.recompute && self.stage != 0 => h,
+            // Less the time its forward and backward waited for the GPU:
+            // a queue here lengthens the stay, and counted in it, more
+            // flows would lengthen the queue further.
+            Some(h) if self.cfg.recompute && self.stage != 0 => {
+                (h - 2.0 * self.lifecycle.gpu_wait_s.unwrap_or(0.0)).max(self.compute_s)
+            }
             _ => return self.capacity,
         };
         let gpu = (hold / self.compute_s.max(1e-6))
@@ -721,7 +726,8 @@ mod tests {
 
     /// A relay carries as many flows as its memory holds microbatches; one
     /// whose trainer recomputes carries as many as its GPU serves during a
-    /// microbatch's stay (measured), capped, never fewer than its memory's.
+    /// microbatch's stay (measured, less its waits for the GPU), capped,
+    /// never fewer than its memory's.
     #[test]
     fn a_relay_that_recomputes_carries_what_its_gpu_serves() {
         let mut n = relay(2);
@@ -733,6 +739,13 @@ mod tests {
         assert_eq!(r.flow_capacity(), 2, "no hold measured yet");
         r.lifecycle.hold_s = Some(4.0);
         assert_eq!(r.flow_capacity(), 8, "4 s stay / 0.5 s compute");
+        r.lifecycle.gpu_wait_s = Some(1.0);
+        assert_eq!(
+            r.flow_capacity(),
+            4,
+            "a queue here lengthens the stay, not the capacity: (4 - 2 x 1) / 0.5"
+        );
+        r.lifecycle.gpu_wait_s = None;
         r.lifecycle.hold_s = Some(0.2);
         assert_eq!(r.flow_capacity(), 2, "never below its memory's");
         r.lifecycle.hold_s = Some(1e6);

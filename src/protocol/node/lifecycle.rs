@@ -18,6 +18,11 @@ pub(super) struct Microbatches {
     /// How long a microbatch's activations stay here, forward start to
     /// backward done (an average): what a waiting forward is told.
     pub(super) hold_s: Option<f64>,
+    /// How long a microbatch's compute task waits for this node's GPU (an
+    /// average, from the compute queued ahead of each): the queue its
+    /// flows meet here, which the load model alone underestimates when
+    /// the GPUs are busy.
+    pub(super) gpu_wait_s: Option<f64>,
 }
 
 /// Lightweight snapshot of one microbatch at this node.

@@ -443,6 +443,12 @@ impl Node {
     ) -> TaskId {
         let id = self.next_task;
         self.next_task += 1;
+        if kind.is_compute() && mb.is_some() && self.stage != 0 {
+            // FIFO: this task waits for the compute already queued here.
+            let wait = self.gpu_backlog_s();
+            let l = &mut self.lifecycle.gpu_wait_s;
+            *l = Self::ema(*l, wait, self.cfg.ema_alpha);
+        }
         self.tasks.insert(id, (kind, mb, attempt));
         self.out.push(Action::Run(Task {
             id,
@@ -453,6 +459,24 @@ impl Node {
             recompute,
         }));
         id
+    }
+
+    /// Seconds of compute a task of `kind` takes here, by this node's own
+    /// estimate of its speed (a backward is two forwards).
+    fn expected_task_s(&self, kind: TaskKind) -> f64 {
+        match kind {
+            TaskKind::Backward | TaskKind::EmbedBackward => 2.0 * self.compute_s / 3.0,
+            _ => self.compute_s / 3.0,
+        }
+    }
+
+    /// Seconds of compute queued for this node's GPU (the tasks handed to
+    /// its trainer and not done yet).
+    fn gpu_backlog_s(&self) -> f64 {
+        (self.tasks.values())
+            .filter(|(k, _, _)| k.is_compute())
+            .map(|(k, _, _)| self.expected_task_s(*k))
+            .sum()
     }
 
     /// Bytes of this node's stage state (0: not configured).
