@@ -127,15 +127,23 @@ class Swarm:
         self.peers.pop(node).abort()
         self.killed.append(node)
 
-    def join(self, node):
-        """A relay joins the running swarm; the swarm chooses its stage."""
+    def join(self, node, **options):
+        """A relay joins the running swarm; the swarm chooses its stage.
+        `options`: more `gwtf.Peer` options (`rebuild_from_neighbours`)."""
         addr = free_addr()
         holders = [gwtf.Contact(self.addrs[i]) for i, s in self.layout if s == 0]
         self._start(node, gwtf.Peer(
             role=gwtf.Role.RELAY, stage=None, node_id=node, listen=addr, bootstrap=holders,
-            **self._common(),
+            **self._common(), **options,
         ))
         self.joined.append(node)
+
+    def leave(self, node):
+        """A member leaves gracefully (its goodbye sent) and stops."""
+        self.peers[node].leave()
+        self.stops[node].set()
+        self.threads[node].join(timeout=30)
+        self.peers.pop(node).close()
 
     def _serve(self, node):
         trainer = self.trainers[node]
