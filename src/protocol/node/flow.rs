@@ -118,6 +118,11 @@ impl Reservations {
 /// The most flows a relay that recomputes takes, however fast its GPU.
 const FLOW_CAPACITY_MAX: u32 = 64;
 
+/// How busy a relay that recomputes lets its GPU become with flows
+/// (measured) before it offers no more: 0.6 and 0.8 gave the same in the
+/// paper regime (docs/EVALUATION.md).
+const TARGET_BUSY: f64 = 0.8;
+
 impl Node {
     /// Flows this node can still take. None while its weights miss an
     /// update the stage applied (a joiner downloading the state again,
@@ -135,7 +140,8 @@ impl Node {
     /// (`capacity`), unless its trainer can recompute a forward
     /// ([`Config::recompute`]): then its GPU does, at about one stay of a
     /// microbatch here (the measured hold, less its waits for the GPU) per
-    /// compute time, and never fewer than its memory allows.
+    /// compute time, or as many as keep it [`TARGET_BUSY`] busy, whichever
+    /// is more, and never fewer than its memory allows.
     pub(super) fn flow_capacity(&self) -> u32 {
         let hold = match self.lifecycle.hold_s {
             // Less the time its forward and backward waited for the GPU:
@@ -146,9 +152,17 @@ impl Node {
             }
             _ => return self.capacity,
         };
-        let gpu = (hold / self.compute_s.max(1e-6))
-            .floor()
-            .min(FLOW_CAPACITY_MAX as f64);
+        let stay = (hold / self.compute_s.max(1e-6)).floor();
+        // Or as many as keep its GPU at most `TARGET_BUSY` busy, measured
+        // (each flow's share of it taken as alike): a short stay (the last
+        // stage's: its forward, the holder's loss, its backward) says
+        // little of how often a flow comes back.
+        let flows = self.reservations.flows.len() as f64;
+        let busy = match self.lifecycle.gpu_busy {
+            Some(u) if u > 0.01 && flows > 0.0 => (flows * TARGET_BUSY / u).floor(),
+            _ => 0.0,
+        };
+        let gpu = stay.max(busy).min(FLOW_CAPACITY_MAX as f64);
         self.capacity.max(gpu as u32)
     }
 
@@ -726,8 +740,9 @@ mod tests {
 
     /// A relay carries as many flows as its memory holds microbatches; one
     /// whose trainer recomputes carries as many as its GPU serves during a
-    /// microbatch's stay (measured, less its waits for the GPU), capped,
-    /// never fewer than its memory's.
+    /// microbatch's stay (measured, less its waits for the GPU) or as many
+    /// as keep its GPU 80 % busy (measured), capped, never fewer than its
+    /// memory's.
     #[test]
     fn a_relay_that_recomputes_carries_what_its_gpu_serves() {
         let mut n = relay(2);
@@ -746,6 +761,22 @@ mod tests {
             "a queue here lengthens the stay, not the capacity: (4 - 2 x 1) / 0.5"
         );
         r.lifecycle.gpu_wait_s = None;
+        // Or as many as keep its GPU 80 % busy, measured, when more.
+        r.lifecycle.hold_s = Some(1.0);
+        for l in 1..=4 {
+            r.test_add_flow(l, 0, 20, 30, 100 + l);
+        }
+        assert_eq!(
+            r.flow_capacity(),
+            2,
+            "no busy measured yet: 1 s stay / 0.5 s"
+        );
+        r.lifecycle.gpu_busy = Some(0.2);
+        assert_eq!(r.flow_capacity(), 16, "4 flows at 20 % busy: 16 at 80 %");
+        r.lifecycle.gpu_busy = Some(0.9);
+        assert_eq!(r.flow_capacity(), 3, "4 flows at 90 %: 3 at 80 %");
+        r.lifecycle.gpu_busy = None;
+        r.reservations = Default::default();
         r.lifecycle.hold_s = Some(0.2);
         assert_eq!(r.flow_capacity(), 2, "never below its memory's");
         r.lifecycle.hold_s = Some(1e6);

@@ -23,7 +23,16 @@ pub(super) struct Microbatches {
     /// flows meet here, which the load model alone underestimates when
     /// the GPUs are busy.
     pub(super) gpu_wait_s: Option<f64>,
+    /// How busy this node's GPU is with microbatches' compute (a fraction,
+    /// an average over windows of [`BUSY_WINDOW`]), and the compute done
+    /// since `busy_from`, by this node's own estimate of its speed.
+    pub(super) gpu_busy: Option<f64>,
+    pub(super) busy_acc: f64,
+    pub(super) busy_from: Time,
 }
+
+/// The window over which a node samples how busy its GPU is.
+pub(super) const BUSY_WINDOW: Time = 10 * SEC;
 
 /// Lightweight snapshot of one microbatch at this node.
 #[derive(Clone, Debug)]
@@ -361,10 +370,27 @@ impl Node {
             .map(|(k, a)| (*k, a.agg_task.unwrap().1))
     }
 
+    /// Once per [`BUSY_WINDOW`]: how busy the GPU was over the last one,
+    /// into the average (`gpu_busy`).
+    pub(super) fn sample_gpu_busy(&mut self) {
+        let l = &mut self.lifecycle;
+        let window = self.now.saturating_sub(l.busy_from);
+        if window < BUSY_WINDOW {
+            return;
+        }
+        let busy = (l.busy_acc / to_secs(window)).min(1.0);
+        l.gpu_busy = Self::ema(l.gpu_busy, busy, self.cfg.ema_alpha);
+        l.busy_acc = 0.0;
+        l.busy_from = self.now;
+    }
+
     pub(super) fn task_done(&mut self, id: TaskId) {
         let Some((kind, mb, attempt)) = self.tasks.remove(&id) else {
             return;
         };
+        if kind.is_compute() && mb.is_some() && self.stage != 0 {
+            self.lifecycle.busy_acc += self.expected_task_s(kind);
+        }
         if self.phase != Phase::Active {
             return;
         }
@@ -952,5 +978,50 @@ mod tests {
             .map(|(to, _)| to)
             .collect();
         assert_eq!(to, vec![11], "failed over to the other node of stage 2");
+    }
+
+    /// A relay samples how busy its GPU is once per window: the compute of
+    /// the microbatches' tasks done in it, by its own speed estimate; other
+    /// tasks do not count, nor does a holder's compute.
+    #[test]
+    fn a_relay_measures_how_busy_its_gpu_is() {
+        let mut n = Node::new(config(Policy::Gwtf), 10, 2, 0.6, 4, 1);
+        // 10 forwards of 0.2 s and 5 backwards of 0.4 s: 4 s of compute.
+        for i in 0..15 {
+            let k = if i < 10 {
+                TaskKind::Forward
+            } else {
+                TaskKind::Backward
+            };
+            let id = n.run(k, Some(mb(0, 0, i)), 0);
+            n.task_done(id);
+        }
+        let id = n.run(TaskKind::Aggregate { members: 2 }, None, 0);
+        n.task_done(id);
+        n.now = BUSY_WINDOW / 2;
+        n.sample_gpu_busy();
+        assert_eq!(n.lifecycle.gpu_busy, None, "half a window: no sample");
+        n.now = BUSY_WINDOW;
+        n.sample_gpu_busy();
+        let b = n.lifecycle.gpu_busy.unwrap();
+        assert!((b - 0.4).abs() < 1e-9, "4 s of 10: {b}");
+        // An idle window moves the average toward 0.
+        n.now = 2 * BUSY_WINDOW;
+        n.sample_gpu_busy();
+        let idle = n.lifecycle.gpu_busy.unwrap();
+        assert!(
+            (idle - 0.4 * (1.0 - n.cfg.ema_alpha)).abs() < 1e-9,
+            "{idle}"
+        );
+        let mut h = Node::new(config(Policy::Gwtf), 0, 0, 0.6, 4, 1);
+        let id = h.run(TaskKind::Embed, Some(mb(0, 0, 0)), 0);
+        h.task_done(id);
+        h.now = BUSY_WINDOW;
+        h.sample_gpu_busy();
+        assert_eq!(
+            h.lifecycle.gpu_busy,
+            Some(0.0),
+            "a holder's compute is not counted"
+        );
     }
 }

@@ -536,6 +536,7 @@ impl Node {
 
     /// The periodic work of an active node, part by part.
     fn tick(&mut self) {
+        self.sample_gpu_busy();
         match self.phase.clone() {
             Phase::Querying { since } => {
                 if self.now >= since + self.cfg.tick {
