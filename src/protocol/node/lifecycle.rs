@@ -370,6 +370,18 @@ impl Node {
             .map(|(k, a)| (*k, a.agg_task.unwrap().1))
     }
 
+    /// A microbatch's compute task is handed to the trainer: it waits
+    /// (first in, first out) for the compute already queued here, which
+    /// goes into the average (`gpu_wait_s`). A holder keeps none.
+    pub(super) fn note_gpu_wait(&mut self) {
+        if self.stage == 0 {
+            return;
+        }
+        let wait = self.gpu_backlog_s();
+        let l = &mut self.lifecycle.gpu_wait_s;
+        *l = Self::ema(*l, wait, self.cfg.ema_alpha);
+    }
+
     /// Once per [`BUSY_WINDOW`]: how busy the GPU was over the last one,
     /// into the average (`gpu_busy`).
     pub(super) fn sample_gpu_busy(&mut self) {

@@ -443,11 +443,8 @@ impl Node {
     ) -> TaskId {
         let id = self.next_task;
         self.next_task += 1;
-        if kind.is_compute() && mb.is_some() && self.stage != 0 {
-            // FIFO: this task waits for the compute already queued here.
-            let wait = self.gpu_backlog_s();
-            let l = &mut self.lifecycle.gpu_wait_s;
-            *l = Self::ema(*l, wait, self.cfg.ema_alpha);
+        if kind.is_compute() && mb.is_some() {
+            self.note_gpu_wait();
         }
         self.tasks.insert(id, (kind, mb, attempt));
         self.out.push(Action::Run(Task {
