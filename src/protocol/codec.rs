@@ -359,10 +359,12 @@ fn write_body(w: &mut W, m: &Msg) {
             members,
             coord,
             updates,
+            version,
         } => {
             w.opt(members, |w, m| w.ids(m));
             w.u32(*coord);
             w.u32(*updates);
+            w.u64(*version);
         }
         Msg::Goodbye | Msg::QueryFlows | Msg::StageQuery | Msg::StateRequest => {}
         Msg::CopyRequest { iteration } => w.u32(*iteration),
@@ -679,6 +681,7 @@ pub fn decode(env: &ControlEnvelope) -> Result<Msg, WireError> {
             members: r.opt("heartbeat.members", |r| r.ids().map(Arc::new))?,
             coord: r.u32()?,
             updates: r.u32()?,
+            version: r.u64()?,
         },
         4 => Msg::Goodbye,
         5 => Msg::GroupJoin {
@@ -953,6 +956,7 @@ pub fn samples() -> Vec<Msg> {
             members: Some(ids.clone()),
             coord: 3,
             updates: 12,
+            version: 0x5eed,
         },
         Msg::Goodbye,
         Msg::GroupJoin {
@@ -1233,6 +1237,7 @@ mod tests {
             members: Some(Arc::new((0..20_000).collect())),
             coord: 0,
             updates: 0,
+            version: 0,
         };
         assert!(encode(&m).is_err());
     }

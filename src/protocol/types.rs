@@ -429,11 +429,17 @@ pub enum Msg {
     /// `updates` is how many iterations' updates the sender's weights
     /// hold (the last one applied plus one; 0: none): of two groups of one
     /// stage that hear of each other, the one behind dissolves and joins
-    /// again, never the one ahead (see `fencing`).
+    /// again, never the one ahead (see `fencing`). `version` is the
+    /// sender's weights version (the second half of its group's last
+    /// `Applied`, or of the state it took up): as many updates in another
+    /// version are other weights (two joiners that took up one emptied
+    /// stage apart, each from its own), and of two such groups the larger
+    /// coordinator's dissolves instead of merging.
     Heartbeat {
         members: Option<Arc<Vec<NodeId>>>,
         coord: NodeId,
         updates: u32,
+        version: u64,
     },
     /// Graceful leave: peers drop the sender at once.
     Goodbye,

@@ -16,6 +16,11 @@
 //!   answers any group message of that incarnation with [`Msg::Evicted`];
 //!   it admits the node again only through a `GroupJoin` of a later
 //!   incarnation, sent after a fresh state download;
+//! - two groups of one relay stage that hear of each other (a coordinator
+//!   tells the other groups of its stage how many updates its weights hold,
+//!   and in which version, every two suspicion times) never merge two
+//!   weights: the group behind, or of two even ones in other versions the
+//!   larger coordinator's, dissolves and downloads the other's state;
 //! - after every all-reduce the members' weight digests are compared: the
 //!   members whose weights differ from the majority's are evicted before
 //!   the commit is applied, the commit is run again without them, and
@@ -29,6 +34,10 @@
 //! then open. A node alone in its stage never fences itself: its weights are
 //! the stage's only copy.
 use super::*;
+
+/// Suspicion times between a relay coordinator's words to the other
+/// groups of its stage ([`Node::tell_rival_groups`]).
+const RIVAL_TELL_SUSPICIONS: u64 = 2;
 
 impl Node {
     /// Microseconds of silence after which a group peer is suspected.
@@ -354,6 +363,99 @@ impl Node {
         self.tell_stage_outsiders();
     }
 
+    /// A relay coordinator tells the live nodes of its stage outside its
+    /// group how many updates its weights hold, every
+    /// [`RIVAL_TELL_SUSPICIONS`] suspicion times. Two groups of one stage
+    /// that formed without hearing of each other (two joiners that took up
+    /// one emptied stage at once, each as a group of one) otherwise never
+    /// speak: the one the upstream stage does not send to stands by for
+    /// good, counted as a member, its weights further behind with every
+    /// update, and serves them should the working group die. Told so, the
+    /// group behind dissolves and downloads the other's state
+    /// (`answer_a_group_behind`, `behind_outsider`), and of two even in
+    /// updates the larger coordinator's does ([`Node::yield_to_even_rival`]).
+    /// A stage with one group has no such node: nothing is sent there. The
+    /// joiners this node serves a state to are not told (a member list's
+    /// silence would have them ask another member).
+    pub(super) fn tell_rival_groups(&mut self) {
+        let every = RIVAL_TELL_SUSPICIONS * self.cfg.suspect_ticks.max(1) as u64;
+        if !self.cfg.fence_on_pause
+            || self.phase != Phase::Active
+            || self.stage == 0
+            || self.group.coord != Some(self.id)
+            || self.tick_no % every != every / 2
+        {
+            return;
+        }
+        let (st, now, expiry) = (self.stage, self.now, self.cfg.e2e_timeout);
+        let targets: Vec<NodeId> = (self.peers.iter())
+            .filter(|(id, p)| p.stage == st && !p.dead && **id != self.id)
+            .map(|(id, _)| *id)
+            .filter(|id| !self.group.members.contains(id))
+            .filter(|id| (self.joining.joiners.get(id)).is_none_or(|&t| t + expiry <= now))
+            .collect();
+        let updates = self.iters.updates();
+        for t in targets {
+            let m = Msg::Heartbeat {
+                members: None,
+                coord: self.id,
+                updates,
+                version: self.iters.version.1,
+            };
+            self.send(t, m);
+        }
+    }
+
+    /// The coordinator of another group of this relay stage told how many
+    /// updates its weights hold ([`Node::tell_rival_groups`]): as many as
+    /// this node's group's, in another weights version (`version`). Of two
+    /// coordinators even in updates the smaller keeps its group (as when
+    /// they evict each other), so this node's group, the larger's,
+    /// dissolves and downloads its state. True when it did.
+    pub(super) fn yield_to_even_rival(
+        &mut self,
+        from: NodeId,
+        coord: NodeId,
+        updates: u32,
+        version: u64,
+    ) -> bool {
+        let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
+        if coord != from || !of_stage || self.group.members.contains(&from) {
+            return false;
+        }
+        self.gives_way_to_other_weights(from, updates, version)
+    }
+
+    /// The coordinator `from` of another group of this relay stage, with
+    /// a smaller id, says its weights hold as many updates as this
+    /// coordinator's group's, in another version: equal updates need not
+    /// be equal weights (two joiners that took up one emptied stage apart,
+    /// each from its own weights; two sides of a split that both
+    /// trained). Following its member list would put two weights in one
+    /// group, which only a later all-reduce's digests would tell (and only
+    /// of members that own a grant), with updates applied to both
+    /// meanwhile. This node's group gives way instead: it dissolves and
+    /// downloads `from`'s state. True when it did.
+    pub(super) fn gives_way_to_other_weights(
+        &mut self,
+        from: NodeId,
+        updates: u32,
+        version: u64,
+    ) -> bool {
+        if !self.cfg.fence_on_pause
+            || self.phase != Phase::Active
+            || self.stage == 0
+            || from >= self.id
+            || self.group.coord != Some(self.id)
+            || updates != self.iters.updates()
+            || version == self.iters.version.1
+        {
+            return false;
+        }
+        self.fall_behind(from, updates);
+        true
+    }
+
     /// Tells every node filed under this node's stage outside its group,
     /// dead or alive in its view, how many updates its weights hold (a
     /// heartbeat without a member list). Of two groups of one stage that
@@ -373,6 +475,7 @@ impl Node {
                 members: None,
                 coord,
                 updates,
+                version: self.iters.version.1,
             };
             self.send(t, m);
         }
@@ -601,6 +704,7 @@ mod tests {
                     members: None,
                     coord: 5,
                     updates,
+                    ..
                 } => Some((to, *updates)),
                 _ => None,
             })
@@ -670,6 +774,7 @@ mod tests {
                 members: None,
                 coord: 1,
                 updates: 0,
+                version: 0,
             },
         );
         assert_eq!(evictions(&a), vec![(2, false)]);
@@ -745,6 +850,7 @@ mod tests {
                 members: None,
                 coord: 5,
                 updates: 0,
+                version: 0,
             },
         );
         assert!(evictions(&a).is_empty());
@@ -803,6 +909,7 @@ mod tests {
                         members: None,
                         coord,
                         updates: 0,
+                        version: 0,
                     };
                     deliver(&mut n, peer, hb);
                 }
@@ -969,6 +1076,7 @@ mod tests {
                 members: Some(Arc::new(members.clone())),
                 coord: 11,
                 updates: 0,
+                version: 0,
             };
             deliver(&mut m, 11, hb);
             assert_eq!(m.coordinator(), Some(12), "followed 11's list {members:?}");
@@ -979,6 +1087,7 @@ mod tests {
             members: Some(Arc::new(vec![11, 12, 13])),
             coord: 11,
             updates: 0,
+            version: 0,
         };
         deliver(&mut m, 11, hb);
         assert_eq!(m.coordinator(), Some(11));
@@ -1031,6 +1140,7 @@ mod tests {
             members: None,
             coord,
             updates,
+            version: 0,
         }
     }
 
@@ -1151,8 +1261,9 @@ mod tests {
     }
 
     /// A node ahead never joins a group behind it: of two coordinators
-    /// that hear of each other the smaller id's list is followed, but not
-    /// when its group's weights hold fewer updates (the newer weights
+    /// that hear of each other the smaller id's list is followed (by a
+    /// download when both groups hold as many updates), but not when its
+    /// group's weights hold fewer updates (the newer weights
     /// would be the minority of its digests, and evicted as diverged).
     /// Told by a member of its list that holds more, the group behind
     /// dissolves and downloads from it.
@@ -1162,18 +1273,37 @@ mod tests {
         let mut ahead = started_with(cfg.clone(), 7, 2, &[], &[(30, 3)]);
         ahead.learn(3, 2);
         ahead.iters.downloaded((7, 99));
-        let list = |updates| Msg::Heartbeat {
+        let list_of = |updates, version| Msg::Heartbeat {
             members: Some(Arc::new(vec![3, 5, 7])),
             coord: 3,
             updates,
+            version,
         };
+        let list = |updates| list_of(updates, 0);
         deliver(&mut ahead, 3, list(5));
         assert_eq!(ahead.group.coord, Some(7));
         assert!(!ahead.group.members.contains(&3) && ahead.is_active());
-        // As many updates: the smaller id's group is followed, as before.
+        // As many updates in the same weights version: the smaller id's
+        // group is followed, as before.
+        let mut same = started_with(cfg.clone(), 7, 2, &[], &[(30, 3)]);
+        same.learn(3, 2);
+        same.iters.downloaded((7, 99));
+        let a = deliver(&mut same, 3, list_of(8, 99));
+        assert!(evicted_msgs(&a).is_empty() && fenced(&a).is_none());
+        assert_eq!(same.group.coord, Some(3));
+        // As many updates in another version: equal updates need not be
+        // equal weights, so the larger coordinator does not follow the
+        // smaller's list into one group with two weights; it gives way and
+        // downloads its state.
         let a = deliver(&mut ahead, 3, list(8));
-        assert!(evicted_msgs(&a).is_empty());
-        assert_eq!(ahead.group.coord, Some(3));
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 8,
+                holder: 3
+            })
+        );
+        assert!(!ahead.group.members.contains(&3) && !ahead.is_active());
 
         // The group behind: its coordinator, told by a member of its list
         // that holds 8 updates, tells its other members and downloads
@@ -1231,7 +1361,8 @@ mod tests {
                 Msg::Heartbeat {
                     members: None,
                     updates: 12,
-                    coord: 1
+                    coord: 1,
+                    ..
                 }
             )));
         // The state downloaded again closes the gap: it serves again.
@@ -1250,6 +1381,79 @@ mod tests {
         assert!(sends(&a)
             .iter()
             .any(|(to, m)| *to == 40 && matches!(m, Msg::StateResponse { .. })));
+    }
+
+    /// Two joiners took up one emptied relay stage at once, each as a group
+    /// of one: each coordinator tells the live nodes of its stage outside
+    /// its group, now and then, how many updates its weights hold (not a
+    /// joiner it serves a state to, nor anyone in a stage with one group);
+    /// of two even in updates, the larger coordinator's group dissolves
+    /// and downloads the smaller's state, and the smaller keeps its group.
+    /// (The group behind dissolving is `a_group_behind_finds_the_node_ahead`.)
+    #[test]
+    fn two_groups_of_one_stage_find_each_other_and_the_larger_gives_way() {
+        let cfg = fencing();
+        let mut big = started_with(cfg.clone(), 9, 2, &[], &[(30, 3)]);
+        big.learn(5, 2);
+        big.learn(8, 2);
+        big.iters.downloaded((10, 77));
+        assert_eq!(big.coordinator(), Some(9));
+        // Node 8 downloads this node's state: it is not told.
+        deliver(&mut big, 8, Msg::StateRequest);
+        let mut t = big.now;
+        let mut told = Vec::new();
+        for _ in 0..2 * RIVAL_TELL_SUSPICIONS * cfg.suspect_ticks as u64 {
+            t += cfg.tick;
+            deliver(&mut big, 30, Msg::QueryFlows);
+            let a = big.on_timeout(t);
+            for (to, m) in sends(&a) {
+                if let Msg::Heartbeat {
+                    members: None,
+                    coord: 9,
+                    updates,
+                    ..
+                } = m
+                {
+                    told.push((to, *updates));
+                }
+            }
+        }
+        assert_eq!(told, vec![(5, 11), (5, 11)]);
+
+        // Node 5, the smaller coordinator even in updates, keeps its group.
+        let mut small = started_with(cfg.clone(), 5, 2, &[], &[(30, 3)]);
+        small.learn(9, 2);
+        small.iters.downloaded((10, 78));
+        let a = deliver(&mut small, 9, heartbeat(9, 11));
+        assert_eq!(fenced(&a), None);
+        assert!(small.is_active() && small.coordinator() == Some(5));
+        // Node 9 keeps its group when node 5's weights are its own version
+        // (the same weights: the smaller's eviction merges them) ...
+        let same = Msg::Heartbeat {
+            members: None,
+            coord: 5,
+            updates: 11,
+            version: 77,
+        };
+        let a = deliver(&mut big, 5, same);
+        assert_eq!(fenced(&a), None);
+        assert!(big.is_active());
+        // ... and gives way to other weights.
+        let a = deliver(&mut big, 5, heartbeat(5, 11));
+        assert_eq!(
+            fenced(&a),
+            Some(FenceReason::Behind {
+                updates: 11,
+                holder: 5
+            })
+        );
+        assert_eq!(big.newest_source(2), Some(5));
+        // A member's word (it names another coordinator) is no rival's.
+        let mut other = started_with(cfg.clone(), 9, 2, &[], &[(30, 3)]);
+        other.learn(5, 2);
+        other.iters.downloaded((10, 77));
+        let a = deliver(&mut other, 5, heartbeat(4, 11));
+        assert_eq!(fenced(&a), None);
     }
 
     /// A group behind (its weights miss updates its coordinator committed:
@@ -1309,16 +1513,21 @@ mod tests {
             })
         );
         assert_eq!(behind.newest_source(2), Some(7));
-        // Without a gap, no announcement.
+        // Without a gap, no announcement: node 7 hears only the word every
+        // coordinator says to the other groups of its stage, once per
+        // `RIVAL_TELL_SUSPICIONS` suspicion times (`tell_rival_groups`),
+        // not the gap's, once per suspicion time.
         let mut fine = started_with(cfg.clone(), 3, 2, &[], &[(30, 3)]);
         fine.learn(7, 2);
         let mut t = fine.now;
-        for _ in 0..2 * cfg.suspect_ticks {
+        let mut told = 0;
+        for _ in 0..RIVAL_TELL_SUSPICIONS * cfg.suspect_ticks as u64 {
             t += cfg.tick;
             deliver(&mut fine, 30, Msg::QueryFlows);
             let a = fine.on_timeout(t);
-            assert!(!sends(&a).iter().any(|(to, _)| *to == 7));
+            told += sends(&a).iter().filter(|(to, _)| *to == 7).count();
         }
+        assert_eq!(told, 1);
     }
 
     /// The members holding a stage's latest update were all cut off and

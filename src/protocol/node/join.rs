@@ -431,6 +431,7 @@ impl Node {
                 members: None,
                 coord,
                 updates,
+                version: self.iters.version.1,
             };
             self.send(from, m);
             return;
@@ -723,6 +724,7 @@ mod tests {
             members: Some(Arc::new(vec![21, 22, 23])),
             coord: 21,
             updates: 0,
+            version: 0,
         };
         deliver(&mut m, 21, list);
         assert!(m.group.members.contains(&23));
@@ -775,6 +777,7 @@ mod tests {
             members: None,
             coord: 12,
             updates: 0,
+            version: 0,
         };
         let acts = deliver(&mut j, 12, hb);
         assert!(!sends(&acts).iter().any(|(_, m)| matches!(
@@ -802,6 +805,7 @@ mod tests {
             members: Some(Arc::new(vec![11, 12, 13])),
             coord: 12,
             updates: 0,
+            version: 0,
         };
         deliver(&mut c, 11, naming_12);
         assert_eq!(c.coordinator(), Some(12));
@@ -814,6 +818,7 @@ mod tests {
                 members: Some(list),
                 coord: 12,
                 updates: 0,
+                version: 0,
             },
         );
         assert_eq!(m.coordinator(), Some(12));

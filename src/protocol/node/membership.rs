@@ -353,6 +353,7 @@ impl Node {
                             members: list.clone(),
                             coord: c,
                             updates,
+                            version: self.iters.version.1,
                         },
                     );
                 }
@@ -373,6 +374,7 @@ impl Node {
                         members: None,
                         coord: c,
                         updates: self.iters.updates(),
+                        version: self.iters.version.1,
                     };
                     self.send(c, m);
                     return;
@@ -384,6 +386,7 @@ impl Node {
                             members: None,
                             coord: nc,
                             updates: self.iters.updates(),
+                            version: self.iters.version.1,
                         };
                         self.send(nc, m);
                     }
@@ -394,6 +397,7 @@ impl Node {
                 members: None,
                 coord: c,
                 updates: self.iters.updates(),
+                version: self.iters.version.1,
             };
             self.send(c, m);
             self.resend_stale_claims(c);
@@ -552,8 +556,9 @@ impl Node {
     /// its own relay stage outside its group, when it coordinates one (the
     /// other coordinator admits it, as it admits any node of its stage that
     /// introduces itself, and of two coordinators the smaller id keeps the
-    /// group; weights that differ are caught by the digests of the first
-    /// all-reduce), and to a node of a neighbouring stage it never heard of
+    /// group; when their weights differ the larger one's group downloads
+    /// the smaller's state instead of following its list:
+    /// `gives_way_to_other_weights`), and to a node of a neighbouring stage it never heard of
     /// (a stage taken up after this node joined is otherwise unknown to
     /// it, and its microbatches never go there).
     pub(super) fn on_located(&mut self, peer: NodeId, stage: Stage) {
@@ -628,7 +633,7 @@ impl Node {
         from: NodeId,
         members: Option<Arc<Vec<NodeId>>>,
         coord: NodeId,
-        updates: u32,
+        (updates, version): (u32, u64),
     ) {
         if members.is_none() && self.downloading_from() == Some(from) {
             // The answer of a member whose weights miss an update.
@@ -639,6 +644,9 @@ impl Node {
             return;
         }
         if members.is_none() {
+            if self.yield_to_even_rival(from, coord, updates, version) {
+                return;
+            }
             self.answer_a_group_behind(from, coord, updates);
         }
         let mine = self.group.coord;
@@ -667,6 +675,9 @@ impl Node {
                 // may be one a node sent before it was paused, and an
                 // eviction would hit its next incarnation; a group behind
                 // finds this node through its gap (`announce_gap`).
+                return;
+            }
+            if follow && !ours && self.gives_way_to_other_weights(from, updates, version) {
                 return;
             }
             if follow {
@@ -712,6 +723,7 @@ impl Node {
                     members: Some(members),
                     coord,
                     updates,
+                    version: self.iters.version.1,
                 },
             );
         }
@@ -945,6 +957,7 @@ mod tests {
                     members: None,
                     coord: 1,
                     updates: 0,
+                    version: 0,
                 },
             );
             n.handle(t, Input::Heard { peers: vec![2] });
@@ -973,6 +986,7 @@ mod tests {
                 members: None,
                 coord: 1,
                 updates: 0,
+                version: 0,
             };
             let mut a = deliver(&mut n, 3, hb);
             a.extend(n.on_timeout(t));

@@ -565,6 +565,7 @@ impl Node {
             Phase::Active => {}
         }
         self.announce_gap();
+        self.tell_rival_groups();
         let hb = self.cfg.heartbeat_ticks as u64;
         if self.tick_no % hb == 0 {
             self.watch_adjacent_stages();
@@ -630,7 +631,8 @@ impl Node {
                 members,
                 coord,
                 updates,
-            } => self.on_heartbeat(from, members, coord, updates),
+                version,
+            } => self.on_heartbeat(from, members, coord, (updates, version)),
             Msg::Goodbye => self.peer_dead(from),
             Msg::GroupJoin { stage, incarnation } => self.on_group_join(from, stage, incarnation),
             Msg::Evicted { diverged, updates } => self.on_evicted(from, diverged, updates),
