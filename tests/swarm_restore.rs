@@ -154,14 +154,11 @@ fn restored_after(kill_when: impl FnMut(&[Seen]) -> bool) {
     assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
 }
 
-/// With no copy kept (no `--keep-states-every`), the emptied stage is
-/// rebuilt from its neighbouring relay stage's weights (CheckFree; stage
-/// 2's only relay neighbour is stage 1, whose block has the same shapes),
-/// not restarted from the initial weights, and training goes on.
-#[test]
-fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
-    const LONG: u32 = 20;
-    let args = llama_tiny_args(LONG, MB, SEED, &[]);
+/// A swarm of `iterations` with no copies kept (no `--keep-states-every`)
+/// whose stage 2's only node was killed after its update of iteration 8,
+/// once both stage-1 nodes said stage 2 is empty.
+fn stage_2_emptied_with_no_copy(iterations: u32) -> Swarm {
+    let args = llama_tiny_args(iterations, MB, SEED, &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let layout = vec![(1, 0), (2, 0), (11, 1), (12, 1), (21, 2)];
     let mut swarm = Swarm::start(&layout, &args, &[]);
@@ -176,6 +173,17 @@ fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
                 .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
         })
     });
+    swarm
+}
+
+/// With no copy kept (no `--keep-states-every`), the emptied stage is
+/// rebuilt from its neighbouring relay stage's weights (CheckFree; stage
+/// 2's only relay neighbour is stage 1, whose block has the same shapes),
+/// not restarted from the initial weights, and training goes on.
+#[test]
+fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
+    const LONG: u32 = 20;
+    let mut swarm = stage_2_emptied_with_no_copy(LONG);
     let (ev, joined, joined_at) = join_and_finish(&mut swarm);
     let after: Vec<_> = ev.iter().skip(joined).collect();
     let rebuilt = (after.iter())
@@ -217,5 +225,75 @@ fn a_stage_emptied_with_no_copy_kept_is_rebuilt_from_its_neighbour() {
     eprintln!("losses after the rebuild: {:?}", &losses[r..]);
     eprintln!("uninterrupted:            {:?}", &want[r..]);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
+}
+
+/// Two nodes join at once while stage 2 is empty and no copy is kept, and
+/// the one behind is paused for 1.5 s in the middle of its take-up (once
+/// the other started rebuilding the stage): it decided the stage was
+/// empty, and it serves it, from its own average of the neighbour's
+/// weights, long after the other did. Two groups of stage 2 now hold the
+/// same number of updates in other weights. Before, the later one
+/// introduced itself, was admitted, and followed the other's member list
+/// with its own weights: a member whose weights no digest comparison
+/// looked at while it owned no grant (replicas of stage 2 printed two
+/// digests per iteration). Now the larger coordinator gives way (its
+/// heartbeats carry the weights version) and downloads the other's
+/// state: every stage-iteration has one digest (`check_run`), and the two
+/// take-ups end in one group.
+#[test]
+fn two_joiners_that_take_up_one_emptied_stage_end_in_one_group() {
+    const LONG: u32 = 100;
+    let mut swarm = stage_2_emptied_with_no_copy(LONG);
+    let joined = swarm.count();
+    swarm.join(31, 1, &[]);
+    // Out of step: node 32 decides a little after node 31.
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    swarm.join(32, 2, &[]);
+    let rebuilding = |e: &Seen| {
+        [31, 32].contains(&e.node)
+            && (e.event() == "active" || (e.event() == "work" && e.s("kind") == "average_states"))
+    };
+    let ev = swarm.until("a joiner taking stage 2 up", |ev| {
+        ev.iter().skip(joined).any(rebuilding)
+    });
+    let first = (ev.iter().skip(joined))
+        .find(|e| rebuilding(e))
+        .map_or(31, |e| e.node);
+    let other = if first == 31 { 32 } else { 31 };
+    swarm.pause(other, std::time::Duration::from_millis(1500));
+    let ev = swarm.until_done(&[1, 2]);
+    let after: Vec<_> = ev.iter().skip(joined).collect();
+    let takes_up = |e: &&&Seen| {
+        [31, 32].contains(&e.node)
+            && matches!(
+                e.event(),
+                "stage_rebuilt" | "stage_restored" | "stage_restarted"
+            )
+    };
+    let took_up: Vec<&&Seen> = after.iter().filter(takes_up).collect();
+    eprintln!(
+        "node {first} took stage 2 up first, node {other} was paused; took it up: {:?}",
+        took_up.iter().map(|e| e.node).collect::<Vec<_>>()
+    );
+    assert!(!took_up.is_empty(), "nobody took stage 2 up");
+    if let [_, later] = took_up[..] {
+        // Both served it: one of them downloads the other's state after.
+        let merged = (after.iter()).any(|e| {
+            e.at > later.at
+                && e.event() == "state_download"
+                && [31, 32].contains(&e.node)
+                && [31, 32].contains(&(e.u("from") as u32))
+        });
+        assert!(merged, "two groups of stage 2: {}", swarm.tail(&ev));
+    }
+    // The killed node's updates after the one the take-up stands for are
+    // made again by the stage: no replica's to compare.
+    let applied = took_up.iter().map(|e| e.u("applied")).min().unwrap_or(0);
+    let kept: Vec<_> = (ev.iter())
+        .filter(|e| !(e.node == 21 && e.event() == "applied" && e.u("iteration") > applied))
+        .cloned()
+        .collect();
+    let losses = check_run(&kept, LONG, MB, 2);
     assert!(losses[LONG as usize - 1] < losses[0], "{losses:?}");
 }
