@@ -24,6 +24,17 @@
 
 
 /**
+ * The most model stages an audit accepts (a swarm's relay stages plus the
+ * holders' two pieces).
+ */
+#define GWTF_AUDIT_MAX_STAGES 4096
+
+/**
+ * The most reference losses `gwtf_audit_summary` reads.
+ */
+#define GWTF_AUDIT_MAX_REFERENCE (1 << 24)
+
+/**
  * Current version of `gwtf_cuda_probe_options` (what `_init` writes).
  */
 #define GWTF_CUDA_PROBE_OPTIONS_VERSION 1
@@ -738,6 +749,12 @@ typedef enum gwtf_task_kind gwtf_task_kind;
 typedef int32_t gwtf_task_kind;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
+
+/**
+ * A run audit (opaque). Made by `gwtf_audit_new`, freed by
+ * `gwtf_audit_free`.
+ */
+typedef struct gwtf_audit gwtf_audit;
 
 /**
  * The result of a CUDA probe (opaque).
@@ -1498,6 +1515,145 @@ typedef struct gwtf_model_run_info {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Creates an audit of a run of a model cut into `model_stages` stages
+ * (`gwtf node --stages`: the relay stages plus 2).
+ *
+ * Ownership: the caller owns `*out_audit` and frees it with
+ * `gwtf_audit_free`.
+ *
+ * Thread safety: may be called from any thread.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER` (`out_audit`),
+ * `GWTF_STATUS_INVALID_ARGUMENT` (`model_stages` below 3 or above
+ * `GWTF_AUDIT_MAX_STAGES`).
+ */
+gwtf_status gwtf_audit_new(uint32_t model_stages,
+                           struct gwtf_audit **out_audit,
+                           struct gwtf_error **out_err);
+
+/**
+ * The operator started node `node` at `t` seconds into the run: a data
+ * holder (`holder` 1) or a relay, a joiner (`joiner` 1) or a founding
+ * member, told `stage` (a relay's stage, or `GWTF_STAGE_AUTO` when the
+ * protocol picks it).
+ *
+ * Ownership: nothing is kept but the values.
+ *
+ * Thread safety: any thread; calls on one audit are serialized.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT` (a
+ * flag not 0 or 1, `t` negative or not finite, a stage below -1),
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_audit_launched(const struct gwtf_audit *audit,
+                                double t,
+                                uint64_t node,
+                                uint32_t holder,
+                                uint32_t joiner,
+                                int32_t stage,
+                                struct gwtf_error **out_err);
+
+/**
+ * Node `node` printed `line` (one line of its stdout, without or with its
+ * newline) at `t` seconds into the run. A line that is not an event
+ * (`gwtf node --json`'s schema) is counted as garbage for that node, never
+ * refused.
+ *
+ * Ownership: `line` is only read during the call.
+ *
+ * Thread safety: any thread; calls on one audit are serialized.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER` (`audit`, `line`),
+ * `GWTF_STATUS_INVALID_ARGUMENT` (`t`), `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_audit_line(const struct gwtf_audit *audit,
+                            double t,
+                            uint64_t node,
+                            const char *line,
+                            struct gwtf_error **out_err);
+
+/**
+ * The operator killed node `node` (SIGKILL or the like) at `t`.
+ *
+ * Ownership: nothing is kept but the values.
+ *
+ * Thread safety: any thread; calls on one audit are serialized.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (`t`), `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_audit_killed(const struct gwtf_audit *audit,
+                              double t,
+                              uint64_t node,
+                              struct gwtf_error **out_err);
+
+/**
+ * Node `node`'s process ended at `t`: with `exit_code` (`by_signal` 0), or
+ * by a signal (`by_signal` 1; `exit_code` is ignored).
+ *
+ * Ownership: nothing is kept but the values.
+ *
+ * Thread safety: any thread; calls on one audit are serialized.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (`t`, `by_signal`), `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_audit_exited(const struct gwtf_audit *audit,
+                              double t,
+                              uint64_t node,
+                              int32_t exit_code,
+                              uint32_t by_signal,
+                              struct gwtf_error **out_err);
+
+/**
+ * The verdict on the run so far, as JSON (the object `gwtf demo --json`
+ * writes: `ok`, `failures`, `iterations`, `lost_microbatches`,
+ * `double_counted_microbatches`, `replicas_agree`, `loss_first`,
+ * `loss_last`, recovery times, ...), for a run of `model` planned for
+ * `iterations` iterations of `microbatches` microbatches per data holder
+ * (`gwtf node --microbatches`), that took `wall_s` seconds. `reference` (may be NULL when `reference_len` is 0):
+ * the single-process losses of the same microbatches, one per iteration,
+ * which the swarm's are held to. `*out_ok` (may be NULL) receives 1 when
+ * the run passed, else 0. `*out_len` (may be NULL) receives the JSON's
+ * length without the NUL, also when the buffer is too small: call with
+ * `buf` NULL and `buf_len` 0 to learn it.
+ *
+ * Ownership: `buf` is caller memory of `buf_len` bytes; `model` and
+ * `reference` are only read during the call.
+ *
+ * Thread safety: any thread; calls on one audit are serialized.
+ *
+ * Errors: `GWTF_STATUS_NULL_POINTER`, `GWTF_STATUS_INVALID_ARGUMENT`
+ * (`model` not UTF-8, `wall_s` negative or not finite, a reference loss
+ * not finite), `GWTF_STATUS_LIMIT_EXCEEDED` (`reference_len` above
+ * `GWTF_AUDIT_MAX_REFERENCE`), `GWTF_STATUS_BUFFER_TOO_SMALL`,
+ * `GWTF_STATUS_POISONED`.
+ */
+gwtf_status gwtf_audit_summary(const struct gwtf_audit *audit,
+                               const char *model,
+                               uint64_t iterations,
+                               uint64_t microbatches,
+                               const double *reference,
+                               size_t reference_len,
+                               double wall_s,
+                               char *buf,
+                               size_t buf_len,
+                               size_t *out_len,
+                               uint32_t *out_ok,
+                               struct gwtf_error **out_err);
+
+/**
+ * Frees an audit. `gwtf_audit_free(NULL)` does nothing.
+ *
+ * Ownership: takes ownership of `audit`; it must not be used afterwards.
+ *
+ * Thread safety: no other thread may use `audit` during or after this call.
+ *
+ * Errors: none.
+ */
+void gwtf_audit_free(struct gwtf_audit *audit);
 
 /**
  * Fills `opts` with the defaults of this library version.

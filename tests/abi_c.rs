@@ -366,6 +366,25 @@ fn routing_solver_from_c_under_asan() {
 }
 
 #[test]
+fn run_audit_from_c_passes_a_clean_run_and_fails_diverged_replicas_under_asan() {
+    let dir = scratch("audit-c");
+    let exe = dir.join("audit");
+    build_program(
+        "cc",
+        "c99",
+        &[repo_root().join("tests/c/audit.c")],
+        &exe,
+        true,
+    );
+    let out = stdout_of(&run_ok(asan_env(&mut Command::new(&exe))));
+    assert!(out.contains("clean run: ok 1"), "{out}");
+    assert!(out.contains("diverged replicas: ok 0"), "{out}");
+    assert!(out.contains("a swarm has 3..="), "{out}");
+    assert!(out.contains("reference[0] is NaN"), "{out}");
+    assert!(out.ends_with("audit: all checks passed\n"), "{out}");
+}
+
+#[test]
 fn peer_from_c_refuses_every_wrong_answer_under_asan() {
     let dir = scratch("peer");
     let exe = dir.join("peer");

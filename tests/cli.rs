@@ -6,7 +6,7 @@ use common::*;
 use std::process::Command;
 
 fn gwtf() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn gwtf() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
 }
 
 /// Whether this build has `gwtf node` (the demo's nodes); skips visibly if not.

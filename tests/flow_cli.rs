@@ -4,7 +4,7 @@ mod common;
 use std::process::Command;
 
 fn gwtf(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    let out = Command::new(common::gwtf_exe())
         .args(args)
         .output()
         .unwrap();

@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 fn gwtf() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
 }
 
 fn text_file() -> PathBuf {

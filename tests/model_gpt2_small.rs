@@ -2,11 +2,13 @@
 //! untied head) trains and samples through the tool, as the small presets
 //! do: a few steps, slow in a debug build. That it computes GPT-2 itself is
 //! checked against Hugging Face's model in `python/tests/test_gpt2_preset.py`.
+mod common;
+
 use serde_json::Value;
 use std::process::Command;
 
 fn gwtf() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
 }
 
 #[test]

@@ -456,7 +456,7 @@ fn mixed_swarm(
     iters: u32,
     extra: &dyn Fn(u32) -> Vec<String>,
 ) -> Vec<(u32, Value)> {
-    let rust = PathBuf::from(env!("CARGO_BIN_EXE_gwtf"));
+    let rust = common::gwtf_exe();
     let addrs: Vec<SocketAddr> = layout.iter().map(|_| free_addr()).collect();
     let mut model: Vec<String> = [
         "--model",

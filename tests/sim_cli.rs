@@ -5,7 +5,7 @@ use common::*;
 use std::process::Command;
 
 fn gwtf() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
 }
 
 /// `gwtf sim` on a small world (llama-124m, 3 holders) that runs in moments.

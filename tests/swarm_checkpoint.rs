@@ -41,7 +41,7 @@ fn losses(ev: &[Seen]) -> BTreeMap<u64, f64> {
 }
 
 fn gwtf(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_gwtf"))
+    Command::new(common::gwtf_exe())
         .args(args)
         .output()
         .unwrap()

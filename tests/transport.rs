@@ -27,7 +27,7 @@ impl Echo {
         std::fs::create_dir_all(&dir).unwrap();
         let key = dir.join("swarm.key");
         std::fs::write(&key, KEY).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gwtf"))
+        let mut child = Command::new(common::gwtf_exe())
             .args(["echo", "--listen", "127.0.0.1:0", "--swarm-key-file"])
             .arg(&key)
             .args(extra)

@@ -16,6 +16,7 @@
 // every dereference is checked for NULL first and marked with a SAFETY note.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod audit;
 pub mod boundary;
 pub mod cuda;
 pub mod enums;

@@ -28,10 +28,11 @@ use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
 use crate::swarm::runtime::{
-    realtime_config_with, CompleteError, Liveness, NodeEvent, Output, Peer, Runtime,
-    RuntimeOptions, TensorSizes, Work, WorkId, WorkKind, WorkPort,
+    CompleteError, NodeEvent, Output, Peer, Runtime, RuntimeOptions, TensorSizes, Work, WorkId,
+    WorkKind, WorkPort,
 };
 use crate::swarm::saves::SavedState;
+use crate::swarm::sizing::{NodeNeeds, NodeSizing};
 
 /// Current version of `gwtf_peer_options` (what `_init` writes).
 pub const GWTF_PEER_OPTIONS_VERSION: u32 = 6;
@@ -647,7 +648,6 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
             o.relay_stages
         )));
     }
-    let relay_stages = o.relay_stages as Stage;
     let n = o.relay_stages as usize + 1;
     // SAFETY (three calls): the caller passes relay_stages + 1 values.
     let activation = unsafe { sizes(o.activation_bytes, n, "activation_bytes", false)? };
@@ -753,10 +753,40 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
     } else {
         parse_addr(o.listen_addr, "opts->listen_addr")?
     };
-    // A large model's node is busy longer with its gradient: the swarm
-    // waits as much longer before it takes a node for gone.
-    let live = Liveness::for_state_bytes(state.iter().map(|&x| x as u64).max().unwrap_or(0));
-    let mut proto = realtime_config_with(relay_stages, tensor.max() as u64, live);
+    // Memory one microbatch takes here: the caller's figure, or four times
+    // the largest tensor at the boundaries of its stage(s).
+    let per_mb = if o.microbatch_bytes > 0 {
+        o.microbatch_bytes
+    } else if join {
+        4 * tensor.max() as u64
+    } else {
+        let kinds = [
+            WorkKind::Embed,
+            WorkKind::Forward,
+            WorkKind::Loss,
+            WorkKind::Backward,
+            WorkKind::EmbedBackward,
+        ];
+        let mine = kinds
+            .iter()
+            .filter(|k| (stage == 0) == !matches!(k, WorkKind::Forward | WorkKind::Backward))
+            .flat_map(|k| [tensor.input(k, stage), tensor.output(k, stage)])
+            .flatten()
+            .max()
+            .unwrap_or(1);
+        4 * mine as u64
+    };
+    // One sizing rule for every node (the tool's too): patience grows with
+    // the largest state, capacity with the memory budget.
+    let needs = NodeNeeds {
+        stage_state_bytes: state.iter().map(|&x| x as u64).collect(),
+        largest_tensor_bytes: tensor.max() as u64,
+        microbatch_bytes: per_mb,
+        memory_budget_bytes: o.memory_budget_bytes.max(1),
+    };
+    let sizing =
+        NodeSizing::of(&needs).map_err(|e| FfiError::new(gwtf_status::LimitExceeded, e))?;
+    let mut proto = sizing.protocol(&needs);
     proto.recompute = match o.recompute {
         0 => false,
         1 => true,
@@ -798,41 +828,7 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
     proto.keep_states_every = o.keep_states_every;
     proto.save_every = o.save_every;
     proto.resume_from = o.resume_iterations_done.checked_sub(1);
-    proto.stage_state_bytes = state.iter().map(|&x| x as u64).collect();
-    // Memory one microbatch takes here: the caller's figure, or four times
-    // the largest tensor at the boundaries of its stage(s).
-    let per_mb = if o.microbatch_bytes > 0 {
-        o.microbatch_bytes
-    } else if join {
-        4 * tensor.max() as u64
-    } else {
-        let kinds = [
-            WorkKind::Embed,
-            WorkKind::Forward,
-            WorkKind::Loss,
-            WorkKind::Backward,
-            WorkKind::EmbedBackward,
-        ];
-        let mine = kinds
-            .iter()
-            .filter(|k| (stage == 0) == !matches!(k, WorkKind::Forward | WorkKind::Backward))
-            .flat_map(|k| [tensor.input(k, stage), tensor.output(k, stage)])
-            .flatten()
-            .max()
-            .unwrap_or(1);
-        4 * mine as u64
-    };
-    let budget = o.memory_budget_bytes.max(1);
-    let capacity = (budget / per_mb.max(1)).clamp(1, 64) as u32;
-    let state_max = state.iter().copied().max().unwrap_or(0) as u64;
-    let max_payload = (state_max + 64)
-        .max(tensor.max() as u64)
-        .max(proto.probe_bytes)
-        .max(1 << 20);
-    let pool = budget.max(4 * max_payload);
-    let pool = usize::try_from(pool)
-        .map_err(|_| FfiError::new(gwtf_status::LimitExceeded, "the memory budget is too large"))?;
-    let opts = RuntimeOptions {
+    let mut opts = RuntimeOptions {
         id,
         stage,
         listen,
@@ -841,13 +837,9 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
         join,
         protocol: Arc::new(proto),
         compute_s: o.compute_estimate_us.max(1) as f64 / 1e6,
-        capacity,
+        capacity: sizing.capacity,
         seed: o.seed ^ id as u64,
         net: NodeOptions {
-            max_payload,
-            pool_bytes: pool,
-            heartbeat_interval: live.heartbeat(),
-            peer_timeout: live.transport_timeout(),
             log: o.log_to_stderr != 0,
             encrypt: match o.encrypt {
                 0 => false,
@@ -859,6 +851,7 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
             ..NodeOptions::default()
         },
     };
+    sizing.apply(&mut opts.net);
     Ok((opts, tensor))
 }
 

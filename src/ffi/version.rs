@@ -58,6 +58,7 @@ mod tests {
             GWTF_VERSION_MAJOR * 10000 + GWTF_VERSION_MINOR * 100 + GWTF_VERSION_PATCH
         );
         assert_eq!(VERSION_STRING.to_str().unwrap(), v);
+        assert_eq!(crate::VERSION, v);
         assert_eq!(gwtf_abi_version(), GWTF_ABI_VERSION);
     }
 }

@@ -129,18 +129,6 @@ impl ModelRun {
         Ok(states + 8 + 4 * params as u64)
     }
 
-    /// Bytes of the largest gradient a stage all-reduces (f32s of its
-    /// parameters): what sets the swarm's liveness
-    /// ([`super::runtime::Liveness::for_gradient_bytes`]).
-    pub fn largest_gradient_bytes(&self) -> Result<u64, ModelError> {
-        let mut most = 0;
-        for stage in 0..(self.stages - 1) as u16 {
-            let n: usize = self.piece_sizes(stage)?.iter().map(|&(n, _)| n).sum();
-            most = most.max(4 * n as u64);
-        }
-        Ok(most)
-    }
-
     /// Parameters and blocks of each piece protocol stage `stage` runs,
     /// from the plan alone: nothing is built (building a gpt2-small's
     /// pieces draws 163M initial weights).

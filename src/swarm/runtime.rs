@@ -356,6 +356,9 @@ impl Liveness {
     }
 }
 
+/// The bandwidth probe's size on real time ([`Config::probe_bytes`]).
+pub const REALTIME_PROBE_BYTES: u64 = 64 << 10;
+
 /// The protocol's settings for nodes on real time, scaled for hosts a
 /// few milliseconds apart (the simulator's defaults are for a planet):
 /// a 100 ms tick, and timeouts of seconds rather than tens of seconds.
@@ -384,7 +387,7 @@ pub fn realtime_config_with(relay_stages: Stage, activation_bytes: u64, l: Liven
     c.redo_timeout = us(l.redo_timeout());
     c.stall_report = us(l.stall_report());
     c.e2e_timeout = us(l.e2e_timeout());
-    c.probe_bytes = 64 << 10;
+    c.probe_bytes = REALTIME_PROBE_BYTES;
     c.restart_empty_stages = true;
     c.fence_on_pause = true;
     c.leave_out_stragglers = true;

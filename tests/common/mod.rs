@@ -14,6 +14,38 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::SystemTime;
 
+/// The built `gwtf` tool. It is the workspace's member crate `tool/`, so
+/// Cargo gives these tests no `CARGO_BIN_EXE_gwtf`: the tool lies in the
+/// profile directory above this test's own executable (`target/debug/deps/`
+/// -> `target/debug/gwtf`). `cargo test` at the workspace root builds it
+/// (the tool's own integration tests make Cargo build its binary), and so
+/// does `scripts/test`; a lone `cargo test --test NAME` does not, so a
+/// missing tool, or one older than the library's or the tool's sources,
+/// fails loudly instead of testing old code (as [`lib_dir`] does).
+pub fn gwtf_exe() -> PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let exe = target_profile_dir().join(format!("gwtf{}", std::env::consts::EXE_SUFFIX));
+        let meta = std::fs::metadata(&exe).unwrap_or_else(|_| {
+            panic!(
+                "{} is missing: build the tool first with `cargo build --bins` (plain \
+                 `cargo test` at the workspace root and scripts/test do this)",
+                exe.display()
+            )
+        });
+        let built = meta.modified().unwrap();
+        let src =
+            newest_mtime(&repo_root().join("src")).max(newest_mtime(&repo_root().join("tool/src")));
+        assert!(
+            built >= src,
+            "{} is older than the sources: run `cargo build --bins` again",
+            exe.display()
+        );
+        exe
+    })
+    .clone()
+}
+
 /// A free port on a loopback address of its own (127.a.b.c, drawn at
 /// random): bound and released for a node to bind next. Not 127.0.0.1,
 /// whose ports the kernel also hands to outgoing connections (a port
@@ -152,10 +184,7 @@ pub fn stdout_of(out: &Output) -> String {
 /// names every string of `names` (the flag, the value, the path). Returns stderr.
 pub fn gwtf_refuses(args: &[&str], names: &[&str]) -> String {
     let t = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_gwtf"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = Command::new(gwtf_exe()).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "{args:?} accepted");
     assert!(

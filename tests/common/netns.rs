@@ -282,13 +282,9 @@ impl Lab {
     pub fn spawn(&mut self, id: u32, args: &[String], log_dir: &Path, tx: &Sender<Seen>) {
         let stderr = std::fs::File::create(log_dir.join(format!("node-{id}.stderr"))).unwrap();
         let mut c = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.ns(id),
-                env!("CARGO_BIN_EXE_gwtf"),
-                "node",
-            ])
+            .args(["netns", "exec", &self.ns(id)])
+            .arg(super::gwtf_exe())
+            .arg("node")
             .args(args)
             .env("GWTF_LOG", "1")
             .stdin(Stdio::null())

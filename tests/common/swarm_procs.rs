@@ -113,7 +113,7 @@ impl Swarm {
     /// Founding members `layout` (id, stage; stage 0 = holder), started with
     /// `common` arguments (model, stages, iterations, ...).
     pub fn start(layout: &[(u32, u16)], common: &[&str], extra: &[(u32, &[&str])]) -> Swarm {
-        Self::start_with(env!("CARGO_BIN_EXE_gwtf").into(), layout, common, extra)
+        Self::start_with(super::gwtf_exe(), layout, common, extra)
     }
 
     /// [`Swarm::start`] with the `gwtf` executable `bin` (e.g. a release

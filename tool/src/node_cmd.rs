@@ -12,14 +12,15 @@ use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
 use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
+use gwtf::swarm::event_log::{f32_as_written, LogEvent};
 #[cfg(feature = "cuda")]
 use gwtf::swarm::model_pieces::OnBackend;
 use gwtf::swarm::model_pieces::Placement;
 use gwtf::swarm::model_trainer::{ModelRun, ModelTrainer};
 use gwtf::swarm::runtime::{
-    realtime_config_with, Liveness, NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer,
-    Work, WorkPort,
+    NodeEvent, Output, Peer, Runtime, RuntimeOptions, Trainer, Work, WorkPort,
 };
+use gwtf::swarm::sizing::{NodeNeeds, NodeSizing};
 use gwtf::wire::NodeKey;
 use serde_json::json;
 use std::io::Write;
@@ -223,9 +224,13 @@ impl Trainer for Traced {
     fn run(&mut self, w: Work, port: &WorkPort) -> Result<Output, String> {
         let kind = w.kind.name();
         let line = |phase: &str| {
-            let v = json!({"event": "work", "node": self.id, "kind": kind, "phase": phase});
+            let v = LogEvent::Work {
+                node: self.id.into(),
+                kind: kind.to_string(),
+                phase: phase.to_string(),
+            };
             let mut o = std::io::stdout().lock();
-            let _ = writeln!(o, "{v}");
+            let _ = writeln!(o, "{}", v.to_line());
             let _ = o.flush();
         };
         if self.trace {
@@ -537,18 +542,6 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         _ => None,
     };
     let relay_stages = (run.stages - 2) as Stage;
-    let live = Liveness::for_gradient_bytes(run.largest_gradient_bytes()?);
-    let mut proto = realtime_config_with(relay_stages, run.activation_bytes() as u64, live);
-    proto.mb_per_iter = a.microbatches;
-    proto.iterations = Some(a.iterations);
-    proto.keep_states_every = a.keep_states_every;
-    // The built-in model's trainer averages neighbours' states (CheckFree).
-    proto.rebuild_from_neighbours = true;
-    proto.save_every = a.save_every;
-    proto.resume_from = resumed.as_ref().map(|r| r.1);
-    proto.stage_state_bytes = (0..=relay_stages)
-        .map(|s| run.state_bytes(s))
-        .collect::<Result<_, _>>()?;
     let per_mb = (1..=relay_stages)
         .chain([0])
         .map(|s| run.bytes_per_microbatch(s))
@@ -562,14 +555,25 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             r.stage as usize - 1
         }]
     };
-    let budget = a.memory_mb << 20;
-    let capacity = (budget / mine.max(1)).clamp(1, 64) as u32;
-    let state_max = proto.stage_state_bytes.iter().copied().max().unwrap_or(0);
-    let act = run.activation_bytes() as u64;
-    let max_payload = (state_max + 64)
-        .max(act)
-        .max(proto.probe_bytes)
-        .max(1 << 20);
+    // The library's one sizing rule (the C API's too): patience grows with
+    // the largest state, capacity with the memory budget.
+    let needs = NodeNeeds {
+        stage_state_bytes: (0..=relay_stages)
+            .map(|s| run.state_bytes(s))
+            .collect::<Result<_, _>>()?,
+        largest_tensor_bytes: run.activation_bytes() as u64,
+        microbatch_bytes: mine,
+        memory_budget_bytes: a.memory_mb << 20,
+    };
+    let sizing = NodeSizing::of(&needs)?;
+    let mut proto = sizing.protocol(&needs);
+    proto.mb_per_iter = a.microbatches;
+    proto.iterations = Some(a.iterations);
+    proto.keep_states_every = a.keep_states_every;
+    // The built-in model's trainer averages neighbours' states (CheckFree).
+    proto.rebuild_from_neighbours = true;
+    proto.save_every = a.save_every;
+    proto.resume_from = resumed.as_ref().map(|r| r.1);
     let link = (a.link_delay_ms > 0 || a.link_mbps > 0.0).then(|| LinkEmulation {
         delay: Duration::from_millis(a.link_delay_ms),
         bandwidth_bytes_per_s: (a.link_mbps * 1e6 / 8.0) as u64,
@@ -586,7 +590,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     } else {
         a.peers.clone()
     };
-    let opts = RuntimeOptions {
+    let mut opts = RuntimeOptions {
         id: r.id,
         stage: r.stage,
         listen: a.listen,
@@ -595,16 +599,9 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         join: r.join,
         protocol: std::sync::Arc::new(proto),
         compute_s: 0.01,
-        capacity,
+        capacity: sizing.capacity,
         seed: a.seed ^ r.id as u64,
         net: NodeOptions {
-            max_payload,
-            // The activations' budget, and at least four of the largest
-            // slots (a pool slot is a power of two): two states served at
-            // once, one received, and one carved up by the small frames.
-            pool_bytes: (budget as usize).max(4 * max_payload.next_power_of_two() as usize),
-            heartbeat_interval: live.heartbeat(),
-            peer_timeout: live.transport_timeout(),
             link,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             encrypt: a.encrypt,
@@ -613,6 +610,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             ..NodeOptions::default()
         },
     };
+    sizing.apply(&mut opts.net);
     let trainer = Traced {
         inner: trainer,
         id: r.id,
@@ -650,10 +648,12 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         loss: None,
         tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
     };
-    out.emit(
-        json!({"event": "listening", "addr": rt.addr().map(|x| x.to_string()),
-                    "device": device, "suspicion_ms": live.suspicion().as_millis() as u64}),
-    );
+    out.emit(LogEvent::Listening {
+        node: r.id.into(),
+        addr: rt.addr().map(|x| x.to_string()),
+        device,
+        suspicion_ms: sizing.liveness.suspicion().as_millis() as u64,
+    });
     let (targets, what) = reach_targets(&a, &r);
     let mut reach = Reach::start(targets, what, Duration::from_secs_f64(a.join_timeout));
     let mut last_stats = Instant::now();
@@ -661,21 +661,31 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         if STOP.load(Ordering::SeqCst) {
             out.stats(&rt);
             rt.leave();
-            out.emit(json!({"event": "left"}));
+            out.emit(LogEvent::Left { node: r.id.into() });
             return Ok(());
         }
         let cut = LINK_CUT.load(Ordering::SeqCst);
         if cut != link_cut {
             link_cut = cut;
             rt.set_link_cut(cut);
-            out.emit(json!({"event": if cut { "link_cut" } else { "link_restored" }}));
+            out.emit(if cut {
+                LogEvent::LinkCut { node: r.id.into() }
+            } else {
+                LogEvent::LinkRestored { node: r.id.into() }
+            });
         }
         if rt.is_stopped() {
-            out.emit(json!({"event": "error", "message": "the node stopped"}));
+            out.emit(LogEvent::Error {
+                node: r.id.into(),
+                message: "the node stopped".into(),
+            });
             return Err("the node stopped (see the errors above)".into());
         }
         if let Err(e) = reach.poll(&rt) {
-            out.emit(json!({"event": "error", "message": e}));
+            out.emit(LogEvent::Error {
+                node: r.id.into(),
+                message: e.clone(),
+            });
             return Err(e.into());
         }
         if last_stats.elapsed() >= Duration::from_secs(1) {
@@ -704,7 +714,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
                     last_checkpoint(s, &rt, &mut out, &a);
                 }
                 out.stats(&rt);
-                out.emit(json!({"event": "done"}));
+                out.emit(LogEvent::Done { node: r.id.into() });
                 rt.leave();
                 return Ok(());
             }
@@ -769,7 +779,8 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
     while s.last != Some(last) && Instant::now() < deadline {
         if let Some(v) = s.poll(false) {
             // Its write failed (and said why): nothing more to wait for.
-            let failed = v["event"] == "checkpoint_failed" && v["iteration"] == last;
+            let failed = matches!(v, LogEvent::CheckpointFailed { iteration: Some(i), .. }
+                if i == u64::from(last));
             out.emit(v);
             if s.last == Some(last) || failed {
                 dropped = true;
@@ -783,9 +794,11 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
                 }
             }
             Ok(NodeEvent::CheckpointDropped { iteration, why }) if iteration == last => {
-                out.emit(json!({
-                    "event": "checkpoint_skipped", "iteration": iteration, "why": why,
-                }));
+                out.emit(LogEvent::CheckpointSkipped {
+                    node: out.id.into(),
+                    iteration: iteration.into(),
+                    why,
+                });
                 dropped = true;
                 break;
             }
@@ -799,11 +812,14 @@ fn last_checkpoint(s: &mut Saver, rt: &Runtime, out: &mut Printer, a: &NodeArgs)
         out.emit(v);
     }
     if s.last != Some(last) && !dropped {
-        out.emit(json!({
-            "event": "checkpoint_failed", "iteration": last,
-            "why": format!("the copies of the last iteration did not all come within {} s",
-                           LAST_CHECKPOINT_WAIT.as_secs()),
-        }));
+        out.emit(LogEvent::CheckpointFailed {
+            node: out.id.into(),
+            iteration: Some(last.into()),
+            why: format!(
+                "the copies of the last iteration did not all come within {} s",
+                LAST_CHECKPOINT_WAIT.as_secs()
+            ),
+        });
     }
 }
 
@@ -875,10 +891,12 @@ impl Reach {
             ),
             _ => eprintln!("gwtf node {:x}: cannot reach {addr} ({why})", out.id),
         }
-        out.emit(json!({
-            "event": "connect_failed", "addr": addr.to_string(),
-            "given": shown, "reason": why,
-        }));
+        out.emit(LogEvent::ConnectFailed {
+            node: out.id.into(),
+            addr: addr.to_string(),
+            given: shown.clone(),
+            reason: why.to_string(),
+        });
     }
 
     /// Errs when nothing was reached within the timeout, naming what became
@@ -962,22 +980,26 @@ impl Printer {
     /// applied update.
     fn stats(&mut self, rt: &Runtime) {
         let s = rt.compute_stats();
-        self.emit(json!({
-            "event": "stats",
-            "compute_ms": s.compute.as_secs_f64() * 1e3,
-            "useful_ms": s.useful.as_secs_f64() * 1e3,
-        }));
+        self.emit(LogEvent::Stats {
+            node: self.id.into(),
+            compute_ms: s.compute.as_secs_f64() * 1e3,
+            useful_ms: s.useful.as_secs_f64() * 1e3,
+        });
     }
 
-    fn emit(&mut self, mut v: serde_json::Value) {
-        v["node"] = json!(self.id);
+    /// Writes `e`: its JSON line (the library's event schema), or a short
+    /// line for a person.
+    fn emit(&mut self, e: LogEvent) {
         let mut o = std::io::stdout().lock();
         if self.json {
-            let _ = writeln!(o, "{v}");
+            let _ = writeln!(o, "{}", e.to_line());
         } else {
-            let what = v["event"].as_str().unwrap_or("");
-            match what {
-                "stats" => {
+            match &e {
+                LogEvent::Stats {
+                    compute_ms,
+                    useful_ms,
+                    ..
+                } => {
                     if self.last_status.elapsed() < Duration::from_secs(2) {
                         return;
                     }
@@ -989,18 +1011,14 @@ impl Printer {
                         self.stage,
                         self.iteration.map_or("-".into(), |i| i.to_string()),
                         self.loss.map_or("-".into(), |l| format!("{l:.3}")),
-                        v["compute_ms"].as_f64().unwrap_or(0.0) / 1e3,
-                        v["useful_ms"].as_f64().unwrap_or(0.0) / 1e3,
+                        compute_ms / 1e3,
+                        useful_ms / 1e3,
                     );
                 }
-                "applied" | "committed" | "mb_done" => {}
+                LogEvent::Applied { .. } | LogEvent::Committed { .. } | LogEvent::MbDone { .. } => {
+                }
                 _ => {
-                    let mut v = v.clone();
-                    if let Some(m) = v.as_object_mut() {
-                        m.remove("event");
-                        m.remove("node");
-                    }
-                    let _ = writeln!(o, "node {:x}: {what} {v}", self.id);
+                    let _ = writeln!(o, "node {:x}: {} {}", self.id, e.kind(), e.fields_text());
                 }
             }
         }
@@ -1009,106 +1027,160 @@ impl Printer {
 
     /// Prints `ev`; Some(true) once the holder's last iteration is final.
     fn event(&mut self, ev: NodeEvent, iterations: u32) -> Option<bool> {
-        match ev {
+        let node = u64::from(self.id);
+        let line = match ev {
             NodeEvent::Protocol(e) => match e {
                 Event::Active { stage } => {
                     self.stage = stage;
-                    self.emit(json!({"event": "active", "stage": stage}));
+                    LogEvent::Active {
+                        node,
+                        stage: stage.into(),
+                    }
                 }
-                Event::Rerouted { mb, stage } => self.emit(json!({
-                    "event": "recovered", "kind": "rerouted", "stage": stage,
-                    "iteration": mb.iter, "holder": mb.holder, "index": mb.idx,
-                })),
-                Event::Restarted { mb } => self.emit(json!({
-                    "event": "recovered", "kind": "restarted", "stage": 1,
-                    "iteration": mb.iter, "holder": mb.holder, "index": mb.idx,
-                })),
+                Event::Rerouted { mb, stage } => LogEvent::Recovered {
+                    node,
+                    kind: "rerouted".into(),
+                    stage: stage.into(),
+                    iteration: mb.iter.into(),
+                    holder: mb.holder.into(),
+                    index: mb.idx.into(),
+                },
+                Event::Restarted { mb } => LogEvent::Recovered {
+                    node,
+                    kind: "restarted".into(),
+                    stage: 1,
+                    iteration: mb.iter.into(),
+                    holder: mb.holder.into(),
+                    index: mb.idx.into(),
+                },
                 Event::StageCommitted {
                     stage,
                     iter,
                     mbs,
                     dropped,
-                } => self.emit(json!({
-                    "event": "committed", "stage": stage, "iteration": iter,
-                    "microbatches": mbs.len(), "dropped": dropped.len(),
-                    "mbs": mbs.iter().map(|(m, by)| [m.holder, m.idx, *by]).collect::<Vec<_>>(),
-                })),
-                Event::MbDone { mb, path } => self.emit(json!({
-                    "event": "mb_done", "iteration": mb.iter, "holder": mb.holder,
-                    "index": mb.idx, "path": *path,
-                })),
-                Event::Stalled { iter, stage } => {
-                    self.emit(json!({"event": "stalled", "iteration": iter, "stage": stage}))
-                }
-                Event::MemberRemoved { peer } => {
-                    self.emit(json!({"event": "peer_lost", "peer": peer}))
-                }
-                Event::StageEmpty { stage } => self.emit(json!({
-                    "event": "stage_empty", "stage": stage,
-                    "why": "no live node of this stage is known: its microbatches wait until a node joins it",
-                })),
+                } => LogEvent::Committed {
+                    node,
+                    stage: stage.into(),
+                    iteration: iter.into(),
+                    microbatches: mbs.len() as u64,
+                    dropped: dropped.len() as u64,
+                    mbs: Some(
+                        mbs.iter()
+                            .map(|(m, by)| [m.holder.into(), m.idx.into(), (*by).into()])
+                            .collect(),
+                    ),
+                },
+                Event::MbDone { mb, path } => LogEvent::MbDone {
+                    node,
+                    holder: mb.holder.into(),
+                    index: mb.idx.into(),
+                    iteration: mb.iter.into(),
+                    path: path.iter().map(|&p| p.into()).collect(),
+                },
+                Event::Stalled { iter, stage } => LogEvent::Stalled {
+                    node,
+                    stage: stage.into(),
+                    iteration: iter.into(),
+                },
+                Event::MemberRemoved { peer } => LogEvent::PeerLost {
+                    node,
+                    peer: peer.into(),
+                },
+                Event::StageEmpty { stage } => LogEvent::StageEmpty {
+                    node,
+                    stage: stage.into(),
+                    why: "no live node of this stage is known: its microbatches wait until \
+                          a node joins it"
+                        .into(),
+                },
                 Event::AggregateFailed {
                     stage,
                     iter,
                     member,
-                } => self.emit(json!({
-                    "event": "aggregate_failed", "stage": stage, "iteration": iter,
-                    "member": member,
-                    "why": "a member's all-reduce ended without the mean: the stage commits again",
-                })),
-                Event::LeftOut { stage, iter, slow } => self.emit(json!({
-                    "event": "left_out", "stage": stage, "iteration": iter, "slow": slow,
-                    "why": "members with no grant behind links far slower than the others' \
-                            are left out of the stage's all-reduce: they download the state again",
-                })),
-                Event::StageResumed { stage } => {
-                    self.emit(json!({"event": "stage_resumed", "stage": stage}))
-                }
+                } => LogEvent::AggregateFailed {
+                    node,
+                    stage: stage.into(),
+                    iteration: iter.into(),
+                    member: member.into(),
+                    why: "a member's all-reduce ended without the mean: the stage commits again"
+                        .into(),
+                },
+                Event::LeftOut { stage, iter, slow } => LogEvent::LeftOut {
+                    node,
+                    stage: stage.into(),
+                    iteration: iter.into(),
+                    slow: ids(&slow),
+                    why: "members with no grant behind links far slower than the others' are \
+                          left out of the stage's all-reduce: they download the state again"
+                        .into(),
+                },
+                Event::StageResumed { stage } => LogEvent::StageResumed {
+                    node,
+                    stage: stage.into(),
+                },
                 Event::Fenced {
                     reason,
                     incarnation,
-                } => self.emit(json!({
-                    "event": "fenced", "reason": reason.name(), "incarnation": incarnation,
-                    "gap_ms": match reason {
+                } => LogEvent::Fenced {
+                    node,
+                    reason: reason.name().into(),
+                    incarnation,
+                    gap_ms: match reason {
                         FenceReason::Paused { gap } => Some(gap / 1000),
                         _ => None,
                     },
-                    "why": "this node's view of its stage group may be stale: it stops serving \
-                            the group and joins again with a fresh state download",
-                })),
-                Event::StageRestarted { stage, applied } => self.emit(json!({
-                    "event": "stage_restarted", "stage": stage, "applied": applied,
-                    "source": "initial",
-                    "why": "no live node held this stage and no data holder kept a copy of it: \
-                            it starts again from the initial weights",
-                })),
+                    why: "this node's view of its stage group may be stale: it stops serving \
+                          the group and joins again with a fresh state download"
+                        .into(),
+                },
+                Event::StageRestarted { stage, applied } => LogEvent::StageRestarted {
+                    node,
+                    stage: stage.into(),
+                    applied: applied.map(u64::from),
+                    source: "initial".into(),
+                    neighbours: None,
+                    why: "no live node held this stage and no data holder kept a copy of it: \
+                          it starts again from the initial weights"
+                        .into(),
+                },
                 Event::StageRestored {
                     stage,
                     from,
                     iteration,
                     applied,
-                } => self.emit(json!({
-                    "event": "stage_restored", "stage": stage, "from": from,
-                    "iteration": iteration, "applied": applied, "source": "kept",
-                    "why": "no live node held this stage: it goes on from the freshest copy \
-                            of its state a data holder kept",
-                })),
-                Event::StateKept { stage, applied } => self.emit(json!({
-                    "event": "state_kept", "stage": stage, "applied": applied,
-                    "why": "the members left miss the update this node kept at its fence: \
-                            it serves its weights again",
-                })),
-                _ => {}
+                } => LogEvent::StageRestored {
+                    node,
+                    stage: stage.into(),
+                    from: from.into(),
+                    iteration: iteration.into(),
+                    applied: applied.into(),
+                    source: "kept".into(),
+                    why: "no live node held this stage: it goes on from the freshest copy of \
+                          its state a data holder kept"
+                        .into(),
+                },
+                Event::StateKept { stage, applied } => LogEvent::StateKept {
+                    node,
+                    stage: stage.into(),
+                    applied: applied.into(),
+                    why: "the members left miss the update this node kept at its fence: it \
+                          serves its weights again"
+                        .into(),
+                },
+                _ => return None,
             },
             NodeEvent::Applied {
                 stage,
                 iteration,
                 weights,
                 microbatches,
-            } => self.emit(json!({
-                "event": "applied", "stage": stage, "iteration": iteration,
-                "weights_sha256": hex(&weights), "microbatches": microbatches,
-            })),
+            } => LogEvent::Applied {
+                node,
+                stage: stage.into(),
+                iteration: iteration.into(),
+                weights_sha256: hex(&weights),
+                microbatches,
+            },
             NodeEvent::Iteration {
                 iteration,
                 loss,
@@ -1116,42 +1188,56 @@ impl Printer {
             } => {
                 self.iteration = Some(iteration);
                 self.loss = Some(loss);
-                self.emit(json!({
-                    "event": "iteration", "iteration": iteration, "loss": loss,
-                    "microbatches": microbatches,
-                    "tokens": microbatches as u64 * self.tokens_per_mb,
-                }));
+                self.emit(LogEvent::Iteration {
+                    node,
+                    iteration: iteration.into(),
+                    loss: f32_as_written(loss),
+                    microbatches: microbatches.into(),
+                    tokens: microbatches as u64 * self.tokens_per_mb,
+                });
                 return Some(iteration + 1 >= iterations);
             }
             // Handed to the saver before (`Saver::start`).
-            NodeEvent::Checkpoint { .. } => {}
-            NodeEvent::CheckpointDropped { iteration, why } => self.emit(json!({
-                "event": "checkpoint_skipped", "iteration": iteration, "why": why,
-            })),
+            NodeEvent::Checkpoint { .. } => return None,
+            NodeEvent::CheckpointDropped { iteration, why } => LogEvent::CheckpointSkipped {
+                node,
+                iteration: iteration.into(),
+                why,
+            },
             NodeEvent::StageRebuilt {
                 stage,
                 from,
                 applied,
                 averaged,
                 weights,
-            } if averaged > 0 => self.emit(json!({
-                "event": "stage_rebuilt", "stage": stage, "from": from, "applied": applied,
-                "averaged": averaged, "weights_sha256": hex(&weights), "source": "checkfree",
-                "why": "no live node held this stage and no data holder kept a copy of it: \
-                        it goes on from the average of its neighbouring stages' weights",
-            })),
+            } if averaged > 0 => LogEvent::StageRebuilt {
+                node,
+                stage: stage.into(),
+                from: ids(&from),
+                applied: applied.map(u64::from),
+                averaged: averaged.into(),
+                weights_sha256: hex(&weights),
+                source: "checkfree".into(),
+                why: "no live node held this stage and no data holder kept a copy of it: it \
+                      goes on from the average of its neighbouring stages' weights"
+                    .into(),
+            },
             NodeEvent::StageRebuilt {
                 stage,
                 from,
                 applied,
                 ..
-            } => self.emit(json!({
-                "event": "stage_restarted", "stage": stage, "applied": applied,
-                "source": "initial", "neighbours": from,
-                "why": "no live node held this stage, no data holder kept a copy of it, and \
-                        its neighbouring stages' weights do not fit its shapes: it starts \
-                        again from the initial weights",
-            })),
+            } => LogEvent::StageRestarted {
+                node,
+                stage: stage.into(),
+                applied: applied.map(u64::from),
+                source: "initial".into(),
+                neighbours: Some(ids(&from)),
+                why: "no live node held this stage, no data holder kept a copy of it, and its \
+                      neighbouring stages' weights do not fit its shapes: it starts again from \
+                      the initial weights"
+                    .into(),
+            },
             NodeEvent::CopyKept {
                 stage,
                 iteration,
@@ -1159,10 +1245,14 @@ impl Printer {
                 bytes,
                 ms,
                 ..
-            } => self.emit(json!({
-                "event": "copy_kept", "stage": stage, "iteration": iteration,
-                "from": from, "bytes": bytes, "ms": ms,
-            })),
+            } => LogEvent::CopyKept {
+                node,
+                stage: stage.into(),
+                iteration: iteration.into(),
+                from: from.into(),
+                bytes,
+                ms,
+            },
             NodeEvent::StateDownloaded {
                 from,
                 bytes,
@@ -1170,27 +1260,46 @@ impl Printer {
                 bytes_per_s,
                 import_ms,
                 weights,
-            } => self.emit(json!({
-                "event": "state_download", "from": from, "bytes": bytes, "ms": ms,
-                "bytes_per_s": bytes_per_s, "import_ms": import_ms,
-                "weights_sha256": hex(&weights),
-            })),
-            NodeEvent::PeerLost { peer } => self.emit(json!({"event": "peer_lost", "peer": peer})),
+            } => LogEvent::StateDownload {
+                node,
+                from: from.into(),
+                bytes,
+                ms,
+                bytes_per_s,
+                import_ms,
+                weights_sha256: hex(&weights),
+            },
+            NodeEvent::PeerLost { peer } => LogEvent::PeerLost {
+                node,
+                peer: peer.into(),
+            },
             // Reported by `Reach::failed`, which knows the addresses given.
-            NodeEvent::ConnectFailed { addr, reason, .. } => self.emit(json!({
-                "event": "connect_failed", "addr": addr.to_string(), "reason": reason,
-            })),
+            NodeEvent::ConnectFailed { addr, reason, .. } => LogEvent::ConnectFailed {
+                node,
+                addr: addr.to_string(),
+                given: None,
+                reason,
+            },
             NodeEvent::Refused {
                 peer,
                 reason,
                 detail,
-            } => self.emit(json!({
-                "event": "refused", "peer": peer, "reason": reason.name(), "message": detail,
-            })),
-            NodeEvent::Error(m) => self.emit(json!({"event": "error", "message": m})),
-        }
+            } => LogEvent::Refused {
+                node,
+                peer: peer.map(u64::from),
+                reason: reason.name().into(),
+                message: detail,
+            },
+            NodeEvent::Error(message) => LogEvent::Error { node, message },
+        };
+        self.emit(line);
         None
     }
+}
+
+/// Node ids as the event lines carry them.
+fn ids(v: &[NodeId]) -> Vec<u64> {
+    v.iter().map(|&id| id.into()).collect()
 }
 
 fn hex(b: &[u8]) -> String {

@@ -1,8 +1,8 @@
 //! The processes of `gwtf demo`: its node children (killed when the guard is
 //! dropped), the threads that read their output, Ctrl-C, free ports, and the
 //! seeded choice of victims.
-use super::demo_events::NodeId;
 use crossbeam_channel::Sender;
+use gwtf::swarm::audit::NodeId;
 use std::collections::{BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::Child;

@@ -407,9 +407,17 @@ fn check_bench_args(a: &BenchFlowArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// The checkout the tool was built from (the tool's crate is one level below
+/// it): where `scripts/python-deps` makes `.venv`, and where the OR-tools
+/// script lives.
+fn repo_dir() -> PathBuf {
+    let tool = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    tool.parent().map(PathBuf::from).unwrap_or(tool)
+}
+
 pub fn bench(args: BenchFlowArgs) -> super::CliResult {
     check_bench_args(&args)?;
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let repo = repo_dir();
     let python = args
         .python
         .clone()
@@ -484,7 +492,7 @@ fn bench_one(
     mode: &str,
 ) -> Result<Value, Box<dyn std::error::Error>> {
     let file = tmp.join(format!("inst_{size}_{mode}.min"));
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/flow_ortools.py");
+    let script = repo_dir().join("scripts/flow_ortools.py");
     let mut child = Command::new(python)
         .arg(&script)
         .args([

@@ -37,8 +37,8 @@
 //! writing its sockets, emulated in user space) and restored (SIGUSR2): a
 //! node that runs on, alone, while nobody hears it.
 use super::demo_cmd::{DemoArgs, Swarm};
-use super::demo_events::{Event, Facts, InFlight, NodeId};
 use super::demo_procs::Rng;
+use gwtf::swarm::audit::{Event, Facts, InFlight, NodeId};
 use std::collections::BTreeMap;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -438,8 +438,8 @@ pub fn chaos_on_event(sw: &mut Swarm, ch: &mut Chaos, node: NodeId, ev: &Event) 
 
 #[cfg(test)]
 mod tests {
-    use super::super::demo_events::{parse_line, Entry, What};
     use super::*;
+    use gwtf::swarm::audit::{parse_line, Entry, What};
 
     fn mb(holder: NodeId, index: u64, path: &[NodeId]) -> InFlight {
         InFlight {

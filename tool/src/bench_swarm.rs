@@ -21,6 +21,7 @@ use super::checks;
 use super::train_cmd::TRAINABLE;
 use clap::Args;
 use gwtf::model::preset;
+use gwtf::swarm::event_log::{parse_line, LogEvent};
 use gwtf::swarm::model_trainer::ModelRun;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -123,15 +124,31 @@ fn check_interrupted() -> Res<()> {
     Ok(())
 }
 
-/// A line a node printed, when it was read.
+/// A line a node printed, when it was read (`ev`: `None` for garbage).
 struct Line {
     id: u32,
     at: Instant,
-    v: Value,
+    ev: Option<LogEvent>,
 }
 
-fn ev(v: &Value) -> &str {
-    v["event"].as_str().unwrap_or("")
+/// The microbatch an event names, (holder, iteration, index); zeros for
+/// an event that names none.
+fn mb_key(e: &Option<LogEvent>) -> (u64, u64, u64) {
+    match e {
+        Some(LogEvent::Recovered {
+            holder,
+            iteration,
+            index,
+            ..
+        })
+        | Some(LogEvent::MbDone {
+            holder,
+            iteration,
+            index,
+            ..
+        }) => (*holder, *iteration, *index),
+        _ => (0, 0, 0),
+    }
 }
 
 fn num(v: &Value, k: &str) -> u64 {
@@ -321,9 +338,8 @@ impl Swarm {
                 let Ok(line) = line else { break };
                 let _ = writeln!(log, "{line}");
                 let at = Instant::now();
-                let v = serde_json::from_str(&line)
-                    .unwrap_or_else(|_| json!({"event": "unparsed", "line": line}));
-                if tx.send(Line { id, at, v }).is_err() {
+                let ev = parse_line(&line);
+                if tx.send(Line { id, at, ev }).is_err() {
                     break;
                 }
             }
@@ -383,51 +399,47 @@ impl Swarm {
             }
             Err(RecvTimeoutError::Disconnected) => return Err("every node's output ended".into()),
         };
-        let v = &l.v;
-        match ev(v) {
-            "stats" => {
+        match &l.ev {
+            Some(LogEvent::Stats {
+                compute_ms,
+                useful_ms,
+                ..
+            }) => {
                 if let Some(p) = self.procs.get_mut(&l.id) {
-                    p.stats = (
-                        v["compute_ms"].as_f64().unwrap_or(0.0),
-                        v["useful_ms"].as_f64().unwrap_or(0.0),
-                    );
+                    p.stats = (*compute_ms, *useful_ms);
                 }
             }
-            "active" => {
+            Some(LogEvent::Active { stage, .. }) => {
                 if let Some(p) = self.procs.get_mut(&l.id) {
-                    p.stage = Some(num(v, "stage") as u32);
+                    p.stage = Some(*stage);
                 }
             }
-            "done" => {
+            Some(LogEvent::Done { .. }) => {
                 self.done.insert(l.id);
             }
-            "recovered" => self.recovered += 1,
-            "copy_kept" => self.copies_kept += 1,
-            "checkpoint" => self.checkpoints += 1,
-            "iteration" => {
+            Some(LogEvent::Recovered { .. }) => self.recovered += 1,
+            Some(LogEvent::CopyKept { .. }) => self.copies_kept += 1,
+            Some(LogEvent::Checkpoint { .. }) => self.checkpoints += 1,
+            Some(LogEvent::Iteration {
+                iteration, tokens, ..
+            }) => {
                 self.last_iteration = l.at;
-                let e = self
-                    .iterations
-                    .entry(num(v, "iteration"))
-                    .or_insert((0, 0, l.at));
+                let e = self.iterations.entry(*iteration).or_insert((0, 0, l.at));
                 e.0 += 1;
-                e.1 += num(v, "tokens");
+                e.1 += tokens;
                 e.2 = l.at;
             }
-            "mb_done" => {
-                if let Some(path) = v["path"].as_array() {
-                    for (st, n) in path.iter().enumerate().skip(1) {
-                        let q = self.recent.entry(st as u32).or_default();
-                        q.push_back(n.as_u64().unwrap_or(0) as u32);
-                        if q.len() > 16 {
-                            q.pop_front();
-                        }
+            Some(LogEvent::MbDone { path, .. }) => {
+                for (st, &n) in path.iter().enumerate().skip(1) {
+                    let q = self.recent.entry(st as u32).or_default();
+                    q.push_back(n as u32);
+                    if q.len() > 16 {
+                        q.pop_front();
                     }
                 }
             }
-            "error" => {
-                let m = v["message"].as_str().unwrap_or("").to_string();
-                self.errors.push((l.id, m));
+            Some(LogEvent::Error { message, .. }) => {
+                self.errors.push((l.id, message.clone()));
             }
             _ => {}
         }
@@ -460,7 +472,7 @@ impl Swarm {
     fn wait_iteration(&mut self) -> Res<Instant> {
         loop {
             if let Some(l) = self.next(Duration::from_millis(200))? {
-                if ev(&l.v) == "iteration" {
+                if matches!(l.ev, Some(LogEvent::Iteration { .. })) {
                     return Ok(l.at);
                 }
             }
@@ -707,26 +719,22 @@ fn one_kill(s: &mut Swarm, stage: u32, a: &BenchSwarmArgs) -> Res<Option<(Kill, 
             continue;
         };
         let since = ms(l.at.saturating_duration_since(t0));
-        let key = (
-            num(&l.v, "holder"),
-            num(&l.v, "iteration"),
-            num(&l.v, "index"),
-        );
-        match ev(&l.v) {
-            "peer_lost" if num(&l.v, "peer") == victim as u64 => {
+        let key = mb_key(&l.ev);
+        match &l.ev {
+            Some(LogEvent::PeerLost { peer, .. }) if *peer == u64::from(victim) => {
                 k.detect_ms.get_or_insert(since);
             }
-            "recovered" => {
+            Some(LogEvent::Recovered { .. }) => {
                 k.reroute_ms.get_or_insert(since);
                 last_recovered = l.at;
                 affected.entry(key).or_insert(None);
             }
-            "mb_done" => {
+            Some(LogEvent::MbDone { .. }) => {
                 if let Some(d) = affected.get_mut(&key) {
                     d.get_or_insert(l.at);
                 }
             }
-            "iteration" => {
+            Some(LogEvent::Iteration { .. }) => {
                 k.next_iteration_ms.get_or_insert(since);
             }
             _ => {}
@@ -745,7 +753,7 @@ fn one_kill(s: &mut Swarm, stage: u32, a: &BenchSwarmArgs) -> Res<Option<(Kill, 
     let until = t1 + Duration::from_secs_f64(a.join_timeout_s);
     while Instant::now() < until {
         if let Some(l) = s.next(Duration::from_millis(100))? {
-            if l.id == j && ev(&l.v) == "active" {
+            if l.id == j && matches!(l.ev, Some(LogEvent::Active { .. })) {
                 k.replacement_active_ms = Some(ms(l.at.saturating_duration_since(t1)));
                 break;
             }

@@ -1,188 +1,29 @@
-//! The facts of a `gwtf demo` run, from the lines its nodes print.
+//! The run audit: the facts of a swarm run, from the lines its nodes print
+//! and what its operator did, and the verdict on them (every microbatch
+//! counted exactly once, the replicas of each stage agree, recovery times,
+//! the loss against a reference).
 //!
-//! Pure: no processes, no clock. The orchestrator (`demo_cmd`) timestamps
-//! every line a node prints on stdout and every action of its own (launch,
-//! kill, exit) as an [`Entry`] and feeds them to [`Facts::push`], which keeps
-//! the live view (who is alive, in which stage) the orchestrator steers by;
-//! [`Facts::summary`] turns the whole run into the numbers `--json` writes,
-//! the report draws, and the exit status depends on.
+//! Pure: no processes, no clock. Whoever runs the swarm (`gwtf demo`, a
+//! Rust embedder, or a C, C++ or Go operator through `gwtf_audit_*`)
+//! timestamps every line a node prints and every action of its own
+//! (launch, kill, exit) as an [`Entry`] and feeds them to [`Facts::push`],
+//! which keeps the live view (who is alive, in which stage) an orchestrator
+//! steers by; [`Facts::summary`] turns the whole run into the numbers
+//! `gwtf demo --json` writes, its report draws, and its exit status depends
+//! on.
 //!
-//! The node's event lines are `gwtf node --json`'s contract (one JSON object
-//! per line, `"event"` names the kind). A line that is not JSON, or a known
-//! event with missing fields, is garbage: counted per node, never fatal. An
-//! unknown event kind is counted too (a newer node may print more).
-use serde::{Deserialize, Serialize};
+//! The node's event lines are `gwtf node --json`'s contract, the library's
+//! `swarm::event_log` schema (one JSON object per line, `"event"` names the
+//! kind). A line that is not JSON, or a known event with missing fields, is
+//! garbage: counted per node, never fatal. An unknown event kind is counted
+//! too (a newer node may print more).
+use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
 pub type NodeId = u64;
 
-/// One line of `gwtf node --json`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum Event {
-    Listening {
-        node: NodeId,
-        addr: String,
-    },
-    Active {
-        node: NodeId,
-        stage: u32,
-    },
-    Applied {
-        node: NodeId,
-        stage: u32,
-        iteration: u64,
-        weights_sha256: String,
-    },
-    Iteration {
-        node: NodeId,
-        iteration: u64,
-        loss: f64,
-        microbatches: u64,
-        tokens: u64,
-    },
-    PeerLost {
-        node: NodeId,
-        peer: NodeId,
-    },
-    Recovered {
-        node: NodeId,
-        kind: String,
-        stage: u32,
-        iteration: u64,
-    },
-    StageEmpty {
-        node: NodeId,
-        stage: u32,
-    },
-    /// A joiner took up an emptied stage from the copy of its state holder
-    /// `from` kept (of `iteration`), standing for iteration `applied`.
-    StageRestored {
-        node: NodeId,
-        stage: u32,
-        from: NodeId,
-        iteration: u64,
-        applied: u64,
-    },
-    /// A joiner took up an emptied stage (no copy kept) from the average
-    /// of the weights of its neighbouring stages' members `from`
-    /// (CheckFree), standing for iteration `applied`.
-    StageRebuilt {
-        node: NodeId,
-        stage: u32,
-        from: Vec<NodeId>,
-        applied: Option<u64>,
-    },
-    /// A joiner took up an emptied stage from the initial weights (no
-    /// copy kept), standing for iteration `applied`.
-    StageRestarted {
-        node: NodeId,
-        stage: u32,
-        applied: Option<u64>,
-    },
-    /// `ms`: from the request to the whole state, its hash checked.
-    StateDownload {
-        node: NodeId,
-        from: NodeId,
-        bytes: u64,
-        ms: f64,
-        #[serde(default)]
-        bytes_per_s: f64,
-        #[serde(default)]
-        import_ms: f64,
-    },
-    Stats {
-        node: NodeId,
-        compute_ms: f64,
-        useful_ms: f64,
-    },
-    Committed {
-        node: NodeId,
-        stage: u32,
-        iteration: u64,
-        microbatches: u64,
-        dropped: u64,
-        /// The microbatches counted, as [holder, index, member that computed
-        /// it] (optional: the count alone is checked without it).
-        #[serde(default)]
-        mbs: Option<Vec<Vec<u64>>>,
-    },
-    Stalled {
-        node: NodeId,
-        stage: u32,
-        iteration: u64,
-    },
-    /// A holder finished the backward of one of its microbatches; `path`:
-    /// the nodes it went through (the holder, then one node per relay stage).
-    MbDone {
-        node: NodeId,
-        holder: NodeId,
-        index: u64,
-        iteration: u64,
-        path: Vec<NodeId>,
-    },
-    Done {
-        node: NodeId,
-    },
-    /// The node stopped serving its stage group (it was paused, cut off or
-    /// evicted) and joins again with a fresh state download.
-    Fenced {
-        node: NodeId,
-        reason: String,
-        incarnation: u32,
-    },
-    Left {
-        node: NodeId,
-    },
-    Error {
-        node: NodeId,
-        message: String,
-    },
-    /// An event kind this build does not know.
-    #[serde(other)]
-    Unknown,
-}
-
-impl Event {
-    /// The kind as the node names it (`"applied"`, ...).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Event::Listening { .. } => "listening",
-            Event::Active { .. } => "active",
-            Event::Applied { .. } => "applied",
-            Event::Iteration { .. } => "iteration",
-            Event::PeerLost { .. } => "peer_lost",
-            Event::Recovered { .. } => "recovered",
-            Event::StageEmpty { .. } => "stage_empty",
-            Event::StageRestored { .. } => "stage_restored",
-            Event::StageRebuilt { .. } => "stage_rebuilt",
-            Event::StageRestarted { .. } => "stage_restarted",
-            Event::StateDownload { .. } => "state_download",
-            Event::Stats { .. } => "stats",
-            Event::Committed { .. } => "committed",
-            Event::Stalled { .. } => "stalled",
-            Event::MbDone { .. } => "mb_done",
-            Event::Done { .. } => "done",
-            Event::Fenced { .. } => "fenced",
-            Event::Left { .. } => "left",
-            Event::Error { .. } => "error",
-            Event::Unknown => "unknown",
-        }
-    }
-}
-
-/// Parses one stdout line of a node: `None` for garbage (not JSON, not an
-/// object with a string `event`, or a known event with missing or mistyped
-/// fields).
-pub fn parse_line(line: &str) -> Option<Event> {
-    let line = line.trim();
-    if !line.starts_with('{') {
-        return None;
-    }
-    let v: serde_json::Value = serde_json::from_str(line).ok()?;
-    v.get("event")?.as_str()?;
-    serde_json::from_value(v).ok()
-}
+/// One line of `gwtf node --json`: the library's event schema.
+pub use super::event_log::{parse_line, LogEvent as Event};
 
 /// What happened, as the orchestrator saw it.
 #[derive(Clone, Debug, PartialEq)]
@@ -502,7 +343,7 @@ impl Facts {
         // The node field of a line is the node's word; the orchestrator knows
         // which process printed it and files it under that one.
         match ev {
-            Event::Listening { addr, .. } => n.addr = Some(addr.clone()),
+            Event::Listening { addr, .. } => n.addr = addr.clone(),
             Event::Active { stage, .. } => {
                 let stage = if n.holder { 0 } else { *stage };
                 let became = n.active_s.is_none() || n.stage != Some(stage) || n.fenced;
@@ -613,12 +454,7 @@ impl Facts {
                     dropped: *dropped,
                     mbs: mbs.as_ref().map(|v| {
                         v.iter()
-                            .map(|m| {
-                                (
-                                    m.first().copied().unwrap_or(0),
-                                    m.get(1).copied().unwrap_or(0),
-                                )
-                            })
+                            .map(|&[holder, index, _]| (holder, index))
                             .collect()
                     }),
                 }),
@@ -655,7 +491,8 @@ impl Facts {
                     self.record_membership(t);
                 }
             }
-            Event::Unknown => {}
+            // Kinds the run's facts do not need, and kinds of newer builds.
+            _ => {}
         }
     }
 

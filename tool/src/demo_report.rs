@@ -7,8 +7,8 @@
 //!   crash (red, pointing down), pause (purple) and cut link (brown; both
 //!   pointing down, their length shaded) and join (cyan, pointing up) marked;
 //! - live members of each stage over time (holders and each relay stage).
-use super::demo_events::Summary;
 use super::sim_plot::tick;
+use gwtf::swarm::audit::Summary;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use std::fmt::Write as _;
@@ -443,14 +443,14 @@ pub fn fact_rows(s: &Summary) -> Vec<(&'static str, String)> {
         ("tokens/s", format!("{:.0}", s.tokens_per_s)),
         (
             "state downloads",
-            super::demo_events::downloads_line(&s.state_downloads),
+            gwtf::swarm::audit::downloads_line(&s.state_downloads),
         ),
         ("wall time", format!("{:.1} s", s.wall_s)),
     ];
     if !s.restores.is_empty() {
         rows.push((
             "emptied stages taken up",
-            super::demo_events::restores_line(s),
+            gwtf::swarm::audit::restores_line(s),
         ));
     }
     if s.pause_count + s.cut_count > 0 {
@@ -590,8 +590,8 @@ pub fn render_html(s: &Summary, command: &str) -> Res<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::demo_events::{parse_line, Entry, Facts, Plan, What};
     use super::*;
+    use gwtf::swarm::audit::{parse_line, Entry, Facts, Plan, What};
 
     /// A small run: two holders, one relay per stage of a 4-stage cut, a
     /// crash, a join, two iterations.

@@ -1,42 +1,25 @@
-//! `gwtf`: the libgwtf command-line tool.
+//! `gwtf`: the libgwtf command-line tool. It lives in its own crate so that
+//! the library (and every C, C++, Go or Python build of `libgwtf.so`) does not
+//! compile its command-line, plotting and progress-bar dependencies.
 use clap::{Parser, Subcommand};
 
-#[path = "gwtf/bench_policies.rs"]
 mod bench_policies;
-#[path = "gwtf/bench_swarm.rs"]
 mod bench_swarm;
-#[path = "gwtf/checks.rs"]
 mod checks;
-#[path = "gwtf/demo_chaos.rs"]
 mod demo_chaos;
-#[path = "gwtf/demo_cmd.rs"]
 mod demo_cmd;
-#[path = "gwtf/demo_events.rs"]
-mod demo_events;
-#[path = "gwtf/demo_procs.rs"]
 mod demo_procs;
-#[path = "gwtf/demo_report.rs"]
 mod demo_report;
-#[path = "gwtf/flow_cmd.rs"]
 mod flow_cmd;
-#[path = "gwtf/kernels_cmd.rs"]
 mod kernels_cmd;
 #[cfg(feature = "cuda")]
-#[path = "gwtf/kernels_gpu.rs"]
 mod kernels_gpu;
-#[path = "gwtf/node_cmd.rs"]
 mod node_cmd;
-#[path = "gwtf/node_save.rs"]
 mod node_save;
-#[path = "gwtf/sample_cmd.rs"]
 mod sample_cmd;
-#[path = "gwtf/sim_cmd.rs"]
 mod sim_cmd;
-#[path = "gwtf/sim_plot.rs"]
 mod sim_plot;
-#[path = "gwtf/train_cmd.rs"]
 mod train_cmd;
-#[path = "gwtf/transport_cmd.rs"]
 mod transport_cmd;
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -44,7 +27,7 @@ type CliResult = Result<(), Box<dyn std::error::Error>>;
 #[derive(Parser)]
 #[command(
     name = "gwtf",
-    version,
+    version = gwtf::VERSION,
     about = "libgwtf: churn-tolerant decentralized training"
 )]
 struct Cli {
@@ -191,7 +174,7 @@ fn main() {
         Cmd::Version => {
             println!(
                 "gwtf {} (ABI {})",
-                env!("CARGO_PKG_VERSION"),
+                gwtf::VERSION,
                 gwtf::ffi::version::GWTF_ABI_VERSION
             );
             Ok(())

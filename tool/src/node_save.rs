@@ -7,10 +7,10 @@
 //! `checkpoint` (or `checkpoint_failed`) when one is done.
 use gwtf::model::dataset::DataDescription;
 use gwtf::protocol::NodeId;
+use gwtf::swarm::event_log::LogEvent;
 use gwtf::swarm::model_checkpoint::{self, Manifest};
 use gwtf::swarm::model_trainer::ModelRun;
 use gwtf::swarm::saves::SavedState;
-use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
 use std::thread::JoinHandle;
@@ -59,14 +59,13 @@ impl Saver {
     /// A complete round of `iteration`: written on a thread, or, while one
     /// is being written, next (the event to print says which round waiting
     /// it replaced).
-    pub fn start(&mut self, iteration: u32, states: Vec<SavedState>) -> Option<Value> {
+    pub fn start(&mut self, iteration: u32, states: Vec<SavedState>) -> Option<LogEvent> {
         if self.writing.is_some() {
             let old = self.queued.replace((iteration, states));
-            return old.map(|(it, _)| {
-                json!({
-                    "event": "checkpoint_skipped", "iteration": it,
-                    "why": format!("a newer round ({iteration}) came while another was being written"),
-                })
+            return old.map(|(it, _)| LogEvent::CheckpointSkipped {
+                node: self.me.into(),
+                iteration: it.into(),
+                why: format!("a newer round ({iteration}) came while another was being written"),
             });
         }
         let (tx, rx) = channel();
@@ -94,7 +93,7 @@ impl Saver {
 
     /// The event of the write that ended, if one did (`wait`: until it
     /// does).
-    pub fn poll(&mut self, wait: bool) -> Option<Value> {
+    pub fn poll(&mut self, wait: bool) -> Option<LogEvent> {
         let (_, rx) = self.writing.as_ref()?;
         let got = if wait {
             rx.recv().ok()
@@ -109,9 +108,11 @@ impl Saver {
                 if let Some((it, states)) = self.queued.take() {
                     self.start(it, states);
                 }
-                return Some(json!({
-                    "event": "checkpoint_failed", "why": "the writer thread died",
-                }));
+                return Some(LogEvent::CheckpointFailed {
+                    node: self.me.into(),
+                    iteration: None,
+                    why: "the writer thread died".into(),
+                });
             }
             None => return None,
         };
@@ -125,16 +126,20 @@ impl Saver {
         Some(match r {
             Ok((path, m)) => {
                 self.last = Some(iteration);
-                json!({
-                    "event": "checkpoint", "iteration": iteration,
-                    "dir": path.display().to_string(), "ms": ms, "bytes": bytes,
-                    "stages": m.stages.iter().map(|s| json!({
-                        "stage": s.stage, "from": s.from, "files": s.files,
-                        "weights_sha256": s.weights_sha256,
-                    })).collect::<Vec<_>>(),
-                })
+                LogEvent::Checkpoint {
+                    node: self.me.into(),
+                    iteration: iteration.into(),
+                    dir: path.display().to_string(),
+                    ms,
+                    bytes,
+                    stages: m.stages,
+                }
             }
-            Err(e) => json!({"event": "checkpoint_failed", "iteration": iteration, "why": e}),
+            Err(why) => LogEvent::CheckpointFailed {
+                node: self.me.into(),
+                iteration: Some(iteration.into()),
+                why,
+            },
         })
     }
 }

@@ -24,13 +24,13 @@
 //! out of [`run`], panics included.
 use super::checks;
 use super::demo_chaos::{chaos_on_event, chaos_tick, Chaos};
-use super::demo_events::{parse_line, Entry, Facts, NodeId, Plan, Summary, What};
 use super::demo_procs::{
     catch_interrupts, free_port, read_stderr, read_stdout, Msg, Proc, Procs, Rng, INTERRUPTED,
 };
 use super::demo_report;
 use clap::{Args, ValueEnum};
 use crossbeam_channel::{Receiver, Sender};
+use gwtf::swarm::audit::{parse_line, Entry, Facts, NodeId, Plan, Summary, What};
 use gwtf::wire::NodeKey;
 use std::collections::VecDeque;
 use std::io::{IsTerminal, Write};
@@ -1025,7 +1025,7 @@ fn drain(sw: &mut Swarm, rx: &Receiver<Msg>, wait: Duration) {
 /// Takes in one line of node `id`, read at `t`: the facts, the progress, the
 /// notes worth a line of their own, and the kills waiting for an event.
 fn on_line(sw: &mut Swarm, chaos: &mut Chaos, shown: &mut usize, id: NodeId, t: f64, line: &str) {
-    use super::demo_events::Event;
+    use gwtf::swarm::audit::Event;
     sw.keep_line(id, t, line);
     let ev = parse_line(line);
     sw.facts.push(&Entry {
