@@ -1,8 +1,9 @@
 //! The C ABI: the only module with exported `extern "C"` functions.
 //!
-//! One file per C object (`status`, `error`, `version`, `cuda`), plus the
-//! machinery every export shares: the panic boundary and handle checks
-//! ([`boundary`]) and the checked conversion of enum-like integers ([`enums`]).
+//! One file per C object (`status`, `error`, `version`, `cuda`, `flow`,
+//! `node`, `frame`, `stage`, `kernels`, `peer`, `audit`), plus the machinery
+//! every export shares: the panic boundary and handle checks ([`boundary`])
+//! and the checked conversion of enum-like integers ([`enums`]).
 //!
 //! Conventions (see docs/ARCHITECTURE.md): every symbol is `gwtf_<object>_<verb>`; fallible
 //! calls return a [`gwtf_status`] and take an optional trailing

@@ -25,8 +25,12 @@
 //!   `Input::PeerLost` one link latency later, and a message to a node that
 //!   is gone gets its sender `Input::PeerLost` one round trip later: what
 //!   the runtime does with a broken connection or a failed connect.
-//! - Aggregation (all-reduce) time of a stage: the runtime's ring all-reduce
-//!   in f32 around the ring of the commit, in its order ([`allreduce`]).
+//! - Aggregation (all-reduce) time of a stage: the runtime's all-reduce in
+//!   f32 among the commit's members: the butterfly up to 64 members, the
+//!   ring both ways in the commit's order beyond ([`allreduce`]). This is a
+//!   model of the runtime's machines (`swarm::butterfly`,
+//!   `swarm::allreduce`), not those machines: its timing and loss rules
+//!   are written again here.
 //! - Yardstick: a lower bound on the iteration time of the current
 //!   membership ([`bound`]), recomputed when the membership changed, that
 //!   every policy's time is reported against.

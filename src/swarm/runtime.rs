@@ -4,7 +4,8 @@
 //!
 //! Threads: the *driver* ([`super::driver`]) owns the protocol node, turns
 //! engine events into protocol inputs (a control frame becomes
-//! `Input::Message`, a broken connection `Input::PeerLost` at once),
+//! `Input::Message`; a broken connection that does not come back within
+//! the driver's grace, 200 ms, becomes `Input::PeerLost`),
 //! performs the protocol's actions (messages go out through
 //! `protocol::codec` as control frames, tensors as data frames; tasks
 //! become [`Work`] for the trainer; events go to the caller) and runs its
@@ -16,11 +17,12 @@
 //! its protocol message ([`super::bulk`] pairs them) and is handed to the
 //! trainer as the same pool lease; what the trainer produces is kept
 //! ([`super::store`]) for as long as the protocol's recovery may send it
-//! again, and each send is a copy of it.
+//! again, and each send writes that same pool slot, not a copy.
 //!
 //! Aggregation: the protocol's aggregate task becomes a sum of the
-//! granted microbatches' gradients by the trainer, a ring all-reduce among
-//! the commit's members ([`super::aggregate`]), and, on the coordinator's
+//! granted microbatches' gradients by the trainer, an all-reduce among the
+//! commit's members ([`super::aggregate`]: a butterfly up to 64 members, a
+//! ring both ways beyond), and, on the coordinator's
 //! word (`Applied`), the optimizer step; every member reports the digest
 //! of its weights with its part, so replicas that drift apart are an
 //! error, never silent. A joiner's state is exported by a member's
