@@ -272,7 +272,7 @@ fn go_program_in_its_own_module_uses_the_installed_library() {
         module.join("go.mod"),
         format!(
             "module mytrainer\n\ngo 1.19\n\nrequire libgwtf.local/gwtf v0.0.0\n\nreplace libgwtf.local/gwtf => {}\n",
-            repo_root().join("c-examples/go").display()
+            repo_root().join("bindings/go").display()
         ),
     )
     .unwrap();
