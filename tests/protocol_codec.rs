@@ -187,7 +187,7 @@ fn fuzz_seed_corpus_follows_the_wire_version() {
 /// control frame and decodes to the message that was sent.
 #[test]
 fn protocol_messages_cross_the_transport_as_control_frames() {
-    use gwtf::engine::{Event, Node, NodeOptions};
+    use gwtf::engine::{NodeOptions, Transport, TransportEvent};
     use std::time::{Duration, Instant};
     let o = NodeOptions {
         listen: Some("127.0.0.1:0".parse().unwrap()),
@@ -196,8 +196,8 @@ fn protocol_messages_cross_the_transport_as_control_frames() {
         max_payload: 1 << 20,
         ..NodeOptions::default()
     };
-    let a = Node::new(o.clone()).unwrap();
-    let b = Node::new(o).unwrap();
+    let a = Transport::new(o.clone()).unwrap();
+    let b = Transport::new(o).unwrap();
     let t = Duration::from_secs(20);
     let peer = a.connect_wait(b.local_addr().unwrap(), t).unwrap();
     let samples = codec::samples();
@@ -207,7 +207,9 @@ fn protocol_messages_cross_the_transport_as_control_frames() {
     let deadline = Instant::now() + t;
     let mut got = Vec::new();
     while got.len() < samples.len() && Instant::now() < deadline {
-        if let Some(Event::Control { peer, msg }) = b.poll_event(Duration::from_millis(100)) {
+        if let Some(TransportEvent::Control { peer, msg }) =
+            b.poll_event(Duration::from_millis(100))
+        {
             assert_eq!(peer, a.node_id());
             got.push(codec::decode(&msg).unwrap());
         }

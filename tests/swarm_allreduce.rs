@@ -7,7 +7,7 @@
 //! everything is not missed: the survivors end with the full result, its
 //! contribution in it; a member that sends a malformed chunk is reported,
 //! nothing is added.
-use gwtf::engine::{Node, NodeOptions};
+use gwtf::engine::{NodeOptions, Transport};
 use gwtf::protocol::rng::Rng;
 use gwtf::swarm::allreduce::{Machine, Message, Outcome, RingAllReduce};
 use gwtf::swarm::allreduce_net;
@@ -19,10 +19,10 @@ const STAGE: u32 = 3;
 const T: Duration = Duration::from_secs(30);
 
 /// `n` nodes, each connected to every other.
-fn mesh(n: usize) -> Vec<Node> {
-    let nodes: Vec<Node> = (0..n)
+fn mesh(n: usize) -> Vec<Transport> {
+    let nodes: Vec<Transport> = (0..n)
         .map(|_| {
-            Node::new(NodeOptions {
+            Transport::new(NodeOptions {
                 listen: Some("127.0.0.1:0".parse().unwrap()),
                 swarm_key: KEY.to_vec(),
                 max_payload: 16 << 20,
@@ -72,7 +72,7 @@ fn butterfly(op: u64, me: u64, members: &[u64], sum: &[f32], mbs: u64) -> Butter
 /// the members' order) on every given node at once.
 fn run_members<M: Machine>(
     make: Make<M>,
-    nodes: &[&Node],
+    nodes: &[&Transport],
     members: &[u64],
     op: u64,
     inputs: &[(Vec<f32>, u64)],
@@ -95,7 +95,7 @@ fn run_members<M: Machine>(
 /// Runs one operation among exactly the given nodes.
 fn all_reduce<M: Machine>(
     make: Make<M>,
-    nodes: &[&Node],
+    nodes: &[&Transport],
     op: u64,
     inputs: &[(Vec<f32>, u64)],
 ) -> Vec<Outcome> {
@@ -132,7 +132,7 @@ fn assert_identical_and_right(outcomes: &[Outcome], inputs: &[(Vec<f32>, u64)]) 
 /// (a butterfly: its slices, then its reduced part to each other member).
 fn four_members_reduce_a_large_buffer<M: Machine>(make: Make<M>, seed: u64) {
     let nodes = mesh(4);
-    let refs: Vec<&Node> = nodes.iter().collect();
+    let refs: Vec<&Transport> = nodes.iter().collect();
     let inputs: Vec<(Vec<f32>, u64)> = (0..4)
         .map(|k| (contribution(seed + k, 1_000_003), k + 1))
         .collect();
@@ -163,11 +163,11 @@ fn a_butterfly_of_four_reduces_a_large_buffer_to_identical_bits() {
 /// end: their outcomes, and how long they took.
 fn run_with_a_victim<M: Machine>(
     make: Make<M>,
-    nodes: &mut Vec<Node>,
+    nodes: &mut Vec<Transport>,
     op: u64,
     inputs: &[(Vec<f32>, u64)],
     v: usize,
-    victim: impl FnOnce(&Node, &mut M) + Send,
+    victim: impl FnOnce(&Transport, &mut M) + Send,
     linger: Duration,
 ) -> (Vec<Outcome>, Duration) {
     let ids: Vec<u64> = nodes.iter().map(|x| x.node_id()).collect();
@@ -205,7 +205,7 @@ fn run_with_a_victim<M: Machine>(
 }
 
 /// Sends what `r` asks to send, from `node`.
-fn send_outbox(node: &Node, r: &mut impl Machine) -> Vec<Message> {
+fn send_outbox(node: &Transport, r: &mut impl Machine) -> Vec<Message> {
     let mut sent = Vec::new();
     for (to, msg) in r.take_outbox() {
         let f = allreduce_net::frame_of(node, STAGE, &msg, T).unwrap();
@@ -217,7 +217,7 @@ fn send_outbox(node: &Node, r: &mut impl Machine) -> Vec<Message> {
 
 /// `node` plays its part of `r` (sends what it asks, feeds it what comes)
 /// until `stop` says so (given what the last round sent).
-fn take_part_until<M: Machine>(node: &Node, r: &mut M, stop: impl Fn(&[Message], &M) -> bool) {
+fn take_part_until<M: Machine>(node: &Transport, r: &mut M, stop: impl Fn(&[Message], &M) -> bool) {
     let deadline = Instant::now() + T;
     loop {
         let sent = send_outbox(node, r);
@@ -244,7 +244,7 @@ fn a_member_that_dies_mid_way<M: Machine>(make: Make<M>, seed: u64) {
     let inputs: Vec<(Vec<f32>, u64)> = (0..4)
         .map(|k| (contribution(seed + k, 50_000), 2))
         .collect();
-    let first_sends = |node: &Node, r: &mut M| {
+    let first_sends = |node: &Transport, r: &mut M| {
         send_outbox(node, r);
     };
     let linger = Duration::from_millis(50);
@@ -257,7 +257,7 @@ fn a_member_that_dies_mid_way<M: Machine>(make: Make<M>, seed: u64) {
         "the loss took {took:?} to notice"
     );
     let survivors_inputs: Vec<(Vec<f32>, u64)> = [0, 1, 3].map(|k| inputs[k].clone()).to_vec();
-    let refs: Vec<&Node> = nodes.iter().collect();
+    let refs: Vec<&Transport> = nodes.iter().collect();
     let again = all_reduce(make, &refs, 8, &survivors_inputs);
     assert_identical_and_right(&again, &survivors_inputs);
 }
@@ -287,7 +287,7 @@ fn a_malformed_chunk_is_refused_and_reported_as_its_senders_loss() {
     f.header.ndim = 1;
     f.header.shape = [3, 0, 0, 0];
     nodes[bad].send(right, f, T).unwrap();
-    let honest: Vec<&Node> = nodes.iter().filter(|x| x.node_id() != ids[0]).collect();
+    let honest: Vec<&Transport> = nodes.iter().filter(|x| x.node_id() != ids[0]).collect();
     let ones: Vec<(Vec<f32>, u64)> = honest.iter().map(|_| (vec![1.0; 1000], 1)).collect();
     let outcomes = run_members(ring, &honest, &ids, 3, &ones);
     for (node, o) in honest.iter().zip(&outcomes) {
@@ -313,7 +313,7 @@ fn a_member_that_dies_in_the_all_gather_is_bypassed_and_its_gradients_kept() {
     let inputs: Vec<(Vec<f32>, u64)> = (0..n as u64)
         .map(|k| (contribution(20 + k, 200_003), k + 1))
         .collect();
-    let until_reduced_chunk_sent = |node: &Node, r: &mut RingAllReduce| {
+    let until_reduced_chunk_sent = |node: &Transport, r: &mut RingAllReduce| {
         let all_gather_start = n as u32 - 1;
         take_part_until(node, r, |sent, _| {
             sent.iter()
@@ -347,7 +347,7 @@ fn a_butterfly_member_that_dies_after_sending_everything_is_not_missed() {
     let inputs: Vec<(Vec<f32>, u64)> = (0..n as u64)
         .map(|k| (contribution(50 + k, 200_003), k + 1))
         .collect();
-    let until_done = |node: &Node, r: &mut ButterflyAllReduce| {
+    let until_done = |node: &Transport, r: &mut ButterflyAllReduce| {
         take_part_until(node, r, |_, r| matches!(r.outcome(), Outcome::Done { .. }));
     };
     // Its last frames leave its machine before the process is gone.

@@ -14,7 +14,7 @@
 mod common;
 
 use common::swarm_inproc::{free_addr, model_protocol_config, peers_of, start_node, Seen};
-use gwtf::engine::{Event as NetEvent, Frame, Node as Net, NodeOptions};
+use gwtf::engine::{Frame, NodeOptions, Transport, TransportEvent};
 use gwtf::model::dataset::Dataset;
 use gwtf::model::preset;
 use gwtf::protocol::{codec, Config, MbId, Msg, NodeId, Stage, StageSummary};
@@ -235,8 +235,8 @@ fn layout() -> Vec<(NodeId, Stage)> {
 // ---- the hostile party
 
 /// An engine node with `key`, listening on loopback.
-fn hostile(id: NodeId, key: &[u8]) -> Net {
-    Net::new(NodeOptions {
+fn hostile(id: NodeId, key: &[u8]) -> Transport {
+    Transport::new(NodeOptions {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         swarm_key: key.to_vec(),
         node_id: id as u64,
@@ -251,13 +251,13 @@ fn hostile(id: NodeId, key: &[u8]) -> Net {
     .unwrap()
 }
 
-fn connect(h: &Net, addr: SocketAddr) -> u64 {
+fn connect(h: &Transport, addr: SocketAddr) -> u64 {
     h.connect_wait(addr, T).unwrap()
 }
 
 /// Introduces `h` to `peer` as a member of `stage`, with `others` as the
 /// peers it claims to know.
-fn introduce(h: &Net, peer: u64, stage: Stage, others: &[Peer]) {
+fn introduce(h: &Transport, peer: u64, stage: Stage, others: &[Peer]) {
     let me = Peer {
         id: h.node_id() as NodeId,
         stage,
@@ -267,13 +267,13 @@ fn introduce(h: &Net, peer: u64, stage: Stage, others: &[Peer]) {
         .unwrap();
 }
 
-fn send_msg(h: &Net, peer: u64, msg: &Msg) -> bool {
+fn send_msg(h: &Transport, peer: u64, msg: &Msg) -> bool {
     h.send_control(peer, &codec::encode(msg).unwrap(), T)
         .is_ok()
 }
 
 /// A data frame of `len` bytes of a pattern, with these header fields.
-fn data_frame(h: &Net, len: usize, (microbatch, iteration): (u64, u64), stage: u32) -> Frame {
+fn data_frame(h: &Transport, len: usize, (microbatch, iteration): (u64, u64), stage: u32) -> Frame {
     let mut f = h.alloc(len, T).unwrap();
     for (i, b) in f.payload_mut().iter_mut().enumerate() {
         *b = (i * 7 + 3) as u8;
@@ -297,7 +297,7 @@ fn forward(mb: MbId, path: Vec<NodeId>) -> Msg {
 }
 
 /// Waits until `h`'s connection to `peer` is gone (the node cut it off).
-fn wait_cut_off(h: &Net, peer: u64) {
+fn wait_cut_off(h: &Transport, peer: u64) {
     let end = Instant::now() + T;
     while Instant::now() < end {
         if !h.peers().contains(&peer) {
@@ -649,7 +649,9 @@ fn stage_claims_against_the_swarm_are_refused() {
     let p = connect(&probe, relay);
     let dir = loop {
         match probe.poll_event(T) {
-            Some(NetEvent::Control { peer, msg }) if peer == p && msg.msg_type == DIRECTORY_MSG => {
+            Some(TransportEvent::Control { peer, msg })
+                if peer == p && msg.msg_type == DIRECTORY_MSG =>
+            {
                 break parse_directory(&msg.body).unwrap()
             }
             Some(_) => {}
@@ -761,11 +763,12 @@ fn a_gradient_that_cannot_be_all_reduced_is_committed_again() {
 /// connected and silent (`cut`), or with a state whose SHA-256 does not
 /// match and then dies once cut off. Poses as its stage's bottleneck
 /// member to joiners that ask. Returns the node if it is to live on.
-fn bad_state_server(h: Net, cut: bool) -> std::thread::JoinHandle<Option<Net>> {
+fn bad_state_server(h: Transport, cut: bool) -> std::thread::JoinHandle<Option<Transport>> {
     std::thread::spawn(move || {
         let end = Instant::now() + DEADLINE;
         while Instant::now() < end {
-            let Some(NetEvent::Control { peer, msg }) = h.poll_event(Duration::from_millis(100))
+            let Some(TransportEvent::Control { peer, msg }) =
+                h.poll_event(Duration::from_millis(100))
             else {
                 continue;
             };
@@ -826,7 +829,7 @@ fn cut_off_and_corrupted_state_downloads_are_refused() {
         let p = connect(&probe, holder);
         let until = Instant::now() + T;
         while Instant::now() < until {
-            if let Some(NetEvent::Control { peer, msg }) = probe.poll_event(T) {
+            if let Some(TransportEvent::Control { peer, msg }) = probe.poll_event(T) {
                 if peer == p && msg.msg_type == DIRECTORY_MSG {
                     let dir = parse_directory(&msg.body).unwrap();
                     return [19, 20].iter().all(|id| dir.iter().any(|e| e.id == *id));
@@ -864,7 +867,7 @@ fn cut_off_and_corrupted_state_downloads_are_refused() {
     swarm.until("the joiner's first update", |s| s.applied(31));
     swarm.iterations_done(6);
     swarm.finish_and_check(6);
-    let silent: Vec<Option<Net>> = servers.into_iter().map(|s| s.join().unwrap()).collect();
+    let silent: Vec<Option<Transport>> = servers.into_iter().map(|s| s.join().unwrap()).collect();
     assert!(silent[0].is_some() && silent[1].is_none());
 }
 

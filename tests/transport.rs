@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::engine::{CloseReason, NodeOptions, Transport, TransportEvent};
 use gwtf::wire::{crc32c, Connection, FrameHeader, Role, SwarmKey, WireError, FLAG_PAYLOAD_CRC};
 
 const KEY: &[u8] = b"transport-test-swarm-key-0123456";
@@ -95,7 +95,11 @@ fn pattern(seed: u64, buf: &mut [u8]) {
     }
 }
 
-fn wait_event(node: &Node, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
+fn wait_event(
+    node: &Transport,
+    what: &str,
+    pred: impl Fn(&TransportEvent) -> bool,
+) -> TransportEvent {
     let deadline = Instant::now() + T;
     let mut seen = Vec::new();
     while Instant::now() < deadline {
@@ -112,7 +116,7 @@ fn wait_event(node: &Node, what: &str, pred: impl Fn(&Event) -> bool) -> Event {
 #[test]
 fn frames_from_0_bytes_to_256_mib_roundtrip_through_an_echo_process() {
     let echo = Echo::start("echo-sizes", &[]);
-    let node = Node::new(opts(256 << 20, 600 << 20)).unwrap();
+    let node = Transport::new(opts(256 << 20, 600 << 20)).unwrap();
     let peer = node.connect_wait(echo.addr, T).unwrap();
     let sizes = [
         0usize,
@@ -152,8 +156,8 @@ fn frames_from_0_bytes_to_256_mib_roundtrip_through_an_echo_process() {
 #[test]
 fn sixty_four_peers_at_once() {
     let echo = Echo::start("echo-64", &[]);
-    let nodes: Vec<Node> = (0..64)
-        .map(|_| Node::new(opts(1 << 20, 4 << 20)).unwrap())
+    let nodes: Vec<Transport> = (0..64)
+        .map(|_| Transport::new(opts(1 << 20, 4 << 20)).unwrap())
         .collect();
     std::thread::scope(|s| {
         for (k, node) in nodes.iter().enumerate() {
@@ -189,7 +193,7 @@ fn sixty_four_peers_at_once() {
 fn peer_killed_mid_frame_is_reported_lost_without_leak_or_hang() {
     // The echo sends back at 2 MB/s, so its reply is mid-frame when it dies.
     let echo = Echo::start("echo-kill", &["--link-bandwidth", "2000000"]);
-    let node = Node::new(NodeOptions {
+    let node = Transport::new(NodeOptions {
         peer_timeout: Duration::from_secs(30),
         ..opts(32 << 20, 128 << 20)
     })
@@ -210,8 +214,10 @@ fn peer_killed_mid_frame_is_reported_lost_without_leak_or_hang() {
     let mut echo = echo;
     echo.child.kill().unwrap(); // SIGKILL
     let t0 = Instant::now();
-    let ev = wait_event(&node, "peer lost", |e| matches!(e, Event::PeerLost { .. }));
-    let Event::PeerLost {
+    let ev = wait_event(&node, "peer lost", |e| {
+        matches!(e, TransportEvent::PeerLost { .. })
+    });
+    let TransportEvent::PeerLost {
         peer: p, reason, ..
     } = ev
     else {
@@ -245,7 +251,7 @@ fn echo_logs_refused_connections_with_their_reason() {
     let mut s = TcpStream::connect(echo.addr).unwrap();
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n________________________")
         .unwrap();
-    let bad = Node::new(NodeOptions {
+    let bad = Transport::new(NodeOptions {
         swarm_key: b"not-the-swarm-key-at-all-000000".to_vec(),
         connect_attempts: 1,
         ..opts(1 << 20, 2 << 20)
@@ -254,7 +260,7 @@ fn echo_logs_refused_connections_with_their_reason() {
     assert!(bad.connect_wait(echo.addr, T).is_err());
     let _silent = TcpStream::connect(echo.addr).unwrap();
     // A good peer is still served.
-    let good = Node::new(opts(1 << 20, 2 << 20)).unwrap();
+    let good = Transport::new(opts(1 << 20, 2 << 20)).unwrap();
     let peer = good.connect_wait(echo.addr, T).unwrap();
     let f = good.alloc_copy(b"still served", T).unwrap();
     good.send(peer, f, T).unwrap();
@@ -271,8 +277,8 @@ fn echo_logs_refused_connections_with_their_reason() {
 
 // ------------------------------------------------------------ hostile streams
 
-fn server() -> Node {
-    Node::new(server_opts()).unwrap()
+fn server() -> Transport {
+    Transport::new(server_opts()).unwrap()
 }
 
 fn server_opts() -> NodeOptions {
@@ -302,15 +308,15 @@ fn header(len: u64) -> FrameHeader {
     h
 }
 
-fn reason_for(server: &Node, inbound_refused: bool) -> CloseReason {
+fn reason_for(server: &Transport, inbound_refused: bool) -> CloseReason {
     match wait_event(server, "close", |e| {
         if inbound_refused {
-            matches!(e, Event::Refused { .. })
+            matches!(e, TransportEvent::Refused { .. })
         } else {
-            matches!(e, Event::PeerLost { .. })
+            matches!(e, TransportEvent::PeerLost { .. })
         }
     }) {
-        Event::Refused { reason, .. } | Event::PeerLost { reason, .. } => reason,
+        TransportEvent::Refused { reason, .. } | TransportEvent::PeerLost { reason, .. } => reason,
         _ => unreachable!(),
     }
 }
@@ -320,10 +326,10 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
     let srv = server();
     let addr = srv.local_addr().unwrap();
     // An honest peer keeps exchanging frames the whole time.
-    let honest = Node::new(opts(1 << 20, 8 << 20)).unwrap();
+    let honest = Transport::new(opts(1 << 20, 8 << 20)).unwrap();
     let honest_id = honest.connect_wait(addr, T).unwrap();
     let _ = wait_event(&srv, "honest connect", |e| {
-        matches!(e, Event::PeerConnected { .. })
+        matches!(e, TransportEvent::PeerConnected { .. })
     });
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -367,7 +373,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
             )
         });
         // A wrong key.
-        let bad = Node::new(NodeOptions {
+        let bad = Transport::new(NodeOptions {
             swarm_key: b"wrong-key-wrong-key-wrong-key-00".to_vec(),
             connect_attempts: 1,
             ..opts(1 << 20, 2 << 20)
@@ -399,11 +405,11 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         rec.write_all(&proof).unwrap();
         sent.extend_from_slice(&proof);
         let _ = wait_event(&srv, "recorded connect", |e| {
-            matches!(e, Event::PeerConnected { peer: 77, .. })
+            matches!(e, TransportEvent::PeerConnected { peer: 77, .. })
         });
         drop(rec);
         let _ = wait_event(&srv, "recorded gone", |e| {
-            matches!(e, Event::PeerLost { peer: 77, .. })
+            matches!(e, TransportEvent::PeerLost { peer: 77, .. })
         });
         let mut replay = TcpStream::connect(addr).unwrap();
         replay.write_all(&sent).unwrap();
@@ -438,7 +444,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
             next_id += 1;
             let mut s = raw_authenticated(addr, next_id);
             let _ = wait_event(&srv, "attacker connect", |e| {
-                matches!(e, Event::PeerConnected { .. })
+                matches!(e, TransportEvent::PeerConnected { .. })
             });
             s.send(&bytes).unwrap();
             check(what, false, pred);
@@ -471,7 +477,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         next_id += 1;
         let mut s = raw_authenticated(addr, next_id);
         let _ = wait_event(&srv, "slow frame connect", |e| {
-            matches!(e, Event::PeerConnected { .. })
+            matches!(e, TransportEvent::PeerConnected { .. })
         });
         let hb = header(10).encode();
         std::thread::scope(|s2| {
@@ -489,7 +495,7 @@ fn hostile_streams_are_closed_with_a_reason_while_others_are_served() {
         next_id += 1;
         let _silent = raw_authenticated(addr, next_id);
         let _ = wait_event(&srv, "silent connect", |e| {
-            matches!(e, Event::PeerConnected { .. })
+            matches!(e, TransportEvent::PeerConnected { .. })
         });
         let t0 = Instant::now();
         check("silent", false, &|r| {
@@ -532,7 +538,7 @@ fn a_node_paused_longer_than_its_peer_timeout_keeps_its_peers() {
         &["--heartbeat-ms", "100", "--peer-timeout-ms", "1000"],
     );
     // This node is patient: any connection loss comes from the echo node.
-    let me = Node::new(NodeOptions {
+    let me = Transport::new(NodeOptions {
         listen: None,
         swarm_key: KEY.to_vec(),
         max_payload: 1 << 20,
@@ -564,7 +570,7 @@ fn a_node_paused_longer_than_its_peer_timeout_keeps_its_peers() {
         let Some(ev) = me.poll_event(Duration::from_millis(200)) else {
             break;
         };
-        if matches!(ev, Event::PeerLost { .. }) {
+        if matches!(ev, TransportEvent::PeerLost { .. }) {
             lost.push(format!("{ev:?}"));
         }
     }
@@ -584,8 +590,8 @@ const PEER: u64 = 0x10;
 
 /// A node that never times its peers out on its own (the raw peer of
 /// these tests sends no heartbeats).
-fn patient_node() -> Node {
-    Node::new(NodeOptions {
+fn patient_node() -> Transport {
+    Transport::new(NodeOptions {
         node_id: 0x50,
         peer_timeout: T,
         ..server_opts()
@@ -593,15 +599,15 @@ fn patient_node() -> Node {
     .unwrap()
 }
 
-fn wait_connected(node: &Node) {
+fn wait_connected(node: &Transport) {
     wait_event(node, "the first connection", |e| {
-        matches!(e, Event::PeerConnected { peer: PEER, .. })
+        matches!(e, TransportEvent::PeerConnected { peer: PEER, .. })
     });
 }
 
 /// Waits until `node` retired one of two connections to the peer; returns
 /// the deadline it waited under.
-fn wait_retired(node: &Node) -> Instant {
+fn wait_retired(node: &Transport) -> Instant {
     let deadline = Instant::now() + T;
     while node.stats().duplicates_retired == 0 {
         assert!(Instant::now() < deadline, "the node never retired one");
@@ -666,8 +672,8 @@ fn a_retired_duplicate_takes_over_when_the_kept_connection_ends() {
     let mut told = Vec::new();
     while let Some(ev) = node.poll_event(Duration::from_millis(300)) {
         match ev {
-            Event::PeerLost { peer: PEER, .. } => told.push("lost"),
-            Event::PeerConnected { peer: PEER, .. } => told.push("connected"),
+            TransportEvent::PeerLost { peer: PEER, .. } => told.push("lost"),
+            TransportEvent::PeerConnected { peer: PEER, .. } => told.push("connected"),
             _ => {}
         }
     }

@@ -14,7 +14,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use common::RawPeer;
-use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::engine::{CloseReason, NodeOptions, Transport, TransportEvent};
 use gwtf::wire::{
     encode_control_frame, FrameHeader, FrameKind, Heartbeat, Role, WireError, HEAD_LEN,
 };
@@ -22,8 +22,8 @@ use gwtf::wire::{
 const KEY: &[u8] = b"intake-test-swarm-key-0123456789";
 const T: Duration = Duration::from_secs(30);
 
-fn node(o: NodeOptions) -> Node {
-    Node::new(NodeOptions {
+fn node(o: NodeOptions) -> Transport {
+    Transport::new(NodeOptions {
         listen: Some("127.0.0.1:0".parse().unwrap()),
         swarm_key: KEY.to_vec(),
         log: true,
@@ -45,10 +45,10 @@ fn heartbeat(seq: u64) -> Vec<u8> {
 }
 
 /// The reason the node gives for losing `peer`.
-fn lost_reason(n: &Node, peer: u64) -> CloseReason {
+fn lost_reason(n: &Transport, peer: u64) -> CloseReason {
     let deadline = Instant::now() + T;
     while Instant::now() < deadline {
-        if let Some(Event::PeerLost {
+        if let Some(TransportEvent::PeerLost {
             peer: p, reason, ..
         }) = n.poll_event(Duration::from_millis(50))
         {
@@ -60,7 +60,7 @@ fn lost_reason(n: &Node, peer: u64) -> CloseReason {
     panic!("peer {peer:x} not lost within {T:?}");
 }
 
-fn wait_connected(n: &Node, peer: u64) {
+fn wait_connected(n: &Transport, peer: u64) {
     let deadline = Instant::now() + T;
     while !n.is_connected(peer) {
         assert!(Instant::now() < deadline, "peer {peer:x} never connected");
@@ -69,10 +69,10 @@ fn wait_connected(n: &Node, peer: u64) {
 }
 
 /// The next `Refused` event of `n` (bounded wait).
-fn next_refusal(n: &Node) -> (bool, CloseReason) {
+fn next_refusal(n: &Transport) -> (bool, CloseReason) {
     let deadline = Instant::now() + T;
     while Instant::now() < deadline {
-        if let Some(Event::Refused {
+        if let Some(TransportEvent::Refused {
             inbound, reason, ..
         }) = n.poll_event(Duration::from_millis(50))
         {
@@ -124,7 +124,7 @@ fn a_node_claiming_another_s_id_is_refused() {
     assert!(!n.is_connected(victim));
     assert_eq!(n.peers(), Vec::<u64>::new());
     // The owner of the key connects under its id.
-    let owner = Node::new(NodeOptions {
+    let owner = Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         node_key: Some(owner_key.clone()),
         ..NodeOptions::default()
@@ -134,7 +134,7 @@ fn a_node_claiming_another_s_id_is_refused() {
     assert_eq!(owner.connect_wait(addr, T).unwrap(), n.node_id());
     wait_connected(&n, victim);
     // An id that is not the key's does not start (only chosen_ids allows it).
-    let e = Node::new(NodeOptions {
+    let e = Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         node_key: Some(owner_key.clone()),
         node_id: victim ^ 1,
@@ -146,7 +146,7 @@ fn a_node_claiming_another_s_id_is_refused() {
         e.to_string().contains("is not the id of this node's key"),
         "{e}"
     );
-    assert!(Node::new(NodeOptions {
+    assert!(Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         node_key: Some(owner_key),
         node_id: victim ^ 1,
@@ -177,7 +177,7 @@ fn a_second_key_of_a_known_id_is_refused() {
     let n = node(NodeOptions::default());
     let addr = n.local_addr().unwrap();
     let dial = |key: &gwtf::wire::NodeKey| {
-        Node::new(NodeOptions {
+        Transport::new(NodeOptions {
             swarm_key: KEY.to_vec(),
             node_key: Some(key.clone()),
             connect_attempts: 1,
@@ -298,7 +298,7 @@ fn a_flood_from_one_address_does_not_keep_a_joiner_out() {
         held.len()
     );
     // The joiner, while the flood's connections are held.
-    let joiner = Node::new(NodeOptions {
+    let joiner = Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         ..NodeOptions::default()
     })
@@ -311,7 +311,7 @@ fn a_flood_from_one_address_does_not_keep_a_joiner_out() {
     let st = n.stats();
     let mut reported = 0;
     while let Some(ev) = n.poll_event(Duration::from_millis(20)) {
-        if let Event::Refused { addr, .. } = ev {
+        if let TransportEvent::Refused { addr, .. } = ev {
             if addr.ip() == flood_from {
                 reported += 1;
             }
@@ -399,7 +399,8 @@ fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
             slow.len(),
             n.stats().pool
         );
-        if let Some(Event::PeerLost { peer, reason, .. }) = n.poll_event(Duration::from_millis(50))
+        if let Some(TransportEvent::PeerLost { peer, reason, .. }) =
+            n.poll_event(Duration::from_millis(50))
         {
             assert_eq!(reason, CloseReason::FrameTimeout, "peer {peer:x}");
             longest = longest.max(sent_at[&peer].elapsed());
@@ -429,7 +430,7 @@ fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
     );
     assert!(longest < bound, "{longest:?}");
     // An honest peer is served.
-    let honest = Node::new(NodeOptions {
+    let honest = Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         max_payload: 64 << 20,
         pool_bytes: 256 << 20,
@@ -452,7 +453,7 @@ fn half_sent_frames_lose_their_pool_slots_at_the_frame_deadline() {
 #[test]
 fn refused_dials_give_their_handshake_slots_back() {
     let most = 4;
-    let dialer = Node::new(NodeOptions {
+    let dialer = Transport::new(NodeOptions {
         swarm_key: KEY.to_vec(),
         connect_attempts: 1,
         max_handshakes: most,

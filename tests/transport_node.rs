@@ -1,8 +1,8 @@
-//! Two or more nodes in one process over loopback: the Rust `Node` API.
+//! Two or more nodes in one process over loopback: the Rust `Transport` API.
 
 use std::time::{Duration, Instant};
 
-use gwtf::engine::{CloseReason, Event, Node, NodeOptions};
+use gwtf::engine::{CloseReason, NodeOptions, Transport, TransportEvent};
 use gwtf::wire::Dtype;
 
 const KEY: &[u8] = b"0123456789abcdef-test-swarm-key";
@@ -20,7 +20,7 @@ fn opts() -> NodeOptions {
     }
 }
 
-fn wait_event(node: &Node, pred: impl Fn(&Event) -> bool) -> Event {
+fn wait_event(node: &Transport, pred: impl Fn(&TransportEvent) -> bool) -> TransportEvent {
     let deadline = Instant::now() + T;
     while Instant::now() < deadline {
         if let Some(ev) = node.poll_event(Duration::from_millis(100)) {
@@ -34,13 +34,13 @@ fn wait_event(node: &Node, pred: impl Fn(&Event) -> bool) -> Event {
 
 #[test]
 fn send_and_receive_tensors_between_two_nodes() {
-    let a = Node::new(opts()).unwrap();
-    let b = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     assert_eq!(peer, b.node_id());
     wait_event(
         &b,
-        |e| matches!(e, Event::PeerConnected { peer, .. } if *peer == a.node_id()),
+        |e| matches!(e, TransportEvent::PeerConnected { peer, .. } if *peer == a.node_id()),
     );
     for (i, n) in [0usize, 1, 3, 1000, 65536, 1 << 20, (4 << 20) / 4]
         .into_iter()
@@ -77,15 +77,15 @@ fn send_and_receive_tensors_between_two_nodes() {
 
 #[test]
 fn goodbye_and_dead_peer_are_reported() {
-    let a = Node::new(opts()).unwrap();
-    let b = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     let bid = b.node_id();
-    wait_event(&b, |e| matches!(e, Event::PeerConnected { .. }));
+    wait_event(&b, |e| matches!(e, TransportEvent::PeerConnected { .. }));
     b.shutdown();
-    let ev = wait_event(&a, |e| matches!(e, Event::PeerLost { .. }));
+    let ev = wait_event(&a, |e| matches!(e, TransportEvent::PeerLost { .. }));
     match ev {
-        Event::PeerLost {
+        TransportEvent::PeerLost {
             peer: p, reason, ..
         } => {
             assert_eq!(p, bid);
@@ -102,7 +102,7 @@ fn connect_to_nothing_fails_after_retries() {
     let mut o = opts();
     o.connect_attempts = 3;
     o.connect_backoff = Duration::from_millis(10);
-    let a = Node::new(o).unwrap();
+    let a = Transport::new(o).unwrap();
     // A port nobody listens on: bind then drop.
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -114,15 +114,15 @@ fn connect_to_nothing_fails_after_retries() {
 
 #[test]
 fn wrong_key_is_refused_on_both_sides() {
-    let a = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
     let mut o = opts();
     o.swarm_key = b"another-key-of-sufficient-length".to_vec();
-    let b = Node::new(o).unwrap();
+    let b = Transport::new(o).unwrap();
     let e = a.connect_wait(b.local_addr().unwrap(), T).unwrap_err();
     // The dialling side proved its key first and was refused: it is told
     // the keys likely differ.
     assert!(e.to_string().contains("swarm key differs"), "{e}");
-    let ev = wait_event(&b, |e| matches!(e, Event::Refused { .. }));
+    let ev = wait_event(&b, |e| matches!(e, TransportEvent::Refused { .. }));
     assert!(format!("{ev:?}").contains("AuthFailed"), "{ev:?}");
     assert!(b.peers().is_empty());
 }
@@ -135,7 +135,7 @@ fn wrong_key_is_refused_on_both_sides() {
 fn slow_link_applies_back_pressure_and_delivers_trickled_frames_whole() {
     use gwtf::engine::LinkEmulation;
     let depth = 4;
-    let a = Node::new(NodeOptions {
+    let a = Transport::new(NodeOptions {
         send_queue_depth: depth,
         link: Some(LinkEmulation {
             delay: Duration::from_millis(20),
@@ -144,7 +144,7 @@ fn slow_link_applies_back_pressure_and_delivers_trickled_frames_whole() {
         ..opts()
     })
     .unwrap();
-    let b = Node::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     // Sizes that straddle the low-water mark: several MiB, a few bytes after
     // a large frame, an odd length, and an empty payload last.
@@ -215,10 +215,10 @@ fn slow_link_applies_back_pressure_and_delivers_trickled_frames_whole() {
 #[test]
 fn a_burst_of_control_messages_larger_than_the_event_queue_is_delivered_whole() {
     use gwtf::wire::ControlEnvelope;
-    let a = Node::new(opts()).unwrap();
-    let b = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
-    wait_event(&b, |ev| matches!(ev, Event::PeerConnected { .. }));
+    wait_event(&b, |ev| matches!(ev, TransportEvent::PeerConnected { .. }));
     const N: u32 = 10_000;
     let sender = std::thread::scope(|s| {
         let h = s.spawn(|| {
@@ -236,7 +236,9 @@ fn a_burst_of_control_messages_larger_than_the_event_queue_is_delivered_whole() 
         let mut next = 0u32;
         let deadline = Instant::now() + T;
         while next < N && Instant::now() < deadline {
-            if let Some(Event::Control { msg, .. }) = b.poll_event(Duration::from_millis(100)) {
+            if let Some(TransportEvent::Control { msg, .. }) =
+                b.poll_event(Duration::from_millis(100))
+            {
                 let i = u32::from_le_bytes(msg.body[..4].try_into().unwrap());
                 assert_eq!(i, next, "control messages out of order or lost");
                 next += 1;
@@ -261,7 +263,7 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
     const N: u64 = 200;
     // One side sends: frames (data) and control messages, alternating, as
     // fast as the connection takes them, starting the moment one is up.
-    fn send_all(me: &Node, to: u64) {
+    fn send_all(me: &Transport, to: u64) {
         let deadline = Instant::now() + T;
         let mut i = 0u64;
         let mut ever_connected = false;
@@ -295,7 +297,7 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
         }
     }
     // The other side takes everything until it has all, or the deadline.
-    fn receive_all(me: &Node, from: u64) -> (Vec<u64>, Vec<String>) {
+    fn receive_all(me: &Transport, from: u64) -> (Vec<u64>, Vec<String>) {
         let mut got = Vec::new();
         let mut lost = Vec::new();
         let deadline = Instant::now() + T;
@@ -305,10 +307,10 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
                 got.push(f.header.microbatch);
             }
             match me.poll_event(Duration::from_millis(1)) {
-                Some(Event::Control { msg, .. }) => {
+                Some(TransportEvent::Control { msg, .. }) => {
                     got.push(u64::from_le_bytes(msg.body[..8].try_into().unwrap()))
                 }
-                Some(Event::PeerLost { reason, .. }) => lost.push(reason.to_string()),
+                Some(TransportEvent::PeerLost { reason, .. }) => lost.push(reason.to_string()),
                 _ => {}
             }
         }
@@ -317,8 +319,8 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
     }
     let mut duplicates = 0;
     for round in 0..ROUNDS {
-        let a = Node::new(opts()).unwrap();
-        let b = Node::new(opts()).unwrap();
+        let a = Transport::new(opts()).unwrap();
+        let b = Transport::new(opts()).unwrap();
         let (ida, idb) = (a.node_id(), b.node_id());
         a.connect(b.local_addr().unwrap()).unwrap();
         b.connect(a.local_addr().unwrap()).unwrap();
@@ -352,8 +354,8 @@ fn two_nodes_dialling_each_other_at_once_lose_nothing() {
 #[test]
 fn a_shared_frame_is_sent_several_times_without_a_copy() {
     use gwtf::engine::SharedFrame;
-    let a = Node::new(opts()).unwrap();
-    let b = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     let mut f = a.alloc(100_000, T).unwrap();
     for (i, x) in f.payload_mut().iter_mut().enumerate() {
@@ -389,11 +391,11 @@ fn a_shared_frame_is_sent_several_times_without_a_copy() {
 /// real cut, and the two connect again then.
 #[test]
 fn a_cut_link_delivers_nothing_until_it_is_restored() {
-    let a = Node::new(opts()).unwrap();
-    let b = Node::new(opts()).unwrap();
+    let a = Transport::new(opts()).unwrap();
+    let b = Transport::new(opts()).unwrap();
     let peer = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
-    wait_event(&b, |e| matches!(e, Event::PeerConnected { .. }));
-    let frame = |n: &Node, tag: u64| {
+    wait_event(&b, |e| matches!(e, TransportEvent::PeerConnected { .. }));
+    let frame = |n: &Transport, tag: u64| {
         let mut f = n.alloc(1000, T).unwrap();
         f.header.microbatch = tag;
         f
@@ -413,9 +415,9 @@ fn a_cut_link_delivers_nothing_until_it_is_restored() {
     a.set_link_cut(false);
     assert_eq!(a.recv(T).unwrap().header.microbatch, 1);
     assert_eq!(b.recv(T).unwrap().header.microbatch, 2);
-    let lost = |n: &Node| {
+    let lost = |n: &Transport| {
         std::iter::from_fn(|| n.poll_event(Duration::from_millis(50)))
-            .any(|e| matches!(e, Event::PeerLost { .. }))
+            .any(|e| matches!(e, TransportEvent::PeerLost { .. }))
     };
     assert!(!lost(&a) && !lost(&b), "a short cut cost the connection");
 
@@ -423,10 +425,10 @@ fn a_cut_link_delivers_nothing_until_it_is_restored() {
     // through its own timer, not through a's close (held until link-up).
     a.set_link_cut(true);
     let t = Instant::now();
-    wait_event(&b, |e| matches!(e, Event::PeerLost { .. }));
+    wait_event(&b, |e| matches!(e, TransportEvent::PeerLost { .. }));
     let b_lost = t.elapsed();
     assert!(b_lost >= Duration::from_millis(1500), "{b_lost:?}");
-    wait_event(&a, |e| matches!(e, Event::PeerLost { .. }));
+    wait_event(&a, |e| matches!(e, TransportEvent::PeerLost { .. }));
     // While cut, a dial fails.
     assert!(a
         .connect_wait(b.local_addr().unwrap(), Duration::from_secs(1))

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use gwtf::engine::{Event, Incoming, LinkEmulation, Node, NodeOptions};
+use gwtf::engine::{Incoming, LinkEmulation, NodeOptions, Transport, TransportEvent};
 use gwtf::wire::ControlEnvelope;
 
 const KEY: &[u8] = b"0123456789abcdef-test-swarm-key";
@@ -49,7 +49,7 @@ struct Seen {
     lost: Vec<String>,
 }
 
-fn watch(node: &Node, want_controls: usize, want_big: bool, until: Instant) -> Seen {
+fn watch(node: &Transport, want_controls: usize, want_big: bool, until: Instant) -> Seen {
     let mut seen = Seen::default();
     let mut done: Option<Instant> = None;
     while Instant::now() < until {
@@ -70,10 +70,12 @@ fn watch(node: &Node, want_controls: usize, want_big: bool, until: Instant) -> S
                 );
                 seen.big = Some(Instant::now());
             }
-            Some(Incoming::Event(Event::Control { msg, .. })) => {
+            Some(Incoming::Event(TransportEvent::Control { msg, .. })) => {
                 seen.controls.push((msg.msg_type, Instant::now()));
             }
-            Some(Incoming::Event(e @ Event::PeerLost { .. })) => seen.lost.push(format!("{e:?}")),
+            Some(Incoming::Event(e @ TransportEvent::PeerLost { .. })) => {
+                seen.lost.push(format!("{e:?}"))
+            }
             _ => {}
         }
     }
@@ -86,9 +88,9 @@ fn control_frames_overtake_a_long_data_frame_and_no_peer_is_lost() {
         delay: Duration::ZERO,
         bandwidth_bytes_per_s: RATE,
     };
-    let a = Node::new(opts(Some(link))).unwrap();
-    let b = Node::new(opts(None)).unwrap();
-    let c = Node::new(opts(None)).unwrap();
+    let a = Transport::new(opts(Some(link))).unwrap();
+    let b = Transport::new(opts(None)).unwrap();
+    let c = Transport::new(opts(None)).unwrap();
     let pb = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     let pc = a.connect_wait(c.local_addr().unwrap(), T).unwrap();
     let pa = a.node_id();
@@ -165,8 +167,8 @@ fn sliced_and_whole_frames_keep_their_order_with_control_in_between() {
     // Unlimited link: frames of every size around the slice length, each
     // followed by a control message; data order is kept, and every frame
     // is intact.
-    let a = Node::new(opts(None)).unwrap();
-    let b = Node::new(opts(None)).unwrap();
+    let a = Transport::new(opts(None)).unwrap();
+    let b = Transport::new(opts(None)).unwrap();
     let pb = a.connect_wait(b.local_addr().unwrap(), T).unwrap();
     let sizes = [
         0usize,
@@ -205,11 +207,11 @@ fn sliced_and_whole_frames_keep_their_order_with_control_in_between() {
                         .all(|(j, x)| *x == byte(j + frames)));
                     frames += 1;
                 }
-                Some(Incoming::Event(Event::Control { msg, .. })) => {
+                Some(Incoming::Event(TransportEvent::Control { msg, .. })) => {
                     assert_eq!(msg.msg_type, 100 + controls as u16, "control order");
                     controls += 1;
                 }
-                Some(Incoming::Event(e @ Event::PeerLost { .. })) => panic!("{e:?}"),
+                Some(Incoming::Event(e @ TransportEvent::PeerLost { .. })) => panic!("{e:?}"),
                 _ => {}
             }
         }

@@ -8,7 +8,7 @@
 //! - A frame to send is a pool [`Lease`] the trainer filled; the poll thread
 //!   writes header + lease with vectored writes (no staging copy). A received
 //!   payload is read from the socket straight into a lease.
-//! - Back-pressure: each peer has a bounded send queue; [`Node::send`] waits
+//! - Back-pressure: each peer has a bounded send queue; [`Transport::send`] waits
 //!   up to its timeout for room (timeout 0: would-block). Receiving stops when
 //!   the pool is full, so memory stays bounded and TCP pushes back.
 //! - Two lanes per connection: control frames (heartbeats, control
@@ -248,7 +248,7 @@ impl fmt::Display for CloseReason {
 
 /// Something that happened to a node's connections.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Event {
+pub enum TransportEvent {
     /// A peer completed the handshake.
     PeerConnected {
         peer: u64,
@@ -280,7 +280,7 @@ pub enum Event {
     Control { peer: u64, msg: ControlEnvelope },
 }
 
-/// Control frames queued per peer before [`Node::send_control`] waits (apart
+/// Control frames queued per peer before [`Transport::send_control`] waits (apart
 /// from the data frames' `send_queue_depth`: control never waits for data).
 pub const CONTROL_QUEUE_DEPTH: usize = 256;
 
@@ -291,11 +291,11 @@ pub const CONTROL_QUEUE_DEPTH: usize = 256;
 pub(crate) const EVENT_QUEUE: usize = 4096;
 pub(crate) const EVENT_ROOM: usize = 64;
 
-/// What [`Node::next_incoming`] hands over.
+/// What [`Transport::next_incoming`] hands over.
 #[derive(Debug)]
 pub enum Incoming {
     Frame(Frame),
-    Event(Event),
+    Event(TransportEvent),
 }
 
 /// Errors of the engine API.
@@ -335,8 +335,8 @@ impl From<PoolError> for EngineError {
     }
 }
 
-/// A frame: header plus payload in a pool lease. Allocated by [`Node::alloc`]
-/// to be filled and sent, or received by [`Node::recv`]. Dropping it releases
+/// A frame: header plus payload in a pool lease. Allocated by [`Transport::alloc`]
+/// to be filled and sent, or received by [`Transport::recv`]. Dropping it releases
 /// the lease.
 pub struct Frame {
     pub header: FrameHeader,
@@ -392,7 +392,7 @@ impl Frame {
 }
 
 /// A frame whose payload is shared and read-only: kept by its owner while
-/// [`Node::send_shared`] sends it (no copy), as often as needed. The lease
+/// [`Transport::send_shared`] sends it (no copy), as often as needed. The lease
 /// returns to the pool when the last holder lets go.
 #[derive(Clone)]
 pub struct SharedFrame {
@@ -527,7 +527,7 @@ pub(crate) struct PeerSlot {
     write_blocked: AtomicBool,
     /// Bytes read from this peer (its frames' too, as they come in): a
     /// peer whose large frame streams in over a slow link is alive though
-    /// none of its messages got through yet ([`Node::received_from`]).
+    /// none of its messages got through yet ([`Transport::received_from`]).
     pub(crate) received: AtomicU64,
 }
 
@@ -576,7 +576,7 @@ impl PeerSlot {
     }
 }
 
-/// State shared between the trainer-facing [`Node`] and the poll thread.
+/// State shared between the trainer-facing [`Transport`] and the poll thread.
 pub(crate) struct Shared {
     pub(crate) node_id: u64,
     pub(crate) opts: NodeOptions,
@@ -585,7 +585,7 @@ pub(crate) struct Shared {
     pub(crate) counters: Counters,
     parked: AtomicBool,
     waker: mio::Waker,
-    /// The emulated cut of this node's link ([`Node::set_link_cut`]).
+    /// The emulated cut of this node's link ([`Transport::set_link_cut`]).
     pub(crate) link_cut: AtomicBool,
 }
 
@@ -609,7 +609,7 @@ pub(crate) enum OutPayload {
     None,
     Lease(Lease),
     Shared(Arc<Lease>),
-    /// `len` bytes of a shared payload from `start` ([`Node::send_shared_range`]).
+    /// `len` bytes of a shared payload from `start` ([`Transport::send_shared_range`]).
     Range(Arc<Lease>, usize, usize),
     Bytes(Vec<u8>),
 }
@@ -633,21 +633,23 @@ pub(crate) enum Cmd {
     Shutdown,
 }
 
-/// A transport node: see the module docs. All methods take `&self` and may
-/// be called from any thread.
-pub struct Node {
+/// One node's transport: its sockets, connections and frames (see the
+/// module docs). Named apart from `protocol::Node`, the state machine whose
+/// messages it carries. All methods take `&self` and may be called from any
+/// thread.
+pub struct Transport {
     shared: Arc<Shared>,
     cmd_tx: Sender<Cmd>,
     frames_rx: Receiver<Frame>,
-    events_rx: Receiver<Event>,
+    events_rx: Receiver<TransportEvent>,
     local_addr: Option<SocketAddr>,
     thread: Mutex<Option<JoinHandle<()>>>,
     stopped: AtomicBool,
 }
 
-impl Node {
+impl Transport {
     /// Creates a node and starts its poll thread.
-    pub fn new(mut opts: NodeOptions) -> Result<Node, EngineError> {
+    pub fn new(mut opts: NodeOptions) -> Result<Transport, EngineError> {
         let key = SwarmKey::new(&opts.swarm_key)
             .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
         if opts.max_payload == 0 || opts.max_payload > (1 << 40) {
@@ -736,7 +738,7 @@ impl Node {
             .name(format!("gwtf-poll-{:x}", shared.node_id))
             .spawn(move || driver.run())
             .map_err(EngineError::Io)?;
-        Ok(Node {
+        Ok(Transport {
             shared,
             cmd_tx,
             frames_rx,
@@ -819,7 +821,7 @@ impl Node {
     }
 
     /// A frame holding a copy of `data` (one user-space copy, counted in the
-    /// stats: use [`Node::alloc`] and fill the lease to avoid it).
+    /// stats: use [`Transport::alloc`] and fill the lease to avoid it).
     pub fn alloc_copy(&self, data: &[u8], timeout: Duration) -> Result<Frame, EngineError> {
         let mut f = self.alloc(data.len(), timeout)?;
         f.payload_mut().copy_from_slice(data);
@@ -897,7 +899,7 @@ impl Node {
 
     /// Sends `frame`'s payload under `header` without copying it: the
     /// caller keeps its share (to send it again later, e.g. after a crash
-    /// downstream). As [`Node::send`] otherwise.
+    /// downstream). As [`Transport::send`] otherwise.
     pub fn send_shared(
         &self,
         peer: u64,
@@ -915,7 +917,7 @@ impl Node {
     /// Sends bytes `range` of `frame`'s payload under `header` as a data
     /// frame of its own, without copying (the caller keeps its share): a
     /// large payload in several frames, so that other data frames can go
-    /// between them. As [`Node::send_shared`] otherwise; a range outside
+    /// between them. As [`Transport::send_shared`] otherwise; a range outside
     /// the payload is `InvalidArgument`.
     pub fn send_shared_range(
         &self,
@@ -1053,7 +1055,7 @@ impl Node {
     }
 
     /// The next event, waiting up to `timeout`.
-    pub fn poll_event(&self, timeout: Duration) -> Option<Event> {
+    pub fn poll_event(&self, timeout: Duration) -> Option<TransportEvent> {
         self.events_rx.recv_timeout(timeout).ok()
     }
 
@@ -1067,7 +1069,7 @@ impl Node {
         }
     }
 
-    /// [`Node::next_incoming`], returning None early when `wake` receives
+    /// [`Transport::next_incoming`], returning None early when `wake` receives
     /// (or is closed): for a driver that also waits on work of its own,
     /// such as a trainer's answers.
     pub fn next_incoming_or_wake(
@@ -1092,7 +1094,7 @@ impl Node {
     }
 
     /// Ids of the connected peers.
-    /// Whether `peer` is connected now (cheaper than [`Node::peers`]).
+    /// Whether `peer` is connected now (cheaper than [`Transport::peers`]).
     pub fn is_connected(&self, peer: u64) -> bool {
         self.shared.peers.read().contains_key(&peer)
     }
@@ -1175,7 +1177,7 @@ impl Node {
     }
 }
 
-impl Drop for Node {
+impl Drop for Transport {
     fn drop(&mut self) {
         self.shutdown();
     }

@@ -13,7 +13,7 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::admission::{Admission, Limits};
-use super::{add, CloseReason, Cmd, Event, Frame, OutPayload, PeerSlot, Shared};
+use super::{add, CloseReason, Cmd, Frame, OutPayload, PeerSlot, Shared, TransportEvent};
 use crate::pool::Lease;
 use crate::wire::{
     encode_control_frame, slice_head, sliced_head, ConnEvent, ConnOptions, Connection, FrameKind,
@@ -385,7 +385,7 @@ pub(crate) struct Driver {
     conn_opts: ConnOptions,
     cmd_rx: Receiver<Cmd>,
     frames_tx: Sender<Frame>,
-    events_tx: Sender<Event>,
+    events_tx: Sender<TransportEvent>,
     conns: HashMap<Token, Conn>,
     by_peer: HashMap<u64, Token>,
     /// The key each node id connected with (bound ids only): a later key
@@ -453,7 +453,7 @@ impl Driver {
         key: SwarmKey,
         cmd_rx: Receiver<Cmd>,
         frames_tx: Sender<Frame>,
-        events_tx: Sender<Event>,
+        events_tx: Sender<TransportEvent>,
     ) -> io::Result<Self> {
         if let Some(l) = listener.as_mut() {
             poll.registry().register(l, LISTENER, Interest::READABLE)?;
@@ -462,7 +462,7 @@ impl Driver {
             .opts
             .node_key
             .clone()
-            .expect("Node::new sets the node key");
+            .expect("Transport::new sets the node key");
         let limits = Limits {
             per_address: shared.opts.max_connections_per_address,
             handshakes_per_address: shared.opts.max_handshakes_per_address,
@@ -524,14 +524,14 @@ impl Driver {
             "refused {} connection {addr}: {reason}{more}",
             if inbound { "inbound" } else { "outbound" },
         ));
-        self.emit(Event::Refused {
+        self.emit(TransportEvent::Refused {
             addr,
             inbound,
             reason,
         });
     }
 
-    fn emit(&self, ev: Event) {
+    fn emit(&self, ev: TransportEvent) {
         match self.events_tx.try_send(ev) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
@@ -728,7 +728,7 @@ impl Driver {
         self.shared.link_cut.load(Ordering::Relaxed)
     }
 
-    /// The emulated cut ([`super::Node::set_link_cut`]): true while the
+    /// The emulated cut ([`super::Transport::set_link_cut`]): true while the
     /// link is cut (nothing is read this turn). On restore every
     /// connection is read and flushed again (readiness is edge-triggered:
     /// what came meanwhile raised no new event), the listener accepts, and
@@ -799,7 +799,7 @@ impl Driver {
                 "connect to {} failed after {} attempts: {why}",
                 ob.addr, ob.attempt
             ));
-            self.emit(Event::ConnectFailed {
+            self.emit(TransportEvent::ConnectFailed {
                 addr: ob.addr,
                 attempts: ob.attempt,
                 reason: why.clone(),
@@ -1380,7 +1380,7 @@ impl Driver {
         }
         if let Some(&peer) = self.conns.get(&t).and_then(|c| c.peer.as_ref()) {
             for msg in controls {
-                self.emit(Event::Control { peer, msg });
+                self.emit(TransportEvent::Control { peer, msg });
             }
         }
         if let Err(reason) = outcome {
@@ -1478,7 +1478,7 @@ impl Driver {
                 "peer {peer:x} connected ({addr}, {}, {sealing})",
                 if outbound { "outbound" } else { "inbound" }
             ));
-            self.emit(Event::PeerConnected {
+            self.emit(TransportEvent::PeerConnected {
                 peer,
                 addr,
                 outbound,
@@ -1592,12 +1592,12 @@ impl Driver {
         // What was on the wire of the failed one may be lost: the caller
         // sees the peer lost and connected again at once (an all-reduce
         // that had chunks on it starts over, see `Aggregation`).
-        self.emit(Event::PeerLost {
+        self.emit(TransportEvent::PeerLost {
             peer,
             addr: c.addr,
             reason: reason.clone(),
         });
-        self.emit(Event::PeerConnected {
+        self.emit(TransportEvent::PeerConnected {
             peer,
             addr,
             outbound,
@@ -1675,7 +1675,7 @@ impl Driver {
                 self.shared
                     .log(format!("peer {peer:x} ({}) closed: {reason}", c.addr));
                 if reason != CloseReason::Duplicate {
-                    self.emit(Event::PeerLost {
+                    self.emit(TransportEvent::PeerLost {
                         peer,
                         addr: c.addr,
                         reason,

@@ -11,7 +11,7 @@ use super::boundary::{
 use super::error::gwtf_error;
 use super::frame::{gwtf_frame, take_frame};
 use super::status::gwtf_status;
-use crate::engine::{EngineError, Event, LinkEmulation, Node, NodeOptions};
+use crate::engine::{EngineError, LinkEmulation, NodeOptions, Transport, TransportEvent};
 use crate::pool::PoolError;
 use crate::wire::NodeKey;
 
@@ -175,7 +175,7 @@ pub struct gwtf_node_stats {
 /// A transport node (opaque).
 pub struct gwtf_node {
     header: HandleHeader,
-    node: Node,
+    node: Transport,
 }
 
 impl FfiHandle for gwtf_node {
@@ -317,7 +317,7 @@ pub extern "C" fn gwtf_node_new(
             });
         let pool_bytes = usize::try_from(o.pool_bytes)
             .map_err(|_| FfiError::invalid("pool_bytes does not fit in memory"))?;
-        let node = Node::new(NodeOptions {
+        let node = Transport::new(NodeOptions {
             listen,
             swarm_key: key,
             node_id: o.node_id,
@@ -664,7 +664,7 @@ pub extern "C" fn gwtf_node_poll_event(
             message: [0; 256],
         };
         let (kind, reason, peer, addr, msg) = match &ev {
-            Event::PeerConnected {
+            TransportEvent::PeerConnected {
                 peer,
                 addr,
                 outbound,
@@ -678,21 +678,21 @@ pub extern "C" fn gwtf_node_poll_event(
                     if *outbound { "outbound" } else { "inbound" }
                 ),
             ),
-            Event::PeerLost { peer, addr, reason } => (
+            TransportEvent::PeerLost { peer, addr, reason } => (
                 gwtf_event_kind::PeerLost,
                 reason.code(),
                 *peer,
                 Some(*addr),
                 reason.to_string(),
             ),
-            Event::Refused { addr, reason, .. } => (
+            TransportEvent::Refused { addr, reason, .. } => (
                 gwtf_event_kind::Refused,
                 reason.code(),
                 0,
                 Some(*addr),
                 reason.to_string(),
             ),
-            Event::ConnectFailed {
+            TransportEvent::ConnectFailed {
                 addr,
                 reason,
                 attempts,
@@ -703,7 +703,7 @@ pub extern "C" fn gwtf_node_poll_event(
                 Some(*addr),
                 format!("after {attempts} attempts: {reason}"),
             ),
-            Event::Control { peer, msg } => (
+            TransportEvent::Control { peer, msg } => (
                 gwtf_event_kind::Control,
                 msg.msg_type as i32,
                 *peer,

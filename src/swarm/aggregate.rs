@@ -27,7 +27,7 @@
 use super::allreduce::{Machine, Message, Outcome, RingAllReduce, SetupError};
 use super::allreduce_net::{frame_of, message_of};
 use super::butterfly::ButterflyAllReduce;
-use crate::engine::{Frame, Node as Net};
+use crate::engine::{Frame, Transport};
 use crate::protocol::{AggregatePlan, NodeId, TaskId, BUTTERFLY_MAX_MEMBERS};
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -312,7 +312,7 @@ impl Aggregation {
 
     /// The frames the operation asks to send (to, frame); a frame that
     /// cannot be made is a member lost.
-    pub fn outgoing(&mut self, net: &Net) -> Vec<(u64, Frame)> {
+    pub fn outgoing(&mut self, net: &Transport) -> Vec<(u64, Frame)> {
         let mut out = Vec::new();
         for r in [self.running.as_mut(), self.serving.as_mut()]
             .into_iter()
@@ -631,7 +631,7 @@ mod tests {
 
     /// Member 3 is lost before `agg` starts: the operation tells member 2
     /// it aborts and ends at once, lost.
-    fn ends_at_once_without_3(net: &Net, agg: &mut Aggregation) {
+    fn ends_at_once_without_3(net: &Transport, agg: &mut Aggregation) {
         agg.on_peer_lost(3);
         let [op, _] = started(agg);
         let out = decoded(agg.outgoing(net));

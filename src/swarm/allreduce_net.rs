@@ -17,7 +17,7 @@
 //! trainer's gradient into the frame) and read out of the received slot
 //! without another.
 use super::allreduce::{Machine, Message, Outcome};
-use crate::engine::{EngineError, Event, Frame, Node};
+use crate::engine::{EngineError, Frame, Transport, TransportEvent};
 use crate::wire::Dtype;
 use std::time::{Duration, Instant};
 
@@ -57,7 +57,7 @@ impl From<EngineError> for NetError {
 
 /// The frame that carries one message.
 pub fn frame_of(
-    node: &Node,
+    node: &Transport,
     stage: u32,
     msg: &Message,
     timeout: Duration,
@@ -172,7 +172,7 @@ fn chunk_of(f: &Frame) -> Result<Message, String> {
 /// Frames of other stages or other operations are dropped (this driver
 /// owns the node while it runs).
 pub fn run<M: Machine>(
-    node: &Node,
+    node: &Transport,
     stage: u32,
     mut op: M,
     deadline: Instant,
@@ -195,7 +195,7 @@ pub fn run<M: Machine>(
         }
         let mut lost = Vec::new();
         while let Some(ev) = node.poll_event(Duration::ZERO) {
-            if let Event::PeerLost { peer, .. } = ev {
+            if let TransportEvent::PeerLost { peer, .. } = ev {
                 lost.push(peer);
             }
         }
@@ -245,8 +245,8 @@ pub(super) mod tests {
     use crate::engine::NodeOptions;
 
     /// A node without a listener: only its pool is used, to build frames.
-    pub(in crate::swarm) fn node() -> Node {
-        Node::new(NodeOptions {
+    pub(in crate::swarm) fn node() -> Transport {
+        Transport::new(NodeOptions {
             swarm_key: b"allreduce-net-unit-test-key".to_vec(),
             max_payload: 1 << 12,
             pool_bytes: 1 << 16,
@@ -255,7 +255,7 @@ pub(super) mod tests {
         .unwrap()
     }
 
-    fn round_trip(node: &Node, msg: &Message) -> Message {
+    fn round_trip(node: &Transport, msg: &Message) -> Message {
         let f = frame_of(node, 7, msg, Duration::from_secs(1)).unwrap();
         message_of(7, &f)
             .expect("this stage's")

@@ -238,9 +238,9 @@ mod tests {
     /// changed on the way or cut short is refused with why.
     #[test]
     fn copies_are_checked_off_the_driver() {
-        use crate::engine::{Node as Net, NodeOptions};
+        use crate::engine::{NodeOptions, Transport};
         let t = Duration::from_secs(10);
-        let net = Net::new(NodeOptions {
+        let net = Transport::new(NodeOptions {
             max_payload: 1 << 16,
             pool_bytes: 1 << 20,
             swarm_key: b"copies-unit-test-key".to_vec(),

@@ -16,7 +16,7 @@ use super::state_stream::{ChunkError, StateReceiver, StateSender};
 use super::states_asked::StatesAsked;
 use super::store::{Slot, TensorStore};
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
-use crate::engine::{EngineError, Event as NetEvent, Frame, Incoming, Node as Net, SharedFrame};
+use crate::engine::{EngineError, Frame, Incoming, SharedFrame, Transport, TransportEvent};
 use crate::protocol::{
     codec, Action, AggregatePlan, Config, Event, FenceReason, Input, MbId, Msg, Node, NodeId,
     Stage, Task, TaskId, TaskKind, Time,
@@ -43,11 +43,11 @@ const LOST_GRACE: Duration = Duration::from_millis(200);
 /// joiner announced by its coordinator connects to its stage's members
 /// just after): it goes when the peer connects, or the peer is lost.
 const ADDRESS_WAIT: Duration = Duration::from_secs(2);
-/// How long a state's copy waits for a pool slot (see [`Driver::send_state`]).
+/// How long a state's copy waits for a pool slot (see [`NodeLoop::send_state`]).
 const COPY_WAIT: Duration = Duration::from_millis(50);
 /// Time allowed to enqueue one frame.
 const SEND_WAIT: Duration = Duration::from_secs(5);
-/// A wait in the engine this long is logged ([`Driver::waited`]).
+/// A wait in the engine this long is logged ([`NodeLoop::waited`]).
 const SLOW_WAIT: Duration = Duration::from_millis(200);
 /// A peer whose data frames came before its directory message (the engine
 /// hands frames over before the control messages read with them) is a
@@ -143,12 +143,16 @@ pub(super) enum Pending {
     Discard,
 }
 
-pub(super) struct Driver {
+/// The loop of one swarm node's driver thread: it owns the protocol node
+/// and turns transport events, trainer answers and timers into its inputs,
+/// and its actions into frames, work and events. (Named apart from the
+/// engine's poll thread, which owns the sockets.)
+pub(super) struct NodeLoop {
     pub(super) cfg: Arc<Config>,
     /// Bulk messages and data frames waiting for each other.
     pub(super) pairing: Pairing<Frame>,
     pub(super) node: Node,
-    pub(super) net: Arc<Net>,
+    pub(super) net: Arc<Transport>,
     pub(super) start: Instant,
     pub(super) me: Peer,
     pub(super) dir: BTreeMap<NodeId, Peer>,
@@ -208,7 +212,7 @@ pub(super) struct Driver {
     /// The states this node serves (one per requester, a few at once).
     pub(super) serving: StateServer,
     /// Bytes read from each peer when last told to the protocol, and when
-    /// ([`Driver::tell_bytes_heard`]).
+    /// ([`NodeLoop::tell_bytes_heard`]).
     pub(super) rx_seen: HashMap<NodeId, u64>,
     pub(super) rx_told: Option<Instant>,
     /// Data frames waiting for room in a peer's send queue, in order (what
@@ -274,7 +278,7 @@ pub fn digest_u64(d: &[u8; 32]) -> u64 {
     u64::from_le_bytes(d[..8].try_into().expect("8 bytes")).max(1)
 }
 
-impl Driver {
+impl NodeLoop {
     fn now(&self) -> Time {
         self.start.elapsed().as_micros() as Time
     }
@@ -1202,7 +1206,7 @@ impl Driver {
 
     /// Queues data frame `f` to `to` without waiting: behind the frames
     /// already waiting for it, or in its backlog when its send queue is
-    /// full ([`Driver::flush_backlog`] sends it on).
+    /// full ([`NodeLoop::flush_backlog`] sends it on).
     fn send_data(
         &mut self,
         to: NodeId,
@@ -1344,7 +1348,7 @@ impl Driver {
         self.send_digested(to, msg, state, d, stage);
     }
 
-    /// [`Driver::send_state`] with the state's digest `d` taken.
+    /// [`NodeLoop::send_state`] with the state's digest `d` taken.
     fn send_digested(
         &mut self,
         to: NodeId,
@@ -1551,9 +1555,9 @@ impl Driver {
         self.input(Input::Join { peers });
     }
 
-    fn on_net(&mut self, ev: NetEvent) {
+    fn on_net(&mut self, ev: TransportEvent) {
         match ev {
-            NetEvent::PeerConnected { peer, .. } => {
+            TransportEvent::PeerConnected { peer, .. } => {
                 if self.agg.on_peer_back(peer) {
                     self.drive_aggregation();
                 }
@@ -1577,7 +1581,7 @@ impl Driver {
                     }
                 }
             }
-            NetEvent::PeerLost { peer, .. } => {
+            TransportEvent::PeerLost { peer, .. } => {
                 // Lost, unless it connects again at once (a connection that
                 // broke while both ends live, e.g. on a frame timeout).
                 self.agg.on_link_broken(peer);
@@ -1612,7 +1616,7 @@ impl Driver {
                     }
                 }
             }
-            NetEvent::ConnectFailed {
+            TransportEvent::ConnectFailed {
                 addr,
                 attempts,
                 reason,
@@ -1627,7 +1631,7 @@ impl Driver {
                 });
                 self.dial_failed(addr);
             }
-            NetEvent::Control { peer, msg } => {
+            TransportEvent::Control { peer, msg } => {
                 let Ok(from) = NodeId::try_from(peer) else {
                     return;
                 };
@@ -1720,7 +1724,7 @@ impl Driver {
                     }
                 }
             }
-            NetEvent::Refused {
+            TransportEvent::Refused {
                 addr,
                 inbound,
                 reason,

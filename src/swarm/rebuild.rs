@@ -6,7 +6,7 @@
 //! the protocol takes the stage up ([`Event::StageRebuilt`]) hands them to
 //! its trainer to average ([`WorkKind::AverageStates`]). Where the trainer
 //! cannot (it fails the work), the stage restarts from the initial weights.
-use super::driver::{Driver, Pending};
+use super::driver::{NodeLoop, Pending};
 use super::intake::Refusal;
 use super::runtime::NodeEvent;
 use super::work::{Output, WorkKind};
@@ -22,7 +22,7 @@ pub(super) struct NeighbourStates {
     states: Vec<(NodeId, Stage, Vec<u8>)>,
 }
 
-impl Driver {
+impl NodeLoop {
     /// A joiner rebuilding emptied relay `stage` asks for this node's
     /// state: exported now and sent like a download, when this node serves
     /// a relay stage next to it and holds its state.

@@ -33,10 +33,10 @@
 //! ([`super::directory`]).
 pub use super::copies::KeptState;
 pub use super::directory::{parse as parse_directory, Peer, DIRECTORY_MSG};
-use super::driver::{Driver, JOIN_DIRECTORY_WAIT};
+use super::driver::{NodeLoop, JOIN_DIRECTORY_WAIT};
 pub use super::intake::{Refusal, Refused};
 pub use super::work::{CompleteError, Output, TensorSizes, Work, WorkId, WorkKind, WorkPort};
-use crate::engine::{EngineError, Node as Net, NodeOptions};
+use crate::engine::{EngineError, NodeOptions, Transport};
 use crate::protocol::{Config, Event, Input, NodeId, Stage};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use sha2::{Digest, Sha256};
@@ -444,7 +444,7 @@ pub struct RuntimeOptions {
 /// A running node. Dropping it stops it abruptly (as a crash would, but
 /// for the engine's goodbye); [`Runtime::leave`] leaves gracefully.
 pub struct Runtime {
-    net: Arc<Net>,
+    net: Arc<Transport>,
     shared: Arc<Shared>,
     leave: Sender<()>,
     events: Receiver<NodeEvent>,
@@ -500,7 +500,7 @@ impl Runtime {
         sizes
             .check(opts.protocol.relay_stages)
             .map_err(EngineError::InvalidArgument)?;
-        let net = Arc::new(Net::new(NodeOptions {
+        let net = Arc::new(Transport::new(NodeOptions {
             listen: Some(opts.listen),
             swarm_key: opts.swarm_key.clone(),
             node_id: opts.id as u64,
@@ -523,7 +523,7 @@ impl Runtime {
             },
             addr,
         };
-        let mut driver = Driver {
+        let mut driver = NodeLoop {
             cfg: opts.protocol.clone(),
             pairing: Default::default(),
             node: crate::protocol::Node::new(
@@ -670,7 +670,7 @@ impl Runtime {
     }
 
     /// Test and demo aid: cuts this node's link or restores it, emulated in
-    /// user space (see [`crate::engine::Node::set_link_cut`]).
+    /// user space (see [`crate::engine::Transport::set_link_cut`]).
     pub fn set_link_cut(&self, cut: bool) {
         self.net.set_link_cut(cut);
     }

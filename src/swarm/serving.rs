@@ -187,16 +187,16 @@ pub(super) fn append_digest<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Node as Net, NodeOptions};
+    use crate::engine::{NodeOptions, Transport};
 
-    fn net() -> Net {
+    fn net() -> Transport {
         let opts = NodeOptions {
             max_payload: 1 << 20,
             pool_bytes: 4 << 20,
             swarm_key: b"state-server-unit-test-key".to_vec(),
             ..NodeOptions::default()
         };
-        Net::new(opts).unwrap()
+        Transport::new(opts).unwrap()
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //! in no fixed order, so chunks may come before their message: they wait
 //! for it (at most [`EARLY_CHUNKS_MAX`] of a peer), and are put together
 //! once it came ([`StateReceiver::expect`] gives them back).
-use crate::engine::{EngineError, Frame, Node as Net, SharedFrame};
+use crate::engine::{EngineError, Frame, SharedFrame, Transport};
 use crate::protocol::NodeId;
 use std::collections::HashMap;
 
@@ -74,7 +74,7 @@ impl StateSender {
 
     /// Queues the next chunk of each state whose peer's data lane is
     /// empty; the states that could not go on (peer gone), with why.
-    pub(super) fn pump(&mut self, net: &Net) -> Vec<(NodeId, String)> {
+    pub(super) fn pump(&mut self, net: &Transport) -> Vec<(NodeId, String)> {
         let mut failed = Vec::new();
         let chunk = self.chunk;
         self.streams.retain_mut(|(to, state, next)| {
@@ -254,7 +254,7 @@ mod tests {
 
     const T: Duration = Duration::from_secs(10);
 
-    fn net(listen: bool) -> Net {
+    fn net(listen: bool) -> Transport {
         let opts = NodeOptions {
             listen: listen.then(|| "127.0.0.1:0".parse().unwrap()),
             max_payload: 1 << 20,
@@ -262,18 +262,18 @@ mod tests {
             swarm_key: b"state-stream-unit-test-key".to_vec(),
             ..NodeOptions::default()
         };
-        Net::new(opts).unwrap()
+        Transport::new(opts).unwrap()
     }
 
     /// A chunk at `microbatch`, the last one unless `more`.
-    fn chunk_at(net: &Net, bytes: &[u8], microbatch: u64, more: bool) -> Frame {
+    fn chunk_at(net: &Transport, bytes: &[u8], microbatch: u64, more: bool) -> Frame {
         let mut f = net.alloc_copy(bytes, T).unwrap();
         f.header.microbatch = microbatch;
         f.header.iteration = (39 << 32) | if more { MORE } else { 0 };
         f
     }
 
-    fn frame(net: &Net, bytes: &[u8], microbatch: u64) -> Frame {
+    fn frame(net: &Transport, bytes: &[u8], microbatch: u64) -> Frame {
         chunk_at(net, bytes, microbatch, true)
     }
 

@@ -13,7 +13,7 @@
 //! outstanding, and nothing is handed out while it is, so a trainer with
 //! several threads still applies updates between the microbatches they
 //! belong between. A trainer with one thread just runs works as they come.
-use crate::engine::{EngineError, Frame, Node as Net};
+use crate::engine::{EngineError, Frame, Transport};
 use crate::protocol::{MbId, Msg, Stage};
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
@@ -336,13 +336,13 @@ pub struct WorkPort {
     /// Rings the driver when an answer comes (it waits on the network and
     /// on this at once); one pending ring is enough.
     wake: (Sender<()>, Receiver<()>),
-    net: Arc<Net>,
+    net: Arc<Transport>,
     /// Bytes of the tensors at each stage boundary.
     sizes: Arc<TensorSizes>,
 }
 
 impl WorkPort {
-    pub(crate) fn new(net: Arc<Net>, sizes: TensorSizes) -> WorkPort {
+    pub(crate) fn new(net: Arc<Transport>, sizes: TensorSizes) -> WorkPort {
         WorkPort {
             state: Arc::new((Mutex::new(QueueState::default()), Condvar::new())),
             wake: bounded(1),

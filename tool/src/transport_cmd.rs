@@ -9,7 +9,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use gwtf::engine::{Event, LinkEmulation, Node, NodeOptions};
+use gwtf::engine::{LinkEmulation, NodeOptions, Transport, TransportEvent};
 use gwtf::wire::handshake::MIN_KEY_LEN;
 use gwtf::wire::NodeKey;
 
@@ -112,7 +112,7 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
         delay: Duration::from_millis(args.link_delay_ms),
         bandwidth_bytes_per_s: args.link_bandwidth,
     });
-    let node = Node::new(NodeOptions {
+    let node = Transport::new(NodeOptions {
         listen: Some(args.listen),
         swarm_key: key,
         node_id: args.chosen_id.unwrap_or(0),
@@ -142,7 +142,7 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
     while !STOP.load(Ordering::SeqCst) {
         while let Some(ev) = node.poll_event(Duration::ZERO) {
             match ev {
-                Event::Refused {
+                TransportEvent::Refused {
                     addr,
                     inbound,
                     reason,
@@ -150,10 +150,10 @@ pub fn echo(args: EchoArgs) -> super::CliResult {
                     "gwtf echo: refused {} connection from {addr}: {reason}",
                     if inbound { "inbound" } else { "outbound" }
                 ),
-                Event::PeerConnected { peer, addr, .. } => {
+                TransportEvent::PeerConnected { peer, addr, .. } => {
                     eprintln!("gwtf echo: peer {peer:x} connected from {addr}")
                 }
-                Event::PeerLost { peer, addr, reason } => {
+                TransportEvent::PeerLost { peer, addr, reason } => {
                     eprintln!("gwtf echo: peer {peer:x} ({addr}) lost: {reason}")
                 }
                 other => eprintln!("gwtf echo: {other:?}"),
@@ -368,8 +368,8 @@ fn raw_rtt(pair: &(TcpStream, TcpStream), iters: usize) -> Vec<f64> {
 /// own sending and receiving node (as raw TCP has `c` independent sockets,
 /// each with its own sender and receiver thread).
 struct FramedPair {
-    tx: Node,
-    rx: Node,
+    tx: Transport,
+    rx: Transport,
     peer: u64,
 }
 
@@ -394,8 +394,8 @@ fn framed_pairs(
                 encrypt,
                 ..NodeOptions::default()
             };
-            let rx = Node::new(o.clone())?;
-            let tx = Node::new(NodeOptions { listen: None, ..o })?;
+            let rx = Transport::new(o.clone())?;
+            let tx = Transport::new(NodeOptions { listen: None, ..o })?;
             let peer =
                 tx.connect_wait(rx.local_addr().expect("listening"), Duration::from_secs(10))?;
             Ok(FramedPair { tx, rx, peer })
