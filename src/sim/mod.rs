@@ -30,7 +30,8 @@
 //!   ring both ways in the commit's order beyond ([`allreduce`]). This is a
 //!   model of the runtime's machines (`swarm::butterfly`,
 //!   `swarm::allreduce`), not those machines: its timing and loss rules
-//!   are written again here.
+//!   are written again here. The ring's loss rule is tested against the
+//!   ring machines (`swarm::allreduce`'s tests); the butterfly's is not.
 //! - Yardstick: a lower bound on the iteration time of the current
 //!   membership ([`bound`]), recomputed when the membership changed, that
 //!   every policy's time is reported against.

@@ -719,3 +719,57 @@ fn a_done_member_keeps_its_result_and_serves_only_what_it_may() {
     assert!(!n.serving());
     assert_eq!(result(&n), before);
 }
+
+/// The simulator does not run these machines: it times a ring's loss by a
+/// rule of its own (`sim::allreduce::RingLoss`). The rule and the machines
+/// must agree. Driven on the same members, with a member lost at the same
+/// point of its successor's progress (the rule's steps of 1 s mapped to the
+/// wire steps the successor received), the rule's `Abort` is exactly every
+/// survivor ending Lost, and its `Bypass` or `Nothing` exactly every
+/// survivor ending Done.
+#[test]
+fn the_simulators_ring_loss_rule_says_what_the_machines_do() {
+    use crate::sim::allreduce::{LossEffect, RingLoss};
+    let mut seen = BTreeSet::new();
+    for n in 2..=7usize {
+        for seed in 0..300u64 {
+            let mut rng = Rng::derive(seed ^ 0x5157, n as u64);
+            let len = rng.below(120) as usize;
+            let ins = inputs(&mut rng, n, len);
+            let ids: Vec<MemberId> = ins.iter().map(|x| x.0).collect();
+            let mut net = Net::new(3, &ins);
+            for _ in 0..rng.below(messages_of_exchange(n) + 1) {
+                net.step(&mut rng);
+            }
+            let v = rng.below(n as u64) as usize;
+            let received = net.nodes[&ids[(v + 1) % n]].next_recv;
+            let rule = RingLoss {
+                n,
+                step: 1.0,
+                successor_since: Some(received as f64 + 0.5),
+                bypassed_before: false,
+                notice: 0.0,
+                resume: 0.0,
+                bypass_step: 1.0,
+            }
+            .effect();
+            net.kill(ids[v]);
+            net.run(&mut rng);
+            let survivors = net.survivors();
+            let done = survivors.iter().filter(|m| net.is_done(**m)).count();
+            let ctx = format!("n {n} seed {seed}: successor had {received} steps, rule {rule:?}");
+            match rule {
+                LossEffect::Abort => assert_eq!(done, 0, "{ctx}"),
+                LossEffect::Nothing | LossEffect::Bypass { .. } => {
+                    assert_eq!(done, survivors.len(), "{ctx}")
+                }
+            }
+            seen.insert(match rule {
+                LossEffect::Abort => "abort",
+                LossEffect::Nothing => "nothing",
+                LossEffect::Bypass { .. } => "bypass",
+            });
+        }
+    }
+    assert_eq!(seen.len(), 3, "every effect of the rule was met: {seen:?}");
+}
