@@ -12,6 +12,7 @@ use gwtf::protocol::rng::Rng;
 use gwtf::swarm::allreduce::{Machine, Message, Outcome, RingAllReduce};
 use gwtf::swarm::allreduce_net;
 use gwtf::swarm::butterfly::ButterflyAllReduce;
+use gwtf::swarm::hierarchy::{self, HierarchicalAllReduce};
 use std::time::{Duration, Instant};
 
 const KEY: &[u8] = b"0123456789abcdef-allreduce-test-key";
@@ -20,29 +21,48 @@ const T: Duration = Duration::from_secs(30);
 
 /// `n` nodes, each connected to every other.
 fn mesh(n: usize) -> Vec<Transport> {
+    mesh_where(n, 64 << 20, Duration::from_millis(200), |_, _| true)
+}
+
+/// `n` nodes with frame pools of `pool` bytes, `i` connected to `j` where
+/// `linked(i, j)` (`i < j`).
+/// Heartbeats every `beat` (the peer timeout is 100 of them).
+fn mesh_where(
+    n: usize,
+    pool: usize,
+    beat: Duration,
+    linked: impl Fn(usize, usize) -> bool,
+) -> Vec<Transport> {
     let nodes: Vec<Transport> = (0..n)
         .map(|_| {
             Transport::new(NodeOptions {
                 listen: Some("127.0.0.1:0".parse().unwrap()),
                 swarm_key: KEY.to_vec(),
-                max_payload: 16 << 20,
-                pool_bytes: 64 << 20,
-                heartbeat_interval: Duration::from_millis(200),
-                peer_timeout: Duration::from_secs(20),
+                max_payload: (16 << 20).min(pool as u64 / 2),
+                pool_bytes: pool,
+                heartbeat_interval: beat,
+                peer_timeout: beat * 100,
+                max_connections_per_address: 1024,
+                max_handshakes_per_address: 256,
                 ..NodeOptions::default()
             })
             .unwrap()
         })
         .collect();
+    let mut want = vec![0; n];
     for i in 0..n {
         for j in i + 1..n {
-            nodes[i]
-                .connect_wait(nodes[j].local_addr().unwrap(), T)
-                .unwrap();
+            if linked(i, j) {
+                nodes[i]
+                    .connect_wait(nodes[j].local_addr().unwrap(), T)
+                    .unwrap();
+                want[i] += 1;
+                want[j] += 1;
+            }
         }
     }
-    let deadline = Instant::now() + T;
-    while nodes.iter().any(|x| x.peers().len() < n - 1) {
+    let deadline = Instant::now() + 4 * T;
+    while (nodes.iter().zip(&want)).any(|(x, w)| x.peers().len() < *w) {
         assert!(Instant::now() < deadline, "mesh not connected");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -356,4 +376,61 @@ fn a_butterfly_member_that_dies_after_sending_everything_is_not_missed() {
         run_with_a_victim(butterfly, &mut nodes, 9, &inputs, 1, until_done, linger);
     assert_identical_and_right(&outcomes, &inputs);
     assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
+fn hierarchy_of_64(
+    op: u64,
+    me: u64,
+    members: &[u64],
+    sum: &[f32],
+    mbs: u64,
+) -> HierarchicalAllReduce {
+    HierarchicalAllReduce::new(op, me, members, sum, mbs, 64).unwrap()
+}
+
+/// A stage too large for one butterfly: 256 members in four groups of 64
+/// (connected only where the hierarchy sends: within a group, and along
+/// the columns) reduce a small buffer over loopback TCP to identical bits,
+/// the weighted mean. It prints its time beside a 64-member butterfly's
+/// of the same buffer on the same machine (the issue's figure: the time
+/// should grow with the rounds, not with the members; a flat ring of 256
+/// would pay 510 sequential steps).
+#[test]
+fn a_hierarchy_of_256_members_reduces_over_tcp_to_identical_bits() {
+    let len = 4096;
+    let timed = |n: usize, hier: bool| {
+        let groups = hierarchy::groups(n, 64);
+        let place = |i: usize| {
+            let g = groups.iter().position(|r| r.contains(&i)).unwrap();
+            (g, i - groups[g].start)
+        };
+        let t0 = Instant::now();
+        // Few heartbeats: 256 nodes' thousands of links would keep two
+        // cores busy with them.
+        let nodes = mesh_where(n, 4 << 20, Duration::from_secs(5), |i, j| {
+            let ((gi, pi), (gj, pj)) = (place(i), place(j));
+            !hier || gi == gj || pi == pj
+        });
+        eprintln!("{n} nodes connected in {:?}", t0.elapsed());
+        let refs: Vec<&Transport> = nodes.iter().collect();
+        let inputs: Vec<(Vec<f32>, u64)> = (0..n as u64)
+            .map(|k| (contribution(500 + k, len), 1 + k % 3))
+            .collect();
+        let start = Instant::now();
+        let out = if hier {
+            all_reduce(hierarchy_of_64, &refs, 11, &inputs)
+        } else {
+            all_reduce(butterfly, &refs, 11, &inputs)
+        };
+        let took = start.elapsed();
+        assert_identical_and_right(&out, &inputs);
+        took
+    };
+    let flat = timed(64, false);
+    let hier = timed(256, true);
+    eprintln!(
+        "all-reduce of {len} f32 over loopback TCP: butterfly of 64 {flat:?}, \
+         hierarchy of 256 {hier:?}, ratio {:.2}",
+        hier.as_secs_f64() / flat.as_secs_f64()
+    );
 }

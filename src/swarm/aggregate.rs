@@ -7,7 +7,12 @@
 //! rounds over all of a member's links at once (a ring pays `2 (n-1)`
 //! message latencies in sequence: in `geo10` the holders' all-reduce takes
 //! 3.7 s instead of 11.8 s). A larger commit (a butterfly would connect
-//! every two members) runs two [`RingAllReduce`]s at once, one per
+//! every two members) runs a [`HierarchicalAllReduce`]: butterflies in
+//! groups of up to [`BUTTERFLY_MAX_MEMBERS`], then across the groups, five
+//! message rounds whatever the size (up to 4,096 members).
+//!
+//! The two-way ring is kept for the ring's own tests, which run every
+//! commit as two [`RingAllReduce`]s at once, one per
 //! direction: the first half of the buffer goes around the commit's ring,
 //! the second half around the same ring the other way. Every link between ring neighbours
 //! then carries data both ways, where one ring leaves the way back idle:
@@ -27,6 +32,7 @@
 use super::allreduce::{Machine, Message, Outcome, RingAllReduce, SetupError};
 use super::allreduce_net::{frame_of, message_of};
 use super::butterfly::ButterflyAllReduce;
+use super::hierarchy::HierarchicalAllReduce;
 use crate::engine::{Frame, Transport};
 use crate::protocol::{AggregatePlan, NodeId, TaskId, BUTTERFLY_MAX_MEMBERS};
 use std::collections::VecDeque;
@@ -117,6 +123,9 @@ pub struct Aggregation {
     /// Commits of up to this many members run the butterfly
     /// ([`BUTTERFLY_MAX_MEMBERS`]; tests of the ring set it lower).
     butterfly_max: usize,
+    /// Larger commits go around the two-way ring instead of the hierarchy
+    /// (the ring's tests).
+    rings_beyond: bool,
 }
 
 impl Default for Aggregation {
@@ -150,6 +159,7 @@ impl Aggregation {
             early_bytes: 0,
             early_budget: bytes,
             butterfly_max: BUTTERFLY_MAX_MEMBERS,
+            rings_beyond: false,
         }
     }
 
@@ -176,6 +186,15 @@ impl Aggregation {
         let mut machines: Vec<Box<dyn Machine>> = if ring.len() <= self.butterfly_max {
             vec![Box::new(ButterflyAllReduce::new(
                 op, me as u64, &ring, sum, mbs,
+            )?)]
+        } else if !self.rings_beyond {
+            vec![Box::new(HierarchicalAllReduce::new(
+                op,
+                me as u64,
+                &ring,
+                sum,
+                mbs,
+                BUTTERFLY_MAX_MEMBERS,
             )?)]
         } else {
             let back: Vec<u64> = ring.iter().rev().copied().collect();
@@ -358,6 +377,7 @@ mod tests {
     fn ring_only() -> Aggregation {
         Aggregation {
             butterfly_max: 0,
+            rings_beyond: true,
             ..Default::default()
         }
     }

@@ -289,3 +289,53 @@ pub(super) fn run_again_without<M: TestMachine>(
     let again = Net::new(2, &survivors);
     (survivors, again)
 }
+
+/// Every one of `members` is done with `bits` (the mean the algorithm must
+/// give, bit for bit), close to the weighted mean in f64, and the total
+/// microbatch count.
+pub(super) fn assert_done_with_bits<M: TestMachine>(
+    net: &Net<M>,
+    members: &[MemberId],
+    ins: &[Input],
+    bits: &[u32],
+) {
+    let want = reference(ins);
+    let total: u64 = ins.iter().map(|x| x.2).sum();
+    for id in members {
+        let o = net.outcome(*id);
+        let Outcome::Done { mean, microbatches } = o else {
+            panic!("{id:x} did not finish: {o:?}")
+        };
+        assert_eq!(*microbatches, total, "{id:x}");
+        assert_eq!(mean.len(), want.len());
+        for (got, want) in mean.iter().zip(&want) {
+            assert!(
+                (*got as f64 - want).abs() <= 1e-5 * want.abs().max(1e-2),
+                "{id:x}: {got} vs {want}"
+            );
+        }
+        let got: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, bits, "{id:x} holds other bits");
+    }
+}
+
+/// How runs with losses ended.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    pub(super) all_lost: u32,
+    pub(super) all_done: u32,
+    /// Some survivors done, some lost.
+    pub(super) mixed: u32,
+}
+
+impl Tally {
+    pub(super) fn add(&mut self, done: usize, survivors: usize) {
+        if done == 0 {
+            self.all_lost += 1;
+        } else if done == survivors {
+            self.all_done += 1;
+        } else {
+            self.mixed += 1;
+        }
+    }
+}

@@ -383,6 +383,19 @@ impl ButterflyAllReduce {
         self.op
     }
 
+    /// Whether I lack something from member `m`: its slice of my part, or
+    /// its reduced part (nothing, once Done).
+    pub fn needs(&self, m: MemberId) -> bool {
+        self.index(m).is_some_and(|k| self.lacks(k))
+    }
+
+    /// The reduced buffer (the sums, then the microbatch count) once Done:
+    /// what [`Outcome::Done`] divides, for a caller that goes on summing
+    /// (`super::hierarchy`).
+    pub fn reduced(&self) -> Option<&[f32]> {
+        matches!(self.outcome, Outcome::Done { .. }).then_some(&self.result[..])
+    }
+
     /// The members in the order given (part `k` is `members()[k]`'s).
     pub fn members(&self) -> &[MemberId] {
         &self.members

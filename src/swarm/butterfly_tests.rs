@@ -4,8 +4,8 @@ use super::*;
 use crate::protocol::rng::Rng;
 use crate::swarm::allreduce::RingAllReduce;
 use crate::swarm::allreduce_testnet::{
-    self, assert_same_bits_in_every_order, four_members, ids_of, inputs, reference,
-    run_again_without, Input, TestMachine,
+    self, assert_done_with_bits, assert_same_bits_in_every_order, four_members, ids_of, inputs,
+    run_again_without, Input, Tally, TestMachine,
 };
 use std::collections::BTreeSet;
 
@@ -60,25 +60,7 @@ fn exact(ins: &[Input]) -> Vec<u32> {
 /// Every one of `members` is done with the same bits: the weighted mean
 /// over all of `ins` (lost members included) and their microbatches.
 fn assert_done_with_everyone(net: &Net, members: &[MemberId], ins: &[Input]) {
-    let want = reference(ins);
-    let bits = exact(ins);
-    let total: u64 = ins.iter().map(|x| x.2).sum();
-    for id in members {
-        let o = net.outcome(*id);
-        let Outcome::Done { mean, microbatches } = o else {
-            panic!("{id:x} did not finish: {o:?}")
-        };
-        assert_eq!(*microbatches, total, "{id:x}");
-        assert_eq!(mean.len(), want.len());
-        for (got, want) in mean.iter().zip(&want) {
-            assert!(
-                (*got as f64 - want).abs() <= 1e-5 * want.abs().max(1e-3),
-                "{id:x}: {got} vs {want}"
-            );
-        }
-        let got: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
-        assert_eq!(got, bits, "{id:x} holds other bits");
-    }
+    assert_done_with_bits(net, members, ins, &exact(ins));
 }
 
 /// What holds after losses, once everything is delivered and reported:
@@ -206,27 +188,6 @@ fn two_message_rounds_suffice() {
         net.round();
         assert!(net.links.values().all(|q| q.is_empty()));
         assert_done_with_everyone(&net, &ids_of(&ins), &ins);
-    }
-}
-
-/// How runs with losses ended.
-#[derive(Debug, Default)]
-struct Tally {
-    all_lost: u32,
-    all_done: u32,
-    /// Some survivors done, some lost.
-    mixed: u32,
-}
-
-impl Tally {
-    fn add(&mut self, done: usize, survivors: usize) {
-        if done == 0 {
-            self.all_lost += 1;
-        } else if done == survivors {
-            self.all_done += 1;
-        } else {
-            self.mixed += 1;
-        }
     }
 }
 

@@ -2,8 +2,8 @@
 //! `protocol::Node` driven on real time over the engine, with a trainer
 //! behind one work interface ([`runtime`], [`work`]), the tensors kept for
 //! recovery ([`store`]), and the stage's crash-tolerant all-reduce: the
-//! butterfly and the ring as sans-I/O machines ([`butterfly`],
-//! [`allreduce`]), their frames ([`allreduce_net`]) and the operation a
+//! butterfly, the hierarchy of butterflies and the ring as sans-I/O
+//! machines ([`butterfly`], [`hierarchy`], [`allreduce`]), their frames ([`allreduce_net`]) and the operation a
 //! node runs for its stage ([`aggregate`]); what a node refuses of what its
 //! peers send ([`intake`]); the states it serves to joiners ([`serving`]);
 //! a data holder's copies of the relay stages' states (`copies`) and its
@@ -23,6 +23,7 @@ pub(crate) mod copies;
 pub mod directory;
 mod driver;
 pub mod event_log;
+pub mod hierarchy;
 pub mod intake;
 pub mod model_checkpoint;
 pub mod model_pieces;

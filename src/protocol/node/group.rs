@@ -34,9 +34,10 @@ pub struct AggregatePlan {
 /// Stage groups of at most this many members all-reduce by the butterfly
 /// (`crate::swarm::butterfly`: every member reduces one part of the
 /// gradients, two message rounds over all of a member's links at once);
-/// larger ones around the ring both ways (`crate::swarm::allreduce`), which
-/// needs two connections per member where a butterfly needs one to every
-/// other member, and pays `2 (n-1)` message latencies in sequence.
+/// larger ones by the hierarchy (`crate::swarm::hierarchy`: butterflies in
+/// groups of at most this many, then across the groups), which needs a
+/// member's connections to its group and its column only, and pays five
+/// message rounds where a ring pays `2 (n-1)` latencies in sequence.
 pub const BUTTERFLY_MAX_MEMBERS: usize = 64;
 
 /// Syncs kept for a coordinator role not yet taken over, at most.
