@@ -114,7 +114,8 @@ fn crashes_during_a_butterfly_abort_it_and_nothing_is_lost() {
 }
 
 /// Crashes during a ring all-reduce (the holders' stage has more than
-/// `BUTTERFLY_MAX_MEMBERS` members): some fall in its all-gather half and
+/// `BUTTERFLY_MAX_MEMBERS` members, and the ring is chosen over the
+/// hierarchy): some fall in its all-gather half and
 /// are bypassed (the survivors finish with the lost member's microbatches,
 /// nothing recomputed), others before and abort it; either way every
 /// microbatch is in every stage's aggregate exactly once (checked).
@@ -124,6 +125,7 @@ fn crashes_during_a_ring_all_reduce_are_bypassed_or_aborted_and_nothing_is_lost(
     for seed in 1..=3 {
         let mut c = small(Policy::Gwtf, seed, 3.0, 12);
         c.holders = gwtf::protocol::BUTTERFLY_MAX_MEMBERS as u32 + 6;
+        c.ring_beyond_butterfly = true;
         c.mb_per_iter = 1;
         c.max_in_flight = 1;
         c.model = ModelPreset::by_name("llama-500m").unwrap();
@@ -384,4 +386,26 @@ fn joiners_whose_state_server_died_form_one_group() {
 fn a_sync_that_overtakes_the_goodbye_is_not_lost() {
     let r = Sim::new(small(Policy::Swarm, 684, 3.0, 40)).run();
     check(&r, "Swarm seed 684 churn 3");
+}
+
+/// Crashes during a hierarchical all-reduce (the holders' stage has more
+/// than `BUTTERFLY_MAX_MEMBERS` members): a member lost while it still owes
+/// its group or its column something aborts it (its microbatches
+/// recomputed, the stage commits again); every microbatch is in every
+/// stage's aggregate exactly once (checked). Nothing is bypassed.
+#[test]
+fn crashes_during_a_hierarchy_abort_it_and_nothing_is_lost() {
+    let mut aborted = 0;
+    for seed in 1..=3 {
+        let mut c = small(Policy::Gwtf, seed, 3.0, 12);
+        c.holders = gwtf::protocol::BUTTERFLY_MAX_MEMBERS as u32 + 6;
+        c.mb_per_iter = 1;
+        c.max_in_flight = 1;
+        c.model = ModelPreset::by_name("llama-500m").unwrap();
+        let r = Sim::new(c).run();
+        check(&r, &format!("seed {seed}"));
+        assert_eq!(r.allreduce_bypassed, 0, "seed {seed}");
+        aborted += r.allreduce_aborted;
+    }
+    assert!(aborted > 0, "aborted {aborted}");
 }

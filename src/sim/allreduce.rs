@@ -47,6 +47,9 @@ pub const STREAMS_PER_MEMBER: f64 = 2.0;
 pub struct Links<'a> {
     pub link: &'a dyn Fn(usize, usize) -> (f64, f64),
     pub nic: f64,
+    /// Groups beyond [`BUTTERFLY_MAX_MEMBERS`] go around the two-way ring
+    /// instead of the hierarchy (`SimConfig::ring_beyond_butterfly`).
+    pub ring_beyond_butterfly: bool,
 }
 
 impl Links<'_> {
@@ -91,13 +94,145 @@ pub fn is_butterfly(n: usize) -> bool {
 
 /// Seconds of the all-reduce of a stage of `params` parameters among
 /// members in `regions` (one entry per member, in the commit's order): the
-/// butterfly or the ring, by the group's size.
+/// butterfly or the hierarchy, by the group's size.
 pub fn allreduce_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
     if is_butterfly(regions.len()) {
         butterfly_secs(regions, params, links)
-    } else {
+    } else if links.ring_beyond_butterfly {
         ring_allreduce_secs(regions, params, links)
+    } else {
+        hierarchy_secs(regions, params, links).total()
     }
+}
+
+/// The three phases of a hierarchical all-reduce, in seconds
+/// ([`hierarchy_secs`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HierarchySecs {
+    /// The slowest group's butterfly of the whole buffer.
+    pub groups: f64,
+    /// The slowest column's butterfly of its part of the group sums.
+    pub columns: f64,
+    /// The slowest group's sending of the parts of the total.
+    pub parts: f64,
+}
+
+impl HierarchySecs {
+    pub fn total(&self) -> f64 {
+        self.groups + self.columns + self.parts
+    }
+}
+
+/// Seconds of the hierarchical all-reduce (`crate::swarm::hierarchy`) of a
+/// stage of `params` parameters among members in `regions`, in the
+/// commit's order: the groups of [`crate::swarm::hierarchy::groups`] run
+/// their butterflies of the whole buffer at once, then the `K` columns
+/// (the members at one position of every group) theirs, of `ceil(L / K)`
+/// elements, then each group's column members send their part to the
+/// `s - 1` others at once. The phases are taken one after the other, each
+/// as long as its slowest group or column (a member cannot start its
+/// column before its group's sum is whole, nor send its part before its
+/// column is done).
+pub fn hierarchy_secs(regions: &[usize], params: u64, links: &Links) -> HierarchySecs {
+    let n = regions.len();
+    let groups = crate::swarm::hierarchy::groups(n, BUTTERFLY_MAX_MEMBERS);
+    let k = groups.iter().map(|r| r.len()).min().unwrap_or(1);
+    // A column's buffer: one part of the L = params + 1 elements, and the
+    // column butterfly's own count element.
+    let part_params = (params + 1).div_ceil(k as u64);
+    let group_secs = (groups.iter())
+        .map(|r| butterfly_secs(&regions[r.clone()], params, links))
+        .fold(0.0, f64::max);
+    let column_secs = (0..k)
+        .map(|c| {
+            let col: Vec<usize> = groups.iter().map(|r| regions[r.start + c]).collect();
+            butterfly_secs(&col, part_params, links)
+        })
+        .fold(0.0, f64::max);
+    let part = BYTES_PER_ELEMENT * part_params as f64;
+    let parts_secs = (groups.iter())
+        .map(|r| {
+            let g = &regions[r.clone()];
+            let streams = g.len().saturating_sub(1) as f64;
+            let mut distinct = g.to_vec();
+            distinct.sort_unstable();
+            distinct.dedup();
+            let count = |x: usize| g.iter().filter(|&&y| y == x).count();
+            let mut worst: f64 = 0.0;
+            for &a in &distinct {
+                for &b in &distinct {
+                    if a != b || count(a) > 1 {
+                        worst = worst.max(links.stream_secs(a, b, part, streams));
+                    }
+                }
+            }
+            worst
+        })
+        .fold(0.0, f64::max);
+    HierarchySecs {
+        groups: group_secs,
+        columns: column_secs,
+        parts: parts_secs,
+    }
+}
+
+/// Whether a survivor of a running butterfly lacks something of a member
+/// lost, by the simulator's rule (a survivor that lacks something ends the
+/// operation, and the others still running hear of it from it): the lost
+/// member's slice of the survivor's part (`slice_arrived`), or its reduced
+/// part (`reduced_arrived`), the two things nobody else holds. Tested
+/// against the butterfly machines in `crate::swarm::butterfly`.
+pub fn butterfly_lacks(slice_arrived: bool, reduced_arrived: bool) -> bool {
+    !slice_arrived || !reduced_arrived
+}
+
+/// Whether a member of a running hierarchy still owes the others
+/// something when it is lost, by the simulator's rule (its loss then aborts
+/// the operation for everyone still running; otherwise nothing happens):
+/// a member outside the columns owes its group's butterfly its slices and
+/// its reduced part (`group_over`: they all arrived), and nothing after; a
+/// column member owes until it ended and everything it sent arrived
+/// (`all_arrived`; its part of the total is the last thing it sends). The
+/// machines may do better for a column member whose sends all arrived
+/// before its own end; never worse (tested against them in
+/// `crate::swarm::hierarchy`).
+pub fn hierarchy_owes(column: bool, group_over: bool, all_arrived: bool) -> bool {
+    if column {
+        !all_arrived
+    } else {
+        !group_over
+    }
+}
+
+/// A lower bound on [`hierarchy_secs`] whatever the members' order: every
+/// phase pays at least its rounds' latency over the members' fastest link
+/// and, at every member, its bytes through the NIC (a transfer of `b`
+/// bytes among `m` at once takes at least `b m / nic`): the group
+/// butterfly two rounds of `s - 1` parts of `L / s`, the column two of
+/// `G - 1` parts of `L / (K G)`, the parts one of `s - 1` parts of `L / K`
+/// (`s` the smallest group, which is `K`).
+pub fn hierarchy_lower_bound(regions: &[usize], params: u64, links: &Links) -> f64 {
+    let n = regions.len();
+    let groups = crate::swarm::hierarchy::groups(n, BUTTERFLY_MAX_MEMBERS);
+    let (g, k) = (
+        groups.len(),
+        groups.iter().map(|r| r.len()).min().unwrap_or(1),
+    );
+    let mut distinct = regions.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let lat = (distinct.iter())
+        .flat_map(|&a| distinct.iter().map(move |&b| (a, b)))
+        .filter(|&(a, b)| a != b || regions.iter().filter(|&&x| x == a).count() > 1)
+        .map(|(a, b)| (links.link)(a, b).0)
+        .fold(f64::INFINITY, f64::min);
+    let lat = if lat.is_finite() { lat } else { 0.0 };
+    let bytes = BYTES_PER_ELEMENT * (params + 1) as f64;
+    let (s, g, k) = (k as f64, g as f64, k as f64);
+    let group = 2.0 * (lat + bytes / s * (s - 1.0) / links.nic);
+    let column = 2.0 * (lat + bytes / (k * g) * (g - 1.0) / links.nic);
+    let parts = lat + bytes / k * (s - 1.0) / links.nic;
+    group + column + parts
 }
 
 /// Bytes of the largest part when a stage of `params` parameters is
@@ -306,8 +441,10 @@ pub fn allreduce_lower_bound(regions: &[usize], params: u64, links: &Links) -> f
     }
     if is_butterfly(n) {
         butterfly_secs(regions, params, links)
-    } else {
+    } else if links.ring_beyond_butterfly {
         ring_lower_bound(regions, params, links)
+    } else {
+        hierarchy_lower_bound(regions, params, links)
     }
 }
 
@@ -342,7 +479,11 @@ mod tests {
 
     /// The links of [`three`] behind a NIC of `nic` bytes/s.
     fn three_links(nic: f64) -> Links<'static> {
-        Links { link: &three, nic }
+        Links {
+            link: &three,
+            nic,
+            ring_beyond_butterfly: false,
+        }
     }
 
     #[test]
@@ -508,13 +649,94 @@ mod tests {
         let part = part_bytes(params, 4);
         let ac = 0.050 + part / 10e6;
         assert!((four - 2.0 * ac).abs() < 1e-9, "{four}");
-        // Beyond BUTTERFLY_MAX_MEMBERS: the ring.
+        // Beyond BUTTERFLY_MAX_MEMBERS: the hierarchy.
         let many: Vec<usize> = (0..=BUTTERFLY_MAX_MEMBERS).map(|i| i % 3).collect();
-        let ring = ring_allreduce_secs(&many, params, &links);
-        assert_eq!(allreduce_secs(&many, params, &links), ring);
+        let h = hierarchy_secs(&many, params, &links);
+        assert_eq!(allreduce_secs(&many, params, &links), h.total());
         assert_eq!(
             allreduce_lower_bound(&many, params, &links),
-            ring_lower_bound(&many, params, &links)
+            hierarchy_lower_bound(&many, params, &links)
         );
+    }
+
+    /// The hierarchy by hand: 128 members in regions 0 and 1 alternating:
+    /// two groups of 64, K = 64 columns of two.
+    #[test]
+    fn a_hierarchy_by_hand_and_its_bound() {
+        let links = three_links(80e6);
+        let params = 6_399_999;
+        let regions: Vec<usize> = (0..128).map(|i| i % 2).collect();
+        let h = hierarchy_secs(&regions, params, &links);
+        // Groups: a butterfly of 64 over both regions, as on its own.
+        assert_eq!(h.groups, butterfly_secs(&regions[..64], params, &links));
+        // Columns: position c holds region c % 2 in both groups. Parts of
+        // 6,400,000 / 64 = 100,000 elements: a butterfly of two in one
+        // region.
+        assert_eq!(h.columns, butterfly_secs(&[0, 0], 100_000, &links));
+        // Parts: 400,000 bytes to 63 others at once, the slowest pair a-b:
+        // 0.010 + 4e5 / min(100e6, 80e6 / 63).
+        let want = 0.010 + 4e5 / (80e6 / 63.0);
+        assert!((h.parts - want).abs() < 1e-12, "{}", h.parts);
+        assert_eq!(allreduce_secs(&regions, params, &links), h.total());
+        let lb = hierarchy_lower_bound(&regions, params, &links);
+        assert!(lb > 0.0 && lb <= h.total(), "{lb} vs {h:?}");
+        // In any order.
+        let mut shuffled = regions.clone();
+        shuffled.sort_unstable();
+        assert!(lb <= hierarchy_secs(&shuffled, params, &links).total());
+    }
+
+    /// Time grows with the rounds, not the members: 1,000 members over
+    /// three regions take under ten times what 64 take (a ring of 1,000
+    /// would take about 30 times).
+    #[test]
+    fn a_thousand_members_take_under_ten_times_sixty_four() {
+        let links = three_links(1e9);
+        let params = 50_000_000;
+        let of = |n: usize| {
+            let regions: Vec<usize> = (0..n).map(|i| i * 3 / n).collect();
+            allreduce_secs(&regions, params, &links)
+        };
+        let (t64, t1000) = (of(64), of(1000));
+        assert!(t1000 < 10.0 * t64, "{t1000} vs {t64}");
+    }
+}
+
+#[cfg(test)]
+mod geo10 {
+    use super::*;
+    use crate::sim::model::ModelPreset;
+    use crate::sim::scenario::Scenario;
+
+    /// The issue's figure: the all-reduce of a llama-500m relay stage at
+    /// 1,000 members on geo10's links takes under ten times its time at 64
+    /// (members spread evenly over the ten regions, in region order, as a
+    /// coordinator that orders them by their links puts them). The flat
+    /// two-way ring it replaces is printed beside it.
+    #[test]
+    fn a_llama_500m_stage_at_1000_members_takes_under_ten_times_64() {
+        let sc = Scenario::geo10();
+        let r = sc.regions.len();
+        let link =
+            |a: usize, b: usize| (sc.latency[a][b], sc.bandwidth[a][b].min(sc.nic_bandwidth));
+        let links = |ring| Links {
+            link: &link,
+            nic: sc.nic_bandwidth,
+            ring_beyond_butterfly: ring,
+        };
+        let params = ModelPreset::by_name("llama-500m").unwrap().stage_params(1);
+        let of = |n: usize, ring: bool| {
+            let regions: Vec<usize> = (0..n).map(|i| i * r / n).collect();
+            allreduce_secs(&regions, params, &links(ring))
+        };
+        let (t64, t1000, ring1000) = (of(64, false), of(1000, false), of(1000, true));
+        eprintln!(
+            "llama-500m stage ({params} parameters) on geo10: 64 members {t64:.2} s, \
+             1,000 members {t1000:.2} s by the hierarchy ({:.2}x), {ring1000:.2} s \
+             around the two-way ring ({:.2}x)",
+            t1000 / t64,
+            ring1000 / t64
+        );
+        assert!(t1000 < 10.0 * t64, "{t1000} vs {t64}");
     }
 }

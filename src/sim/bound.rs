@@ -589,6 +589,7 @@ mod tests {
         let links = Links {
             link: &link,
             nic: 1e12,
+            ring_beyond_butterfly: false,
         };
         let holder = member(0, 1e12);
         iteration_bound(&World {
@@ -728,6 +729,7 @@ mod tests {
         let links = Links {
             link: &link,
             nic: 1e12,
+            ring_beyond_butterfly: false,
         };
         let (near, far) = (member(0, 1e12), member(1, 1e11));
         let relays = vec![vec![member(0, 2e12)]; s];
@@ -764,6 +766,7 @@ mod tests {
         let links = Links {
             link: &link,
             nic: 1e15,
+            ring_beyond_butterfly: false,
         };
         let near = member(0, 1e15);
         let far = member(1, 2e15);
@@ -857,6 +860,7 @@ mod tests {
         let links = Links {
             link: &link,
             nic: 1e12,
+            ring_beyond_butterfly: false,
         };
         let holders = [member(0, 1e12)];
         let world = |relays: &[Vec<Member>]| {
@@ -904,6 +908,7 @@ mod tests {
         let links = Links {
             link: &link,
             nic: 1e12,
+            ring_beyond_butterfly: false,
         };
         let holders = [member(0, 1e15), member(0, 1e15)];
         let relays = vec![vec![member(0, 2e12)]; s as usize];

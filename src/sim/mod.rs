@@ -27,11 +27,13 @@
 //!   the runtime does with a broken connection or a failed connect.
 //! - Aggregation (all-reduce) time of a stage: the runtime's all-reduce in
 //!   f32 among the commit's members: the butterfly up to 64 members, the
-//!   ring both ways in the commit's order beyond ([`allreduce`]). This is a
-//!   model of the runtime's machines (`swarm::butterfly`,
+//!   hierarchy beyond (or the ring both ways in the commit's order, with
+//!   `ring_beyond_butterfly`) ([`allreduce`]). This is a model of the
+//!   runtime's machines (`swarm::butterfly`, `swarm::hierarchy`,
 //!   `swarm::allreduce`), not those machines: its timing and loss rules
-//!   are written again here. The ring's loss rule is tested against the
-//!   ring machines (`swarm::allreduce`'s tests); the butterfly's is not.
+//!   are written again here. Each loss rule is tested against its
+//!   machines (the ring's, the butterfly's and the hierarchy's tests in
+//!   `swarm`).
 //! - Yardstick: a lower bound on the iteration time of the current
 //!   membership ([`bound`]), recomputed when the membership changed, that
 //!   every policy's time is reported against.
@@ -94,6 +96,10 @@ pub struct SimConfig {
     pub reference_optimum: bool,
     /// Seconds between throughput samples in the time series.
     pub sample_every_s: f64,
+    /// Stages beyond `BUTTERFLY_MAX_MEMBERS` members all-reduce around the
+    /// two-way ring, as the runtime did before the hierarchy (its tests,
+    /// and comparisons); by default they run the hierarchy.
+    pub ring_beyond_butterfly: bool,
 }
 
 impl SimConfig {
@@ -119,6 +125,7 @@ impl SimConfig {
             max_sim_time_s: 0.0,
             reference_optimum: true,
             sample_every_s: 0.0,
+            ring_beyond_butterfly: false,
         }
     }
 }
@@ -378,7 +385,7 @@ pub struct Sim {
     /// Messages sent, by kind (name, count).
     msg_counts: HashMap<std::mem::Discriminant<Msg>, (&'static str, u64), FastHash>,
     population_version: u64,
-    /// Ring all-reduce time per (stage, members), for a population version.
+    /// All-reduce time per (stage, members), for a population version.
     agg_cache: BTreeMap<(Stage, u32, u64), (u64, f64)>,
     /// The all-reduces running, member by member (what a loss does to them).
     rings: rings::Rings,
@@ -481,6 +488,7 @@ impl Sim {
         f(&allreduce::Links {
             link: &link,
             nic: self.cfg.scenario.nic_bandwidth,
+            ring_beyond_butterfly: self.cfg.ring_beyond_butterfly,
         })
     }
 
@@ -950,9 +958,9 @@ impl Sim {
     }
 
     /// The stage's all-reduce that `node`'s aggregate task `task` runs: the
-    /// butterfly of its commit's members, or around their ring in the
-    /// commit's order for a large group (what the runtime's all-reduce is
-    /// given), over the actual pairs' links; cached
+    /// butterfly of its commit's members, or the hierarchy (or the ring)
+    /// in the commit's order for a large group (what the runtime's
+    /// all-reduce is given), over the actual pairs' links; cached
     /// per commit (every member runs the same). A task without a commit
     /// (none is known) falls back to the stage's `members` live members in
     /// id order.
@@ -1111,11 +1119,17 @@ impl Sim {
             rings::Shape::Butterfly {
                 part: allreduce::part_bytes(params, n),
             }
-        } else {
+        } else if self.cfg.ring_beyond_butterfly {
             rings::Shape::Ring {
                 step: d / (2 * (n - 1)) as f64,
                 chunk: allreduce::chunk_bytes(params, n),
             }
+        } else {
+            let regions: Vec<usize> = (plan.members.iter())
+                .map(|&m| self.nodes[m as usize].region)
+                .collect();
+            let h = self.with_links(|l| allreduce::hierarchy_secs(&regions, params, l));
+            rings::Shape::Hierarchy { groups: h.groups }
         };
         let end = self
             .rings

@@ -19,7 +19,7 @@
 //! the others fail and commits again).
 use std::collections::BTreeMap;
 
-use super::allreduce::{LossEffect, RingLoss, STREAMS_PER_MEMBER};
+use super::allreduce::{butterfly_lacks, hierarchy_owes, LossEffect, RingLoss, STREAMS_PER_MEMBER};
 use crate::protocol::{secs, to_secs, NodeId, Stage, TaskId, Time};
 
 /// A commit's all-reduce: (stage, iteration, epoch).
@@ -40,6 +40,9 @@ pub(super) enum Shape {
     Ring { step: f64, chunk: f64 },
     /// The butterfly: bytes per part.
     Butterfly { part: f64 },
+    /// The hierarchy (`crate::swarm::hierarchy`): seconds of its group
+    /// phase.
+    Hierarchy { groups: f64 },
 }
 
 struct Ring {
@@ -170,19 +173,26 @@ impl Rings {
             if ring.aborted || ring.bypassed == Some(v) {
                 continue;
             }
-            let (step, chunk) = match ring.shape {
-                Shape::Ring { step, chunk } => (step, chunk),
+            let lacking = match ring.shape {
+                Shape::Ring { .. } => None,
+                Shape::Hierarchy { groups } => Some(hierarchy_lacking(ring, i, groups, now, alive)),
                 Shape::Butterfly { part } => {
-                    let lacking = butterfly_lacking(ring, v, part, now, alive, wire);
-                    if lacking.is_empty() {
-                        ring.bypassed.get_or_insert(v);
-                    } else {
-                        self.aborted += 1;
-                        ring.aborted = true;
-                        abort_running(ring, v, &lacking, now, alive, wire, &mut changes);
-                    }
-                    continue;
+                    Some(butterfly_lacking(ring, v, part, now, alive, wire))
                 }
+            };
+            // The butterfly and the hierarchy: nothing, or an abort.
+            if let Some(lacking) = lacking {
+                if lacking.is_empty() {
+                    ring.bypassed.get_or_insert(v);
+                } else {
+                    self.aborted += 1;
+                    ring.aborted = true;
+                    abort_running(ring, v, &lacking, now, alive, wire, &mut changes);
+                }
+                continue;
+            }
+            let Shape::Ring { step, chunk } = ring.shape else {
+                continue;
             };
             let n = ring.members.len();
             let (p, q) = (ring.members[(i + n - 1) % n], ring.members[(i + 1) % n]);
@@ -297,10 +307,62 @@ fn butterfly_lacking(
         .filter(|(&m, _)| {
             let send = wire.send_secs(v, m, part, streams);
             let slice = sent_v.map_or(f64::INFINITY, |s| s + send);
-            slice > t || reduced_v + send > t
+            butterfly_lacks(slice <= t, reduced_v + send <= t)
         })
         .map(|(&m, _)| m)
         .collect()
+}
+
+/// The survivors still running hierarchy `ring` that `v` (member `i`),
+/// lost at `now`, leaves lacking: none once `v` owes nothing
+/// ([`hierarchy_owes`]), which is after its group's butterfly (`groups` s
+/// from its start) for a member outside the columns, and once it and its
+/// group and column ended for a column member (it sends its part of the
+/// total last); otherwise the running members of its
+/// group and its column (the others hear of it through their aborts). A
+/// member that has not started owes everything.
+fn hierarchy_lacking(
+    ring: &Ring,
+    i: usize,
+    groups: f64,
+    now: Time,
+    alive: &dyn Fn(NodeId) -> bool,
+) -> Vec<NodeId> {
+    let n = ring.members.len();
+    let parts = crate::swarm::hierarchy::groups(n, super::allreduce::BUTTERFLY_MAX_MEMBERS);
+    let k = parts.iter().map(|r| r.len()).min().unwrap_or(1);
+    let place = |j: usize| {
+        let g = parts.partition_point(|r| r.end <= j);
+        (g, j - parts[g].start)
+    };
+    let (g, pos) = place(i);
+    let v = ring.members[i];
+    let running: Vec<(usize, NodeId)> = (ring.members.iter().enumerate())
+        .filter(|(_, m)| **m != v && alive(**m))
+        .filter(|(_, m)| ring.runs.get(m).is_none_or(|r| r.end > now))
+        .map(|(j, m)| (j, *m))
+        .collect();
+    let near: Vec<NodeId> = (running.iter())
+        .filter(|(j, _)| {
+            let (gj, pj) = place(*j);
+            gj == g || (pj == pos && pos < k)
+        })
+        .map(|(_, m)| *m)
+        .collect();
+    // What it sent arrived once it ended and those who wait for it (its
+    // group and its column) ended too.
+    let owes = ring.runs.get(&v).is_none_or(|r| {
+        let group_over = now >= r.start + secs(groups);
+        hierarchy_owes(pos < k, group_over, now >= r.end && near.is_empty())
+    });
+    if !owes || running.is_empty() {
+        return Vec::new();
+    }
+    if near.is_empty() {
+        running.into_iter().map(|(_, m)| m).collect()
+    } else {
+        near
+    }
 }
 
 /// Fails the aggregate tasks of `ring`'s running survivors after `v`'s

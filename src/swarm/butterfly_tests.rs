@@ -694,3 +694,62 @@ fn a_done_member_keeps_its_result() {
     assert_eq!(b.outcome(), &before);
     assert!(b.take_outbox().is_empty() && !b.serving());
 }
+
+/// The simulator's loss rule for the butterfly
+/// (`crate::sim::allreduce::butterfly_lacks`) held to the machines: a
+/// member lost at a random moment, every survivor told at once. A survivor
+/// the rule says lacks something (judged by what had arrived) ends Lost;
+/// where it says nobody lacks anything, every survivor ends Done. Where
+/// some lack, the simulator fails every survivor still running; a running
+/// survivor that lacked nothing may still end Done on the machines when
+/// its last parts beat the abort (the simulator is conservative there),
+/// counted.
+#[test]
+fn the_simulators_butterfly_loss_rule_says_what_the_machines_do() {
+    use crate::sim::allreduce::butterfly_lacks;
+    let (mut nothing, mut aborts, mut conservative) = (0, 0, 0);
+    for n in 2..=7usize {
+        for seed in 0..300u64 {
+            let mut rng = Rng::derive(seed ^ 0xb077, n as u64);
+            let len = rng.below(100) as usize;
+            let ins = inputs(&mut rng, n, len);
+            let ids = ids_of(&ins);
+            let mut net = Net::new(8, &ins);
+            for _ in 0..rng.below((2 * n * (n - 1)) as u64 + 1) {
+                net.step(&mut rng);
+            }
+            let v = ids[rng.below(n as u64) as usize];
+            let vi = net.nodes[&v].index(v).unwrap();
+            let lacking: Vec<MemberId> = (ids.iter().copied())
+                .filter(|&m| m != v && !net.is_done(m))
+                .filter(|m| {
+                    let node = &net.nodes[m];
+                    butterfly_lacks(has_slice_of(node, v), node.gathered[vi])
+                })
+                .collect();
+            let running: Vec<MemberId> = (ids.iter().copied())
+                .filter(|&m| m != v && !net.is_done(m))
+                .collect();
+            net.kill(v);
+            net.run(&mut rng);
+            let ctx = format!("n {n} seed {seed}: lacking {lacking:x?}");
+            check_survivors(&net, &ins, &[v], &ctx);
+            if lacking.is_empty() {
+                let done = net.survivors().iter().filter(|m| net.is_done(**m)).count();
+                assert_eq!(done, n - 1, "{ctx}: the rule said nothing");
+                nothing += 1;
+                continue;
+            }
+            aborts += 1;
+            for m in &running {
+                if lacking.contains(m) {
+                    assert_eq!(net.outcome(*m), &Outcome::Lost { member: v }, "{ctx}");
+                } else if net.is_done(*m) {
+                    conservative += 1;
+                }
+            }
+        }
+    }
+    eprintln!("nothing {nothing}, aborts {aborts}, conservative {conservative}");
+    assert!(nothing > 0 && aborts > 0, "{nothing} {aborts}");
+}

@@ -409,3 +409,69 @@ impl HierarchicalAllReduce {
         self.outbox.len()
     }
 }
+
+/// The simulator's loss rule for the hierarchy
+/// (`crate::sim::allreduce::hierarchy_owes`) held to the machines: a
+/// member lost at a random moment (every survivor told at once). Where the
+/// rule says it owed nothing, every survivor ends Done; where it says a
+/// member outside the columns owed something, some survivor ends Lost (the
+/// rule is exact there); a column member may be lost after everything it
+/// sent arrived but before its own end, where the rule aborts and the
+/// machines finish (the simulator is conservative there), counted.
+/// (The simulator judges "arrived" by time: the member and those who wait
+/// for it ended.)
+#[test]
+fn the_simulators_loss_rule_says_what_the_machines_do() {
+    use crate::sim::allreduce::hierarchy_owes;
+    let g = 3;
+    with_groups_of(g, || {
+        let (mut nothing, mut abort, mut conservative) = (0, 0, 0);
+        for n in [4, 7, 9, 11] {
+            let rs = groups(n, g);
+            let k = rs.iter().map(|r| r.len()).min().unwrap();
+            for seed in 0..300u64 {
+                let mut rng = Rng::derive(seed, 900 + n as u64);
+                let len = rng.below(2 * n as u64 + 20) as usize;
+                let ins = inputs(&mut rng, n, len);
+                let ids = ids_of(&ins);
+                let mut net = Net::new(6, &ins);
+                for _ in 0..rng.below((n * 3 * (n + 2)) as u64 + 1) {
+                    net.step(&mut rng);
+                }
+                let vi = rng.below(n as u64) as usize;
+                let v = ids[vi];
+                let r = rs.iter().find(|r| r.contains(&vi)).unwrap();
+                let column = vi - r.start < k;
+                let group_chunk =
+                    |m: &Message| matches!(m, Message::Chunk { step, .. } if *step < COLUMN_STEP);
+                let sent = (net.sent.get(&v).into_iter().flatten())
+                    .filter(|(_, m)| group_chunk(m))
+                    .count();
+                let from_v = (net.links.iter())
+                    .filter(|((from, _), _)| *from == v)
+                    .flat_map(|(_, q)| q.iter());
+                let group_in_flight = from_v.clone().any(group_chunk);
+                let group_over = sent == 2 * (r.len() - 1) && !group_in_flight;
+                // Done, it sent everything it ever sends.
+                let all_arrived = net.is_done(v) && from_v.count() == 0;
+                let owes = hierarchy_owes(column, group_over, all_arrived);
+                net.kill(v);
+                net.run(&mut rng);
+                let ctx = format!("n {n} seed {seed} member {vi}");
+                let done = check_survivors(&net, &ins, &[v], g, &ctx);
+                let lost_any = done < n - 1;
+                if !owes {
+                    assert!(!lost_any, "{ctx}: the rule said nothing, {done} done");
+                    nothing += 1;
+                } else if lost_any {
+                    abort += 1;
+                } else {
+                    assert!(column, "{ctx}: it owed its group, yet all finished");
+                    conservative += 1;
+                }
+            }
+        }
+        eprintln!("nothing {nothing}, abort {abort}, conservative {conservative}");
+        assert!(nothing > 0 && abort > 0, "{nothing} {abort}");
+    });
+}

@@ -313,6 +313,17 @@ pub struct BenchSimArgs {
     /// optimal).
     #[arg(long, default_value = "gwtf")]
     policy: String,
+    /// How stages beyond 64 members all-reduce: hierarchy (what the
+    /// runtime runs) or ring (both ways round, as before the hierarchy:
+    /// for comparison).
+    #[arg(long, value_enum, default_value_t = LargeAllReduce::Hierarchy)]
+    allreduce: LargeAllReduce,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LargeAllReduce {
+    Hierarchy,
+    Ring,
 }
 
 /// Holders and relays of a `bench sim` run of `n` nodes.
@@ -348,6 +359,7 @@ pub fn bench(a: BenchSimArgs) -> super::CliResult {
         c.relays = relays;
         c.iterations = a.iterations;
         c.reference_optimum = false;
+        c.ring_beyond_butterfly = a.allreduce == LargeAllReduce::Ring;
         let t = std::time::Instant::now();
         let r = Sim::new(c).run();
         let wall = t.elapsed().as_secs_f64();
