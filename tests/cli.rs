@@ -798,3 +798,34 @@ fn keygen_tells_the_id_a_node_takes_from_its_key() {
         ],
     );
 }
+
+/// `gwtf bench sim --allreduce ring|hierarchy`: 700 nodes put over 100
+/// relays in each stage, beyond one butterfly; both ways complete the
+/// iteration, and the ring (2 (n-1) steps) simulates more events and more
+/// time than the hierarchy (five rounds).
+#[test]
+fn bench_sim_runs_large_stages_by_the_hierarchy_or_the_ring() {
+    let row = |how: &str| -> (u64, f64) {
+        let out = stdout_of(&run_ok(gwtf().args([
+            "bench",
+            "sim",
+            "--nodes",
+            "700",
+            "--iterations",
+            "1",
+            "--allreduce",
+            how,
+        ])));
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("700 "))
+            .unwrap_or_else(|| panic!("no row in {out}"));
+        assert!(!line.contains("did not complete"), "{line}");
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        (cols[2].parse().unwrap(), cols[5].parse().unwrap())
+    };
+    let (ring_events, ring_secs) = row("ring");
+    let (events, secs) = row("hierarchy");
+    eprintln!("700 nodes, 1 iteration: ring {ring_events} events {ring_secs} s simulated, hierarchy {events} events {secs} s");
+    assert!(ring_events > events && ring_secs > secs);
+}
