@@ -145,6 +145,14 @@ fn benches_and_echo_refuse_bad_arguments_before_working() {
             vec!["--elements", "got 0"],
         ),
         (
+            vec!["bench", "allreduce", "--members", "1"],
+            vec!["--members", "1"],
+        ),
+        (
+            vec!["bench", "allreduce", "--mb", "300"],
+            vec!["--mb", "300"],
+        ),
+        (
             vec!["bench", "kernels", "--train-model", "nope"],
             vec!["--train-model nope"],
         ),
@@ -828,4 +836,30 @@ fn bench_sim_runs_large_stages_by_the_hierarchy_or_the_ring() {
     let (events, secs) = row("hierarchy");
     eprintln!("700 nodes, 1 iteration: ring {ring_events} events {ring_secs} s simulated, hierarchy {events} events {secs} s");
     assert!(ring_events > events && ring_secs > secs);
+}
+
+/// `gwtf bench allreduce --no-gloo`: three member processes on loopback
+/// all-reduce 1 MB by the butterfly and print their time (every member
+/// ended with the same bits, or the command fails).
+#[test]
+fn bench_allreduce_runs_member_processes() {
+    let out = stdout_of(&run_ok(gwtf().args([
+        "bench",
+        "allreduce",
+        "--members",
+        "3",
+        "--mb",
+        "1",
+        "--reps",
+        "1",
+        "--no-gloo",
+    ])));
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("3 "))
+        .unwrap_or_else(|| panic!("no row in {out}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols[..3], ["3", "1", "butterfly"], "{row}");
+    let secs: f64 = cols[3].parse().unwrap();
+    assert!(secs > 0.0, "{row}");
 }

@@ -410,7 +410,7 @@ fn check_bench_args(a: &BenchFlowArgs) -> Result<(), String> {
 /// The checkout the tool was built from (the tool's crate is one level below
 /// it): where `scripts/python-deps` makes `.venv`, and where the OR-tools
 /// script lives.
-fn repo_dir() -> PathBuf {
+pub fn repo_dir() -> PathBuf {
     let tool = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     tool.parent().map(PathBuf::from).unwrap_or(tool)
 }

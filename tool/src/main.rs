@@ -3,6 +3,7 @@
 //! compile its command-line, plotting and progress-bar dependencies.
 use clap::{Parser, Subcommand};
 
+mod allreduce_cmd;
 mod bench_policies;
 mod bench_swarm;
 mod checks;
@@ -96,6 +97,10 @@ enum BenchCmd {
     /// `swarm`'s and `swarm-plus`'s, a row per run, then the range over the
     /// seeds. The evaluation's tables (docs/EVALUATION.md) are its output.
     Policies(bench_policies::BenchPoliciesArgs),
+    /// The stage all-reduce of N member processes on loopback TCP against
+    /// torch.distributed's gloo all-reduce of the same members and bytes:
+    /// seconds and the ratio gloo / ours.
+    Allreduce(allreduce_cmd::BenchAllReduceArgs),
     /// Memory-bound kernels against a copy (CPU and, when present, GPU), and training tokens/s.
     Kernels(kernels_cmd::BenchKernelsArgs),
     /// Transport: framed zero-copy path against raw TCP (interleaved), GB/s,
@@ -193,6 +198,7 @@ fn main() {
             BenchCmd::Sim(args) => sim_cmd::bench(args),
             BenchCmd::Policies(args) => bench_policies::run(args),
             BenchCmd::Kernels(args) => kernels_cmd::run(args),
+            BenchCmd::Allreduce(args) => allreduce_cmd::run(args),
             BenchCmd::Transport(args) => transport_cmd::bench(args),
             BenchCmd::Swarm(args) => bench_swarm::run(args),
         },
