@@ -481,7 +481,7 @@ impl Node {
         coord: NodeId,
     ) {
         if let Phase::Rebuilding { .. } = self.phase {
-            self.on_neighbour_state(from);
+            self.on_neighbour_state(from, version);
             return;
         }
         if self.phase == Phase::Active {

@@ -38,6 +38,10 @@ pub(super) struct Restore {
     neighbours: BTreeMap<NodeId, Stage>,
     asked: BTreeSet<NodeId>,
     rebuilt_from: Vec<NodeId>,
+    /// The weights versions of the states that came: the rebuilt weights'
+    /// version is mixed from them, so two rebuilds share a version only
+    /// when they averaged the same weights.
+    source_versions: Vec<(u32, u64)>,
 }
 
 /// What this node knows of copies: the ones its runtime keeps (a holder
@@ -84,6 +88,7 @@ impl Node {
             neighbours: BTreeMap::new(),
             asked: BTreeSet::new(),
             rebuilt_from: Vec::new(),
+            source_versions: Vec::new(),
         });
         self.phase = Phase::Restoring { since: self.now };
         if none {
@@ -241,6 +246,7 @@ impl Node {
         r.neighbours.clear();
         r.asked.clear();
         r.rebuilt_from.clear();
+        r.source_versions.clear();
         for s in self.relay_neighbours(stage) {
             self.ask_neighbour(s);
         }
@@ -278,13 +284,15 @@ impl Node {
             && (self.restoring.pending.as_ref()).is_some_and(|r| r.neighbours.contains_key(&from))
     }
 
-    /// A neighbour's state came (its runtime verified and kept it).
-    pub(super) fn on_neighbour_state(&mut self, from: NodeId) {
+    /// A neighbour's state of weights `version` came (its runtime
+    /// verified and kept it).
+    pub(super) fn on_neighbour_state(&mut self, from: NodeId, version: (u32, u64)) {
         let Some(r) = self.restoring.pending.as_mut() else {
             return;
         };
         if r.neighbours.remove(&from).is_some() {
             r.rebuilt_from.push(from);
+            r.source_versions.push(version);
             if r.neighbours.is_empty() {
                 self.finish_rebuild();
             }
@@ -304,8 +312,15 @@ impl Node {
         }
         r.rebuilt_from.sort_unstable();
         let from = r.rebuilt_from;
-        // A version of its own: these weights descend from no update.
-        self.serve_afresh(r.stage, r.next, u64::MAX - 2, |stage, applied| {
+        // A version of its own: these weights descend from no update. It
+        // is mixed from the sources' versions: two joiners that rebuilt
+        // one stage from the same weights hold the same weights (their
+        // groups merge as one), from other weights another version (the
+        // group behind gives way and downloads the other's state).
+        r.source_versions.sort_unstable();
+        let salt =
+            (r.source_versions.iter()).fold(u64::MAX - 2, |h, &(i, v)| mix(h, mix(i as u64, v)));
+        self.serve_afresh(r.stage, r.next, salt, |stage, applied| {
             Event::StageRebuilt {
                 stage,
                 from,
@@ -568,6 +583,32 @@ mod tests {
         assert_eq!(n.version().0, 6);
         assert!(![(6, 5), (6, 7)].contains(&n.version()));
         assert_eq!(n.coordinator(), Some(50));
+    }
+
+    /// Two joiners that rebuilt the stage from the same neighbours'
+    /// weights hold the same weights and share their version (their groups
+    /// may merge as one); from other weights (a neighbour that applied an
+    /// update between the two rebuilds), the versions differ, and the
+    /// group behind gives way instead of following the other's list.
+    #[test]
+    fn a_rebuild_s_version_is_mixed_from_its_sources_versions() {
+        let rebuilt = |first: ((u32, u64), NodeId), second: ((u32, u64), NodeId)| {
+            let (mut n, _) = joiner_asking_holders_with(true, &[(32, 3)]);
+            offer(&mut n, 1, None);
+            offer(&mut n, 2, None);
+            let now = n.now;
+            n.handle(now, Input::PeerLost { peer: 31 });
+            deliver(&mut n, first.1, copy(first.0, first.1));
+            let acts = deliver(&mut n, second.1, copy(second.0, second.1));
+            assert!(rebuilt_event(&acts).is_some());
+            n.version()
+        };
+        let a = rebuilt(((6, 5), 11), ((6, 7), 32));
+        // The same weights, arrived in the other order.
+        assert_eq!(a, rebuilt(((6, 7), 32), ((6, 5), 11)));
+        assert_ne!(a, rebuilt(((6, 5), 11), ((6, 8), 32)));
+        assert_ne!(a, rebuilt(((6, 5), 11), ((5, 7), 32)));
+        assert_eq!(a.0, 6);
     }
 
     /// A neighbour that dies is not waited for: the stage is rebuilt from
