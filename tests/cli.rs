@@ -829,6 +829,11 @@ fn bench_sim_runs_large_stages_by_the_hierarchy_or_the_ring() {
             .find(|l| l.trim_start().starts_with("700 "))
             .unwrap_or_else(|| panic!("no row in {out}"));
         assert!(!line.contains("did not complete"), "{line}");
+        // Where the events go: the kinds of message sent most.
+        assert!(
+            (out.lines()).any(|l| l.trim_start().starts_with("messages ") && l.contains("Change")),
+            "no message counts in {out}"
+        );
         let cols: Vec<&str> = line.split_whitespace().collect();
         (cols[2].parse().unwrap(), cols[5].parse().unwrap())
     };

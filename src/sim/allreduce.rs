@@ -264,13 +264,17 @@ pub fn butterfly_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
     distinct.sort_unstable();
     distinct.dedup();
     let send = |a: usize, b: usize| butterfly_send_secs(links, a, b, part, n);
-    let count = |r: usize| regions.iter().filter(|&&x| x == r).count();
+    // Whether a region holds more than one member (counted once each: this
+    // runs for every group and column of a large stage's hierarchy).
+    let shared: Vec<bool> = (distinct.iter())
+        .map(|&r| regions.iter().filter(|&&x| x == r).nth(1).is_some())
+        .collect();
     // rs[b]: the slowest transfer into an owner of region b from any other
     // member (another member of its own region included when there is one).
-    let rs: Vec<f64> = (distinct.iter())
-        .map(|&b| {
+    let rs: Vec<f64> = (distinct.iter().zip(&shared))
+        .map(|(&b, &shared_b)| {
             (distinct.iter())
-                .filter(|&&a| a != b || count(b) > 1)
+                .filter(|&&a| a != b || shared_b)
                 .map(|&a| send(a, b))
                 .fold(0.0, f64::max)
         })
@@ -278,7 +282,7 @@ pub fn butterfly_secs(regions: &[usize], params: u64, links: &Links) -> f64 {
     let mut end: f64 = 0.0;
     for (i, &b) in distinct.iter().enumerate() {
         for &a in &distinct {
-            if a != b || count(b) > 1 {
+            if a != b || shared[i] {
                 end = end.max(rs[i] + send(b, a));
             }
         }

@@ -482,14 +482,7 @@ impl Sim {
 
     /// The links of the world, for [`allreduce`] and [`bound`].
     fn with_links<R>(&self, f: impl FnOnce(&allreduce::Links) -> R) -> R {
-        let r = self.cfg.scenario.regions.len();
-        let table = &self.link_table;
-        let link = move |a: usize, b: usize| table[a * r + b];
-        f(&allreduce::Links {
-            link: &link,
-            nic: self.cfg.scenario.nic_bandwidth,
-            ring_beyond_butterfly: self.cfg.ring_beyond_butterfly,
-        })
+        links_of(&self.cfg, &self.link_table, f)
     }
 
     /// Replaces the centralized router (the central-mcmf policy and the reference).
@@ -1115,25 +1108,33 @@ impl Sim {
         let n = plan.members.len();
         let key = (task.stage, plan.iter, plan.epoch);
         let params = self.cfg.model.stage_params(task.stage);
-        let shape = if allreduce::is_butterfly(n) {
-            rings::Shape::Butterfly {
-                part: allreduce::part_bytes(params, n),
+        // Worked out once per commit (its first member to start): every
+        // member of a large stage's commit runs the same hierarchy.
+        let (nodes, cfg, table) = (&self.nodes, &self.cfg, &self.link_table);
+        let members = &plan.members;
+        let shape = || {
+            if allreduce::is_butterfly(n) {
+                rings::Shape::Butterfly {
+                    part: allreduce::part_bytes(params, n),
+                }
+            } else if cfg.ring_beyond_butterfly {
+                rings::Shape::Ring {
+                    step: d / (2 * (n - 1)) as f64,
+                    chunk: allreduce::chunk_bytes(params, n),
+                }
+            } else {
+                let regions: Vec<usize> = (members.iter())
+                    .map(|&m| nodes[m as usize].region)
+                    .collect();
+                let h = links_of(cfg, table, |l| {
+                    allreduce::hierarchy_secs(&regions, params, l)
+                });
+                rings::Shape::Hierarchy { groups: h.groups }
             }
-        } else if self.cfg.ring_beyond_butterfly {
-            rings::Shape::Ring {
-                step: d / (2 * (n - 1)) as f64,
-                chunk: allreduce::chunk_bytes(params, n),
-            }
-        } else {
-            let regions: Vec<usize> = (plan.members.iter())
-                .map(|&m| self.nodes[m as usize].region)
-                .collect();
-            let h = self.with_links(|l| allreduce::hierarchy_secs(&regions, params, l));
-            rings::Shape::Hierarchy { groups: h.groups }
         };
         let end = self
             .rings
-            .start(key, &plan.members, shape, node, task.id, self.now, d);
+            .start(key, members, shape, node, task.id, self.now, d);
         let (task, ring) = (task.id, Some(key));
         match end {
             Some(t) => self.push(t, Ev::AggDone { node, task, ring }),
@@ -1786,6 +1787,18 @@ impl Sim {
         }
         self.rep
     }
+}
+
+/// The links of the world, for [`allreduce`] and [`bound`]: the
+/// per-region-pair `table` of the scenario `cfg` runs.
+fn links_of<R>(cfg: &SimConfig, table: &[(f64, f64)], f: impl FnOnce(&allreduce::Links) -> R) -> R {
+    let r = cfg.scenario.regions.len();
+    let link = move |a: usize, b: usize| table[a * r + b];
+    f(&allreduce::Links {
+        link: &link,
+        nic: cfg.scenario.nic_bandwidth,
+        ring_beyond_butterfly: cfg.ring_beyond_butterfly,
+    })
 }
 
 #[cfg(test)]

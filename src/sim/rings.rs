@@ -95,14 +95,15 @@ const MAX_RINGS: usize = 4096;
 
 impl Rings {
     /// `node` starts its part `task` of all-reduce `key` (`members` in the
-    /// commit's order, of `shape`) at `now`, for `dur` s: when it ends, or
+    /// commit's order, of the `shape` worked out when the all-reduce is
+    /// new) at `now`, for `dur` s: when it ends, or
     /// `None` when the all-reduce aborted already (the task fails at once).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         &mut self,
         key: RingKey,
         members: &[NodeId],
-        shape: Shape,
+        shape: impl FnOnce() -> Shape,
         node: NodeId,
         task: TaskId,
         now: Time,
@@ -113,7 +114,7 @@ impl Rings {
         }
         let ring = self.map.entry(key).or_insert_with(|| Ring {
             members: members.to_vec(),
-            shape,
+            shape: shape(),
             runs: BTreeMap::new(),
             bypassed: None,
             aborted: false,
@@ -425,7 +426,7 @@ mod tests {
     fn started(starts: &[(NodeId, Time)]) -> Rings {
         let mut rings = Rings::default();
         for &(m, at) in starts {
-            let end = rings.start(KEY, &RING, RING_SHAPE, m, m as TaskId, at * SEC, 6.0);
+            let end = rings.start(KEY, &RING, || RING_SHAPE, m, m as TaskId, at * SEC, 6.0);
             assert_eq!(end, Some((at + 6) * SEC));
         }
         rings
@@ -455,7 +456,10 @@ mod tests {
         assert_eq!((rings.bypassed, rings.aborted), (0, 1));
         // A member that starts late fails at once; a second loss changes
         // nothing more.
-        assert_eq!(rings.start(KEY, &[], RING_SHAPE, 12, 9, 3 * SEC, 6.0), None);
+        assert_eq!(
+            rings.start(KEY, &[], || RING_SHAPE, 12, 9, 3 * SEC, 6.0),
+            None
+        );
         assert!(rings
             .lose(13, 3 * SEC, &|m| m != 11 && m != 13, &Flat)
             .is_empty());
@@ -529,7 +533,7 @@ mod tests {
         let mut rings = Rings::default();
         for &(m, at) in starts {
             let shape = Shape::Butterfly { part: 4.0 };
-            let end = rings.start(KEY, &RING, shape, m, m as TaskId, at * SEC, 4.0);
+            let end = rings.start(KEY, &RING, || shape, m, m as TaskId, at * SEC, 4.0);
             assert_eq!(end, Some((at + 4) * SEC));
         }
         rings
@@ -557,7 +561,15 @@ mod tests {
             assert_eq!(failures(&ch), want);
             assert_eq!((rings.bypassed, rings.aborted), (0, 1));
             assert_eq!(
-                rings.start(KEY, &RING, Shape::Butterfly { part: 4.0 }, 12, 9, at, 4.0),
+                rings.start(
+                    KEY,
+                    &RING,
+                    || Shape::Butterfly { part: 4.0 },
+                    12,
+                    9,
+                    at,
+                    4.0
+                ),
                 None
             );
         }

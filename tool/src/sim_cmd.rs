@@ -377,6 +377,19 @@ pub fn bench(a: BenchSimArgs) -> super::CliResult {
                 "  (did not complete)"
             }
         );
+        println!("{:>7} {}", "", busiest_messages(&r.messages, 6));
     }
     Ok(())
+}
+
+/// Where the events go: the `top` kinds of message sent most, with their
+/// counts and their share of all messages.
+fn busiest_messages(messages: &std::collections::BTreeMap<String, u64>, top: usize) -> String {
+    let total: u64 = messages.values().sum();
+    let mut by_count: Vec<(&String, &u64)> = messages.iter().collect();
+    by_count.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let shown: Vec<String> = (by_count.iter().take(top))
+        .map(|(k, v)| format!("{k} {v} ({:.0}%)", 100.0 * **v as f64 / total.max(1) as f64))
+        .collect();
+    format!("messages {total}: {}", shown.join(", "))
 }
