@@ -27,6 +27,7 @@ use super::node::{c_str, engine_err, fill, flag, node_key_at, parse_addr};
 use super::status::gwtf_status;
 use crate::engine::{Frame, NodeOptions};
 use crate::protocol::{Event, MbId, NodeId, Stage};
+use crate::swarm::event_log::LogEvent;
 use crate::swarm::runtime::{
     CompleteError, NodeEvent, Output, Peer, Runtime, RuntimeOptions, TensorSizes, Work, WorkId,
     WorkKind, WorkPort,
@@ -1154,277 +1155,198 @@ fn task_of(w: Work, sizes: &TensorSizes) -> (gwtf_peer_task, Held) {
     (t, held)
 }
 
-/// An event for C (None: one the trainer need not see).
-fn event_of(e: NodeEvent, my_stage: u32) -> Option<gwtf_peer_task> {
+/// `e` as the trainer's event task, or `None` for events a trainer is not
+/// told of. The typed fields and the text both come from the one event
+/// schema ([`LogEvent::of`], [`LogEvent::sentence`]), as `gwtf node`'s
+/// lines do.
+fn event_of(e: &NodeEvent, me: NodeId, my_stage: u32) -> Option<gwtf_peer_task> {
+    let log = LogEvent::of(me.into(), e, 0)?;
     let mut t = blank_task();
     t.stage = my_stage;
-    let (kind, msg) = match e {
+    let narrow = |x: u64| u32::try_from(x).unwrap_or(u32::MAX);
+    let iteration = |t: &mut gwtf_peer_task, i: u64| {
+        t.iteration = narrow(i);
+        t.has_iteration = 1;
+    };
+    use gwtf_task_kind as K;
+    let kind = match &log {
         // A kept copy is the holder's own business (it restores a stage);
         // checkpoints are handed out by `gwtf_peer::next`, which keeps
         // their states.
-        NodeEvent::CopyKept { .. }
-        | NodeEvent::Checkpoint { .. }
-        | NodeEvent::CheckpointDropped { .. } => return None,
-        NodeEvent::StageRebuilt {
-            stage,
-            from,
-            applied,
-            averaged,
-            weights,
-        } => {
-            t.stage = stage as u32;
-            if let Some(a) = applied {
-                t.iteration = a;
-                t.has_iteration = 1;
-            }
-            let from: Vec<String> = from.iter().map(|id| format!("{id:x}")).collect();
-            let from = from.join(", ");
-            if averaged == 0 {
-                (
-                    gwtf_task_kind::EventStageRestarted,
-                    format!(
-                        "stage {stage} had no live node and no kept copy, and the states of \
-                         its neighbours ({from}) did not fit it: restarted from the initial \
-                         weights"
-                    ),
-                )
-            } else {
-                t.microbatches = averaged as u64;
-                t.weights = weights;
-                (
-                    gwtf_task_kind::EventStageRebuilt,
-                    format!(
-                        "stage {stage} had no live node and no kept copy: rebuilt from the \
-                         average of {averaged} neighbouring stage member(s)' states ({from})"
-                    ),
-                )
-            }
-        }
-        NodeEvent::Iteration {
-            iteration,
+        LogEvent::CopyKept { .. } | LogEvent::CheckpointSkipped { .. } => return None,
+        LogEvent::Iteration {
+            iteration: i,
             loss,
             microbatches,
-        } => {
-            t.iteration = iteration;
-            t.has_iteration = 1;
-            t.loss = loss;
-            t.microbatches = microbatches as u64;
-            (
-                gwtf_task_kind::EventIteration,
-                format!(
-                    "iteration {iteration} final: loss {loss} over {microbatches} microbatches"
-                ),
-            )
-        }
-        NodeEvent::Applied {
-            stage,
-            iteration,
-            weights,
-            microbatches,
-        } => {
-            t.stage = stage as u32;
-            t.iteration = iteration;
-            t.has_iteration = 1;
-            t.weights = weights;
-            t.microbatches = microbatches;
-            (
-                gwtf_task_kind::EventApplied,
-                format!("stage {stage} applied iteration {iteration}"),
-            )
-        }
-        NodeEvent::PeerLost { peer } => {
-            t.peer = peer as u64;
-            (gwtf_task_kind::EventPeerLost, format!("peer {peer:x} lost"))
-        }
-        NodeEvent::StateDownloaded {
-            from,
-            bytes,
-            ms,
-            bytes_per_s,
-            import_ms,
             ..
         } => {
-            t.peer = from as u64;
-            t.bytes = bytes;
-            t.ms = ms;
-            (
-                gwtf_task_kind::EventStateDownloaded,
-                format!(
-                    "state of {bytes} bytes from {from:x} in {ms:.1} ms from the request \
-                     ({:.1} MB/s), imported in {import_ms:.1} ms",
-                    bytes_per_s / 1e6
-                ),
-            )
+            iteration(&mut t, *i);
+            // The f32 the trainer reported: its shortest digits read back.
+            t.loss = *loss as f32;
+            t.microbatches = *microbatches;
+            K::EventIteration
         }
-        NodeEvent::Error(m) => (gwtf_task_kind::EventError, m),
-        // Reported as it happens: a trainer whose bootstrap addresses are
-        // all wrong learns it instead of waiting in silence.
-        NodeEvent::ConnectFailed {
-            addr,
-            attempts,
-            reason,
-        } => (
-            gwtf_task_kind::EventConnectFailed,
-            format!("cannot reach {addr} after {attempts} attempts: {reason}"),
-        ),
-        NodeEvent::Refused {
-            peer,
-            reason,
-            detail,
+        LogEvent::Applied {
+            stage,
+            iteration: i,
+            weights_sha256,
+            microbatches,
+            ..
         } => {
-            t.peer = peer.unwrap_or(0) as u64;
-            (
-                gwtf_task_kind::EventRefused,
-                format!("refused ({}): {detail}", reason.name()),
-            )
+            t.stage = *stage;
+            iteration(&mut t, *i);
+            t.weights = digest_of(weights_sha256);
+            t.microbatches = *microbatches;
+            K::EventApplied
         }
-        NodeEvent::Protocol(p) => match p {
-            Event::Fenced {
-                reason,
-                incarnation,
-            } => (
-                gwtf_task_kind::EventFenced,
-                format!(
-                    "fenced ({}): this peer's view of its stage group may be stale; it stops \
-                     serving the group and joins again as incarnation {incarnation}",
-                    reason.name()
-                ),
-            ),
-            Event::Active { stage } => {
-                t.stage = stage as u32;
-                (
-                    gwtf_task_kind::EventActive,
-                    format!("serving stage {stage}"),
-                )
+        LogEvent::Committed {
+            stage,
+            iteration: i,
+            microbatches,
+            ..
+        } => {
+            t.stage = *stage;
+            iteration(&mut t, *i);
+            t.microbatches = *microbatches;
+            K::EventCommitted
+        }
+        LogEvent::PeerLost { peer, .. } => {
+            t.peer = *peer;
+            K::EventPeerLost
+        }
+        LogEvent::Active { stage, .. } => {
+            t.stage = *stage;
+            K::EventActive
+        }
+        LogEvent::StateDownload {
+            from, bytes, ms, ..
+        } => {
+            t.peer = *from;
+            t.bytes = *bytes;
+            t.ms = *ms;
+            K::EventStateDownloaded
+        }
+        LogEvent::Stalled {
+            stage,
+            iteration: i,
+            ..
+        } => {
+            t.stage = *stage;
+            iteration(&mut t, *i);
+            K::EventStageStalled
+        }
+        LogEvent::Recovered {
+            kind,
+            stage,
+            iteration: i,
+            holder,
+            index,
+            ..
+        } => {
+            t.mb = gwtf_microbatch {
+                holder: narrow(*holder),
+                iteration: narrow(*i),
+                index: narrow(*index),
+            };
+            if kind != "restarted" {
+                t.stage = *stage;
             }
-            Event::StageCommitted {
-                stage, iter, mbs, ..
-            } => {
-                t.stage = stage as u32;
-                t.iteration = iter;
-                t.has_iteration = 1;
-                t.microbatches = mbs.len() as u64;
-                (
-                    gwtf_task_kind::EventCommitted,
-                    format!(
-                        "stage {stage} committed iteration {iter} ({} microbatches)",
-                        mbs.len()
-                    ),
-                )
+            K::EventRecovered
+        }
+        LogEvent::AggregateFailed {
+            stage,
+            iteration: i,
+            member,
+            ..
+        } => {
+            t.stage = *stage;
+            iteration(&mut t, *i);
+            t.peer = *member;
+            K::EventRecovered
+        }
+        LogEvent::ReplicasDiverged {
+            stage,
+            iteration: i,
+            ..
+        } => {
+            t.stage = *stage;
+            iteration(&mut t, *i);
+            K::EventError
+        }
+        LogEvent::Error { .. } => K::EventError,
+        LogEvent::Left { .. } => K::EventLeft,
+        LogEvent::StageEmpty { stage, .. } => {
+            t.stage = *stage;
+            K::EventStageEmpty
+        }
+        LogEvent::StageResumed { stage, .. } => {
+            t.stage = *stage;
+            K::EventStageResumed
+        }
+        LogEvent::Refused { peer, .. } => {
+            t.peer = peer.unwrap_or(0);
+            K::EventRefused
+        }
+        LogEvent::Fenced { .. } => K::EventFenced,
+        LogEvent::ConnectFailed { .. } => K::EventConnectFailed,
+        LogEvent::StageRestored {
+            stage,
+            from,
+            iteration: i,
+            ..
+        } => {
+            t.stage = *stage;
+            t.peer = *from;
+            iteration(&mut t, *i);
+            K::EventStageRestored
+        }
+        LogEvent::StageRestarted { stage, applied, .. } => {
+            t.stage = *stage;
+            if let Some(a) = applied {
+                iteration(&mut t, *a);
             }
-            Event::Stalled { iter, stage } => {
-                t.stage = stage as u32;
-                t.iteration = iter;
-                t.has_iteration = 1;
-                (
-                    gwtf_task_kind::EventStageStalled,
-                    format!("iteration {iter} waits for stage {stage}"),
-                )
+            K::EventStageRestarted
+        }
+        LogEvent::StageRebuilt {
+            stage,
+            applied,
+            averaged,
+            weights_sha256,
+            ..
+        } => {
+            t.stage = *stage;
+            if let Some(a) = applied {
+                iteration(&mut t, *a);
             }
-            Event::MemberRemoved { peer } => {
-                t.peer = peer as u64;
-                (
-                    gwtf_task_kind::EventPeerLost,
-                    format!("peer {peer:x} removed from its stage"),
-                )
-            }
-            Event::Restarted { mb } => {
-                t.mb = mb.into();
-                (
-                    gwtf_task_kind::EventRecovered,
-                    format!(
-                        "microbatch {}/{}/{} restarted from its holder",
-                        mb.holder, mb.iter, mb.idx
-                    ),
-                )
-            }
-            Event::Rerouted { mb, stage } => {
-                t.mb = mb.into();
-                t.stage = stage as u32;
-                (
-                    gwtf_task_kind::EventRecovered,
-                    format!(
-                        "microbatch {}/{}/{} rerouted at stage {stage}",
-                        mb.holder, mb.iter, mb.idx
-                    ),
-                )
-            }
-            Event::ReplicasDiverged { stage, iter, .. } => {
-                t.stage = stage as u32;
-                t.iteration = iter;
-                t.has_iteration = 1;
-                (
-                    gwtf_task_kind::EventError,
-                    format!("the replicas of stage {stage} disagree after iteration {iter}"),
-                )
-            }
-            Event::AggregateFailed {
-                stage,
-                iter,
-                member,
-            } => {
-                t.stage = stage as u32;
-                t.iteration = iter;
-                t.has_iteration = 1;
-                t.peer = member as u64;
-                (
-                    gwtf_task_kind::EventRecovered,
-                    format!(
-                        "the all-reduce of iteration {iter} at stage {stage} failed at node \
-                         {member:x}: committed again"
-                    ),
-                )
-            }
-            Event::Left => (gwtf_task_kind::EventLeft, "left the swarm".into()),
-            Event::StageEmpty { stage } => {
-                t.stage = stage as u32;
-                (
-                    gwtf_task_kind::EventStageEmpty,
-                    format!("stage {stage} has no live node: training pauses until one joins it"),
-                )
-            }
-            Event::StageRestored {
-                stage,
-                from,
-                iteration,
-                applied,
-            } => {
-                t.stage = stage as u32;
-                t.peer = from as u64;
-                t.iteration = iteration;
-                t.has_iteration = 1;
-                (
-                    gwtf_task_kind::EventStageRestored,
-                    crate::swarm::copies::restored_line(stage, from, iteration, applied),
-                )
-            }
-            Event::StageRestarted { stage, applied } => {
-                t.stage = stage as u32;
-                if let Some(a) = applied {
-                    t.iteration = a;
-                    t.has_iteration = 1;
-                }
-                (
-                    gwtf_task_kind::EventStageRestarted,
-                    format!(
-                        "stage {stage} had no live node and no kept copy: restarted from the \
-                         initial weights"
-                    ),
-                )
-            }
-            Event::StageResumed { stage } => {
-                t.stage = stage as u32;
-                (
-                    gwtf_task_kind::EventStageResumed,
-                    format!("stage {stage} has a node again"),
-                )
-            }
-            _ => return None,
-        },
+            t.microbatches = *averaged;
+            t.weights = digest_of(weights_sha256);
+            K::EventStageRebuilt
+        }
+        _ => return None,
     };
     t.kind = kind as i32;
-    fill(&mut t.message, &msg);
+    fill(&mut t.message, &log.sentence());
     Some(t)
+}
+
+/// A SHA-256 as the event lines spell it (64 hex digits) back in bytes;
+/// zeros for anything else.
+fn digest_of(hex: &str) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    let b = hex.as_bytes();
+    if b.len() != 64 {
+        return out;
+    }
+    for (i, pair) in b.chunks(2).enumerate() {
+        match std::str::from_utf8(pair)
+            .ok()
+            .and_then(|p| u8::from_str_radix(p, 16).ok())
+        {
+            Some(x) => out[i] = x,
+            None => return [0; 32],
+        }
+    }
+    out
 }
 
 impl gwtf_peer {
@@ -1461,7 +1383,7 @@ impl gwtf_peer {
                         self.counters.events.fetch_add(1, Ordering::Relaxed);
                         return Ok(t);
                     }
-                    if let Some(t) = event_of(e, self.stage()) {
+                    if let Some(t) = event_of(&e, self.id, self.stage()) {
                         self.counters.events.fetch_add(1, Ordering::Relaxed);
                         return Ok(t);
                     }
@@ -2016,7 +1938,7 @@ mod tests {
             reason: FenceReason::Paused { gap: 2_000_000 },
             incarnation: 1,
         });
-        let t = event_of(fenced, 2).expect("told");
+        let t = event_of(&fenced, 7, 2).expect("told");
         assert_eq!(t.kind, gwtf_task_kind::EventFenced as i32);
         assert_eq!(t.stage, 2);
         let m = message(&t);
@@ -2027,9 +1949,70 @@ mod tests {
             attempts: 5,
             reason: "Connection refused".into(),
         };
-        let t = event_of(failed, 0).expect("told");
+        let t = event_of(&failed, 7, 0).expect("told");
         assert_eq!(t.kind, gwtf_task_kind::EventConnectFailed as i32);
         let m = message(&t);
         assert!(m.contains("127.0.0.1:9") && m.contains("refused"), "{m}");
+    }
+
+    /// A task's typed fields and its text are the schema's: the text is the
+    /// line's sentence, the digest the bytes the trainer reported, and a
+    /// divergence of replicas reaches the trainer as an error.
+    #[test]
+    fn event_tasks_are_made_from_the_event_schema() {
+        let applied = NodeEvent::Applied {
+            stage: 3,
+            iteration: 41,
+            weights: std::array::from_fn(|i| i as u8 * 7),
+            microbatches: 6,
+        };
+        let t = event_of(&applied, 7, 0).expect("told");
+        assert_eq!(t.kind, gwtf_task_kind::EventApplied as i32);
+        assert_eq!((t.stage, t.iteration, t.has_iteration), (3, 41, 1));
+        assert_eq!(t.microbatches, 6);
+        assert_eq!(t.weights, std::array::from_fn(|i| i as u8 * 7));
+        let line = LogEvent::of(7, &applied, 0).unwrap();
+        assert_eq!(message(&t), line.sentence());
+
+        let loss = 2.364_528_4_f32;
+        let it = NodeEvent::Iteration {
+            iteration: 2,
+            loss,
+            microbatches: 4,
+        };
+        let t = event_of(&it, 7, 1).expect("told");
+        assert_eq!(t.loss.to_bits(), loss.to_bits());
+
+        let diverged = NodeEvent::Protocol(Event::ReplicasDiverged {
+            stage: 2,
+            iter: 9,
+            digests: vec![(1, 1), (2, 2)],
+        });
+        let t = event_of(&diverged, 7, 1).expect("told");
+        assert_eq!(t.kind, gwtf_task_kind::EventError as i32);
+        assert_eq!((t.stage, t.iteration), (2, 9));
+        assert!(message(&t).contains("disagree"), "{}", message(&t));
+
+        let kept = NodeEvent::CopyKept {
+            stage: 1,
+            iteration: 3,
+            version: 5,
+            from: 2,
+            bytes: 10,
+            ms: 1.0,
+        };
+        assert!(event_of(&kept, 7, 0).is_none());
+    }
+
+    #[test]
+    fn digests_read_back_from_hex_or_are_zero() {
+        let d: [u8; 32] = std::array::from_fn(|i| 255 - i as u8);
+        let hex: String = d.iter().map(|x| format!("{x:02x}")).collect();
+        assert_eq!(digest_of(&hex), d);
+        assert_eq!(digest_of(&hex.to_uppercase()), d);
+        assert_eq!(digest_of(""), [0; 32]);
+        assert_eq!(digest_of(&hex[2..]), [0; 32]);
+        assert_eq!(digest_of(&format!("zz{}", &hex[2..])), [0; 32]);
+        assert_eq!(digest_of(&"é".repeat(32)), [0; 32]);
     }
 }

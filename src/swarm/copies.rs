@@ -138,10 +138,7 @@ impl Verifier {
 /// How a node says it restored emptied `stage` from holder `from`'s copy
 /// of `iteration`, standing for the weights after the update of `applied`.
 pub(crate) fn restored_line(stage: Stage, from: NodeId, iteration: u32, applied: u32) -> String {
-    format!(
-        "stage {stage} had no live node: restored from the copy of iteration {iteration} \
-         that holder {from:x} kept, standing for iteration {applied}"
-    )
+    super::event_log::restored_sentence(stage.into(), from.into(), iteration.into(), applied.into())
 }
 
 /// Keeps `copy` of `stage` in `kept` unless the one kept is newer:

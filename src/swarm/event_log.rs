@@ -217,6 +217,17 @@ pub enum LogEvent {
         #[serde(default)]
         why: String,
     },
+    /// The replicas of `stage` hold different weights after the update of
+    /// `iteration` (`digests`: [member, the protocol's digest of its
+    /// weights]): the worst failure a run can have.
+    ReplicasDiverged {
+        node: NodeId,
+        stage: u32,
+        iteration: u64,
+        digests: Vec<[u64; 2]>,
+        #[serde(default)]
+        why: String,
+    },
     /// The stage's microbatches flow again.
     StageResumed {
         node: NodeId,
@@ -265,6 +276,9 @@ pub enum LogEvent {
         addr: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         given: Option<String>,
+        /// Connection attempts made (`None`: not counted).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attempts: Option<u64>,
         reason: String,
     },
     /// A peer was refused (`reason`: the kind, `message`: the detail;
@@ -329,6 +343,7 @@ impl LogEvent {
             LogEvent::MbDone { .. } => "mb_done",
             LogEvent::AggregateFailed { .. } => "aggregate_failed",
             LogEvent::LeftOut { .. } => "left_out",
+            LogEvent::ReplicasDiverged { .. } => "replicas_diverged",
             LogEvent::StageResumed { .. } => "stage_resumed",
             LogEvent::Fenced { .. } => "fenced",
             LogEvent::Checkpoint { .. } => "checkpoint",
@@ -363,6 +378,230 @@ impl LogEvent {
         }
         v.to_string()
     }
+}
+
+impl LogEvent {
+    /// The event as one sentence for a person (node ids in hex, as the
+    /// tools print them): the text of the C API's event tasks, and of
+    /// `gwtf node` without `--json`.
+    pub fn sentence(&self) -> String {
+        use LogEvent as E;
+        match self {
+            E::Listening { addr, device, .. } => format!(
+                "listening on {}, computing on {device}",
+                addr.as_deref().unwrap_or("an address it could not learn")
+            ),
+            E::Active { stage, .. } => format!("serving stage {stage}"),
+            E::Applied {
+                stage, iteration, ..
+            } => format!("stage {stage} applied iteration {iteration}"),
+            E::Iteration {
+                iteration,
+                loss,
+                microbatches,
+                ..
+            } => {
+                format!("iteration {iteration} final: loss {loss} over {microbatches} microbatches")
+            }
+            E::PeerLost { peer, .. } => format!("peer {peer:x} lost"),
+            E::Recovered {
+                kind,
+                stage,
+                iteration,
+                holder,
+                index,
+                ..
+            } => {
+                let mb = format!("microbatch {holder:x}/{iteration}/{index}");
+                if kind == "restarted" {
+                    format!("{mb} restarted from its holder")
+                } else {
+                    format!("{mb} {kind} at stage {stage}")
+                }
+            }
+            E::StageEmpty { stage, .. } => {
+                format!("stage {stage} has no live node: training pauses until one joins it")
+            }
+            E::StageRestored {
+                stage,
+                from,
+                iteration,
+                applied,
+                ..
+            } => restored_sentence(*stage, *from, *iteration, *applied),
+            E::StageRebuilt {
+                stage,
+                from,
+                averaged,
+                ..
+            } => format!(
+                "stage {stage} had no live node and no kept copy: rebuilt from the average of \
+                 {averaged} neighbouring stage member(s)' states ({})",
+                hex_ids(from)
+            ),
+            E::StageRestarted {
+                stage, neighbours, ..
+            } => match neighbours {
+                Some(n) => format!(
+                    "stage {stage} had no live node and no kept copy, and the states of its \
+                     neighbours ({}) did not fit it: restarted from the initial weights",
+                    hex_ids(n)
+                ),
+                None => format!(
+                    "stage {stage} had no live node and no kept copy: restarted from the \
+                     initial weights"
+                ),
+            },
+            E::StateKept { stage, applied, .. } => format!(
+                "serving stage {stage} again with the weights it kept at its fence (the update \
+                 of iteration {applied}): the members behind download them"
+            ),
+            E::CopyKept {
+                stage,
+                iteration,
+                from,
+                bytes,
+                ms,
+                ..
+            } => format!(
+                "kept a copy of stage {stage}'s state of iteration {iteration} from {from:x} \
+                 ({bytes} bytes in {ms:.1} ms)"
+            ),
+            E::StateDownload {
+                from,
+                bytes,
+                ms,
+                bytes_per_s,
+                import_ms,
+                ..
+            } => format!(
+                "state of {bytes} bytes from {from:x} in {ms:.1} ms from the request \
+                 ({:.1} MB/s), imported in {import_ms:.1} ms",
+                bytes_per_s / 1e6
+            ),
+            E::Stats {
+                compute_ms,
+                useful_ms,
+                ..
+            } => format!(
+                "compute {:.1} s so far, {:.1} s of it in applied updates",
+                compute_ms / 1e3,
+                useful_ms / 1e3
+            ),
+            E::Committed {
+                stage,
+                iteration,
+                microbatches,
+                dropped,
+                ..
+            } => {
+                let dropped = match dropped {
+                    0 => String::new(),
+                    d => format!(", {d} dropped"),
+                };
+                format!(
+                    "stage {stage} committed iteration {iteration} ({microbatches} \
+                     microbatches{dropped})"
+                )
+            }
+            E::Stalled {
+                stage, iteration, ..
+            } => format!("iteration {iteration} waits for stage {stage}"),
+            E::MbDone {
+                holder,
+                index,
+                iteration,
+                path,
+                ..
+            } => format!(
+                "microbatch {holder:x}/{iteration}/{index} done through {}",
+                hex_ids(path)
+            ),
+            E::AggregateFailed {
+                stage,
+                iteration,
+                member,
+                ..
+            } => format!(
+                "the all-reduce of iteration {iteration} at stage {stage} failed at node \
+                 {member:x}: committed again"
+            ),
+            E::LeftOut {
+                stage,
+                iteration,
+                slow,
+                ..
+            } => format!(
+                "stage {stage} left {} out of the all-reduce of iteration {iteration}: their \
+                 links are far slower than the others', and they download the state again",
+                hex_ids(slow)
+            ),
+            E::ReplicasDiverged {
+                stage, iteration, ..
+            } => format!("the replicas of stage {stage} disagree after iteration {iteration}"),
+            E::StageResumed { stage, .. } => format!("stage {stage} has a node again"),
+            E::Fenced {
+                reason,
+                incarnation,
+                ..
+            } => format!(
+                "fenced ({reason}): this peer's view of its stage group may be stale; it stops \
+                 serving the group and joins again as incarnation {incarnation}"
+            ),
+            E::Checkpoint {
+                iteration,
+                dir,
+                ms,
+                bytes,
+                ..
+            } => format!(
+                "a checkpoint of iteration {iteration} is complete in {dir} ({bytes} bytes, \
+                 {ms:.0} ms)"
+            ),
+            E::CheckpointSkipped { iteration, why, .. } => {
+                format!("the checkpoint of iteration {iteration} is not written: {why}")
+            }
+            E::CheckpointFailed { iteration, why, .. } => match iteration {
+                Some(i) => format!("writing the checkpoint of iteration {i} failed: {why}"),
+                None => format!("writing a checkpoint failed: {why}"),
+            },
+            E::ConnectFailed {
+                addr,
+                given,
+                attempts,
+                reason,
+                ..
+            } => {
+                let given = given.as_ref().map_or(String::new(), |g| format!(" ({g})"));
+                let attempts = attempts.map_or(String::new(), |n| format!(" after {n} attempts"));
+                format!("cannot reach {addr}{given}{attempts}: {reason}")
+            }
+            E::Refused {
+                reason, message, ..
+            } => format!("refused ({reason}): {message}"),
+            E::Work { kind, phase, .. } => format!("{kind} work: {phase}"),
+            E::LinkCut { .. } => "its links are cut".into(),
+            E::LinkRestored { .. } => "its links are back".into(),
+            E::Done { .. } => "the last iteration is final".into(),
+            E::Left { .. } => "left the swarm".into(),
+            E::Error { message, .. } => message.clone(),
+            E::Unknown => "an event this build does not know".into(),
+        }
+    }
+}
+
+/// The sentence of a restored stage (also logged by the runtime itself).
+pub(crate) fn restored_sentence(stage: u32, from: NodeId, iteration: u64, applied: u64) -> String {
+    format!(
+        "stage {stage} had no live node: restored from the copy of iteration {iteration} that \
+         holder {from:x} kept, standing for iteration {applied}"
+    )
+}
+
+/// Node ids in hex, comma-separated.
+fn hex_ids(ids: &[NodeId]) -> String {
+    let v: Vec<String> = ids.iter().map(|id| format!("{id:x}")).collect();
+    v.join(", ")
 }
 
 /// An f32 as the f64 its shortest decimal digits spell: what a line holds
@@ -552,6 +791,7 @@ mod tests {
                 node: n,
                 addr: "10.0.0.1:7000".into(),
                 given: Some("node-a:7000".into()),
+                attempts: Some(5),
                 reason: "refused".into(),
             },
             LogEvent::Refused {
@@ -569,6 +809,13 @@ mod tests {
             LogEvent::LinkRestored { node: n },
             LogEvent::Done { node: n },
             LogEvent::Left { node: n },
+            LogEvent::ReplicasDiverged {
+                node: n,
+                stage: 2,
+                iteration: 7,
+                digests: vec![[3, 11], [4, 12]],
+                why: "w".into(),
+            },
             LogEvent::Error {
                 node: n,
                 message: "m".into(),
@@ -588,6 +835,8 @@ mod tests {
             assert_eq!(v["node"], 0x2a, "{line}");
             assert_eq!(parse_line(&line).as_ref(), Some(e), "{line}");
             assert!(!e.fields_text().contains("\"event\""));
+            let said = e.sentence();
+            assert!(!said.is_empty() && !said.contains('{'), "{said}");
             kinds.insert(e.kind());
         }
         assert_eq!(kinds.len(), all.len(), "two events share a kind");

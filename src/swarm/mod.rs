@@ -22,6 +22,7 @@ pub mod butterfly;
 pub(crate) mod copies;
 pub mod directory;
 mod driver;
+mod event_from;
 pub mod event_log;
 pub mod hierarchy;
 pub mod intake;

@@ -11,8 +11,8 @@ use gwtf::engine::{LinkEmulation, NodeOptions};
 use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
-use gwtf::protocol::{Event, FenceReason, NodeId, Stage};
-use gwtf::swarm::event_log::{f32_as_written, LogEvent};
+use gwtf::protocol::{Event, NodeId, Stage};
+use gwtf::swarm::event_log::LogEvent;
 #[cfg(feature = "cuda")]
 use gwtf::swarm::model_pieces::OnBackend;
 use gwtf::swarm::model_pieces::Placement;
@@ -698,8 +698,13 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         let Ok(ev) = rt.events().recv_timeout(Duration::from_millis(100)) else {
             continue;
         };
-        if let NodeEvent::ConnectFailed { addr, reason, .. } = &ev {
-            reach.failed(*addr, reason, &mut out);
+        if let NodeEvent::ConnectFailed {
+            addr,
+            attempts,
+            reason,
+        } = &ev
+        {
+            reach.failed(*addr, reason, Some((*attempts).into()), &mut out);
             continue;
         }
         if let NodeEvent::Checkpoint { iteration, states } = ev {
@@ -872,7 +877,7 @@ impl Reach {
 
     /// The engine gave up connecting to `addr`: reported (a log line and a
     /// `connect_failed` event), once per address and reason.
-    fn failed(&mut self, addr: SocketAddr, why: &str, out: &mut Printer) {
+    fn failed(&mut self, addr: SocketAddr, why: &str, attempts: Option<u64>, out: &mut Printer) {
         let t = self.targets.iter_mut().find(|t| t.addr == addr);
         let shown = t.as_ref().map(|t| t.shown.clone());
         if let Some(t) = t {
@@ -895,6 +900,7 @@ impl Reach {
             node: out.id.into(),
             addr: addr.to_string(),
             given: shown.clone(),
+            attempts,
             reason: why.to_string(),
         });
     }
@@ -1018,7 +1024,7 @@ impl Printer {
                 LogEvent::Applied { .. } | LogEvent::Committed { .. } | LogEvent::MbDone { .. } => {
                 }
                 _ => {
-                    let _ = writeln!(o, "node {:x}: {} {}", self.id, e.kind(), e.fields_text());
+                    let _ = writeln!(o, "node {:x}: {}", self.id, e.sentence());
                 }
             }
         }
@@ -1027,281 +1033,25 @@ impl Printer {
 
     /// Prints `ev`; Some(true) once the holder's last iteration is final.
     fn event(&mut self, ev: NodeEvent, iterations: u32) -> Option<bool> {
-        let node = u64::from(self.id);
-        let line = match ev {
-            NodeEvent::Protocol(e) => match e {
-                Event::Active { stage } => {
-                    self.stage = stage;
-                    LogEvent::Active {
-                        node,
-                        stage: stage.into(),
-                    }
-                }
-                Event::Rerouted { mb, stage } => LogEvent::Recovered {
-                    node,
-                    kind: "rerouted".into(),
-                    stage: stage.into(),
-                    iteration: mb.iter.into(),
-                    holder: mb.holder.into(),
-                    index: mb.idx.into(),
+        let line = LogEvent::of(self.id.into(), &ev, self.tokens_per_mb)?;
+        match (&ev, &line) {
+            // Said once, by the loop, when this node is done or stopped.
+            (_, LogEvent::Left { .. }) => return None,
+            (NodeEvent::Protocol(Event::Active { stage }), _) => self.stage = *stage,
+            (
+                NodeEvent::Iteration {
+                    iteration, loss, ..
                 },
-                Event::Restarted { mb } => LogEvent::Recovered {
-                    node,
-                    kind: "restarted".into(),
-                    stage: 1,
-                    iteration: mb.iter.into(),
-                    holder: mb.holder.into(),
-                    index: mb.idx.into(),
-                },
-                Event::StageCommitted {
-                    stage,
-                    iter,
-                    mbs,
-                    dropped,
-                } => LogEvent::Committed {
-                    node,
-                    stage: stage.into(),
-                    iteration: iter.into(),
-                    microbatches: mbs.len() as u64,
-                    dropped: dropped.len() as u64,
-                    mbs: Some(
-                        mbs.iter()
-                            .map(|(m, by)| [m.holder.into(), m.idx.into(), (*by).into()])
-                            .collect(),
-                    ),
-                },
-                Event::MbDone { mb, path } => LogEvent::MbDone {
-                    node,
-                    holder: mb.holder.into(),
-                    index: mb.idx.into(),
-                    iteration: mb.iter.into(),
-                    path: path.iter().map(|&p| p.into()).collect(),
-                },
-                Event::Stalled { iter, stage } => LogEvent::Stalled {
-                    node,
-                    stage: stage.into(),
-                    iteration: iter.into(),
-                },
-                Event::MemberRemoved { peer } => LogEvent::PeerLost {
-                    node,
-                    peer: peer.into(),
-                },
-                Event::StageEmpty { stage } => LogEvent::StageEmpty {
-                    node,
-                    stage: stage.into(),
-                    why: "no live node of this stage is known: its microbatches wait until \
-                          a node joins it"
-                        .into(),
-                },
-                Event::AggregateFailed {
-                    stage,
-                    iter,
-                    member,
-                } => LogEvent::AggregateFailed {
-                    node,
-                    stage: stage.into(),
-                    iteration: iter.into(),
-                    member: member.into(),
-                    why: "a member's all-reduce ended without the mean: the stage commits again"
-                        .into(),
-                },
-                Event::LeftOut { stage, iter, slow } => LogEvent::LeftOut {
-                    node,
-                    stage: stage.into(),
-                    iteration: iter.into(),
-                    slow: ids(&slow),
-                    why: "members with no grant behind links far slower than the others' are \
-                          left out of the stage's all-reduce: they download the state again"
-                        .into(),
-                },
-                Event::StageResumed { stage } => LogEvent::StageResumed {
-                    node,
-                    stage: stage.into(),
-                },
-                Event::Fenced {
-                    reason,
-                    incarnation,
-                } => LogEvent::Fenced {
-                    node,
-                    reason: reason.name().into(),
-                    incarnation,
-                    gap_ms: match reason {
-                        FenceReason::Paused { gap } => Some(gap / 1000),
-                        _ => None,
-                    },
-                    why: "this node's view of its stage group may be stale: it stops serving \
-                          the group and joins again with a fresh state download"
-                        .into(),
-                },
-                Event::StageRestarted { stage, applied } => LogEvent::StageRestarted {
-                    node,
-                    stage: stage.into(),
-                    applied: applied.map(u64::from),
-                    source: "initial".into(),
-                    neighbours: None,
-                    why: "no live node held this stage and no data holder kept a copy of it: \
-                          it starts again from the initial weights"
-                        .into(),
-                },
-                Event::StageRestored {
-                    stage,
-                    from,
-                    iteration,
-                    applied,
-                } => LogEvent::StageRestored {
-                    node,
-                    stage: stage.into(),
-                    from: from.into(),
-                    iteration: iteration.into(),
-                    applied: applied.into(),
-                    source: "kept".into(),
-                    why: "no live node held this stage: it goes on from the freshest copy of \
-                          its state a data holder kept"
-                        .into(),
-                },
-                Event::StateKept { stage, applied } => LogEvent::StateKept {
-                    node,
-                    stage: stage.into(),
-                    applied: applied.into(),
-                    why: "the members left miss the update this node kept at its fence: it \
-                          serves its weights again"
-                        .into(),
-                },
-                _ => return None,
-            },
-            NodeEvent::Applied {
-                stage,
-                iteration,
-                weights,
-                microbatches,
-            } => LogEvent::Applied {
-                node,
-                stage: stage.into(),
-                iteration: iteration.into(),
-                weights_sha256: hex(&weights),
-                microbatches,
-            },
-            NodeEvent::Iteration {
-                iteration,
-                loss,
-                microbatches,
-            } => {
-                self.iteration = Some(iteration);
-                self.loss = Some(loss);
-                self.emit(LogEvent::Iteration {
-                    node,
-                    iteration: iteration.into(),
-                    loss: f32_as_written(loss),
-                    microbatches: microbatches.into(),
-                    tokens: microbatches as u64 * self.tokens_per_mb,
-                });
+                _,
+            ) => {
+                self.iteration = Some(*iteration);
+                self.loss = Some(*loss);
+                self.emit(line);
                 return Some(iteration + 1 >= iterations);
             }
-            // Handed to the saver before (`Saver::start`).
-            NodeEvent::Checkpoint { .. } => return None,
-            NodeEvent::CheckpointDropped { iteration, why } => LogEvent::CheckpointSkipped {
-                node,
-                iteration: iteration.into(),
-                why,
-            },
-            NodeEvent::StageRebuilt {
-                stage,
-                from,
-                applied,
-                averaged,
-                weights,
-            } if averaged > 0 => LogEvent::StageRebuilt {
-                node,
-                stage: stage.into(),
-                from: ids(&from),
-                applied: applied.map(u64::from),
-                averaged: averaged.into(),
-                weights_sha256: hex(&weights),
-                source: "checkfree".into(),
-                why: "no live node held this stage and no data holder kept a copy of it: it \
-                      goes on from the average of its neighbouring stages' weights"
-                    .into(),
-            },
-            NodeEvent::StageRebuilt {
-                stage,
-                from,
-                applied,
-                ..
-            } => LogEvent::StageRestarted {
-                node,
-                stage: stage.into(),
-                applied: applied.map(u64::from),
-                source: "initial".into(),
-                neighbours: Some(ids(&from)),
-                why: "no live node held this stage, no data holder kept a copy of it, and its \
-                      neighbouring stages' weights do not fit its shapes: it starts again from \
-                      the initial weights"
-                    .into(),
-            },
-            NodeEvent::CopyKept {
-                stage,
-                iteration,
-                from,
-                bytes,
-                ms,
-                ..
-            } => LogEvent::CopyKept {
-                node,
-                stage: stage.into(),
-                iteration: iteration.into(),
-                from: from.into(),
-                bytes,
-                ms,
-            },
-            NodeEvent::StateDownloaded {
-                from,
-                bytes,
-                ms,
-                bytes_per_s,
-                import_ms,
-                weights,
-            } => LogEvent::StateDownload {
-                node,
-                from: from.into(),
-                bytes,
-                ms,
-                bytes_per_s,
-                import_ms,
-                weights_sha256: hex(&weights),
-            },
-            NodeEvent::PeerLost { peer } => LogEvent::PeerLost {
-                node,
-                peer: peer.into(),
-            },
-            // Reported by `Reach::failed`, which knows the addresses given.
-            NodeEvent::ConnectFailed { addr, reason, .. } => LogEvent::ConnectFailed {
-                node,
-                addr: addr.to_string(),
-                given: None,
-                reason,
-            },
-            NodeEvent::Refused {
-                peer,
-                reason,
-                detail,
-            } => LogEvent::Refused {
-                node,
-                peer: peer.map(u64::from),
-                reason: reason.name().into(),
-                message: detail,
-            },
-            NodeEvent::Error(message) => LogEvent::Error { node, message },
-        };
+            _ => {}
+        }
         self.emit(line);
         None
     }
-}
-
-/// Node ids as the event lines carry them.
-fn ids(v: &[NodeId]) -> Vec<u64> {
-    v.iter().map(|&id| id.into()).collect()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
