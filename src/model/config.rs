@@ -280,6 +280,66 @@ pub struct StageSpec {
     pub head: bool,
 }
 
+/// The checks of what a stage is given, said once for the CPU [`super::Stage`] and the
+/// device stage ([`super::gpu::DeviceStage`]).
+impl StageSpec {
+    /// A microbatch of `batch` sequences of `seq` tokens fits `cfg`: its `batch * seq`
+    /// positions.
+    pub fn check_microbatch(
+        &self,
+        cfg: &ModelConfig,
+        batch: usize,
+        seq: usize,
+    ) -> Result<usize, ModelError> {
+        match batch.checked_mul(seq) {
+            Some(n) if batch > 0 && seq > 0 && seq <= cfg.max_seq => Ok(n),
+            _ => Err(ModelError::InvalidConfig(format!(
+                "microbatch of {batch} x {seq} (max_seq {})",
+                cfg.max_seq
+            ))),
+        }
+    }
+
+    /// The activations a stage after the first takes: `[positions, d_model]` values.
+    pub fn check_activations(
+        &self,
+        cfg: &ModelConfig,
+        positions: usize,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        exactly("input activations", positions * cfg.d_model, len)
+    }
+
+    /// The gradient `backward` takes: none for the last stage (its loss is the start),
+    /// `[positions, d_model]` values for the others (`len`: what was given).
+    pub fn check_grad_output(
+        &self,
+        cfg: &ModelConfig,
+        positions: usize,
+        len: Option<usize>,
+    ) -> Result<(), ModelError> {
+        match (self.head, len) {
+            (true, Some(_)) => Err(ModelError::WrongInput(
+                "the last stage takes no output gradient",
+            )),
+            (false, None) => Err(ModelError::MissingGradient),
+            (false, Some(len)) => exactly("output gradient", positions * cfg.d_model, len),
+            (true, None) => Ok(()),
+        }
+    }
+}
+
+fn exactly(what: &'static str, expected: usize, got: usize) -> Result<(), ModelError> {
+    if got != expected {
+        return Err(ModelError::ShapeMismatch {
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
 /// The cut of a model into `S` contiguous stages. With `S >= 3`: stage 0 is the embedding,
 /// stage `S-1` the final norm + head + loss, and the blocks are spread evenly (earlier stages
 /// take the remainder) over stages `1..S-1`. With `S = 2` stage 0 holds the embedding and all
@@ -442,4 +502,51 @@ pub fn stage_costs(
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a stage is given is checked the same way for the CPU and the device
+    /// stage: these are the checks both call.
+    #[test]
+    fn a_stage_checks_microbatches_activations_and_gradients() {
+        let cfg = preset("gpt-tiny").unwrap();
+        let plan = StagePlan::new(&cfg, 3).unwrap();
+        let (first, mid, last) = (&plan.stages[0], &plan.stages[1], &plan.stages[2]);
+        let c = cfg.d_model;
+        assert_eq!(
+            mid.check_microbatch(&cfg, 2, cfg.max_seq).unwrap(),
+            2 * cfg.max_seq
+        );
+        for (b, t) in [(0, 4), (2, 0), (2, cfg.max_seq + 1), (usize::MAX, 2)] {
+            let e = first.check_microbatch(&cfg, b, t).unwrap_err();
+            assert!(matches!(e, ModelError::InvalidConfig(_)), "{b} x {t}: {e}");
+        }
+        mid.check_activations(&cfg, 6, 6 * c).unwrap();
+        let e = mid.check_activations(&cfg, 6, 6 * c - 1).unwrap_err();
+        assert!(
+            matches!(e, ModelError::ShapeMismatch { what: "input activations", expected, got }
+                if expected == 6 * c && got == 6 * c - 1),
+            "{e}"
+        );
+        mid.check_grad_output(&cfg, 6, Some(6 * c)).unwrap();
+        last.check_grad_output(&cfg, 6, None).unwrap();
+        let e = mid.check_grad_output(&cfg, 6, Some(5 * c)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::ShapeMismatch {
+                    what: "output gradient",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = mid.check_grad_output(&cfg, 6, None).unwrap_err();
+        assert!(matches!(e, ModelError::MissingGradient), "{e}");
+        let e = last.check_grad_output(&cfg, 6, Some(6 * c)).unwrap_err();
+        assert!(matches!(e, ModelError::WrongInput(_)), "{e}");
+    }
 }

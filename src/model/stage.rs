@@ -429,14 +429,8 @@ impl Stage {
         if self.saved.contains_key(&mb) {
             return Err(ModelError::DuplicateMicrobatch(mb));
         }
-        if batch == 0 || seq == 0 || seq > self.cfg.max_seq {
-            return Err(ModelError::InvalidConfig(format!(
-                "microbatch of {batch} x {seq} (max_seq {})",
-                self.cfg.max_seq
-            )));
-        }
+        let n = self.spec.check_microbatch(&self.cfg, batch, seq)?;
         let c = self.cfg.d_model;
-        let n = batch * seq;
         let v = self.cfg.vocab_size;
         let mut saved = Saved {
             batch,
@@ -457,13 +451,7 @@ impl Stage {
                 out
             }
             (false, StageInput::Hidden(h)) => {
-                if h.len() != n * c {
-                    return Err(ModelError::ShapeMismatch {
-                        what: "input activations",
-                        expected: n * c,
-                        got: h.len(),
-                    });
-                }
+                self.spec.check_activations(&self.cfg, n, h.len())?;
                 h.to_vec()
             }
             (true, _) => return Err(ModelError::WrongInput("stage 0 takes token ids")),
@@ -505,23 +493,8 @@ impl Stage {
             .saved
             .get(&mb)
             .ok_or(ModelError::UnknownMicrobatch(mb))?;
-        let n = sv.batch * sv.seq;
-        match (self.spec.head, grad_output) {
-            (true, Some(_)) => {
-                return Err(ModelError::WrongInput(
-                    "the last stage takes no output gradient",
-                ))
-            }
-            (false, None) => return Err(ModelError::MissingGradient),
-            (false, Some(g)) if g.len() != n * c => {
-                return Err(ModelError::ShapeMismatch {
-                    what: "output gradient",
-                    expected: n * c,
-                    got: g.len(),
-                })
-            }
-            _ => {}
-        }
+        self.spec
+            .check_grad_output(&self.cfg, sv.batch * sv.seq, grad_output.map(<[f32]>::len))?;
         let sv = self
             .saved
             .remove(&mb)

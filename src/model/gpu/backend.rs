@@ -8,7 +8,9 @@
 //! Every op has the semantics of its `ops.rs` namesake (backward ops accumulate), takes
 //! its shapes in the same order, and checks them first ([`ModelError::ShapeMismatch`],
 //! [`ModelError::InvalidConfig`]); an op's outputs must not overlap each other or its
-//! inputs (checked too).
+//! inputs (checked too). The checks are said once, here: each op is a provided method
+//! that runs them and then calls the backend's `raw_` twin (`matmul_backward` calls
+//! `raw_matmul_backward`), so a backend only marshals its arguments or calls `ops.rs`.
 use super::super::kernels::AdamW;
 use super::super::ModelError;
 use std::fmt;
@@ -134,7 +136,14 @@ pub trait Backend {
     /// `x = 0`.
     unsafe fn fill_zero(&self, x: DPtr<f32>) -> Result<(), ModelError>;
     /// `dst = src` (same length).
-    unsafe fn copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError>;
+    unsafe fn copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
+        check::len("copy destination", dst, src.len())?;
+        check::disjoint(&[dst], &[src])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_copy(dst, src) }
+    }
+    /// [`Backend::copy`] once its arguments passed its checks.
+    unsafe fn raw_copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError>;
 
     /// [`crate::model::ops::encoder_forward`] (rows = `tokens.len()`).
     unsafe fn encoder_forward(
@@ -145,9 +154,41 @@ pub trait Backend {
         wpe: Option<DPtr<f32>>,
         seq: usize,
         c: usize,
+    ) -> Result<(), ModelError> {
+        check::encoder(out, tokens, wte, wpe, seq, c)?;
+        check::disjoint(&[out], &[wte])?;
+        check::disjoint(&[out], wpe.as_slice())?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_encoder_forward(out, tokens, wte, wpe, seq, c) }
+    }
+    /// [`Backend::encoder_forward`] once its arguments passed its checks.
+    unsafe fn raw_encoder_forward(
+        &self,
+        out: DPtr<f32>,
+        tokens: DPtr<u32>,
+        wte: DPtr<f32>,
+        wpe: Option<DPtr<f32>>,
+        seq: usize,
+        c: usize,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::encoder_backward`].
     unsafe fn encoder_backward(
+        &self,
+        dwte: DPtr<f32>,
+        dwpe: Option<DPtr<f32>>,
+        dout: DPtr<f32>,
+        tokens: DPtr<u32>,
+        seq: usize,
+        c: usize,
+    ) -> Result<(), ModelError> {
+        check::encoder(dout, tokens, dwte, dwpe, seq, c)?;
+        let outs: Vec<DPtr<f32>> = std::iter::once(dwte).chain(dwpe).collect();
+        check::disjoint(&outs, &[dout])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_encoder_backward(dwte, dwpe, dout, tokens, seq, c) }
+    }
+    /// [`Backend::encoder_backward`] once its arguments passed its checks.
+    unsafe fn raw_encoder_backward(
         &self,
         dwte: DPtr<f32>,
         dwpe: Option<DPtr<f32>>,
@@ -166,9 +207,47 @@ pub trait Backend {
         n: usize,
         ic: usize,
         oc: usize,
+    ) -> Result<(), ModelError> {
+        check::matmul(out, inp, w, bias, n, ic, oc)?;
+        let ins: Vec<DPtr<f32>> = [inp, w].into_iter().chain(bias).collect();
+        check::disjoint(&[out], &ins)?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_matmul_forward(out, inp, w, bias, n, ic, oc) }
+    }
+    /// [`Backend::matmul_forward`] once its arguments passed its checks.
+    unsafe fn raw_matmul_forward(
+        &self,
+        out: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        bias: Option<DPtr<f32>>,
+        n: usize,
+        ic: usize,
+        oc: usize,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::matmul_backward`].
     unsafe fn matmul_backward(
+        &self,
+        dinp: DPtr<f32>,
+        dw: DPtr<f32>,
+        dbias: Option<DPtr<f32>>,
+        dout: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Result<(), ModelError> {
+        check::matmul(dout, inp, w, dbias, n, ic, oc)?;
+        check::len("matmul input gradient", dinp, inp.len())?;
+        check::len("matmul weight gradient", dw, w.len())?;
+        let outs: Vec<DPtr<f32>> = [dinp, dw].into_iter().chain(dbias).collect();
+        check::disjoint(&outs, &[dout, inp, w])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_matmul_backward(dinp, dw, dbias, dout, inp, w, n, ic, oc) }
+    }
+    /// [`Backend::matmul_backward`] once its arguments passed its checks.
+    unsafe fn raw_matmul_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -191,9 +270,45 @@ pub trait Backend {
         b: DPtr<f32>,
         c: usize,
         eps: f64,
+    ) -> Result<(), ModelError> {
+        check::norm(out, &[mean, rstd], inp, &[w, b], c)?;
+        check::disjoint(&[out, mean, rstd], &[inp, w, b])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_layernorm_forward(out, mean, rstd, inp, w, b, c, eps) }
+    }
+    /// [`Backend::layernorm_forward`] once its arguments passed its checks.
+    unsafe fn raw_layernorm_forward(
+        &self,
+        out: DPtr<f32>,
+        mean: DPtr<f32>,
+        rstd: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        b: DPtr<f32>,
+        c: usize,
+        eps: f64,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::layernorm_backward`].
     unsafe fn layernorm_backward(
+        &self,
+        dinp: DPtr<f32>,
+        dw: DPtr<f32>,
+        db: DPtr<f32>,
+        dout: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        mean: DPtr<f32>,
+        rstd: DPtr<f32>,
+        c: usize,
+    ) -> Result<(), ModelError> {
+        check::norm(dinp, &[mean, rstd], inp, &[w, dw, db], c)?;
+        check::len("norm output gradient", dout, inp.len())?;
+        check::disjoint(&[dinp, dw, db], &[dout, inp, w, mean, rstd])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, c) }
+    }
+    /// [`Backend::layernorm_backward`] once its arguments passed its checks.
+    unsafe fn raw_layernorm_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -214,6 +329,21 @@ pub trait Backend {
         w: DPtr<f32>,
         c: usize,
         eps: f64,
+    ) -> Result<(), ModelError> {
+        check::norm(out, &[rstd], inp, &[w], c)?;
+        check::disjoint(&[out, rstd], &[inp, w])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_rmsnorm_forward(out, rstd, inp, w, c, eps) }
+    }
+    /// [`Backend::rmsnorm_forward`] once its arguments passed its checks.
+    unsafe fn raw_rmsnorm_forward(
+        &self,
+        out: DPtr<f32>,
+        rstd: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        c: usize,
+        eps: f64,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::rmsnorm_backward`].
     unsafe fn rmsnorm_backward(
@@ -225,11 +355,48 @@ pub trait Backend {
         w: DPtr<f32>,
         rstd: DPtr<f32>,
         c: usize,
+    ) -> Result<(), ModelError> {
+        check::norm(dinp, &[rstd], inp, &[w, dw], c)?;
+        check::len("norm output gradient", dout, inp.len())?;
+        check::disjoint(&[dinp, dw], &[dout, inp, w, rstd])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, c) }
+    }
+    /// [`Backend::rmsnorm_backward`] once its arguments passed its checks.
+    unsafe fn raw_rmsnorm_backward(
+        &self,
+        dinp: DPtr<f32>,
+        dw: DPtr<f32>,
+        dout: DPtr<f32>,
+        inp: DPtr<f32>,
+        w: DPtr<f32>,
+        rstd: DPtr<f32>,
+        c: usize,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::gelu_forward`].
-    unsafe fn gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError>;
+    unsafe fn gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError> {
+        check::len("gelu output", out, inp.len())?;
+        check::disjoint(&[out], &[inp])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_gelu_forward(out, inp) }
+    }
+    /// [`Backend::gelu_forward`] once its arguments passed its checks.
+    unsafe fn raw_gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError>;
     /// [`crate::model::ops::gelu_backward`].
     unsafe fn gelu_backward(
+        &self,
+        dinp: DPtr<f32>,
+        inp: DPtr<f32>,
+        dout: DPtr<f32>,
+    ) -> Result<(), ModelError> {
+        check::len("gelu input gradient", dinp, inp.len())?;
+        check::len("gelu output gradient", dout, inp.len())?;
+        check::disjoint(&[dinp], &[inp, dout])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_gelu_backward(dinp, inp, dout) }
+    }
+    /// [`Backend::gelu_backward`] once its arguments passed its checks.
+    unsafe fn raw_gelu_backward(
         &self,
         dinp: DPtr<f32>,
         inp: DPtr<f32>,
@@ -237,6 +404,18 @@ pub trait Backend {
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::swiglu_forward`].
     unsafe fn swiglu_forward(
+        &self,
+        out: DPtr<f32>,
+        inp: DPtr<f32>,
+        h: usize,
+    ) -> Result<(), ModelError> {
+        check::swiglu(out, inp, h)?;
+        check::disjoint(&[out], &[inp])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_swiglu_forward(out, inp, h) }
+    }
+    /// [`Backend::swiglu_forward`] once its arguments passed its checks.
+    unsafe fn raw_swiglu_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -249,9 +428,39 @@ pub trait Backend {
         inp: DPtr<f32>,
         dout: DPtr<f32>,
         h: usize,
+    ) -> Result<(), ModelError> {
+        check::swiglu(dout, inp, h)?;
+        check::len("swiglu input gradient", dinp, inp.len())?;
+        check::disjoint(&[dinp], &[inp, dout])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_swiglu_backward(dinp, inp, dout, h) }
+    }
+    /// [`Backend::swiglu_backward`] once its arguments passed its checks.
+    unsafe fn raw_swiglu_backward(
+        &self,
+        dinp: DPtr<f32>,
+        inp: DPtr<f32>,
+        dout: DPtr<f32>,
+        h: usize,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::rope_forward`].
     unsafe fn rope_forward(
+        &self,
+        out: DPtr<f32>,
+        inp: DPtr<f32>,
+        seq: usize,
+        width: usize,
+        rot_heads: usize,
+        hs: usize,
+        base: f64,
+    ) -> Result<(), ModelError> {
+        check::rope(out, inp, seq, width, rot_heads, hs, base)?;
+        check::disjoint(&[out], &[inp])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_rope_forward(out, inp, seq, width, rot_heads, hs, base) }
+    }
+    /// [`Backend::rope_forward`] once its arguments passed its checks.
+    unsafe fn raw_rope_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -271,9 +480,41 @@ pub trait Backend {
         rot_heads: usize,
         hs: usize,
         base: f64,
+    ) -> Result<(), ModelError> {
+        check::rope(dinp, dout, seq, width, rot_heads, hs, base)?;
+        check::disjoint(&[dinp], &[dout])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_rope_backward(dinp, dout, seq, width, rot_heads, hs, base) }
+    }
+    /// [`Backend::rope_backward`] once its arguments passed its checks.
+    unsafe fn raw_rope_backward(
+        &self,
+        dinp: DPtr<f32>,
+        dout: DPtr<f32>,
+        seq: usize,
+        width: usize,
+        rot_heads: usize,
+        hs: usize,
+        base: f64,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::attention_forward`].
     unsafe fn attention_forward(
+        &self,
+        out: DPtr<f32>,
+        att: DPtr<f32>,
+        qkv: DPtr<f32>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> Result<(), ModelError> {
+        check::attention(out, att, qkv, b, t, c, nh)?;
+        check::disjoint(&[out, att], &[qkv])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_attention_forward(out, att, qkv, b, t, c, nh) }
+    }
+    /// [`Backend::attention_forward`] once its arguments passed its checks.
+    unsafe fn raw_attention_forward(
         &self,
         out: DPtr<f32>,
         att: DPtr<f32>,
@@ -294,10 +535,43 @@ pub trait Backend {
         t: usize,
         c: usize,
         nh: usize,
+    ) -> Result<(), ModelError> {
+        check::attention(dout, att, qkv, b, t, c, nh)?;
+        check::len("attention qkv gradient", dqkv, qkv.len())?;
+        check::disjoint(&[dqkv], &[dout, qkv, att])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_attention_backward(dqkv, dout, qkv, att, b, t, c, nh) }
+    }
+    /// [`Backend::attention_backward`] once its arguments passed its checks.
+    unsafe fn raw_attention_backward(
+        &self,
+        dqkv: DPtr<f32>,
+        dout: DPtr<f32>,
+        qkv: DPtr<f32>,
+        att: DPtr<f32>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::crossentropy_forward_rows`], with each row's loss rounded to
     /// f32 into `losses` (rows = `targets.len()`).
     unsafe fn crossentropy_forward(
+        &self,
+        probs: DPtr<f32>,
+        losses: DPtr<f32>,
+        logits: DPtr<f32>,
+        targets: DPtr<u32>,
+        v: usize,
+    ) -> Result<(), ModelError> {
+        let rows = check::crossentropy(probs, logits, targets, v)?;
+        check::len("losses", losses, rows)?;
+        check::disjoint(&[probs, losses], &[logits])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_crossentropy_forward(probs, losses, logits, targets, v) }
+    }
+    /// [`Backend::crossentropy_forward`] once its arguments passed its checks.
+    unsafe fn raw_crossentropy_forward(
         &self,
         probs: DPtr<f32>,
         losses: DPtr<f32>,
@@ -313,11 +587,55 @@ pub trait Backend {
         targets: DPtr<u32>,
         v: usize,
         dloss: f64,
+    ) -> Result<(), ModelError> {
+        check::crossentropy(probs, dlogits, targets, v)?;
+        check::disjoint(&[dlogits], &[probs])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_crossentropy_backward(dlogits, probs, targets, v, dloss) }
+    }
+    /// [`Backend::crossentropy_backward`] once its arguments passed its checks.
+    unsafe fn raw_crossentropy_backward(
+        &self,
+        dlogits: DPtr<f32>,
+        probs: DPtr<f32>,
+        targets: DPtr<u32>,
+        v: usize,
+        dloss: f64,
     ) -> Result<(), ModelError>;
     /// [`crate::model::ops::add_inplace`].
-    unsafe fn add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError>;
+    unsafe fn add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
+        check::len("add destination", dst, src.len())?;
+        check::disjoint(&[dst], &[src])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_add_inplace(dst, src) }
+    }
+    /// [`Backend::add_inplace`] once its arguments passed its checks.
+    unsafe fn raw_add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError>;
     /// [`crate::model::kernels::adamw_update`].
     unsafe fn adamw(
+        &self,
+        params: DPtr<f32>,
+        grads: DPtr<f32>,
+        m: DPtr<f32>,
+        v: DPtr<f32>,
+        opt: &AdamW,
+        t: u64,
+        grad_scale: f32,
+        decay: bool,
+    ) -> Result<(), ModelError> {
+        for (what, p) in [
+            ("gradients", grads),
+            ("first moments", m),
+            ("second moments", v),
+        ] {
+            check::len(what, p, params.len())?;
+        }
+        check::disjoint(&[params, m, v], &[grads])?;
+        // SAFETY: the caller's contract; the shapes passed the checks above.
+        unsafe { self.raw_adamw(params, grads, m, v, opt, t, grad_scale, decay) }
+    }
+    /// [`Backend::adamw`] once its arguments passed its checks.
+    unsafe fn raw_adamw(
         &self,
         params: DPtr<f32>,
         grads: DPtr<f32>,

@@ -3,7 +3,7 @@
 //! runs exactly the sequence of ops a CUDA device runs, one after another on the CPU: it
 //! checks the device stage's bookkeeping (offsets, buffers, accumulation) anywhere, and
 //! is the reference the CUDA backend is compared with.
-use super::backend::{check, Backend, DPtr, DeviceBuffer};
+use super::backend::{Backend, DPtr, DeviceBuffer};
 use crate::model::kernels::{adamw_update, AdamW};
 use crate::model::ops;
 use crate::model::ModelError;
@@ -75,15 +75,13 @@ impl Backend for HostBackend {
         unsafe { w(x) }.fill(0.0);
         Ok(())
     }
-    unsafe fn copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("copy destination", dst, src.len())?;
-        check::disjoint(&[dst], &[src])?;
+    unsafe fn raw_copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
         // SAFETY: caller's contract; disjoint (checked).
         unsafe { w(dst) }.copy_from_slice(unsafe { r(src) });
         Ok(())
     }
 
-    unsafe fn encoder_forward(
+    unsafe fn raw_encoder_forward(
         &self,
         out: DPtr<f32>,
         tokens: DPtr<u32>,
@@ -92,15 +90,12 @@ impl Backend for HostBackend {
         seq: usize,
         c: usize,
     ) -> Result<(), ModelError> {
-        check::encoder(out, tokens, wte, wpe, seq, c)?;
-        check::disjoint(&[out], &[wte])?;
-        check::disjoint(&[out], wpe.as_slice())?;
         // SAFETY: caller's contract; outputs overlap nothing (checked).
         unsafe { ops::encoder_forward(w(out), r(tokens), r(wte), wpe.map(|p| r(p)), seq, c) };
         Ok(())
     }
 
-    unsafe fn encoder_backward(
+    unsafe fn raw_encoder_backward(
         &self,
         dwte: DPtr<f32>,
         dwpe: Option<DPtr<f32>>,
@@ -109,15 +104,12 @@ impl Backend for HostBackend {
         seq: usize,
         c: usize,
     ) -> Result<(), ModelError> {
-        check::encoder(dout, tokens, dwte, dwpe, seq, c)?;
-        let outs: Vec<DPtr<f32>> = std::iter::once(dwte).chain(dwpe).collect();
-        check::disjoint(&outs, &[dout])?;
         // SAFETY: as above.
         unsafe { ops::encoder_backward(w(dwte), dwpe.map(|p| w(p)), r(dout), r(tokens), seq, c) };
         Ok(())
     }
 
-    unsafe fn matmul_forward(
+    unsafe fn raw_matmul_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -127,15 +119,12 @@ impl Backend for HostBackend {
         ic: usize,
         oc: usize,
     ) -> Result<(), ModelError> {
-        check::matmul(out, inp, wt, bias, n, ic, oc)?;
-        let ins: Vec<DPtr<f32>> = [inp, wt].into_iter().chain(bias).collect();
-        check::disjoint(&[out], &ins)?;
         // SAFETY: as above.
         unsafe { ops::matmul_forward(w(out), r(inp), r(wt), bias.map(|b| r(b)), n, ic, oc) };
         Ok(())
     }
 
-    unsafe fn matmul_backward(
+    unsafe fn raw_matmul_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -147,11 +136,6 @@ impl Backend for HostBackend {
         ic: usize,
         oc: usize,
     ) -> Result<(), ModelError> {
-        check::matmul(dout, inp, wt, dbias, n, ic, oc)?;
-        check::len("matmul input gradient", dinp, inp.len())?;
-        check::len("matmul weight gradient", dw, wt.len())?;
-        let outs: Vec<DPtr<f32>> = [dinp, dw].into_iter().chain(dbias).collect();
-        check::disjoint(&outs, &[dout, inp, wt])?;
         // SAFETY: as above.
         unsafe {
             ops::matmul_backward(
@@ -169,7 +153,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn layernorm_forward(
+    unsafe fn raw_layernorm_forward(
         &self,
         out: DPtr<f32>,
         mean: DPtr<f32>,
@@ -180,14 +164,12 @@ impl Backend for HostBackend {
         c: usize,
         eps: f64,
     ) -> Result<(), ModelError> {
-        check::norm(out, &[mean, rstd], inp, &[wt, b], c)?;
-        check::disjoint(&[out, mean, rstd], &[inp, wt, b])?;
         // SAFETY: as above.
         unsafe { ops::layernorm_forward(w(out), w(mean), w(rstd), r(inp), r(wt), r(b), c, eps) };
         Ok(())
     }
 
-    unsafe fn layernorm_backward(
+    unsafe fn raw_layernorm_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -199,9 +181,6 @@ impl Backend for HostBackend {
         rstd: DPtr<f32>,
         c: usize,
     ) -> Result<(), ModelError> {
-        check::norm(dinp, &[mean, rstd], inp, &[wt, dw, db], c)?;
-        check::len("norm output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp, dw, db], &[dout, inp, wt, mean, rstd])?;
         // SAFETY: as above.
         unsafe {
             ops::layernorm_backward(
@@ -219,7 +198,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn rmsnorm_forward(
+    unsafe fn raw_rmsnorm_forward(
         &self,
         out: DPtr<f32>,
         rstd: DPtr<f32>,
@@ -228,14 +207,12 @@ impl Backend for HostBackend {
         c: usize,
         eps: f64,
     ) -> Result<(), ModelError> {
-        check::norm(out, &[rstd], inp, &[wt], c)?;
-        check::disjoint(&[out, rstd], &[inp, wt])?;
         // SAFETY: as above.
         unsafe { ops::rmsnorm_forward(w(out), w(rstd), r(inp), r(wt), c, eps) };
         Ok(())
     }
 
-    unsafe fn rmsnorm_backward(
+    unsafe fn raw_rmsnorm_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -245,65 +222,52 @@ impl Backend for HostBackend {
         rstd: DPtr<f32>,
         c: usize,
     ) -> Result<(), ModelError> {
-        check::norm(dinp, &[rstd], inp, &[wt, dw], c)?;
-        check::len("norm output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp, dw], &[dout, inp, wt, rstd])?;
         // SAFETY: as above.
         unsafe { ops::rmsnorm_backward(w(dinp), w(dw), r(dout), r(inp), r(wt), r(rstd), c) };
         Ok(())
     }
 
-    unsafe fn gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("gelu output", out, inp.len())?;
-        check::disjoint(&[out], &[inp])?;
+    unsafe fn raw_gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError> {
         // SAFETY: as above.
         unsafe { ops::gelu_forward(w(out), r(inp)) };
         Ok(())
     }
 
-    unsafe fn gelu_backward(
+    unsafe fn raw_gelu_backward(
         &self,
         dinp: DPtr<f32>,
         inp: DPtr<f32>,
         dout: DPtr<f32>,
     ) -> Result<(), ModelError> {
-        check::len("gelu input gradient", dinp, inp.len())?;
-        check::len("gelu output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp], &[inp, dout])?;
         // SAFETY: as above.
         unsafe { ops::gelu_backward(w(dinp), r(inp), r(dout)) };
         Ok(())
     }
 
-    unsafe fn swiglu_forward(
+    unsafe fn raw_swiglu_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
         h: usize,
     ) -> Result<(), ModelError> {
-        check::swiglu(out, inp, h)?;
-        check::disjoint(&[out], &[inp])?;
         // SAFETY: as above.
         unsafe { ops::swiglu_forward(w(out), r(inp), h) };
         Ok(())
     }
 
-    unsafe fn swiglu_backward(
+    unsafe fn raw_swiglu_backward(
         &self,
         dinp: DPtr<f32>,
         inp: DPtr<f32>,
         dout: DPtr<f32>,
         h: usize,
     ) -> Result<(), ModelError> {
-        check::swiglu(dout, inp, h)?;
-        check::len("swiglu input gradient", dinp, inp.len())?;
-        check::disjoint(&[dinp], &[inp, dout])?;
         // SAFETY: as above.
         unsafe { ops::swiglu_backward(w(dinp), r(inp), r(dout), h) };
         Ok(())
     }
 
-    unsafe fn rope_forward(
+    unsafe fn raw_rope_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -313,14 +277,12 @@ impl Backend for HostBackend {
         hs: usize,
         base: f64,
     ) -> Result<(), ModelError> {
-        check::rope(out, inp, seq, width, rot_heads, hs, base)?;
-        check::disjoint(&[out], &[inp])?;
         // SAFETY: as above.
         unsafe { ops::rope_forward(w(out), r(inp), seq, width, rot_heads, hs, base) };
         Ok(())
     }
 
-    unsafe fn rope_backward(
+    unsafe fn raw_rope_backward(
         &self,
         dinp: DPtr<f32>,
         dout: DPtr<f32>,
@@ -330,14 +292,12 @@ impl Backend for HostBackend {
         hs: usize,
         base: f64,
     ) -> Result<(), ModelError> {
-        check::rope(dinp, dout, seq, width, rot_heads, hs, base)?;
-        check::disjoint(&[dinp], &[dout])?;
         // SAFETY: as above.
         unsafe { ops::rope_backward(w(dinp), r(dout), seq, width, rot_heads, hs, base) };
         Ok(())
     }
 
-    unsafe fn attention_forward(
+    unsafe fn raw_attention_forward(
         &self,
         out: DPtr<f32>,
         att: DPtr<f32>,
@@ -347,14 +307,12 @@ impl Backend for HostBackend {
         c: usize,
         nh: usize,
     ) -> Result<(), ModelError> {
-        check::attention(out, att, qkv, b, t, c, nh)?;
-        check::disjoint(&[out, att], &[qkv])?;
         // SAFETY: as above.
         unsafe { ops::attention_forward(w(out), w(att), r(qkv), b, t, c, nh) };
         Ok(())
     }
 
-    unsafe fn attention_backward(
+    unsafe fn raw_attention_backward(
         &self,
         dqkv: DPtr<f32>,
         dout: DPtr<f32>,
@@ -365,15 +323,12 @@ impl Backend for HostBackend {
         c: usize,
         nh: usize,
     ) -> Result<(), ModelError> {
-        check::attention(dout, att, qkv, b, t, c, nh)?;
-        check::len("attention qkv gradient", dqkv, qkv.len())?;
-        check::disjoint(&[dqkv], &[dout, qkv, att])?;
         // SAFETY: as above.
         unsafe { ops::attention_backward(w(dqkv), r(dout), r(qkv), r(att), b, t, c, nh) };
         Ok(())
     }
 
-    unsafe fn crossentropy_forward(
+    unsafe fn raw_crossentropy_forward(
         &self,
         probs: DPtr<f32>,
         losses: DPtr<f32>,
@@ -381,9 +336,6 @@ impl Backend for HostBackend {
         targets: DPtr<u32>,
         v: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::crossentropy(probs, logits, targets, v)?;
-        check::len("losses", losses, rows)?;
-        check::disjoint(&[probs, losses], &[logits])?;
         // SAFETY: as above.
         let rows = unsafe { ops::crossentropy_forward_rows(w(probs), r(logits), r(targets), v) };
         // SAFETY: as above.
@@ -393,7 +345,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn crossentropy_backward(
+    unsafe fn raw_crossentropy_backward(
         &self,
         dlogits: DPtr<f32>,
         probs: DPtr<f32>,
@@ -401,22 +353,18 @@ impl Backend for HostBackend {
         v: usize,
         dloss: f64,
     ) -> Result<(), ModelError> {
-        check::crossentropy(probs, dlogits, targets, v)?;
-        check::disjoint(&[dlogits], &[probs])?;
         // SAFETY: as above.
         unsafe { ops::crossentropy_backward(w(dlogits), r(probs), r(targets), v, dloss) };
         Ok(())
     }
 
-    unsafe fn add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("add destination", dst, src.len())?;
-        check::disjoint(&[dst], &[src])?;
+    unsafe fn raw_add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
         // SAFETY: as above.
         unsafe { ops::add_inplace(w(dst), r(src)) };
         Ok(())
     }
 
-    unsafe fn adamw(
+    unsafe fn raw_adamw(
         &self,
         params: DPtr<f32>,
         grads: DPtr<f32>,
@@ -427,14 +375,6 @@ impl Backend for HostBackend {
         grad_scale: f32,
         decay: bool,
     ) -> Result<(), ModelError> {
-        for (what, p) in [
-            ("gradients", grads),
-            ("first moments", m),
-            ("second moments", v),
-        ] {
-            check::len(what, p, params.len())?;
-        }
-        check::disjoint(&[params, m, v], &[grads])?;
         // SAFETY: as above.
         unsafe { adamw_update(w(params), r(grads), w(m), w(v), opt, t, grad_scale, decay) };
         Ok(())

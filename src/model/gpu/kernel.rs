@@ -4,7 +4,7 @@
 //! ([`super::CudaBackend`]: NVRTC modules and cuBLAS), or a CPU emulation of the device in
 //! the tests. All the argument marshalling, grid sizes and shape checks live here, shared
 //! by both. Work is queued without waiting; only [`Backend::download`] waits.
-use super::backend::{check, Backend, DPtr, DeviceBuffer};
+use super::backend::{Backend, DPtr, DeviceBuffer};
 use crate::cuda::blas::{row_major_sgemm, SgemmCall};
 use crate::cuda::gpu::{elementwise_grid, per_row_grid, KernelArg};
 use crate::model::kernels::AdamW;
@@ -181,8 +181,7 @@ impl<R: KernelRunner> KernelBackend<R> {
         base: f64,
         backward: bool,
     ) -> Result<(), ModelError> {
-        let rows = check::rope(out, inp, seq, width, rot_heads, hs, base)?;
-        check::disjoint(&[out], &[inp])?;
+        let rows = inp.len() / width;
         let sign = if backward { -1.0 } else { 1.0 };
         let cs = self.rope_table(seq, hs, base, sign)?;
         // SAFETY: sizes checked; the table holds seq * hs/2 pairs.
@@ -239,14 +238,12 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         // SAFETY: caller's contract.
         unsafe { self.runner.memset_zero(x.addr(), 4 * x.len()) }
     }
-    unsafe fn copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("copy destination", dst, src.len())?;
-        check::disjoint(&[dst], &[src])?;
+    unsafe fn raw_copy(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
         // SAFETY: caller's contract; sizes checked.
         unsafe { self.runner.copy(dst.addr(), src.addr(), 4 * src.len()) }
     }
 
-    unsafe fn encoder_forward(
+    unsafe fn raw_encoder_forward(
         &self,
         out: DPtr<f32>,
         tokens: DPtr<u32>,
@@ -255,9 +252,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         seq: usize,
         c: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::encoder(out, tokens, wte, wpe, seq, c)?;
-        check::disjoint(&[out], &[wte])?;
-        check::disjoint(&[out], wpe.as_slice())?;
+        let rows = tokens.len();
         // SAFETY: sizes checked; tokens < rows of wte by the caller's contract.
         unsafe {
             self.k(
@@ -276,7 +271,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn encoder_backward(
+    unsafe fn raw_encoder_backward(
         &self,
         dwte: DPtr<f32>,
         dwpe: Option<DPtr<f32>>,
@@ -285,9 +280,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         seq: usize,
         c: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::encoder(dout, tokens, dwte, dwpe, seq, c)?;
-        let outs: Vec<DPtr<f32>> = std::iter::once(dwte).chain(dwpe).collect();
-        check::disjoint(&outs, &[dout])?;
+        let rows = tokens.len();
         let c32 = u32_of("width", c)?;
         // SAFETY: sizes checked; tokens < rows of dwte by the caller's contract.
         unsafe {
@@ -319,7 +312,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         Ok(())
     }
 
-    unsafe fn matmul_forward(
+    unsafe fn raw_matmul_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -329,9 +322,6 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         ic: usize,
         oc: usize,
     ) -> Result<(), ModelError> {
-        check::matmul(out, inp, w, bias, n, ic, oc)?;
-        let ins: Vec<DPtr<f32>> = [inp, w].into_iter().chain(bias).collect();
-        check::disjoint(&[out], &ins)?;
         // out[n, oc] = inp[n, ic] * w[oc, ic]^T, as ops::matmul_forward's gemm call.
         // SAFETY: sizes checked.
         unsafe {
@@ -352,7 +342,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         Ok(())
     }
 
-    unsafe fn matmul_backward(
+    unsafe fn raw_matmul_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -364,11 +354,6 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         ic: usize,
         oc: usize,
     ) -> Result<(), ModelError> {
-        check::matmul(dout, inp, w, dbias, n, ic, oc)?;
-        check::len("matmul input gradient", dinp, inp.len())?;
-        check::len("matmul weight gradient", dw, w.len())?;
-        let outs: Vec<DPtr<f32>> = [dinp, dw].into_iter().chain(dbias).collect();
-        check::disjoint(&outs, &[dout, inp, w])?;
         // As ops::matmul_backward: dinp += dout * w ([n, oc] x [oc, ic]) and
         // dw += dout^T * inp ([oc, n] x [n, ic]), both accumulating (beta = 1).
         // SAFETY: sizes checked.
@@ -391,7 +376,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         Ok(())
     }
 
-    unsafe fn layernorm_forward(
+    unsafe fn raw_layernorm_forward(
         &self,
         out: DPtr<f32>,
         mean: DPtr<f32>,
@@ -402,8 +387,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         c: usize,
         eps: f64,
     ) -> Result<(), ModelError> {
-        let rows = check::norm(out, &[mean, rstd], inp, &[w, b], c)?;
-        check::disjoint(&[out, mean, rstd], &[inp, w, b])?;
+        let rows = inp.len() / c;
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -424,7 +408,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn layernorm_backward(
+    unsafe fn raw_layernorm_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -436,9 +420,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         rstd: DPtr<f32>,
         c: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::norm(dinp, &[mean, rstd], inp, &[w, dw, db], c)?;
-        check::len("norm output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp, dw, db], &[dout, inp, w, mean, rstd])?;
+        let rows = inp.len() / c;
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -460,7 +442,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn rmsnorm_forward(
+    unsafe fn raw_rmsnorm_forward(
         &self,
         out: DPtr<f32>,
         rstd: DPtr<f32>,
@@ -469,8 +451,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         c: usize,
         eps: f64,
     ) -> Result<(), ModelError> {
-        let rows = check::norm(out, &[rstd], inp, &[w], c)?;
-        check::disjoint(&[out, rstd], &[inp, w])?;
+        let rows = inp.len() / c;
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -489,7 +470,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn rmsnorm_backward(
+    unsafe fn raw_rmsnorm_backward(
         &self,
         dinp: DPtr<f32>,
         dw: DPtr<f32>,
@@ -499,9 +480,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         rstd: DPtr<f32>,
         c: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::norm(dinp, &[rstd], inp, &[w, dw], c)?;
-        check::len("norm output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp, dw], &[dout, inp, w, rstd])?;
+        let rows = inp.len() / c;
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -521,9 +500,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("gelu output", out, inp.len())?;
-        check::disjoint(&[out], &[inp])?;
+    unsafe fn raw_gelu_forward(&self, out: DPtr<f32>, inp: DPtr<f32>) -> Result<(), ModelError> {
         let n = inp.len() as u64;
         // SAFETY: sizes checked.
         unsafe {
@@ -535,15 +512,12 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn gelu_backward(
+    unsafe fn raw_gelu_backward(
         &self,
         dinp: DPtr<f32>,
         inp: DPtr<f32>,
         dout: DPtr<f32>,
     ) -> Result<(), ModelError> {
-        check::len("gelu input gradient", dinp, inp.len())?;
-        check::len("gelu output gradient", dout, inp.len())?;
-        check::disjoint(&[dinp], &[inp, dout])?;
         let n = inp.len() as u64;
         // SAFETY: sizes checked.
         unsafe {
@@ -555,14 +529,13 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn swiglu_forward(
+    unsafe fn raw_swiglu_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
         h: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::swiglu(out, inp, h)?;
-        check::disjoint(&[out], &[inp])?;
+        let rows = inp.len() / (2 * h);
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -578,16 +551,14 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn swiglu_backward(
+    unsafe fn raw_swiglu_backward(
         &self,
         dinp: DPtr<f32>,
         inp: DPtr<f32>,
         dout: DPtr<f32>,
         h: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::swiglu(dout, inp, h)?;
-        check::len("swiglu input gradient", dinp, inp.len())?;
-        check::disjoint(&[dinp], &[inp, dout])?;
+        let rows = inp.len() / (2 * h);
         // SAFETY: sizes checked.
         unsafe {
             self.k(
@@ -604,7 +575,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn rope_forward(
+    unsafe fn raw_rope_forward(
         &self,
         out: DPtr<f32>,
         inp: DPtr<f32>,
@@ -618,7 +589,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         unsafe { self.rope(out, inp, seq, width, rot_heads, hs, base, false) }
     }
 
-    unsafe fn rope_backward(
+    unsafe fn raw_rope_backward(
         &self,
         dinp: DPtr<f32>,
         dout: DPtr<f32>,
@@ -632,7 +603,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         unsafe { self.rope(dinp, dout, seq, width, rot_heads, hs, base, true) }
     }
 
-    unsafe fn attention_forward(
+    unsafe fn raw_attention_forward(
         &self,
         out: DPtr<f32>,
         att: DPtr<f32>,
@@ -642,8 +613,6 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         c: usize,
         nh: usize,
     ) -> Result<(), ModelError> {
-        check::attention(out, att, qkv, b, t, c, nh)?;
-        check::disjoint(&[out, att], &[qkv])?;
         let scale = (1.0 / ((c / nh) as f64).sqrt()) as f32;
         // SAFETY: sizes checked.
         unsafe {
@@ -664,7 +633,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn attention_backward(
+    unsafe fn raw_attention_backward(
         &self,
         dqkv: DPtr<f32>,
         dout: DPtr<f32>,
@@ -675,9 +644,6 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         c: usize,
         nh: usize,
     ) -> Result<(), ModelError> {
-        check::attention(dout, att, qkv, b, t, c, nh)?;
-        check::len("attention qkv gradient", dqkv, qkv.len())?;
-        check::disjoint(&[dqkv], &[dout, qkv, att])?;
         let scale = (1.0 / ((c / nh) as f64).sqrt()) as f32;
         let dims = [
             U32(u32_of("batch", b)?),
@@ -715,7 +681,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         Ok(())
     }
 
-    unsafe fn crossentropy_forward(
+    unsafe fn raw_crossentropy_forward(
         &self,
         probs: DPtr<f32>,
         losses: DPtr<f32>,
@@ -723,9 +689,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         targets: DPtr<u32>,
         v: usize,
     ) -> Result<(), ModelError> {
-        let rows = check::crossentropy(probs, logits, targets, v)?;
-        check::len("losses", losses, rows)?;
-        check::disjoint(&[probs, losses], &[logits])?;
+        let rows = targets.len();
         // SAFETY: sizes checked; targets < v by the caller's contract.
         unsafe {
             self.k(
@@ -743,7 +707,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn crossentropy_backward(
+    unsafe fn raw_crossentropy_backward(
         &self,
         dlogits: DPtr<f32>,
         probs: DPtr<f32>,
@@ -751,8 +715,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         v: usize,
         dloss: f64,
     ) -> Result<(), ModelError> {
-        let rows = check::crossentropy(probs, dlogits, targets, v)?;
-        check::disjoint(&[dlogits], &[probs])?;
+        let rows = targets.len();
         // The CPU twin's scale: dloss / n in f64, rounded to f32.
         let scale = (dloss / rows.max(1) as f64) as f32;
         // SAFETY: sizes checked; targets < v by the caller's contract.
@@ -772,9 +735,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
-        check::len("add destination", dst, src.len())?;
-        check::disjoint(&[dst], &[src])?;
+    unsafe fn raw_add_inplace(&self, dst: DPtr<f32>, src: DPtr<f32>) -> Result<(), ModelError> {
         let n = src.len() as u64;
         // SAFETY: sizes checked.
         unsafe {
@@ -786,7 +747,7 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         }
     }
 
-    unsafe fn adamw(
+    unsafe fn raw_adamw(
         &self,
         params: DPtr<f32>,
         grads: DPtr<f32>,
@@ -797,14 +758,6 @@ impl<R: KernelRunner> Backend for KernelBackend<R> {
         grad_scale: f32,
         decay: bool,
     ) -> Result<(), ModelError> {
-        for (what, p) in [
-            ("gradients", grads),
-            ("first moments", m),
-            ("second moments", v),
-        ] {
-            check::len(what, p, params.len())?;
-        }
-        check::disjoint(&[params, m, v], &[grads])?;
         // Bias corrections and decay exactly as kernels::adamw_update computes them.
         let ti = t.clamp(1, i32::MAX as u64) as i32;
         let bc1 = 1.0 - opt.beta1.powi(ti);

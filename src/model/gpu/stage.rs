@@ -324,14 +324,8 @@ impl<B: Backend> DeviceStage<B> {
         if self.saved.contains_key(&mb) {
             return Err(ModelError::DuplicateMicrobatch(mb));
         }
-        if batch == 0 || seq == 0 || seq > cfg.max_seq {
-            return Err(ModelError::InvalidConfig(format!(
-                "microbatch of {batch} x {seq} (max_seq {})",
-                cfg.max_seq
-            )));
-        }
+        let n = self.layout.spec.check_microbatch(cfg, batch, seq)?;
         let (c, v) = (cfg.d_model, cfg.vocab_size);
-        let n = batch * seq;
         let check_ids = |what: &'static str, ids: &DeviceIds<B>| {
             if ids.len() != n {
                 return Err(ModelError::ShapeMismatch {
@@ -380,13 +374,7 @@ impl<B: Backend> DeviceStage<B> {
                 out
             }
             (false, DeviceInput::Hidden(h)) => {
-                if h.len() != n * c {
-                    return Err(ModelError::ShapeMismatch {
-                        what: "input activations",
-                        expected: n * c,
-                        got: h.len(),
-                    });
-                }
+                self.layout.spec.check_activations(cfg, n, h.len())?;
                 if self.layout.spec.head {
                     let t = targets.as_ref().ok_or(ModelError::MissingTargets)?;
                     check_ids("targets", t)?;
@@ -430,23 +418,11 @@ impl<B: Backend> DeviceStage<B> {
             .saved
             .get(&mb)
             .ok_or(ModelError::UnknownMicrobatch(mb))?;
-        let n = sv.batch * sv.seq;
-        match (self.layout.spec.head, &grad_output) {
-            (true, Some(_)) => {
-                return Err(ModelError::WrongInput(
-                    "the last stage takes no output gradient",
-                ))
-            }
-            (false, None) => return Err(ModelError::MissingGradient),
-            (false, Some(g)) if g.len() != n * c => {
-                return Err(ModelError::ShapeMismatch {
-                    what: "output gradient",
-                    expected: n * c,
-                    got: g.len(),
-                })
-            }
-            _ => {}
-        }
+        self.layout.spec.check_grad_output(
+            cfg,
+            sv.batch * sv.seq,
+            grad_output.as_ref().map(|g| g.len()),
+        )?;
         let sv = self
             .saved
             .remove(&mb)
