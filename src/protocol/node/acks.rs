@@ -6,7 +6,7 @@ use super::*;
 /// Hops sent and not yet acknowledged, with their deadlines.
 #[derive(Debug, Default)]
 pub(super) struct AckTimers {
-    pub(super) deadlines: BTreeSet<(Time, Dl)>,
+    deadlines: BTreeSet<(Time, Dl)>,
     pub(super) outstanding: BTreeMap<(MbId, bool), Outstanding>,
     /// Acks held until this node's output of the hop reached the next hop
     /// (policies that ack on delivery): the sender and attempt, by hop.
@@ -29,6 +29,11 @@ pub(super) struct Outstanding {
 }
 
 impl AckTimers {
+    /// The earliest deadline, if any.
+    pub(super) fn next_deadline(&self) -> Option<Time> {
+        self.deadlines.iter().next().map(|x| x.0)
+    }
+
     /// The earliest deadline due at `now`, removed.
     pub(super) fn pop_due(&mut self, now: Time) -> Option<Dl> {
         let &(t, dl) = self.deadlines.iter().next()?;

@@ -78,7 +78,7 @@ pub(super) const DECCOM_TIMEOUT: Time = 20 * SEC;
 pub(super) struct BalancerEntry {
     /// Cumulative expected seconds of the tasks given to the peer; `None`
     /// until the peer enters the heap (again, after a ban).
-    pub(super) load: Option<f64>,
+    load: Option<f64>,
     /// Random tie-break drawn with the key (the heap entries' `random()`).
     tie: f64,
     /// EMA of seconds per task, not yet bias-corrected.

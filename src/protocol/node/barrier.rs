@@ -5,19 +5,19 @@ use super::*;
 /// Holders' coordinator: the iteration barrier.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Barrier {
-    pub(super) iter: u32,
-    pub(super) participants: Arc<Vec<NodeId>>,
-    pub(super) done: BTreeSet<NodeId>,
-    pub(super) ended: Option<Arc<Vec<NodeId>>>,
-    pub(super) ended_at: Time,
-    pub(super) stage_done: BTreeSet<Stage>,
-    pub(super) last_bcast: Time,
-    pub(super) stall_reported: BTreeMap<Stage, Time>,
+    iter: u32,
+    participants: Arc<Vec<NodeId>>,
+    done: BTreeSet<NodeId>,
+    ended: Option<Arc<Vec<NodeId>>>,
+    ended_at: Time,
+    stage_done: BTreeSet<Stage>,
+    last_bcast: Time,
+    stall_reported: BTreeMap<Stage, Time>,
 }
 
 impl Node {
     pub(super) fn barrier_tick(&mut self) {
-        if self.group.coord != Some(self.id) || self.stage != 0 {
+        if self.group.coord() != Some(self.id) || self.stage != 0 {
             return;
         }
         if self.barrier.is_none() {
@@ -83,7 +83,7 @@ impl Node {
             // Re-announce the iteration to holders that may have missed it.
             self.barrier.as_mut().unwrap().last_bcast = self.now;
             // To every member: those who joined meanwhile learn the iteration.
-            for h in self.group.members.clone() {
+            for h in self.group.members().clone() {
                 if self.alive(h) && !b.done.contains(&h) {
                     self.send(
                         h,
@@ -99,7 +99,7 @@ impl Node {
 
     pub(super) fn bcast_end(&mut self, iter: u32, holders: Arc<Vec<NodeId>>) {
         let me = self.id;
-        for m in self.group.members.clone() {
+        for m in self.group.members().clone() {
             self.send(
                 m,
                 Msg::EndIter {
@@ -112,7 +112,7 @@ impl Node {
     }
 
     pub(super) fn barrier_check(&mut self) {
-        if self.group.coord != Some(self.id) || self.stage != 0 {
+        if self.group.coord() != Some(self.id) || self.stage != 0 {
             return;
         }
         let Some(b) = self.barrier.clone() else {
@@ -122,7 +122,7 @@ impl Node {
             let waiting = b
                 .participants
                 .iter()
-                .any(|h| self.alive(*h) && self.group.members.contains(h) && !b.done.contains(h));
+                .any(|h| self.alive(*h) && self.group.members().contains(h) && !b.done.contains(h));
             if waiting {
                 return;
             }
@@ -193,7 +193,7 @@ impl Node {
         // The holders' coordinator is where the news comes from.
         if let Some(c) = self
             .group
-            .coord
+            .coord()
             .filter(|&c| c != self.id && self.stage != 0)
         {
             targets.push(c);
@@ -241,7 +241,7 @@ impl Node {
                     participants,
                     ..Default::default()
                 });
-                if self.dh.reported && self.dh.iter == Some(k) {
+                if self.dh.reported_iter() == Some(k) {
                     self.barrier.as_mut().unwrap().done.insert(self.id);
                 }
                 self.barrier_check();

@@ -9,32 +9,32 @@ pub(super) struct Coordinator {
     /// Syncs and claims that reached this node before it knew it
     /// coordinates (a member saw the old coordinator leave or die first):
     /// (when, from, message), replayed in order once it takes over.
-    pub(super) early_syncs: Vec<(Time, NodeId, Msg)>,
+    early_syncs: Vec<(Time, NodeId, Msg)>,
     /// When this node took over from a coordinator that is gone, and the
     /// iteration it believed came next then: the grants of that
     /// coordinator's own contributions (to these iterations) are lost with it
     /// and nobody can sync them, so what is still missing at their end is
     /// recomputed after a short grace for the members' syncs, not after
     /// `redo_timeout`.
-    pub(super) inherited: Option<(Time, u32)>,
+    inherited: Option<(Time, u32)>,
     /// By iteration, the members whose sync of it reached this node since
     /// it took over from a coordinator that is gone: once every live
     /// member's has, nothing more can come for it, and its grace is over.
     /// (A member with nothing left of an iteration, applied already, syncs
     /// none: that iteration keeps its grace, time for this node's own
     /// apply.)
-    pub(super) synced: BTreeMap<u32, BTreeSet<NodeId>>,
+    synced: BTreeMap<u32, BTreeSet<NodeId>>,
     /// The members the last commit left out (see `without_stragglers`).
-    pub(super) left_out: BTreeSet<NodeId>,
+    left_out: BTreeSet<NodeId>,
 }
 
 #[derive(Clone, Debug)]
 pub(super) struct Lost {
-    pub(super) prev: Option<NodeId>,
-    pub(super) next: Option<NodeId>,
-    pub(super) dead: NodeId,
-    pub(super) since: Time,
-    pub(super) level: u8,
+    prev: Option<NodeId>,
+    next: Option<NodeId>,
+    dead: NodeId,
+    since: Time,
+    level: u8,
 }
 
 /// Coordinator's state of one iteration of its stage.
@@ -71,6 +71,14 @@ pub(super) struct CoordIter {
 }
 
 impl Coordinator {
+    /// This node coordinates from `now` on, in place of a coordinator that
+    /// is gone, believing iteration `next` comes next: the grace for the
+    /// members' syncs starts (see `inherited`).
+    pub(super) fn inherit(&mut self, now: Time, next: u32) {
+        self.inherited = Some((now, next));
+        self.synced.clear();
+    }
+
     /// Forgets the iterations before `iter`.
     pub(super) fn forget_before(&mut self, iter: u32) {
         self.coord_iters.retain(|k, _| *k >= iter);
@@ -146,8 +154,8 @@ impl Node {
             "node {} stage {} coord {:?} members {}",
             self.id,
             self.stage,
-            self.group.coord,
-            self.group.members.len()
+            self.group.coord(),
+            self.group.members().len()
         );
         for (k, ci) in &self.coordinating.coord_iters {
             let exp = ci.end.as_ref().map(|e| self.expected(*k, &e.1));
@@ -179,7 +187,7 @@ impl Node {
         prev: NodeId,
         next: NodeId,
     ) {
-        if self.group.coord != Some(self.id) {
+        if self.group.coord() != Some(self.id) {
             // Not the coordinator (any more): tell the member who is; kept
             // in case it is the coordinator-to-be (see `keep_early`).
             self.keep_early(
@@ -274,7 +282,7 @@ impl Node {
                     );
                 }
             }
-            if let Some(c) = self.group.coord {
+            if let Some(c) = self.group.coord() {
                 if c != self.id {
                     self.send(
                         c,
@@ -287,7 +295,7 @@ impl Node {
                 }
             }
         }
-        if self.group.coord == Some(self.id) {
+        if self.group.coord() == Some(self.id) {
             let now = self.now;
             let ci = self.coordinating.coord_iters.entry(iter).or_default();
             if ci.applied {
@@ -367,7 +375,7 @@ impl Node {
     /// contributions that only a restart from it could redo: given up now
     /// (see `redo_lost`), not after four unanswered restarts.
     pub(super) fn coord_holder_gone(&mut self, p: NodeId) {
-        if self.group.coord != Some(self.id) || self.stage == 0 {
+        if self.group.coord() != Some(self.id) || self.stage == 0 {
             return;
         }
         let iters: Vec<u32> = (self.coordinating.coord_iters.iter())
@@ -467,7 +475,7 @@ impl Node {
     /// holder that stops answering is taken for dead and its microbatch is
     /// dropped after the usual escalation).
     pub(super) fn on_restarting(&mut self, from: NodeId, mb: MbId) {
-        if self.group.coord != Some(self.id) || from != mb.holder {
+        if self.group.coord() != Some(self.id) || from != mb.holder {
             return;
         }
         let now = self.now;
@@ -495,7 +503,7 @@ impl Node {
         // The holders' stage: its live members (the holders still here).
         let live: BTreeSet<NodeId> = if stage == 0 {
             self.group
-                .members
+                .members()
                 .iter()
                 .copied()
                 .filter(|&m| self.alive(m))
@@ -690,7 +698,7 @@ impl Node {
         let Some(synced) = self.coordinating.synced.get(&iter) else {
             return false;
         };
-        (self.group.members.iter()).all(|&m| !self.alive(m) || synced.contains(&m))
+        (self.group.members().iter()).all(|&m| !self.alive(m) || synced.contains(&m))
     }
 
     /// Iteration `k`'s expected microbatches never claimed (their node died
@@ -772,7 +780,7 @@ impl Node {
 
     /// Coordinator: commit when complete, apply when every member aggregated.
     pub(super) fn coord_check(&mut self, iter: u32) {
-        if self.group.coord != Some(self.id) {
+        if self.group.coord() != Some(self.id) {
             return;
         }
         if self.iters.last_applied.is_some_and(|a| a >= iter) {
@@ -811,7 +819,7 @@ impl Node {
             }
             let alive: BTreeSet<NodeId> = self
                 .group
-                .members
+                .members()
                 .iter()
                 .copied()
                 .filter(|m| self.alive(*m))
@@ -960,7 +968,7 @@ impl Node {
             mbs: Arc::new(mbs),
             dropped,
         });
-        for m in self.group.members.clone() {
+        for m in self.group.members().clone() {
             self.send(m, Msg::Applied { iter, version: h });
         }
         // Applied before the end: the stage is reported done when the end
@@ -1028,7 +1036,7 @@ impl Node {
         }
         let mut adopted = None;
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
-            if !ci.applied && self.group.coord == Some(self.id) {
+            if !ci.applied && self.group.coord() == Some(self.id) {
                 // A member tells this coordinator that `iter` was applied
                 // under its predecessor: the members that missed it learn
                 // it too, and the holders that the stage is done.
@@ -1045,7 +1053,7 @@ impl Node {
         self.member.acc.retain(|k, _| *k > iter);
         self.deputy_forget_upto(iter);
         if let Some(origin) = adopted {
-            for m in self.group.members.clone() {
+            for m in self.group.members().clone() {
                 if m != self.id {
                     self.send(m, Msg::Applied { iter, version });
                 }
@@ -1067,7 +1075,7 @@ impl Node {
         if self.refuse_evicted(from) {
             return;
         }
-        if self.group.coord == Some(self.id) {
+        if self.group.coord() == Some(self.id) {
             for (mb, prev, next) in granted {
                 self.on_claim(from, iter, mb, prev, next);
             }
@@ -1115,7 +1123,7 @@ impl Node {
 
     /// A member finished its part of the all-reduce of `iter`.
     pub(super) fn on_agg_done(&mut self, from: NodeId, iter: u32, epoch: u64, weights: u64) {
-        if self.group.coord != Some(self.id) {
+        if self.group.coord() != Some(self.id) {
             // A member that saw our coordinator die before we did: kept for
             // when this node takes its commit over (see `keep_early`).
             self.keep_early(
@@ -1148,7 +1156,7 @@ impl Node {
     /// heartbeat tick on (a new epoch, the live members; their grants
     /// stand, the lost members' are recomputed first).
     pub(super) fn on_agg_failed(&mut self, from: NodeId, iter: u32, epoch: u64) {
-        if self.group.coord != Some(self.id) {
+        if self.group.coord() != Some(self.id) {
             self.keep_early(from, Msg::AggFailed { iter, epoch });
             return;
         }

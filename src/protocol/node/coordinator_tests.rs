@@ -127,9 +127,9 @@ fn a_successor_recomputes_its_predecessors_grants_at_once() {
     };
     for member_syncs in [true, false] {
         let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
-        assert_eq!(n.group.coord, Some(1));
+        assert_eq!(n.group.coord(), Some(1));
         deliver(&mut n, 1, Msg::Goodbye);
-        assert_eq!(n.group.coord, Some(2));
+        assert_eq!(n.group.coord(), Some(2));
         let per = n.cfg.mb_per_iter;
         if member_syncs {
             // Member 3 syncs its grants: all but microbatch 0 (granted to 1).
@@ -171,13 +171,13 @@ fn a_successor_recomputes_its_predecessors_grants_at_once() {
 #[test]
 fn a_claim_that_came_before_the_take_over_is_granted_with_it() {
     let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1)]);
-    assert_eq!(n.group.coord, Some(1));
+    assert_eq!(n.group.coord(), Some(1));
     let acts = deliver(&mut n, 3, claim_of(5));
     assert!(sends(&acts)
         .iter()
         .all(|(_, m)| !matches!(m, Msg::ClaimReply { .. })));
     let acts = deliver(&mut n, 1, Msg::Goodbye);
-    assert_eq!(n.group.coord, Some(2));
+    assert_eq!(n.group.coord(), Some(2));
     let granted = sends(&acts).into_iter().any(|(to, m)| {
         to == 3 && matches!(m, Msg::ClaimReply { mb, granted: true } if mb.idx == 5)
     });
@@ -192,9 +192,9 @@ fn a_claim_that_came_before_the_take_over_is_granted_with_it() {
 #[test]
 fn the_holders_stage_gives_a_gone_holders_part_up_at_once() {
     let mut n = started(Policy::Gwtf, 2, 0, &[1, 3], &[(10, 1)]);
-    assert_eq!(n.group.coord, Some(1));
+    assert_eq!(n.group.coord(), Some(1));
     deliver(&mut n, 1, Msg::Goodbye);
-    assert_eq!(n.group.coord, Some(2));
+    assert_eq!(n.group.coord(), Some(2));
     let per = n.cfg.mb_per_iter;
     for h in [2, 3] {
         sync(&mut n, 3, (0..per).map(|i| (mb(h, 0, i), 10, 60)).collect());
@@ -340,7 +340,7 @@ fn a_failed_all_reduce_is_committed_again() {
 fn a_lost_contribution_whose_sender_is_dead_is_restarted_at_once() {
     for prev_dead in [false, true] {
         let mut n = started(Policy::Gwtf, 1, 2, &[2, 3], &[(0, 0), (10, 1), (30, 3)]);
-        assert_eq!(n.group.coord, Some(1));
+        assert_eq!(n.group.coord(), Some(1));
         deliver(&mut n, 2, claim_of(0));
         if prev_dead {
             let now = n.now;
@@ -478,13 +478,13 @@ fn the_coordinators_own_grants_are_copied_to_its_deputy() {
 fn a_dead_coordinators_own_grants_are_rerun_one_stage_by_its_deputy() {
     for from_coordinator in [true, false] {
         let mut n = started(Policy::Gwtf, 2, 2, &[1, 3], &[(0, 0), (10, 1), (30, 3)]);
-        assert_eq!(n.group.coord, Some(1));
+        assert_eq!(n.group.coord(), Some(1));
         let from = if from_coordinator { 1 } else { 3 };
         let granted = vec![(mb(0, 0, 0), 10, 30), (mb(0, 0, 1), 10, 30)];
         deliver(&mut n, from, Msg::Deputy { iter: 0, granted });
         let now = n.now;
         let acts = n.handle(now, Input::PeerLost { peer: 1 });
-        assert_eq!(n.group.coord, Some(2));
+        assert_eq!(n.group.coord(), Some(2));
         let redo: Vec<(NodeId, MbId)> = sends(&acts)
             .into_iter()
             .filter_map(|(to, m)| match m {
@@ -634,10 +634,10 @@ fn an_agg_done_that_comes_before_the_take_over_is_kept_for_it() {
         weights: 0,
     };
     deliver(&mut n, 3, done);
-    assert_eq!(n.group.coord, Some(1));
+    assert_eq!(n.group.coord(), Some(1));
     let now = n.now;
     let acts = n.handle(now, Input::PeerLost { peer: 1 });
-    assert_eq!(n.group.coord, Some(2));
+    assert_eq!(n.group.coord(), Some(2));
     let applied = acts.iter().find_map(|a| match a {
         Action::Event(Event::StageCommitted { mbs, .. }) => Some(mbs.clone()),
         _ => None,
@@ -674,7 +674,7 @@ fn an_all_reduce_that_failed_before_the_take_over_is_told_to_the_successor() {
     fails(&mut n, commit.clone());
     let now = n.now;
     let acts = n.handle(now, Input::PeerLost { peer: 1 });
-    assert_eq!(n.group.coord, Some(2));
+    assert_eq!(n.group.coord(), Some(2));
     let told = sends(&acts)
         .into_iter()
         .any(|(to, m)| to == 2 && matches!(m, Msg::AggFailed { iter: 0, epoch: e } if *e == epoch));
@@ -692,7 +692,7 @@ fn an_all_reduce_that_failed_before_the_take_over_is_told_to_the_successor() {
     deliver(&mut n, 3, sync);
     let now = n.now;
     let acts = n.handle(now, Input::PeerLost { peer: 1 });
-    assert_eq!(n.group.coord, Some(2));
+    assert_eq!(n.group.coord(), Some(2));
     let redone = sends(&acts)
         .iter()
         .any(|(_, m)| matches!(m, Msg::Redo { mb, .. } if *mb == m0));
@@ -712,7 +712,7 @@ fn an_all_reduce_that_failed_before_the_take_over_is_told_to_the_successor() {
 #[test]
 fn an_end_from_a_new_origin_is_passed_on_at_once() {
     let mut n = started(Policy::Gwtf, 12, 2, &[11, 13], &[(0, 0), (30, 3)]);
-    assert_eq!(n.group.coord, Some(11));
+    assert_eq!(n.group.coord(), Some(11));
     let end = |origin| Msg::EndIter {
         iter: 0,
         origin,
@@ -857,7 +857,7 @@ fn a_commit_counts_no_grant_of_a_node_outside_it() {
         deliver(&mut n, 2 + (idx % 2) as NodeId, claim_of(idx));
     }
     // Member 3 leaves the set as a stale list would make it.
-    n.group.members.remove(&3);
+    n.group.members_mut().remove(&3);
     let acts = deliver(&mut n, 2, claim_of(per - 1));
     assert!(
         !sends(&acts)
@@ -900,11 +900,11 @@ fn a_coordinator_that_falls_silent_after_its_all_reduce_has_its_commit_applied_a
         t += cfg.tick;
         deliver(&mut n, 30, Msg::QueryFlows);
         all.extend(n.on_timeout(t));
-        if n.group.coord == Some(2) {
+        if n.group.coord() == Some(2) {
             break;
         }
     }
-    assert_eq!(n.group.coord, Some(2), "the deputy took over");
+    assert_eq!(n.group.coord(), Some(2), "the deputy took over");
     let sync = Msg::Sync {
         iter: 0,
         granted: vec![(m1, 10, 30)],

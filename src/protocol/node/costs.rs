@@ -6,11 +6,11 @@ use super::*;
 #[derive(Debug)]
 pub(super) struct CostGossip {
     /// Costs last gossiped upstream.
-    pub(super) advertised: Arc<[(NodeId, f64)]>,
+    advertised: Arc<[(NodeId, f64)]>,
     /// Round robin position over the upstream peers (bounded fanout).
-    pub(super) gossip_round: usize,
+    gossip_round: usize,
     /// Downstream costs changed: gossip at the next tick (triggered update).
-    pub(super) gossip_dirty: bool,
+    gossip_dirty: bool,
 }
 
 impl Default for CostGossip {
@@ -99,10 +99,10 @@ impl PeerCosts<'_> {
 /// The next entry of one candidate's cost list in `my_costs`' merge
 /// (ordered for a min-heap on (cost through the candidate, sink, list)).
 pub(super) struct MergeHead {
-    pub(super) v: f64,
-    pub(super) sink: NodeId,
-    pub(super) list: u32,
-    pub(super) pos: u32,
+    v: f64,
+    sink: NodeId,
+    list: u32,
+    pos: u32,
 }
 
 impl PartialEq for MergeHead {
@@ -162,7 +162,7 @@ impl Node {
             .values()
             .filter(|f| f.next == j || (f.prev == j && f.prev != self.id))
             .count();
-        let pending = r.pending.values().filter(|r| r.next == j).count();
+        let pending = r.pending_next_hops().filter(|&n| n == j).count();
         (flows + pending) as u32
     }
 
@@ -177,8 +177,8 @@ impl Node {
                 *n.entry(f.prev).or_default() += 1;
             }
         }
-        for p in r.pending.values() {
-            *n.entry(p.next).or_default() += 1;
+        for next in r.pending_next_hops() {
+            *n.entry(next).or_default() += 1;
         }
         n
     }
@@ -200,7 +200,7 @@ impl Node {
             r.flows
                 .values()
                 .map(|f| f.next)
-                .chain(r.pending.values().map(|r| r.next)),
+                .chain(r.pending_next_hops()),
         )
     }
 

@@ -62,7 +62,7 @@ pub(super) struct Takeover {
 impl Node {
     /// The member that would coordinate if this node, coordinating, died.
     fn deputy(&self) -> Option<NodeId> {
-        (self.group.members.iter())
+        (self.group.members().iter())
             .copied()
             .find(|&m| m != self.id && self.alive(m))
     }
@@ -117,7 +117,7 @@ impl Node {
     /// Our coordinator's own grants of `iter`, kept in case it dies. From
     /// anyone else, or for an iteration applied here, ignored.
     pub(super) fn on_deputy(&mut self, from: NodeId, iter: u32, granted: Hops) {
-        if self.group.coord != Some(from) || from == self.id {
+        if self.group.coord() != Some(from) || from == self.id {
             return;
         }
         if self.iters.last_applied.is_some_and(|a| a >= iter) {

@@ -48,7 +48,7 @@ impl Node {
     /// The live members of this node's stage besides itself, as it knows
     /// them (someone to come back to).
     fn others_in_stage(&self) -> Vec<NodeId> {
-        let mut v: Vec<NodeId> = (self.group.members.iter())
+        let mut v: Vec<NodeId> = (self.group.members().iter())
             .copied()
             .filter(|&m| m != self.id && self.alive(m))
             .collect();
@@ -128,12 +128,13 @@ impl Node {
             incarnation,
         });
         self.forget_all();
-        self.joining.kept = kept;
+        // The state to download is the newer one it heard of.
+        let newer = match reason {
+            FenceReason::Behind { updates, holder } => Some((self.stage, updates, holder)),
+            _ => None,
+        };
+        self.joining.fenced(kept, newer);
         self.last_heard_any = self.now;
-        if let FenceReason::Behind { updates, holder } = reason {
-            // The state to download is the newer one it heard of.
-            self.joining.newer = Some((self.stage, updates, holder));
-        }
         if self.stage == 0 {
             // Holders hold the embedding and the head: another holder's
             // state, then training from the iteration open then.
@@ -165,10 +166,7 @@ impl Node {
         } else {
             self.cfg.sa_t0_relay
         };
-        self.search = LocalSearch {
-            sa_temp: t0,
-            ..Default::default()
-        };
+        self.search = LocalSearch::starting_at(t0);
         self.cost_gossip = CostGossip::default();
         self.dh = HolderState::default();
         self.lifecycle = Microbatches::default();
@@ -201,9 +199,7 @@ impl Node {
         if m == self.id {
             return;
         }
-        let inc = self.group.incarnations.get(&m).copied().unwrap_or(0);
-        let e = self.group.evicted.entry(m).or_insert(inc + 1);
-        *e = (*e).max(inc + 1);
+        self.group.evict(m);
     }
 
     /// Coordinator: the commits not applied yet whose all-reduce counts on
@@ -225,10 +221,7 @@ impl Node {
     /// Coordinator: whether a group message from `from` comes from an
     /// incarnation it dropped; if so it is told (and the message ignored).
     pub(super) fn refuse_evicted(&mut self, from: NodeId) -> bool {
-        if from == self.id
-            || self.group.coord != Some(self.id)
-            || !self.group.evicted.contains_key(&from)
-        {
+        if from == self.id || self.group.coord() != Some(self.id) || !self.group.is_evicted(&from) {
             return false;
         }
         self.evict_for_silence(from);
@@ -251,14 +244,14 @@ impl Node {
     /// Coordinator: a heartbeat from a node of this stage that is not a
     /// member (dropped as silent or lost while it went on): it is told.
     pub(super) fn heartbeat_from_outsider(&mut self, from: NodeId) {
-        if self.group.coord != Some(self.id)
+        if self.group.coord() != Some(self.id)
             || self.phase != Phase::Active
-            || self.group.members.contains(&from)
+            || self.group.members().contains(&from)
         {
             return;
         }
         let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
-        if of_stage || self.group.evicted.contains_key(&from) {
+        if of_stage || self.group.is_evicted(&from) {
             self.remember_evicted(from);
             self.evict_for_silence(from);
         }
@@ -278,18 +271,18 @@ impl Node {
         // in flight (a joiner that downloaded it from the coordinator
         // speaks to a member that has not applied it yet): it gives way
         // only to two updates more.
-        let slack = u32::from(self.group.coord != Some(self.id));
+        let slack = u32::from(self.group.coord() != Some(self.id));
         let mine = self.iters.updates().saturating_add(slack);
         if self.phase != Phase::Active
             || updates <= mine
             || from == self.id
-            || self.group.coord == Some(from)
-            || self.group.members.contains(&from)
+            || self.group.coord() == Some(from)
+            || self.group.members().contains(&from)
         {
             return false;
         }
         let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
-        if !of_stage && !self.group.evicted.contains_key(&from) {
+        if !of_stage && !self.group.is_evicted(&from) {
             return false;
         }
         self.fall_behind(from, updates);
@@ -300,8 +293,8 @@ impl Node {
     /// coordinator tells its members (they fence and join again), and
     /// this node fences itself and downloads `holder`'s state.
     fn fall_behind(&mut self, holder: NodeId, updates: u32) {
-        if self.group.coord == Some(self.id) {
-            for m in self.group.members.clone() {
+        if self.group.coord() == Some(self.id) {
+            for m in self.group.members().clone() {
                 if m != self.id && m != holder {
                     self.send(
                         m,
@@ -316,7 +309,7 @@ impl Node {
         // A source to come back to, should the group hold nobody else.
         let (from, st) = (holder, self.stage);
         self.learn(from, st);
-        self.group.evicted.remove(&from);
+        self.group.forgive(&from);
         self.fence(FenceReason::Behind {
             updates,
             holder: from,
@@ -334,8 +327,8 @@ impl Node {
             || updates >= mine
             || from == self.id
             || coord == self.id
-            || self.group.coord == Some(coord)
-            || self.group.members.contains(&from)
+            || self.group.coord() == Some(coord)
+            || self.group.members().contains(&from)
             || self.peers.get(&from).is_some_and(|p| p.stage != self.stage)
         {
             return;
@@ -382,7 +375,7 @@ impl Node {
         if !self.cfg.fence_on_pause
             || self.phase != Phase::Active
             || self.stage == 0
-            || self.group.coord != Some(self.id)
+            || self.group.coord() != Some(self.id)
             || self.tick_no % every != every / 2
         {
             return;
@@ -391,8 +384,8 @@ impl Node {
         let targets: Vec<NodeId> = (self.peers.iter())
             .filter(|(id, p)| p.stage == st && !p.dead && **id != self.id)
             .map(|(id, _)| *id)
-            .filter(|id| !self.group.members.contains(id))
-            .filter(|id| (self.joining.joiners.get(id)).is_none_or(|&t| t + expiry <= now))
+            .filter(|id| !self.group.members().contains(id))
+            .filter(|id| !self.joining.recently_served(id, now, expiry))
             .collect();
         let updates = self.iters.updates();
         for t in targets {
@@ -420,7 +413,7 @@ impl Node {
         version: u64,
     ) -> bool {
         let of_stage = self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
-        if coord != from || !of_stage || self.group.members.contains(&from) {
+        if coord != from || !of_stage || self.group.members().contains(&from) {
             return false;
         }
         self.gives_way_to_other_weights(from, updates, version)
@@ -446,7 +439,7 @@ impl Node {
             || self.phase != Phase::Active
             || self.stage == 0
             || from >= self.id
-            || self.group.coord != Some(self.id)
+            || self.group.coord() != Some(self.id)
             || updates != self.iters.updates()
             || version == self.iters.version.1
         {
@@ -466,9 +459,9 @@ impl Node {
         let targets: Vec<NodeId> = (self.peers.iter())
             .filter(|(id, p)| p.stage == st && **id != self.id)
             .map(|(id, _)| *id)
-            .filter(|&id| !self.group.members.contains(&id) || !self.alive(id))
+            .filter(|&id| !self.group.members().contains(&id) || !self.alive(id))
             .collect();
-        let coord = self.group.coord.unwrap_or(self.id);
+        let coord = self.group.coord().unwrap_or(self.id);
         let updates = self.iters.updates();
         for t in targets {
             let m = Msg::Heartbeat {
@@ -485,8 +478,8 @@ impl Node {
     /// node had when it fenced itself ([`FenceReason::Behind`]): the state
     /// to download.
     pub(super) fn newest_source(&self, stage: Stage) -> Option<NodeId> {
-        let (st, _, holder) = self.joining.newer?;
-        (st == stage && holder != self.id && self.alive(holder)).then_some(holder)
+        let holder = self.joining.newer_in(stage)?;
+        (holder != self.id && self.alive(holder)).then_some(holder)
     }
 
     /// The coordinator (or a node of this stage that coordinates: this
@@ -495,9 +488,9 @@ impl Node {
     /// keeps them: it answers with an eviction of its own, so that the
     /// group behind dissolves ([`Node::behind_outsider`]'s rule).
     pub(super) fn on_evicted(&mut self, from: NodeId, diverged: bool, updates: u32) {
-        let of_stage = self.group.coord == Some(from)
-            || self.group.members.contains(&from)
-            || self.group.evicted.contains_key(&from)
+        let of_stage = self.group.coord() == Some(from)
+            || self.group.members().contains(&from)
+            || self.group.is_evicted(&from)
             || self.peers.get(&from).is_some_and(|p| p.stage == self.stage);
         if !of_stage || self.phase != Phase::Active {
             return;
@@ -510,7 +503,7 @@ impl Node {
         // everyone late (in a swarm, a relay at 1 Mbit/s evicted the other
         // relay of its stage and served the stage alone, at a sixth of the
         // swarm's pace).
-        let smaller_coordinator = self.group.coord == Some(self.id) && self.id < from;
+        let smaller_coordinator = self.group.coord() == Some(self.id) && self.id < from;
         if !diverged && (updates < mine || (updates == mine && smaller_coordinator)) {
             self.evict_for_silence(from);
             return;
@@ -518,7 +511,7 @@ impl Node {
         if !diverged && self.behind_outsider(from, updates) {
             return;
         }
-        if !diverged && updates > mine && self.group.coord != Some(from) {
+        if !diverged && updates > mine && self.group.coord() != Some(from) {
             // A member of this node's group that holds newer weights
             // refused to follow it (see `on_heartbeat`): this group is the
             // one behind, and that member's state is the one to download.
@@ -740,9 +733,9 @@ mod tests {
     #[test]
     fn a_member_lost_that_introduces_itself_again_is_no_member() {
         let mut c = started_with(fencing(), 1, 2, &[2, 3], &[]);
-        assert!(c.group.members.contains(&2));
+        assert!(c.group.members().contains(&2));
         deliver(&mut c, 2, Msg::Goodbye);
-        assert!(!c.group.members.contains(&2));
+        assert!(!c.group.members().contains(&2));
         // Fenced, it joins again and introduces itself with its old stage
         // before it chose one: still no member (it may choose another).
         let intro = Msg::Introduce {
@@ -754,11 +747,11 @@ mod tests {
             echo: None,
         };
         deliver(&mut c, 2, intro.clone());
-        assert!(!c.group.members.contains(&2));
+        assert!(!c.group.members().contains(&2));
         assert!(!c.stage_members().contains(&2));
         // A node never dropped that introduces itself is one.
         deliver(&mut c, 4, intro);
-        assert!(c.group.members.contains(&4));
+        assert!(c.group.members().contains(&4));
     }
 
     #[test]
@@ -766,7 +759,7 @@ mod tests {
         let cfg = fencing();
         let mut c = started_with(cfg.clone(), 1, 2, &[2, 3], &[]);
         hear_only_from(&mut c, 3, SEC);
-        assert!(!c.group.members.contains(&2));
+        assert!(!c.group.members().contains(&2));
         let a = deliver(
             &mut c,
             2,
@@ -791,7 +784,7 @@ mod tests {
         };
         let a = deliver(&mut c, 2, claim.clone());
         assert_eq!(evictions(&a), vec![(2, false)]);
-        assert!(!c.group.members.contains(&2));
+        assert!(!c.group.members().contains(&2));
         // Its old incarnation's GroupJoin (a sync to a coordinator it took
         // for new) does not bring it back; the next one does.
         let join = |incarnation| Msg::GroupJoin {
@@ -800,9 +793,9 @@ mod tests {
         };
         let a = deliver(&mut c, 2, join(0));
         assert_eq!(evictions(&a), vec![(2, false)]);
-        assert!(!c.group.members.contains(&2));
+        assert!(!c.group.members().contains(&2));
         deliver(&mut c, 2, join(1));
-        assert!(c.group.members.contains(&2));
+        assert!(c.group.members().contains(&2));
         let a = deliver(&mut c, 2, claim);
         assert!(evictions(&a).is_empty());
         assert!(sends(&a)
@@ -842,7 +835,7 @@ mod tests {
             deliver(&mut n, 30, Msg::QueryFlows);
             n.on_timeout(t);
         }
-        assert!(n.group.members.contains(&7), "dropped during the grace");
+        assert!(n.group.members().contains(&7), "dropped during the grace");
         let a = deliver(
             &mut n,
             7,
@@ -917,7 +910,7 @@ mod tests {
                     deliver(&mut n, 30, Msg::QueryFlows);
                 }
                 reason = reason.or(fenced(&n.on_timeout(t)));
-                if reason.is_none() && n.group.members.len() == 1 {
+                if reason.is_none() && n.group.members().len() == 1 {
                     alone_at = alone_at.or(Some(i));
                 }
             }
@@ -939,7 +932,7 @@ mod tests {
         assert_eq!(n.coordinator(), Some(22));
         let (reason, _, n) = run(21, &[22], 22, true);
         assert_eq!(reason, None);
-        assert_eq!(n.group.members.iter().copied().collect::<Vec<_>>(), [21]);
+        assert_eq!(n.group.members().iter().copied().collect::<Vec<_>>(), [21]);
     }
 
     /// Coordinator 1 of members 2 and 3, its commit of iteration 4 (epoch
@@ -988,7 +981,7 @@ mod tests {
         assert!(a
             .iter()
             .any(|x| matches!(x, Action::Event(Event::ReplicasDiverged { iter: 4, .. }))));
-        assert!(!c.group.members.contains(&3));
+        assert!(!c.group.members().contains(&3));
         assert!(!c.coordinating.coord_iters[&4].applied);
         // A tie goes to the coordinator's own weights.
         c.coordinating.coord_iters.get_mut(&4).unwrap().agg_done = BTreeMap::from([(1, 5), (2, 6)]);
@@ -1005,7 +998,7 @@ mod tests {
         // Member 3 granted nothing.
         let (c, a) = commit_with_digests_77_77_55(&[1, 2]);
         assert!(evictions(&a).is_empty(), "{:?}", evictions(&a));
-        assert!(c.group.members.contains(&3));
+        assert!(c.group.members().contains(&3));
         assert!(c.coordinating.coord_iters[&4].applied);
         assert!(!a
             .iter()
@@ -1032,7 +1025,7 @@ mod tests {
         let a = deliver(&mut c, 2, evict(5));
         assert_eq!(fenced(&a), None);
         assert_eq!(evicted_msgs(&a), vec![(2, false, 5)]);
-        assert!(c.is_active() && c.group.members.contains(&3));
+        assert!(c.is_active() && c.group.members().contains(&3));
         // The larger one obeys the smaller's eviction.
         let mut d = started_with(fencing(), 2, 2, &[4], &[(30, 3)]);
         d.learn(1, 2);
@@ -1080,7 +1073,7 @@ mod tests {
             };
             deliver(&mut m, 11, hb);
             assert_eq!(m.coordinator(), Some(12), "followed 11's list {members:?}");
-            assert!(m.group.members.contains(&12));
+            assert!(m.group.members().contains(&12));
         }
         // A smaller coordinator's group that holds it is still joined.
         let hb = Msg::Heartbeat {
@@ -1281,8 +1274,8 @@ mod tests {
         };
         let list = |updates| list_of(updates, 0);
         deliver(&mut ahead, 3, list(5));
-        assert_eq!(ahead.group.coord, Some(7));
-        assert!(!ahead.group.members.contains(&3) && ahead.is_active());
+        assert_eq!(ahead.group.coord(), Some(7));
+        assert!(!ahead.group.members().contains(&3) && ahead.is_active());
         // As many updates in the same weights version: the smaller id's
         // group is followed, as before.
         let mut same = started_with(cfg.clone(), 7, 2, &[], &[(30, 3)]);
@@ -1290,7 +1283,7 @@ mod tests {
         same.iters.downloaded((7, 99));
         let a = deliver(&mut same, 3, list_of(8, 99));
         assert!(evicted_msgs(&a).is_empty() && fenced(&a).is_none());
-        assert_eq!(same.group.coord, Some(3));
+        assert_eq!(same.group.coord(), Some(3));
         // As many updates in another version: equal updates need not be
         // equal weights, so the larger coordinator does not follow the
         // smaller's list into one group with two weights; it gives way and
@@ -1303,7 +1296,7 @@ mod tests {
                 holder: 3
             })
         );
-        assert!(!ahead.group.members.contains(&3) && !ahead.is_active());
+        assert!(!ahead.group.members().contains(&3) && !ahead.is_active());
 
         // The group behind: its coordinator, told by a member of its list
         // that holds 8 updates, tells its other members and downloads
@@ -1558,7 +1551,7 @@ mod tests {
         assert_eq!(n.downloading_from(), Some(5));
         let a = deliver(&mut n, 5, heartbeat(5, 13));
         assert_eq!(kept_event(&a), Some((2, 13)));
-        assert!(n.is_active() && n.group.coord == Some(3), "{:?}", n.phase);
+        assert!(n.is_active() && n.group.coord() == Some(3), "{:?}", n.phase);
         assert_eq!(
             (n.iters.version, n.iters.updates(), n.iters.gap()),
             ((13, 77), 14, false)

@@ -50,20 +50,25 @@ pub(super) struct FlowEntry {
 #[derive(Clone, Debug)]
 pub(super) struct PendingReq {
     /// None for a holder's own request.
-    pub(super) in_label: Option<Label>,
-    pub(super) prev: NodeId,
-    pub(super) sink: NodeId,
-    pub(super) next: NodeId,
-    pub(super) cost_from_source: f64,
-    pub(super) tried: Vec<NodeId>,
-    pub(super) expires: Time,
+    in_label: Option<Label>,
+    prev: NodeId,
+    sink: NodeId,
+    next: NodeId,
+    cost_from_source: f64,
+    tried: Vec<NodeId>,
+    expires: Time,
     /// A reroute of the existing flow `in_label` (see [`Node::reroute_flows`]):
     /// on acceptance the flow switches to the new next hop; on refusal the
     /// flow simply keeps its current one (nothing is said upstream).
-    pub(super) reroute: bool,
+    reroute: bool,
 }
 
 impl Reservations {
+    /// The next hops of the requests still out (one per request).
+    pub(super) fn pending_next_hops(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.pending.values().map(|r| r.next)
+    }
+
     /// A new label, unique to this node `me`.
     pub(super) fn new_label(&mut self, me: NodeId) -> Label {
         let l = ((me as u64) << 32) | self.next_label;

@@ -8,10 +8,10 @@ pub(super) struct GroupMember {
     /// Contributions claimed and granted, by iteration.
     pub(super) acc: BTreeMap<u32, Acc>,
     /// Last commit (coordinator, epoch) this member ran.
-    pub(super) last_commit: Option<(u32, u64)>,
+    last_commit: Option<(u32, u64)>,
     /// Claims that were pending at the last heartbeat (re-sent at the next
     /// one if still unanswered).
-    pub(super) stale_claims: BTreeSet<MbId>,
+    stale_claims: BTreeSet<MbId>,
     /// Digest of the weights this member holds (set by its runtime after
     /// every apply or state import; 0: not known, as in the simulator).
     pub(super) weights: u64,
@@ -46,13 +46,13 @@ pub(super) const MAX_EARLY_SYNCS: usize = 1024;
 /// A member's accumulated (granted) contributions of one iteration.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Acc {
-    pub(super) granted: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
-    pub(super) pending: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    granted: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    pending: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     /// Claims that were refused. A claim is re-sent when unanswered for a
     /// heartbeat period, so a late grant can follow a refusal (the holder
     /// of the first grant died in between): the grant is honoured, since
     /// the coordinator counts the microbatch as ours from then on.
-    pub(super) refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
+    refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
     pub(super) agg_task: Option<(TaskId, u64)>,
     /// The members of the commit `agg_task` runs, and its digest.
     pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
@@ -108,7 +108,7 @@ impl Node {
         format!(
             "node {} coord {:?} last_commit {:?} last_applied {:?} acc {:?} tasks {:?}",
             self.id,
-            self.group.coord,
+            self.group.coord(),
             self.member.last_commit,
             self.iters.last_applied,
             self.member
@@ -175,10 +175,8 @@ impl Node {
             );
         }
         if self.stage == 0 {
-            if let Some(k) = self.dh.iter {
-                if self.dh.reported {
-                    self.send(c, Msg::HolderDone { iter: k });
-                }
+            if let Some(k) = self.dh.reported_iter() {
+                self.send(c, Msg::HolderDone { iter: k });
             }
         }
         // The last update applied here: a new coordinator that lacks it (it
@@ -195,7 +193,7 @@ impl Node {
         self.send(c, Msg::GroupJoin { stage, incarnation });
         // A new coordinator knows no member's links: without them it would
         // order its first ring blind (the slowest ring there is).
-        if c != self.id && self.group.coord == Some(c) {
+        if c != self.id && self.group.coord() == Some(c) {
             self.report_group_links();
         }
     }
@@ -240,7 +238,7 @@ impl Node {
             .or_default()
             .pending
             .insert(mb, (prev, next, tasks));
-        if let Some(c) = self.group.coord {
+        if let Some(c) = self.group.coord() {
             self.send(
                 c,
                 Msg::Claim {

@@ -6,21 +6,42 @@ use super::*;
 #[derive(Clone, Debug, Default)]
 pub(super) struct HolderState {
     pub(super) iter: Option<u32>,
-    pub(super) next_idx: u32,
-    pub(super) done: BTreeSet<u32>,
+    next_idx: u32,
+    done: BTreeSet<u32>,
     pub(super) in_flight: BTreeMap<MbId, Option<Label>>,
-    pub(super) restarts: VecDeque<MbId>,
-    pub(super) reported: bool,
+    restarts: VecDeque<MbId>,
+    reported: bool,
     /// Microbatches an aggregate asked to restart while their attempt in
     /// flight was already in its backward: that attempt may have passed
     /// the stage that lost it, so once it is done that stage is re-run
     /// (see [`Node::redo_a_stage`]; the coordinator that asked, when
     /// known) or the microbatch restarted.
-    pub(super) recheck: BTreeMap<MbId, Option<NodeId>>,
+    recheck: BTreeMap<MbId, Option<NodeId>>,
     /// The node asked to re-run a stage of each microbatch (see
     /// [`Node::redo_a_stage`]): its own restart request for it (it holds
     /// no activation any more) restarts the microbatch instead.
-    pub(super) redo_asked: BTreeMap<MbId, NodeId>,
+    redo_asked: BTreeMap<MbId, NodeId>,
+}
+
+impl HolderState {
+    /// The iteration whose microbatches this holder has all done and said
+    /// so (`HolderDone`), if the one it works on.
+    pub(super) fn reported_iter(&self) -> Option<u32> {
+        self.iter.filter(|_| self.reported)
+    }
+
+    /// Microbatch `mb`'s backward is done at this holder: the label of the
+    /// flow it went out on (`None` if it was not in flight), whether it is
+    /// the first attempt of its index to be done, and the recheck an
+    /// aggregate asked for it while it was in its backward (`Some(asker)`).
+    pub(super) fn finish(
+        &mut self,
+        mb: MbId,
+    ) -> (Option<Option<Label>>, bool, Option<Option<NodeId>>) {
+        let label = self.in_flight.remove(&mb);
+        let first = label.is_some() && self.done.insert(mb.idx);
+        (label, first, self.recheck.remove(&mb))
+    }
 }
 
 impl Node {
@@ -34,7 +55,7 @@ impl Node {
             // not heard are done: our HolderDone went to a node that did not
             // coordinate yet (it had not heard the old coordinator leave).
             if self.dh.iter == Some(iter) && self.dh.reported {
-                if let Some(c) = self.group.coord {
+                if let Some(c) = self.group.coord() {
                     self.send(c, Msg::HolderDone { iter });
                 }
             }
@@ -136,14 +157,10 @@ impl Node {
             self.dh.in_flight.insert(mb, label);
             let attempt = self.lifecycle.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
             let t = self.run(TaskKind::Embed, Some(mb), attempt);
-            self.lifecycle.snaps.insert(
-                mb,
-                Snap {
-                    label_in: label,
-                    plan,
-                    ..Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now)
-                },
-            );
+            let mut snap = Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now);
+            snap.label_in = label;
+            snap.plan = plan;
+            self.lifecycle.snaps.insert(mb, snap);
         }
     }
 
@@ -242,7 +259,7 @@ impl Node {
         let Some(k) = self.dh.iter else { return };
         if self.dh.done.len() as u32 >= self.cfg.mb_per_iter {
             self.dh.reported = true;
-            if let Some(c) = self.group.coord {
+            if let Some(c) = self.group.coord() {
                 self.send(c, Msg::HolderDone { iter: k });
             }
         }

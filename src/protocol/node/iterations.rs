@@ -18,11 +18,11 @@ pub(super) struct Iterations {
     /// is not applied by the runtime (it downloads again), so the weights
     /// hold no more than before the gap: this is what `updates` counts,
     /// not `last_applied`.
-    pub(super) held: Option<u32>,
+    held: Option<u32>,
     /// Iterations before this one are final (their state is forgotten).
     pub(super) min_iter: u32,
     /// When the end of each iteration was last passed on.
-    pub(super) end_fwd: BTreeMap<u32, Time>,
+    end_fwd: BTreeMap<u32, Time>,
     /// Holders: the latest iteration announced and its participants.
     pub(super) seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
     /// Largest next iteration peers told us about.
@@ -36,7 +36,7 @@ pub(super) struct Iterations {
     pub(super) participants: BTreeMap<u32, Arc<Vec<NodeId>>>,
     /// The end of each iteration heard of (origin, holders done): a member
     /// that becomes coordinator knows at once which iterations ended.
-    pub(super) ends: BTreeMap<u32, End>,
+    ends: BTreeMap<u32, End>,
 }
 
 impl Iterations {

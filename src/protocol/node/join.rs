@@ -7,29 +7,72 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct JoinState {
     /// The stages' summaries (a joining node chooses from them).
-    pub(super) stage_infos: BTreeMap<Stage, StageSummary>,
+    stage_infos: BTreeMap<Stage, StageSummary>,
     /// Nodes this node sent its stage state to (when), not yet seen as
     /// members: told to later joiners with the member list, so that two
     /// joiners whose only live contact dies meanwhile still find each other.
-    pub(super) joiners: BTreeMap<NodeId, Time>,
+    joiners: BTreeMap<NodeId, Time>,
     /// When a joiner that takes every relay peer for dead asks them all
     /// again.
-    pub(super) redial_at: Time,
+    redial_at: Time,
     /// Since when a data holder downloading the holders' state has known
     /// no live holder to download it from (see [`Node::holder_stranded`]).
-    pub(super) no_source_since: Option<Time>,
+    no_source_since: Option<Time>,
     /// A node of a stage (stage, updates, node) known to hold weights with
     /// more updates than this node's group had when it fenced itself
     /// ([`FenceReason::Behind`]): that stage's state is downloaded from it,
     /// and an older one is refused while it lives.
-    pub(super) newer: Option<(Stage, u32, NodeId)>,
+    newer: Option<(Stage, u32, NodeId)>,
     /// The weights this node held when it fenced itself, whole and not
     /// known wrong: (stage, updates, version). The trainer keeps them until
     /// a state is imported; they are served again only when the stage's
     /// members hold fewer updates and none can serve a newer state (its
     /// last holders of an update were all fenced), see
     /// [`Node::source_behind`].
-    pub(super) kept: Option<(Stage, u32, (u32, u64))>,
+    kept: Option<(Stage, u32, (u32, u64))>,
+}
+
+impl JoinState {
+    /// A fenced node of `stage` starts joining again, holding `kept` (see
+    /// the field) and, when it fenced itself for being behind, knowing
+    /// `newer`: a node of its stage with more updates.
+    pub(super) fn fenced(
+        &mut self,
+        kept: Option<(Stage, u32, (u32, u64))>,
+        newer: Option<(Stage, u32, NodeId)>,
+    ) {
+        self.kept = kept;
+        if newer.is_some() {
+            self.newer = newer;
+        }
+    }
+
+    /// The weights kept at the fence: (stage, updates, version).
+    pub(super) fn kept(&self) -> Option<(Stage, u32, (u32, u64))> {
+        self.kept
+    }
+
+    /// The runtime's weights are not those kept: never served again.
+    pub(super) fn forget_kept(&mut self) {
+        self.kept = None;
+    }
+
+    /// The node of `stage` known to hold more updates than this node's
+    /// group had at its fence.
+    pub(super) fn newer_in(&self, stage: Stage) -> Option<NodeId> {
+        self.newer.filter(|n| n.0 == stage).map(|n| n.2)
+    }
+
+    /// Whether this node sent its state to `id` less than `expiry` before
+    /// `now` (a joiner not yet seen as a member).
+    pub(super) fn recently_served(&self, id: &NodeId, now: Time, expiry: Time) -> bool {
+        self.joiners.get(id).is_some_and(|&t| t + expiry > now)
+    }
+
+    /// The stages' summaries a joining node chooses from.
+    pub(super) fn stage_infos(&self) -> &BTreeMap<Stage, StageSummary> {
+        &self.stage_infos
+    }
 }
 
 impl Node {
@@ -67,7 +110,7 @@ impl Node {
         // The ring's order needs the links among members: a joiner's (and
         // the first iteration's) are measured now, not a cycle later.
         self.measure_group_links();
-        if let Some(c) = self.group.coord {
+        if let Some(c) = self.group.coord() {
             if c != self.id {
                 let (stage, incarnation) = (self.stage, self.incarnation);
                 self.send(c, Msg::GroupJoin { stage, incarnation });
@@ -243,8 +286,7 @@ impl Node {
             self.iters.downloaded((a, mix(salt, stage as u64)));
         }
         self.iters.hear_next(next, false);
-        self.coordinating.inherited = Some((self.now, next));
-        self.coordinating.synced.clear();
+        self.coordinating.inherit(self.now, next);
         self.group.adopt([], self.id);
         // Only the views that matter to this stage.
         let (ps, ns) = (self.prev_stage(), self.next_stage());
@@ -298,8 +340,7 @@ impl Node {
             .max(next);
         self.iters.downloaded(version);
         self.iters.hear_next(next, false);
-        self.coordinating.inherited = Some((self.now, next));
-        self.coordinating.synced.clear();
+        self.coordinating.inherit(self.now, next);
         self.group.adopt([], self.id);
         self.event(Event::StateKept {
             stage,
@@ -345,7 +386,7 @@ impl Node {
         let Phase::Downloading { stage, src, .. } = self.phase else {
             return;
         };
-        if self.restoring.pending.is_some() {
+        if self.restoring.is_restoring() {
             // A kept copy: the next freshest offer, or a restart.
             self.restore_from_next_offer();
             return;
@@ -381,13 +422,13 @@ impl Node {
     /// A joiner asks for this stage's summary.
     pub(super) fn on_stage_query(&mut self, from: NodeId) {
         if self.phase == Phase::Active && self.stage > 0 {
-            let members = self.group.members.len() as u32;
+            let members = self.group.members().len() as u32;
             let summary = StageSummary {
                 stage: self.stage,
                 members,
                 throughput: members as f64 / self.compute_s.max(1e-9),
                 open_iter: self.iters.in_progress(),
-                empty_neighbors: self.adjacent.empty.iter().copied().collect(),
+                empty_neighbors: self.adjacent.empty_stages().collect(),
             };
             self.send(from, Msg::StageInfo { summary });
         }
@@ -426,7 +467,7 @@ impl Node {
             // stage's state. It says how many updates it holds instead
             // (as to a group ahead, `announce_gap`): the joiner asks
             // another member, or serves the newer weights it kept.
-            let (coord, updates) = (self.group.coord.unwrap_or(self.id), self.iters.updates());
+            let (coord, updates) = (self.group.coord().unwrap_or(self.id), self.iters.updates());
             let m = Msg::Heartbeat {
                 members: None,
                 coord,
@@ -448,19 +489,21 @@ impl Node {
         let joiners = std::mem::take(&mut self.joining.joiners);
         self.joining.joiners = joiners
             .into_iter()
-            .filter(|&(j, t)| t + expiry > now && !self.group.members.contains(&j) && self.alive(j))
+            .filter(|&(j, t)| {
+                t + expiry > now && !self.group.members().contains(&j) && self.alive(j)
+            })
             .collect();
         let members = if self.joining.joiners.is_empty() {
-            self.group.members.list()
+            self.group.member_list()
         } else {
-            let mut all: BTreeSet<NodeId> = self.group.members.iter().copied().collect();
+            let mut all: BTreeSet<NodeId> = self.group.members().iter().copied().collect();
             all.extend(self.joining.joiners.keys().copied());
             Arc::new(all.into_iter().collect())
         };
         self.joining.joiners.insert(from, now);
         let bytes = self.own_state_bytes();
         let version = self.iters.version;
-        let coord = self.group.coord.unwrap_or(self.id);
+        let coord = self.group.coord().unwrap_or(self.id);
         self.send(
             from,
             Msg::StateResponse {
@@ -490,7 +533,7 @@ impl Node {
             return;
         }
         if let Phase::Downloading { stage, src, .. } = self.phase {
-            if self.restoring.pending.is_some() {
+            if self.restoring.is_restoring() {
                 if from == src {
                     self.restored(from, version);
                 }
@@ -517,9 +560,8 @@ impl Node {
             // fenced node coming back among them) follows it, whatever
             // its own id, instead of taking coordination over in the
             // middle of an iteration it knows nothing of.
-            if coord != self.id && self.group.members.contains(&coord) && self.alive(coord) {
-                self.group.coord = Some(coord);
-                self.group.last_coord_heard = self.now;
+            if coord != self.id && self.group.members().contains(&coord) && self.alive(coord) {
+                self.group.follow(coord, self.now);
             }
             // Keep only the views that matter to this stage.
             let (ps, ns) = (self.prev_stage(), self.next_stage());
@@ -537,7 +579,7 @@ impl Node {
             // dead: its own view is the stale one (it was paused, or cut
             // off, and lost its connections meanwhile).
             let incarnation = self.incarnation;
-            let members: Vec<NodeId> = (self.group.members.iter().copied())
+            let members: Vec<NodeId> = (self.group.members().iter().copied())
                 .filter(|&m| m != self.id)
                 .collect();
             for m in members {
@@ -727,10 +769,10 @@ mod tests {
             version: 0,
         };
         deliver(&mut m, 21, list);
-        assert!(m.group.members.contains(&23));
+        assert!(m.group.members().contains(&23));
         m.handle(t, Input::PeerLost { peer: 21 });
         assert_eq!(m.coordinator(), Some(22));
-        assert!(!m.group.evicted.contains_key(&23));
+        assert!(!m.group.is_evicted(&23));
     }
 
     /// A joiner whose id is the smallest (a fenced node coming back) follows

@@ -8,7 +8,7 @@ use super::*;
 pub(super) struct Microbatches {
     pub(super) snaps: BTreeMap<MbId, Snap>,
     /// When the input of a hop arrived (for the busy time reported in acks).
-    pub(super) arrivals: BTreeMap<(MbId, bool), Time>,
+    arrivals: BTreeMap<(MbId, bool), Time>,
     /// A snapshot was marked stuck since the tick last looked for them.
     pub(super) maybe_stuck: bool,
     /// Forwards that arrived while this relay's memory was full: they
@@ -27,8 +27,8 @@ pub(super) struct Microbatches {
     /// an average over windows of [`BUSY_WINDOW`]), and the compute done
     /// since `busy_from`, by this node's own estimate of its speed.
     pub(super) gpu_busy: Option<f64>,
-    pub(super) busy_acc: f64,
-    pub(super) busy_from: Time,
+    busy_acc: f64,
+    busy_from: Time,
 }
 
 /// The window over which a node samples how busy its GPU is.
@@ -356,7 +356,7 @@ impl Node {
         if let Some(a) = self.member.acc.get_mut(&iter) {
             a.agg_failed = Some(epoch);
         }
-        if let Some(c) = self.group.coord {
+        if let Some(c) = self.group.coord() {
             self.send(c, Msg::AggFailed { iter, epoch });
         }
     }
@@ -412,7 +412,7 @@ impl Node {
                     if let Some(a) = self.member.acc.get_mut(&iter) {
                         a.agg_finished = Some(epoch);
                     }
-                    if let Some(c) = self.group.coord {
+                    if let Some(c) = self.group.coord() {
                         let weights = self.member.weights;
                         self.send(
                             c,
@@ -503,23 +503,21 @@ impl Node {
                         self.ack_done(next, mb, attempt, true, false);
                     }
                     // The microbatch is complete.
-                    if let Some(label) = self.dh.in_flight.remove(&mb) {
-                        if let (Some(l), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
-                            let rtt = to_secs(self.now.saturating_sub(s.started));
-                            let a = self.cfg.ema_alpha;
-                            self.reservations.observe_round_trip(l, rtt, a);
-                        }
-                        let first = self.dh.done.insert(mb.idx);
-                        if first {
-                            self.event(Event::MbDone {
-                                mb,
-                                path: path.clone(),
-                            });
-                        }
+                    let (label, first, recheck) = self.dh.finish(mb);
+                    if let (Some(Some(l)), Some(s)) = (label, self.lifecycle.snaps.get(&mb)) {
+                        let rtt = to_secs(self.now.saturating_sub(s.started));
+                        let a = self.cfg.ema_alpha;
+                        self.reservations.observe_round_trip(l, rtt, a);
+                    }
+                    if first {
+                        self.event(Event::MbDone {
+                            mb,
+                            path: path.clone(),
+                        });
                     }
                     self.claim(mb, self.id, next, used);
                     self.holder_progress();
-                    if let Some(asker) = self.dh.recheck.remove(&mb) {
+                    if let Some(asker) = recheck {
                         // A stage lost this microbatch's contribution while
                         // its backward ran: perhaps this attempt's own.
                         if !asker.is_some_and(|a| self.redo_a_stage(a, mb)) {

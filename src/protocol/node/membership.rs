@@ -6,20 +6,20 @@ use super::*;
 /// The stage group as this node sees it.
 #[derive(Debug)]
 pub(super) struct Group {
-    pub(super) members: MemberSet,
+    members: MemberSet,
     /// The member list changed since the coordinator last sent it.
-    pub(super) members_changed: bool,
+    members_changed: bool,
     /// The coordinator: the live member with the smallest id.
-    pub(super) coord: Option<NodeId>,
-    pub(super) last_coord_heard: Time,
+    coord: Option<NodeId>,
+    last_coord_heard: Time,
     /// Coordinator: when each member was last heard from.
-    pub(super) member_heard: BTreeMap<NodeId, Time>,
+    member_heard: BTreeMap<NodeId, Time>,
     /// Coordinator: the incarnation each member joined as (see
     /// [`Msg::GroupJoin`]; 0 when it never said).
-    pub(super) incarnations: BTreeMap<NodeId, u32>,
+    incarnations: BTreeMap<NodeId, u32>,
     /// Members this node dropped (any member: it may coordinate next),
     /// with the first incarnation admitted again (see `fencing`).
-    pub(super) evicted: BTreeMap<NodeId, u32>,
+    evicted: BTreeMap<NodeId, u32>,
 }
 
 impl Default for Group {
@@ -47,6 +47,53 @@ impl Group {
         new
     }
 
+    /// The coordinator as this node knows it.
+    pub(super) fn coord(&self) -> Option<NodeId> {
+        self.coord
+    }
+
+    /// The members as this node knows them.
+    pub(super) fn members(&self) -> &MemberSet {
+        &self.members
+    }
+
+    /// The members in increasing order (built once per change).
+    pub(super) fn member_list(&mut self) -> Arc<Vec<NodeId>> {
+        self.members.list()
+    }
+
+    /// Follows `coord`, heard of at `now` (a joiner taking the group's
+    /// coordinator for its own).
+    pub(super) fn follow(&mut self, coord: NodeId, now: Time) {
+        self.coord = Some(coord);
+        self.last_coord_heard = now;
+    }
+
+    /// Whether this node dropped `m` (and answers its group messages with
+    /// an eviction until a newer incarnation of it comes).
+    pub(super) fn is_evicted(&self, m: &NodeId) -> bool {
+        self.evicted.contains_key(m)
+    }
+
+    /// Remembers `m` as dropped: its current incarnation (the one it
+    /// joined as, 0 when it never said) and older are evicted.
+    pub(super) fn evict(&mut self, m: NodeId) {
+        let inc = self.incarnations.get(&m).copied().unwrap_or(0);
+        let e = self.evicted.entry(m).or_insert(inc + 1);
+        *e = (*e).max(inc + 1);
+    }
+
+    /// Takes `m` back: no longer evicted.
+    pub(super) fn forgive(&mut self, m: &NodeId) {
+        self.evicted.remove(m);
+    }
+
+    /// The members, to be changed by a test.
+    #[cfg(test)]
+    pub(super) fn members_mut(&mut self) -> &mut MemberSet {
+        &mut self.members
+    }
+
     /// The group a starting or joining node finds: `members` and itself.
     pub(super) fn adopt(&mut self, members: impl IntoIterator<Item = NodeId>, me: NodeId) {
         for m in members {
@@ -61,10 +108,10 @@ impl Group {
 /// per change and shared, not once per message.
 #[derive(Clone, Debug, Default)]
 pub(super) struct MemberSet {
-    pub(super) set: BTreeSet<NodeId>,
-    pub(super) list: Option<Arc<Vec<NodeId>>>,
+    set: BTreeSet<NodeId>,
+    list: Option<Arc<Vec<NodeId>>>,
     /// Bumped at every change (for what is derived from the members).
-    pub(super) version: u64,
+    version: u64,
 }
 
 impl MemberSet {
@@ -86,6 +133,14 @@ impl MemberSet {
     }
     pub(super) fn contains(&self, m: &NodeId) -> bool {
         self.set.contains(m)
+    }
+    /// Bumped at every change (for what is derived from the members).
+    pub(super) fn version(&self) -> u64 {
+        self.version
+    }
+    /// The members as a set.
+    pub(super) fn as_set(&self) -> &BTreeSet<NodeId> {
+        &self.set
     }
     pub(super) fn len(&self) -> usize {
         self.set.len()
@@ -601,7 +656,7 @@ impl Node {
         }
         self.learn(peer, stage);
         self.send(peer, Msg::StageQuery);
-        let infos = &self.joining.stage_infos;
+        let infos = self.joining.stage_infos();
         let said_empty = !infos.contains_key(&stage)
             && infos.values().any(|i| i.empty_neighbors.contains(&stage));
         if said_empty {
@@ -1015,6 +1070,13 @@ mod tests {
 /// Stages next to a node's: which had a live node, which have none now.
 #[derive(Debug, Default)]
 pub(super) struct AdjacentStages {
-    pub(super) seen: BTreeSet<Stage>,
-    pub(super) empty: BTreeSet<Stage>,
+    seen: BTreeSet<Stage>,
+    empty: BTreeSet<Stage>,
+}
+
+impl AdjacentStages {
+    /// The neighbouring stages known to have no live node.
+    pub(super) fn empty_stages(&self) -> impl Iterator<Item = Stage> + '_ {
+        self.empty.iter().copied()
+    }
 }

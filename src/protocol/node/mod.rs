@@ -174,10 +174,7 @@ impl Node {
             plan: Vec::new(),
             cfg,
             reservations: Reservations::default(),
-            search: LocalSearch {
-                sa_temp: t0,
-                ..Default::default()
-            },
+            search: LocalSearch::starting_at(t0),
             cost_gossip: CostGossip::default(),
             acks: AckTimers::default(),
             lifecycle: Microbatches::default(),
@@ -249,24 +246,24 @@ impl Node {
     /// to serve again if its stage's members turn out to miss updates it
     /// holds (see [`Event::StateKept`]).
     pub fn kept_version(&self) -> Option<(u32, u64)> {
-        self.joining.kept.map(|k| k.2)
+        self.joining.kept().map(|k| k.2)
     }
 
     /// The runtime's weights are not the version kept at the fence (an
     /// update was still missing): they are never served again.
     pub fn forget_kept(&mut self) {
-        self.joining.kept = None;
+        self.joining.forget_kept();
     }
 
     /// The coordinator this node believes in.
     pub fn coordinator(&self) -> Option<NodeId> {
-        self.group.coord
+        self.group.coord()
     }
 
     /// The live members of this node's stage group as it knows them.
     pub fn stage_members(&self) -> Vec<NodeId> {
         self.group
-            .members
+            .members()
             .iter()
             .copied()
             .filter(|m| self.alive(*m))
@@ -319,7 +316,7 @@ impl Node {
         if self.phase == Phase::Left || self.phase == Phase::Idle {
             return None;
         }
-        let d = self.acks.deadlines.iter().next().map(|x| x.0);
+        let d = self.acks.next_deadline();
         Some(match d {
             Some(d) => d.min(self.next_tick),
             None => self.next_tick,
@@ -601,7 +598,7 @@ impl Node {
             self.admit_waiting();
             self.notify_waiting();
         }
-        if self.group.coord == Some(self.id) {
+        if self.group.coord() == Some(self.id) {
             self.coord_tick();
         }
         if self.stage == 0 {

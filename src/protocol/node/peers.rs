@@ -83,7 +83,7 @@ pub(super) struct PeerMap {
     pub(super) ids: Vec<NodeId>,
     /// `entries[i].stage`, apart: only [`PeerMap::learn`] sets a stage.
     stages: Vec<Stage>,
-    pub(super) entries: Vec<Peer>,
+    entries: Vec<Peer>,
 }
 
 impl PeerMap {

@@ -26,9 +26,9 @@ const HOLDERS_ASKED_MAX: usize = 16;
 /// A restore in progress.
 #[derive(Debug, Clone)]
 pub(super) struct Restore {
-    pub(super) stage: Stage,
+    stage: Stage,
     /// The iteration in progress when the stage was found empty.
-    pub(super) next: u32,
+    next: u32,
     /// Holders asked and not answered yet.
     waiting: BTreeSet<NodeId>,
     /// Copies offered: (iteration, holder); the freshest is tried first.
@@ -50,7 +50,15 @@ pub(super) struct Restore {
 pub(super) struct Restoring {
     /// The copies this node's runtime keeps: stage -> iteration.
     copies: BTreeMap<Stage, u32>,
-    pub(super) pending: Option<Restore>,
+    pending: Option<Restore>,
+}
+
+impl Restoring {
+    /// Whether this joiner is taking up an emptied stage (asking for
+    /// copies or its neighbours' states).
+    pub(super) fn is_restoring(&self) -> bool {
+        self.pending.is_some()
+    }
 }
 
 impl Node {
@@ -193,7 +201,7 @@ impl Node {
         // (a stage emptied by pauses whose first member back fenced itself
         // restarted from the initial weights, and its members that came
         // back later found their training gone).
-        if let Some((st, _, version)) = self.joining.kept {
+        if let Some((st, _, version)) = self.joining.kept() {
             let freshest = r.offers.last().map(|&(i, _)| i);
             if st == r.stage && freshest.is_none_or(|i| i <= version.0) {
                 let (stage, next) = (r.stage, r.next);
@@ -349,8 +357,7 @@ impl Node {
         };
         self.iters.downloaded(v);
         self.iters.hear_next(applied + 1, false);
-        self.coordinating.inherited = Some((self.now, applied + 1));
-        self.coordinating.synced.clear();
+        self.coordinating.inherit(self.now, applied + 1);
         self.group.adopt([], self.id);
         let (ps, ns) = (self.prev_stage(), self.next_stage());
         self.peers
@@ -708,7 +715,7 @@ mod tests {
     #[test]
     fn a_fenced_node_serves_its_kept_weights_of_an_emptied_stage() {
         let (mut n, _) = joiner_asking_holders();
-        n.joining.kept = Some((2, 6, (5, 77)));
+        n.joining.fenced(Some((2, 6, (5, 77))), None);
         offer(&mut n, 1, Some(4));
         let acts = offer(&mut n, 2, None);
         assert_eq!(kept_event(&acts), Some((2, 5)));
@@ -724,14 +731,14 @@ mod tests {
         assert_eq!(n.kept_version(), None);
 
         let (mut n, _) = joiner_asking_holders();
-        n.joining.kept = Some((2, 6, (5, 77)));
+        n.joining.fenced(Some((2, 6, (5, 77))), None);
         offer(&mut n, 1, Some(6));
         let acts = offer(&mut n, 2, Some(4));
         assert!(kept_event(&acts).is_none());
         assert_eq!(n.downloading_from(), Some(1));
 
         let (mut n, _) = joiner_asking_holders();
-        n.joining.kept = Some((1, 6, (5, 77)));
+        n.joining.fenced(Some((1, 6, (5, 77))), None);
         offer(&mut n, 1, None);
         let acts = offer(&mut n, 2, None);
         assert!(kept_event(&acts).is_none() && restarted(&acts));

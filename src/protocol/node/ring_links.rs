@@ -46,7 +46,7 @@ pub(super) struct RingLinks {
     /// A link to a member was measured for the first time since this node
     /// last reported: reported at the next tick, not at the next cycle
     /// (a ring ordered meanwhile takes that link for the slowest there is).
-    pub(super) fresh: bool,
+    fresh: bool,
 }
 
 impl Node {
@@ -83,7 +83,7 @@ impl Node {
     /// them, so churn does not set every node measuring anew. Recomputed
     /// when the members changed.
     fn refresh_measured_members(&mut self) {
-        let version = self.group.members.version;
+        let version = self.group.members().version();
         if self
             .ring_links
             .measured
@@ -92,7 +92,7 @@ impl Node {
         {
             return;
         }
-        let set = &self.group.members.set;
+        let set = &self.group.members().as_set();
         let me = self.id;
         let chosen: Vec<NodeId> = if set.len() <= MEASURED_MAX + 1 {
             set.iter().copied().filter(|&m| m != me).collect()
@@ -118,7 +118,7 @@ impl Node {
     /// A link to `p` was measured (its bandwidth) for the first time: if
     /// `p` is a member, this node reports its links at the next tick.
     pub(super) fn link_measured(&mut self, p: NodeId) {
-        if self.group.members.contains(&p) {
+        if self.group.members().contains(&p) {
             self.ring_links.fresh = true;
         }
     }
@@ -133,14 +133,14 @@ impl Node {
     /// A member tells its coordinator the links it measured to other
     /// members (the cheapest [`REPORTED_LINKS`] for this stage's chunk).
     pub(super) fn report_group_links(&mut self) {
-        let Some(c) = self.group.coord.filter(|&c| c != self.id) else {
+        let Some(c) = self.group.coord().filter(|&c| c != self.id) else {
             return;
         };
         let mut links = self.own_member_links();
         if links.is_empty() {
             return;
         }
-        let chunk = self.ring_chunk_bytes(self.group.members.len());
+        let chunk = self.ring_chunk_bytes(self.group.members().len());
         links.sort_by(|a, b| (a.1 + chunk / a.2).total_cmp(&(b.1 + chunk / b.2)));
         links.truncate(REPORTED_LINKS);
         self.send(c, Msg::LinkReport { links });
@@ -160,22 +160,22 @@ impl Node {
     /// A member's links (the coordinator keeps the latest report of each
     /// member; a peer's numbers are its word, kept within sane limits).
     pub(super) fn on_link_report(&mut self, from: NodeId, links: Vec<(NodeId, f64, f64)>) {
-        if self.group.coord != Some(self.id) || !self.group.members.contains(&from) {
+        if self.group.coord() != Some(self.id) || !self.group.members().contains(&from) {
             return;
         }
         let links: Vec<(NodeId, f64, f64)> = links
             .into_iter()
-            .filter(|(m, _, _)| *m != from && self.group.members.contains(m))
+            .filter(|(m, _, _)| *m != from && self.group.members().contains(m))
             .take(REPORTED_LINKS)
             .map(|(m, lat, bw)| (m, lat.clamp(0.0, 60.0), bw.clamp(1e3, 1e13)))
             .collect();
         // Reports of members gone are dropped once per change of the
         // members, not at every report (a coordinator of a thousand gets a
         // thousand reports per cycle).
-        let members = &self.group.members;
-        if self.ring_links.pruned_at != Some(members.version) {
+        let members = &self.group.members();
+        if self.ring_links.pruned_at != Some(members.version()) {
             self.ring_links.reported.retain(|r, _| members.contains(r));
-            self.ring_links.pruned_at = Some(members.version);
+            self.ring_links.pruned_at = Some(members.version());
         }
         self.ring_links.reported.insert(from, links);
     }
@@ -500,7 +500,7 @@ mod tests {
         measure_link(&mut m, 5, SEC / 50);
         let now = m.now;
         let acts = m.handle(now, Input::PeerLost { peer: 1 });
-        assert_eq!(m.group.coord, Some(5));
+        assert_eq!(m.group.coord(), Some(5));
         assert_eq!(reports(&acts), vec![5]);
     }
 
@@ -526,18 +526,18 @@ mod tests {
         // A join that does not rank among them.
         let joiner = (400..500)
             .find(|&j| {
-                let mut m = n.group.members.clone();
+                let mut m = n.group.members().clone();
                 m.insert(j);
                 let mut probe = started(Policy::Gwtf, 205, 2, &members, &[]);
-                probe.group.members = m;
+                *probe.group.members_mut() = m;
                 probe.refresh_measured_members();
                 !probe.measured_members().contains(&j)
             })
             .unwrap();
-        n.group.members.insert(joiner);
+        n.group.members_mut().insert(joiner);
         n.refresh_measured_members();
         assert_eq!(n.measured_members(), &chosen[..]);
-        n.group.members.remove(&chosen[3]);
+        n.group.members_mut().remove(&chosen[3]);
         n.refresh_measured_members();
         let after = n.measured_members().to_vec();
         assert_eq!(after.len(), MEASURED_MAX);

@@ -7,11 +7,21 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct LocalSearch {
     /// The temperature.
-    pub(super) sa_temp: f64,
+    sa_temp: f64,
     /// Peers that refused a proposal, skipped for `sa_skip_attempts` rounds.
-    pub(super) sa_skip: BTreeMap<NodeId, u32>,
+    sa_skip: BTreeMap<NodeId, u32>,
     /// A proposal of ours is out until then (no other starts meanwhile).
-    pub(super) sa_busy_until: Time,
+    sa_busy_until: Time,
+}
+
+impl LocalSearch {
+    /// A search that has proposed nothing yet, at temperature `temp`.
+    pub(super) fn starting_at(temp: f64) -> LocalSearch {
+        LocalSearch {
+            sa_temp: temp,
+            ..Default::default()
+        }
+    }
 }
 
 impl Node {
@@ -90,7 +100,7 @@ impl Node {
         // this node, those known dead and those skipped. The excluded ones
         // are few (a stage group can hold thousands): find their positions
         // in the member list and index around them.
-        let list = self.group.members.list();
+        let list = self.group.member_list();
         let mut out: Vec<usize> = list.binary_search(&self.id).ok().into_iter().collect();
         for (id, p) in &self.peers {
             if p.dead {
