@@ -205,10 +205,10 @@ impl Node {
         // A forward waiting for memory also waits for backwards to free it:
         // about one stay of a microbatch here per `capacity` ahead of it.
         let ahead = (!backward)
-            .then(|| self.lifecycle.waiting.iter().position(|m| *m == mb))
+            .then(|| self.lifecycle.waiting_position(mb))
             .flatten();
         if let Some(k) = ahead {
-            let hold = self.lifecycle.hold_s.unwrap_or(3.0 * self.compute_s);
+            let hold = self.lifecycle.hold_s().unwrap_or(3.0 * self.compute_s);
             wait += (k / self.capacity.max(1) as usize + 1) as f64 * hold;
         } else if n < 2 && !self.policy().acks_on_delivery() {
             // (A policy that acks on delivery hears of every receipt.)

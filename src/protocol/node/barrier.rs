@@ -21,7 +21,7 @@ impl Node {
             return;
         }
         if self.barrier.is_none() {
-            if self.now < self.cfg.start_delay || self.iters.seen_iter.is_some() {
+            if self.now < self.cfg.start_delay || self.iters.seen_iter().is_some() {
                 return;
             }
             // Open the first iteration (or, after every holder was gone, the
@@ -32,7 +32,7 @@ impl Node {
             // holder was gone and no relay answered yet, or the stages next
             // to us are empty) waits: opening iteration 0 there would re-run
             // iterations that are over.
-            if !self.iters.iter_heard && self.iters.last_applied.is_none() {
+            if !self.iters.iter_heard() && self.iters.last_applied().is_none() {
                 return;
             }
             let first = self.iters.next_hint();
@@ -235,7 +235,7 @@ impl Node {
     /// knowledge (the latest iteration announced, and whether it is done).
     pub(super) fn reopen_barrier(&mut self) {
         if self.stage == 0 && self.barrier.is_none() {
-            if let Some((k, participants)) = self.iters.seen_iter.clone() {
+            if let Some((k, participants)) = self.iters.seen_iter().cloned() {
                 self.barrier = Some(Barrier {
                     iter: k,
                     participants,

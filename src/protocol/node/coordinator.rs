@@ -206,7 +206,7 @@ impl Node {
             self.send(from, Msg::ClaimReply { mb, granted: false });
             return;
         }
-        if iter + 1 < self.iters.min_iter {
+        if iter + 1 < self.iters.min_iter() {
             self.send(from, Msg::ClaimReply { mb, granted: false });
             return;
         }
@@ -783,7 +783,7 @@ impl Node {
         if self.group.coord() != Some(self.id) {
             return;
         }
-        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.applied_through(iter) {
             // Applied under an earlier coordinator: only confirm.
             let ci = self.coordinating.coord_iters.entry(iter).or_default();
             ci.applied = true;
@@ -941,7 +941,7 @@ impl Node {
     /// aggregate; the members and the iteration's origin are told.
     fn apply_commit(&mut self, iter: u32, origin: Option<NodeId>) {
         let ci = &self.coordinating.coord_iters[&iter];
-        let mut h = mix(self.iters.version.1, iter as u64);
+        let mut h = mix(self.iters.version().1, iter as u64);
         for (mb, g) in &ci.granted {
             h = mix(h, ((mb.holder as u64) << 32) | mb.idx as u64);
             h = mix(h, g.0 as u64);
@@ -989,8 +989,7 @@ impl Node {
         let Some(ci) = self.coordinating.coord_iters.get(&iter) else {
             return false;
         };
-        let holders =
-            (ci.end.as_ref().map(|e| &e.1)).or_else(|| self.iters.participants.get(&iter));
+        let holders = (ci.end.as_ref().map(|e| &e.1)).or_else(|| self.iters.participants_of(iter));
         self.stage != 0
             && ci.granted.is_empty()
             && holders.is_some_and(|h| !h.is_empty() && h.iter().all(|&h| !self.alive(h)))
@@ -1000,7 +999,7 @@ impl Node {
     /// (or given up) at this stage, before the iteration ended.
     fn own_work_done(&self, iter: u32) -> bool {
         let (Some(holders), Some(ci)) = (
-            self.iters.participants.get(&iter),
+            self.iters.participants_of(iter),
             self.coordinating.coord_iters.get(&iter),
         ) else {
             return false;
@@ -1021,7 +1020,7 @@ impl Node {
     }
 
     pub(super) fn on_applied(&mut self, iter: u32, version: u64) {
-        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.applied_through(iter) {
             return;
         }
         // Only a member whose all-reduce of the commit ended with the mean

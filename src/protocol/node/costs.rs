@@ -240,7 +240,7 @@ impl Node {
         let n = self.reservations.in_use();
         let n = if existing { n.saturating_sub(1) } else { n };
         // A microbatch's forward and backward each wait the queue measured.
-        let measured = 2.0 * self.lifecycle.gpu_wait_s.unwrap_or(0.0);
+        let measured = 2.0 * self.lifecycle.gpu_wait_s().unwrap_or(0.0);
         let model = self.cfg.gpu_load_weight * self.compute_s * n as f64;
         model + (measured - QUEUE_PASSING * self.compute_s).max(0.0)
     }
@@ -892,12 +892,12 @@ pub(super) mod tests {
         for i in 0..2 {
             n.run(TaskKind::Forward, Some(mb(0, 0, i)), 0);
         }
-        assert!(n.lifecycle.gpu_wait_s.unwrap() > 0.0);
+        assert!(n.lifecycle.gpu_wait_s().unwrap() > 0.0);
         assert_eq!(n.gpu_queue_s(false), model, "a burst passes");
         for i in 2..40 {
             n.run(TaskKind::Backward, Some(mb(0, 0, i)), 0);
         }
-        let w = n.lifecycle.gpu_wait_s.unwrap();
+        let w = n.lifecycle.gpu_wait_s().unwrap();
         assert!(w > 4.0, "38 backwards queued: {w}");
         let expect = model + 2.0 * w - QUEUE_PASSING * 0.5;
         assert!((n.gpu_queue_s(false) - expect).abs() < 1e-9);
@@ -906,6 +906,9 @@ pub(super) mod tests {
         for i in 0..40 {
             h.run(TaskKind::Embed, Some(mb(0, 0, i)), 0);
         }
-        assert_eq!((h.gpu_queue_s(false), h.lifecycle.gpu_wait_s), (0.0, None));
+        assert_eq!(
+            (h.gpu_queue_s(false), h.lifecycle.gpu_wait_s()),
+            (0.0, None)
+        );
     }
 }

@@ -120,7 +120,7 @@ impl Node {
         if self.group.coord() != Some(from) || from == self.id {
             return;
         }
-        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.applied_through(iter) {
             return;
         }
         let st = &mut self.deputy_state;
@@ -167,7 +167,7 @@ impl Node {
             .collect();
         let now = self.now;
         for (iter, epoch, members, digest) in runs {
-            if self.iters.last_applied.is_some_and(|a| a >= iter) {
+            if self.iters.applied_through(iter) {
                 continue;
             }
             self.coordinating.coord_iters.entry(iter).or_default();
@@ -196,7 +196,7 @@ impl Node {
         old: NodeId,
         mbs: BTreeMap<MbId, (NodeId, NodeId)>,
     ) {
-        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.applied_through(iter) {
             return;
         }
         let ci = self.coordinating.coord_iters.entry(iter).or_default();

@@ -118,7 +118,7 @@ impl Node {
         );
         let kept =
             (self.stage > 0 && !known_wrong && !self.iters.gap() && self.iters.updates() > 0)
-                .then(|| (self.stage, self.iters.updates(), self.iters.version));
+                .then(|| (self.stage, self.iters.updates(), self.iters.version()));
         // Everyone it may have dealt with drops it at once, as at a leave.
         self.goodbye_to_all();
         self.incarnation += 1;
@@ -158,9 +158,7 @@ impl Node {
         self.tasks.clear();
         self.selfq.clear();
         self.replay.clear();
-        let next_label = self.reservations.next_label;
-        self.reservations = Reservations::default();
-        self.reservations.next_label = next_label;
+        self.reservations.clear_keeping_labels();
         let t0 = if self.stage == 0 {
             self.cfg.sa_t0_holder
         } else {
@@ -393,7 +391,7 @@ impl Node {
                 members: None,
                 coord: self.id,
                 updates,
-                version: self.iters.version.1,
+                version: self.iters.version().1,
             };
             self.send(t, m);
         }
@@ -441,7 +439,7 @@ impl Node {
             || from >= self.id
             || self.group.coord() != Some(self.id)
             || updates != self.iters.updates()
-            || version == self.iters.version.1
+            || version == self.iters.version().1
         {
             return false;
         }
@@ -468,7 +466,7 @@ impl Node {
                 members: None,
                 coord,
                 updates,
-                version: self.iters.version.1,
+                version: self.iters.version().1,
             };
             self.send(t, m);
         }
@@ -1553,7 +1551,7 @@ mod tests {
         assert_eq!(kept_event(&a), Some((2, 13)));
         assert!(n.is_active() && n.group.coord() == Some(3), "{:?}", n.phase);
         assert_eq!(
-            (n.iters.version, n.iters.updates(), n.iters.gap()),
+            (n.iters.version(), n.iters.updates(), n.iters.gap()),
             ((13, 77), 14, false)
         );
         assert_eq!(n.kept_version(), None);

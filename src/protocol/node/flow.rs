@@ -9,16 +9,16 @@ pub(super) struct Reservations {
     /// Reserved flows, by in label.
     pub(super) flows: BTreeMap<Label, FlowEntry>,
     /// The in label of the flow that goes out on each out label.
-    pub(super) out_index: BTreeMap<Label, Label>,
+    out_index: BTreeMap<Label, Label>,
     /// Flows redirected away, by in label (next hop, out label): microbatches
     /// already on them still pass, until the iteration is final.
     pub(super) ghosts: BTreeMap<Label, (NodeId, Label)>,
     /// Requests waiting for the next hop's answer, by out label.
     pub(super) pending: BTreeMap<Label, PendingReq>,
-    pub(super) next_label: u64,
+    next_label: u64,
     /// Holder: EMA of the observed round trip (launch to gradient back) of a
     /// microbatch on each of its reserved flows, in seconds.
-    pub(super) flow_rtt: BTreeMap<Label, f64>,
+    flow_rtt: BTreeMap<Label, f64>,
 }
 
 impl Default for Reservations {
@@ -64,6 +64,29 @@ pub(super) struct PendingReq {
 }
 
 impl Reservations {
+    /// No flows, requests or round trips any more; the labels issued stay
+    /// issued (a label is never reused by a node).
+    pub(super) fn clear_keeping_labels(&mut self) {
+        *self = Reservations {
+            next_label: self.next_label,
+            ..Reservations::default()
+        };
+    }
+
+    /// Holder: the observed round trip of flow `label`, in seconds.
+    pub(super) fn round_trip(&self, label: &Label) -> Option<f64> {
+        self.flow_rtt.get(label).copied()
+    }
+
+    /// Flow `in_label` was redirected away (a swap): microbatches already
+    /// on it still pass to its old next hop until the iteration is final.
+    pub(super) fn redirect_away(&mut self, in_label: Label) -> Option<FlowEntry> {
+        let g = self.flows.remove(&in_label)?;
+        self.out_index.remove(&g.out_label);
+        self.ghosts.insert(g.in_label, (g.next, g.out_label));
+        Some(g)
+    }
+
     /// The next hops of the requests still out (one per request).
     pub(super) fn pending_next_hops(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.pending.values().map(|r| r.next)
@@ -148,12 +171,12 @@ impl Node {
     /// compute time, or as many as keep it [`TARGET_BUSY`] busy, whichever
     /// is more, and never fewer than its memory allows.
     pub(super) fn flow_capacity(&self) -> u32 {
-        let hold = match self.lifecycle.hold_s {
+        let hold = match self.lifecycle.hold_s() {
             // Less the time its forward and backward waited for the GPU:
             // a queue here lengthens the stay, and counted in it, more
             // flows would lengthen the queue further.
             Some(h) if self.cfg.recompute && self.stage != 0 => {
-                (h - 2.0 * self.lifecycle.gpu_wait_s.unwrap_or(0.0)).max(self.compute_s)
+                (h - 2.0 * self.lifecycle.gpu_wait_s().unwrap_or(0.0)).max(self.compute_s)
             }
             _ => return self.capacity,
         };
@@ -163,7 +186,7 @@ impl Node {
         // stage's: its forward, the holder's loss, its backward) says
         // little of how often a flow comes back.
         let flows = self.reservations.flows.len() as f64;
-        let busy = match self.lifecycle.gpu_busy {
+        let busy = match self.lifecycle.gpu_busy() {
             Some(u) if u > 0.01 && flows > 0.0 => (flows * TARGET_BUSY / u).floor(),
             _ => 0.0,
         };
@@ -751,23 +774,22 @@ mod tests {
     #[test]
     fn a_relay_that_recomputes_carries_what_its_gpu_serves() {
         let mut n = relay(2);
-        n.lifecycle.hold_s = Some(4.0);
+        n.lifecycle.set_timings(Some(4.0), None, None);
         assert_eq!(n.flow_capacity(), 2, "no recompute: memory bounds");
         let mut cfg = (*n.cfg).clone();
         cfg.recompute = true;
         let mut r = Node::new(Arc::new(cfg), 10, 2, 0.5, 2, 1);
         assert_eq!(r.flow_capacity(), 2, "no hold measured yet");
-        r.lifecycle.hold_s = Some(4.0);
+        r.lifecycle.set_timings(Some(4.0), None, None);
         assert_eq!(r.flow_capacity(), 8, "4 s stay / 0.5 s compute");
-        r.lifecycle.gpu_wait_s = Some(1.0);
+        r.lifecycle.set_timings(Some(4.0), Some(1.0), None);
         assert_eq!(
             r.flow_capacity(),
             4,
             "a queue here lengthens the stay, not the capacity: (4 - 2 x 1) / 0.5"
         );
-        r.lifecycle.gpu_wait_s = None;
         // Or as many as keep its GPU 80 % busy, measured, when more.
-        r.lifecycle.hold_s = Some(1.0);
+        r.lifecycle.set_timings(Some(1.0), None, None);
         for l in 1..=4 {
             r.test_add_flow(l, 0, 20, 30, 100 + l);
         }
@@ -776,15 +798,14 @@ mod tests {
             2,
             "no busy measured yet: 1 s stay / 0.5 s"
         );
-        r.lifecycle.gpu_busy = Some(0.2);
+        r.lifecycle.set_timings(Some(1.0), None, Some(0.2));
         assert_eq!(r.flow_capacity(), 16, "4 flows at 20 % busy: 16 at 80 %");
-        r.lifecycle.gpu_busy = Some(0.9);
+        r.lifecycle.set_timings(Some(1.0), None, Some(0.9));
         assert_eq!(r.flow_capacity(), 3, "4 flows at 90 %: 3 at 80 %");
-        r.lifecycle.gpu_busy = None;
         r.reservations = Default::default();
-        r.lifecycle.hold_s = Some(0.2);
+        r.lifecycle.set_timings(Some(0.2), None, None);
         assert_eq!(r.flow_capacity(), 2, "never below its memory's");
-        r.lifecycle.hold_s = Some(1e6);
+        r.lifecycle.set_timings(Some(1e6), None, None);
         assert_eq!(r.flow_capacity(), FLOW_CAPACITY_MAX);
         assert_eq!(r.spare(), FLOW_CAPACITY_MAX);
     }

@@ -110,7 +110,7 @@ impl Node {
             self.id,
             self.group.coord(),
             self.member.last_commit,
-            self.iters.last_applied,
+            self.iters.last_applied(),
             self.member
                 .acc
                 .iter()
@@ -184,8 +184,8 @@ impl Node {
         // weights are behind, and downloads them again before its next
         // gradient, instead of aggregating on stale weights.
         if c != self.id {
-            if let Some(iter) = self.iters.last_applied {
-                let version = self.iters.version.1;
+            if let Some(iter) = self.iters.last_applied() {
+                let version = self.iters.version().1;
                 self.send(c, Msg::Applied { iter, version });
             }
         }
@@ -329,11 +329,11 @@ impl Node {
             self.tell_agg_result(from, iter);
             return;
         }
-        if self.iters.last_applied.is_some_and(|a| a >= iter) {
+        if self.iters.applied_through(iter) {
             // A new coordinator commits what its predecessor had applied
             // here before it died (its Applied did not reach the new one):
             // applying it twice would fork the stage. Tell it instead.
-            let (iter, version) = self.iters.version;
+            let (iter, version) = self.iters.version();
             self.send(from, Msg::Applied { iter, version });
             return;
         }

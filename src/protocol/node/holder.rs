@@ -175,7 +175,7 @@ impl Node {
     /// faster one. Only the holder's own observations are used; with any
     /// round trip unknown it does not wait.
     pub(super) fn better_wait(&self, free: Label) -> bool {
-        let Some(&r_free) = self.reservations.flow_rtt.get(&free) else {
+        let Some(r_free) = self.reservations.round_trip(&free) else {
             return false;
         };
         let now = to_secs(self.now);
@@ -183,10 +183,8 @@ impl Node {
         let mut flows: Vec<(f64, f64)> = Vec::new();
         for (m, l) in &self.dh.in_flight {
             let Some(l) = l else { continue };
-            let (Some(&r), Some(s)) = (
-                self.reservations.flow_rtt.get(l),
-                self.lifecycle.snaps.get(m),
-            ) else {
+            let (Some(r), Some(s)) = (self.reservations.round_trip(l), self.lifecycle.snaps.get(m))
+            else {
                 return false;
             };
             flows.push(((to_secs(s.started) + r).max(now), r));

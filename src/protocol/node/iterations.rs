@@ -9,9 +9,9 @@ pub(super) type End = (NodeId, Arc<Vec<NodeId>>);
 #[derive(Debug, Default)]
 pub(super) struct Iterations {
     /// The weights version (iteration, hash) this node holds.
-    pub(super) version: (u32, u64),
+    version: (u32, u64),
     /// Last iteration whose aggregate this node applied.
-    pub(super) last_applied: Option<u32>,
+    last_applied: Option<u32>,
     /// The last iteration whose update the weights hold together with
     /// every one before it. An update the stage applies on top of weights
     /// that missed the one before (a node that downloaded a stale state)
@@ -20,26 +20,66 @@ pub(super) struct Iterations {
     /// not `last_applied`.
     held: Option<u32>,
     /// Iterations before this one are final (their state is forgotten).
-    pub(super) min_iter: u32,
+    min_iter: u32,
     /// When the end of each iteration was last passed on.
     end_fwd: BTreeMap<u32, Time>,
     /// Holders: the latest iteration announced and its participants.
-    pub(super) seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
+    seen_iter: Option<(u32, Arc<Vec<NodeId>>)>,
     /// Largest next iteration peers told us about.
-    pub(super) known_iter: u32,
+    known_iter: u32,
     /// A relay told us which iteration comes next (`known_iter`): a holders'
     /// coordinator without a history of its own opens no iteration before.
-    pub(super) iter_heard: bool,
+    iter_heard: bool,
     /// The holders taking part in each iteration opened (the holders'
     /// `StartIter`, passed along the pipeline): a stage knows the
     /// microbatches it must aggregate before the iteration ends.
-    pub(super) participants: BTreeMap<u32, Arc<Vec<NodeId>>>,
+    participants: BTreeMap<u32, Arc<Vec<NodeId>>>,
     /// The end of each iteration heard of (origin, holders done): a member
     /// that becomes coordinator knows at once which iterations ended.
     ends: BTreeMap<u32, End>,
 }
 
 impl Iterations {
+    /// The weights version: (iteration applied, hash).
+    pub(super) fn version(&self) -> (u32, u64) {
+        self.version
+    }
+
+    /// The last iteration whose update this node applied.
+    pub(super) fn last_applied(&self) -> Option<u32> {
+        self.last_applied
+    }
+
+    /// Whether this node applied the update of `iter` (or a later one).
+    pub(super) fn applied_through(&self, iter: u32) -> bool {
+        self.last_applied.is_some_and(|a| a >= iter)
+    }
+
+    /// The oldest iteration this node still takes work of.
+    pub(super) fn min_iter(&self) -> u32 {
+        self.min_iter
+    }
+
+    /// The iteration this node saw begin, with its holders.
+    pub(super) fn seen_iter(&self) -> Option<&(u32, Arc<Vec<NodeId>>)> {
+        self.seen_iter.as_ref()
+    }
+
+    /// The highest iteration this node knows of.
+    pub(super) fn known_iter(&self) -> u32 {
+        self.known_iter
+    }
+
+    /// Whether this node heard of an iteration at all.
+    pub(super) fn iter_heard(&self) -> bool {
+        self.iter_heard
+    }
+
+    /// The holders that take part in `iter`, as announced.
+    pub(super) fn participants_of(&self, iter: u32) -> Option<&Arc<Vec<NodeId>>> {
+        self.participants.get(&iter)
+    }
+
     /// The iteration this node believes comes next (told to new holders):
     /// past the last one applied here, and past the last one whose end was
     /// announced (an ended iteration takes no new microbatches; the holders'

@@ -336,7 +336,7 @@ impl Node {
             .map_or(0, |i| i.open_iter);
         let next = (version.0 + 1)
             .max(told)
-            .max(self.iters.known_iter)
+            .max(self.iters.known_iter())
             .max(next);
         self.iters.downloaded(version);
         self.iters.hear_next(next, false);
@@ -472,7 +472,7 @@ impl Node {
                 members: None,
                 coord,
                 updates,
-                version: self.iters.version.1,
+                version: self.iters.version().1,
             };
             self.send(from, m);
             return;
@@ -502,7 +502,7 @@ impl Node {
         };
         self.joining.joiners.insert(from, now);
         let bytes = self.own_state_bytes();
-        let version = self.iters.version;
+        let version = self.iters.version();
         let coord = self.group.coord().unwrap_or(self.id);
         self.send(
             from,

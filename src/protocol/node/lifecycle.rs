@@ -10,28 +10,70 @@ pub(super) struct Microbatches {
     /// When the input of a hop arrived (for the busy time reported in acks).
     arrivals: BTreeMap<(MbId, bool), Time>,
     /// A snapshot was marked stuck since the tick last looked for them.
-    pub(super) maybe_stuck: bool,
+    maybe_stuck: bool,
     /// Forwards that arrived while this relay's memory was full: they
     /// start as backwards free it, those on a reserved flow first, each
     /// kind in arrival order.
-    pub(super) waiting: VecDeque<MbId>,
+    waiting: VecDeque<MbId>,
     /// How long a microbatch's activations stay here, forward start to
     /// backward done (an average): what a waiting forward is told.
-    pub(super) hold_s: Option<f64>,
+    hold_s: Option<f64>,
     /// How long a microbatch's compute task waits for this node's GPU (an
     /// average, from the compute queued ahead of each): the queue its
     /// flows meet here, which the load model alone underestimates when
     /// the GPUs are busy.
-    pub(super) gpu_wait_s: Option<f64>,
+    gpu_wait_s: Option<f64>,
     /// How busy this node's GPU is with microbatches' compute (a fraction,
     /// an average over windows of [`BUSY_WINDOW`]), and the compute done
     /// since `busy_from`, by this node's own estimate of its speed.
-    pub(super) gpu_busy: Option<f64>,
+    gpu_busy: Option<f64>,
     busy_acc: f64,
     busy_from: Time,
 }
 
 /// The window over which a node samples how busy its GPU is.
+impl Microbatches {
+    /// How long a microbatch stays at this node (EMA, seconds).
+    pub(super) fn hold_s(&self) -> Option<f64> {
+        self.hold_s
+    }
+    /// How long a task waits for the GPU here (EMA, seconds).
+    pub(super) fn gpu_wait_s(&self) -> Option<f64> {
+        self.gpu_wait_s
+    }
+    /// The share of the recent window the GPU was busy.
+    pub(super) fn gpu_busy(&self) -> Option<f64> {
+        self.gpu_busy
+    }
+    /// Where `mb` stands among the forwards waiting for memory.
+    pub(super) fn waiting_position(&self, mb: MbId) -> Option<usize> {
+        self.waiting.iter().position(|m| *m == mb)
+    }
+    /// Whether forwards wait for memory.
+    pub(super) fn any_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+    /// A microbatch may be stuck: the next check looks at them all.
+    pub(super) fn mark_maybe_stuck(&mut self) {
+        self.maybe_stuck = true;
+    }
+    /// Whether a check of the stuck microbatches is due (and it is no
+    /// longer).
+    pub(super) fn take_maybe_stuck(&mut self) -> bool {
+        std::mem::take(&mut self.maybe_stuck)
+    }
+    /// Sets the measured timings (a test's node).
+    #[cfg(test)]
+    pub(super) fn set_timings(
+        &mut self,
+        hold_s: Option<f64>,
+        gpu_wait_s: Option<f64>,
+        gpu_busy: Option<f64>,
+    ) {
+        (self.hold_s, self.gpu_wait_s, self.gpu_busy) = (hold_s, gpu_wait_s, gpu_busy);
+    }
+}
+
 pub(super) const BUSY_WINDOW: Time = 10 * SEC;
 
 /// Lightweight snapshot of one microbatch at this node.
@@ -141,10 +183,10 @@ impl Node {
         need_grad: bool,
         plan: Option<Arc<Vec<NodeId>>>,
     ) {
-        if self.phase != Phase::Active || mb.iter < self.iters.min_iter {
+        if self.phase != Phase::Active || mb.iter < self.iters.min_iter() {
             return;
         }
-        if self.stage != 0 && self.iters.last_applied.is_some_and(|a| mb.iter < a) {
+        if self.stage != 0 && self.iters.last_applied().is_some_and(|a| mb.iter < a) {
             // Its iteration is final (this stage applied a later one): a
             // stale hop (sent before its sender was paused, say). Its
             // weights are gone; nobody waits for it.
@@ -167,7 +209,7 @@ impl Node {
             self.send(from, m);
             return;
         }
-        if mb.iter > self.iters.min_iter && self.stage != 0 {
+        if mb.iter > self.iters.min_iter() && self.stage != 0 {
             self.forget_before(mb.iter);
         }
         let ps = self.prev_stage();

@@ -408,7 +408,7 @@ impl Node {
                             members: list.clone(),
                             coord: c,
                             updates,
-                            version: self.iters.version.1,
+                            version: self.iters.version().1,
                         },
                     );
                 }
@@ -429,7 +429,7 @@ impl Node {
                         members: None,
                         coord: c,
                         updates: self.iters.updates(),
-                        version: self.iters.version.1,
+                        version: self.iters.version().1,
                     };
                     self.send(c, m);
                     return;
@@ -441,7 +441,7 @@ impl Node {
                             members: None,
                             coord: nc,
                             updates: self.iters.updates(),
-                            version: self.iters.version.1,
+                            version: self.iters.version().1,
                         };
                         self.send(nc, m);
                     }
@@ -452,7 +452,7 @@ impl Node {
                 members: None,
                 coord: c,
                 updates: self.iters.updates(),
-                version: self.iters.version.1,
+                version: self.iters.version().1,
             };
             self.send(c, m);
             self.resend_stale_claims(c);
@@ -778,7 +778,7 @@ impl Node {
                     members: Some(members),
                     coord,
                     updates,
-                    version: self.iters.version.1,
+                    version: self.iters.version().1,
                 },
             );
         }
@@ -803,8 +803,8 @@ impl Node {
             }
             self.group.member_heard.insert(from, self.now);
             self.group.admit(from);
-            if self.group.coord == Some(self.id) && self.iters.version.0 > 0 {
-                let (iter, version) = self.iters.version;
+            if self.group.coord == Some(self.id) && self.iters.version().0 > 0 {
+                let (iter, version) = self.iters.version();
                 self.send(from, Msg::Applied { iter, version });
             }
             self.recompute_coord();

@@ -199,7 +199,7 @@ impl Node {
     /// The oldest iteration whose microbatches this node still keeps (its
     /// runtime may free the tensors of older ones).
     pub fn oldest_kept_iteration(&self) -> u32 {
-        self.iters.min_iter
+        self.iters.min_iter()
     }
 
     pub fn stage(&self) -> Stage {
@@ -217,7 +217,7 @@ impl Node {
 
     /// The weights version (iteration, hash) this node holds.
     pub fn version(&self) -> (u32, u64) {
-        self.iters.version
+        self.iters.version()
     }
 
     /// How many times this node fenced itself and came back through the
@@ -594,7 +594,7 @@ impl Node {
             self.flow_maintenance();
         }
         self.retry_stuck();
-        if !self.lifecycle.waiting.is_empty() {
+        if self.lifecycle.any_waiting() {
             self.admit_waiting();
             self.notify_waiting();
         }

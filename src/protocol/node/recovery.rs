@@ -121,7 +121,7 @@ impl Node {
         match self.route(mb, None, None, plan.as_ref(), &[dead]) {
             None => {
                 self.lifecycle.snaps.get_mut(&mb).unwrap().stuck = true;
-                self.lifecycle.maybe_stuck = true;
+                self.lifecycle.mark_maybe_stuck();
             }
             Some((r, _)) => {
                 let msg = Msg::Forward {
@@ -168,7 +168,7 @@ impl Node {
     /// Recoveries that found no replacement are tried again (looked for
     /// only when a microbatch got stuck since the last look).
     pub(super) fn retry_stuck(&mut self) {
-        let stuck: Vec<MbId> = if std::mem::take(&mut self.lifecycle.maybe_stuck) {
+        let stuck: Vec<MbId> = if self.lifecycle.take_maybe_stuck() {
             self.lifecycle
                 .snaps
                 .iter()

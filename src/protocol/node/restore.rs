@@ -72,7 +72,7 @@ impl Node {
     /// the restored weights stand for (the trainer imports them as such).
     pub fn restore_applied(&self, version: (u32, u64)) -> Option<u32> {
         let r = self.restoring.pending.as_ref()?;
-        let next = r.next.max(version.0 + 1).max(self.iters.known_iter);
+        let next = r.next.max(version.0 + 1).max(self.iters.known_iter());
         Some(next.saturating_sub(1))
     }
 

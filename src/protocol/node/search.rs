@@ -329,11 +329,7 @@ impl Node {
             return reject(self);
         }
         let gi = self.flow_info(&g);
-        self.reservations.flows.remove(&yours);
-        self.reservations.out_index.remove(&g.out_label);
-        self.reservations
-            .ghosts
-            .insert(g.in_label, (g.next, g.out_label));
+        self.reservations.redirect_away(yours);
         self.send(
             from,
             Msg::RespondRedirect {

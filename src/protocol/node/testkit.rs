@@ -52,7 +52,7 @@ pub(super) fn hear_only_from(n: &mut Node, m: NodeId, mut t: Time) -> Time {
             members: None,
             coord,
             updates: 0,
-            version: n.iters.version.1,
+            version: n.iters.version().1,
         };
         deliver(n, m, hb);
         n.on_timeout(t);
