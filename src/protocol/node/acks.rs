@@ -7,10 +7,10 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct AckTimers {
     deadlines: BTreeSet<(Time, Dl)>,
-    pub(super) outstanding: BTreeMap<(MbId, bool), Outstanding>,
+    outstanding: BTreeMap<(MbId, bool), Outstanding>,
     /// Acks held until this node's output of the hop reached the next hop
     /// (policies that ack on delivery): the sender and attempt, by hop.
-    pub(super) held: BTreeMap<(MbId, bool), (NodeId, u32)>,
+    held: BTreeMap<(MbId, bool), (NodeId, u32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -21,14 +21,54 @@ pub(super) enum Dl {
 
 #[derive(Clone, Debug)]
 pub(super) struct Outstanding {
-    pub(super) to: NodeId,
-    pub(super) sent_at: Time,
-    pub(super) deadline: Time,
-    pub(super) bytes: u64,
-    pub(super) attempt: u32,
+    to: NodeId,
+    sent_at: Time,
+    deadline: Time,
+    bytes: u64,
+    attempt: u32,
+}
+
+impl Outstanding {
+    /// Attempt `attempt` of a hop of `bytes` sent to `to` at `sent_at`,
+    /// whose ack is due by `deadline`.
+    pub(super) fn new(to: NodeId, sent_at: Time, deadline: Time, bytes: u64, attempt: u32) -> Self {
+        Outstanding {
+            to,
+            sent_at,
+            deadline,
+            bytes,
+            attempt,
+        }
+    }
 }
 
 impl AckTimers {
+    /// Forgets the hops of iterations before `iter`: their acks, awaited
+    /// or held, and their deadlines.
+    pub(super) fn forget_before(&mut self, iter: u32) {
+        let deadlines = &mut self.deadlines;
+        self.outstanding.retain(|k, o| {
+            let keep = k.0.iter >= iter;
+            if !keep {
+                deadlines.remove(&(o.deadline, Dl::Ack(k.0, k.1)));
+            }
+            keep
+        });
+        self.held.retain(|k, _| k.0.iter >= iter);
+    }
+
+    /// Whether the ack of this node's hop of `mb` (`backward` or forward)
+    /// is still awaited.
+    pub(super) fn awaits(&self, mb: MbId, backward: bool) -> bool {
+        self.outstanding.contains_key(&(mb, backward))
+    }
+
+    /// Whether acks are held for outputs not yet delivered.
+    #[cfg(test)]
+    pub(super) fn holds_any(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// The earliest deadline, if any.
     pub(super) fn next_deadline(&self) -> Option<Time> {
         self.deadlines.iter().next().map(|x| x.0)
@@ -176,13 +216,7 @@ impl Node {
         }
         self.add_deadline(
             (mb, backward),
-            Outstanding {
-                to,
-                sent_at: self.now,
-                deadline,
-                bytes,
-                attempt,
-            },
+            Outstanding::new(to, self.now, deadline, bytes, attempt),
         );
         if !backward && self.policy().counts_queues() {
             if let Some(p) = self.peers.get_mut(&to) {
@@ -388,13 +422,7 @@ mod tests {
             iter: 3,
             idx: 1,
         };
-        let o = Outstanding {
-            to: 9,
-            sent_at: n.now,
-            deadline: n.now + SEC,
-            bytes: 1 << 20,
-            attempt: 0,
-        };
+        let o = Outstanding::new(9, n.now, n.now + SEC, 1 << 20, 0);
         n.acks.outstanding.insert((mb, false), o);
         n.on_queued(8, mb, 0, false, 10 * SEC);
         assert_eq!(n.acks.outstanding[&(mb, false)].deadline, n.now + SEC);

@@ -1027,7 +1027,7 @@ impl Node {
         // steps with it; one left out of the commit (or whose part failed)
         // downloads the state again (the runtime), and holds no more
         // updates meanwhile: what its heartbeats tell the coordinator.
-        let ran = (self.member.acc.get(&iter)).is_some_and(|a| a.agg_finished.is_some());
+        let ran = self.member.ran_commit_of(iter);
         if self.cfg.leave_out_stragglers && !ran {
             self.iters.missed(iter, version);
         } else {
@@ -1049,7 +1049,7 @@ impl Node {
             iter,
             version,
         });
-        self.member.acc.retain(|k, _| *k > iter);
+        self.member.forget_upto(iter);
         self.deputy_forget_upto(iter);
         if let Some(origin) = adopted {
             for m in self.group.members().clone() {

@@ -841,8 +841,8 @@ fn a_commit_tells_each_member_its_own_grants() {
     assert_eq!(mine.get(&2), Some(&owned(0)));
     assert_eq!(mine.get(&3), Some(&owned(1)));
     // Its own commit reaches it inside: it sums nothing.
-    assert!(n.member.acc[&0].agg_task.is_some());
-    assert!(n.member.acc[&0].agg_mine.is_empty());
+    let (task, mine) = n.member.running(0).expect("its own commit");
+    assert!(task.is_some() && mine == 0);
 }
 
 /// A grant's owner that left the member set without its death being

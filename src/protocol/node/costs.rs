@@ -864,7 +864,7 @@ pub(super) mod tests {
                 p.compute_s = 0.5;
             }
             // Rejections edit a list in place.
-            let ids = n.peers.ids.clone();
+            let ids: Vec<NodeId> = n.peers.iter().map(|(id, _)| *id).collect();
             for j in ids {
                 if rng.below(3) == 0 {
                     let p = n.peers.get_mut(&j).unwrap();

@@ -157,14 +157,7 @@ impl Node {
         };
         // The commits of `old` this node runs as a member (an epoch names
         // its coordinator in its high half).
-        let runs: Vec<(u32, u64, Arc<Vec<NodeId>>, u64)> = (self.member.acc.iter())
-            .filter_map(|(&k, a)| {
-                let (_, epoch) = a.agg_task?;
-                let members = a.agg_members.clone()?;
-                let ours = epoch >> 32 == old as u64 && members.contains(&old);
-                ours.then_some((k, epoch, members, a.agg_digest))
-            })
-            .collect();
+        let runs = self.member.runs_of(old);
         let now = self.now;
         for (iter, epoch, members, digest) in runs {
             if self.iters.applied_through(iter) {

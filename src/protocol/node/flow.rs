@@ -14,7 +14,7 @@ pub(super) struct Reservations {
     /// already on them still pass, until the iteration is final.
     pub(super) ghosts: BTreeMap<Label, (NodeId, Label)>,
     /// Requests waiting for the next hop's answer, by out label.
-    pub(super) pending: BTreeMap<Label, PendingReq>,
+    pending: BTreeMap<Label, PendingReq>,
     next_label: u64,
     /// Holder: EMA of the observed round trip (launch to gradient back) of a
     /// microbatch on each of its reserved flows, in seconds.

@@ -6,7 +6,7 @@ use super::*;
 #[derive(Debug, Default)]
 pub(super) struct GroupMember {
     /// Contributions claimed and granted, by iteration.
-    pub(super) acc: BTreeMap<u32, Acc>,
+    acc: BTreeMap<u32, Acc>,
     /// Last commit (coordinator, epoch) this member ran.
     last_commit: Option<(u32, u64)>,
     /// Claims that were pending at the last heartbeat (re-sent at the next
@@ -14,7 +14,69 @@ pub(super) struct GroupMember {
     stale_claims: BTreeSet<MbId>,
     /// Digest of the weights this member holds (set by its runtime after
     /// every apply or state import; 0: not known, as in the simulator).
-    pub(super) weights: u64,
+    weights: u64,
+}
+
+impl GroupMember {
+    /// The digest of the weights this member holds (0: not known).
+    pub(super) fn weights(&self) -> u64 {
+        self.weights
+    }
+
+    /// Whether this member's all-reduce of a commit of `iter` ended with
+    /// the mean.
+    pub(super) fn ran_commit_of(&self, iter: u32) -> bool {
+        self.acc
+            .get(&iter)
+            .is_some_and(|a| a.agg_finished.is_some())
+    }
+
+    /// Forgets the contributions of `iter` and before (applied).
+    pub(super) fn forget_upto(&mut self, iter: u32) {
+        self.acc.retain(|k, _| *k > iter);
+    }
+
+    /// The commit (iteration, epoch) aggregate task `id` runs.
+    pub(super) fn commit_of(&self, id: TaskId) -> Option<(u32, u64)> {
+        self.acc
+            .iter()
+            .find_map(|(k, a)| a.agg_task.filter(|t| t.0 == id).map(|t| (*k, t.1)))
+    }
+
+    /// The all-reduce of commit `epoch` of `iter` ended here with the mean.
+    pub(super) fn aggregate_finished(&mut self, iter: u32, epoch: u64) {
+        if let Some(a) = self.acc.get_mut(&iter) {
+            a.agg_finished = Some(epoch);
+        }
+    }
+
+    /// The all-reduce of commit `epoch` of `iter` failed here.
+    pub(super) fn aggregate_failed(&mut self, iter: u32, epoch: u64) {
+        if let Some(a) = self.acc.get_mut(&iter) {
+            a.agg_failed = Some(epoch);
+        }
+    }
+
+    /// The commits of coordinator `coord` this member runs: (iteration,
+    /// epoch, members, digest); an epoch names its coordinator in its high
+    /// half.
+    pub(super) fn runs_of(&self, coord: NodeId) -> Vec<(u32, u64, Arc<Vec<NodeId>>, u64)> {
+        (self.acc.iter())
+            .filter_map(|(&k, a)| {
+                let (_, epoch) = a.agg_task?;
+                let members = a.agg_members.clone()?;
+                let ours = epoch >> 32 == coord as u64 && members.contains(&coord);
+                ours.then_some((k, epoch, members, a.agg_digest))
+            })
+            .collect()
+    }
+
+    /// The commit of `iter` this member runs: its task, and how many
+    /// microbatches the commit counts as its own.
+    #[cfg(test)]
+    pub(super) fn running(&self, iter: u32) -> Option<(Option<(TaskId, u64)>, usize)> {
+        self.acc.get(&iter).map(|a| (a.agg_task, a.agg_mine.len()))
+    }
 }
 
 /// What one aggregate task must reduce: the commit it belongs to.
@@ -53,21 +115,21 @@ pub(super) struct Acc {
     /// of the first grant died in between): the grant is honoured, since
     /// the coordinator counts the microbatch as ours from then on.
     refused: BTreeMap<MbId, (NodeId, NodeId, Vec<TaskId>)>,
-    pub(super) agg_task: Option<(TaskId, u64)>,
+    agg_task: Option<(TaskId, u64)>,
     /// The members of the commit `agg_task` runs, and its digest.
-    pub(super) agg_members: Option<Arc<Vec<NodeId>>>,
-    pub(super) agg_digest: u64,
+    agg_members: Option<Arc<Vec<NodeId>>>,
+    agg_digest: u64,
     /// What that commit counts as this member's: its contribution sums
     /// exactly these (see `Msg::Commit`).
-    pub(super) agg_mine: Arc<Vec<MbId>>,
+    agg_mine: Arc<Vec<MbId>>,
     /// The epoch whose all-reduce ended here with the mean (told again to
     /// a new coordinator, which may take the commit over: see `deputy`).
-    pub(super) agg_finished: Option<u64>,
+    agg_finished: Option<u64>,
     /// The epoch whose all-reduce failed here (told again to a new
     /// coordinator: the `AggFailed` may have gone to one that died, and a
     /// successor taking its commit over would wait `redo_timeout` for a
     /// result that never comes).
-    pub(super) agg_failed: Option<u64>,
+    agg_failed: Option<u64>,
 }
 
 /// Each microbatch of `claims` with the hop it came from and went to.

@@ -5,10 +5,10 @@ use super::*;
 /// Holder's iteration state.
 #[derive(Clone, Debug, Default)]
 pub(super) struct HolderState {
-    pub(super) iter: Option<u32>,
+    iter: Option<u32>,
     next_idx: u32,
     done: BTreeSet<u32>,
-    pub(super) in_flight: BTreeMap<MbId, Option<Label>>,
+    in_flight: BTreeMap<MbId, Option<Label>>,
     restarts: VecDeque<MbId>,
     reported: bool,
     /// Microbatches an aggregate asked to restart while their attempt in
@@ -80,17 +80,7 @@ impl Node {
             return;
         }
         self.lifecycle.snaps.retain(|m, _| m.iter >= iter);
-        let old: Vec<(MbId, bool)> = self
-            .acks
-            .outstanding
-            .keys()
-            .filter(|k| k.0.iter < iter)
-            .copied()
-            .collect();
-        for k in old {
-            self.clear_deadline(k);
-        }
-        self.acks.held.retain(|k, _| k.0.iter >= iter);
+        self.acks.forget_before(iter);
         self.reservations.forget_ghosts();
         self.iters.forget_ends_before(iter);
         let keep = iter.saturating_sub(1);

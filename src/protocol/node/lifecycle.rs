@@ -392,24 +392,13 @@ impl Node {
         if self.phase != Phase::Active || !matches!(kind, TaskKind::Aggregate { .. }) {
             return;
         }
-        let Some((iter, epoch)) = self.commit_of(id) else {
+        let Some((iter, epoch)) = self.member.commit_of(id) else {
             return;
         };
-        if let Some(a) = self.member.acc.get_mut(&iter) {
-            a.agg_failed = Some(epoch);
-        }
+        self.member.aggregate_failed(iter, epoch);
         if let Some(c) = self.group.coord() {
             self.send(c, Msg::AggFailed { iter, epoch });
         }
-    }
-
-    /// The commit (iteration, epoch) aggregate task `id` runs.
-    fn commit_of(&self, id: TaskId) -> Option<(u32, u64)> {
-        self.member
-            .acc
-            .iter()
-            .find(|(_, a)| a.agg_task.is_some_and(|t| t.0 == id))
-            .map(|(k, a)| (*k, a.agg_task.unwrap().1))
     }
 
     /// A microbatch's compute task is handed to the trainer: it waits
@@ -450,12 +439,10 @@ impl Node {
         }
         match kind {
             TaskKind::Aggregate { .. } => {
-                if let Some((iter, epoch)) = self.commit_of(id) {
-                    if let Some(a) = self.member.acc.get_mut(&iter) {
-                        a.agg_finished = Some(epoch);
-                    }
+                if let Some((iter, epoch)) = self.member.commit_of(id) {
+                    self.member.aggregate_finished(iter, epoch);
                     if let Some(c) = self.group.coord() {
-                        let weights = self.member.weights;
+                        let weights = self.member.weights();
                         self.send(
                             c,
                             Msg::AggDone {
@@ -488,7 +475,7 @@ impl Node {
                 }
                 self.forward_out(mb, label, hint, plan, &[]);
                 if kind == TaskKind::Forward && delivers {
-                    let sent_on = self.acks.outstanding.contains_key(&(mb, false));
+                    let sent_on = self.acks.awaits(mb, false);
                     self.ack_done(prev, mb, attempt, false, sent_on);
                 }
             }
@@ -935,7 +922,7 @@ mod tests {
                 .iter()
                 .any(|(to, m)| *to == 30 && matches!(m, Msg::Ack { backward: true, .. }));
             assert_eq!(to_30, swarm, "{policy:?}");
-            assert!(n.acks.held.is_empty());
+            assert!(!n.acks.holds_any());
         }
     }
 

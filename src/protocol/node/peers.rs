@@ -80,7 +80,7 @@ impl Peer {
 /// like a `BTreeMap`.
 #[derive(Clone, Debug, Default)]
 pub(super) struct PeerMap {
-    pub(super) ids: Vec<NodeId>,
+    ids: Vec<NodeId>,
     /// `entries[i].stage`, apart: only [`PeerMap::learn`] sets a stage.
     stages: Vec<Stage>,
     entries: Vec<Peer>,

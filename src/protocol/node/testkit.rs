@@ -103,12 +103,6 @@ pub(super) fn awaiting_ack(n: &mut Node, mb: MbId, backward: bool, to: NodeId) {
     let now = n.now;
     n.add_deadline(
         (mb, backward),
-        Outstanding {
-            to,
-            sent_at: now,
-            deadline: now + 10 * SEC,
-            bytes: 1 << 20,
-            attempt: 0,
-        },
+        Outstanding::new(to, now, now + 10 * SEC, 1 << 20, 0),
     );
 }
