@@ -40,34 +40,154 @@ pub(super) struct Lost {
 /// Coordinator's state of one iteration of its stage.
 #[derive(Clone, Debug, Default)]
 pub(super) struct CoordIter {
-    pub(super) end: Option<(NodeId, Arc<Vec<NodeId>>)>,
-    pub(super) end_at: Time,
-    pub(super) granted: BTreeMap<MbId, (NodeId, NodeId, NodeId)>,
-    pub(super) lost: BTreeMap<MbId, Lost>,
-    pub(super) dropped: BTreeSet<MbId>,
-    pub(super) epoch: u64,
-    pub(super) commit: Option<BTreeSet<NodeId>>,
+    end: Option<(NodeId, Arc<Vec<NodeId>>)>,
+    end_at: Time,
+    granted: BTreeMap<MbId, (NodeId, NodeId, NodeId)>,
+    lost: BTreeMap<MbId, Lost>,
+    dropped: BTreeSet<MbId>,
+    epoch: u64,
+    commit: Option<BTreeSet<NodeId>>,
     /// The commit's member list as sent (the ring's order) and its digest,
     /// and when it was last sent: a member that has not reported its
     /// all-reduce a heartbeat period later is sent it again.
-    pub(super) commit_sent: Option<(Arc<Vec<NodeId>>, u64, Time)>,
+    commit_sent: Option<(Arc<Vec<NodeId>>, u64, Time)>,
     /// Members done with the commit's all-reduce, with their weights digest.
-    pub(super) agg_done: BTreeMap<NodeId, u64>,
+    agg_done: BTreeMap<NodeId, u64>,
     /// Members whose part of it failed, under a policy that then steps
     /// without it (SWARM: see `skips_failed_aggregation`).
-    pub(super) agg_failed: BTreeSet<NodeId>,
-    pub(super) applied: bool,
+    agg_failed: BTreeSet<NodeId>,
+    applied: bool,
     /// A commit's all-reduce failed: the next commit waits until then (a
     /// failure that repeats must not spin).
-    pub(super) retry_at: Time,
+    retry_at: Time,
     /// Expected microbatches not granted (nor dropped), once the iteration ended.
-    pub(super) missing: Option<BTreeSet<MbId>>,
+    missing: Option<BTreeSet<MbId>>,
     /// When a member of the running commit was lost and its grants kept for
     /// the survivors' all-reduce to finish without it: if neither their
     /// `AggDone` nor an `AggFailed` comes within `redo_timeout`, the commit
     /// is abandoned (the last resort: the runtime's all-reduce ends either
     /// way).
-    pub(super) bypass_since: Option<Time>,
+    bypass_since: Option<Time>,
+}
+
+impl CoordIter {
+    /// Whether the stage applied this iteration's update.
+    pub(super) fn is_applied(&self) -> bool {
+        self.applied
+    }
+
+    /// The grants given to `owner` (this coordinator itself, for its
+    /// deputy): (microbatch, the hop it came from, the hop it went to).
+    pub(super) fn grants_of(&self, owner: NodeId) -> Vec<(MbId, NodeId, NodeId)> {
+        (self.granted.iter())
+            .filter(|(_, g)| g.0 == owner)
+            .map(|(mb, g)| (*mb, g.1, g.2))
+            .collect()
+    }
+
+    /// Whether `mb` is granted or dropped already.
+    pub(super) fn settled(&self, mb: &MbId) -> bool {
+        self.granted.contains_key(mb) || self.dropped.contains(mb)
+    }
+
+    /// Whether the commit under way counts on member `m`.
+    pub(super) fn commit_counts_on(&self, m: NodeId) -> bool {
+        self.commit.as_ref().is_some_and(|c| c.contains(&m))
+    }
+
+    /// The next commit waits until `at` (a failure must not spin).
+    pub(super) fn retry_not_before(&mut self, at: Time) {
+        self.retry_at = at;
+    }
+
+    /// The members done with the commit's all-reduce, with the digests of
+    /// their weights.
+    pub(super) fn digests(&self) -> Vec<(NodeId, u64)> {
+        self.agg_done.iter().map(|(m, d)| (*m, *d)).collect()
+    }
+
+    /// The digest member `m` reported, if it is done.
+    pub(super) fn digest_of(&self, m: NodeId) -> Option<u64> {
+        self.agg_done.get(&m).copied()
+    }
+
+    /// The digests of the all-reduce that are compared: those of the
+    /// members whose gradients are in its mean (they own a grant) and the
+    /// coordinator's (`me`); 0 (unknown) left out.
+    pub(super) fn compared_digests(&self, me: NodeId) -> Vec<(NodeId, u64)> {
+        let owners: BTreeSet<NodeId> = self.granted.values().map(|g| g.0).collect();
+        (self.agg_done.iter())
+            .filter(|(m, d)| **d != 0 && (owners.contains(m) || **m == me))
+            .map(|(m, d)| (*m, *d))
+            .collect()
+    }
+
+    /// A deputy takes over the commit (`epoch`, `members`, `digest`) its
+    /// coordinator `old` (gone) was running: with `old`'s own grants
+    /// `held` (as copied to it) added to those known here, the commit is
+    /// the same only if nothing failed, no commit runs here already, and
+    /// the digests agree. Then it is this iteration's commit, its members'
+    /// reports (`Some(weights)`: done) in, its survivors' all-reduce left
+    /// to finish (`now`); true. Otherwise nothing changes; false.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn take_over(
+        &mut self,
+        old: NodeId,
+        held: &BTreeMap<MbId, (NodeId, NodeId)>,
+        members: &[NodeId],
+        epoch: u64,
+        digest: u64,
+        reports: BTreeMap<NodeId, Option<u64>>,
+        now: Time,
+    ) -> bool {
+        let failed = reports.values().any(Option::is_none);
+        let mut known = self.granted.clone();
+        for (mb, (prev, next)) in held {
+            known.entry(*mb).or_insert((old, *prev, *next));
+        }
+        let whole =
+            !failed && self.commit.is_none() && commit_digest(&known, &self.dropped) == digest;
+        if !whole {
+            return false;
+        }
+        for mb in held.keys() {
+            self.lost.remove(mb);
+            if let Some(m) = self.missing.as_mut() {
+                m.remove(mb);
+            }
+        }
+        self.granted = known;
+        self.commit = Some(members.iter().copied().collect());
+        self.epoch = epoch;
+        self.agg_done = (reports.into_iter())
+            .filter_map(|(m, w)| w.map(|w| (m, w)))
+            .collect();
+        self.bypass_since = Some(now);
+        true
+    }
+
+    /// A commit under way (a test's coordinator).
+    #[cfg(test)]
+    pub(super) fn running(
+        epoch: u64,
+        commit: BTreeSet<NodeId>,
+        agg_done: BTreeMap<NodeId, u64>,
+        granted: BTreeMap<MbId, (NodeId, NodeId, NodeId)>,
+    ) -> CoordIter {
+        CoordIter {
+            epoch,
+            commit: Some(commit),
+            agg_done,
+            granted,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the members' reports of the all-reduce (a test's).
+    #[cfg(test)]
+    pub(super) fn set_digests(&mut self, agg_done: BTreeMap<NodeId, u64>) {
+        self.agg_done = agg_done;
+    }
 }
 
 impl Coordinator {
@@ -949,7 +1069,7 @@ impl Node {
         let mbs: Vec<(MbId, NodeId)> = ci.granted.iter().map(|(m, g)| (*m, g.0)).collect();
         // Replicas aggregate on the same weights, or something is wrong:
         // every member reports the digest of what it holds (0: unknown).
-        let digests = self.compared_digests(ci);
+        let digests = ci.compared_digests(self.id);
         let diverged = digests.windows(2).any(|w| w[0].1 != w[1].1);
         let dropped: Vec<MbId> = ci.dropped.iter().copied().collect();
         let ci = self.coordinating.coord_iters.get_mut(&iter).unwrap();

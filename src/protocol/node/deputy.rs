@@ -8,7 +8,6 @@
 //! for any member that dies; and when the coordinator died while its
 //! commit's all-reduce ran on without it, the successor takes the commit
 //! over ([`Takeover`]) and applies the ring's result, nothing rerun.
-use super::coordinator::commit_digest;
 use super::*;
 
 /// Grants kept per iteration, at most (a coordinator grants itself at most
@@ -92,14 +91,8 @@ impl Node {
         };
         let me = self.id;
         let mine: Vec<(u32, Hops)> = (self.coordinating.coord_iters.iter())
-            .filter(|(_, ci)| !ci.applied)
-            .map(|(k, ci)| {
-                let g = (ci.granted.iter())
-                    .filter(|(_, g)| g.0 == me)
-                    .map(|(mb, g)| (*mb, g.1, g.2))
-                    .collect();
-                (*k, g)
-            })
+            .filter(|(_, ci)| !ci.is_applied())
+            .map(|(k, ci)| (*k, ci.grants_of(me)))
             .collect();
         for (iter, granted) in mine {
             if !granted.is_empty() {
@@ -193,11 +186,11 @@ impl Node {
             return;
         }
         let ci = self.coordinating.coord_iters.entry(iter).or_default();
-        if ci.applied {
+        if ci.is_applied() {
             return;
         }
         let lost: Vec<(MbId, NodeId, NodeId)> = (mbs.into_iter())
-            .filter(|(mb, _)| !ci.granted.contains_key(mb) && !ci.dropped.contains(mb))
+            .filter(|(mb, _)| !ci.settled(mb))
             .map(|(mb, (prev, next))| (mb, prev, next))
             .collect();
         self.mark_lost(iter, old, lost);
@@ -241,33 +234,13 @@ impl Node {
             .remove(&iter)
             .expect("taking over");
         let ci = self.coordinating.coord_iters.entry(iter).or_default();
-        if ci.applied {
+        if ci.is_applied() {
             return;
         }
-        let mut known = ci.granted.clone();
-        for (mb, (prev, next)) in &t.held {
-            known.entry(*mb).or_insert((t.old, *prev, *next));
-        }
-        let whole =
-            !failed && ci.commit.is_none() && commit_digest(&known, &ci.dropped) == t.digest;
-        if !whole {
+        let (members, now) = (&t.members, self.now);
+        if !ci.take_over(t.old, &t.held, members, t.epoch, t.digest, t.reports, now) {
             self.lose_copied_grants(iter, t.old, t.held);
-            self.coord_check(iter);
-            return;
         }
-        for mb in t.held.keys() {
-            ci.lost.remove(mb);
-            if let Some(m) = ci.missing.as_mut() {
-                m.remove(mb);
-            }
-        }
-        ci.granted = known;
-        ci.commit = Some(t.members.iter().copied().collect());
-        ci.epoch = t.epoch;
-        ci.agg_done = (t.reports.into_iter())
-            .filter_map(|(m, w)| w.map(|w| (m, w)))
-            .collect();
-        ci.bypass_since = Some(self.now);
         self.coord_check(iter);
     }
 }

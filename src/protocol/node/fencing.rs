@@ -204,13 +204,13 @@ impl Node {
     /// `m` are given up (a new epoch follows once its grants are redone).
     pub(super) fn abandon_commits_with(&mut self, m: NodeId) {
         let iters: Vec<u32> = (self.coordinating.coord_iters.iter())
-            .filter(|(_, ci)| !ci.applied && ci.commit.as_ref().is_some_and(|c| c.contains(&m)))
+            .filter(|(_, ci)| !ci.is_applied() && ci.commit_counts_on(m))
             .map(|(k, _)| *k)
             .collect();
         let retry_at = self.now + self.cfg.tick;
         for k in iters {
             if let Some(ci) = self.coordinating.coord_iters.get_mut(&k) {
-                ci.retry_at = retry_at;
+                ci.retry_not_before(retry_at);
             }
             self.abandon_commit(k);
         }
@@ -528,11 +528,7 @@ impl Node {
     /// when the update is applied and downloads the state again instead
     /// of applying it. 0: unknown.
     pub(super) fn compared_digests(&self, ci: &CoordIter) -> Vec<(NodeId, u64)> {
-        let owners: BTreeSet<NodeId> = ci.granted.values().map(|g| g.0).collect();
-        (ci.agg_done.iter())
-            .filter(|(m, d)| **d != 0 && (owners.contains(m) || **m == self.id))
-            .map(|(m, d)| (*m, *d))
-            .collect()
+        ci.compared_digests(self.id)
     }
 
     /// The members of a commit whose weights differ from the majority's
@@ -552,7 +548,7 @@ impl Node {
             *counts.entry(*d).or_default() += 1;
         }
         let most = counts.values().copied().max().unwrap_or(0);
-        let mine = ci.agg_done.get(&self.id).copied();
+        let mine = ci.digest_of(self.id);
         let winner = match mine {
             Some(d) if counts.get(&d) == Some(&most) => d,
             _ => (counts.iter())
@@ -574,7 +570,7 @@ impl Node {
     pub(super) fn evict_diverged(&mut self, iter: u32, diverged: Vec<NodeId>) {
         let stage = self.stage;
         let digests: Vec<(NodeId, u64)> = (self.coordinating.coord_iters.get(&iter))
-            .map(|ci| ci.agg_done.iter().map(|(m, d)| (*m, *d)).collect())
+            .map(|ci| ci.digests())
             .unwrap_or_default();
         self.event(Event::ReplicasDiverged {
             stage,
@@ -583,7 +579,7 @@ impl Node {
         });
         let retry_at = self.now + self.cfg.tick;
         if let Some(ci) = self.coordinating.coord_iters.get_mut(&iter) {
-            ci.retry_at = retry_at;
+            ci.retry_not_before(retry_at);
         }
         self.abandon_commit(iter);
         if diverged.contains(&self.id) {
@@ -943,13 +939,12 @@ mod tests {
             .collect();
         c.coordinating.coord_iters.insert(
             4,
-            CoordIter {
-                epoch: 9,
-                commit: Some(BTreeSet::from([1, 2, 3])),
-                agg_done: BTreeMap::from([(1, 77), (2, 77)]),
+            CoordIter::running(
+                9,
+                BTreeSet::from([1, 2, 3]),
+                BTreeMap::from([(1, 77), (2, 77)]),
                 granted,
-                ..Default::default()
-            },
+            ),
         );
         assert!(c.diverged_members(4).is_empty());
         let done = Msg::AggDone {
@@ -980,9 +975,13 @@ mod tests {
             .iter()
             .any(|x| matches!(x, Action::Event(Event::ReplicasDiverged { iter: 4, .. }))));
         assert!(!c.group.members().contains(&3));
-        assert!(!c.coordinating.coord_iters[&4].applied);
+        assert!(!c.coordinating.coord_iters[&4].is_applied());
         // A tie goes to the coordinator's own weights.
-        c.coordinating.coord_iters.get_mut(&4).unwrap().agg_done = BTreeMap::from([(1, 5), (2, 6)]);
+        c.coordinating
+            .coord_iters
+            .get_mut(&4)
+            .unwrap()
+            .set_digests(BTreeMap::from([(1, 5), (2, 6)]));
         assert_eq!(c.diverged_members(4), vec![2]);
     }
 
@@ -997,7 +996,7 @@ mod tests {
         let (c, a) = commit_with_digests_77_77_55(&[1, 2]);
         assert!(evictions(&a).is_empty(), "{:?}", evictions(&a));
         assert!(c.group.members().contains(&3));
-        assert!(c.coordinating.coord_iters[&4].applied);
+        assert!(c.coordinating.coord_iters[&4].is_applied());
         assert!(!a
             .iter()
             .any(|x| matches!(x, Action::Event(Event::ReplicasDiverged { .. }))));
