@@ -158,9 +158,9 @@ impl Node {
     pub(super) fn link_flows(&self, j: NodeId) -> u32 {
         let r = &self.reservations;
         let flows = r
-            .flows
+            .flows()
             .values()
-            .filter(|f| f.next == j || (f.prev == j && f.prev != self.id))
+            .filter(|f| f.next() == j || (f.prev() == j && f.prev() != self.id))
             .count();
         let pending = r.pending_next_hops().filter(|&n| n == j).count();
         (flows + pending) as u32
@@ -171,10 +171,10 @@ impl Node {
     pub(super) fn all_link_flows(&self) -> BTreeMap<NodeId, u32> {
         let r = &self.reservations;
         let mut n: BTreeMap<NodeId, u32> = BTreeMap::new();
-        for f in r.flows.values() {
-            *n.entry(f.next).or_default() += 1;
-            if f.prev != self.id && f.prev != f.next {
-                *n.entry(f.prev).or_default() += 1;
+        for f in r.flows().values() {
+            *n.entry(f.next()).or_default() += 1;
+            if f.prev() != self.id && f.prev() != f.next() {
+                *n.entry(f.prev()).or_default() += 1;
             }
         }
         for next in r.pending_next_hops() {
@@ -197,9 +197,9 @@ impl Node {
     fn next_link_flows(&self) -> LinkFlows {
         let r = &self.reservations;
         LinkFlows::new(
-            r.flows
+            r.flows()
                 .values()
-                .map(|f| f.next)
+                .map(|f| f.next())
                 .chain(r.pending_next_hops()),
         )
     }
@@ -546,7 +546,7 @@ impl Node {
         // Bounded fanout: at most `gossip_fanout` upstream peers per round,
         // taken in turn (round robin), plus those whose flows pass here.
         let fan = self.cfg.gossip_fanout.max(1);
-        let mut targets: Vec<NodeId> = Vec::with_capacity(fan + self.reservations.flows.len());
+        let mut targets: Vec<NodeId> = Vec::with_capacity(fan + self.reservations.flows().len());
         if ups.len() <= fan {
             targets.extend(ups.iter().copied());
         } else {
@@ -556,9 +556,9 @@ impl Node {
             }
             self.cost_gossip.gossip_round = (start + fan) % ups.len();
         }
-        for f in self.reservations.flows.values() {
-            if f.prev != self.id {
-                targets.push(f.prev);
+        for f in self.reservations.flows().values() {
+            if f.prev() != self.id {
+                targets.push(f.prev());
             }
         }
         // In id order, each once.

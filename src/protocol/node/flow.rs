@@ -7,12 +7,12 @@ use super::*;
 #[derive(Debug)]
 pub(super) struct Reservations {
     /// Reserved flows, by in label.
-    pub(super) flows: BTreeMap<Label, FlowEntry>,
+    flows: BTreeMap<Label, FlowEntry>,
     /// The in label of the flow that goes out on each out label.
     out_index: BTreeMap<Label, Label>,
     /// Flows redirected away, by in label (next hop, out label): microbatches
     /// already on them still pass, until the iteration is final.
-    pub(super) ghosts: BTreeMap<Label, (NodeId, Label)>,
+    ghosts: BTreeMap<Label, (NodeId, Label)>,
     /// Requests waiting for the next hop's answer, by out label.
     pending: BTreeMap<Label, PendingReq>,
     next_label: u64,
@@ -37,14 +37,62 @@ impl Default for Reservations {
 /// One reserved flow through this node (GWTF).
 #[derive(Clone, Debug)]
 pub(super) struct FlowEntry {
-    pub(super) in_label: Label,
-    pub(super) sink: NodeId,
+    in_label: Label,
+    sink: NodeId,
     /// Upstream node (the holder itself for a holder's own flows).
-    pub(super) prev: NodeId,
-    pub(super) next: NodeId,
-    pub(super) out_label: Label,
-    pub(super) cost_from_source: f64,
-    pub(super) last_used: Time,
+    prev: NodeId,
+    next: NodeId,
+    out_label: Label,
+    cost_from_source: f64,
+    last_used: Time,
+}
+
+impl FlowEntry {
+    /// Flow `in_label` toward `sink`, from `prev` to `next` (out on
+    /// `out_label`), costing `cost_from_source` so far, used at `last_used`.
+    pub(super) fn new(
+        in_label: Label,
+        sink: NodeId,
+        prev: NodeId,
+        next: NodeId,
+        out_label: Label,
+        cost_from_source: f64,
+        last_used: Time,
+    ) -> FlowEntry {
+        FlowEntry {
+            in_label,
+            sink,
+            prev,
+            next,
+            out_label,
+            cost_from_source,
+            last_used,
+        }
+    }
+    /// Its `in_label`.
+    pub(super) fn in_label(&self) -> Label {
+        self.in_label
+    }
+    /// Its `sink`.
+    pub(super) fn sink(&self) -> NodeId {
+        self.sink
+    }
+    /// Its `prev`.
+    pub(super) fn prev(&self) -> NodeId {
+        self.prev
+    }
+    /// Its `next`.
+    pub(super) fn next(&self) -> NodeId {
+        self.next
+    }
+    /// Its `out_label`.
+    pub(super) fn out_label(&self) -> Label {
+        self.out_label
+    }
+    /// Its `cost_from_source`.
+    pub(super) fn cost_from_source(&self) -> f64 {
+        self.cost_from_source
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -64,6 +112,23 @@ pub(super) struct PendingReq {
 }
 
 impl Reservations {
+    /// The flows reserved through this node, by in label (changed only
+    /// through the reservations' own operations).
+    pub(super) fn flows(&self) -> &BTreeMap<Label, FlowEntry> {
+        &self.flows
+    }
+
+    /// Where microbatches on flow `in_label`, redirected away, still go:
+    /// (next hop, out label).
+    pub(super) fn ghost(&self, in_label: Label) -> Option<(NodeId, Label)> {
+        self.ghosts.get(&in_label).copied()
+    }
+
+    /// Whether `in_label` names a flow here, or one redirected away.
+    pub(super) fn knows(&self, in_label: Label) -> bool {
+        self.flows.contains_key(&in_label) || self.ghosts.contains_key(&in_label)
+    }
+
     /// No flows, requests or round trips any more; the labels issued stay
     /// issued (a label is never reused by a node).
     pub(super) fn clear_keeping_labels(&mut self) {

@@ -123,7 +123,7 @@ impl Node {
             let label = if self.policy().reserves_flows() {
                 let busy: BTreeSet<Label> = self.dh.in_flight.values().flatten().copied().collect();
                 self.reservations
-                    .flows
+                    .flows()
                     .keys()
                     .copied()
                     .find(|l| !busy.contains(l))

@@ -245,10 +245,7 @@ impl Node {
             return;
         }
         if let Some(label) = label {
-            if !self.reservations.flows.contains_key(&label)
-                && !self.reservations.ghosts.contains_key(&label)
-                && self.policy().reserves_flows()
-            {
+            if !self.reservations.knows(label) && self.policy().reserves_flows() {
                 // Unknown reservation: tell the sender to drop it.
                 self.send(from, Msg::PushBack { label });
             }

@@ -272,7 +272,7 @@ impl Node {
 
     /// Reserved flows through this node (GWTF), for reporting.
     pub fn flow_count(&self) -> usize {
-        self.reservations.flows.len()
+        self.reservations.flows().len()
     }
 
     /// Microbatches this node's memory holds at once (the flows it can carry).
@@ -283,9 +283,9 @@ impl Node {
     /// Reserved flows through this node: (in label, prev, next, out label).
     pub fn flows(&self) -> Vec<(Label, NodeId, NodeId, Label)> {
         self.reservations
-            .flows
+            .flows()
             .values()
-            .map(|f| (f.in_label, f.prev, f.next, f.out_label))
+            .map(|f| (f.in_label(), f.prev(), f.next(), f.out_label()))
             .collect()
     }
 
@@ -300,15 +300,10 @@ impl Node {
         next: NodeId,
         out_label: Label,
     ) {
-        self.insert_flow(FlowEntry {
-            in_label,
-            sink,
-            prev,
-            next,
-            out_label,
-            cost_from_source: 0.0,
-            last_used: self.now,
-        });
+        let now = self.now;
+        self.insert_flow(FlowEntry::new(
+            in_label, sink, prev, next, out_label, 0.0, now,
+        ));
     }
 
     /// Next instant at which `on_timeout` must run.

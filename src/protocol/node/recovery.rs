@@ -18,9 +18,9 @@ impl Node {
             // Its reservations through the dead node are gone.
             let through: Vec<Label> = self
                 .reservations
-                .flows
+                .flows()
                 .iter()
-                .filter(|(_, f)| f.next == dead)
+                .filter(|(_, f)| f.next() == dead)
                 .map(|(l, _)| *l)
                 .collect();
             for l in through {

@@ -293,7 +293,7 @@ impl Node {
                 if self.is_candidate(n, exclude) {
                     return Some((n, Some(o)));
                 }
-            } else if let Some(&(n, o)) = self.reservations.ghosts.get(&l) {
+            } else if let Some((n, o)) = self.reservations.ghost(l) {
                 if self.is_candidate(n, exclude) {
                     return Some((n, Some(o)));
                 }

@@ -39,14 +39,14 @@ impl Node {
     /// A flow table entry; `links`: [`Node::all_link_flows`].
     fn flow_info_with(&self, f: &FlowEntry, links: &BTreeMap<NodeId, u32>) -> FlowInfo {
         FlowInfo {
-            in_label: f.in_label,
-            sink: f.sink,
-            prev: f.prev,
-            next: f.next,
-            out_label: f.out_label,
-            cost_from_source: f.cost_from_source,
-            cost_to_sink: self.cost_via(f.next, f.sink),
-            segment: self.segment_cost_with(f.prev, f.next, links, true),
+            in_label: f.in_label(),
+            sink: f.sink(),
+            prev: f.prev(),
+            next: f.next(),
+            out_label: f.out_label(),
+            cost_from_source: f.cost_from_source(),
+            cost_to_sink: self.cost_via(f.next(), f.sink()),
+            segment: self.segment_cost_with(f.prev(), f.next(), links, true),
         }
     }
 
@@ -81,7 +81,7 @@ impl Node {
     pub(super) fn flow_infos(&self) -> Vec<FlowInfo> {
         let links = self.all_link_flows();
         self.reservations
-            .flows
+            .flows()
             .values()
             .map(|f| self.flow_info_with(f, &links))
             .collect()
@@ -91,7 +91,7 @@ impl Node {
         // A relay without flows searches too while it has room: it is the
         // one that can take a flow over from a loaded peer (a redirect).
         if self.stage == 0
-            || (self.reservations.flows.is_empty() && self.spare() == 0)
+            || (self.reservations.flows().is_empty() && self.spare() == 0)
             || self.search.sa_busy_until > self.now
         {
             return;
@@ -148,16 +148,16 @@ impl Node {
         // Best swap: my flow f and its flow g to the same sink.
         let mut best: Option<(f64, Msg)> = None;
         let links = self.all_link_flows();
-        for f in self.reservations.flows.values() {
+        for f in self.reservations.flows().values() {
             let fi = self.flow_info_with(f, &links);
             let f_full = fi.cost_from_source + fi.cost_to_sink;
             for g in &flows {
-                if g.sink != f.sink || g.next == f.next {
+                if g.sink != f.sink() || g.next == f.next() {
                     continue;
                 }
                 let g_full = g.cost_from_source + g.cost_to_sink;
                 let old_max = f_full.max(g_full);
-                let f_new = f.cost_from_source + self.cost_via(g.next, f.sink);
+                let f_new = f.cost_from_source() + self.cost_via(g.next, f.sink());
                 if f_new >= INF {
                     continue;
                 }
@@ -242,15 +242,15 @@ impl Node {
         if self.search.sa_busy_until > self.now && from > self.id {
             return reject(self);
         }
-        let Some(g) = self.reservations.flows.get(&yours).cloned() else {
+        let Some(g) = self.reservations.flows().get(&yours).cloned() else {
             return reject(self);
         };
-        if g.sink != mine.sink || g.next == mine.next {
+        if g.sink() != mine.sink || g.next() == mine.next {
             return reject(self);
         }
         let gi = self.flow_info(&g);
         let g_old = gi.cost_from_source + gi.cost_to_sink;
-        let g_new = g.cost_from_source + self.cost_via(mine.next, g.sink);
+        let g_new = g.cost_from_source() + self.cost_via(mine.next, g.sink());
         if g_new >= INF {
             return reject(self);
         }
@@ -288,9 +288,9 @@ impl Node {
         let Some(g) = yours else { return };
         if self
             .reservations
-            .flows
+            .flows()
             .get(&mine)
-            .is_some_and(|f| f.next != g.next)
+            .is_some_and(|f| f.next() != g.next)
         {
             self.reservations
                 .switch_downstream(mine, g.next, g.out_label);
@@ -316,7 +316,7 @@ impl Node {
         let busy = self.search.sa_busy_until > self.now && from > self.id;
         let Some(g) = self
             .reservations
-            .flows
+            .flows()
             .get(&yours)
             .cloned()
             .filter(|_| !busy)
@@ -324,7 +324,7 @@ impl Node {
             return reject(self);
         };
         // The segment prev -> me -> next of a flow already here.
-        let old = self.segment_cost(g.prev, g.next, true);
+        let old = self.segment_cost(g.prev(), g.next(), true);
         if !self.accept_move(old, new_cost, temperature) {
             return reject(self);
         }
@@ -350,15 +350,16 @@ impl Node {
             self.search.sa_skip.insert(from, self.cfg.sa_skip_attempts);
             return;
         };
-        self.insert_flow(FlowEntry {
-            in_label: g.in_label,
-            sink: g.sink,
-            prev: g.prev,
-            next: g.next,
-            out_label: g.out_label,
-            cost_from_source: g.cost_from_source,
-            last_used: self.now,
-        });
+        let now = self.now;
+        self.insert_flow(FlowEntry::new(
+            g.in_label,
+            g.sink,
+            g.prev,
+            g.next,
+            g.out_label,
+            g.cost_from_source,
+            now,
+        ));
         self.send(
             g.prev,
             Msg::NotifyRedirect {
@@ -478,12 +479,12 @@ mod tests {
         assert!(close(new_cost, 2.52), "{new_cost}");
         let answer = only_to(deliver(&mut owner, 11, proposal), 11);
         assert!(matches!(answer, Msg::RespondRedirect { accept: true, .. }));
-        assert_eq!(owner.reservations.flows.len(), 2);
+        assert_eq!(owner.reservations.flows().len(), 2);
         let told: Vec<(NodeId, &'static str)> = messages(deliver(&mut idle, 10, answer))
             .iter()
             .map(|(t, m)| (*t, m.name()))
             .collect();
-        assert_eq!(idle.reservations.flows.len(), 1);
+        assert_eq!(idle.reservations.flows().len(), 1);
         assert_eq!(told, vec![(20, "NotifyRedirect"), (30, "NotifySwitch")]);
     }
 
