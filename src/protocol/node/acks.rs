@@ -377,7 +377,7 @@ impl Node {
             .lifecycle
             .snaps
             .get(&mb)
-            .is_none_or(|s| s.attempt != o.attempt)
+            .is_none_or(|s| s.attempt() != o.attempt)
         {
             return;
         }

@@ -145,12 +145,10 @@ impl Node {
                 .policy()
                 .planned_path(&self.plan, self.dh.in_flight.len());
             self.dh.in_flight.insert(mb, label);
-            let attempt = self.lifecycle.snaps.get(&mb).map_or(0, |s| s.attempt + 1);
+            let attempt = self.lifecycle.snaps.get(&mb).map_or(0, |s| s.attempt() + 1);
             let t = self.run(TaskKind::Embed, Some(mb), attempt);
-            let mut snap = Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now);
-            snap.label_in = label;
-            snap.plan = plan;
-            self.lifecycle.snaps.insert(mb, snap);
+            let snap = Snap::new(attempt, Arc::new(vec![self.id]), self.id, Some(t), self.now);
+            self.lifecycle.snaps.insert(mb, snap.on_route(label, plan));
         }
     }
 
@@ -177,7 +175,7 @@ impl Node {
             else {
                 return false;
             };
-            flows.push(((to_secs(s.started) + r).max(now), r));
+            flows.push(((to_secs(s.started()) + r).max(now), r));
         }
         if flows.is_empty() {
             return false;
@@ -214,21 +212,27 @@ impl Node {
             let s = self.lifecycle.snaps.get(&mb);
             let stale = match failed {
                 // The data path reports a failed attempt: only that one.
-                Some(a) => s.is_some_and(|s| s.attempt != a),
+                Some(a) => s.is_some_and(|s| s.attempt() != a),
                 // An aggregate lost it: an attempt started recently is
                 // already recomputing it, unless its backward has begun
                 // (it may be past that stage: checked when it is done).
-                None => s.is_some_and(|s| s.started + self.cfg.redo_timeout > self.now),
+                None => s.is_some_and(|s| s.started() + self.cfg.redo_timeout > self.now),
             };
             if stale {
-                if failed.is_none() && self.lifecycle.snaps.get(&mb).is_some_and(|s| s.grad_ready) {
+                if failed.is_none()
+                    && self
+                        .lifecycle
+                        .snaps
+                        .get(&mb)
+                        .is_some_and(|s| s.grad_ready())
+                {
                     self.dh.recheck.entry(mb).or_insert(None);
                 }
                 return;
             }
             self.dh.in_flight.remove(&mb);
         } else if let (Some(a), Some(s)) = (failed, self.lifecycle.snaps.get(&mb)) {
-            if s.attempt != a || s.done {
+            if s.attempt() != a || s.done() {
                 return;
             }
         }
@@ -298,10 +302,10 @@ impl Node {
         let Some(st) = self.peers.get(&from).map(|p| p.stage as usize) else {
             return false;
         };
-        let Some(s) = self.lifecycle.snaps.get(&mb).filter(|s| s.done) else {
+        let Some(s) = self.lifecycle.snaps.get(&mb).filter(|s| s.done()) else {
             return false;
         };
-        let (path, last) = (s.path.clone(), self.s() as usize);
+        let (path, last) = (s.path().clone(), self.s() as usize);
         if st == 0 || st > last || path.len() != last + 1 {
             return false;
         }
@@ -329,8 +333,8 @@ impl Node {
             .in_flight
             .keys()
             .filter_map(|mb| self.lifecycle.snaps.get(mb).map(|s| (*mb, s)))
-            .filter(|(_, s)| s.started + e2e <= now)
-            .map(|(mb, s)| (mb, s.attempt))
+            .filter(|(_, s)| s.started() + e2e <= now)
+            .map(|(mb, s)| (mb, s.attempt()))
             .collect();
         for (mb, attempt) in late {
             self.restart(mb, Some(attempt));
@@ -489,7 +493,7 @@ mod tests {
             };
             let bwd = runs(&deliver(&mut n, 10, back))[0].id;
             n.handle(4 * SEC, Input::TaskDone { id: bwd });
-            assert!(n.lifecycle.snaps[&m].done);
+            assert!(n.lifecycle.snaps[&m].done());
             (n, m)
         };
         let restart = |m| Msg::Restart {

@@ -79,38 +79,85 @@ pub(super) const BUSY_WINDOW: Time = 10 * SEC;
 /// Lightweight snapshot of one microbatch at this node.
 #[derive(Clone, Debug)]
 pub(super) struct Snap {
-    pub(super) attempt: u32,
+    attempt: u32,
     /// Path up to and including this node (index = stage), then the full
     /// path once the backward came through.
-    pub(super) path: Arc<Vec<NodeId>>,
-    pub(super) prev: NodeId,
-    pub(super) next: Option<NodeId>,
-    pub(super) label_in: Option<Label>,
-    pub(super) hint: Option<NodeId>,
-    pub(super) plan: Option<Arc<Vec<NodeId>>>,
-    pub(super) need_grad: bool,
-    pub(super) fwd_task: Option<TaskId>,
-    pub(super) fwd_done: bool,
-    pub(super) bwd_task: Option<TaskId>,
+    path: Arc<Vec<NodeId>>,
+    prev: NodeId,
+    next: Option<NodeId>,
+    label_in: Option<Label>,
+    hint: Option<NodeId>,
+    plan: Option<Arc<Vec<NodeId>>>,
+    need_grad: bool,
+    fwd_task: Option<TaskId>,
+    fwd_done: bool,
+    bwd_task: Option<TaskId>,
     /// Holder: loss task (head fwd+bwd).
-    pub(super) loss_task: Option<TaskId>,
+    loss_task: Option<TaskId>,
     /// Its forward kept only the input (memory was full): the backward
     /// recomputes it ([`Config::recompute`]).
-    pub(super) stateless: bool,
+    stateless: bool,
     /// Gradient for `prev` is computed and stored (re-sent on recovery).
-    pub(super) grad_ready: bool,
+    grad_ready: bool,
     /// The gradient from `next` arrived.
-    pub(super) grad_in: bool,
-    pub(super) done: bool,
+    grad_in: bool,
+    done: bool,
     /// Waiting for a replacement to appear (recovery found no candidate).
-    pub(super) stuck: bool,
+    stuck: bool,
     /// When this node took the microbatch (attempt) in.
-    pub(super) started: Time,
+    started: Time,
     /// Other senders of the same attempt (SWARM: a sender died after its
     /// output left, before the receipt that ends its call came back, and
     /// the hop before it ran that stage again elsewhere): the gradient goes
     /// back to each, so that it also takes the way that is whole.
-    pub(super) also_prev: Vec<NodeId>,
+    also_prev: Vec<NodeId>,
+}
+
+impl Snap {
+    /// Its `attempt`.
+    pub(super) fn attempt(&self) -> u32 {
+        self.attempt
+    }
+    /// Its `path`.
+    pub(super) fn path(&self) -> &Arc<Vec<NodeId>> {
+        &self.path
+    }
+    /// Its `next`.
+    pub(super) fn next(&self) -> Option<NodeId> {
+        self.next
+    }
+    /// Its `hint`.
+    pub(super) fn hint(&self) -> Option<NodeId> {
+        self.hint
+    }
+    /// Its `plan`.
+    pub(super) fn plan(&self) -> &Option<Arc<Vec<NodeId>>> {
+        &self.plan
+    }
+    /// Its `fwd_done`.
+    pub(super) fn fwd_done(&self) -> bool {
+        self.fwd_done
+    }
+    /// Its `grad_ready`.
+    pub(super) fn grad_ready(&self) -> bool {
+        self.grad_ready
+    }
+    /// Its `grad_in`.
+    pub(super) fn grad_in(&self) -> bool {
+        self.grad_in
+    }
+    /// Its `done`.
+    pub(super) fn done(&self) -> bool {
+        self.done
+    }
+    /// Its `stuck`.
+    pub(super) fn stuck(&self) -> bool {
+        self.stuck
+    }
+    /// Its `started`.
+    pub(super) fn started(&self) -> Time {
+        self.started
+    }
 }
 
 /// Other senders of one attempt a node sends the gradient to, at most.
@@ -127,6 +174,52 @@ pub(super) fn merge_path(newer: &Arc<Vec<NodeId>>, older: &Arc<Vec<NodeId>>) -> 
 }
 
 impl Snap {
+    /// The same, taken in on flow `label_in` with the path `plan` to follow.
+    pub(super) fn on_route(
+        mut self,
+        label_in: Option<Label>,
+        plan: Option<Arc<Vec<NodeId>>>,
+    ) -> Snap {
+        self.label_in = label_in;
+        self.plan = plan;
+        self
+    }
+
+    /// Recovery sends the microbatch (or its re-run) on through `hint`.
+    pub(super) fn set_hint(&mut self, hint: Option<NodeId>) {
+        self.hint = hint;
+    }
+
+    /// Whether it waits for a replacement to appear.
+    pub(super) fn set_stuck(&mut self, stuck: bool) {
+        self.stuck = stuck;
+    }
+
+    /// A test's microbatch, forwarded along `path` (this node last) to
+    /// `next`, whose gradient is wanted.
+    #[cfg(test)]
+    pub(super) fn forwarded(path: &[NodeId], next: NodeId, now: Time) -> Snap {
+        let prev = path[path.len() - 2];
+        Snap {
+            next: Some(next),
+            need_grad: true,
+            fwd_done: true,
+            ..Snap::new(0, Arc::new(path.to_vec()), prev, None, now)
+        }
+    }
+
+    /// A test sets where the microbatch went on to.
+    #[cfg(test)]
+    pub(super) fn set_next(&mut self, next: Option<NodeId>) {
+        self.next = next;
+    }
+
+    /// A test says the gradient from the next hop arrived.
+    #[cfg(test)]
+    pub(super) fn set_grad_in(&mut self) {
+        self.grad_in = true;
+    }
+
     /// A microbatch (attempt) taken in at `started` from `prev`, along
     /// `path`, its forward task `fwd_task` queued; nothing else known yet.
     pub(super) fn new(

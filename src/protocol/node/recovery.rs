@@ -31,7 +31,11 @@ impl Node {
         self.event(Event::Rerouted { mb, stage: st });
         let (hint, plan, redo) = {
             let s = &self.lifecycle.snaps[&mb];
-            (s.hint.filter(|h| *h != dead), s.plan.clone(), s.grad_in)
+            (
+                s.hint().filter(|h| *h != dead),
+                s.plan().clone(),
+                s.grad_in(),
+            )
         };
         if redo {
             // This node already has its gradient: it was re-running the
@@ -59,17 +63,17 @@ impl Node {
         }
         if !self.policy().reruns_crashed_stage() {
             // SWARM-plus restarts the whole microbatch from its data holder.
-            let attempt = Some(self.lifecycle.snaps[&mb].attempt);
+            let attempt = Some(self.lifecycle.snaps[&mb].attempt());
             self.send(mb.holder, Msg::Restart { mb, attempt });
             return;
         }
-        let path = self.lifecycle.snaps[&mb].path.clone();
+        let path = self.lifecycle.snaps[&mb].path().clone();
         // The node before the dead one re-runs the dead node's stage
         // on a replacement.
         if my >= 2 && path.len() > my - 2 {
             let before = path[my - 2];
             if self.alive(before) || before == mb.holder {
-                let attempt = self.lifecycle.snaps[&mb].attempt;
+                let attempt = self.lifecycle.snaps[&mb].attempt();
                 self.send(
                     before,
                     Msg::CrashNotice {
@@ -82,7 +86,7 @@ impl Node {
                 return;
             }
         }
-        let attempt = Some(self.lifecycle.snaps[&mb].attempt);
+        let attempt = Some(self.lifecycle.snaps[&mb].attempt());
         self.send(mb.holder, Msg::Restart { mb, attempt });
     }
 
@@ -92,18 +96,18 @@ impl Node {
         let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
             return;
         };
-        if !s.fwd_done || s.grad_in {
+        if !s.fwd_done() || s.grad_in() {
             return;
         }
-        s.hint = after;
-        let plan = s.plan.clone();
+        s.set_hint(after);
+        let plan = s.plan().clone();
         self.clear_deadline((mb, false));
         if self.stage == self.s() {
             return;
         }
         self.forward_out(mb, None, after, plan, &[dead]);
         if let Some(s) = self.lifecycle.snaps.get_mut(&mb) {
-            s.hint = after;
+            s.set_hint(after);
         }
     }
 
@@ -114,13 +118,13 @@ impl Node {
         let Some(s) = self.lifecycle.snaps.get_mut(&mb) else {
             return;
         };
-        s.hint = Some(next);
-        let (attempt, path, plan) = (s.attempt, s.path.clone(), s.plan.clone());
+        s.set_hint(Some(next));
+        let (attempt, path, plan) = (s.attempt(), s.path().clone(), s.plan().clone());
         let mut p = (*path).clone();
         p.truncate(self.stage as usize + 1);
         match self.route(mb, None, None, plan.as_ref(), &[dead]) {
             None => {
-                self.lifecycle.snaps.get_mut(&mb).unwrap().stuck = true;
+                self.lifecycle.snaps.get_mut(&mb).unwrap().set_stuck(true);
                 self.lifecycle.mark_maybe_stuck();
             }
             Some((r, _)) => {
@@ -148,7 +152,7 @@ impl Node {
             .lifecycle
             .snaps
             .get(&mb)
-            .is_some_and(|s| s.attempt == attempt && s.next == Some(dead) && !s.grad_in);
+            .is_some_and(|s| s.attempt() == attempt && s.next() == Some(dead) && !s.grad_in());
         if ok {
             self.recover(mb, dead, Some(after));
         }
@@ -157,7 +161,7 @@ impl Node {
     /// A coordinator asks to re-run stage of `dead` for `mb` from our stored
     /// activation (the aggregate lost that contribution).
     pub(super) fn on_redo(&mut self, mb: MbId, dead: NodeId, next: NodeId) {
-        if self.lifecycle.snaps.get(&mb).is_some_and(|s| s.fwd_done) {
+        if self.lifecycle.snaps.get(&mb).is_some_and(|s| s.fwd_done()) {
             self.redo(mb, dead, next);
         } else if self.stage != 0 {
             // No snapshot left here: the holder restarts it.
@@ -172,19 +176,19 @@ impl Node {
             self.lifecycle
                 .snaps
                 .iter()
-                .filter(|(_, s)| s.stuck)
+                .filter(|(_, s)| s.stuck())
                 .map(|(m, _)| *m)
                 .collect()
         } else {
             Vec::new()
         };
         for mb in stuck {
-            let dead = self.lifecycle.snaps[&mb].next.unwrap_or(self.id);
+            let dead = self.lifecycle.snaps[&mb].next().unwrap_or(self.id);
             let (hint, redo) = (
-                self.lifecycle.snaps[&mb].hint,
-                self.lifecycle.snaps[&mb].grad_in,
+                self.lifecycle.snaps[&mb].hint(),
+                self.lifecycle.snaps[&mb].grad_in(),
             );
-            self.lifecycle.snaps.get_mut(&mb).unwrap().stuck = false;
+            self.lifecycle.snaps.get_mut(&mb).unwrap().set_stuck(false);
             match (redo, hint) {
                 (true, Some(h)) => self.redo(mb, dead, h),
                 _ => self.recover(mb, dead, hint),
@@ -210,8 +214,8 @@ impl Node {
             .lifecycle
             .snaps
             .iter()
-            .filter(|(_, s)| s.next == Some(p) && s.fwd_done && !s.grad_in && !s.done)
-            .map(|(m, s)| (*m, s.attempt))
+            .filter(|(_, s)| s.next() == Some(p) && s.fwd_done() && !s.grad_in() && !s.done())
+            .map(|(m, s)| (*m, s.attempt()))
             .collect();
         for (mb, attempt) in broken {
             if reruns {
@@ -266,7 +270,7 @@ mod tests {
             awaiting_ack(&mut n, m, false, 30);
             let acts = n.handle(2 * SEC, Input::PeerLost { peer: 30 });
             assert_eq!(forwards_to(&acts), [31], "{policy:?}");
-            assert_eq!(n.lifecycle.snaps[&m].next, Some(31), "{policy:?}");
+            assert_eq!(n.lifecycle.snaps[&m].next(), Some(31), "{policy:?}");
         }
     }
 
@@ -277,9 +281,9 @@ mod tests {
     fn a_hop_sent_to_a_node_known_dead_fails_with_its_connection() {
         for policy in [Policy::Swarm, Policy::Gwtf] {
             let (mut n, m) = relay(policy);
-            n.lifecycle.snaps.get_mut(&m).unwrap().next = Some(31);
+            n.lifecycle.snaps.get_mut(&m).unwrap().set_next(Some(31));
             n.handle(2 * SEC, Input::PeerLost { peer: 30 });
-            n.lifecycle.snaps.get_mut(&m).unwrap().next = Some(30);
+            n.lifecycle.snaps.get_mut(&m).unwrap().set_next(Some(30));
             awaiting_ack(&mut n, m, false, 30);
             let acts = n.handle(3 * SEC, Input::PeerLost { peer: 30 });
             assert_eq!(forwards_to(&acts), [31], "{policy:?}");
@@ -330,7 +334,7 @@ mod tests {
     fn a_previous_hop_lost_in_the_backward_reruns_its_stage_or_restarts() {
         let lose_prev = |policy| {
             let (mut n, m) = relay(policy);
-            n.lifecycle.snaps.get_mut(&m).unwrap().grad_in = true;
+            n.lifecycle.snaps.get_mut(&m).unwrap().set_grad_in();
             awaiting_ack(&mut n, m, true, 20);
             n.handle(2 * SEC, Input::PeerLost { peer: 20 })
         };
@@ -372,7 +376,7 @@ mod tests {
         let m = mb(0, 0, 0);
         let now = n.now;
         let mut s = forwarded(&[0, 10], 20, now);
-        s.grad_in = true;
+        s.set_grad_in();
         n.lifecycle.snaps.insert(m, s);
         awaiting_ack(&mut n, m, true, 0);
         let acts = n.handle(2 * SEC, Input::PeerLost { peer: 0 });
@@ -387,15 +391,15 @@ mod tests {
         let m = mb(0, 0, 0);
         let now = n.now;
         let mut s = forwarded(&[0, 20, 10], 30, now);
-        s.grad_in = true;
+        s.set_grad_in();
         n.lifecycle.snaps.insert(m, s);
         n.peer_dead(30);
         n.redo(m, 30, 40);
-        assert!(n.lifecycle.snaps[&m].stuck);
+        assert!(n.lifecycle.snaps[&m].stuck());
         n.learn(31, 3);
         let t = n.next_tick;
         let acts = n.on_timeout(t);
         assert_eq!(forwards_to(&acts), [31]);
-        assert!(!n.lifecycle.snaps[&m].stuck);
+        assert!(!n.lifecycle.snaps[&m].stuck());
     }
 }

@@ -89,13 +89,7 @@ pub(super) fn mb(holder: NodeId, iter: u32, idx: u32) -> MbId {
 /// The snapshot of a microbatch whose forward this node has done and sent
 /// to `next` (attempt 0; `path` ends with this node, the input came from the one before).
 pub(super) fn forwarded(path: &[NodeId], next: NodeId, now: Time) -> Snap {
-    let prev = path[path.len() - 2];
-    Snap {
-        next: Some(next),
-        need_grad: true,
-        fwd_done: true,
-        ..Snap::new(0, Arc::new(path.to_vec()), prev, None, now)
-    }
+    Snap::forwarded(path, next, now)
 }
 
 /// A hop of `mb` sent to `to` now and not acknowledged yet.
