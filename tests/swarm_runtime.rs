@@ -58,6 +58,7 @@ fn start_as(
                 chosen_ids: true,
                 ..NodeOptions::default()
             },
+            weights_first: None,
         },
         TimedTrainer::new(Duration::from_millis(5)),
     )

@@ -255,3 +255,84 @@ fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
     let ev = swarm.until_committed(done, 2);
     check_run(&ev, done, MB, 2);
 }
+
+/// An emptied llama-small stage restored over 100 Mbit/s links, its
+/// weights first: stage 2's only relay is killed once a holder kept a copy
+/// of its state (85 MB, 6.8 s at that rate), and a relay joins. It
+/// restores the stage from the copy (`stage_restored`), and computes on
+/// the restored weights before the rest of the state (the optimizer's
+/// moments, the weights from before the update: three quarters of it) has
+/// come: its first forward starts before its `state_download` event, whose
+/// `weights_ms` is below its `ms`. Then it applies an update, and the run
+/// checks out (`check_run`). Printed: the times from the joiner's start to
+/// its weights, its first forward and the whole state.
+#[test]
+fn an_emptied_llama_small_stage_restored_over_100_mbit_s_computes_on_its_weights_first() {
+    let bin = common::release_gwtf();
+    let common = llama_small_args(7);
+    let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
+    let keep: &[&str] = &["--keep-states-every", "3"];
+    let mut swarm = Swarm::start_with(bin, &LAYOUT, &common, &[(1, keep), (2, keep)]);
+    swarm.deadline = Instant::now() + Duration::from_secs(600);
+    swarm.until("a holder's copy of stage 2", |ev| {
+        ev.iter()
+            .any(|e| e.event() == "copy_kept" && e.u("stage") == 2)
+    });
+    swarm.kill(21);
+    swarm.until("stage 2 reported empty by its neighbours", |ev| {
+        [1, 2, 11].iter().all(|n| {
+            ev.iter()
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    let (joiner, joined) = (31, swarm.count());
+    let started = Instant::now();
+    swarm.join(joiner, 1, &[]);
+    let ev = swarm.until("the joiner's first update", |ev| {
+        ev.iter()
+            .any(|e| e.node == joiner && e.event() == "applied")
+    });
+    let mine: Vec<&Seen> = ev
+        .iter()
+        .skip(joined)
+        .filter(|e| e.node == joiner)
+        .collect();
+    let restored = (mine.iter())
+        .find(|e| e.event() == "stage_restored")
+        .unwrap_or_else(|| panic!("the joiner did not restore stage 2: {mine:?}"));
+    assert_eq!(restored.u("stage"), 2, "{:?}", restored.v);
+    let download = (mine.iter())
+        .find(|e| e.event() == "state_download")
+        .expect("no state download");
+    let (ms, weights_ms) = (
+        download.v["ms"].as_f64().unwrap(),
+        download.v["weights_ms"].as_f64(),
+    );
+    let weights_ms = weights_ms.unwrap_or_else(|| panic!("not weights first: {:?}", download.v));
+    assert!(weights_ms < ms, "{:?}", download.v);
+    let forward = (mine.iter())
+        .find(|e| e.event() == "work" && e.v["kind"] == "forward" && e.v["phase"] == "start")
+        .expect("the joiner ran no forward");
+    assert!(
+        forward.at < download.at,
+        "its first forward {:.2} s after its start, the whole state at {:.2} s",
+        forward.at.duration_since(started).as_secs_f64(),
+        download.at.duration_since(started).as_secs_f64()
+    );
+    let since = |e: &Seen| e.at.duration_since(started).as_secs_f64();
+    eprintln!(
+        "swarm_slow_join: stage 2 restored from holder {} at 100 Mbit/s: from the joiner's \
+         start, its weights at {:.2} s ({weights_ms:.0} ms after asking), its first forward \
+         at {:.2} s, the whole state ({} bytes) at {:.2} s ({ms:.0} ms after asking)",
+        restored.u("from"),
+        since(download) - (ms - weights_ms) / 1e3,
+        since(forward),
+        download.u("bytes"),
+        since(download),
+    );
+    let done = final_iterations(&ev);
+    swarm.until("two more iterations", |ev| final_iterations(ev) >= done + 2);
+    let done = done as u32 + 2;
+    let ev = swarm.until_committed(done, 2);
+    check_run(&ev, done, MB, 2);
+}

@@ -851,6 +851,8 @@ fn runtime_options(o: &gwtf_peer_options) -> FfiResult<(RuntimeOptions, TensorSi
             chosen_ids,
             ..NodeOptions::default()
         },
+        // A C trainer's state is opaque: imported whole.
+        weights_first: None,
     };
     sizing.apply(&mut opts.net);
     Ok((opts, tensor))
@@ -1048,7 +1050,12 @@ fn task_kind(k: &WorkKind) -> gwtf_task_kind {
         WorkKind::Gradient { .. } => gwtf_task_kind::Gradient,
         WorkKind::Apply { .. } => gwtf_task_kind::Apply,
         WorkKind::ExportState => gwtf_task_kind::ExportState,
-        WorkKind::ImportState { .. } => gwtf_task_kind::ImportState,
+        // A C peer's runtime declares no weights-first state layout, so it
+        // is never given the two halves of an import; were it, its import
+        // would refuse the part as a state of the wrong length.
+        WorkKind::ImportState { .. }
+        | WorkKind::ImportWeights { .. }
+        | WorkKind::ImportRest { .. } => gwtf_task_kind::ImportState,
         WorkKind::Forget { .. } => gwtf_task_kind::Forget,
         WorkKind::Discard => gwtf_task_kind::Discard,
         WorkKind::InitState { .. } => gwtf_task_kind::InitState,

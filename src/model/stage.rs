@@ -656,6 +656,25 @@ impl Stage {
         }
     }
 
+    /// Replaces the AdamW moments and step count only, keeping the
+    /// parameters, the accumulated gradient and the activations held for
+    /// backwards: the optimizer state that follows weights imported first.
+    pub fn set_moments(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        for (what, got) in [("first moments", m.len()), ("second moments", v.len())] {
+            if got != self.params.len() {
+                return Err(ModelError::ShapeMismatch {
+                    what,
+                    expected: self.params.len(),
+                    got,
+                });
+            }
+        }
+        self.m.copy_from_slice(m);
+        self.v.copy_from_slice(v);
+        self.step = step;
+        Ok(())
+    }
+
     /// Inverse of [`Stage::state`]: checked before any change; drops the gradient
     /// accumulator and any activations held.
     pub fn set_state(&mut self, st: &StageState) -> Result<(), ModelError> {

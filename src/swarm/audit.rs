@@ -212,8 +212,8 @@ pub struct Facts {
     pub fences: u64,
     /// (t, joiner)
     joins: Vec<(f64, NodeId)>,
-    /// (t, joiner, from, bytes, ms from the request, bytes per second)
-    downloads: Vec<(f64, NodeId, NodeId, u64, f64, f64)>,
+    /// The state downloads, in order.
+    downloads: Vec<DownloadRow>,
     /// (t, reporting node, stage)
     stage_empty: Vec<(f64, NodeId, u32)>,
     /// Emptied stages taken up again.
@@ -425,10 +425,17 @@ impl Facts {
                 bytes,
                 ms,
                 bytes_per_s,
+                weights_ms,
                 ..
-            } => self
-                .downloads
-                .push((t, node, *from, *bytes, *ms, *bytes_per_s)),
+            } => self.downloads.push(DownloadRow {
+                t_s: t,
+                node,
+                from: *from,
+                bytes: *bytes,
+                ms: *ms,
+                bytes_per_s: *bytes_per_s,
+                weights_ms: *weights_ms,
+            }),
             Event::Stats {
                 compute_ms,
                 useful_ms,
@@ -684,19 +691,19 @@ impl Facts {
 
     /// What became of joiner `j`'s state download, for a kill timed to hit it.
     fn join_outcome(&self, k: &Kill, j: NodeId) -> String {
-        let dl = self.downloads.iter().find(|d| d.1 == j);
+        let dl = self.downloads.iter().find(|d| d.node == j);
         match dl {
-            Some(d) if d.2 == k.node && d.0 <= k.t => {
+            Some(d) if d.from == k.node && d.t_s <= k.t => {
                 "missed: the joiner had its state from the victim before the kill".into()
             }
-            Some(d) if d.0 <= k.t => format!(
+            Some(d) if d.t_s <= k.t => format!(
                 "missed: the joiner had its state (from node {}) before the kill",
-                d.2
+                d.from
             ),
             Some(d) => format!(
                 "the joiner downloaded its state from node {} {:.0} ms after the kill",
-                d.2,
-                (d.0 - k.t) * 1000.0
+                d.from,
+                (d.t_s - k.t) * 1000.0
             ),
             None => "the joiner never downloaded a state".into(),
         }
@@ -1068,18 +1075,7 @@ impl Facts {
                 .map(|&(t_s, node, stage)| StageEmptyRow { t_s, node, stage })
                 .collect(),
             restores: self.restores_resumed(),
-            state_downloads: self
-                .downloads
-                .iter()
-                .map(|&(t_s, node, from, bytes, ms, bytes_per_s)| DownloadRow {
-                    t_s,
-                    node,
-                    from,
-                    bytes,
-                    ms,
-                    bytes_per_s,
-                })
-                .collect(),
+            state_downloads: self.downloads.clone(),
             loss_first: loss.first().copied(),
             loss_last: loss.last().copied(),
             reference_loss_first: reference.and_then(|r| r.first().copied()),
@@ -1270,6 +1266,10 @@ pub struct DownloadRow {
     /// From the joiner's request to the whole state, its hash checked.
     pub ms: f64,
     pub bytes_per_s: f64,
+    /// From the request to its weights, when they were imported first (a
+    /// restorer computes from then on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights_ms: Option<f64>,
 }
 
 /// "N (request to verified state: median M ms, max X ms; median R MB/s)".
@@ -1279,10 +1279,19 @@ pub fn downloads_line(rows: &[DownloadRow]) -> String {
     }
     let mut ms: Vec<f64> = rows.iter().map(|r| r.ms).collect();
     let mut rate: Vec<f64> = rows.iter().map(|r| r.bytes_per_s).collect();
+    let mut weights: Vec<f64> = rows.iter().filter_map(|r| r.weights_ms).collect();
     ms.sort_by(f64::total_cmp);
     rate.sort_by(f64::total_cmp);
+    weights.sort_by(f64::total_cmp);
+    let first = match weights.len() {
+        0 => String::new(),
+        n => format!(
+            "; weights first in {n}: request to weights median {:.0} ms",
+            weights[n / 2]
+        ),
+    };
     format!(
-        "{} (request to verified state: median {:.0} ms, max {:.0} ms; median {:.1} MB/s)",
+        "{} (request to verified state: median {:.0} ms, max {:.0} ms; median {:.1} MB/s{first})",
         rows.len(),
         ms[ms.len() / 2],
         ms[ms.len() - 1],
@@ -2023,11 +2032,21 @@ mod tests {
             bytes: 1000,
             ms,
             bytes_per_s: mbps * 1e6,
+            weights_ms: None,
         };
         assert_eq!(downloads_line(&[]), "0");
         assert_eq!(
             downloads_line(&[row(12.0, 1.0), row(40.0, 3.0), row(20.0, 2.0)]),
             "3 (request to verified state: median 20 ms, max 40 ms; median 2.0 MB/s)"
+        );
+        let first = DownloadRow {
+            weights_ms: Some(4.0),
+            ..row(30.0, 1.0)
+        };
+        assert_eq!(
+            downloads_line(&[row(12.0, 1.0), first]),
+            "2 (request to verified state: median 30 ms, max 30 ms; median 1.0 MB/s; \
+             weights first in 1: request to weights median 4 ms)"
         );
         let e = parse_line(
             r#"{"event":"state_download","node":9,"from":3,"bytes":1000,"ms":12,"bytes_per_s":83333.3,"import_ms":0.5}"#,

@@ -12,9 +12,10 @@ use super::rebuild::NeighbourStates;
 use super::runtime::{NodeEvent, Shared};
 use super::saves::{SavedState, Saves};
 use super::serving::{self, Admit, StateServer, DIGEST_LEN};
-use super::state_stream::{ChunkError, StateReceiver, StateSender};
+use super::state_stream::{self, ChunkError, Received, StateReceiver, StateSender};
 use super::states_asked::StatesAsked;
 use super::store::{Slot, TensorStore};
+use super::weights_first::RestAwaited;
 use super::work::{Completion, Output, Work, WorkId, WorkKind, WorkPort};
 use crate::engine::{EngineError, Frame, Incoming, SharedFrame, Transport, TransportEvent};
 use crate::protocol::{
@@ -111,7 +112,12 @@ pub(super) enum Pending {
         verified: Instant,
         /// The iteration whose update the state includes last.
         iteration: u32,
+        /// When its weights had come, imported first (the import of the
+        /// rest of it).
+        weights_at: Option<Instant>,
     },
+    /// The weights of a state imported first (`RestAwaited`).
+    ImportWeights,
     /// The stage's state exported for a holder to keep (`copies.rs`), of
     /// `version` (the protocol's when the export was given: every update
     /// given before it is in, none after).
@@ -223,6 +229,14 @@ pub(super) struct NodeLoop {
     /// The states this node sends, chunk by chunk, and those it receives.
     pub(super) state_sender: StateSender,
     pub(super) state_receiver: StateReceiver,
+    /// The trainer's rule for the leading bytes of a state that hold its
+    /// weights ([`super::runtime::RuntimeOptions::weights_first`]).
+    pub(super) weights_first: Option<super::runtime::WeightsPrefix>,
+    /// A download whose weights were imported first, its rest awaited.
+    pub(super) rest: Option<RestAwaited>,
+    /// The data of the bulk message from this peer, when it comes, is a
+    /// state's weights only (its rest follows).
+    pub(super) weights_came: Option<NodeId>,
     /// A holder's copies of the relay stages' states (`copies.rs`).
     pub(super) copies: Copies,
     /// Holders' copy requests waiting for the update they name
@@ -293,7 +307,7 @@ impl NodeLoop {
         let _ = self.events_tx.send(e);
     }
 
-    fn error(&mut self, message: String) {
+    pub(super) fn error(&mut self, message: String) {
         self.log(message.clone());
         self.emit(NodeEvent::Error(message));
     }
@@ -315,6 +329,7 @@ impl NodeLoop {
     /// rules is not heard any more (if it is a member, the protocol takes
     /// it for lost and recovers what it held).
     pub(super) fn refuse_and_cut(&mut self, peer: NodeId, reason: Refusal, detail: String) {
+        self.rest_lost(peer, &detail);
         self.refuse(Some(peer), reason, detail);
         self.pairing.forget(peer);
         self.strangers.remove(&peer);
@@ -364,11 +379,19 @@ impl NodeLoop {
     /// the microbatches of iteration `j` run on the weights of update
     /// `j - 1` (its `Applied` and a forward of iteration `j` come from
     /// different nodes, in either order).
-    fn dispatch(&mut self, w: Work) {
+    pub(super) fn dispatch(&mut self, w: Work) {
+        if let Some(r) = self.rest.as_mut() {
+            if !r.passes(&w) {
+                r.held.push_back(w);
+                return;
+            }
+        }
         if let Some(r) = self.resync.as_mut() {
             // A gradient of no grant is a zero share: it needs no weights.
             let passes = match &w.kind {
                 WorkKind::ImportState { .. }
+                | WorkKind::ImportWeights { .. }
+                | WorkKind::ImportRest { .. }
                 | WorkKind::InitState { .. }
                 | WorkKind::AverageStates { .. } => true,
                 WorkKind::Gradient { granted, .. } => granted.is_empty(),
@@ -382,6 +405,7 @@ impl NodeLoop {
         let update = match &w.kind {
             WorkKind::Apply { iteration, .. } => Some(Some(*iteration)),
             WorkKind::ImportState { applied }
+            | WorkKind::ImportWeights { applied }
             | WorkKind::InitState { applied }
             | WorkKind::AverageStates { applied, .. } => Some(*applied),
             _ => None,
@@ -419,7 +443,7 @@ impl NodeLoop {
     /// This node missed an update (it joined while the aggregate ran, so
     /// it was not in the commit): it downloads the stage's state again from
     /// its coordinator, and holds all work until the state is in.
-    fn start_resync(&mut self, iter: u32) {
+    pub(super) fn start_resync(&mut self, iter: u32) {
         let now = Instant::now();
         match self.resync.as_mut() {
             Some(r) if now < r.retry_at && r.need >= iter => return,
@@ -863,7 +887,7 @@ impl NodeLoop {
                 // microbatch's hop elsewhere.
                 self.error(format!("the trainer failed {}: {reason}", c.kind.name()));
                 match p {
-                    Pending::Import { .. } => self.failed = true,
+                    Pending::Import { .. } | Pending::ImportWeights => self.failed = true,
                     // Started from the initial weights instead.
                     Pending::Rebuild { from, applied } => self.rebuilt(from, applied, None),
                     // The coordinator commits again (and the gradient is
@@ -963,12 +987,14 @@ impl NodeLoop {
                 }
                 _ => self.serving.failed(to),
             },
+            Pending::ImportWeights => {}
             Pending::Import {
                 from,
                 bytes,
                 asked,
                 verified,
                 iteration,
+                weights_at,
             } => {
                 if let Output::Weights(w) = out {
                     self.node.set_weights_digest(digest_u64(&w));
@@ -980,7 +1006,16 @@ impl NodeLoop {
                         bytes_per_s: bytes as f64 / took.max(1e-6),
                         import_ms: verified.elapsed().as_secs_f64() * 1e3,
                         weights: w,
+                        weights_ms: weights_at.map(|t| t.duration_since(asked).as_secs_f64() * 1e3),
                     });
+                }
+                if weights_at.is_some() {
+                    // The whole state is in: what waited for it goes on.
+                    if let Some(r) = self.rest.take() {
+                        for w in r.held {
+                            self.dispatch(w);
+                        }
+                    }
                 }
                 // A state older than the update that was missed does not
                 // end a download again (the one asked for is on its way).
@@ -1588,6 +1623,7 @@ impl NodeLoop {
                 if let Ok(id) = NodeId::try_from(peer) {
                     self.state_sender.forget(id);
                     self.state_receiver.forget(id);
+                    self.rest_lost(id, "its connection broke");
                     if let Some(q) = self.backlog.remove(&id) {
                         self.log(format!(
                             "{} data frames waiting for {id:x} dropped with its connection",
@@ -1679,9 +1715,11 @@ impl NodeLoop {
                 match decoded {
                     Ok(m) if m.is_bulk() => {
                         if let Msg::StateResponse { bytes, .. } = &m {
-                            // Its chunks that came first go on now.
+                            // Its chunks that came first go on now, whole
+                            // only: weights handed on before the message is
+                            // in would wait for it while the rest came.
                             for f in self.state_receiver.expect(from, *bytes) {
-                                self.on_bulk_frame(from, f);
+                                self.on_bulk_frame(from, f, false);
                             }
                         }
                         if let (Msg::StateResponse { bytes, .. }, Some(r)) =
@@ -1779,6 +1817,7 @@ impl NodeLoop {
         }
         let want_state = !self.node.is_active()
             || self.resync.is_some()
+            || self.rest.as_ref().is_some_and(|r| r.from == from)
             || self.state_asked.awaits(from)
             || self.copies.awaits(from);
         let sizes = self.port.sizes();
@@ -1795,24 +1834,32 @@ impl NodeLoop {
                 self.agg.on_frame(f);
                 self.drive_aggregation();
             }
-            Ok(FrameUse::Bulk) => self.on_bulk_frame(from, f),
+            Ok(FrameUse::Bulk) => self.on_bulk_frame(from, f, true),
         }
     }
 
     /// A data frame that goes with a message: a state's chunk is put
     /// together with the others first (`state_stream`).
-    fn on_bulk_frame(&mut self, from: NodeId, f: Frame) {
+    fn on_bulk_frame(&mut self, from: NodeId, f: Frame, weights_first: bool) {
         let f = if bulk::is_state_frame(&f.header) {
             let net = &self.net;
-            match self
-                .state_receiver
-                .chunk(from, f, |len| net.alloc(len, COPY_WAIT))
-            {
-                Ok(Some(whole)) => whole,
-                Ok(None) => return,
+            let rule = self.weights_rule(from).filter(|_| weights_first);
+            let rule = rule.as_ref().map(|r| r as state_stream::WeightsRule);
+            match (self.state_receiver).chunk(from, rule, f, |len| net.alloc(len, COPY_WAIT)) {
+                Ok(Received::Whole(whole)) => whole,
+                Ok(Received::Weights(weights)) => {
+                    self.weights_came = Some(from);
+                    weights
+                }
+                Ok(Received::Nothing) => return,
+                Ok(Received::Rest(whole)) => {
+                    self.on_rest(from, whole);
+                    return;
+                }
                 Err(ChunkError::NoRoom(e)) => {
                     // Asked for again (a joiner's retry, a resync's).
                     self.log(format!("the state from {from:x} dropped: {e}"));
+                    self.rest_lost(from, &e);
                     return;
                 }
                 Err(ChunkError::Refused(e)) => {
@@ -1820,6 +1867,7 @@ impl NodeLoop {
                     // connection and its duplicate come out of
                     // order. The state is asked for again.
                     let e = format!("the state from {from:x}: {e}");
+                    self.rest_lost(from, &e);
                     self.refuse(Some(from), Refusal::State, e);
                     return;
                 }
@@ -1842,6 +1890,8 @@ impl NodeLoop {
 
     /// A bulk message with its data: keep the tensor, then tell the protocol.
     fn on_bulk(&mut self, from: NodeId, msg: Msg, data: Frame) {
+        let weights_only = matches!(msg, Msg::StateResponse { .. })
+            && self.weights_came.take_if(|&mut w| w == from).is_some();
         if let Msg::StateResponse { bytes, .. } = &msg {
             if self.node.rebuild_awaits(from) {
                 // A neighbour's state to rebuild an emptied stage from.
@@ -1892,6 +1942,39 @@ impl NodeLoop {
                 return;
             }
             Msg::StateResponse { version, bytes, .. }
+                if weights_only && !self.node.is_active() && self.resync.is_none() =>
+            {
+                // Its weights, the rest to come (`on_rest`). Each frame's
+                // tag checked them as they came; the state's hash checks
+                // them again with the rest.
+                let asked = self.state_asked.answered(from);
+                let applied = match self.node.restore_applied(*version) {
+                    Some(a) => Some(a),
+                    None => (*version != (0, 0)).then_some(version.0),
+                };
+                self.log(format!(
+                    "the weights of the state from {from:x} came ({} of {bytes} bytes): \
+                     computing on them while the rest comes",
+                    data.len()
+                ));
+                let now = Instant::now();
+                self.rest = Some(RestAwaited {
+                    from,
+                    bytes: *bytes,
+                    asked: asked.unwrap_or(now),
+                    weights_at: now,
+                    applied,
+                    iteration: version.0,
+                    held: VecDeque::new(),
+                });
+                self.give(
+                    WorkKind::ImportWeights { applied },
+                    None,
+                    Some(data),
+                    Pending::ImportWeights,
+                );
+            }
+            Msg::StateResponse { version, bytes, .. }
                 if !self.node.is_active() || self.resync.is_some() =>
             {
                 let asked = self.state_asked.answered(from);
@@ -1907,6 +1990,7 @@ impl NodeLoop {
                             asked: asked.unwrap_or(verified),
                             verified,
                             iteration: version.0,
+                            weights_at: None,
                         };
                         // Version (0, 0): nothing applied yet in this swarm.
                         // A kept copy restoring an emptied stage stands for

@@ -100,6 +100,7 @@ impl LogEvent {
                 bytes_per_s,
                 import_ms,
                 weights,
+                weights_ms,
             } => LogEvent::StateDownload {
                 node,
                 from: (*from).into(),
@@ -108,6 +109,7 @@ impl LogEvent {
                 bytes_per_s: *bytes_per_s,
                 import_ms: *import_ms,
                 weights_sha256: hex(weights),
+                weights_ms: *weights_ms,
             },
             NodeEvent::PeerLost { peer } => LogEvent::PeerLost {
                 node,
@@ -416,9 +418,15 @@ mod tests {
                     bytes_per_s: 5e5,
                     import_ms: 1.0,
                     weights: [2; 32],
+                    weights_ms: Some(0.5),
                 },
                 "state_download",
-                &["1000 bytes", "from 1f", "0.5 MB/s"],
+                &[
+                    "1000 bytes",
+                    "from 1f",
+                    "0.5 MB/s",
+                    "weights first, in 0.5 ms",
+                ],
             ),
             (NodeEvent::Error("it broke".into()), "error", &["it broke"]),
         ];

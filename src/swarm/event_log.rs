@@ -151,7 +151,9 @@ pub enum LogEvent {
         ms: f64,
     },
     /// A state came in from `from`: `ms` from the request to the whole
-    /// state, its hash checked; `import_ms` the trainer's import.
+    /// state, its hash checked; `import_ms` the trainer's import. With the
+    /// weights imported first, `weights_ms` from the request to them: the
+    /// node computed from then on while the rest came.
     StateDownload {
         node: NodeId,
         from: NodeId,
@@ -163,6 +165,8 @@ pub enum LogEvent {
         import_ms: f64,
         #[serde(default)]
         weights_sha256: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        weights_ms: Option<f64>,
     },
     /// The node's compute time so far, and the part that went into an
     /// applied update.
@@ -473,12 +477,18 @@ impl LogEvent {
                 ms,
                 bytes_per_s,
                 import_ms,
+                weights_ms,
                 ..
-            } => format!(
-                "state of {bytes} bytes from {from:x} in {ms:.1} ms from the request \
-                 ({:.1} MB/s), imported in {import_ms:.1} ms",
-                bytes_per_s / 1e6
-            ),
+            } => {
+                let first = weights_ms.map_or(String::new(), |w| {
+                    format!(" (its weights first, in {w:.1} ms: computing from then on)")
+                });
+                format!(
+                    "state of {bytes} bytes from {from:x} in {ms:.1} ms from the request \
+                     ({:.1} MB/s){first}, imported in {import_ms:.1} ms",
+                    bytes_per_s / 1e6
+                )
+            }
             E::Stats {
                 compute_ms,
                 useful_ms,
@@ -716,6 +726,7 @@ mod tests {
                 bytes_per_s: 1.3e7,
                 import_ms: 2.0,
                 weights_sha256: "ef".repeat(32),
+                weights_ms: Some(21.5),
             },
             LogEvent::Stats {
                 node: n,

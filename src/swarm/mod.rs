@@ -37,4 +37,5 @@ pub mod sizing;
 mod state_stream;
 mod states_asked;
 pub mod store;
+mod weights_first;
 pub mod work;

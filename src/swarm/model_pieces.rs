@@ -41,6 +41,8 @@ pub trait Piece: Send {
     /// A copy of the parameters on the host.
     fn params(&self) -> Result<Vec<f32>, ModelError>;
     fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError>;
+    /// [`Stage::set_moments`]: the optimizer state only.
+    fn set_moments(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError>;
     fn state(&self) -> Result<StageState, ModelError>;
     fn set_state(&mut self, st: &StageState) -> Result<(), ModelError>;
     /// [`Stage::state_bytes_into`]: the exported state's bytes, piece by piece.
@@ -158,6 +160,9 @@ impl Piece for Stage {
     fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError> {
         Stage::swap_params(self, other)
     }
+    fn set_moments(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        Stage::set_moments(self, step, m, v)
+    }
     fn state(&self) -> Result<StageState, ModelError> {
         Ok(Stage::state(self))
     }
@@ -243,6 +248,9 @@ where
     }
     fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError> {
         DeviceStage::swap_params(self, other)
+    }
+    fn set_moments(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        DeviceStage::set_moments(self, step, m, v)
     }
     fn state(&self) -> Result<StageState, ModelError> {
         DeviceStage::state(self)

@@ -22,7 +22,7 @@ use super::work::{Output, Work, WorkKind, WorkPort};
 use crate::engine::Frame;
 use crate::model::data::sample_windows;
 use crate::model::rng::Rng;
-use crate::model::stage::{f32s_bytes_into, Layout};
+use crate::model::stage::{bytes_to_f32s, f32s_bytes_into, Layout};
 use crate::model::{
     checkpoint, AdamW, ModelConfig, ModelError, Pipeline, Stage, StageInput, StageOutput,
     StagePlan, StageState, StateParts, TrainOptions,
@@ -682,6 +682,95 @@ impl ModelTrainer {
     /// wrote it) standing for the weights after the update of `applied`;
     /// checked whole before anything changes.
     pub fn import_bytes(&mut self, b: &[u8], applied: Option<u32>) -> Result<(), String> {
+        self.import_whole(b, applied)?;
+        self.ids.clear();
+        self.grads.clear();
+        Ok(())
+    }
+
+    /// Replaces the weights only, with the leading bytes of a state
+    /// ([`weights_prefix`] long) standing for the update of `applied`: a
+    /// relay's one piece, checked before anything changes. Microbatches
+    /// run on them at once; the rest of the state comes as
+    /// [`ModelTrainer::import_rest`] before any update or export.
+    pub fn import_weights(&mut self, b: &[u8], applied: Option<u32>) -> Result<(), String> {
+        let [piece] = &mut self.pieces[..] else {
+            return Err(format!(
+                "weights first for a node of {} model stages (only a relay's one)",
+                self.pieces.len()
+            ));
+        };
+        let n = piece.num_params();
+        let want = WEIGHTS_AT + 4 * n;
+        if b.len() != want || weights_prefix(b, b.len() + 8 * n) != Some(want) {
+            return Err(format!(
+                "the weights of a state: {} bytes, {want} expected with the state's header",
+                b.len()
+            ));
+        }
+        let index = u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")) as usize;
+        if index != piece.spec().index {
+            return Err(format!(
+                "the weights of model stage {index}, this node serves {}",
+                piece.spec().index
+            ));
+        }
+        let mut params = bytes_to_f32s(&b[WEIGHTS_AT..]).map_err(|e| e.to_string())?;
+        piece.swap_params(&mut params).map_err(|e| e.to_string())?;
+        self.ids.clear();
+        self.grads.clear();
+        self.applied = applied;
+        self.before = None;
+        Ok(())
+    }
+
+    /// The whole state whose weights [`ModelTrainer::import_weights`] took:
+    /// its optimizer moments, step count and the weights from before the
+    /// last update, keeping the activations and gradients of the
+    /// microbatches run since. Its weights must be those imported.
+    pub fn import_rest(&mut self, b: &[u8], applied: Option<u32>) -> Result<(), String> {
+        let (parts, before) = split_state(b, self.pieces.len())?;
+        let [piece] = &mut self.pieces[..] else {
+            return Err("the rest of a state for a node of more than one model stage".into());
+        };
+        let [part] = &parts[..] else {
+            return Err(format!("the rest of a state of {} pieces", parts.len()));
+        };
+        let st = StateParts::parse(part, piece.spec().index, piece.num_params())
+            .map_err(|e| e.to_string())?;
+        let mut held = piece.state().map_err(|e| e.to_string())?;
+        let same = (held.params.iter())
+            .zip(st.params.chunks_exact(4))
+            .all(|(a, b)| a.to_le_bytes() == b);
+        if !same {
+            return Err("the rest of a state whose weights are not those imported first".into());
+        }
+        let before = match before {
+            Some(raw) if raw.len() == st.params.len() && applied.is_some() => {
+                Some(vec![bytes_to_f32s(raw).map_err(|e| e.to_string())?])
+            }
+            Some(raw) => {
+                return Err(format!(
+                    "{} bytes of parameters from before the last update, {} expected",
+                    raw.len(),
+                    st.params.len()
+                ))
+            }
+            None => None,
+        };
+        held.m = bytes_to_f32s(st.m).map_err(|e| e.to_string())?;
+        held.v = bytes_to_f32s(st.v).map_err(|e| e.to_string())?;
+        piece
+            .set_moments(st.step, &held.m, &held.v)
+            .map_err(|e| e.to_string())?;
+        self.applied = applied;
+        self.before = before;
+        Ok(())
+    }
+
+    /// [`ModelTrainer::import_bytes`] without dropping the microbatches'
+    /// activations and gradients.
+    fn import_whole(&mut self, b: &[u8], applied: Option<u32>) -> Result<(), String> {
         let (parts, before) = split_state(b, self.pieces.len())?;
         let before = match before {
             None => None,
@@ -719,12 +808,43 @@ impl ModelTrainer {
                 return Err(e.to_string());
             }
         }
-        self.ids.clear();
-        self.grads.clear();
         self.applied = applied;
         self.before = before;
         Ok(())
     }
+}
+
+/// Where a relay's weights start in its exported state: the piece's
+/// length (8 bytes), then its header (magic, index, step, count: 28).
+const WEIGHTS_AT: usize = 8 + 28;
+
+/// How many leading bytes of a state `total` bytes long hold its weights,
+/// read from its first bytes `head` (at least 36 of them): a relay's state
+/// (one model stage) lays its parameters out right after its header, before
+/// the optimizer moments and the weights from before the last update, so
+/// a joiner can compute on them while the rest comes. None for a state of
+/// several model stages (a holder's) or one that does not read as ours:
+/// it is imported whole. What [`crate::swarm::RuntimeOptions::weights_first`]
+/// takes for the built-in trainer.
+pub fn weights_prefix(head: &[u8], total: usize) -> Option<usize> {
+    let u64_at = |at: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(head.get(at..at + 8)?.try_into().ok()?))
+    };
+    let len = u64_at(0)?;
+    if head.get(8..16)? != b"GWTFSTG1" {
+        return None;
+    }
+    let n = u64_at(28)?;
+    let weights = n.checked_mul(4)?;
+    if len != weights.checked_mul(3)?.checked_add(28)? {
+        return None;
+    }
+    let one = len.checked_add(8)?;
+    let with_before = one.checked_add(8)?.checked_add(weights)?;
+    let total = total as u64;
+    (total == one || total == with_before)
+        .then(|| usize::try_from(WEIGHTS_AT as u64 + weights).ok())
+        .flatten()
 }
 
 impl Trainer for ModelTrainer {
@@ -746,6 +866,16 @@ impl Trainer for ModelTrainer {
             WorkKind::ImportState { applied } => {
                 let f = w.input.as_ref().ok_or("import without a state")?;
                 self.import_bytes(f.payload(), *applied)?;
+                Ok(Output::Weights(self.digest()?))
+            }
+            WorkKind::ImportWeights { applied } => {
+                let f = w.input.as_ref().ok_or("import without weights")?;
+                self.import_weights(f.payload(), *applied)?;
+                Ok(Output::None)
+            }
+            WorkKind::ImportRest { applied } => {
+                let f = w.input.as_ref().ok_or("import without a state")?;
+                self.import_rest(f.payload(), *applied)?;
                 Ok(Output::Weights(self.digest()?))
             }
             WorkKind::InitState { applied } => {
@@ -910,9 +1040,15 @@ mod tests {
     }
 
     fn updated() -> ModelTrainer {
+        updated_by(1.0)
+    }
+
+    fn updated_by(scale: f32) -> ModelTrainer {
         let mut t = relay();
         let n: usize = t.pieces.iter().map(|p| p.num_params()).sum();
-        let mean: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 1e-3).collect();
+        let mean: Vec<f32> = (0..n)
+            .map(|i| ((i % 7) as f32 - 3.0) * 1e-3 * scale)
+            .collect();
         t.apply(4, &mean).unwrap();
         t
     }
@@ -995,6 +1131,45 @@ mod tests {
             (j.digest().unwrap(), j.applied, j.before.is_none()),
             (fresh.digest().unwrap(), None, true)
         );
+    }
+
+    /// A relay's weights lead its state: imported alone, the joiner's
+    /// parameters are the exporter's (not yet its digest, which covers the
+    /// moments); the rest then makes the state the exporter's, the weights
+    /// from before the update included. A rest whose weights differ, or
+    /// weights cut short, are refused; a holder's state (two model stages)
+    /// does not split.
+    #[test]
+    fn a_relay_state_imports_its_weights_first_then_the_rest() {
+        let t = updated();
+        let bytes = t.export_bytes().unwrap();
+        let n = t.pieces[0].num_params();
+        let len = weights_prefix(&bytes[..64], bytes.len()).unwrap();
+        assert_eq!(len, 8 + 28 + 4 * n);
+        assert_eq!(weights_prefix(&bytes[..64], bytes.len() - 1), None);
+        assert_eq!(weights_prefix(&bytes[..20], bytes.len()), None);
+        let mut j = joiner_of(1);
+        assert!(j.import_weights(&bytes[..len - 4], Some(4)).is_err());
+        j.import_weights(&bytes[..len], Some(4)).unwrap();
+        let params = |t: &ModelTrainer| t.pieces[0].params().unwrap();
+        assert_eq!(params(&j), params(&t));
+        assert_ne!(j.digest().unwrap(), t.digest().unwrap());
+        assert_eq!((j.applied, j.before.is_none()), (Some(4), true));
+        j.import_rest(&bytes, Some(4)).unwrap();
+        assert_eq!(j.digest().unwrap(), t.digest().unwrap());
+        assert_eq!(j.before, t.before);
+
+        let other = updated_by(2.0).export_bytes().unwrap();
+        let mut k = joiner_of(1);
+        k.import_weights(&bytes[..len], Some(4)).unwrap();
+        let e = k.import_rest(&other, Some(4)).unwrap_err();
+        assert!(e.contains("not those imported first"), "{e}");
+
+        // Two pieces' states one after the other, as a holder's.
+        let piece = relay().export_bytes().unwrap();
+        let two = [&piece[..], &piece[..]].concat();
+        assert!(weights_prefix(&piece[..64], piece.len()).is_some());
+        assert_eq!(weights_prefix(&two[..64], two.len()), None);
     }
 
     /// A cut, padded or inconsistent state is refused and changes nothing.

@@ -117,7 +117,38 @@ struct Assembly {
     /// whole).
     frame: Option<Frame>,
     filled: usize,
+    /// Its leading bytes that hold the weights were handed on already.
+    weights_handed: bool,
 }
+
+/// What a chunk completed.
+#[derive(Debug)]
+pub(super) enum Received {
+    /// Nothing yet.
+    Nothing,
+    /// A copy of the state's leading bytes that hold its weights (as the
+    /// `weights` rule of [`StateReceiver::chunk`] says), the rest to come.
+    Weights(Frame),
+    /// The whole state.
+    Whole(Frame),
+    /// The whole state whose weights were handed on before.
+    Rest(Frame),
+}
+
+impl Received {
+    /// The whole state, whichever way it came.
+    #[cfg(test)]
+    fn whole(self) -> Option<Frame> {
+        match self {
+            Received::Whole(f) | Received::Rest(f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+/// How many leading bytes of a state of `total` bytes hold its weights,
+/// read from its first bytes (None: it goes on whole only).
+pub(super) type WeightsRule<'a> = &'a dyn Fn(&[u8], usize) -> Option<usize>;
 
 /// Why a chunk was not taken.
 #[derive(Debug, PartialEq, Eq)]
@@ -151,6 +182,7 @@ impl StateReceiver {
                 total,
                 frame: None,
                 filled: 0,
+                weights_handed: false,
             },
         );
         self.early.remove(&from).unwrap_or_default()
@@ -168,18 +200,22 @@ impl StateReceiver {
     /// yet, a single frame goes on as it is (the message's length check
     /// then judges it), and chunks wait for the message, in order from
     /// offset 0, at most [`EARLY_CHUNKS_MAX`]. `alloc` gives the frame the
-    /// chunks go into.
+    /// chunks go into. With a `weights` rule, once the leading bytes it
+    /// names are in (and the state is not), a copy of them is handed on
+    /// first ([`Received::Weights`], when the pool has room for it), and
+    /// the whole state later as [`Received::Rest`].
     pub(super) fn chunk(
         &mut self,
         from: NodeId,
+        weights: Option<WeightsRule>,
         f: Frame,
-        alloc: impl FnOnce(usize) -> Result<Frame, EngineError>,
-    ) -> Result<Option<Frame>, ChunkError> {
+        mut alloc: impl FnMut(usize) -> Result<Frame, EngineError>,
+    ) -> Result<Received, ChunkError> {
         let offset = f.header.microbatch as usize;
         let more = f.header.iteration & LOW != 0;
         let Some(a) = self.by_peer.get_mut(&from) else {
             if offset == 0 && !more {
-                return Ok(Some(f));
+                return Ok(Received::Whole(f));
             }
             let early = self.early.entry(from).or_default();
             if offset == 0 {
@@ -196,7 +232,7 @@ impl StateReceiver {
                 )));
             }
             early.push(f);
-            return Ok(None);
+            return Ok(Received::Nothing);
         };
         let n = f.len();
         if offset != a.filled || n == 0 || n > a.total - a.filled {
@@ -210,7 +246,7 @@ impl StateReceiver {
             // Whole in one frame, or a single frame short of it (refused
             // as cut off by the length check).
             self.by_peer.remove(&from);
-            return Ok(Some(f));
+            return Ok(Received::Whole(f));
         }
         if a.frame.is_none() {
             match alloc(a.total) {
@@ -234,15 +270,40 @@ impl StateReceiver {
         whole.payload_mut()[offset..offset + n].copy_from_slice(f.payload());
         a.filled += n;
         if a.filled < a.total && more {
-            return Ok(None);
+            if a.weights_handed {
+                return Ok(Received::Nothing);
+            }
+            let (total, filled) = (a.total, a.filled);
+            let Some(len) = weights
+                .and_then(|rule| rule(&whole.payload()[..filled], total))
+                .filter(|&len| len > 0 && len <= filled)
+            else {
+                return Ok(Received::Nothing);
+            };
+            // Without room for the copy now, tried again at the next
+            // chunk: at worst the state goes on whole.
+            let Ok(mut w) = alloc(len) else {
+                return Ok(Received::Nothing);
+            };
+            a.weights_handed = true;
+            w.header = whole.header;
+            w.header.payload_len = len as u64;
+            w.payload_mut().copy_from_slice(&whole.payload()[..len]);
+            return Ok(Received::Weights(w));
         }
         // Whole, or its last chunk came short: what came goes on, and the
         // length check refuses it as cut off.
         let a = self.by_peer.remove(&from).expect("present");
-        Ok(a.frame.map(|mut whole| {
-            whole.truncate(a.filled);
-            whole
-        }))
+        let handed = a.weights_handed;
+        let Some(mut whole) = a.frame else {
+            return Ok(Received::Nothing);
+        };
+        whole.truncate(a.filled);
+        Ok(if handed {
+            Received::Rest(whole)
+        } else {
+            Received::Whole(whole)
+        })
     }
 }
 
@@ -277,6 +338,43 @@ mod tests {
         chunk_at(net, bytes, microbatch, true)
     }
 
+    /// With a rule for its weights, a state's leading bytes go on first,
+    /// once they are in (a copy), and the whole state after them; without
+    /// room for the copy, the state goes on whole.
+    #[test]
+    fn the_weights_go_on_first_when_a_rule_names_them() {
+        let n = net(false);
+        let state: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let rule = |head: &[u8], total: usize| (total == 1000 && head.len() >= 8).then_some(500);
+        let rule: WeightsRule = &rule;
+        for room in [true, false] {
+            let mut r = StateReceiver::default();
+            let alloc = |len| {
+                if len == 500 && !room {
+                    return Err(EngineError::InvalidArgument("no room".into()));
+                }
+                n.alloc(len, T)
+            };
+            assert!(r.expect(7, 1000).is_empty());
+            let first = r.chunk(7, Some(rule), frame(&n, &state[..400], 0), alloc);
+            assert!(matches!(first, Ok(Received::Nothing)));
+            let mid = r.chunk(7, Some(rule), frame(&n, &state[400..800], 400), alloc);
+            let last = chunk_at(&n, &state[800..], 800, false);
+            let last = r.chunk(7, Some(rule), last, alloc).unwrap();
+            match (room, mid.unwrap(), last) {
+                (true, Received::Weights(w), Received::Rest(whole)) => {
+                    assert_eq!(w.payload(), &state[..500]);
+                    assert_eq!((w.header.microbatch, w.header.iteration), (0, 39 << 32));
+                    assert_eq!(whole.payload(), &state[..]);
+                }
+                (false, Received::Nothing, Received::Whole(whole)) => {
+                    assert_eq!(whole.payload(), &state[..]);
+                }
+                (room, mid, last) => panic!("room {room}: {mid:?} then {last:?}"),
+            }
+        }
+    }
+
     /// A state in chunks is put together; one in a single frame goes on as
     /// it is; a last chunk short of the length announced hands on what
     /// came (the length check refuses it); chunks out of order, or beyond
@@ -289,50 +387,66 @@ mod tests {
         let alloc = |len| n.alloc(len, T);
         assert!(r.expect(7, 1000).is_empty());
         assert!(matches!(
-            r.chunk(7, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(7, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
         let mid = frame(&n, &state[400..800], 400);
-        assert!(matches!(r.chunk(7, mid, alloc), Ok(None)));
+        assert!(matches!(
+            r.chunk(7, None, mid, alloc),
+            Ok(Received::Nothing)
+        ));
         let last = chunk_at(&n, &state[800..], 800, false);
-        let whole = r.chunk(7, last, alloc).unwrap().unwrap();
+        let whole = r.chunk(7, None, last, alloc).unwrap().whole().unwrap();
         assert_eq!((whole.payload(), whole.header.microbatch), (&state[..], 0));
         assert_eq!(whole.header.iteration, 39 << 32);
 
         let _ = r.expect(7, 1000);
-        let one = r.chunk(7, chunk_at(&n, &state, 0, false), alloc);
-        assert_eq!(one.unwrap().unwrap().payload(), &state[..]);
+        let one = r.chunk(7, None, chunk_at(&n, &state, 0, false), alloc);
+        assert_eq!(one.unwrap().whole().unwrap().payload(), &state[..]);
 
         // Cut off, in one frame or more.
         let _ = r.expect(7, 1000);
-        let short = r.chunk(7, chunk_at(&n, &state[..40], 0, false), alloc);
-        assert_eq!(short.unwrap().unwrap().len(), 40);
+        let short = r.chunk(7, None, chunk_at(&n, &state[..40], 0, false), alloc);
+        assert_eq!(short.unwrap().whole().unwrap().len(), 40);
         let _ = r.expect(7, 1000);
         assert!(matches!(
-            r.chunk(7, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(7, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
         let short = chunk_at(&n, &state[400..500], 400, false);
-        assert_eq!(r.chunk(7, short, alloc).unwrap().unwrap().len(), 500);
+        assert_eq!(
+            r.chunk(7, None, short, alloc)
+                .unwrap()
+                .whole()
+                .unwrap()
+                .len(),
+            500
+        );
 
         let _ = r.expect(7, 1000);
         assert!(matches!(
-            r.chunk(7, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(7, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
-        let e = r.chunk(7, frame(&n, &state[..400], 0), alloc).unwrap_err();
+        let e = r
+            .chunk(7, None, frame(&n, &state[..400], 0), alloc)
+            .unwrap_err();
         assert!(
             matches!(&e, ChunkError::Refused(m) if m.contains("expected byte 400 of 1000")),
             "{e:?}"
         );
         // Dropped with the error: a chunk after it belongs to nothing.
-        assert!(r.chunk(7, frame(&n, &state[400..800], 400), alloc).is_err());
+        assert!(r
+            .chunk(7, None, frame(&n, &state[400..800], 400), alloc)
+            .is_err());
 
         let _ = r.expect(7, 500);
-        assert!(r.chunk(7, frame(&n, &state[..600], 0), alloc).is_err());
+        assert!(r
+            .chunk(7, None, frame(&n, &state[..600], 0), alloc)
+            .is_err());
         // Not announced: a whole frame goes on (its message judges it).
-        let f = r.chunk(8, chunk_at(&n, &state[..10], 0, false), alloc);
-        assert_eq!(f.unwrap().unwrap().len(), 10);
+        let f = r.chunk(8, None, chunk_at(&n, &state[..10], 0, false), alloc);
+        assert_eq!(f.unwrap().whole().unwrap().len(), 10);
     }
 
     /// Chunks that come before their message wait for it, then are put
@@ -345,55 +459,60 @@ mod tests {
         let mut r = StateReceiver::default();
         let alloc = |len| n.alloc(len, T);
         assert!(matches!(
-            r.chunk(7, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(7, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
         let mid = frame(&n, &state[400..800], 400);
-        assert!(matches!(r.chunk(7, mid, alloc), Ok(None)));
+        assert!(matches!(
+            r.chunk(7, None, mid, alloc),
+            Ok(Received::Nothing)
+        ));
         let early = r.expect(7, 1000);
         assert_eq!(early.len(), 2);
         for f in early {
-            assert!(matches!(r.chunk(7, f, alloc), Ok(None)));
+            assert!(matches!(r.chunk(7, None, f, alloc), Ok(Received::Nothing)));
         }
         let last = chunk_at(&n, &state[800..], 800, false);
-        let whole = r.chunk(7, last, alloc).unwrap().unwrap();
+        let whole = r.chunk(7, None, last, alloc).unwrap().whole().unwrap();
         assert_eq!(whole.payload(), &state[..]);
 
         // All of it before the message: whole once it comes.
         for (at, more) in [(0, true), (400, true), (800, false)] {
             let end = if more { at + 400 } else { 1000 };
             let c = chunk_at(&n, &state[at..end], at as u64, more);
-            assert!(matches!(r.chunk(7, c, alloc), Ok(None)));
+            assert!(matches!(r.chunk(7, None, c, alloc), Ok(Received::Nothing)));
         }
         let mut got = None;
         for f in r.expect(7, 1000) {
-            got = r.chunk(7, f, alloc).unwrap();
+            got = r.chunk(7, None, f, alloc).unwrap().whole();
         }
         assert_eq!(got.unwrap().payload(), &state[..]);
 
         // Out of order: refused, and what waited goes.
         assert!(matches!(
-            r.chunk(7, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(7, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
-        assert!(r.chunk(7, frame(&n, &state[800..], 800), alloc).is_err());
+        assert!(r
+            .chunk(7, None, frame(&n, &state[800..], 800), alloc)
+            .is_err());
         assert!(r.expect(7, 1000).is_empty());
         r.forget(7);
 
         // At most EARLY_CHUNKS_MAX wait.
         for k in 0..EARLY_CHUNKS_MAX {
             let c = frame(&n, &state[..10], 10 * k as u64);
-            assert!(matches!(r.chunk(9, c, alloc), Ok(None)));
+            assert!(matches!(r.chunk(9, None, c, alloc), Ok(Received::Nothing)));
         }
         let over = frame(&n, &state[..10], 10 * EARLY_CHUNKS_MAX as u64);
-        let e = r.chunk(9, over, alloc).unwrap_err();
+        let e = r.chunk(9, None, over, alloc).unwrap_err();
         assert!(matches!(&e, ChunkError::Refused(m) if m.contains("wait for its message")));
         assert!(r.expect(9, 1000).is_empty());
 
         // A peer gone takes its early chunks with it.
         assert!(matches!(
-            r.chunk(5, frame(&n, &state[..400], 0), alloc),
-            Ok(None)
+            r.chunk(5, None, frame(&n, &state[..400], 0), alloc),
+            Ok(Received::Nothing)
         ));
         r.forget(5);
         assert!(r.expect(5, 1000).is_empty());
@@ -428,7 +547,7 @@ mod tests {
             if f.len() == 7 {
                 continue;
             }
-            whole = r.chunk(1, f, |len| b.alloc(len, T)).unwrap();
+            whole = r.chunk(1, None, f, |len| b.alloc(len, T)).unwrap().whole();
         }
         assert_eq!(got, vec![64 << 10, 7, 64 << 10, 64 << 10, 64 << 10]);
         assert_eq!(whole.unwrap().payload(), state.payload());

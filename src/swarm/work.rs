@@ -60,6 +60,19 @@ pub enum WorkKind {
     /// member): the weights after the update of iteration `applied` (None:
     /// before any update). Output: [`Output::Weights`].
     ImportState { applied: Option<u32> },
+    /// Barrier. Only for a trainer that declared its state's weights come
+    /// first ([`crate::swarm::RuntimeOptions::weights_first`]): `input` is
+    /// the leading bytes of a state that hold the weights, all a
+    /// microbatch's compute needs. Replace the weights with them, standing
+    /// for the update of `applied`; the rest (optimizer moments) follows as
+    /// [`WorkKind::ImportRest`] before any update, export or microbatch of
+    /// an iteration up to `applied`. Output: none.
+    ImportWeights { applied: Option<u32> },
+    /// Barrier. The whole state whose weights [`WorkKind::ImportWeights`]
+    /// imported: take the rest of it (optimizer moments, the weights from
+    /// before the last update), keeping what microbatches computed since.
+    /// Output: [`Output::Weights`].
+    ImportRest { applied: Option<u32> },
     /// Barrier. No live node holds the stage's state (its last node died):
     /// start it afresh from the model's initial weights, standing for the
     /// weights after the update of iteration `applied` (None: before any).
@@ -97,6 +110,8 @@ impl WorkKind {
                 | WorkKind::Apply { .. }
                 | WorkKind::ExportState
                 | WorkKind::ImportState { .. }
+                | WorkKind::ImportWeights { .. }
+                | WorkKind::ImportRest { .. }
                 | WorkKind::InitState { .. }
                 | WorkKind::AverageStates { .. }
         )
@@ -113,6 +128,8 @@ impl WorkKind {
             WorkKind::Apply { .. } => "apply",
             WorkKind::ExportState => "export_state",
             WorkKind::ImportState { .. } => "import_state",
+            WorkKind::ImportWeights { .. } => "import_weights",
+            WorkKind::ImportRest { .. } => "import_rest",
             WorkKind::InitState { .. } => "init_state",
             WorkKind::AverageStates { .. } => "average_states",
             WorkKind::Forget { .. } => "forget",
@@ -536,9 +553,13 @@ fn check_output(
             }
         }
         (
-            WorkKind::Apply { .. } | WorkKind::ImportState { .. } | WorkKind::InitState { .. },
+            WorkKind::Apply { .. }
+            | WorkKind::ImportState { .. }
+            | WorkKind::ImportRest { .. }
+            | WorkKind::InitState { .. },
             Output::Weights(_),
         ) => Ok(()),
+        (WorkKind::ImportWeights { .. }, Output::None) => Ok(()),
         (WorkKind::ExportState, Output::State(f)) if !f.is_empty() => Ok(()),
         (WorkKind::AverageStates { .. }, Output::Rebuilt { .. }) => Ok(()),
         (k, o) => Err(format!(

@@ -176,5 +176,6 @@ pub fn node_options(
         compute_s: 0.01,
         capacity: 4,
         seed: 1,
+        weights_first: None,
     }
 }

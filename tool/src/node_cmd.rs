@@ -609,6 +609,8 @@ pub fn node(a: NodeArgs) -> super::CliResult {
             chosen_ids: a.chosen_id.is_some(),
             ..NodeOptions::default()
         },
+        // The built-in trainer's relay states put the weights first.
+        weights_first: Some(gwtf::swarm::model_trainer::weights_prefix),
     };
     sizing.apply(&mut opts.net);
     let trainer = Traced {

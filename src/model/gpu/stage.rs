@@ -488,6 +488,17 @@ impl<B: Backend> DeviceStage<B> {
 
     /// Exchanges the parameters with the host values `other` (same length), as
     /// [`crate::model::Stage::swap_params`].
+    /// [`crate::model::Stage::set_moments`]: the AdamW moments and step
+    /// count only, checked, then uploaded.
+    pub fn set_moments(&mut self, step: u64, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        self.check_len("first moments", m.len())?;
+        self.check_len("second moments", v.len())?;
+        let (m, v) = (self.backend.upload(m)?, self.backend.upload(v)?);
+        (self.m, self.v) = (m, v);
+        self.step = step;
+        Ok(())
+    }
+
     pub fn swap_params(&mut self, other: &mut Vec<f32>) -> Result<(), ModelError> {
         self.check_len("parameters", other.len())?;
         let held = self.backend.download_buf(&self.params)?;

@@ -62,6 +62,12 @@ impl Restoring {
 }
 
 impl Node {
+    /// Whether this joiner is taking up an emptied stage (its download, if
+    /// any, is a kept copy or a neighbour's state).
+    pub fn restores_emptied_stage(&self) -> bool {
+        self.restoring.is_restoring()
+    }
+
     /// Its runtime keeps a copy of `stage`'s state of `iteration`.
     pub fn copy_kept(&mut self, stage: Stage, iteration: u32) {
         self.restoring.copies.insert(stage, iteration);
