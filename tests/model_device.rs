@@ -335,3 +335,48 @@ fn ops_check_shapes_and_overlaps() {
     }
     assert_eq!(be.download_buf(&a).unwrap(), [5.0, 7.0, 9.0, 4.0, 5.0, 6.0]);
 }
+
+/// `set_moments` (the optimizer state that follows weights a joiner
+/// imported first) replaces the AdamW moments and step count only, on the
+/// CPU stage and the device stage alike: the parameters stay, and so do the
+/// activations a forward kept for its backward (the same microbatch's
+/// forward again is refused as a duplicate, where `set_state` would have
+/// dropped them); moments of the wrong length change nothing.
+#[test]
+fn set_moments_replaces_the_optimizer_state_only() {
+    let cfg = preset("llama-tiny").unwrap();
+    let plan = StagePlan::new(&cfg, 3).unwrap();
+    let (b, t) = (2, 8);
+    let (x, _) = batches(5, 1, b, t).remove(0);
+    let n = Stage::new(&cfg, &plan, 0, 1).unwrap().num_params();
+    let m: Vec<f32> = (0..n).map(|i| i as f32 * 1e-6).collect();
+    let v: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 1e-7).collect();
+
+    let mut cpu = Stage::new(&cfg, &plan, 0, 1).unwrap();
+    let before = cpu.state();
+    cpu.forward(0, b, t, StageInput::Tokens(&x), None).unwrap();
+    assert!(cpu.set_moments(9, &m[1..], &v).is_err());
+    assert!(cpu.set_moments(9, &m, &v[1..]).is_err());
+    assert_eq!(cpu.state(), before);
+    cpu.set_moments(9, &m, &v).unwrap();
+    let after = cpu.state();
+    assert_eq!((after.step, &after.m, &after.v), (9, &m, &v));
+    assert_eq!(after.params, before.params);
+    let again = cpu.forward(0, b, t, StageInput::Tokens(&x), None);
+    assert_eq!(again.err(), Some(ModelError::DuplicateMicrobatch(0)));
+
+    let be = Arc::new(HostBackend);
+    let mut dev = DeviceStage::all(&be, &cfg, &plan, 1).unwrap().remove(0);
+    let before = dev.state().unwrap();
+    let tok = DeviceIds::upload(&*be, &x, cfg.vocab_size).unwrap();
+    dev.forward(0, b, t, DeviceInput::Tokens(tok.clone()), None)
+        .unwrap();
+    assert!(dev.set_moments(9, &m[1..], &v).is_err());
+    assert_eq!(dev.state().unwrap(), before);
+    dev.set_moments(9, &m, &v).unwrap();
+    let after = dev.state().unwrap();
+    assert_eq!((after.step, &after.m, &after.v), (9, &m, &v));
+    assert_eq!(after.params, before.params);
+    let again = dev.forward(0, b, t, DeviceInput::Tokens(tok), None);
+    assert_eq!(again.err(), Some(ModelError::DuplicateMicrobatch(0)));
+}

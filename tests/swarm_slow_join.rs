@@ -268,23 +268,7 @@ fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
 /// its weights, its first forward and the whole state.
 #[test]
 fn an_emptied_llama_small_stage_restored_over_100_mbit_s_computes_on_its_weights_first() {
-    let bin = common::release_gwtf();
-    let common = llama_small_args(7);
-    let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
-    let keep: &[&str] = &["--keep-states-every", "3"];
-    let mut swarm = Swarm::start_with(bin, &LAYOUT, &common, &[(1, keep), (2, keep)]);
-    swarm.deadline = Instant::now() + Duration::from_secs(600);
-    swarm.until("a holder's copy of stage 2", |ev| {
-        ev.iter()
-            .any(|e| e.event() == "copy_kept" && e.u("stage") == 2)
-    });
-    swarm.kill(21);
-    swarm.until("stage 2 reported empty by its neighbours", |ev| {
-        [1, 2, 11].iter().all(|n| {
-            ev.iter()
-                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
-        })
-    });
+    let mut swarm = stage_2_emptied_after_a_copy(7);
     let (joiner, joined) = (31, swarm.count());
     let started = Instant::now();
     swarm.join(joiner, 1, &[]);
@@ -335,4 +319,100 @@ fn an_emptied_llama_small_stage_restored_over_100_mbit_s_computes_on_its_weights
     let done = done as u32 + 2;
     let ev = swarm.until_committed(done, 2);
     check_run(&ev, done, MB, 2);
+}
+
+/// The llama-small swarm of [`LAYOUT`], every link at 100 Mbit/s, the
+/// holders keeping copies every 3 updates; stage 2's only relay killed once
+/// a holder kept a copy of its state, and reported empty.
+fn stage_2_emptied_after_a_copy(seed: u64) -> Swarm {
+    let bin = common::release_gwtf();
+    let common = llama_small_args(seed);
+    let common: Vec<&str> = common.iter().map(|s| s.as_str()).collect();
+    let keep: &[&str] = &["--keep-states-every", "3"];
+    let mut swarm = Swarm::start_with(bin, &LAYOUT, &common, &[(1, keep), (2, keep)]);
+    swarm.deadline = Instant::now() + Duration::from_secs(600);
+    swarm.until("a holder's copy of stage 2", |ev| {
+        ev.iter()
+            .any(|e| e.event() == "copy_kept" && e.u("stage") == 2)
+    });
+    swarm.kill(21);
+    swarm.until("stage 2 reported empty by its neighbours", |ev| {
+        [1, 2, 11].iter().all(|n| {
+            ev.iter()
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    swarm
+}
+
+/// The holder serving a restore killed after the copy's weights came and
+/// before the rest: the restorer, alone in its stage with no optimizer
+/// state to apply an update with, says so in an `error` and stops without
+/// applying any; the stage empties again and the next joiner takes it up
+/// (from the other holder's copy, or its neighbours' average), applies an
+/// update, and nobody restarts a stage from the initial weights.
+#[test]
+fn a_restorer_whose_copy_stops_after_the_weights_stops_and_the_next_takes_over() {
+    let mut swarm = stage_2_emptied_after_a_copy(9);
+    let joined = swarm.count();
+    swarm.join(31, 11, &[]);
+    let ev = swarm.until("the restorer took stage 2 up on the copy's weights", |ev| {
+        ev.iter()
+            .skip(joined)
+            .any(|e| e.node == 31 && e.event() == "stage_restored")
+    });
+    let restored = (ev.iter().skip(joined))
+        .find(|e| e.node == 31 && e.event() == "stage_restored")
+        .unwrap();
+    let holder = restored.u("from") as u32;
+    assert!(
+        !(ev.iter().skip(joined)).any(|e| e.node == 31 && e.event() == "state_download"),
+        "the whole copy came before its weights were used: {:?}",
+        restored.v
+    );
+    swarm.kill(holder);
+    let status = swarm.wait_exit(31);
+    assert!(!status.success(), "the restorer exited with {status}");
+    let ev = swarm.snapshot();
+    let mine: Vec<&Seen> = ev.iter().skip(joined).filter(|e| e.node == 31).collect();
+    let error = (mine.iter())
+        .find(|e| e.event() == "error")
+        .unwrap_or_else(|| panic!("no error from the restorer: {mine:?}"));
+    assert!(
+        error.s("message").contains("optimizer state"),
+        "{:?}",
+        error.v
+    );
+    assert!(
+        !mine.iter().any(|e| e.event() == "applied"),
+        "the restorer applied an update without the optimizer's state: {mine:?}"
+    );
+    swarm.until("stage 2 reported empty again", |ev| {
+        [2, 11].iter().all(|n| {
+            (ev.iter().skip(joined))
+                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
+        })
+    });
+    let next = swarm.count();
+    swarm.join(32, 11, &[]);
+    let ev = swarm.until("the next joiner's first update", |ev| {
+        ev.iter()
+            .skip(next)
+            .any(|e| e.node == 32 && e.event() == "applied")
+    });
+    let took: Vec<&str> = (ev.iter().skip(next))
+        .filter(|e| e.node == 32)
+        .map(|e| e.event())
+        .filter(|k| k.starts_with("stage_re"))
+        .collect();
+    assert!(
+        took == ["stage_restored"] || took == ["stage_rebuilt"],
+        "the next joiner took stage 2 up by {took:?}"
+    );
+    eprintln!(
+        "swarm_slow_join: holder {holder} killed while restorer 31 awaited the rest of its \
+         copy: 31 stopped ({}); joiner 32 took stage 2 up by {}",
+        error.s("message"),
+        took[0]
+    );
 }

@@ -154,3 +154,70 @@ impl NodeLoop {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::MbId;
+    use std::sync::Arc;
+
+    fn work(kind: WorkKind, iter: Option<u32>) -> Work {
+        Work {
+            id: 1,
+            kind,
+            stage: 2,
+            mb: iter.map(|iter| MbId {
+                holder: 1,
+                iter,
+                idx: 0,
+            }),
+            input: None,
+        }
+    }
+
+    /// With the weights of the update of iteration 6 imported and the rest
+    /// awaited, a microbatch of iteration 7 runs; one of iteration 6 (on
+    /// the weights from before that update), the update, the gradient and
+    /// an export wait; imports, forgetting and discarding go on.
+    #[test]
+    fn only_what_needs_the_weights_alone_runs_before_the_rest() {
+        let now = Instant::now();
+        let r = RestAwaited {
+            from: 1,
+            bytes: 100,
+            asked: now,
+            weights_at: now,
+            applied: Some(6),
+            iteration: 6,
+            held: VecDeque::new(),
+        };
+        let runs = |kind: WorkKind, iter: Option<u32>| r.passes(&work(kind, iter));
+        for k in [WorkKind::Forward, WorkKind::Backward, WorkKind::Discard] {
+            assert!(runs(k.clone(), Some(7)), "{k:?}");
+        }
+        assert!(!runs(WorkKind::Forward, Some(6)));
+        assert!(!runs(WorkKind::Backward, Some(5)));
+        let apply = WorkKind::Apply {
+            iteration: 7,
+            mean: Arc::new(Vec::new()),
+            microbatches: 4,
+        };
+        let gradient = WorkKind::Gradient {
+            iteration: 7,
+            granted: Vec::new(),
+        };
+        for k in [apply, gradient, WorkKind::ExportState] {
+            assert!(!runs(k.clone(), None), "{k:?}");
+        }
+        for k in [
+            WorkKind::ImportRest { applied: Some(6) },
+            WorkKind::ImportState { applied: Some(6) },
+            WorkKind::Forget { before: 5 },
+        ] {
+            assert!(runs(k.clone(), None), "{k:?}");
+        }
+        // Before any update (version (0, 0)) every microbatch runs.
+        let fresh = RestAwaited { applied: None, ..r };
+        assert!(fresh.passes(&work(WorkKind::Forward, Some(0))));
+    }
+}
