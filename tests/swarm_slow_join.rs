@@ -336,13 +336,19 @@ fn stage_2_emptied_after_a_copy(seed: u64) -> Swarm {
             .any(|e| e.event() == "copy_kept" && e.u("stage") == 2)
     });
     swarm.kill(21);
+    until_stage_2_empty(&swarm, &[1, 2, 11], 0);
+    swarm
+}
+
+/// Waits until each of `reporters` said stage 2 is empty, in the events
+/// after the first `after`.
+fn until_stage_2_empty(swarm: &Swarm, reporters: &[u32], after: usize) {
     swarm.until("stage 2 reported empty by its neighbours", |ev| {
-        [1, 2, 11].iter().all(|n| {
-            ev.iter()
+        reporters.iter().all(|n| {
+            (ev.iter().skip(after))
                 .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
         })
     });
-    swarm
 }
 
 /// The holder serving a restore killed after the copy's weights came and
@@ -387,12 +393,7 @@ fn a_restorer_whose_copy_stops_after_the_weights_stops_and_the_next_takes_over()
         !mine.iter().any(|e| e.event() == "applied"),
         "the restorer applied an update without the optimizer's state: {mine:?}"
     );
-    swarm.until("stage 2 reported empty again", |ev| {
-        [2, 11].iter().all(|n| {
-            (ev.iter().skip(joined))
-                .any(|e| e.node == *n && e.event() == "stage_empty" && e.u("stage") == 2)
-        })
-    });
+    until_stage_2_empty(&swarm, &[2, 11], joined);
     let next = swarm.count();
     swarm.join(32, 11, &[]);
     let ev = swarm.until("the next joiner's first update", |ev| {
