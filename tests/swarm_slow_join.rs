@@ -263,9 +263,10 @@ fn a_state_server_paused_in_the_middle_of_a_download_loses_no_join() {
 /// the restored weights before the rest of the state (the optimizer's
 /// moments, the weights from before the update: three quarters of it) has
 /// come: its first forward starts before its `state_download` event, whose
-/// `weights_ms` is below its `ms`. Then it applies an update, and the run
-/// checks out (`check_run`). Printed: the times from the joiner's start to
-/// its weights, its first forward and the whole state.
+/// `weights_ms` is below its `ms`. Then it applies an update, two more
+/// iterations end with no error, and every stage-iteration applied has one
+/// weights digest. Printed: the times from the joiner's start to its
+/// weights, its first forward and the whole state.
 #[test]
 fn an_emptied_llama_small_stage_restored_over_100_mbit_s_computes_on_its_weights_first() {
     let mut swarm = stage_2_emptied_after_a_copy(7);
@@ -309,16 +310,28 @@ fn an_emptied_llama_small_stage_restored_over_100_mbit_s_computes_on_its_weights
          start, its weights at {:.2} s ({weights_ms:.0} ms after asking), its first forward \
          at {:.2} s, the whole state ({} bytes) at {:.2} s ({ms:.0} ms after asking)",
         restored.u("from"),
-        since(download) - (ms - weights_ms) / 1e3,
+        // The event comes after the rest's import.
+        since(download) - (ms - weights_ms + download.v["import_ms"].as_f64().unwrap_or(0.0)) / 1e3,
         since(forward),
         download.u("bytes"),
         since(download),
     );
+    // The restored weights stand for an update the stage never committed
+    // (the one in progress when it emptied is lost, as CheckFree loses
+    // it), so `check_run`'s every-iteration check does not apply: after
+    // two more iterations, no errors and one digest per stage-iteration.
     let done = final_iterations(&ev);
-    swarm.until("two more iterations", |ev| final_iterations(ev) >= done + 2);
-    let done = done as u32 + 2;
-    let ev = swarm.until_committed(done, 2);
-    check_run(&ev, done, MB, 2);
+    let ev = swarm.until("two more iterations", |ev| final_iterations(ev) >= done + 2);
+    let errors: Vec<&Seen> = ev.iter().filter(|e| e.event() == "error").collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    let mut digests: std::collections::BTreeMap<(u64, u64), std::collections::BTreeSet<&str>> =
+        Default::default();
+    for e in ev.iter().filter(|e| e.event() == "applied") {
+        (digests.entry((e.u("stage"), e.u("iteration"))).or_default())
+            .insert(e.s("weights_sha256"));
+    }
+    let split: Vec<_> = digests.iter().filter(|(_, d)| d.len() > 1).collect();
+    assert!(split.is_empty(), "replicas diverged: {split:?}");
 }
 
 /// The llama-small swarm of [`LAYOUT`], every link at 100 Mbit/s, the

@@ -380,6 +380,29 @@ impl NodeLoop {
     /// `j - 1` (its `Applied` and a forward of iteration `j` come from
     /// different nodes, in either order).
     pub(super) fn dispatch(&mut self, w: Work) {
+        // A whole state replaces one whose rest was awaited (this node was
+        // fenced and joined again, or downloads again): what waited for
+        // that rest goes after it.
+        let superseded = match &w.kind {
+            WorkKind::ImportState { .. }
+            | WorkKind::InitState { .. }
+            | WorkKind::AverageStates { .. } => self.rest.take(),
+            _ => None,
+        };
+        self.dispatch_one(w);
+        if let Some(r) = superseded {
+            self.log(format!(
+                "a whole state replaces the one from {:x} whose rest was awaited: {} works held go on",
+                r.from,
+                r.held.len()
+            ));
+            for h in r.held {
+                self.dispatch(h);
+            }
+        }
+    }
+
+    fn dispatch_one(&mut self, w: Work) {
         if let Some(r) = self.rest.as_mut() {
             if !r.passes(&w) {
                 r.held.push_back(w);
@@ -461,6 +484,13 @@ impl NodeLoop {
                     need: iter,
                     no_source_since: None,
                 });
+                // The state to come replaces one whose rest was awaited:
+                // what waited for that rest waits for it.
+                if let Some(r) = self.rest.take() {
+                    for w in r.held {
+                        self.dispatch(w);
+                    }
+                }
             }
         }
         let me = self.me.id;

@@ -28,7 +28,9 @@
 //! hash checks them again with the rest. When the rest does not come (its
 //! server lost, the state refused), the state is downloaded again from
 //! another member of the stage (a resync); with none, the node stops with
-//! an error rather than apply updates without the optimizer's state.
+//! an error rather than apply updates without the optimizer's state. A
+//! whole state that comes meanwhile (a resync's, or a new download after
+//! a fence) replaces it; what waited for the rest then goes after it.
 use super::driver::{NodeLoop, Pending};
 use super::intake::Refusal;
 use super::serving::DIGEST_LEN;
