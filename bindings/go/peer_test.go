@@ -441,7 +441,9 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 				if err := tr.run(p, task); err != nil {
 					t.Errorf("node %d: %v: %v", id, task.Message, err)
 				}
-				if id == 2 && task.Kind == TaskForward && !refusedTwice {
+				// Any task answered once is refused a second answer (not
+				// only a forward: the routing may send relay 2 none).
+				if id == 2 && !refusedTwice {
 					err := p.TaskDone(task.ID, nil)
 					if !errors.Is(err, &Error{Status: StatusNotFound}) {
 						t.Errorf("a second answer: %v", err)
@@ -489,7 +491,7 @@ func TestGoRelaysTakePartInASwarm(t *testing.T) {
 		t.Errorf("the loss did not fall: %v", losses)
 	}
 	if !refusedTwice {
-		t.Error("relay 2 never had a forward to answer twice")
+		t.Error("relay 2 never had a task to answer twice")
 	}
 	agreed := 0
 	for it, d := range digests {
