@@ -364,6 +364,31 @@ fn until_stage_2_empty(swarm: &Swarm, reporters: &[u32], after: usize) {
     });
 }
 
+/// Waits until each of `reporters` sees stage 2 empty again after
+/// `gone`, its only member, stopped: it said `stage_empty` after
+/// `stage_resumed`, or it lost `gone` before it ever took stage 2 for
+/// resumed (its neighbour check runs on ticks, so a member that lived a
+/// few hundred milliseconds may never have been counted, and then no
+/// `stage_empty` follows).
+fn until_stage_2_empty_again(swarm: &Swarm, reporters: &[u32], gone: u32, after: usize) {
+    swarm.until("stage 2 seen empty again by its neighbours", |ev| {
+        reporters.iter().all(|n| {
+            let mine = || ev.iter().skip(after).filter(|e| e.node == *n);
+            let last_turn = mine()
+                .filter(|e| {
+                    matches!(e.event(), "stage_empty" | "stage_resumed") && e.u("stage") == 2
+                })
+                .last()
+                .map(|e| e.event());
+            let lost = mine().any(|e| e.event() == "peer_lost" && e.u("peer") == gone as u64);
+            match last_turn {
+                Some(turn) => turn == "stage_empty",
+                None => lost,
+            }
+        })
+    });
+}
+
 /// The holder serving a restore killed after the copy's weights came and
 /// before the rest: the restorer, alone in its stage with no optimizer
 /// state to apply an update with, says so in an `error` and stops without
@@ -406,7 +431,7 @@ fn a_restorer_whose_copy_stops_after_the_weights_stops_and_the_next_takes_over()
         !mine.iter().any(|e| e.event() == "applied"),
         "the restorer applied an update without the optimizer's state: {mine:?}"
     );
-    until_stage_2_empty(&swarm, &[2, 11], joined);
+    until_stage_2_empty_again(&swarm, &[2, 11], 31, joined);
     let next = swarm.count();
     swarm.join(32, 11, &[]);
     let ev = swarm.until("the next joiner's first update", |ev| {
