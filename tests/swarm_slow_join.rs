@@ -375,10 +375,9 @@ fn until_stage_2_empty_again(swarm: &Swarm, reporters: &[u32], gone: u32, after:
         reporters.iter().all(|n| {
             let mine = || ev.iter().skip(after).filter(|e| e.node == *n);
             let last_turn = mine()
-                .filter(|e| {
+                .rfind(|e| {
                     matches!(e.event(), "stage_empty" | "stage_resumed") && e.u("stage") == 2
                 })
-                .last()
                 .map(|e| e.event());
             let lost = mine().any(|e| e.event() == "peer_lost" && e.u("peer") == gone as u64);
             match last_turn {

@@ -30,7 +30,7 @@
 //! neighbour may still ask it to stand in for a lost member) or has
 //! messages to send, until it stops or the next operation starts.
 use super::allreduce::{Machine, Message, Outcome, RingAllReduce, SetupError};
-use super::allreduce_net::{frame_of, message_of};
+use super::allreduce_net::{frame_of, message_with, ChunkBuffers};
 use super::butterfly::ButterflyAllReduce;
 use super::hierarchy::HierarchicalAllReduce;
 use crate::engine::{Frame, Transport};
@@ -60,6 +60,8 @@ struct Running {
     broken: Vec<u64>,
     /// Why it ended without the mean, whatever its machines say.
     failed: Option<String>,
+    /// Sent chunks' buffers, for the chunks received next.
+    buffers: ChunkBuffers,
 }
 
 impl Running {
@@ -217,6 +219,7 @@ impl Aggregation {
             members: ring.iter().copied().filter(|&m| m != me as u64).collect(),
             broken: Vec::new(),
             failed: None,
+            buffers: ChunkBuffers::default(),
         });
         // Chunks that came before we started.
         let early: Vec<Frame> = std::mem::take(&mut self.early).into();
@@ -230,7 +233,7 @@ impl Aggregation {
     /// A chunk (or abort) frame.
     pub fn on_frame(&mut self, f: Frame) {
         let (op, stage) = (f.header.microbatch, f.header.stage);
-        if self.route(f.peer(), op, stage, || message_of(stage, &f)) {
+        if self.route(f.peer(), op, stage, |bufs| message_with(stage, &f, bufs)) {
             return;
         }
         if f.len() > self.early_budget {
@@ -254,7 +257,7 @@ impl Aggregation {
         from: u64,
         op: u64,
         stage: u32,
-        msg: impl FnOnce() -> Option<Result<Message, String>>,
+        msg: impl FnOnce(&mut ChunkBuffers) -> Option<Result<Message, String>>,
     ) -> bool {
         let Some(r) = [self.running.as_mut(), self.serving.as_mut()]
             .into_iter()
@@ -263,7 +266,7 @@ impl Aggregation {
         else {
             return false;
         };
-        match msg() {
+        match msg(&mut r.buffers) {
             Some(Ok(msg)) => {
                 if let Some(m) = r.machine_of(op) {
                     m.on_message(from, msg);
@@ -343,6 +346,7 @@ impl Aggregation {
                         Ok(f) => out.push((to, f)),
                         Err(_) => m.on_peer_lost(to),
                     }
+                    r.buffers.recycle(msg);
                 }
             }
         }
@@ -370,6 +374,7 @@ mod tests {
     use crate::protocol::MbId;
     use std::sync::Arc;
 
+    use crate::swarm::allreduce_net::message_of;
     use crate::swarm::allreduce_net::tests::node as net;
 
     /// An aggregation that runs every commit around the ring (both ways),
@@ -427,7 +432,7 @@ mod tests {
     /// Member `i + 1`'s frame `f` to member `to`, which takes it.
     fn deliver(aggs: &mut [Aggregation], i: usize, to: u64, f: &Frame) {
         let msg = message_of(4, f);
-        let taken = aggs[to as usize - 1].route(i as u64 + 1, f.header.microbatch, 4, || msg);
+        let taken = aggs[to as usize - 1].route(i as u64 + 1, f.header.microbatch, 4, |_| msg);
         assert!(taken);
     }
 
@@ -452,7 +457,7 @@ mod tests {
         Message::Chunk {
             op,
             step,
-            data: vec![0.5; 2],
+            data: vec![0.5; 2].into(),
         }
     }
 
@@ -510,8 +515,8 @@ mod tests {
         let (net, mut agg) = (net(), ring_only());
         let [op, back] = started(&mut agg);
         for step in 0..4 {
-            assert!(agg.route(3, op, 4, || Some(Ok(chunk(op, step)))));
-            assert!(agg.route(2, back, 4, || Some(Ok(chunk(back, step)))));
+            assert!(agg.route(3, op, 4, |_| Some(Ok(chunk(op, step)))));
+            assert!(agg.route(2, back, 4, |_| Some(Ok(chunk(back, step)))));
         }
         agg.outgoing(&net);
         let (task, iter, end) = agg.finished().expect("done");
@@ -525,18 +530,18 @@ mod tests {
             lost: 2,
             step: 3,
         };
-        assert!(agg.route(3, op, 4, || Some(Ok(resume))));
+        assert!(agg.route(3, op, 4, |_| Some(Ok(resume))));
         let out = decoded(agg.outgoing(&net));
         assert_eq!(out.len(), 1, "{out:?}");
         assert!(matches!(out[0], (3, Message::Chunk { step: 3, .. })));
         // The way back (3 -> 2 -> 1 -> 3) still serves until 2, two to
         // its right there, holds every chunk.
         assert!(agg.serving.is_some());
-        assert!(agg.route(2, back, 4, || Some(Ok(Message::Complete { op: back }))));
+        assert!(agg.route(2, back, 4, |_| Some(Ok(Message::Complete { op: back }))));
         agg.outgoing(&net);
         assert!(agg.serving.is_none(), "served: let go");
         // Another operation's message is not taken.
-        assert!(!agg.route(3, op, 4, || Some(Ok(chunk(op, 0)))));
+        assert!(!agg.route(3, op, 4, |_| Some(Ok(chunk(op, 0)))));
     }
 
     /// A member lost before this node started the operation: the ring

@@ -86,15 +86,21 @@
 //! that never comes. So the stage coordinator decides what is applied (the
 //! protocol's commit), and every member applies the same thing.
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// A member of the operation (the node's id in the swarm).
 pub type MemberId = u64;
+
+/// A chunk's elements, shared: a butterfly owner sends one reduced part to
+/// every other member, and the driver only reads it into frames, so one
+/// buffer serves every copy of the message (no clone per destination).
+pub type ChunkData = Arc<Vec<f32>>;
 
 /// What one member sends to another.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     /// One chunk at one step of the schedule (`step < 2 (n-1)`).
-    Chunk { op: u64, step: u32, data: Vec<f32> },
+    Chunk { op: u64, step: u32, data: ChunkData },
     /// The operation cannot finish: `lost` is gone.
     Abort { op: u64, lost: MemberId },
     /// From the lost member's successor to its predecessor: `lost` is
@@ -151,6 +157,23 @@ pub(super) fn done_with(reduced: &[f32]) -> Outcome {
     };
     Outcome::Done {
         mean,
+        microbatches: count as u64,
+    }
+}
+
+/// [`done_with`] in `reduced`'s own memory: the same bits (each element
+/// divided by the same count), without a second buffer.
+pub(super) fn done_in_place(mut reduced: Vec<f32>) -> Outcome {
+    let count = reduced.pop().unwrap_or(0.0);
+    if count > 0.0 {
+        for x in &mut reduced {
+            *x /= count;
+        }
+    } else {
+        reduced.fill(0.0);
+    }
+    Outcome::Done {
+        mean: reduced,
         microbatches: count as u64,
     }
 }
@@ -233,7 +256,7 @@ pub struct RingAllReduce {
     next_recv: u32,
     /// Chunks that arrived before their turn (the left neighbour may run
     /// ahead); at most one per step.
-    early: BTreeMap<u32, Vec<f32>>,
+    early: BTreeMap<u32, ChunkData>,
     /// The member lost and bypassed (at most one per operation: a second
     /// loss aborts). Ring neighbours skip it; chunk ranges and steps stay
     /// those of the original ring.
@@ -398,7 +421,7 @@ impl RingAllReduce {
         if s >= self.steps() || s > self.next_recv || self.is_bypassed(self.orig_right()) {
             return false;
         }
-        let data = self.buf[self.chunk_range(self.send_chunk(s))].to_vec();
+        let data = Arc::new(self.buf[self.chunk_range(self.send_chunk(s))].to_vec());
         let msg = Message::Chunk {
             op: self.op,
             step: s,
@@ -420,7 +443,7 @@ impl RingAllReduce {
         if t >= self.steps() || t - 1 > self.next_recv {
             return false;
         }
-        let data = self.buf[self.chunk_range(self.send_chunk(t - 1))].to_vec();
+        let data = Arc::new(self.buf[self.chunk_range(self.send_chunk(t - 1))].to_vec());
         let msg = Message::Chunk {
             op: self.op,
             step: t,
@@ -468,7 +491,7 @@ impl RingAllReduce {
         self.outcome = done_with(&self.buf);
     }
 
-    fn apply(&mut self, data: Vec<f32>) {
+    fn apply(&mut self, data: ChunkData) {
         let step = self.next_recv;
         let range = self.chunk_range(self.recv_chunk(step));
         if data.len() != range.len() {
@@ -486,7 +509,7 @@ impl RingAllReduce {
         let reducing = step < self.n() as u32 - 1;
         let dst = &mut self.buf[range];
         if reducing {
-            for (d, x) in dst.iter_mut().zip(&data) {
+            for (d, x) in dst.iter_mut().zip(data.iter()) {
                 *d += *x;
             }
         } else {
@@ -542,7 +565,7 @@ impl RingAllReduce {
         }
     }
 
-    fn on_chunk(&mut self, from: MemberId, step: u32, data: Vec<f32>) {
+    fn on_chunk(&mut self, from: MemberId, step: u32, data: ChunkData) {
         if from != self.left() {
             self.fail(
                 from,

@@ -19,6 +19,7 @@
 use super::allreduce::{Machine, Message, Outcome};
 use crate::engine::{EngineError, Frame, Transport, TransportEvent};
 use crate::wire::Dtype;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `iteration` of an abort frame.
@@ -65,9 +66,7 @@ pub fn frame_of(
     let mut f = match msg {
         Message::Chunk { op, step, data } => {
             let mut f = node.alloc(std::mem::size_of_val(data.as_slice()), timeout)?;
-            for (dst, x) in f.payload_mut().chunks_exact_mut(4).zip(data) {
-                dst.copy_from_slice(&x.to_le_bytes());
-            }
+            f32s_to_le_bytes(data, f.payload_mut());
             f.header.microbatch = *op;
             f.header.iteration = *step as u64;
             f.header.dtype = Dtype::F32 as u16;
@@ -104,6 +103,16 @@ pub fn frame_of(
 
 /// The message a received frame carries, if it is one of this stage's.
 pub fn message_of(stage: u32, f: &Frame) -> Option<Result<Message, String>> {
+    message_with(stage, f, &mut ChunkBuffers::default())
+}
+
+/// [`message_of`], its chunk's elements written into a buffer of `bufs`
+/// when one is free (no fresh allocation to fault in page by page).
+pub fn message_with(
+    stage: u32,
+    f: &Frame,
+    bufs: &mut ChunkBuffers,
+) -> Option<Result<Message, String>> {
     let h = &f.header;
     if h.stage != stage {
         return None;
@@ -114,7 +123,7 @@ pub fn message_of(stage: u32, f: &Frame) -> Option<Result<Message, String>> {
         RESUME_STEP => resume_of(op, p),
         COMPLETE_STEP if p.is_empty() => Ok(Message::Complete { op }),
         COMPLETE_STEP => Err(format!("complete frame of {} bytes", p.len())),
-        _ => chunk_of(f),
+        _ => chunk_of(f, bufs),
     })
 }
 
@@ -141,7 +150,7 @@ fn resume_of(op: u64, p: &[u8]) -> Result<Message, String> {
 }
 
 /// A chunk: f32 elements at a step below 2^32 (the markers are above).
-fn chunk_of(f: &Frame) -> Result<Message, String> {
+fn chunk_of(f: &Frame, bufs: &mut ChunkBuffers) -> Result<Message, String> {
     let h = &f.header;
     if h.dtype != Dtype::F32 as u16 || h.iteration > u32::MAX as u64 || f.payload().len() % 4 != 0 {
         return Err(format!(
@@ -151,16 +160,88 @@ fn chunk_of(f: &Frame) -> Result<Message, String> {
             f.payload().len()
         ));
     }
-    let data = f
-        .payload()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-        .collect();
     Ok(Message::Chunk {
         op: h.microbatch,
         step: h.iteration as u32,
-        data,
+        data: Arc::new(bufs.fill(f.payload())),
     })
+}
+
+/// Writes `src` into `dst` (exactly its size) as little-endian f32s: one
+/// copy on a little-endian machine, where that is the memory layout.
+fn f32s_to_le_bytes(src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(dst.len(), std::mem::size_of_val(src));
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: f32 has no padding and every byte of it is initialized;
+        // the view covers exactly `src`'s elements and lives only here.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src))
+        };
+        dst.copy_from_slice(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (d, x) in dst.chunks_exact_mut(4).zip(src) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Chunk buffers of one operation kept for reuse: a sent chunk's buffer
+/// (once the frame holds its bytes) takes the next received chunk. A
+/// buffer of tens of megabytes freshly allocated costs more in page faults
+/// than its copy; reused, it costs the copy only. Kept only while the
+/// operation runs (its owner drops them with it), at most [`Self::KEPT`].
+#[derive(Debug, Default)]
+pub struct ChunkBuffers {
+    free: Vec<Vec<f32>>,
+}
+
+impl ChunkBuffers {
+    /// Buffers kept at most: an operation's messages in flight at once.
+    pub const KEPT: usize = 4;
+
+    /// Keeps the buffer of a message just framed, if nothing else holds
+    /// it (a butterfly's reduced part goes to every member: its last
+    /// message frees it).
+    pub fn recycle(&mut self, msg: Message) {
+        if let Message::Chunk { data, .. } = msg {
+            if let Ok(v) = Arc::try_unwrap(data) {
+                if self.free.len() < Self::KEPT && v.capacity() > 0 {
+                    self.free.push(v);
+                }
+            }
+        }
+    }
+
+    /// The little-endian f32s of `src` (a trailing partial element is
+    /// ignored; callers check the length), in a kept buffer large enough
+    /// if there is one: one copy on a little-endian machine.
+    pub fn fill(&mut self, src: &[u8]) -> Vec<f32> {
+        let n = src.len() / 4;
+        let fit = (self.free.iter()).position(|v| v.capacity() >= n);
+        let mut out = match fit {
+            Some(i) => self.free.swap_remove(i),
+            None => Vec::with_capacity(n),
+        };
+        out.clear();
+        #[cfg(target_endian = "little")]
+        {
+            // SAFETY: `out` has room for `n` elements; exactly `4 n` bytes
+            // are copied into it, from a slice that cannot overlap it (we
+            // own `out`), and every bit pattern is a valid f32, so the
+            // first `n` elements are initialized before `set_len`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * 4);
+                out.set_len(n);
+            }
+        }
+        #[cfg(not(target_endian = "little"))]
+        out.extend(
+            src.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+        );
+        out
+    }
 }
 
 /// Runs `op` (a ring's or a butterfly's side) to its end over `node`: sends
@@ -178,9 +259,11 @@ pub fn run<M: Machine>(
     deadline: Instant,
 ) -> Result<Outcome, NetError> {
     let send_timeout = Duration::from_secs(5);
+    let mut bufs = ChunkBuffers::default();
     loop {
         for (to, msg) in op.take_outbox() {
             let f = frame_of(node, stage, &msg, send_timeout)?;
+            bufs.recycle(msg);
             if let Err(e) = node.send(to, f, send_timeout) {
                 // A peer that cannot be reached is a lost peer.
                 match e {
@@ -203,7 +286,7 @@ pub fn run<M: Machine>(
             // The engine queues a peer's last frames before its loss: they
             // count first (its reduced chunk may be among them).
             while let Ok(f) = node.recv(Duration::ZERO) {
-                feed(stage, &mut op, &f);
+                feed(stage, &mut op, &f, &mut bufs);
             }
             for peer in lost {
                 op.on_peer_lost(peer);
@@ -221,7 +304,7 @@ pub fn run<M: Machine>(
         }
         let wait = (deadline - now).min(Duration::from_millis(20));
         match node.recv(wait) {
-            Ok(f) => feed(stage, &mut op, &f),
+            Ok(f) => feed(stage, &mut op, &f, &mut bufs),
             Err(EngineError::Timeout(_)) => {}
             Err(e) => return Err(e.into()),
         }
@@ -230,9 +313,9 @@ pub fn run<M: Machine>(
 
 /// Gives `op` the message frame `f` carries (a malformed one is its
 /// sender's loss).
-fn feed<M: Machine>(stage: u32, op: &mut M, f: &Frame) {
+fn feed<M: Machine>(stage: u32, op: &mut M, f: &Frame, bufs: &mut ChunkBuffers) {
     let from = f.peer();
-    match message_of(stage, f) {
+    match message_with(stage, f, bufs) {
         Some(Ok(msg)) => op.on_message(from, msg),
         Some(Err(_)) => op.on_peer_lost(from),
         None => {}
@@ -243,6 +326,7 @@ fn feed<M: Machine>(stage: u32, op: &mut M, f: &Frame) {
 pub(super) mod tests {
     use super::*;
     use crate::engine::NodeOptions;
+    use crate::swarm::allreduce::ChunkData;
 
     /// A node without a listener: only its pool is used, to build frames.
     pub(in crate::swarm) fn node() -> Transport {
@@ -269,7 +353,7 @@ pub(super) mod tests {
             Message::Chunk {
                 op: 3,
                 step: 5,
-                data: vec![1.5, -2.0, 0.25],
+                data: vec![1.5, -2.0, 0.25].into(),
             },
             Message::Abort { op: 3, lost: 42 },
             Message::Resume {
@@ -284,6 +368,61 @@ pub(super) mod tests {
         }
         let f = frame_of(&node, 7, &Message::Complete { op: 9 }, Duration::ZERO).unwrap();
         assert!(message_of(8, &f).is_none(), "another stage's");
+    }
+
+    /// A sent chunk's buffer, once nothing else holds it, takes the next
+    /// received chunk (the same allocation, the received values); a buffer
+    /// still shared, or one too small, is not taken.
+    #[test]
+    fn a_sent_chunks_buffer_takes_the_next_received_one() {
+        let node = node();
+        let mut bufs = ChunkBuffers::default();
+        let sent: ChunkData = Arc::new(vec![7.0; 64]);
+        let shared = Message::Chunk {
+            op: 1,
+            step: 0,
+            data: sent.clone(),
+        };
+        bufs.recycle(shared);
+        assert!(bufs.free.is_empty(), "taken while another message holds it");
+        let ptr = sent.as_ptr();
+        bufs.recycle(Message::Chunk {
+            op: 1,
+            step: 0,
+            data: sent,
+        });
+        assert_eq!(bufs.free.len(), 1);
+        let big = Message::Chunk {
+            op: 1,
+            step: 1,
+            data: vec![0.5; 65].into(),
+        };
+        let f = frame_of(&node, 7, &big, Duration::ZERO).unwrap();
+        let Some(Ok(Message::Chunk { data, .. })) = message_with(7, &f, &mut bufs) else {
+            panic!("a chunk");
+        };
+        assert_eq!(*data, vec![0.5; 65]);
+        assert_eq!(bufs.free.len(), 1, "too small for 65 elements");
+        let small = Message::Chunk {
+            op: 1,
+            step: 1,
+            data: vec![-1.25, 3.0].into(),
+        };
+        let f = frame_of(&node, 7, &small, Duration::ZERO).unwrap();
+        let Some(Ok(Message::Chunk { data, .. })) = message_with(7, &f, &mut bufs) else {
+            panic!("a chunk");
+        };
+        assert_eq!(*data, vec![-1.25, 3.0]);
+        assert_eq!(data.as_ptr(), ptr, "the kept buffer");
+        assert!(bufs.free.is_empty());
+        for _ in 0..ChunkBuffers::KEPT + 2 {
+            bufs.recycle(Message::Chunk {
+                op: 1,
+                step: 0,
+                data: vec![1.0].into(),
+            });
+        }
+        assert_eq!(bufs.free.len(), ChunkBuffers::KEPT, "kept at most");
     }
 
     #[test]

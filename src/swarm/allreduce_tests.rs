@@ -412,7 +412,7 @@ fn the_survivors_run_it_again_without_the_lost_member() {
         let stale = Message::Chunk {
             op: 1,
             step: 0,
-            data: vec![1e9; 64],
+            data: vec![1e9; 64].into(),
         };
         again.nodes.get_mut(id).unwrap().on_message(ins[1].0, stale);
     }
@@ -434,7 +434,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
             Message::Chunk {
                 op: 4,
                 step: 0,
-                data: vec![0.0; 3],
+                data: vec![0.0; 3].into(),
             },
             "elements",
         ),
@@ -443,7 +443,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
             Message::Chunk {
                 op: 4,
                 step: 0,
-                data: vec![0.0; 10],
+                data: vec![0.0; 10].into(),
             },
             "not the ring neighbour",
         ),
@@ -452,7 +452,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
             Message::Chunk {
                 op: 4,
                 step: 9,
-                data: vec![0.0; 10],
+                data: vec![0.0; 10].into(),
             },
             "expected steps",
         ),
@@ -475,7 +475,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
     let early = Message::Chunk {
         op: 4,
         step: 1,
-        data: vec![0.0; 10],
+        data: vec![0.0; 10].into(),
     };
     r.on_message(left, early.clone());
     assert_eq!(r.outcome(), &Outcome::Running);
@@ -488,7 +488,7 @@ fn a_chunk_out_of_turn_or_of_the_wrong_size_fails_without_adding_anything() {
         Message::Chunk {
             op: 5,
             step: 0,
-            data: vec![0.0; 3],
+            data: vec![0.0; 3].into(),
         },
     );
     assert_eq!(r.outcome(), &Outcome::Running);
@@ -503,7 +503,7 @@ fn predecessor_at_step_5() -> (RingAllReduce, [MemberId; 4]) {
     let mut p = RingAllReduce::new(6, ids[0], &ids, &ins[0].1, ins[0].2).unwrap();
     for step in 0..5 {
         let len = p.chunk_range(p.recv_chunk(step)).len();
-        let data = vec![0.5; len];
+        let data = vec![0.5; len].into();
         p.on_message(r, Message::Chunk { op: 6, step, data });
     }
     assert_eq!(p.next_recv, 5);
@@ -552,7 +552,7 @@ fn a_resume_the_protocol_cannot_send_fails_without_serving_anything() {
         let chunk = Message::Chunk {
             op: 6,
             step,
-            data: want,
+            data: want.into(),
         };
         assert_eq!((*to, m), (q, &chunk));
     }
@@ -634,7 +634,7 @@ fn messages_from_the_bypassed_member_are_ignored() {
     let chunk = Message::Chunk {
         op: 6,
         step: 5,
-        data: vec![9.0; 3],
+        data: vec![9.0; 3].into(),
     };
     for msg in [chunk, resume(d, 4), Message::Abort { op: 6, lost: q }] {
         p.on_message(d, msg);
@@ -693,7 +693,7 @@ fn a_done_member_keeps_its_result_and_serves_only_what_it_may() {
         Message::Chunk {
             op: 6,
             step: 5,
-            data: vec![9.0; len],
+            data: vec![9.0; len].into(),
         },
     );
     assert_eq!(result(&n), before);
@@ -772,4 +772,17 @@ fn the_simulators_ring_loss_rule_says_what_the_machines_do() {
         }
     }
     assert_eq!(seen.len(), 3, "every effect of the rule was met: {seen:?}");
+}
+
+/// The mean divided in the gathering buffer is the mean divided into a
+/// new one, bit for bit, with a count and without.
+#[test]
+fn the_mean_in_place_is_the_mean_bit_for_bit() {
+    let mut rng = Rng::new(31);
+    for count in [0.0f32, 1.0, 3.0, 7.0] {
+        let mut reduced: Vec<f32> = (0..1001).map(|_| rng.next_f64() as f32 * 9.0).collect();
+        reduced.push(count);
+        assert_eq!(done_in_place(reduced.clone()), done_with(&reduced));
+    }
+    assert_eq!(done_in_place(Vec::new()), done_with(&[]));
 }

@@ -75,7 +75,10 @@
 //! applied: the stage coordinator decides, and otherwise runs the operation
 //! again among the survivors. The whole operation takes two message rounds,
 //! so a redo is short.
-use super::allreduce::{done_with, Machine, MemberId, Message, Outcome, SetupError};
+use super::allreduce::{
+    done_in_place, done_with, ChunkData, Machine, MemberId, Message, Outcome, SetupError,
+};
+use std::sync::Arc;
 
 /// One member's side of one butterfly all-reduce.
 #[derive(Debug)]
@@ -90,12 +93,15 @@ pub struct ButterflyAllReduce {
     got: Vec<bool>,
     /// By member index: its slice of my part, until I reduce it (then
     /// dropped).
-    slices: Vec<Vec<f32>>,
+    slices: Vec<ChunkData>,
     /// By part: whether its reduced part is in `result` (mine once reduced).
     gathered: Vec<bool>,
     /// The reduced parts gathered so far, in place; the last element is the
     /// total microbatch count once its part is here.
     result: Vec<f32>,
+    /// Whether `result` stays after the end ([`Self::new_keeping_sums`]);
+    /// otherwise it becomes the mean.
+    keep_sums: bool,
     /// By member index: taken for lost (reported, or an offender). Nothing
     /// is sent to them and their messages are ignored.
     lost: Vec<bool>,
@@ -117,6 +123,31 @@ impl ButterflyAllReduce {
         sum: &[f32],
         microbatches: u64,
     ) -> Result<ButterflyAllReduce, SetupError> {
+        Self::with(op, me, members, sum, microbatches, false)
+    }
+
+    /// As [`Self::new`], for a caller that goes on summing: the reduced
+    /// buffer stays readable ([`Self::reduced`]) after the end. Otherwise
+    /// the mean is divided in place, in the buffer that gathered the parts
+    /// (no second buffer of the whole size to allocate and fault in).
+    pub fn new_keeping_sums(
+        op: u64,
+        me: MemberId,
+        members: &[MemberId],
+        sum: &[f32],
+        microbatches: u64,
+    ) -> Result<ButterflyAllReduce, SetupError> {
+        Self::with(op, me, members, sum, microbatches, true)
+    }
+
+    fn with(
+        op: u64,
+        me: MemberId,
+        members: &[MemberId],
+        sum: &[f32],
+        microbatches: u64,
+        keep_sums: bool,
+    ) -> Result<ButterflyAllReduce, SetupError> {
         let mut sorted = members.to_vec();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
@@ -130,24 +161,30 @@ impl ButterflyAllReduce {
             return Err(SetupError::TooManyMicrobatches(microbatches));
         }
         let n = members.len();
-        let mut buf = Vec::with_capacity(sum.len() + 1);
-        buf.extend_from_slice(sum);
-        buf.push(microbatches as f32);
+        let len = sum.len() + 1;
         let mut b = ButterflyAllReduce {
             op,
             members: members.to_vec(),
             me,
-            len: buf.len(),
+            len,
             got: vec![false; n],
-            slices: vec![Vec::new(); n],
+            slices: vec![ChunkData::default(); n],
             gathered: vec![false; n],
-            result: vec![0.0; buf.len()],
+            result: vec![0.0; len],
+            keep_sums,
             lost: vec![false; n],
             outcome: Outcome::Running,
             outbox: Vec::new(),
         };
         for j in 0..n {
-            let data = buf[b.part(j)].to_vec();
+            // Part j of the buffer `sum` then the count, copied once.
+            let part = b.part(j);
+            let mut data = Vec::with_capacity(part.len());
+            data.extend_from_slice(&sum[part.start.min(sum.len())..part.end.min(sum.len())]);
+            if part.end == len && part.start < len {
+                data.push(microbatches as f32);
+            }
+            let data = Arc::new(data);
             if j == me {
                 b.got[me] = true;
                 b.slices[me] = data;
@@ -187,13 +224,14 @@ impl ButterflyAllReduce {
         if self.gathered[self.me] || !self.got.iter().all(|&g| g) {
             return;
         }
-        let slices = std::mem::take(&mut self.slices);
-        let mut sum = slices[0].clone();
-        for s in &slices[1..] {
-            for (d, x) in sum.iter_mut().zip(s) {
+        let mut slices = std::mem::take(&mut self.slices).into_iter();
+        let mut sum = Arc::unwrap_or_clone(slices.next().unwrap_or_default());
+        for s in slices {
+            for (d, x) in sum.iter_mut().zip(s.iter()) {
                 *d += *x;
             }
         }
+        let sum = Arc::new(sum);
         for (k, &m) in self.members.iter().enumerate() {
             if k != self.me && !self.lost[k] {
                 let msg = Message::Chunk {
@@ -216,7 +254,11 @@ impl ButterflyAllReduce {
         if self.outcome != Outcome::Running || !self.gathered.iter().all(|&g| g) {
             return;
         }
-        self.outcome = done_with(&self.result);
+        self.outcome = if self.keep_sums {
+            done_with(&self.result)
+        } else {
+            done_in_place(std::mem::take(&mut self.result))
+        };
     }
 
     /// A message from `from` arrived. Messages of another operation (a late
@@ -253,7 +295,7 @@ impl ButterflyAllReduce {
     }
 
     /// A chunk from member `a` (known, not lost, the operation running).
-    fn on_chunk(&mut self, a: usize, step: u32, data: Vec<f32>) {
+    fn on_chunk(&mut self, a: usize, step: u32, data: ChunkData) {
         let from = self.members[a];
         if a == self.me {
             self.fail(a, format!("chunk of step {step} from myself ({from:x})"));
@@ -389,11 +431,11 @@ impl ButterflyAllReduce {
         self.index(m).is_some_and(|k| self.lacks(k))
     }
 
-    /// The reduced buffer (the sums, then the microbatch count) once Done:
-    /// what [`Outcome::Done`] divides, for a caller that goes on summing
-    /// (`super::hierarchy`).
+    /// The reduced buffer (the sums, then the microbatch count) once Done,
+    /// if made by [`Self::new_keeping_sums`]: what [`Outcome::Done`]
+    /// divides, for a caller that goes on summing (`super::hierarchy`).
     pub fn reduced(&self) -> Option<&[f32]> {
-        matches!(self.outcome, Outcome::Done { .. }).then_some(&self.result[..])
+        (self.keep_sums && matches!(self.outcome, Outcome::Done { .. })).then_some(&self.result[..])
     }
 
     /// The members in the order given (part `k` is `members()[k]`'s).

@@ -133,7 +133,7 @@ fn each_member_sends_two_n_minus_one_chunks() {
             let want: Vec<(MemberId, Message)> = (0..n)
                 .filter(|&j| j != 1)
                 .map(|j| {
-                    let data = buf[b.part(j)].to_vec();
+                    let data = buf[b.part(j)].to_vec().into();
                     (
                         ids[j],
                         Message::Chunk {
@@ -407,7 +407,7 @@ fn chunk(step: u32, len: usize) -> Message {
     Message::Chunk {
         op: 4,
         step,
-        data: vec![0.25; len],
+        data: vec![0.25; len].into(),
     }
 }
 
@@ -552,7 +552,7 @@ fn messages_of_another_op_or_from_non_members_are_ignored() {
     let other_op = Message::Chunk {
         op: 5,
         step: 0,
-        data: vec![1e9; 3],
+        data: vec![1e9; 3].into(),
     };
     b.on_message(x, other_op);
     b.on_message(x, Message::Abort { op: 5, lost: x });
@@ -576,7 +576,7 @@ fn messages_of_another_op_or_from_non_members_are_ignored() {
         let stale = Message::Chunk {
             op: 2,
             step: 0,
-            data: vec![1e9; 64],
+            data: vec![1e9; 64].into(),
         };
         node.on_message(ins[1].0, stale);
         node.on_message(survivors[0].0, Message::Abort { op: 1, lost: *id });
@@ -680,7 +680,7 @@ fn a_done_member_keeps_its_result() {
     let bad = Message::Chunk {
         op: 1,
         step: 3,
-        data: vec![1.0],
+        data: vec![1.0].into(),
     };
     b.on_message(ids[2], bad);
     b.on_message(

@@ -63,9 +63,10 @@
 //! As with the butterfly, Done means the result is ready, not that it may
 //! be applied: the stage coordinator decides, and otherwise commits again
 //! among the survivors.
-use super::allreduce::{done_with, Machine, MemberId, Message, Outcome, SetupError};
+use super::allreduce::{done_with, ChunkData, Machine, MemberId, Message, Outcome, SetupError};
 use super::butterfly::ButterflyAllReduce;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// The first wire step of a column's butterfly (a group's butterfly uses
 /// steps `0..=group_max`).
@@ -106,7 +107,7 @@ pub struct HierarchicalAllReduce {
     column: Option<ButterflyAllReduce>,
     /// Column slices that came before my column started: at most one per
     /// other group.
-    early: Vec<(MemberId, Vec<f32>)>,
+    early: Vec<(MemberId, ChunkData)>,
     /// By part: whether it is in `result`.
     gathered: Vec<bool>,
     result: Vec<f32>,
@@ -144,8 +145,13 @@ impl HierarchicalAllReduce {
         let group = groups.partition_point(|r| r.end <= me_idx);
         let pos = me_idx - groups[group].start;
         let columns = groups.iter().map(|r| r.len()).min().unwrap_or(1);
-        let inner =
-            ButterflyAllReduce::new(op, me, &members[groups[group].clone()], sum, microbatches)?;
+        let inner = ButterflyAllReduce::new_keeping_sums(
+            op,
+            me,
+            &members[groups[group].clone()],
+            sum,
+            microbatches,
+        )?;
         let len = sum.len() + 1;
         let mut h = HierarchicalAllReduce {
             op,
@@ -276,7 +282,7 @@ impl HierarchicalAllReduce {
         }
         if let (false, Some(total)) = (self.gathered[self.pos], total) {
             let range = self.part(self.pos);
-            let data = total[..range.len()].to_vec();
+            let data = Arc::new(total[..range.len()].to_vec());
             self.result[range].copy_from_slice(&data);
             self.gathered[self.pos] = true;
             let step = PART_STEP + self.pos as u32;
@@ -306,7 +312,8 @@ impl HierarchicalAllReduce {
     /// peer's loss before my column starts ends the operation).
     fn start_column(&mut self, mine: &[f32]) -> Result<(), SetupError> {
         let me = self.members[self.me];
-        let mut c = ButterflyAllReduce::new(self.op, me, &self.column_members(), mine, 0)?;
+        let mut c =
+            ButterflyAllReduce::new_keeping_sums(self.op, me, &self.column_members(), mine, 0)?;
         for (from, data) in std::mem::take(&mut self.early) {
             let step = 0;
             let op = self.op;
@@ -358,7 +365,7 @@ impl HierarchicalAllReduce {
         }
     }
 
-    fn on_chunk(&mut self, a: usize, step: u32, data: Vec<f32>) {
+    fn on_chunk(&mut self, a: usize, step: u32, data: ChunkData) {
         let from = self.members[a];
         let (g, p) = self.place(a);
         let op = self.op;

@@ -283,7 +283,7 @@ fn chunk(step: u32, len: usize) -> Message {
     Message::Chunk {
         op: 4,
         step,
-        data: vec![0.5; len],
+        data: vec![0.5; len].into(),
     }
 }
 
