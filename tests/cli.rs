@@ -486,6 +486,37 @@ fn node_refuses_a_bad_join_timeout() {
     }
 }
 
+/// A process runs the policies it can: central-mcmf needs a planner that
+/// knows the whole swarm, which only the simulator has.
+#[test]
+fn node_and_demo_refuse_a_policy_they_cannot_run() {
+    let key = key_file("cli-node-policy");
+    let key = key.to_str().unwrap();
+    for (value, says) in [
+        ("central-mcmf", "needs a central planner"),
+        (
+            "swarmish",
+            "expected one of gwtf, swarm, swarm-plus, swarm-deccom",
+        ),
+    ] {
+        gwtf_refuses(
+            &[
+                "node",
+                "--listen",
+                "127.0.0.1:0",
+                "--swarm-key-file",
+                key,
+                "--join",
+                "127.0.0.1:9",
+                "--policy",
+                value,
+            ],
+            &["--policy", says],
+        );
+        gwtf_refuses(&["demo", "--policy", value], &["--policy", says]);
+    }
+}
+
 /// Only data holders keep copies of the stages' states.
 #[test]
 fn node_keeps_states_only_as_a_holder() {

@@ -233,6 +233,25 @@ fn the_swarm_trains_exactly_through_crashes_and_joins() {
     assert!(started.contains("--encrypt"), "{started}");
 }
 
+/// Every baseline the simulator compares GWTF with runs in real processes
+/// too (`--policy`, passed to every node): each trains exactly through
+/// crashes and joins.
+#[test]
+fn each_baseline_policy_trains_exactly_through_crashes_and_joins() {
+    if !node_command_exists() {
+        return;
+    }
+    for policy in ["swarm", "swarm-plus", "swarm-deccom"] {
+        let (out, v, _, logs) =
+            demo_with_churn(&format!("demo-policy-{policy}"), &["--policy", policy]);
+        trained_exactly(&out, &v);
+        assert_eq!(v["policy"], policy, "{v}");
+        assert!(v["crashes"].as_u64().unwrap() > 0, "{v}");
+        let started = std::fs::read_to_string(logs.join("demo.log")).unwrap();
+        assert!(started.contains(&format!("--policy {policy}")), "{started}");
+    }
+}
+
 /// A demo run that trained exactly: it passed, no microbatch was lost or
 /// counted twice, the replicas agree, and the loss is the reference's.
 fn trained_exactly(out: &std::process::Output, v: &serde_json::Value) {

@@ -73,6 +73,10 @@ pub struct DemoArgs {
     /// Model preset: gpt-tiny, llama-tiny or llama-small.
     #[arg(long, default_value = "llama-tiny")]
     pub model: String,
+    /// Routing policy every node runs: gwtf, swarm, swarm-plus or
+    /// swarm-deccom (`gwtf node --policy`).
+    #[arg(long, default_value = "gwtf", value_parser = super::node_cmd::parse_policy)]
+    pub policy: gwtf::protocol::Policy,
     /// Iterations (aggregations) to train.
     #[arg(long, default_value_t = 30, value_parser = checks::int_at_least::<u64>(1),
           allow_negative_numbers = true)]
@@ -323,6 +327,8 @@ impl Swarm<'_> {
             l.key.display().to_string(),
             "--model".into(),
             a.model.clone(),
+            "--policy".into(),
+            a.policy.name().into(),
             "--stages".into(),
             a.stages.to_string(),
             "--iterations".into(),
@@ -808,13 +814,14 @@ pub fn run(a: DemoArgs) -> super::CliResult {
 
     println!(
         "gwtf demo: {}, {} stages, {} holders + {} relays, {} iterations of {} microbatches per \
-         holder; crash every {}, join every {}, {}links {}",
+         holder; policy {}, crash every {}, join every {}, {}links {}",
         a.model,
         a.stages,
         a.holders,
         a.nodes,
         a.iterations,
         a.microbatches,
+        a.policy.name(),
         every(a.crash_every),
         every(a.join_every),
         if a.pause_every > 0.0 {
@@ -915,6 +922,7 @@ pub fn run(a: DemoArgs) -> super::CliResult {
         v["cut_every_s"] = serde_json::json!(a.cut_every);
         v["cut_for_s"] = serde_json::json!(a.cut_for);
         v["encrypt"] = serde_json::json!(a.encrypt);
+        v["policy"] = serde_json::json!(a.policy.name());
         std::fs::write(p, serde_json::to_string_pretty(&v)? + "\n")
             .map_err(|e| format!("cannot write --json {}: {e}", p.display()))?;
     }

@@ -11,7 +11,7 @@ use gwtf::engine::{LinkEmulation, NodeOptions};
 use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
-use gwtf::protocol::{Event, NodeId, Stage};
+use gwtf::protocol::{Event, NodeId, Policy, Stage};
 use gwtf::swarm::event_log::LogEvent;
 #[cfg(feature = "cuda")]
 use gwtf::swarm::model_pieces::OnBackend;
@@ -126,6 +126,12 @@ pub struct NodeArgs {
     /// Be a data holder (embedding, loss and data).
     #[arg(long)]
     holder: bool,
+    /// Routing policy: gwtf, or a baseline the simulator compares it with
+    /// (swarm, swarm-plus, swarm-deccom; docs/SPEC.md section 8). Every
+    /// node of a swarm must run the same one. central-mcmf is refused: it
+    /// needs a planner with global knowledge, which only the simulator has.
+    #[arg(long, default_value = "gwtf", value_parser = parse_policy)]
+    policy: Policy,
     /// A founding relay's stage (1..stages-2), or auto for a joiner.
     #[arg(long, default_value = "auto")]
     stage: String,
@@ -200,6 +206,26 @@ const WORK_KINDS: [&str; 9] = [
     "export_state",
     "import_state",
 ];
+
+/// The policies a swarm of processes can run ([`NodeArgs::policy`]).
+pub(crate) fn parse_policy(s: &str) -> Result<Policy, String> {
+    match Policy::by_name(s) {
+        Some(Policy::CentralMcmf) => Err(format!(
+            "{s:?} needs a central planner with global knowledge; only \
+             `gwtf sim` and `gwtf bench policies` run it"
+        )),
+        Some(p) => Ok(p),
+        None => Err(format!(
+            "{s:?}: expected one of {}",
+            Policy::ALL
+                .iter()
+                .filter(|p| **p != Policy::CentralMcmf)
+                .map(|p| p.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
 
 fn parse_slow(s: &str) -> Result<(String, u64), String> {
     let (k, ms) = s
@@ -568,6 +594,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
     let sizing = NodeSizing::of(&needs)?;
     let mut proto = sizing.protocol(&needs);
     proto.mb_per_iter = a.microbatches;
+    proto.policy = a.policy;
     proto.iterations = Some(a.iterations);
     proto.keep_states_every = a.keep_states_every;
     // The built-in model's trainer averages neighbours' states (CheckFree).

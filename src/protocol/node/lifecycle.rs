@@ -385,9 +385,10 @@ impl Node {
         // The forward runs at once unless the activations it would keep
         // do not fit: then it keeps only its input and the backward
         // recomputes it, or (a trainer that cannot) it waits for a
-        // backward to free memory.
+        // backward to free memory. SWARM's backward is always stateless:
+        // its forward keeps nothing but the input.
         let fits = self.activations_held() < self.capacity as usize;
-        let stateless = !fits && self.cfg.recompute;
+        let stateless = !self.cfg.policy.keeps_activations() || (!fits && self.cfg.recompute);
         let t = (fits || stateless)
             .then(|| self.run_recomputing(TaskKind::Forward, Some(mb), attempt, stateless));
         if t.is_none() {
@@ -940,6 +941,40 @@ mod tests {
             assert_eq!(r.len(), 1, "{acts:?}");
             assert_eq!(r[0].kind, TaskKind::Backward);
             assert_eq!(r[0].recompute, idx == 5, "backward {idx}");
+        }
+    }
+
+    /// SWARM's backward is stateless (`swarm/pipeline/src/moe/server/
+    /// expert_backend.py` runs the forward again): under `Policy::Swarm`
+    /// every forward keeps only its input, so the runtime's trainer drops
+    /// its activations and every backward recomputes them, memory or not.
+    #[test]
+    fn swarms_forwards_keep_nothing_and_its_backwards_recompute() {
+        let fwd = |idx: u32| forward_from_20(idx, 0, true);
+        for (policy, recompute) in [(Policy::Swarm, true), (Policy::SwarmDeccom, false)] {
+            let cfg = Config::new(policy, 4, 1 << 20);
+            let mut n = Node::new(Arc::new(cfg), 10, 2, 0.5, 4, 1);
+            n.handle(
+                SEC,
+                Input::Start {
+                    peers: vec![(20, 1), (30, 3)],
+                },
+            );
+            let acts = deliver(&mut n, 20, fwd(0));
+            let r = runs(&acts);
+            assert_eq!(r.len(), 1, "{policy:?}: {acts:?}");
+            assert_eq!(r[0].recompute, recompute, "{policy:?} forward");
+            n.handle(2 * SEC, Input::TaskDone { id: r[0].id });
+            let back = Msg::Backward {
+                mb: mb(0, 0, 0),
+                attempt: 0,
+                path: Arc::new(vec![0, 20, 10, 30]),
+            };
+            let acts = deliver(&mut n, 30, back);
+            let r = runs(&acts);
+            assert_eq!(r.len(), 1, "{policy:?}");
+            assert_eq!(r[0].kind, TaskKind::Backward);
+            assert_eq!(r[0].recompute, recompute, "{policy:?} backward");
         }
     }
 
