@@ -127,6 +127,52 @@ fn wrong_key_is_refused_on_both_sides() {
     assert!(b.peers().is_empty());
 }
 
+/// Per-peer link emulation (a testbed's pairwise latencies): the link to
+/// the peer named in `peer_links` takes its own delay and bandwidth once
+/// the handshake names the peer; the link to another peer takes none.
+#[test]
+fn a_peer_named_in_peer_links_gets_its_own_delay_and_bandwidth() {
+    use gwtf::engine::LinkEmulation;
+    let far = Transport::new(opts()).unwrap();
+    let near = Transport::new(opts()).unwrap();
+    let (delay, rate, len) = (Duration::from_millis(500), 2u64 << 20, 3usize << 20);
+    let links = [(
+        far.node_id(),
+        LinkEmulation {
+            delay,
+            bandwidth_bytes_per_s: rate,
+        },
+    )];
+    let a = Transport::new(NodeOptions {
+        peer_links: Some(std::sync::Arc::new(links.into_iter().collect())),
+        ..opts()
+    })
+    .unwrap();
+    let to_far = a.connect_wait(far.local_addr().unwrap(), T).unwrap();
+    let to_near = a.connect_wait(near.local_addr().unwrap(), T).unwrap();
+    let t0 = Instant::now();
+    for peer in [to_far, to_near] {
+        let f = a.alloc(len, T).unwrap();
+        a.send(peer, f, T).unwrap();
+    }
+    let got_near = near.recv(T).unwrap();
+    let near_s = t0.elapsed();
+    let got_far = far.recv(T).unwrap();
+    let far_s = t0.elapsed();
+    assert_eq!((got_near.len(), got_far.len()), (len, len));
+    // The far link: its delay, then all but the first burst at its rate.
+    let at_least =
+        delay + Duration::from_secs_f64((len as f64 - 16384.0 - rate as f64 / 100.0) / rate as f64);
+    assert!(
+        far_s >= at_least,
+        "the far peer's frame came in {far_s:?}, before {at_least:?}"
+    );
+    assert!(
+        near_s < far_s,
+        "the near peer's frame ({near_s:?}) waited for the far one ({far_s:?})"
+    );
+}
+
 /// A slow, far link (user-space emulation): back-pressure bounds the send
 /// queue (a would-block send fails fast, a waiting send resumes once the
 /// queue drains), and payloads that trickle in a few KiB at a time still

@@ -35,7 +35,7 @@
 mod admission;
 mod poll;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
@@ -112,6 +112,10 @@ pub struct NodeOptions {
     pub payload_crc_max: u64,
     /// Optional link emulation (tests and demos).
     pub link: Option<LinkEmulation>,
+    /// Per-peer link emulation: the connection to a peer named here, once
+    /// the handshake names the peer, takes its delay and bandwidth instead
+    /// of `link`'s (a testbed's pairwise latencies between regions).
+    pub peer_links: Option<Arc<BTreeMap<u64, LinkEmulation>>>,
     /// Log connection events and refusals to stderr.
     pub log: bool,
     /// This node's key pair, proved in every handshake (None: a fresh one
@@ -151,6 +155,7 @@ impl Default for NodeOptions {
             connect_backoff_max: Duration::from_secs(2),
             payload_crc_max: u64::MAX,
             link: None,
+            peer_links: None,
             log: false,
             node_key: None,
             encrypt: false,

@@ -13,7 +13,9 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::admission::{Admission, Limits};
-use super::{add, CloseReason, Cmd, Frame, OutPayload, PeerSlot, Shared, TransportEvent};
+use super::{
+    add, CloseReason, Cmd, Frame, LinkEmulation, OutPayload, PeerSlot, Shared, TransportEvent,
+};
 use crate::pool::Lease;
 use crate::wire::{
     encode_control_frame, slice_head, sliced_head, ConnEvent, ConnOptions, Connection, FrameKind,
@@ -173,6 +175,24 @@ struct Bucket {
     last: Instant,
     rate: f64,
     burst: f64,
+}
+
+impl Bucket {
+    /// The token bucket of link emulation `l` (None: no bandwidth cap).
+    fn of(l: Option<LinkEmulation>, now: Instant) -> Option<Bucket> {
+        l.and_then(|l| {
+            (l.bandwidth_bytes_per_s > 0).then(|| {
+                let rate = l.bandwidth_bytes_per_s as f64;
+                let burst = (rate / 100.0).max(16384.0);
+                Bucket {
+                    tokens: burst,
+                    last: now,
+                    rate,
+                    burst,
+                }
+            })
+        })
+    }
 }
 
 struct Conn {
@@ -446,6 +466,16 @@ fn would_block(e: &io::Error) -> bool {
 }
 
 impl Driver {
+    /// The emulated link to `peer` of [`super::NodeOptions::peer_links`].
+    fn peer_link(&self, peer: u64) -> Option<LinkEmulation> {
+        self.shared.opts.peer_links.as_ref()?.get(&peer).copied()
+    }
+
+    /// The emulated link to `peer`: its own, else every link's.
+    fn link_to(&self, peer: u64) -> Option<LinkEmulation> {
+        self.peer_link(peer).or(self.shared.opts.link)
+    }
+
     pub(crate) fn new(
         shared: Arc<Shared>,
         poll: Poll,
@@ -667,18 +697,7 @@ impl Driver {
         );
         let now = Instant::now();
         let hs_out = machine.take_outgoing();
-        let bucket = self.shared.opts.link.and_then(|l| {
-            (l.bandwidth_bytes_per_s > 0).then(|| {
-                let rate = l.bandwidth_bytes_per_s as f64;
-                let burst = (rate / 100.0).max(16384.0);
-                Bucket {
-                    tokens: burst,
-                    last: now,
-                    rate,
-                    burst,
-                }
-            })
-        });
+        let bucket = Bucket::of(self.shared.opts.link, now);
         let conn = Conn {
             stream,
             addr,
@@ -843,12 +862,7 @@ impl Driver {
                         // The peer left after the sender reserved room; the slot is closed.
                         continue;
                     };
-                    let delay = self
-                        .shared
-                        .opts
-                        .link
-                        .map(|l| l.delay)
-                        .filter(|d| !d.is_zero());
+                    let delay = self.link_to(peer).map(|l| l.delay).filter(|d| !d.is_zero());
                     let c = self.conns.get_mut(&t).expect("by_peer is consistent");
                     let item = OutItem {
                         head,
@@ -1460,6 +1474,10 @@ impl Driver {
     /// other kept until the peer timeout).
     fn connected(&mut self, t: Token, peer: u64) {
         let outbound = self.conns[&t].outbound.is_some();
+        if let Some(l) = self.peer_link(peer) {
+            let c = self.conns.get_mut(&t).expect("present");
+            c.bucket = Bucket::of(Some(l), Instant::now());
+        }
         let Some(&other) = self.by_peer.get(&peer) else {
             let slot = Arc::new(PeerSlot::new(self.shared.opts.send_queue_depth));
             self.shared.peers.write().insert(peer, slot.clone());

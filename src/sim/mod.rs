@@ -102,6 +102,20 @@ pub struct SimConfig {
     pub ring_beyond_butterfly: bool,
 }
 
+/// A founding member of a simulated run ([`Sim::founders`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Founder {
+    pub id: NodeId,
+    /// 0: a data holder.
+    pub stage: Stage,
+    /// Index into the scenario's regions.
+    pub region: usize,
+    /// Its GPU's speed (FLOP/s).
+    pub flops: f64,
+    /// Microbatches it holds at once.
+    pub capacity: u32,
+}
+
 impl SimConfig {
     /// The scenario's population, GPU memory and global batch where it sets
     /// them, the defaults otherwise.
@@ -576,12 +590,31 @@ impl Sim {
             .collect()
     }
 
-    /// Runs to completion and returns the report.
-    pub fn run(mut self) -> SimReport {
+    /// The founding members a run of `cfg` starts with, as it draws them
+    /// (region, GPU speed, capacity): what a run of real processes must
+    /// start with to be compared with it (`gwtf bench testbed`).
+    pub fn founders(cfg: &SimConfig) -> Vec<Founder> {
+        let mut sim = Sim::new(cfg.clone());
+        sim.found()
+            .into_iter()
+            .map(|(id, stage)| {
+                let n = &sim.nodes[id as usize];
+                Founder {
+                    id,
+                    stage,
+                    region: n.region,
+                    flops: n.flops,
+                    capacity: n.node.capacity(),
+                }
+            })
+            .collect()
+    }
+
+    /// Founding population: holders and relays spread over the regions,
+    /// relays round-robin over the stages.
+    fn found(&mut self) -> Vec<(NodeId, Stage)> {
         let s = self.cfg.model.relay_stages;
         let r = self.cfg.scenario.regions.len();
-        // Founding population: holders and relays spread over the regions,
-        // relays round-robin over the stages.
         let mut ids: Vec<(NodeId, Stage)> = Vec::new();
         for i in 0..self.cfg.holders {
             let id = self.new_node(0, i as usize % r);
@@ -597,6 +630,13 @@ impl Sim {
             let id = self.new_node(stage, j as usize % r);
             ids.push((id, stage));
         }
+        ids
+    }
+
+    /// Runs to completion and returns the report.
+    pub fn run(mut self) -> SimReport {
+        let s = self.cfg.model.relay_stages;
+        let ids = self.found();
         let by_stage: BTreeMap<Stage, Vec<NodeId>> =
             ids.iter().fold(BTreeMap::new(), |mut m, (id, st)| {
                 m.entry(*st).or_insert_with(Vec::new).push(*id);

@@ -22,6 +22,7 @@ pub mod butterfly;
 pub(crate) mod copies;
 pub mod directory;
 mod driver;
+pub mod emulated;
 mod event_from;
 pub mod event_log;
 pub mod hierarchy;

@@ -20,6 +20,7 @@ mod node_save;
 mod sample_cmd;
 mod sim_cmd;
 mod sim_plot;
+mod testbed_cmd;
 mod train_cmd;
 mod transport_cmd;
 
@@ -64,7 +65,7 @@ enum Cmd {
     /// One swarm node (a data holder or a relay) in its own process: trains
     /// the model with the other nodes over TCP; SIGTERM/Ctrl-C leaves
     /// gracefully, SIGKILL is a crash the others survive.
-    Node(node_cmd::NodeArgs),
+    Node(Box<node_cmd::NodeArgs>),
     /// Create a node key file (or read an existing one) and print the node
     /// id that follows from it, for the founding members' --peer lists.
     Keygen(node_cmd::KeygenArgs),
@@ -131,6 +132,14 @@ enum BenchCmd {
     /// `stats` (a killed node's last report before the kill), without
     /// crashes and with a relay killed (and replaced) every --crash-every-s.
     Swarm(bench_swarm::BenchSwarmArgs),
+    /// Real processes against the simulator: for each policy, the
+    /// simulator's founding members (region, GPU speed, capacity) as `gwtf
+    /// node --emulate` processes on loopback, each waiting the time its GPU
+    /// would take while every tensor, gradient and state travels at its
+    /// real size over links of the scenario's latency and bandwidth between
+    /// their regions; seconds per iteration real against simulated, each
+    /// baseline's ratio to GWTF in both, peak memory per node.
+    Testbed(testbed_cmd::BenchTestbedArgs),
 }
 
 fn probe(json: bool, require_gpu: bool) -> CliResult {
@@ -189,7 +198,7 @@ fn main() {
         Cmd::Flow { cmd } => flow_cmd::run(cmd),
         Cmd::Train(args) => train_cmd::run(args),
         Cmd::Sample(args) => sample_cmd::run(args),
-        Cmd::Node(args) => node_cmd::node(args),
+        Cmd::Node(args) => node_cmd::node(*args),
         Cmd::Keygen(args) => node_cmd::keygen(args),
         Cmd::Echo(args) => transport_cmd::echo(args),
         Cmd::Sim(args) => sim_cmd::run(args),
@@ -201,6 +210,7 @@ fn main() {
             BenchCmd::Allreduce(args) => allreduce_cmd::run(args),
             BenchCmd::Transport(args) => transport_cmd::bench(args),
             BenchCmd::Swarm(args) => bench_swarm::run(args),
+            BenchCmd::Testbed(args) => testbed_cmd::run(args),
         },
     };
     if let Err(e) = result {

@@ -12,6 +12,8 @@ use gwtf::model::checkpoint::{self, Checkpoint};
 use gwtf::model::dataset::{DataSource, Dataset};
 use gwtf::model::preset;
 use gwtf::protocol::{Event, NodeId, Policy, Stage};
+use gwtf::sim::model::ModelPreset;
+use gwtf::swarm::emulated::{EmulatedShape, EmulatedTrainer};
 use gwtf::swarm::event_log::LogEvent;
 #[cfg(feature = "cuda")]
 use gwtf::swarm::model_pieces::OnBackend;
@@ -23,6 +25,7 @@ use gwtf::swarm::runtime::{
 use gwtf::swarm::sizing::{NodeNeeds, NodeSizing};
 use gwtf::wire::NodeKey;
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -169,6 +172,30 @@ pub struct NodeArgs {
     #[arg(long, default_value_t = 256, value_parser = checks::int_at_least::<u64>(1),
           allow_negative_numbers = true)]
     memory_mb: u64,
+    /// Size-faithful emulation (`gwtf bench testbed`): no model runs; each
+    /// piece of work waits the time a GPU of --tflops takes for it on this
+    /// simulator model (llama-124m, llama-500m, llama-1.5b, ...), and every
+    /// activation, gradient and state has that model's size. --stages is
+    /// the model's own then; --memory-mb is the GPU's memory (a relay holds
+    /// what fits beside its stage's state, as in the simulator).
+    #[arg(long, value_name = "MODEL")]
+    emulate: Option<String>,
+    /// With --emulate: sequences per microbatch [default: the model's].
+    #[arg(long, value_name = "N", value_parser = checks::int_at_least::<usize>(1),
+          allow_negative_numbers = true)]
+    sequences: Option<usize>,
+    /// With --emulate: this node's GPU speed (TFLOP/s).
+    #[arg(long, default_value_t = 10.0, value_parser = checks::float_in(1e-3, 1e6))]
+    tflops: f64,
+    /// With --emulate: microbatches a relay holds at once [default: what
+    /// --memory-mb holds beside its stage's state, the simulator's rule].
+    #[arg(long, value_name = "N", value_parser = checks::int_in::<u32>(1, 1024),
+          allow_negative_numbers = true)]
+    capacity: Option<u32>,
+    /// Microbatches a data holder keeps in flight at once.
+    #[arg(long, default_value_t = 4, value_parser = checks::int_at_least::<u32>(1),
+          allow_negative_numbers = true)]
+    in_flight: u32,
     /// Emulated one-way delay on every link (ms).
     #[arg(long, default_value_t = 0, value_parser = checks::int_at_least::<u64>(0),
           allow_negative_numbers = true)]
@@ -176,6 +203,12 @@ pub struct NodeArgs {
     /// Emulated bandwidth cap on every link (Mbit/s, 0: none).
     #[arg(long, default_value_t = 0.0, value_parser = checks::float_in(0.0, 1e6))]
     link_mbps: f64,
+    /// Per-peer link emulation (`gwtf bench testbed` writes it): one line
+    /// per peer, `ID DELAY_MS MBIT_S` (one-way delay, bandwidth cap, 0: none);
+    /// a peer named here gets its own link instead of --link-delay-ms and
+    /// --link-mbps. Lines starting with # are comments.
+    #[arg(long, value_name = "FILE")]
+    peer_links: Option<PathBuf>,
     /// One JSON object per line per event on stdout.
     #[arg(long)]
     json: bool,
@@ -240,7 +273,7 @@ fn parse_slow(s: &str) -> Result<(String, u64), String> {
 
 /// The built-in trainer, with the test aids around it.
 struct Traced {
-    inner: ModelTrainer,
+    inner: Box<dyn Trainer>,
     id: NodeId,
     trace: bool,
     slow: Vec<(String, u64)>,
@@ -271,6 +304,47 @@ impl Trainer for Traced {
         }
         r
     }
+}
+
+/// The links of a `--peer-links` file (see [`NodeArgs::peer_links`]).
+fn read_peer_links(path: &std::path::Path) -> Res<BTreeMap<u64, LinkEmulation>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--peer-links {}: {e}", path.display()))?;
+    let mut links = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = |why: &str| {
+            format!(
+                "--peer-links {} line {}: {why}: {line:?}",
+                path.display(),
+                i + 1
+            )
+        };
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [id, delay, mbps] = f[..] else {
+            return Err(bad("expected ID DELAY_MS MBIT_S").into());
+        };
+        let id = parse_id(id).map_err(|_| bad("ID is a number"))?;
+        let delay: f64 = delay.parse().map_err(|_| bad("DELAY_MS is a number"))?;
+        let mbps: f64 = mbps.parse().map_err(|_| bad("MBIT_S is a number"))?;
+        if !(delay.is_finite() && (0.0..=3.6e6).contains(&delay)) {
+            return Err(bad("DELAY_MS must be in 0..=3600000").into());
+        }
+        if !(mbps.is_finite() && (0.0..=1e6).contains(&mbps)) {
+            return Err(bad("MBIT_S must be in 0..=1000000").into());
+        }
+        let link = LinkEmulation {
+            delay: Duration::from_secs_f64(delay / 1e3),
+            bandwidth_bytes_per_s: (mbps * 1e6 / 8.0) as u64,
+        };
+        if links.insert(u64::from(id), link).is_some() {
+            return Err(bad("a peer named twice").into());
+        }
+    }
+    Ok(links)
 }
 
 /// Longest --join-timeout (a week).
@@ -380,8 +454,8 @@ fn node_key_path(a: &NodeArgs) -> PathBuf {
     })
 }
 
-fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
-    let relay_stages = (run.stages - 2) as Stage;
+fn role(a: &NodeArgs, model_stages: usize, key: &NodeKey) -> Res<Role> {
+    let relay_stages = (model_stages - 2) as Stage;
     let id = a.chosen_id.unwrap_or_else(|| key.node_id());
     let join = !a.join.is_empty();
     if join && !a.peers.is_empty() {
@@ -423,7 +497,7 @@ fn role(a: &NodeArgs, run: &ModelRun, key: &NodeKey) -> Res<Role> {
             return Err(format!(
                 "--stage {k}: relays serve stages 1..={relay_stages} of a {}-stage cut \
                  (stage 0 is --holder)",
-                run.stages
+                model_stages
             )
             .into());
         }
@@ -508,22 +582,42 @@ fn set_kernel_threads(n: usize) -> Res<()> {
         .map_err(|e| format!("--threads {n}: {e}").into())
 }
 
-pub fn node(a: NodeArgs) -> super::CliResult {
-    if a.threads > 0 {
-        set_kernel_threads(a.threads)?;
+/// What a node runs, and the sizes the library's sizing rule needs.
+struct Built {
+    role: Role,
+    trainer: Box<dyn Trainer>,
+    /// Where its compute runs, in words.
+    device: String,
+    saver: Option<Saver>,
+    needs: NodeNeeds,
+    relay_stages: Stage,
+    tokens_per_mb: u64,
+    /// Microbatches it holds at once, where its own rule says (else the
+    /// library's sizing from the memory budget).
+    capacity: Option<u32>,
+    /// The protocol's first estimate of a microbatch's compute (seconds).
+    compute_s: f64,
+    weights_first: Option<gwtf::swarm::runtime::WeightsPrefix>,
+    /// The trainer averages neighbours' states (CheckFree).
+    rebuilds: bool,
+    /// The founding members start at the iteration after this one.
+    resumed: Option<u32>,
+}
+
+/// The built-in model's node: a [`ModelTrainer`] on the CPU or the GPU.
+fn modelled(a: &NodeArgs, node_key: &NodeKey) -> Res<Built> {
+    if a.capacity.is_some() || a.sequences.is_some() {
+        return Err(
+            "--capacity and --sequences are for --emulate: a model's relay holds what \
+                    --memory-mb holds, its microbatch is the model's"
+                .into(),
+        );
     }
     // The device first: without one the node stops before it listens.
     let placement = placement(a.device)?;
-    let key = read_key(&a.swarm_key_file)?;
     let cfg = preset(&a.model)?;
     let run = ModelRun::new(cfg.clone(), a.stages, a.seed, a.iterations as usize)?;
-    let node_key = if a.chosen_id.is_some() && a.node_key.is_none() {
-        // A test swarm's node: a key for this run only (none is written).
-        node_key(None, "gwtf node")?
-    } else {
-        node_key(Some(&node_key_path(&a)), "gwtf node")?
-    };
-    let r = role(&a, &run, &node_key)?;
+    let r = role(a, run.stages, node_key)?;
     let mut data = None;
     let resumed = match &a.resume {
         Some(dir) => Some(resume_point(dir, &run)?),
@@ -559,7 +653,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         None => trainer,
     };
     let device = trainer.placement();
-    let mut saver = match (&a.save, data) {
+    let saver = match (&a.save, data) {
         (Some(dir), Some(data)) => {
             let mut s = Saver::new(dir.clone(), a.save_keep, run.clone(), data, r.id);
             s.pause = Duration::from_millis(a.save_pause_ms);
@@ -591,16 +685,133 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         microbatch_bytes: mine,
         memory_budget_bytes: a.memory_mb << 20,
     };
+    Ok(Built {
+        role: r,
+        trainer: Box::new(trainer),
+        device,
+        saver,
+        needs,
+        relay_stages,
+        tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
+        capacity: None,
+        compute_s: 0.01,
+        // The built-in trainer's relay states put the weights first.
+        weights_first: Some(gwtf::swarm::model_trainer::weights_prefix),
+        rebuilds: true,
+        resumed: resumed.map(|r| r.1),
+    })
+}
+
+/// A size-faithful emulated node (`--emulate`): see [`EmulatedTrainer`].
+fn emulated(a: &NodeArgs, name: &str, node_key: &NodeKey) -> Res<Built> {
+    let model = ModelPreset::with_sequences(name, a.sequences).ok_or_else(|| {
+        format!("--emulate {name}: not a model preset of at least 3 stages (e.g. llama-124m, llama-500m, llama-1.5b)")
+    })?;
+    for (given, what) in [
+        (a.save.is_some(), "--save"),
+        (a.resume.is_some(), "--resume"),
+        (!a.data.is_empty(), "--data"),
+        (a.device != Device::Cpu, "--device"),
+    ] {
+        if given {
+            return Err(format!("{what} needs a model; --emulate runs none").into());
+        }
+    }
+    let flops = a.tflops * 1e12;
+    let shape = EmulatedShape::of(&model, flops)?;
+    let r = role(a, model.preset_stages, node_key)?;
+    let relay_stages = model.relay_stages;
+    let memory = a.memory_mb << 20;
+    // The simulator's rules: a relay holds what fits in its GPU's memory
+    // beside its stage's state; its first estimate is a forward and a
+    // backward, a holder's its loss and embedding.
+    let (capacity, compute_s) = if r.stage == 0 && !r.join {
+        (
+            None,
+            (model.loss_flops() + 3.0 * model.embed_flops()) / flops,
+        )
+    } else {
+        let fwd = if r.join {
+            model.mean_stage_fwd_flops()
+        } else {
+            model.stage_fwd_flops(r.stage)
+        };
+        (
+            Some(
+                a.capacity
+                    .unwrap_or_else(|| model.relay_capacity(r.stage.max(1), memory)),
+            ),
+            3.0 * fwd / flops,
+        )
+    };
+    let needs = NodeNeeds {
+        stage_state_bytes: (0..=relay_stages)
+            .map(|s| model.stage_state_bytes(s))
+            .collect(),
+        largest_tensor_bytes: model.activation_bytes(),
+        microbatch_bytes: model.activation_bytes(),
+        memory_budget_bytes: memory,
+    };
+    Ok(Built {
+        role: r,
+        trainer: Box::new(EmulatedTrainer::new(shape)),
+        device: format!("emulated {name} at {} TFLOP/s", a.tflops),
+        saver: None,
+        needs,
+        relay_stages,
+        tokens_per_mb: (model.sequences * preset(name)?.seq) as u64,
+        capacity,
+        compute_s,
+        weights_first: None,
+        rebuilds: true,
+        resumed: None,
+    })
+}
+
+pub fn node(a: NodeArgs) -> super::CliResult {
+    if a.threads > 0 {
+        set_kernel_threads(a.threads)?;
+    }
+    let key = read_key(&a.swarm_key_file)?;
+    let node_key = if a.chosen_id.is_some() && a.node_key.is_none() {
+        // A test swarm's node: a key for this run only (none is written).
+        node_key(None, "gwtf node")?
+    } else {
+        node_key(Some(&node_key_path(&a)), "gwtf node")?
+    };
+    let peer_links = match &a.peer_links {
+        Some(p) => Some(Arc::new(read_peer_links(p)?)),
+        None => None,
+    };
+    let built = match &a.emulate {
+        Some(name) => emulated(&a, name, &node_key)?,
+        None => modelled(&a, &node_key)?,
+    };
+    let Built {
+        role: r,
+        trainer,
+        device,
+        mut saver,
+        needs,
+        relay_stages,
+        tokens_per_mb,
+        capacity,
+        compute_s,
+        weights_first,
+        rebuilds,
+        resumed,
+    } = built;
     let sizing = NodeSizing::of(&needs)?;
     let mut proto = sizing.protocol(&needs);
+    debug_assert_eq!(proto.relay_stages, relay_stages);
     proto.mb_per_iter = a.microbatches;
     proto.policy = a.policy;
+    proto.max_in_flight = a.in_flight;
     proto.iterations = Some(a.iterations);
     proto.keep_states_every = a.keep_states_every;
-    // The built-in model's trainer averages neighbours' states (CheckFree).
-    proto.rebuild_from_neighbours = true;
+    proto.rebuild_from_neighbours = rebuilds;
     proto.save_every = a.save_every;
-    proto.resume_from = resumed.as_ref().map(|r| r.1);
+    proto.resume_from = resumed;
     let link = (a.link_delay_ms > 0 || a.link_mbps > 0.0).then(|| LinkEmulation {
         delay: Duration::from_millis(a.link_delay_ms),
         bandwidth_bytes_per_s: (a.link_mbps * 1e6 / 8.0) as u64,
@@ -625,19 +836,19 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         bootstrap,
         join: r.join,
         protocol: std::sync::Arc::new(proto),
-        compute_s: 0.01,
-        capacity: sizing.capacity,
+        compute_s,
+        capacity: capacity.unwrap_or(sizing.capacity),
         seed: a.seed ^ r.id as u64,
         net: NodeOptions {
             link,
+            peer_links,
             log: a.log || std::env::var_os("GWTF_LOG").is_some(),
             encrypt: a.encrypt,
             node_key: Some(node_key),
             chosen_ids: a.chosen_id.is_some(),
             ..NodeOptions::default()
         },
-        // The built-in trainer's relay states put the weights first.
-        weights_first: Some(gwtf::swarm::model_trainer::weights_prefix),
+        weights_first,
     };
     sizing.apply(&mut opts.net);
     let trainer = Traced {
@@ -675,7 +886,7 @@ pub fn node(a: NodeArgs) -> super::CliResult {
         last_status: Instant::now(),
         iteration: None,
         loss: None,
-        tokens_per_mb: (run.opts.batch * run.opts.seq) as u64,
+        tokens_per_mb,
     };
     out.emit(LogEvent::Listening {
         node: r.id.into(),
