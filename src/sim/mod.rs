@@ -100,6 +100,11 @@ pub struct SimConfig {
     /// two-way ring, as the runtime did before the hierarchy (its tests,
     /// and comparisons); by default they run the hierarchy.
     pub ring_beyond_butterfly: bool,
+    /// The protocol's settings (timers, flags) instead of the simulator's
+    /// planet-scale defaults: a testbed gives the runtime's, so that both
+    /// run one protocol. The policy, the model's sizes, the microbatches
+    /// and the in-flight bound are still this config's.
+    pub protocol: Option<Arc<Config>>,
 }
 
 /// A founding member of a simulated run ([`Sim::founders`]).
@@ -140,6 +145,7 @@ impl SimConfig {
             reference_optimum: true,
             sample_every_s: 0.0,
             ring_beyond_butterfly: false,
+            protocol: None,
         }
     }
 }
@@ -417,17 +423,28 @@ type BoundCache = (u64, Option<Arc<Vec<NodeId>>>, Option<(f64, u32)>);
 impl Sim {
     pub fn new(cfg: SimConfig) -> Sim {
         let m = &cfg.model;
-        let mut pc = Config::new(cfg.policy, m.relay_stages, m.activation_bytes());
+        let mut pc = match &cfg.protocol {
+            Some(p) => Config {
+                policy: cfg.policy,
+                relay_stages: m.relay_stages,
+                activation_bytes: m.activation_bytes(),
+                ..(**p).clone()
+            },
+            None => {
+                let mut pc = Config::new(cfg.policy, m.relay_stages, m.activation_bytes());
+                pc.start_delay = 20 * SEC;
+                // The simulated trainers can recompute a forward (as the
+                // runtime's can): every policy whose relays keep
+                // activations uses it when a relay's memory is full.
+                pc.recompute = cfg.policy.keeps_activations();
+                pc
+            }
+        };
         pc.mb_per_iter = cfg.mb_per_iter;
         pc.max_in_flight = cfg.max_in_flight;
         pc.stage_state_bytes = (0..=m.relay_stages)
             .map(|s| m.stage_state_bytes(s))
             .collect();
-        pc.start_delay = 20 * SEC;
-        // The simulated trainers can recompute a forward (as the runtime's
-        // can): every policy whose relays keep activations uses it when a
-        // relay's memory is full.
-        pc.recompute = cfg.policy.keeps_activations();
         let initial = cfg.holders + cfg.relays;
         let sc = &cfg.scenario;
         let mut link_table = Vec::new();

@@ -15,6 +15,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::runtime::Trainer;
+use super::sizing::NodeNeeds;
 use super::work::{Output, Work, WorkKind, WorkPort};
 use crate::protocol::{MbId, Stage};
 use crate::sim::model::ModelPreset;
@@ -98,6 +99,21 @@ impl EmulatedShape {
             WorkKind::Backward => 2.0 * self.forward(stage)?,
             _ => 0.0,
         })
+    }
+}
+
+/// What an emulated node of `model` declares to the library's sizing rule
+/// (`swarm::sizing`), with `memory_bytes` for its microbatches: every
+/// node of a swarm, and a simulator that runs the same protocol settings
+/// (`gwtf bench testbed`), derive the same settings from it.
+pub fn node_needs(model: &ModelPreset, memory_bytes: u64) -> NodeNeeds {
+    NodeNeeds {
+        stage_state_bytes: (0..=model.relay_stages)
+            .map(|s| model.stage_state_bytes(s))
+            .collect(),
+        largest_tensor_bytes: model.activation_bytes(),
+        microbatch_bytes: model.activation_bytes(),
+        memory_budget_bytes: memory_bytes,
     }
 }
 

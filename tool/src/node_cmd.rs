@@ -744,14 +744,7 @@ fn emulated(a: &NodeArgs, name: &str, node_key: &NodeKey) -> Res<Built> {
             3.0 * fwd / flops,
         )
     };
-    let needs = NodeNeeds {
-        stage_state_bytes: (0..=relay_stages)
-            .map(|s| model.stage_state_bytes(s))
-            .collect(),
-        largest_tensor_bytes: model.activation_bytes(),
-        microbatch_bytes: model.activation_bytes(),
-        memory_budget_bytes: memory,
-    };
+    let needs = gwtf::swarm::emulated::node_needs(&model, memory);
     Ok(Built {
         role: r,
         trainer: Box::new(EmulatedTrainer::new(shape)),

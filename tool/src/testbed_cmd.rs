@@ -19,6 +19,7 @@ use gwtf::sim::model::ModelPreset;
 use gwtf::sim::scenario::Scenario;
 use gwtf::sim::{Founder, Sim, SimConfig};
 use gwtf::swarm::event_log::{parse_line, LogEvent};
+use gwtf::swarm::sizing::NodeSizing;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
@@ -74,6 +75,11 @@ pub struct BenchTestbedArgs {
     /// Give up on a run of processes after this many seconds.
     #[arg(long, default_value_t = 600.0, value_parser = checks::float_in(1.0, 86400.0))]
     deadline_s: f64,
+    /// Run the simulator with its own protocol settings (timers for a
+    /// planet: a 2 s tick, timeouts of tens of seconds) instead of the
+    /// runtime's, which the processes run.
+    #[arg(long)]
+    simulator_timers: bool,
     /// Write the results as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -129,6 +135,14 @@ fn config(a: &BenchTestbedArgs, policy: Policy) -> Res<SimConfig> {
     c.iterations = a.iterations;
     c.seed = a.seed;
     c.reference_optimum = false;
+    if !a.simulator_timers {
+        // The settings every `gwtf node --emulate` of this swarm derives.
+        let needs = gwtf::swarm::emulated::node_needs(&c.model, 256 << 20);
+        let mut p = NodeSizing::of(&needs)?.protocol(&needs);
+        p.iterations = Some(a.iterations);
+        p.rebuild_from_neighbours = true;
+        c.protocol = Some(std::sync::Arc::new(p));
+    }
     Ok(c)
 }
 
