@@ -414,7 +414,7 @@ fn chunk(step: u32, len: usize) -> Message {
 /// What a member holds: the slices of its part it got, the reduced parts
 /// and the result's bits.
 fn state(b: &ButterflyAllReduce) -> (Vec<bool>, Vec<bool>, Vec<u32>) {
-    let bits = b.result.iter().map(|x| x.to_bits()).collect();
+    let bits = b.buf.iter().map(|x| x.to_bits()).collect();
     (b.got.clone(), b.gathered.clone(), bits)
 }
 
@@ -752,4 +752,137 @@ fn the_simulators_butterfly_loss_rule_says_what_the_machines_do() {
     }
     eprintln!("nothing {nothing}, aborts {aborts}, conservative {conservative}");
     assert!(nothing > 0 && aborts > 0, "{nothing} {aborts}");
+}
+
+/// A message on its way: from, to, the message.
+type Sent = (MemberId, MemberId, Message);
+
+/// A message as the drivers send it: its chunk copied into a frame of its
+/// own, the machine's view dropped.
+fn framed((from, to, m): Sent) -> Sent {
+    let m = match m {
+        Message::Chunk { op, step, data } => Message::Chunk {
+            op,
+            step,
+            data: data.to_vec().into(),
+        },
+        m => m,
+    };
+    (from, to, m)
+}
+
+/// Delivers `msgs` to their members.
+fn deliver(nodes: &mut [ButterflyAllReduce], ids: &[MemberId], msgs: Vec<Sent>) {
+    for (from, to, m) in msgs {
+        let k = ids.iter().position(|&x| x == to).unwrap();
+        nodes[k].on_message(from, m);
+    }
+}
+
+/// Frames and delivers what the members send until nobody sends more.
+fn run_framed(nodes: &mut [ButterflyAllReduce], ids: &[MemberId]) {
+    for _ in 0..4 * ids.len() {
+        let mut queue = Vec::new();
+        for (b, &id) in nodes.iter_mut().zip(ids) {
+            queue.extend(
+                b.take_outbox()
+                    .into_iter()
+                    .map(|(to, m)| framed((id, to, m))),
+            );
+        }
+        if queue.is_empty() {
+            return;
+        }
+        deliver(nodes, ids, queue);
+    }
+}
+
+/// Members built with `from_vec`, each given its input in a buffer with
+/// room for the count, run to the end with every message framed as soon
+/// as it is sent, as the drivers do; `hold` members keep their step-0
+/// messages (views of their buffers) unsent until the others are done
+/// with what they can do without them. Returns the members, the
+/// addresses of their input buffers and the held messages.
+fn run_in_callers_buffers(
+    ins: &[Input],
+    hold: &[MemberId],
+) -> (Vec<ButterflyAllReduce>, Vec<*const f32>, Vec<Sent>) {
+    let ids = ids_of(ins);
+    let mut ptrs = Vec::new();
+    let mut nodes: Vec<ButterflyAllReduce> = (ins.iter())
+        .map(|(me, sum, mbs)| {
+            let mut buf = Vec::with_capacity(sum.len() + 1);
+            buf.extend_from_slice(sum);
+            ptrs.push(buf.as_ptr());
+            ButterflyAllReduce::from_vec(9, *me, &ids, buf, *mbs).unwrap()
+        })
+        .collect();
+    let mut held = Vec::new();
+    for (b, id) in nodes.iter_mut().zip(&ids) {
+        if hold.contains(id) {
+            held.extend(b.take_outbox().into_iter().map(|(to, m)| (*id, to, m)));
+        }
+    }
+    run_framed(&mut nodes, &ids);
+    // The held slices go last: their receivers could not reduce before.
+    deliver(&mut nodes, &ids, held.clone());
+    run_framed(&mut nodes, &ids);
+    (nodes, ptrs, held)
+}
+
+/// The butterfly reduces in the buffer it is given: the mean every
+/// member ends with is in its own input's memory (no whole-size buffer
+/// allocated), with the exact bits.
+#[test]
+fn the_mean_is_made_in_the_callers_buffer() {
+    let mut rng = Rng::new(21);
+    for n in [1, 2, 3, 5] {
+        let ins = inputs(&mut rng, n, 1000);
+        let (mut nodes, ptrs, _) = run_in_callers_buffers(&ins, &[]);
+        let want = exact(&ins);
+        for (b, ptr) in nodes.iter_mut().zip(ptrs) {
+            assert!(matches!(b.outcome(), Outcome::Done { .. }), "n {n}");
+            let mean = Machine::take_mean(b);
+            assert_eq!(mean.as_ptr(), ptr, "n {n}: the input's own memory");
+            let bits: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(bits, want, "n {n}");
+            assert!(Machine::take_mean(b).is_empty(), "moved out once");
+        }
+    }
+}
+
+/// A slice not yet sent when its member gathers the others' parts keeps
+/// the bits it had: the member writes a copy of its buffer instead, and
+/// every result is still exact.
+#[test]
+fn a_view_not_yet_sent_keeps_its_bits() {
+    let mut rng = Rng::new(22);
+    let ins = inputs(&mut rng, 4, 101);
+    let ids = ids_of(&ins);
+    let (nodes, ptrs, held) = run_in_callers_buffers(&ins, &ids[1..2]);
+    assert_eq!(held.len(), 3);
+    let mut buf = ins[1].1.clone();
+    buf.push(ins[1].2 as f32);
+    for (_, to, m) in &held {
+        let Message::Chunk { step: 0, data, .. } = m else {
+            panic!("{m:?}");
+        };
+        let part = nodes[1].part(ids.iter().position(|x| x == to).unwrap());
+        assert_eq!(&**data, &buf[part], "the held slice for {to:x}");
+    }
+    let want = exact(&ins);
+    for (b, ptr) in nodes.iter().zip(ptrs) {
+        let Outcome::Done { mean, .. } = b.outcome() else {
+            panic!("{:?}", b.outcome());
+        };
+        let bits: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits, want);
+        if b.members()[b.me] == ids[1] {
+            assert_ne!(
+                mean.as_ptr(),
+                ptr,
+                "written in a copy while its views lived"
+            );
+        }
+    }
 }
