@@ -7,20 +7,34 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
-/* A free loopback port, as "127.0.0.1:PORT" in buf. */
+/* A free port on a loopback address of its own (127.a.b.c, drawn from the
+ * process id, the clock and a counter), as "127.a.b.c:PORT" in buf: bound
+ * and released for a peer to bind next. Not 127.0.0.1, whose ports the
+ * kernel also hands to outgoing connections (a port released there can be
+ * taken by another test's connection before the peer binds it); a random
+ * address makes a clash with another test improbable too (as the Rust
+ * tests' free_addr). */
 static void free_addr(char *buf, size_t len) {
+    static uint32_t drawn = 0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint32_t h = 2166136261u;
+    uint32_t parts[4] = {(uint32_t)getpid(), (uint32_t)t.tv_nsec, (uint32_t)t.tv_sec, drawn++};
+    for (int i = 0; i < 4; i++) h = (h ^ parts[i]) * 16777619u;
+    unsigned b1 = 1 + (h % 250), b2 = 1 + ((h >> 8) % 250), b3 = 1 + ((h >> 16) % 250);
     int s = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a;
     socklen_t n = sizeof a;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_addr.s_addr = htonl((127u << 24) | (b1 << 16) | (b2 << 8) | b3);
     a.sin_port = 0;
     EXPECT(bind(s, (struct sockaddr *)&a, sizeof a) == 0);
     EXPECT(getsockname(s, (struct sockaddr *)&a, &n) == 0);
-    snprintf(buf, len, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+    snprintf(buf, len, "127.%u.%u.%u:%u", b1, b2, b3, (unsigned)ntohs(a.sin_port));
     close(s);
 }
 
