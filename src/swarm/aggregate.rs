@@ -594,6 +594,63 @@ mod tests {
         assert!(agg.finished().is_none());
     }
 
+    /// The butterfly makes the mean in the trainer's own sum (given with
+    /// room for the count), its chunks read from their frames in place:
+    /// no buffer of the gradients' size is allocated, and the bits are
+    /// the weighted mean's, summed in member order.
+    #[test]
+    fn the_mean_is_made_in_the_trainers_sum() {
+        let net = net();
+        let mut aggs: Vec<Aggregation> = (0..3).map(|_| Aggregation::default()).collect();
+        let mut ptrs = Vec::new();
+        let sums: Vec<Vec<f32>> = (1..=3)
+            .map(|m| (0..300).map(|i| (m * 1000 + i) as f32 / 7.0).collect())
+            .collect();
+        for (i, agg) in aggs.iter_mut().enumerate() {
+            let m = i as u32 + 1;
+            let mut sum = Vec::with_capacity(301);
+            sum.extend_from_slice(&sums[i]);
+            ptrs.push(sum.as_ptr());
+            agg.start(4, m, 70 + m as u64, plan(m), sum).unwrap();
+        }
+        let mut ends = vec![None, None, None];
+        let mut in_place = 0;
+        for _ in 0..100 {
+            let mut sent = 0;
+            for i in 0..3 {
+                if let Some(e) = aggs[i].finished() {
+                    ends[i] = Some(e);
+                }
+                for (to, f) in aggs[i].outgoing(&net) {
+                    let to = &mut aggs[to as usize - 1];
+                    let (op, held) = (f.header.microbatch, to.buffers.frames_held());
+                    let from = i as u64 + 1;
+                    assert!(to.dispatch(from, op, 4, |bufs| message_with(4, f, bufs)));
+                    in_place += (to.buffers.frames_held() > held) as usize;
+                    sent += 1;
+                }
+            }
+            if sent == 0 {
+                break;
+            }
+        }
+        assert!(in_place > 0, "no chunk read its frame in place");
+        for (i, e) in ends.into_iter().enumerate() {
+            let e = e.or_else(|| aggs[i].finished());
+            let Some((_, _, Ok((mean, 6)))) = e else {
+                panic!("member {}: {e:?}", i + 1);
+            };
+            assert_eq!(mean.as_ptr(), ptrs[i], "member {}: a copy", i + 1);
+            for (k, x) in mean.iter().enumerate() {
+                let sum = sums[0][k] + sums[1][k] + sums[2][k];
+                assert_eq!(x.to_bits(), (sum / 6.0).to_bits(), "element {k}");
+            }
+        }
+        for agg in &aggs {
+            assert_eq!(agg.buffers.frames_held(), 0, "every frame let go");
+        }
+    }
+
     /// Three members (a commit of up to `BUTTERFLY_MAX_MEMBERS` runs the
     /// butterfly) exchange their frames until every one is done: all hold
     /// the same bits, the microbatch-weighted mean of every element; a

@@ -109,8 +109,11 @@ pub struct ButterflyAllReduce {
     /// By member index: its slice of my part, until I reduce it (then
     /// dropped); mine is read from `buf`.
     slices: Vec<ChunkData>,
-    /// By part: whether its reduced part is in `buf` (mine once reduced).
+    /// By part: whether its reduced part is here (in `buf`, mine in
+    /// `mine` until the end).
     gathered: Vec<bool>,
+    /// My reduced part, until it is written into `buf` at the end.
+    mine: Option<ChunkData>,
     /// My contribution (the sums, then my microbatch count), whose parts
     /// travel as views at step 0; the reduced parts are gathered into it
     /// in place, so at the end it is the total (the last element the total
@@ -206,6 +209,7 @@ impl ButterflyAllReduce {
             got: vec![false; n],
             slices: vec![ChunkData::default(); n],
             gathered: vec![false; n],
+            mine: None,
             buf: SharedBuf::new(sum),
             keep_sums,
             lost: vec![false; n],
@@ -271,8 +275,11 @@ impl ButterflyAllReduce {
                 *d += *x;
             }
         }
-        self.buf.make_mut()[range].copy_from_slice(&sum);
+        // Written into `buf` at the end: its step-0 views may not all be
+        // framed yet (a member whose slices all came early reduces as it
+        // starts), and a buffer still viewed is copied before a write.
         let sum = ChunkData::from(sum);
+        self.mine = Some(sum.clone());
         for (k, &m) in self.members.iter().enumerate() {
             if k != self.me && !self.lost[k] {
                 let msg = Message::Chunk {
@@ -292,6 +299,10 @@ impl ButterflyAllReduce {
     fn try_finish(&mut self) {
         if self.outcome != Outcome::Running || !self.gathered.iter().all(|&g| g) {
             return;
+        }
+        if let Some(mine) = self.mine.take() {
+            let range = self.part(self.me);
+            self.buf.make_mut()[range].copy_from_slice(&mine);
         }
         self.outcome = if self.keep_sums {
             done_with(&self.buf)
