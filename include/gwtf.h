@@ -2850,8 +2850,7 @@ gwtf_status gwtf_peer_task_done_loss(struct gwtf_peer *peer,
  * Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` also
  * for a sum with an element that is not finite, or of another length than
  * the stage's members agreed on in an earlier all-reduce (the task stays
- * open for a corrected answer); `GWTF_STATUS_OUT_OF_MEMORY` when the copy
- * cannot be allocated (the task stays open).
+ * open for a corrected answer).
  */
 gwtf_status gwtf_peer_task_done_gradient(struct gwtf_peer *peer,
                                          uint64_t task_id,

@@ -367,10 +367,6 @@ impl Frame {
     pub fn len(&self) -> usize {
         self.lease.as_ref().map_or(0, Lease::len)
     }
-    /// Bytes of the pool this frame holds (its slot: at least `len`).
-    pub fn slot_len(&self) -> usize {
-        self.lease.as_ref().map_or(0, Lease::slot_len)
-    }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -1702,8 +1702,7 @@ unsafe fn digest(p: *const u8) -> FfiResult<[u8; 32]> {
 /// Errors: as `gwtf_peer_task_done`; `GWTF_STATUS_INVALID_ARGUMENT` also
 /// for a sum with an element that is not finite, or of another length than
 /// the stage's members agreed on in an earlier all-reduce (the task stays
-/// open for a corrected answer); `GWTF_STATUS_OUT_OF_MEMORY` when the copy
-/// cannot be allocated (the task stays open).
+/// open for a corrected answer).
 #[no_mangle]
 pub extern "C" fn gwtf_peer_task_done_gradient(
     peer: *mut gwtf_peer,
@@ -1722,16 +1721,7 @@ pub extern "C" fn gwtf_peer_task_done_gradient(
             return Err(FfiError::null("sum (with len > 0)"));
         } else {
             // SAFETY: non-NULL; the caller passes len readable floats.
-            let src = unsafe { std::slice::from_raw_parts(sum, len) };
-            // Room for the microbatch count, which the all-reduce appends:
-            // it then reduces in this buffer without moving it.
-            let mut v = Vec::new();
-            v.try_reserve_exact(len.saturating_add(1)).map_err(|_| {
-                let why = format!("no memory for a copy of the sum ({len} floats)");
-                FfiError::new(gwtf_status::OutOfMemory, why)
-            })?;
-            v.extend_from_slice(src);
-            v
+            unsafe { std::slice::from_raw_parts(sum, len) }.to_vec()
         };
         p.answer(task_id, Ok(Output::Gradient { sum, weights }))
             .map_err(|(e, _)| e)

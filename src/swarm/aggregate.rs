@@ -60,6 +60,8 @@ struct Running {
     broken: Vec<u64>,
     /// Why it ended without the mean, whatever its machines say.
     failed: Option<String>,
+    /// Sent chunks' buffers, for the chunks received next.
+    buffers: ChunkBuffers,
 }
 
 impl Running {
@@ -72,9 +74,10 @@ impl Running {
         self.machines.iter().any(|r| r.keep())
     }
 
-    /// Whether the operation ended: `Ok` when every machine is Done,
-    /// the reason when one did not finish; `None` while one still runs.
-    fn ended(&self) -> Option<Result<(), String>> {
+    /// How the operation ended: with the mean when every machine did (the
+    /// parts joined in order, the microbatch count once), without it when
+    /// one did not; `None` while one still runs.
+    fn end(&self) -> Option<Result<(Vec<f32>, u64), String>> {
         if let Some(why) = &self.failed {
             return Some(Err(why.clone()));
         }
@@ -85,25 +88,20 @@ impl Running {
                 _ => {}
             }
         }
-        (self.machines.iter())
-            .all(|r| matches!(r.outcome(), Outcome::Done { .. }))
-            .then_some(Ok(()))
-    }
-
-    /// The mean of an operation that ended Done (the parts joined in
-    /// order, the microbatch count once), moved out of its machines: a
-    /// butterfly's mean is its buffer itself, with no copy.
-    fn take_mean(&mut self) -> (Vec<f32>, u64) {
-        let count = match self.machines.last().map(|r| r.outcome()) {
-            Some(Outcome::Done { microbatches, .. }) => *microbatches,
-            _ => 0,
-        };
-        let mut parts = self.machines.iter_mut().map(|r| r.take_mean());
-        let mut mean = parts.next().unwrap_or_default();
-        for part in parts {
-            mean.extend_from_slice(&part);
+        let mut mean = Vec::new();
+        let mut count = 0;
+        for r in &self.machines {
+            let Outcome::Done {
+                mean: part,
+                microbatches,
+            } = r.outcome()
+            else {
+                return None;
+            };
+            mean.extend_from_slice(part);
+            count = *microbatches;
         }
-        (mean, count)
+        Some(Ok((mean, count)))
     }
 }
 
@@ -124,9 +122,6 @@ pub struct Aggregation {
     /// pool slot, and a pool held by chunks nobody uses stops the node.
     early_bytes: usize,
     early_budget: usize,
-    /// Buffers for the chunks received, kept from one operation to the
-    /// next (a buffer freshly allocated costs its page faults).
-    buffers: ChunkBuffers,
     /// Commits of up to this many members run the butterfly
     /// ([`BUTTERFLY_MAX_MEMBERS`]; tests of the ring set it lower).
     butterfly_max: usize,
@@ -165,9 +160,6 @@ impl Aggregation {
             early: VecDeque::new(),
             early_bytes: 0,
             early_budget: bytes,
-            // Chunks read in place hold at most as much of the pool as
-            // early ones may.
-            buffers: ChunkBuffers::holding_frames(bytes),
             butterfly_max: BUTTERFLY_MAX_MEMBERS,
             rings_beyond: false,
         }
@@ -179,16 +171,14 @@ impl Aggregation {
     }
 
     /// Starts this member's side of `plan`'s all-reduce with `sum` (over
-    /// `plan.granted`), replacing any operation in progress. A butterfly
-    /// makes the mean in `sum`'s own memory (give it room for one element
-    /// more, the microbatch count).
+    /// `plan.granted`), replacing any operation in progress.
     pub fn start(
         &mut self,
         stage: u32,
         me: NodeId,
         task: TaskId,
         plan: AggregatePlan,
-        sum: Vec<f32>,
+        sum: &[f32],
     ) -> Result<(), SetupError> {
         self.running = None;
         self.serving = None;
@@ -196,7 +186,7 @@ impl Aggregation {
         let [op, op_back] = op_ids(stage, plan.iter, plan.epoch);
         let mbs = plan.granted.len() as u64;
         let mut machines: Vec<Box<dyn Machine>> = if ring.len() <= self.butterfly_max {
-            vec![Box::new(ButterflyAllReduce::from_vec(
+            vec![Box::new(ButterflyAllReduce::new(
                 op, me as u64, &ring, sum, mbs,
             )?)]
         } else if !self.rings_beyond {
@@ -204,7 +194,7 @@ impl Aggregation {
                 op,
                 me as u64,
                 &ring,
-                &sum,
+                sum,
                 mbs,
                 BUTTERFLY_MAX_MEMBERS,
             )?)]
@@ -229,6 +219,7 @@ impl Aggregation {
             members: ring.iter().copied().filter(|&m| m != me as u64).collect(),
             broken: Vec::new(),
             failed: None,
+            buffers: ChunkBuffers::default(),
         });
         // Chunks that came before we started.
         let early: Vec<Frame> = std::mem::take(&mut self.early).into();
@@ -241,9 +232,8 @@ impl Aggregation {
 
     /// A chunk (or abort) frame.
     pub fn on_frame(&mut self, f: Frame) {
-        let (from, op, stage) = (f.peer(), f.header.microbatch, f.header.stage);
-        if self.runs(op, stage) {
-            self.dispatch(from, op, stage, |bufs| message_with(stage, f, bufs));
+        let (op, stage) = (f.header.microbatch, f.header.stage);
+        if self.route(f.peer(), op, stage, |bufs| message_with(stage, &f, bufs)) {
             return;
         }
         if f.len() > self.early_budget {
@@ -259,26 +249,16 @@ impl Aggregation {
         self.early.push_back(f);
     }
 
-    /// Whether the operation running or serving runs operation `op` of
-    /// `stage`.
-    fn runs(&self, op: u64, stage: u32) -> bool {
-        [self.running.as_ref(), self.serving.as_ref()]
-            .into_iter()
-            .flatten()
-            .any(|r| r.stage == stage && r.machines.iter().any(|x| x.op() == op))
-    }
-
     /// Gives the message of operation `op` of `stage` from `from` (decoded
     /// by `msg` if it is one of ours; a malformed one is its sender's
     /// loss) to the operation running or serving it: false if neither is.
-    fn dispatch(
+    fn route(
         &mut self,
         from: u64,
         op: u64,
         stage: u32,
-        msg: impl FnOnce(&ChunkBuffers) -> Option<Result<Message, String>>,
+        msg: impl FnOnce(&mut ChunkBuffers) -> Option<Result<Message, String>>,
     ) -> bool {
-        let bufs = &self.buffers;
         let Some(r) = [self.running.as_mut(), self.serving.as_mut()]
             .into_iter()
             .flatten()
@@ -286,7 +266,7 @@ impl Aggregation {
         else {
             return false;
         };
-        match msg(bufs) {
+        match msg(&mut r.buffers) {
             Some(Ok(msg)) => {
                 if let Some(m) = r.machine_of(op) {
                     m.on_message(from, msg);
@@ -325,7 +305,7 @@ impl Aggregation {
     /// [`Aggregation::on_peer_lost`]): the operation running remembers it.
     pub fn on_link_broken(&mut self, peer: u64) {
         if let Some(r) = self.running.as_mut() {
-            if r.members.contains(&peer) && !r.broken.contains(&peer) && r.ended().is_none() {
+            if r.members.contains(&peer) && !r.broken.contains(&peer) && r.end().is_none() {
                 r.broken.push(peer);
             }
         }
@@ -342,7 +322,7 @@ impl Aggregation {
         let Some(r) = self.running.as_mut() else {
             return false;
         };
-        if !r.broken.contains(&peer) || r.ended().is_some() {
+        if !r.broken.contains(&peer) || r.end().is_some() {
             return false;
         }
         r.failed = Some(format!(
@@ -366,9 +346,7 @@ impl Aggregation {
                         Ok(f) => out.push((to, f)),
                         Err(_) => m.on_peer_lost(to),
                     }
-                    // Framed: a view of the member's buffer goes now, so
-                    // that the machine writes the buffer in place.
-                    drop(msg);
+                    r.buffers.recycle(msg);
                 }
             }
         }
@@ -380,9 +358,8 @@ impl Aggregation {
 
     /// How the operation ended, once.
     pub fn finished(&mut self) -> Option<Finished> {
-        let ended = self.running.as_ref()?.ended()?;
-        let mut r = self.running.take().expect("running");
-        let end = ended.map(|()| r.take_mean());
+        let end = self.running.as_ref()?.end()?;
+        let r = self.running.take().expect("running");
         let (task, iter) = (r.task, r.iter);
         if r.serving() {
             self.serving = Some(r);
@@ -417,7 +394,7 @@ mod tests {
     /// in that order.
     fn started(agg: &mut Aggregation) -> [u64; 2] {
         let sum: Vec<f32> = (0..10).map(|i| i as f32).collect();
-        agg.start(4, 1, 77, plan(2), sum.clone()).unwrap();
+        agg.start(4, 1, 77, plan(2), &sum).unwrap();
         op_ids(4, 0, 1)
     }
 
@@ -447,8 +424,7 @@ mod tests {
         let mut aggs: Vec<Aggregation> = (0..3).map(|_| new()).collect();
         for (i, agg) in aggs.iter_mut().enumerate() {
             let m = i as u32 + 1;
-            agg.start(4, m, 70 + m as u64, plan(m), sums[i].clone())
-                .unwrap();
+            agg.start(4, m, 70 + m as u64, plan(m), &sums[i]).unwrap();
         }
         (aggs, sums)
     }
@@ -456,7 +432,7 @@ mod tests {
     /// Member `i + 1`'s frame `f` to member `to`, which takes it.
     fn deliver(aggs: &mut [Aggregation], i: usize, to: u64, f: &Frame) {
         let msg = message_of(4, f);
-        let taken = aggs[to as usize - 1].dispatch(i as u64 + 1, f.header.microbatch, 4, |_| msg);
+        let taken = aggs[to as usize - 1].route(i as u64 + 1, f.header.microbatch, 4, |_| msg);
         assert!(taken);
     }
 
@@ -539,8 +515,8 @@ mod tests {
         let (net, mut agg) = (net(), ring_only());
         let [op, back] = started(&mut agg);
         for step in 0..4 {
-            assert!(agg.dispatch(3, op, 4, |_| Some(Ok(chunk(op, step)))));
-            assert!(agg.dispatch(2, back, 4, |_| Some(Ok(chunk(back, step)))));
+            assert!(agg.route(3, op, 4, |_| Some(Ok(chunk(op, step)))));
+            assert!(agg.route(2, back, 4, |_| Some(Ok(chunk(back, step)))));
         }
         agg.outgoing(&net);
         let (task, iter, end) = agg.finished().expect("done");
@@ -554,18 +530,18 @@ mod tests {
             lost: 2,
             step: 3,
         };
-        assert!(agg.dispatch(3, op, 4, |_| Some(Ok(resume))));
+        assert!(agg.route(3, op, 4, |_| Some(Ok(resume))));
         let out = decoded(agg.outgoing(&net));
         assert_eq!(out.len(), 1, "{out:?}");
         assert!(matches!(out[0], (3, Message::Chunk { step: 3, .. })));
         // The way back (3 -> 2 -> 1 -> 3) still serves until 2, two to
         // its right there, holds every chunk.
         assert!(agg.serving.is_some());
-        assert!(agg.dispatch(2, back, 4, |_| Some(Ok(Message::Complete { op: back }))));
+        assert!(agg.route(2, back, 4, |_| Some(Ok(Message::Complete { op: back }))));
         agg.outgoing(&net);
         assert!(agg.serving.is_none(), "served: let go");
         // Another operation's message is not taken.
-        assert!(!agg.dispatch(3, op, 4, |_| Some(Ok(chunk(op, 0)))));
+        assert!(!agg.route(3, op, 4, |_| Some(Ok(chunk(op, 0)))));
     }
 
     /// A member lost before this node started the operation: the ring
@@ -592,63 +568,6 @@ mod tests {
             "{out:?}"
         );
         assert!(agg.finished().is_none());
-    }
-
-    /// The butterfly makes the mean in the trainer's own sum (given with
-    /// room for the count), its chunks read from their frames in place:
-    /// no buffer of the gradients' size is allocated, and the bits are
-    /// the weighted mean's, summed in member order.
-    #[test]
-    fn the_mean_is_made_in_the_trainers_sum() {
-        let net = net();
-        let mut aggs: Vec<Aggregation> = (0..3).map(|_| Aggregation::default()).collect();
-        let mut ptrs = Vec::new();
-        let sums: Vec<Vec<f32>> = (1..=3)
-            .map(|m| (0..300).map(|i| (m * 1000 + i) as f32 / 7.0).collect())
-            .collect();
-        for (i, agg) in aggs.iter_mut().enumerate() {
-            let m = i as u32 + 1;
-            let mut sum = Vec::with_capacity(301);
-            sum.extend_from_slice(&sums[i]);
-            ptrs.push(sum.as_ptr());
-            agg.start(4, m, 70 + m as u64, plan(m), sum).unwrap();
-        }
-        let mut ends = vec![None, None, None];
-        let mut in_place = 0;
-        for _ in 0..100 {
-            let mut sent = 0;
-            for i in 0..3 {
-                if let Some(e) = aggs[i].finished() {
-                    ends[i] = Some(e);
-                }
-                for (to, f) in aggs[i].outgoing(&net) {
-                    let to = &mut aggs[to as usize - 1];
-                    let (op, held) = (f.header.microbatch, to.buffers.frames_held());
-                    let from = i as u64 + 1;
-                    assert!(to.dispatch(from, op, 4, |bufs| message_with(4, f, bufs)));
-                    in_place += (to.buffers.frames_held() > held) as usize;
-                    sent += 1;
-                }
-            }
-            if sent == 0 {
-                break;
-            }
-        }
-        assert!(in_place > 0, "no chunk read its frame in place");
-        for (i, e) in ends.into_iter().enumerate() {
-            let e = e.or_else(|| aggs[i].finished());
-            let Some((_, _, Ok((mean, 6)))) = e else {
-                panic!("member {}: {e:?}", i + 1);
-            };
-            assert_eq!(mean.as_ptr(), ptrs[i], "member {}: a copy", i + 1);
-            for (k, x) in mean.iter().enumerate() {
-                let sum = sums[0][k] + sums[1][k] + sums[2][k];
-                assert_eq!(x.to_bits(), (sum / 6.0).to_bits(), "element {k}");
-            }
-        }
-        for agg in &aggs {
-            assert_eq!(agg.buffers.frames_held(), 0, "every frame let go");
-        }
     }
 
     /// Three members (a commit of up to `BUTTERFLY_MAX_MEMBERS` runs the

@@ -86,11 +86,15 @@
 //! that never comes. So the stage coordinator decides what is applied (the
 //! protocol's commit), and every member applies the same thing.
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// A member of the operation (the node's id in the swarm).
 pub type MemberId = u64;
 
-pub use super::chunk_data::ChunkData;
+/// A chunk's elements, shared: a butterfly owner sends one reduced part to
+/// every other member, and the driver only reads it into frames, so one
+/// buffer serves every copy of the message (no clone per destination).
+pub type ChunkData = Arc<Vec<f32>>;
 
 /// What one member sends to another.
 #[derive(Clone, Debug, PartialEq)]
@@ -141,16 +145,6 @@ pub enum Outcome {
     },
 }
 
-impl Outcome {
-    /// [`Machine::take_mean`] of this outcome.
-    pub(super) fn take_mean(&mut self) -> Vec<f32> {
-        match self {
-            Outcome::Done { mean, .. } => std::mem::take(mean),
-            _ => Vec::new(),
-        }
-    }
-}
-
 /// The outcome of a reduced buffer (the sums, then the microbatch count):
 /// each sum over the count (zeros for a count of zero), and the count.
 pub(super) fn done_with(reduced: &[f32]) -> Outcome {
@@ -182,29 +176,6 @@ pub(super) fn done_in_place(mut reduced: Vec<f32>) -> Outcome {
         mean: reduced,
         microbatches: count as u64,
     }
-}
-
-/// My index among `members`, if an operation's setup is good: no member
-/// twice, me among them, a microbatch count that f32 holds exactly. Every
-/// machine checks its setup with it, before it allocates anything.
-pub(super) fn member_index(
-    me: MemberId,
-    members: &[MemberId],
-    microbatches: u64,
-) -> Result<usize, SetupError> {
-    let mut sorted = members.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(SetupError::DuplicateMember(w[0]));
-    }
-    let me = members
-        .iter()
-        .position(|&m| m == me)
-        .ok_or(SetupError::NotAMember)?;
-    if microbatches > 1 << 24 {
-        return Err(SetupError::TooManyMicrobatches(microbatches));
-    }
-    Ok(me)
 }
 
 /// Errors of setting an operation up.
@@ -242,10 +213,6 @@ pub trait Machine: Send {
     fn on_peer_lost(&mut self, member: MemberId);
     fn take_outbox(&mut self) -> Vec<(MemberId, Message)>;
     fn outcome(&self) -> &Outcome;
-    /// A Done outcome's mean, moved out (the outcome keeps an empty one,
-    /// still Done); empty for any other outcome. The caller takes the
-    /// result without a copy of the whole buffer.
-    fn take_mean(&mut self) -> Vec<f32>;
     /// Whether the driver must keep it after its end: it may still serve a
     /// peer (the ring's [`RingAllReduce::serving`]) or has messages to send
     /// (the butterfly's reduced part, made by the call that ended it).
@@ -267,9 +234,6 @@ impl Machine for RingAllReduce {
     }
     fn outcome(&self) -> &Outcome {
         RingAllReduce::outcome(self)
-    }
-    fn take_mean(&mut self) -> Vec<f32> {
-        self.outcome.take_mean()
     }
     fn keep(&self) -> bool {
         self.serving()
@@ -324,8 +288,19 @@ impl RingAllReduce {
         sum: &[f32],
         microbatches: u64,
     ) -> Result<RingAllReduce, SetupError> {
-        let me = member_index(me, ring, microbatches)?;
+        let mut sorted = ring.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SetupError::DuplicateMember(w[0]));
+        }
         let ring = ring.to_vec();
+        let me = ring
+            .iter()
+            .position(|&m| m == me)
+            .ok_or(SetupError::NotAMember)?;
+        if microbatches > 1 << 24 {
+            return Err(SetupError::TooManyMicrobatches(microbatches));
+        }
         let mut buf = Vec::with_capacity(sum.len() + 1);
         buf.extend_from_slice(sum);
         buf.push(microbatches as f32);
@@ -446,7 +421,7 @@ impl RingAllReduce {
         if s >= self.steps() || s > self.next_recv || self.is_bypassed(self.orig_right()) {
             return false;
         }
-        let data = ChunkData::from(self.buf[self.chunk_range(self.send_chunk(s))].to_vec());
+        let data = Arc::new(self.buf[self.chunk_range(self.send_chunk(s))].to_vec());
         let msg = Message::Chunk {
             op: self.op,
             step: s,
@@ -468,7 +443,7 @@ impl RingAllReduce {
         if t >= self.steps() || t - 1 > self.next_recv {
             return false;
         }
-        let data = ChunkData::from(self.buf[self.chunk_range(self.send_chunk(t - 1))].to_vec());
+        let data = Arc::new(self.buf[self.chunk_range(self.send_chunk(t - 1))].to_vec());
         let msg = Message::Chunk {
             op: self.op,
             step: t,

@@ -17,9 +17,9 @@
 //! trainer's gradient into the frame) and read out of the received slot
 //! without another.
 use super::allreduce::{Machine, Message, Outcome};
-pub use super::chunk_data::ChunkBuffers;
 use crate::engine::{EngineError, Frame, Transport, TransportEvent};
 use crate::wire::Dtype;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `iteration` of an abort frame.
@@ -65,7 +65,7 @@ pub fn frame_of(
 ) -> Result<Frame, EngineError> {
     let mut f = match msg {
         Message::Chunk { op, step, data } => {
-            let mut f = node.alloc(std::mem::size_of_val::<[f32]>(data), timeout)?;
+            let mut f = node.alloc(std::mem::size_of_val(data.as_slice()), timeout)?;
             f32s_to_le_bytes(data, f.payload_mut());
             f.header.microbatch = *op;
             f.header.iteration = *step as u64;
@@ -101,55 +101,30 @@ pub fn frame_of(
     Ok(f)
 }
 
-/// The message a received frame carries, if it is one of this stage's
-/// (a chunk's elements copied out of the frame).
+/// The message a received frame carries, if it is one of this stage's.
 pub fn message_of(stage: u32, f: &Frame) -> Option<Result<Message, String>> {
-    Some(match decode(stage, f)? {
-        Ok(Decoded::Marker(msg)) => Ok(msg),
-        Ok(Decoded::Chunk { op, step }) => Ok(Message::Chunk {
-            op,
-            step,
-            data: ChunkBuffers::default().fill(f.payload()),
-        }),
-        Err(e) => Err(e),
-    })
+    message_with(stage, f, &mut ChunkBuffers::default())
 }
 
-/// [`message_of`], the frame given: a chunk reads it in place if `bufs`
-/// may hold it ([`ChunkBuffers::take`]), else copies it into one of their
-/// buffers (no fresh allocation to fault in page by page).
-pub fn message_with(stage: u32, f: Frame, bufs: &ChunkBuffers) -> Option<Result<Message, String>> {
-    Some(match decode(stage, &f)? {
-        Ok(Decoded::Marker(msg)) => Ok(msg),
-        Ok(Decoded::Chunk { op, step }) => Ok(Message::Chunk {
-            op,
-            step,
-            data: bufs.take(f),
-        }),
-        Err(e) => Err(e),
-    })
-}
-
-/// What a frame of this stage is, its chunk's elements not read yet.
-enum Decoded {
-    Marker(Message),
-    Chunk { op: u64, step: u32 },
-}
-
-fn decode(stage: u32, f: &Frame) -> Option<Result<Decoded, String>> {
+/// [`message_of`], its chunk's elements written into a buffer of `bufs`
+/// when one is free (no fresh allocation to fault in page by page).
+pub fn message_with(
+    stage: u32,
+    f: &Frame,
+    bufs: &mut ChunkBuffers,
+) -> Option<Result<Message, String>> {
     let h = &f.header;
     if h.stage != stage {
         return None;
     }
     let (op, p) = (h.microbatch, f.payload());
-    let marker = match h.iteration {
+    Some(match h.iteration {
         ABORT_STEP => abort_of(op, p),
         RESUME_STEP => resume_of(op, p),
         COMPLETE_STEP if p.is_empty() => Ok(Message::Complete { op }),
         COMPLETE_STEP => Err(format!("complete frame of {} bytes", p.len())),
-        _ => return Some(chunk_of(f)),
-    };
-    Some(marker.map(Decoded::Marker))
+        _ => chunk_of(f, bufs),
+    })
 }
 
 fn abort_of(op: u64, p: &[u8]) -> Result<Message, String> {
@@ -175,7 +150,7 @@ fn resume_of(op: u64, p: &[u8]) -> Result<Message, String> {
 }
 
 /// A chunk: f32 elements at a step below 2^32 (the markers are above).
-fn chunk_of(f: &Frame) -> Result<Decoded, String> {
+fn chunk_of(f: &Frame, bufs: &mut ChunkBuffers) -> Result<Message, String> {
     let h = &f.header;
     if h.dtype != Dtype::F32 as u16 || h.iteration > u32::MAX as u64 || f.payload().len() % 4 != 0 {
         return Err(format!(
@@ -185,9 +160,10 @@ fn chunk_of(f: &Frame) -> Result<Decoded, String> {
             f.payload().len()
         ));
     }
-    Ok(Decoded::Chunk {
+    Ok(Message::Chunk {
         op: h.microbatch,
         step: h.iteration as u32,
+        data: Arc::new(bufs.fill(f.payload())),
     })
 }
 
@@ -210,6 +186,64 @@ fn f32s_to_le_bytes(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// Chunk buffers of one operation kept for reuse: a sent chunk's buffer
+/// (once the frame holds its bytes) takes the next received chunk. A
+/// buffer of tens of megabytes freshly allocated costs more in page faults
+/// than its copy; reused, it costs the copy only. Kept only while the
+/// operation runs (its owner drops them with it), at most [`Self::KEPT`].
+#[derive(Debug, Default)]
+pub struct ChunkBuffers {
+    free: Vec<Vec<f32>>,
+}
+
+impl ChunkBuffers {
+    /// Buffers kept at most: an operation's messages in flight at once.
+    pub const KEPT: usize = 4;
+
+    /// Keeps the buffer of a message just framed, if nothing else holds
+    /// it (a butterfly's reduced part goes to every member: its last
+    /// message frees it).
+    pub fn recycle(&mut self, msg: Message) {
+        if let Message::Chunk { data, .. } = msg {
+            if let Ok(v) = Arc::try_unwrap(data) {
+                if self.free.len() < Self::KEPT && v.capacity() > 0 {
+                    self.free.push(v);
+                }
+            }
+        }
+    }
+
+    /// The little-endian f32s of `src` (a trailing partial element is
+    /// ignored; callers check the length), in a kept buffer large enough
+    /// if there is one: one copy on a little-endian machine.
+    pub fn fill(&mut self, src: &[u8]) -> Vec<f32> {
+        let n = src.len() / 4;
+        let fit = (self.free.iter()).position(|v| v.capacity() >= n);
+        let mut out = match fit {
+            Some(i) => self.free.swap_remove(i),
+            None => Vec::with_capacity(n),
+        };
+        out.clear();
+        #[cfg(target_endian = "little")]
+        {
+            // SAFETY: `out` has room for `n` elements; exactly `4 n` bytes
+            // are copied into it, from a slice that cannot overlap it (we
+            // own `out`), and every bit pattern is a valid f32, so the
+            // first `n` elements are initialized before `set_len`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * 4);
+                out.set_len(n);
+            }
+        }
+        #[cfg(not(target_endian = "little"))]
+        out.extend(
+            src.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+        );
+        out
+    }
+}
+
 /// Runs `op` (a ring's or a butterfly's side) to its end over `node`: sends
 /// what the machine asks, feeds it the frames of `stage` and the engine's
 /// lost-peer events, until it is no longer running nor kept
@@ -221,29 +255,15 @@ fn f32s_to_le_bytes(src: &[f32], dst: &mut [u8]) {
 pub fn run<M: Machine>(
     node: &Transport,
     stage: u32,
-    op: M,
-    deadline: Instant,
-) -> Result<Outcome, NetError> {
-    run_with(node, stage, op, deadline, &ChunkBuffers::default())
-}
-
-/// [`run`], the chunks received written into `bufs`' buffers: a caller
-/// that runs one operation after another passes the same list, and the
-/// buffers of one operation's chunks take the next one's.
-pub fn run_with<M: Machine>(
-    node: &Transport,
-    stage: u32,
     mut op: M,
     deadline: Instant,
-    bufs: &ChunkBuffers,
 ) -> Result<Outcome, NetError> {
     let send_timeout = Duration::from_secs(5);
+    let mut bufs = ChunkBuffers::default();
     loop {
         for (to, msg) in op.take_outbox() {
             let f = frame_of(node, stage, &msg, send_timeout)?;
-            // Framed: a view of the member's buffer goes now, so that the
-            // machine writes the buffer in place.
-            drop(msg);
+            bufs.recycle(msg);
             if let Err(e) = node.send(to, f, send_timeout) {
                 // A peer that cannot be reached is a lost peer.
                 match e {
@@ -254,7 +274,7 @@ pub fn run_with<M: Machine>(
         }
         if op.outcome() != &Outcome::Running && !op.keep() {
             // Aborts still queued above were sent before we return.
-            return Ok(outcome_of(&mut op));
+            return Ok(op.outcome().clone());
         }
         let mut lost = Vec::new();
         while let Some(ev) = node.poll_event(Duration::ZERO) {
@@ -266,7 +286,7 @@ pub fn run_with<M: Machine>(
             // The engine queues a peer's last frames before its loss: they
             // count first (its reduced chunk may be among them).
             while let Ok(f) = node.recv(Duration::ZERO) {
-                feed(stage, &mut op, f, bufs);
+                feed(stage, &mut op, &f, &mut bufs);
             }
             for peer in lost {
                 op.on_peer_lost(peer);
@@ -277,34 +297,23 @@ pub fn run_with<M: Machine>(
         }
         let now = Instant::now();
         if now >= deadline && op.keep() {
-            return Ok(outcome_of(&mut op));
+            return Ok(op.outcome().clone());
         }
         if now >= deadline {
             return Err(NetError::Timeout);
         }
         let wait = (deadline - now).min(Duration::from_millis(20));
         match node.recv(wait) {
-            Ok(f) => feed(stage, &mut op, f, bufs),
+            Ok(f) => feed(stage, &mut op, &f, &mut bufs),
             Err(EngineError::Timeout(_)) => {}
             Err(e) => return Err(e.into()),
         }
     }
 }
 
-/// `op`'s outcome, its mean moved out rather than copied.
-fn outcome_of<M: Machine>(op: &mut M) -> Outcome {
-    match op.outcome() {
-        &Outcome::Done { microbatches, .. } => Outcome::Done {
-            mean: op.take_mean(),
-            microbatches,
-        },
-        other => other.clone(),
-    }
-}
-
 /// Gives `op` the message frame `f` carries (a malformed one is its
 /// sender's loss).
-fn feed<M: Machine>(stage: u32, op: &mut M, f: Frame, bufs: &ChunkBuffers) {
+fn feed<M: Machine>(stage: u32, op: &mut M, f: &Frame, bufs: &mut ChunkBuffers) {
     let from = f.peer();
     match message_with(stage, f, bufs) {
         Some(Ok(msg)) => op.on_message(from, msg),
@@ -317,6 +326,7 @@ fn feed<M: Machine>(stage: u32, op: &mut M, f: Frame, bufs: &ChunkBuffers) {
 pub(super) mod tests {
     use super::*;
     use crate::engine::NodeOptions;
+    use crate::swarm::allreduce::ChunkData;
 
     /// A node without a listener: only its pool is used, to build frames.
     pub(in crate::swarm) fn node() -> Transport {
@@ -360,65 +370,59 @@ pub(super) mod tests {
         assert!(message_of(8, &f).is_none(), "another stage's");
     }
 
-    fn chunk_frame(node: &Transport, data: Vec<f32>) -> Frame {
-        let msg = Message::Chunk {
+    /// A sent chunk's buffer, once nothing else holds it, takes the next
+    /// received chunk (the same allocation, the received values); a buffer
+    /// still shared, or one too small, is not taken.
+    #[test]
+    fn a_sent_chunks_buffer_takes_the_next_received_one() {
+        let node = node();
+        let mut bufs = ChunkBuffers::default();
+        let sent: ChunkData = Arc::new(vec![7.0; 64]);
+        let shared = Message::Chunk {
             op: 1,
             step: 0,
-            data: data.into(),
+            data: sent.clone(),
         };
-        frame_of(node, 7, &msg, Duration::ZERO).unwrap()
-    }
-
-    fn data_of(msg: Option<Result<Message, String>>) -> crate::swarm::allreduce::ChunkData {
-        let Some(Ok(Message::Chunk { data, .. })) = msg else {
+        bufs.recycle(shared);
+        assert!(bufs.free.is_empty(), "taken while another message holds it");
+        let ptr = sent.as_ptr();
+        bufs.recycle(Message::Chunk {
+            op: 1,
+            step: 0,
+            data: sent,
+        });
+        assert_eq!(bufs.free.len(), 1);
+        let big = Message::Chunk {
+            op: 1,
+            step: 1,
+            data: vec![0.5; 65].into(),
+        };
+        let f = frame_of(&node, 7, &big, Duration::ZERO).unwrap();
+        let Some(Ok(Message::Chunk { data, .. })) = message_with(7, &f, &mut bufs) else {
             panic!("a chunk");
         };
-        data
-    }
-
-    /// A chunk reads its frame in place while the frames chunks hold stay
-    /// within the budget, and lets the pool slot go when it is dropped;
-    /// beyond the budget, or without one, it is a copy and the frame goes
-    /// at once.
-    #[test]
-    fn chunks_read_frames_in_place_within_their_budget() {
-        let node = node();
-        let slot = chunk_frame(&node, vec![0.0; 4]).slot_len();
-        let bufs = ChunkBuffers::holding_frames(slot);
-        let f = chunk_frame(&node, vec![1.5, -2.0, 0.25, 8.0]);
-        let payload = f.payload().as_ptr();
-        let held = data_of(message_with(7, f, &bufs));
-        assert_eq!(&*held, &[1.5, -2.0, 0.25, 8.0]);
-        assert_eq!(held.as_ptr().cast::<u8>(), payload, "read in place");
-        assert_eq!(bufs.frames_held(), slot);
-        let in_use = node.stats().pool.in_use_bytes;
-
-        let f = chunk_frame(&node, vec![3.0; 4]);
-        let payload = f.payload().as_ptr();
-        let copied = data_of(message_with(7, f, &bufs));
-        assert_eq!(&*copied, &[3.0; 4]);
-        assert_ne!(
-            copied.as_ptr().cast::<u8>(),
-            payload,
-            "over the budget: a copy"
-        );
-        assert_eq!(bufs.frames_held(), slot);
-        assert_eq!(node.stats().pool.in_use_bytes, in_use, "its frame let go");
-
-        drop(held);
-        assert_eq!(bufs.frames_held(), 0);
-        assert_eq!(
-            node.stats().pool.in_use_bytes,
-            in_use - slot as u64,
-            "the slot back"
-        );
-
-        let none = ChunkBuffers::default();
-        let f = chunk_frame(&node, vec![1.0; 4]);
-        let payload = f.payload().as_ptr();
-        let copied = data_of(message_with(7, f, &none));
-        assert_ne!(copied.as_ptr().cast::<u8>(), payload, "no budget: a copy");
-        assert_eq!(none.frames_held(), 0);
+        assert_eq!(*data, vec![0.5; 65]);
+        assert_eq!(bufs.free.len(), 1, "too small for 65 elements");
+        let small = Message::Chunk {
+            op: 1,
+            step: 1,
+            data: vec![-1.25, 3.0].into(),
+        };
+        let f = frame_of(&node, 7, &small, Duration::ZERO).unwrap();
+        let Some(Ok(Message::Chunk { data, .. })) = message_with(7, &f, &mut bufs) else {
+            panic!("a chunk");
+        };
+        assert_eq!(*data, vec![-1.25, 3.0]);
+        assert_eq!(data.as_ptr(), ptr, "the kept buffer");
+        assert!(bufs.free.is_empty());
+        for _ in 0..ChunkBuffers::KEPT + 2 {
+            bufs.recycle(Message::Chunk {
+                op: 1,
+                step: 0,
+                data: vec![1.0].into(),
+            });
+        }
+        assert_eq!(bufs.free.len(), ChunkBuffers::KEPT, "kept at most");
     }
 
     #[test]

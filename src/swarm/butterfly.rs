@@ -76,24 +76,9 @@
 //! again among the survivors. The whole operation takes two message rounds,
 //! so a redo is short.
 use super::allreduce::{
-    done_in_place, done_with, member_index, ChunkData, Machine, MemberId, Message, Outcome,
-    SetupError,
+    done_in_place, done_with, ChunkData, Machine, MemberId, Message, Outcome, SetupError,
 };
-use super::chunk_data::SharedBuf;
-
-/// `sum` in a buffer with room for the microbatch count after it, once
-/// the operation's setup is known to be good (nothing allocated before).
-fn copied(
-    me: MemberId,
-    members: &[MemberId],
-    sum: &[f32],
-    microbatches: u64,
-) -> Result<Vec<f32>, SetupError> {
-    member_index(me, members, microbatches)?;
-    let mut v = Vec::with_capacity(sum.len() + 1);
-    v.extend_from_slice(sum);
-    Ok(v)
-}
+use std::sync::Arc;
 
 /// One member's side of one butterfly all-reduce.
 #[derive(Debug)]
@@ -107,19 +92,14 @@ pub struct ButterflyAllReduce {
     /// By member index: whether its slice of my part came (mine included).
     got: Vec<bool>,
     /// By member index: its slice of my part, until I reduce it (then
-    /// dropped); mine is read from `buf`.
+    /// dropped).
     slices: Vec<ChunkData>,
-    /// By part: whether its reduced part is here (in `buf`, mine in
-    /// `mine` until the end).
+    /// By part: whether its reduced part is in `result` (mine once reduced).
     gathered: Vec<bool>,
-    /// My reduced part, until it is written into `buf` at the end.
-    mine: Option<ChunkData>,
-    /// My contribution (the sums, then my microbatch count), whose parts
-    /// travel as views at step 0; the reduced parts are gathered into it
-    /// in place, so at the end it is the total (the last element the total
-    /// microbatch count).
-    buf: SharedBuf,
-    /// Whether the total stays after the end ([`Self::new_keeping_sums`]);
+    /// The reduced parts gathered so far, in place; the last element is the
+    /// total microbatch count once its part is here.
+    result: Vec<f32>,
+    /// Whether `result` stays after the end ([`Self::new_keeping_sums`]);
     /// otherwise it becomes the mean.
     keep_sums: bool,
     /// By member index: taken for lost (reported, or an offender). Nothing
@@ -135,34 +115,12 @@ impl ButterflyAllReduce {
     /// member must be given the same order: it decides who owns which part
     /// and the order of the sums), contributing `sum` (the sum of its
     /// microbatches' gradients) and `microbatches`. The step-0 slices for
-    /// every other member are in the outbox at once. `sum` is copied once;
-    /// [`Self::from_vec`] takes it without a copy.
+    /// every other member are in the outbox at once.
     pub fn new(
         op: u64,
         me: MemberId,
         members: &[MemberId],
         sum: &[f32],
-        microbatches: u64,
-    ) -> Result<ButterflyAllReduce, SetupError> {
-        Self::with(
-            op,
-            me,
-            members,
-            copied(me, members, sum, microbatches)?,
-            microbatches,
-            false,
-        )
-    }
-
-    /// As [`Self::new`], with the caller's buffer: its parts are sent as
-    /// views of it and the mean is made in it, as gloo reduces in place.
-    /// Give it room for one element more than the sums (the microbatch
-    /// count travels there), or pushing the count copies it once.
-    pub fn from_vec(
-        op: u64,
-        me: MemberId,
-        members: &[MemberId],
-        sum: Vec<f32>,
         microbatches: u64,
     ) -> Result<ButterflyAllReduce, SetupError> {
         Self::with(op, me, members, sum, microbatches, false)
@@ -179,28 +137,31 @@ impl ButterflyAllReduce {
         sum: &[f32],
         microbatches: u64,
     ) -> Result<ButterflyAllReduce, SetupError> {
-        Self::with(
-            op,
-            me,
-            members,
-            copied(me, members, sum, microbatches)?,
-            microbatches,
-            true,
-        )
+        Self::with(op, me, members, sum, microbatches, true)
     }
 
     fn with(
         op: u64,
         me: MemberId,
         members: &[MemberId],
-        mut sum: Vec<f32>,
+        sum: &[f32],
         microbatches: u64,
         keep_sums: bool,
     ) -> Result<ButterflyAllReduce, SetupError> {
-        let me = member_index(me, members, microbatches)?;
+        let mut sorted = members.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SetupError::DuplicateMember(w[0]));
+        }
+        let me = members
+            .iter()
+            .position(|&m| m == me)
+            .ok_or(SetupError::NotAMember)?;
+        if microbatches > 1 << 24 {
+            return Err(SetupError::TooManyMicrobatches(microbatches));
+        }
         let n = members.len();
-        sum.push(microbatches as f32);
-        let len = sum.len();
+        let len = sum.len() + 1;
         let mut b = ButterflyAllReduce {
             op,
             members: members.to_vec(),
@@ -209,19 +170,28 @@ impl ButterflyAllReduce {
             got: vec![false; n],
             slices: vec![ChunkData::default(); n],
             gathered: vec![false; n],
-            mine: None,
-            buf: SharedBuf::new(sum),
+            result: vec![0.0; len],
             keep_sums,
             lost: vec![false; n],
             outcome: Outcome::Running,
             outbox: Vec::new(),
         };
-        b.got[me] = true;
-        for j in (0..n).filter(|&j| j != me) {
-            // Part j of the buffer (the sums then the count), as a view.
-            let data = b.buf.slice(b.part(j));
-            let msg = Message::Chunk { op, step: 0, data };
-            b.outbox.push((b.members[j], msg));
+        for j in 0..n {
+            // Part j of the buffer `sum` then the count, copied once.
+            let part = b.part(j);
+            let mut data = Vec::with_capacity(part.len());
+            data.extend_from_slice(&sum[part.start.min(sum.len())..part.end.min(sum.len())]);
+            if part.end == len && part.start < len {
+                data.push(microbatches as f32);
+            }
+            let data = Arc::new(data);
+            if j == me {
+                b.got[me] = true;
+                b.slices[me] = data;
+            } else {
+                let msg = Message::Chunk { op, step: 0, data };
+                b.outbox.push((b.members[j], msg));
+            }
         }
         b.try_reduce();
         Ok(b)
@@ -254,32 +224,14 @@ impl ButterflyAllReduce {
         if self.gathered[self.me] || !self.got.iter().all(|&g| g) {
             return;
         }
-        let range = self.part(self.me);
-        let mut slices = std::mem::take(&mut self.slices).into_iter().enumerate();
-        // The first slice is the sum's start: a received one whose buffer
-        // nothing else shares is summed into, with no copy.
-        let mut sum = match slices.next() {
-            Some((0, _)) if self.me == 0 => self.buf[range.clone()].to_vec(),
-            Some((_, first)) => first
-                .into_unique_vec()
-                .unwrap_or_else(|shared| shared.to_vec()),
-            None => Vec::new(),
-        };
-        for (k, s) in slices {
-            let s: &[f32] = if k == self.me {
-                &self.buf[range.clone()]
-            } else {
-                &s
-            };
-            for (d, x) in sum.iter_mut().zip(s) {
+        let mut slices = std::mem::take(&mut self.slices).into_iter();
+        let mut sum = Arc::unwrap_or_clone(slices.next().unwrap_or_default());
+        for s in slices {
+            for (d, x) in sum.iter_mut().zip(s.iter()) {
                 *d += *x;
             }
         }
-        // Written into `buf` at the end: its step-0 views may not all be
-        // framed yet (a member whose slices all came early reduces as it
-        // starts), and a buffer still viewed is copied before a write.
-        let sum = ChunkData::from(sum);
-        self.mine = Some(sum.clone());
+        let sum = Arc::new(sum);
         for (k, &m) in self.members.iter().enumerate() {
             if k != self.me && !self.lost[k] {
                 let msg = Message::Chunk {
@@ -290,6 +242,8 @@ impl ButterflyAllReduce {
                 self.outbox.push((m, msg));
             }
         }
+        let range = self.part(self.me);
+        self.result[range].copy_from_slice(&sum);
         self.gathered[self.me] = true;
         self.try_finish();
     }
@@ -300,14 +254,10 @@ impl ButterflyAllReduce {
         if self.outcome != Outcome::Running || !self.gathered.iter().all(|&g| g) {
             return;
         }
-        if let Some(mine) = self.mine.take() {
-            let range = self.part(self.me);
-            self.buf.make_mut()[range].copy_from_slice(&mine);
-        }
         self.outcome = if self.keep_sums {
-            done_with(&self.buf)
+            done_with(&self.result)
         } else {
-            done_in_place(std::mem::take(&mut self.buf).into_vec())
+            done_in_place(std::mem::take(&mut self.result))
         };
     }
 
@@ -402,7 +352,7 @@ impl ButterflyAllReduce {
         } else if self.gathered[k] {
             self.fail(a, format!("two chunks of step {step} from {from:x}"));
         } else {
-            self.buf.make_mut()[range].copy_from_slice(&data);
+            self.result[range].copy_from_slice(&data);
             self.gathered[k] = true;
             self.try_finish();
         }
@@ -485,7 +435,7 @@ impl ButterflyAllReduce {
     /// if made by [`Self::new_keeping_sums`]: what [`Outcome::Done`]
     /// divides, for a caller that goes on summing (`super::hierarchy`).
     pub fn reduced(&self) -> Option<&[f32]> {
-        (self.keep_sums && matches!(self.outcome, Outcome::Done { .. })).then_some(&self.buf[..])
+        (self.keep_sums && matches!(self.outcome, Outcome::Done { .. })).then_some(&self.result[..])
     }
 
     /// The members in the order given (part `k` is `members()[k]`'s).
@@ -509,9 +459,6 @@ impl Machine for ButterflyAllReduce {
     }
     fn outcome(&self) -> &Outcome {
         ButterflyAllReduce::outcome(self)
-    }
-    fn take_mean(&mut self) -> Vec<f32> {
-        self.outcome.take_mean()
     }
     fn keep(&self) -> bool {
         self.has_outbox()

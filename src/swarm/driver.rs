@@ -948,7 +948,7 @@ impl NodeLoop {
                 if let Output::Gradient { sum, weights } = out {
                     self.node.set_weights_digest(digest_u64(&weights));
                     let (me, stage) = (self.me.id, self.me.stage as u32);
-                    let outcome = self.agg.start(stage, me, task, plan, sum);
+                    let outcome = self.agg.start(stage, me, task, plan, &sum);
                     if let Err(e) = outcome {
                         self.error(format!("cannot start the all-reduce: {e}"));
                         self.input(Input::TaskFailed { id: task });

@@ -63,11 +63,10 @@
 //! As with the butterfly, Done means the result is ready, not that it may
 //! be applied: the stage coordinator decides, and otherwise commits again
 //! among the survivors.
-use super::allreduce::{
-    done_with, member_index, ChunkData, Machine, MemberId, Message, Outcome, SetupError,
-};
+use super::allreduce::{done_with, ChunkData, Machine, MemberId, Message, Outcome, SetupError};
 use super::butterfly::ButterflyAllReduce;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// The first wire step of a column's butterfly (a group's butterfly uses
 /// steps `0..=group_max`).
@@ -133,7 +132,15 @@ impl HierarchicalAllReduce {
         microbatches: u64,
         group_max: usize,
     ) -> Result<HierarchicalAllReduce, SetupError> {
-        let me_idx = member_index(me, members, microbatches)?;
+        let mut sorted = members.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SetupError::DuplicateMember(w[0]));
+        }
+        let me_idx = members
+            .iter()
+            .position(|&m| m == me)
+            .ok_or(SetupError::NotAMember)?;
         let groups = groups(members.len(), group_max.clamp(1, GROUP_MAX_LIMIT));
         let group = groups.partition_point(|r| r.end <= me_idx);
         let pos = me_idx - groups[group].start;
@@ -275,7 +282,7 @@ impl HierarchicalAllReduce {
         }
         if let (false, Some(total)) = (self.gathered[self.pos], total) {
             let range = self.part(self.pos);
-            let data = ChunkData::from(total[..range.len()].to_vec());
+            let data = Arc::new(total[..range.len()].to_vec());
             self.result[range].copy_from_slice(&data);
             self.gathered[self.pos] = true;
             let step = PART_STEP + self.pos as u32;
@@ -520,9 +527,6 @@ impl Machine for HierarchicalAllReduce {
     }
     fn outcome(&self) -> &Outcome {
         HierarchicalAllReduce::outcome(self)
-    }
-    fn take_mean(&mut self) -> Vec<f32> {
-        self.outcome.take_mean()
     }
     fn keep(&self) -> bool {
         !self.outbox.is_empty()

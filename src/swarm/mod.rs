@@ -19,7 +19,6 @@ pub mod audit;
 pub mod background;
 pub mod bulk;
 pub mod butterfly;
-pub mod chunk_data;
 pub(crate) mod copies;
 pub mod directory;
 mod driver;

@@ -17,7 +17,7 @@ use gwtf::engine::{NodeOptions, Transport};
 use gwtf::protocol::rng::Rng;
 use gwtf::protocol::BUTTERFLY_MAX_MEMBERS;
 use gwtf::swarm::allreduce::{Machine, Outcome};
-use gwtf::swarm::allreduce_net::{self, ChunkBuffers};
+use gwtf::swarm::allreduce_net;
 use gwtf::swarm::butterfly::ButterflyAllReduce;
 use gwtf::swarm::hierarchy::HierarchicalAllReduce;
 use std::path::{Path, PathBuf};
@@ -118,13 +118,11 @@ pub fn run(a: BenchAllReduceArgs) -> super::CliResult {
     Ok(())
 }
 
-/// Memory one member needs, about: its input, the buffer it reduces in,
-/// the chunks it receives, and the pages of its frame pool it touches
-/// (the pool is mapped lazily; at most every part out and in at once, in
-/// slots up to twice their size).
+/// Memory one member needs, about: its buffer, the machine's copies, and
+/// its frame pool.
 fn member_bytes(elements: usize, n: usize) -> u64 {
     let buf = 4 * elements as u64;
-    3 * buf + (pool_bytes(elements, n) as u64).min(4 * buf)
+    3 * buf + pool_bytes(elements, n) as u64
 }
 
 /// The largest frame: a butterfly's part, or a hierarchy's part of the
@@ -309,19 +307,7 @@ fn member(spec: &str) -> super::CliResult {
         .collect();
     let mut times = Vec::new();
     let mut digest = 0u64;
-    // Received chunks' buffers, kept from one repetition to the next, as a
-    // node keeps them from one iteration's all-reduce to the next.
-    // Chunks may read their frames in place while they hold at most a
-    // quarter of the pool, as a node's aggregation lets them.
-    let bufs = ChunkBuffers::holding_frames(pool_bytes(elements, n) / 4);
-    // The buffer the butterfly reduces in, as gloo's is the tensor it is
-    // given: a copy of the input made before the barrier (gloo's bench
-    // clones its input there too), with room for the microbatch count.
-    let mut spare: Vec<f32> = Vec::with_capacity(elements + 1);
     for rep in 0..=reps {
-        let mut input = std::mem::take(&mut spare);
-        input.clear();
-        input.extend_from_slice(&sum);
         publish(&dir.join(format!("{i}.ready{rep}")), "")?;
         for j in 0..n {
             wait_for(&dir.join(format!("{j}.ready{rep}")))?;
@@ -330,11 +316,11 @@ fn member(spec: &str) -> super::CliResult {
         let op = 1 + rep as u64;
         let deadline = Instant::now() + PATIENCE;
         let out = if n <= BUTTERFLY_MAX_MEMBERS {
-            let m = ButterflyAllReduce::from_vec(op, me, &ids, input, 1)?;
-            finish(&node, m, deadline, &bufs)?
+            let m = ButterflyAllReduce::new(op, me, &ids, &sum, 1)?;
+            finish(&node, m, deadline)?
         } else {
-            let m = HierarchicalAllReduce::new(op, me, &ids, &input, 1, BUTTERFLY_MAX_MEMBERS)?;
-            finish(&node, m, deadline, &bufs)?
+            let m = HierarchicalAllReduce::new(op, me, &ids, &sum, 1, BUTTERFLY_MAX_MEMBERS)?;
+            finish(&node, m, deadline)?
         };
         let secs = t0.elapsed().as_secs_f64();
         let Outcome::Done { mean, .. } = out else {
@@ -346,7 +332,6 @@ fn member(spec: &str) -> super::CliResult {
         if rep > 0 {
             times.push(secs);
         }
-        spare = mean;
     }
     let times: Vec<String> = times.iter().map(|t| format!("{t:.6}")).collect();
     publish(
@@ -362,11 +347,6 @@ fn member(spec: &str) -> super::CliResult {
     Ok(())
 }
 
-fn finish<M: Machine>(
-    node: &Transport,
-    m: M,
-    deadline: Instant,
-    bufs: &ChunkBuffers,
-) -> Result<Outcome, String> {
-    allreduce_net::run_with(node, 0, m, deadline, bufs).map_err(|e| e.to_string())
+fn finish<M: Machine>(node: &Transport, m: M, deadline: Instant) -> Result<Outcome, String> {
+    allreduce_net::run(node, 0, m, deadline).map_err(|e| e.to_string())
 }
